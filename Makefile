@@ -1,0 +1,36 @@
+# Two commands do everything on a fresh machine: `make run` and `make test` (README, Quick start).
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+RUN_DIR ?= runs/local
+export AIRFLOW__CORE__LOAD_EXAMPLES ?= False
+export PIP_DISABLE_PIP_VERSION_CHECK = 1
+
+.PHONY: install run test bench bench-quick lint clean
+
+# The virtual environment, rebuilt when the dependency pins change.
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -c constraints.txt -e ".[fbgemm-cpu,airflow,torchrec,dev]"
+	$(BIN)/pip check
+	# torchrec without its metadata dependencies (they would pull the CUDA fbgemm-gpu); ours are in [torchrec].
+	$(BIN)/pip install -q --no-deps -c constraints.txt torchrec==1.8.0
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+run: install
+	$(BIN)/embshard pipeline --out $(RUN_DIR)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python -m benchmarks
+
+bench-quick: install
+	$(BIN)/python -m benchmarks --quick
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

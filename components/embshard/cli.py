@@ -1,0 +1,69 @@
+"""`embshard <command>`: one entry point for people and pods.
+
+Each command lives in its stage's `cli` module, which defines `configure(parser)` and `main(args) -> int`
+and keeps heavy imports (torch, mlflow) inside `main` so that `embshard --help` stays fast.
+Bad input raises EmbshardError: printed as one line on stderr, exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from .errors import EmbshardError
+
+# command -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "ingest": ("embshard.ingest.cli", "read tables (DLRM traces, spec files, synthetic) into tables.parquet"),
+    "tasks": ("embshard.tasks", "sample train/test placement tasks into tasks.parquet"),
+    "bench": ("embshard.bench.cli", "measure fused device-shard costs into costs/part-*.parquet"),
+    "train-cost": ("embshard.costmodel.cli", "train the cost model and register embshard-cost"),
+    "train-policy": ("embshard.planners.train_cli", "train the placement policy and register embshard-policy"),
+    "place": ("embshard.planners.place_cli", "place tables on devices with a planner"),
+    "evaluate": ("embshard.planners.evaluate", "measure several planners' placements side by side"),
+    "export": ("embshard.export.cli", "export placements (plan.json, Parquet, TorchRec plan)"),
+    "pipeline": ("embshard.pipeline", "run the whole Airflow DAG locally"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="embshard", description="Learned embedding-table sharding.")
+    parser.add_argument("--version", action="version", version=f"embshard {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("embshard"):
+                continue  # a stage not built in this version
+            raise
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.configure(p)
+        p.set_defaults(_main=mod.main)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not getattr(args, "_main", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._main(args) or 0)
+    except EmbshardError as exc:
+        print(f"embshard {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"embshard {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

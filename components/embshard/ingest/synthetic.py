@@ -1,0 +1,96 @@
+"""A seeded generator of realistic embedding-table populations (DLRM-like).
+
+Hash sizes follow a power law from 10 to 1e8 rows (many small tables, a few huge ones), dims are mixed
+4..256, pooling factors are heavy-tailed (a third of the features are one-hot), and each table's accesses
+follow a Zipf-like law whose strength varies from uniform (alpha 0) to very skewed (alpha 1.4).
+The 17 access bins are computed from a sampled batch, exactly as for a real trace.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .. import schemas
+from ..features import access_bins
+
+MIN_ROWS, MAX_ROWS = 10, 10**8
+DIMS = np.array([4, 8, 16, 32, 64, 128, 256])
+DIM_PROBS = np.array([0.04, 0.10, 0.18, 0.26, 0.22, 0.13, 0.07])
+MAX_POOLING = 120.0
+# Batch on which the access bins are computed: the open DLRM dataset's 65,536 samples.
+BINS_BATCH_SIZE = 65_536
+
+
+def sample_population(num_tables: int, seed: int = 0) -> pd.DataFrame:
+    """Table shapes and access parameters (rows, dim, pooling_factor, zipf_alpha), no bins yet."""
+    rng = np.random.default_rng(seed)
+    # log10(rows) = 1 + 7 * u**1.6 puts most tables below 1e5 rows and a tail up to 1e8.
+    u = rng.random(num_tables)
+    rows = np.floor(10 ** (np.log10(MIN_ROWS) + (np.log10(MAX_ROWS) - np.log10(MIN_ROWS)) * u ** 1.6))
+    rows = np.clip(rows, MIN_ROWS, MAX_ROWS).astype(np.int64)
+    dims = rng.choice(DIMS, size=num_tables, p=DIM_PROBS).astype(np.int64)
+    one_hot = rng.random(num_tables) < 0.33
+    pooling = np.where(one_hot, 1.0, np.clip(rng.lognormal(mean=1.6, sigma=1.1, size=num_tables), 1.0,
+                                             MAX_POOLING))
+    # Some features are missing for part of the samples: pooling slightly below 1 is realistic.
+    pooling = np.where(one_hot & (rng.random(num_tables) < 0.3), rng.uniform(0.3, 1.0, num_tables), pooling)
+    alpha = rng.uniform(0.0, 1.4, size=num_tables)
+    return pd.DataFrame({
+        "table_id": [f"t{i:04d}" for i in range(num_tables)],
+        "rows": rows, "dim": dims, "pooling_factor": np.round(pooling, 4), "zipf_alpha": np.round(alpha, 4),
+    })
+
+
+def zipf_indices(rows: int, alpha: float, count: int, rng: np.random.Generator) -> np.ndarray:
+    """`count` indices in [0, rows) with P(rank r) ~ r**-alpha (continuous inverse-CDF approximation).
+
+    Ranks are scattered over the id space by a fixed multiplicative hash, as hashed ids would be.
+    """
+    u = rng.random(count)
+    n = float(rows)
+    if abs(alpha - 1.0) < 1e-6:
+        ranks = np.exp(u * np.log(n + 1.0))
+    else:
+        a = 1.0 - alpha
+        ranks = ((n + 1.0) ** a - 1.0) * u + 1.0
+        ranks = ranks ** (1.0 / a)
+    ranks = np.clip(np.floor(ranks).astype(np.int64) - 1, 0, rows - 1)
+    return (ranks * 2654435761) % rows
+
+
+def bag_lengths(pooling_factor: float, batch_size: int, rng: np.random.Generator) -> np.ndarray:
+    """Bag lengths with mean `pooling_factor`: Bernoulli below 1 lookup, else 1 + Poisson (heavy-ish tail)."""
+    if pooling_factor <= 1.0:
+        return (rng.random(batch_size) < pooling_factor).astype(np.int64)
+    return 1 + rng.poisson(pooling_factor - 1.0, size=batch_size).astype(np.int64)
+
+
+def sample_table_batch(rows: int, pooling_factor: float, alpha: float, batch_size: int,
+                       rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, lengths) of one table for one batch, DLRM layout."""
+    lengths = bag_lengths(pooling_factor, batch_size, rng)
+    indices = zipf_indices(rows, alpha, int(lengths.sum()), rng)
+    return indices, lengths
+
+
+def generate_tables(num_tables: int, seed: int = 0, bytes_per_element: int = 4,
+                    bins_batch_size: int = BINS_BATCH_SIZE) -> pd.DataFrame:
+    """A validated tables frame (tables contract + `zipf_alpha`) of `num_tables` synthetic tables."""
+    from ..errors import EmbshardError
+
+    if num_tables <= 0:
+        raise EmbshardError("must be > 0", field="num_tables", fix="ask for at least one table")
+    pop = sample_population(num_tables, seed)
+    rng = np.random.default_rng(seed + 1)
+    bins = np.empty((num_tables, schemas.NUM_BINS))
+    for i, t in enumerate(pop.itertuples()):
+        idx, _ = sample_table_batch(t.rows, t.pooling_factor, t.zipf_alpha, bins_batch_size, rng)
+        bins[i] = access_bins(idx)
+    df = pop.copy()
+    df["bytes_per_element"] = bytes_per_element
+    df["size_bytes"] = df["rows"] * df["dim"] * bytes_per_element
+    for k, c in enumerate(schemas.BIN_COLUMNS):
+        df[c] = bins[:, k]
+    df["source"] = f"synthetic:seed={seed}"
+    return schemas.validate(df[[c for c in df.columns if c != "zipf_alpha"] + ["zipf_alpha"]], "tables",
+                            "<synthetic>")

@@ -1,0 +1,71 @@
+"""The planner interface: tables + devices + memory per device -> Placement.
+
+Every planner treats memory per device as a hard constraint. `check_feasible` rejects tasks that no planner
+can place, and `InfeasiblePlacementError` says how much memory is missing: a table is never silently put on a
+device that cannot hold it.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from ..errors import EmbshardError, InfeasiblePlacementError
+from ..placement import Placement
+from ..tableset import TableSet
+
+GiB = 2**30
+
+
+class Planner(ABC):
+    """Subclasses set `name` and implement `_plan`; `plan` adds the checks every planner owes its users."""
+
+    name: str = "planner"
+
+    def plan(self, tables: TableSet, num_devices: int, memory_bytes_per_device: int,
+             task_id: str = "task") -> Placement:
+        if len(tables) == 0:
+            raise EmbshardError("no tables to place", path=task_id, field="table_ids",
+                                fix="give a task with at least one table")
+        if num_devices <= 0:
+            raise EmbshardError(f"{num_devices} devices", path=task_id, field="num_devices",
+                                fix="ask for at least one device")
+        check_feasible(tables, num_devices, memory_bytes_per_device, task_id)
+        placement = self._plan(tables, int(num_devices), int(memory_bytes_per_device), task_id)
+        placement.planner = placement.planner or self.name
+        placement.task_id = task_id
+        placement.check()
+        return placement
+
+    @abstractmethod
+    def _plan(self, tables: TableSet, num_devices: int, memory_bytes_per_device: int,
+              task_id: str) -> Placement:
+        ...
+
+
+def check_feasible(tables: TableSet, num_devices: int, memory_bytes_per_device: int, task_id: str = "task"):
+    """Necessary conditions: every table fits one device, and all tables fit all devices together."""
+    biggest = int(np.argmax(tables.size_bytes))
+    if tables.size_bytes[biggest] > memory_bytes_per_device:
+        raise InfeasiblePlacementError(
+            f"table {tables.table_ids[biggest]} needs {tables.size_bytes[biggest] / GiB:.3f} GiB, more than the "
+            f"{memory_bytes_per_device / GiB:.3f} GiB of one device "
+            f"({(tables.size_bytes[biggest] - memory_bytes_per_device) / GiB:.3f} GiB missing)",
+            path=task_id, field="memory_bytes_per_device",
+            fix="raise memory per device or split the table column-wise")
+    total = int(tables.size_bytes.sum())
+    capacity = num_devices * memory_bytes_per_device
+    if total > capacity:
+        raise InfeasiblePlacementError(
+            f"tables need {total / GiB:.3f} GiB, devices hold {capacity / GiB:.3f} GiB "
+            f"({(total - capacity) / GiB:.3f} GiB missing)", path=task_id, field="memory_bytes_per_device",
+            fix="add devices or raise memory per device")
+
+
+def no_room_error(tables: TableSet, table: int, free: np.ndarray, task_id: str) -> InfeasiblePlacementError:
+    """The error a greedy planner raises when table `table` fits on no device."""
+    need = int(tables.size_bytes[table])
+    return InfeasiblePlacementError(
+        f"no device has room for table {tables.table_ids[table]} ({need / GiB:.3f} GiB; the emptiest device has "
+        f"{free.max() / GiB:.3f} GiB free, {(need - free.max()) / GiB:.3f} GiB missing)",
+        path=task_id, field="memory_bytes_per_device", fix="add devices or raise memory per device")

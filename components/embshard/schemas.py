@@ -1,0 +1,255 @@
+"""The Parquet data contracts (DESIGN.md), checked on every read and write.
+
+One module owns the columns of tables, tasks, costs, placements and evaluation files. `read(path, kind)` and
+`write(df, path, kind)` validate types and value ranges and raise EmbshardError naming the file, the column
+and the fix; `write` is atomic.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from . import storage
+from .errors import EmbshardError
+
+NUM_BINS = 17
+BIN_COLUMNS = [f"bin_{k:02d}" for k in range(NUM_BINS)]
+# Version of the feature definition (features.py); models are tagged with it.
+FEATURE_VERSION = "v1-21"
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: pa.DataType
+    required: bool = True
+    nullable: bool = False
+    check: Callable[[pd.Series], pd.Series] | None = None  # True where a value is valid
+    rule: str = ""  # what a valid value is, for the error message
+
+
+def _positive(s: pd.Series) -> pd.Series:
+    return s > 0
+
+
+def _non_negative(s: pd.Series) -> pd.Series:
+    return s >= 0
+
+
+def _finite_non_negative(s: pd.Series) -> pd.Series:
+    return np.isfinite(s.astype("float64")) & (s >= 0)
+
+
+def _non_empty_str(s: pd.Series) -> pd.Series:
+    return s.astype(str).str.len() > 0
+
+
+def _non_empty_list(s: pd.Series) -> pd.Series:
+    return s.map(lambda v: v is not None and len(v) > 0)
+
+
+_STR = pa.string()
+_F64 = pa.float64()
+
+SCHEMAS: dict[str, list[Column]] = {
+    "tables": [
+        Column("table_id", _STR, check=_non_empty_str, rule="a non-empty, unique name"),
+        Column("rows", pa.int64(), check=_positive, rule="an integer > 0"),
+        Column("dim", pa.int32(), check=_positive, rule="an integer > 0"),
+        Column("pooling_factor", _F64, check=_finite_non_negative, rule="a finite number >= 0"),
+        Column("bytes_per_element", pa.int32(), check=lambda s: s.isin([1, 2, 4, 8]),
+               rule="1, 2, 4 or 8"),
+        Column("size_bytes", pa.int64(), check=_positive, rule="rows * dim * bytes_per_element > 0"),
+        *[Column(c, _F64, check=_finite_non_negative, rule="a fraction in [0, 1]") for c in BIN_COLUMNS],
+        Column("source", _STR),
+        Column("trace_file", _STR, required=False, nullable=True),
+        Column("trace_table_index", pa.int64(), required=False, nullable=True),
+    ],
+    "tasks": [
+        Column("task_id", _STR, check=_non_empty_str, rule="a non-empty, unique id"),
+        Column("split", _STR, check=lambda s: s.isin(["train", "test"]), rule="'train' or 'test'"),
+        Column("num_devices", pa.int32(), check=_positive, rule="an integer > 0"),
+        Column("memory_bytes_per_device", pa.int64(), check=_positive, rule="an integer > 0"),
+        Column("table_ids", pa.list_(_STR), check=_non_empty_list, rule="a non-empty list of table ids"),
+    ],
+    "costs": [
+        Column("sample_id", _STR, check=_non_empty_str, rule="a non-empty id"),
+        Column("table_ids", pa.list_(_STR), check=_non_empty_list, rule="a non-empty list of table ids"),
+        Column("fwd_compute_ms", _F64, check=_finite_non_negative, rule="a finite number >= 0"),
+        Column("bwd_compute_ms", _F64, check=_finite_non_negative, rule="a finite number >= 0"),
+        Column("fwd_comm_ms", _F64, check=_finite_non_negative, rule="a finite number >= 0"),
+        Column("bwd_comm_ms", _F64, check=_finite_non_negative, rule="a finite number >= 0"),
+        Column("hardware", _STR),
+        Column("backend", _STR, check=lambda s: s.isin(["fbgemm", "torch"]), rule="'fbgemm' or 'torch'"),
+        Column("batch_size", pa.int32(), check=_positive, rule="an integer > 0"),
+        Column("iterations", pa.int32(), check=_positive, rule="an integer > 0"),
+        Column("measured_at", pa.timestamp("us", tz="UTC")),
+        # Extras beyond the minimal contract: how the row was made, so results stay interpretable.
+        Column("num_devices", pa.int32(), required=False, check=_positive, rule="an integer > 0"),
+        Column("comm_source", _STR, required=False, nullable=True),  # 'measured' | 'model'
+        Column("row_scale", _F64, required=False, nullable=True),    # rows scaled to fit memory (1.0 = none)
+        Column("spread", _F64, required=False, nullable=True),       # IQR / median of compute timings
+        Column("origin", _STR, required=False, nullable=True),       # 'random' | 'placement:<planner>' | ...
+        Column("chunk", pa.int32(), required=False, nullable=True),
+    ],
+    "placements": [
+        Column("task_id", _STR, check=_non_empty_str, rule="a non-empty id"),
+        Column("table_id", _STR, check=_non_empty_str, rule="a non-empty table id"),
+        Column("device", pa.int32(), check=_non_negative, rule="an integer >= 0"),
+        Column("col_offset", pa.int32(), required=False, nullable=True),
+        Column("col_size", pa.int32(), required=False, nullable=True),
+        Column("planner", _STR),
+        Column("model_uri", _STR, required=False, nullable=True),
+        Column("predicted_cost_ms", _F64, required=False, nullable=True),  # cost of this row's device
+        Column("measured_cost_ms", _F64, required=False, nullable=True),   # measured cost of this row's device
+    ],
+}
+
+
+def arrow_schema(kind: str, df_columns: list[str] | None = None) -> pa.Schema:
+    """The Arrow schema of `kind`, restricted to the optional columns present in `df_columns`."""
+    cols = SCHEMAS[kind]
+    present = set(df_columns) if df_columns is not None else None
+    fields = [pa.field(c.name, c.type, nullable=c.nullable or not c.required)
+              for c in cols if c.required or present is None or c.name in present]
+    return pa.schema(fields)
+
+
+def validate(df: pd.DataFrame, kind: str, path: str | os.PathLike = "<data>") -> pd.DataFrame:
+    """Check columns, types and value ranges; return the frame with contract columns first."""
+    where = os.fspath(path)
+    if df is None or len(df) == 0:
+        raise EmbshardError(f"no rows in this {kind} file", path=where,
+                            fix=f"give a {kind} file with at least one row")
+    cols = SCHEMAS[kind]
+    out = df.copy()
+    for c in cols:
+        if c.name not in out.columns:
+            if c.required:
+                raise EmbshardError("missing column", path=where, field=c.name,
+                                    fix=f"add column '{c.name}' ({c.rule or c.type})")
+            continue
+        s = out[c.name]
+        if not c.nullable and s.isna().any() and not pa.types.is_list(c.type):
+            bad = s[s.isna()].index[0]
+            raise EmbshardError(f"empty/NaN value in row {bad}", path=where, field=c.name,
+                                fix=f"every value must be {c.rule or c.type}")
+        try:
+            out[c.name] = _coerce(s, c.type)
+        except (ValueError, TypeError, pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise EmbshardError(f"wrong type ({str(exc).splitlines()[0][:80]})", path=where,
+                                field=c.name, fix=f"values must be {c.rule or c.type}") from None
+        if c.check is not None:
+            nonnull = out[c.name].dropna() if c.nullable or not c.required else out[c.name]
+            ok = c.check(nonnull)
+            if not bool(np.all(ok)):
+                bad_idx = nonnull.index[~np.asarray(ok, dtype=bool)][0]
+                raise EmbshardError(f"invalid value {nonnull.loc[bad_idx]!r} in row {bad_idx}",
+                                    path=where, field=c.name, fix=f"every value must be {c.rule}")
+    key = {"tables": "table_id", "tasks": "task_id", "costs": "sample_id"}.get(kind)
+    if key is not None and out[key].duplicated().any():
+        dup = out.loc[out[key].duplicated(), key].iloc[0]
+        raise EmbshardError(f"duplicate value {dup!r}", path=where, field=key,
+                            fix=f"make every '{key}' unique")
+    if kind == "tables":
+        _check_tables(out, where)
+    names = [c.name for c in cols if c.name in out.columns]
+    extra = [c for c in out.columns if c not in names]
+    return out[names + extra].reset_index(drop=True)
+
+
+def _check_tables(df: pd.DataFrame, where: str) -> None:
+    expected = df["rows"].astype("int64") * df["dim"].astype("int64") * df["bytes_per_element"].astype("int64")
+    bad = expected != df["size_bytes"]
+    if bad.any():
+        i = bad[bad].index[0]
+        raise EmbshardError(f"size_bytes {df.loc[i, 'size_bytes']} != rows*dim*bytes_per_element "
+                            f"{expected.loc[i]} in row {i}", path=where, field="size_bytes",
+                            fix="recompute size_bytes or re-ingest the tables")
+    sums = df[BIN_COLUMNS].sum(axis=1)
+    off = (sums - 1.0).abs() > 1e-3
+    if off.any():
+        i = off[off].index[0]
+        raise EmbshardError(f"access bins sum to {sums.loc[i]:.4f}, not 1, in row {i}", path=where,
+                            field="bin_00..bin_16", fix="bins are fractions of unique indices and must sum to 1")
+
+
+def _coerce(s: pd.Series, typ: pa.DataType) -> pd.Series:
+    if pa.types.is_list(typ):
+        return s.map(lambda v: None if v is None else [str(x) for x in v])
+    if pa.types.is_timestamp(typ):
+        return pd.to_datetime(s, utc=True)
+    if pa.types.is_string(typ):
+        return s.map(lambda v: None if v is None or (isinstance(v, float) and np.isnan(v)) else str(v)).astype(object)
+    if pa.types.is_integer(typ):
+        if s.isna().any():
+            return s.astype("Int64")
+        if s.dtype.kind == "f":
+            if not np.all(np.isfinite(s)) or not np.all(s == np.round(s)):
+                raise ValueError("not an integer")
+        if s.dtype.kind in "OUS" or str(s.dtype).startswith("string"):
+            s = pd.to_numeric(s)  # raises ValueError on text
+            if s.dtype.kind == "f" and not np.all(s == np.round(s)):
+                raise ValueError("not an integer")
+        return s.astype("int64")
+    if pa.types.is_floating(typ):
+        if s.dtype.kind in "OUS" or str(s.dtype).startswith("string"):
+            return pd.to_numeric(s).astype("float64")
+        if s.dtype.kind == "b":
+            raise TypeError("boolean, not a number")
+        return s.astype("float64")
+    return s
+
+
+def to_arrow(df: pd.DataFrame, kind: str) -> pa.Table:
+    schema = arrow_schema(kind, list(df.columns))
+    extra = [c for c in df.columns if c not in schema.names]
+    table = pa.Table.from_pandas(df[schema.names], schema=schema, preserve_index=False)
+    for c in extra:  # extra columns travel along, with inferred types
+        table = table.append_column(c, pa.array(df[c].tolist()))
+    return table
+
+
+def write(df: pd.DataFrame, path: str | os.PathLike, kind: str) -> pd.DataFrame:
+    """Validate and atomically write a contract file. Returns the validated frame."""
+    checked = validate(df, kind, path)
+    table = to_arrow(checked, kind)
+    with storage.atomic_write(path) as f:
+        pq.write_table(table, f)
+    return checked
+
+
+def read(path: str | os.PathLike, kind: str) -> pd.DataFrame:
+    """Read and validate a contract file; a folder reads all its part-*.parquet files (costs)."""
+    where = os.fspath(path)
+    fs, p = storage.resolve(where)
+    info = fs.get_file_info(p)
+    if info.type == pafs.FileType.NotFound:
+        raise EmbshardError("file not found", path=where, fix=f"check the path, or run the stage that writes {kind}")
+    if info.type == pafs.FileType.Directory:
+        parts = storage.list_files(where, ".parquet")
+        if not parts:
+            raise EmbshardError(f"no .parquet files in this folder", path=where,
+                                fix=f"run the stage that writes {kind} first")
+        frames = [_read_one(part) for part in parts]
+        df = pd.concat(frames, ignore_index=True)
+    else:
+        df = _read_one(where)
+    return validate(df, kind, where)
+
+
+def _read_one(where: str) -> pd.DataFrame:
+    fs, p = storage.resolve(where)
+    try:
+        with fs.open_input_file(p) as f:
+            return pq.read_table(f).to_pandas()
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise EmbshardError(f"not a readable Parquet file ({str(exc).splitlines()[0][:100]})", path=where,
+                            fix="re-run the stage that writes it; the file is corrupt or truncated") from None

@@ -1,0 +1,70 @@
+"""TableSet: a columnar, numpy view of tables.parquet that planners, models and the benchmark share."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from . import schemas
+from .errors import EmbshardError
+from .features import feature_matrix
+
+
+@dataclass(frozen=True)
+class TableSet:
+    table_ids: np.ndarray          # (N,) str
+    rows: np.ndarray               # (N,) int64
+    dims: np.ndarray               # (N,) int64
+    pooling_factor: np.ndarray     # (N,) float64
+    bytes_per_element: np.ndarray  # (N,) int64
+    size_bytes: np.ndarray         # (N,) int64
+    bins: np.ndarray               # (N, 17) float64
+    trace_file: np.ndarray         # (N,) object, None where no trace
+    trace_table_index: np.ndarray  # (N,) int64, -1 where no trace
+
+    @classmethod
+    def from_frame(cls, df: pd.DataFrame) -> "TableSet":
+        n = len(df)
+        trace_file = (df["trace_file"].to_numpy(dtype=object) if "trace_file" in df.columns
+                      else np.full(n, None, dtype=object))
+        trace_idx = (df["trace_table_index"].fillna(-1).to_numpy(dtype=np.int64)
+                     if "trace_table_index" in df.columns else np.full(n, -1, dtype=np.int64))
+        return cls(
+            table_ids=df["table_id"].astype(str).to_numpy(dtype=object),
+            rows=df["rows"].to_numpy(dtype=np.int64),
+            dims=df["dim"].to_numpy(dtype=np.int64),
+            pooling_factor=df["pooling_factor"].to_numpy(dtype=np.float64),
+            bytes_per_element=df["bytes_per_element"].to_numpy(dtype=np.int64),
+            size_bytes=df["size_bytes"].to_numpy(dtype=np.int64),
+            bins=df[schemas.BIN_COLUMNS].to_numpy(dtype=np.float64),
+            trace_file=trace_file,
+            trace_table_index=trace_idx,
+        )
+
+    @classmethod
+    def read(cls, path) -> "TableSet":
+        return cls.from_frame(schemas.read(path, "tables"))
+
+    def __len__(self) -> int:
+        return len(self.table_ids)
+
+    def index_of(self, ids, where: str = "task") -> np.ndarray:
+        """Positions of the given table ids; unknown ids are an error naming them."""
+        lookup = {t: i for i, t in enumerate(self.table_ids)}
+        missing = [t for t in ids if t not in lookup]
+        if missing:
+            raise EmbshardError(f"unknown table ids {missing[:3]}{'...' if len(missing) > 3 else ''}",
+                                path=where, field="table_ids", fix="use ids present in tables.parquet")
+        return np.fromiter((lookup[t] for t in ids), dtype=np.int64, count=len(ids))
+
+    def subset(self, idx) -> "TableSet":
+        idx = np.asarray(idx, dtype=np.int64)
+        return TableSet(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+
+    def select(self, ids, where: str = "task") -> "TableSet":
+        return self.subset(self.index_of(list(ids), where))
+
+    def features(self) -> np.ndarray:
+        """(N, 21) raw features (features.FEATURE_NAMES order)."""
+        return feature_matrix(self)
