@@ -47,9 +47,14 @@ def bins_from_counts(counts: np.ndarray) -> np.ndarray:
 
 def feature_matrix(tables) -> np.ndarray:
     """(N, 21) raw features in FEATURE_NAMES order from a tables DataFrame or a TableSet."""
-    get = tables.__getitem__ if hasattr(tables, "columns") else lambda c: getattr(tables, c)
-    cols = [np.asarray(get(c), dtype=np.float64) for c in ("dim", "rows", "pooling_factor", "size_bytes")]
-    bins = np.asarray(tables[BIN_COLUMNS] if hasattr(tables, "columns") else tables.bins, dtype=np.float64)
+    if hasattr(tables, "columns"):  # a DataFrame with the tables contract
+        cols = [tables[c] for c in ("dim", "rows", "pooling_factor", "size_bytes")]
+        bins = tables[BIN_COLUMNS]
+    else:  # a TableSet
+        cols = [tables.dims, tables.rows, tables.pooling_factor, tables.size_bytes]
+        bins = tables.bins
+    cols = [np.asarray(c, dtype=np.float64) for c in cols]
+    bins = np.asarray(bins, dtype=np.float64)
     return np.column_stack([*cols, bins])
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from .. import schemas
-from ..features import access_bins
+from ..features import access_bins, bins_from_counts
 
 MIN_ROWS, MAX_ROWS = 10, 10**8
 DIMS = np.array([4, 8, 16, 32, 64, 128, 256])
@@ -85,7 +85,7 @@ def generate_tables(num_tables: int, seed: int = 0, bytes_per_element: int = 4,
     bins = np.empty((num_tables, schemas.NUM_BINS))
     for i, t in enumerate(pop.itertuples()):
         idx, _ = sample_table_batch(t.rows, t.pooling_factor, t.zipf_alpha, bins_batch_size, rng)
-        bins[i] = access_bins(idx)
+        bins[i] = table_bins(idx, t.rows)
     df = pop.copy()
     df["bytes_per_element"] = bytes_per_element
     df["size_bytes"] = df["rows"] * df["dim"] * bytes_per_element
@@ -94,3 +94,92 @@ def generate_tables(num_tables: int, seed: int = 0, bytes_per_element: int = 4,
     df["source"] = f"synthetic:seed={seed}"
     return schemas.validate(df[[c for c in df.columns if c != "zipf_alpha"] + ["zipf_alpha"]], "tables",
                             "<synthetic>")
+
+
+def table_bins(indices: np.ndarray, rows: int | None = None) -> np.ndarray:
+    """features.access_bins, computed with a bincount when the id space is small (same result, faster).
+
+    np.unique sorts the batch; a bincount over [0, rows) is linear and wins whenever the table is not much
+    larger than the batch. Huge tables fall back to the sort.
+    """
+    indices = np.asarray(indices)
+    if indices.size == 0 or rows is None or rows > 4 * indices.size + (1 << 16):
+        return access_bins(indices)
+    counts = np.bincount(indices, minlength=0)
+    return bins_from_counts(counts[counts > 0])
+
+
+TRACE_LAYOUTS = ("flat", "per_table", "per_table_cumulative")
+
+
+def write_dlrm_traces(tables_df: pd.DataFrame, path, batch_size: int, seed: int,
+                      layout: str = "flat") -> None:
+    """Write one batch of `batch_size` samples per table in Meta's open DLRM trace format.
+
+    The file is `torch.save((indices, offsets, lengths))`: indices int64 (all tables concatenated, table by
+    table), lengths int64 [T, B], and offsets in one of the layouts the loader accepts:
+    "flat" = one array of T*B+1 running positions (fbgemm_t856_bs65536.pt), "per_table" = [T, B+1] with every
+    row starting at 0, "per_table_cumulative" = [T, B+1] rows holding the global positions.
+    Each table's lengths follow its pooling_factor, its indices its `zipf_alpha` (1.0 where the column is
+    missing). A path ending in .gz is gzip-compressed. The write is atomic (temp file, then rename).
+    """
+    import gzip
+    import os
+    import shutil
+    import tempfile
+
+    import torch
+
+    from ..errors import EmbshardError
+
+    if layout not in TRACE_LAYOUTS:
+        raise EmbshardError(f"unknown layout {layout!r}", field="layout", fix=f"use one of {TRACE_LAYOUTS}")
+    if batch_size <= 0:
+        raise EmbshardError("must be > 0", field="batch_size", fix="use a positive batch size")
+    n = len(tables_df)
+    if n == 0:
+        raise EmbshardError("no tables to write traces for", field="tables", fix="pass at least one table")
+    rows = tables_df["rows"].to_numpy(dtype=np.int64)
+    pooling = tables_df["pooling_factor"].to_numpy(dtype=np.float64)
+    alpha = (tables_df["zipf_alpha"].fillna(1.0).to_numpy(dtype=np.float64) if "zipf_alpha" in tables_df
+             else np.ones(n))
+    rng = np.random.default_rng([seed, 7])
+    # Lengths first, so the concatenated indices are allocated once (traces can hold 100M+ indices).
+    lengths = np.stack([bag_lengths(float(p), batch_size, rng) for p in pooling])
+    totals = lengths.sum(axis=1)
+    starts = np.concatenate([[0], np.cumsum(totals)])
+    indices = np.empty(int(starts[-1]), dtype=np.int64)
+    for t in range(n):
+        indices[starts[t]:starts[t + 1]] = zipf_indices(int(rows[t]), float(alpha[t]), int(totals[t]), rng)
+    local = np.zeros((n, batch_size + 1), dtype=np.int64)
+    np.cumsum(lengths, axis=1, out=local[:, 1:])
+    if layout == "flat":
+        offsets = np.concatenate([[0], np.cumsum(lengths.reshape(-1))])
+    elif layout == "per_table":
+        offsets = local
+    else:
+        offsets = local + starts[:-1, None]
+    payload = (torch.from_numpy(indices), torch.from_numpy(offsets), torch.from_numpy(lengths))
+
+    path = os.fspath(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
+    os.close(fd)
+    try:
+        if path.endswith(".gz"):
+            raw = tmp + ".raw"
+            try:
+                torch.save(payload, raw)
+                with open(raw, "rb") as src, gzip.open(tmp, "wb", compresslevel=1) as dst:
+                    shutil.copyfileobj(src, dst, 16 << 20)
+            finally:
+                if os.path.exists(raw):
+                    os.remove(raw)
+        else:
+            torch.save(payload, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise

@@ -1,0 +1,165 @@
+"""The placement policy (DreamShard-style) and its REINFORCE training on the estimated MDP.
+
+An episode places a task's tables one at a time, most expensive first. For each device the policy sees what
+the cost model predicts: the device's cost now, its cost with the table added, the overall cost that choice
+would give, and memory; a softmax over the devices that may take the table picks one. The reward at the end is
+minus the predicted overall cost (relative to a per-task scale), so training needs no hardware.
+
+Unlike the public DreamShard code: rollouts and the update use the same masked distribution (one forward
+pass produces both), a device is allowed only if the remaining tables can still fit afterwards, a rollout that
+still runs out of memory is flagged infeasible (never silently put on the last device), and the advantage uses
+the mean reward of a group of rollouts of the same task as its baseline.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from .scoring import TaskScorer
+
+NUM_POLICY_FEATURES = 11
+INFEASIBLE_PENALTY = 3.0  # reward of a rollout that ran out of memory, in units of the task scale
+
+
+class PolicyNet(nn.Module):
+    """Scores each device from its features; shared over devices, so any device count works."""
+
+    def __init__(self, hidden: int = 64):
+        super().__init__()
+        self.hidden = hidden
+        self.mlp = nn.Sequential(nn.Linear(NUM_POLICY_FEATURES, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, D, F) -> (B, D)
+        return self.mlp(x).squeeze(-1)
+
+
+@dataclass
+class TaskContext:
+    """Everything an episode needs about one task, computed once."""
+
+    scorer: TaskScorer
+    sizes: np.ndarray        # (N,) bytes of each piece
+    memory: int              # bytes per device
+    order: np.ndarray        # placement order (most expensive first)
+    single: np.ndarray       # (N,) predicted cost of each piece alone
+    scale: float             # per-task cost scale: max(sum of singles / D, largest single)
+
+    @classmethod
+    def build(cls, cost_model, features: np.ndarray, sizes: np.ndarray, num_devices: int, memory: int):
+        scorer = TaskScorer(cost_model, features, num_devices)
+        single = scorer.single_costs()
+        order = np.lexsort((-np.asarray(sizes), -single))  # by cost, ties by size
+        scale = max(single.sum() / num_devices, single.max(), 1e-6)
+        return cls(scorer, np.asarray(sizes, dtype=np.int64), int(memory), order, single, float(scale))
+
+
+@dataclass
+class Rollouts:
+    assignment: np.ndarray   # (B, N) device of each piece
+    log_prob: torch.Tensor   # (B,) sum of log-probabilities of the choices (with grad when training)
+    entropy: torch.Tensor    # (B,) summed entropy
+    feasible: np.ndarray     # (B,) bool
+    overall: np.ndarray      # (B,) predicted overall cost (ms)
+    device_costs: np.ndarray  # (B, D)
+
+
+def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample",
+            generator: torch.Generator | None = None) -> Rollouts:
+    """Run `batch` episodes of one task. mode: 'sample' (training/exploration) or 'greedy'."""
+    sc = ctx.scorer
+    D, N, H = sc.num_devices, len(ctx.sizes), sc.dim
+    sums = torch.zeros(batch, D, H)
+    counts = torch.zeros(batch, D, dtype=torch.long)
+    cur = torch.zeros(batch, D)
+    free = torch.full((batch, D), float(ctx.memory), dtype=torch.float64)
+    sizes = torch.as_tensor(ctx.sizes, dtype=torch.float64)
+    # Suffix totals/max of the sizes still to place after each step: the lookahead of the memory mask.
+    ordered = sizes[torch.as_tensor(ctx.order)]
+    rest_sum = torch.flip(torch.cumsum(torch.flip(ordered, [0]), 0), [0]) - ordered
+    rest_max = torch.zeros(N, dtype=torch.float64)
+    if N > 1:
+        rest_max[:-1] = torch.flip(torch.cummax(torch.flip(ordered, [0]), 0).values, [0])[1:]
+    assignment = np.empty((batch, N), dtype=np.int64)
+    log_prob = torch.zeros(batch)
+    entropy = torch.zeros(batch)
+    feasible = torch.ones(batch, dtype=torch.bool)
+    s = ctx.scale
+    rows = torch.arange(batch)
+    for step, i in enumerate(ctx.order):
+        size_i = sizes[i]
+        cand = sc.totals(sums + sc.enc[i], counts + 1)  # (B, D) cost of each device with the table
+        top = cur.max(dim=1, keepdim=True).values
+        new_overall = torch.maximum(cand, top)
+        feats = torch.stack([
+            cur / s, cand / s, (cand - cur) / s, new_overall / s, top.expand_as(cur) / s,
+            counts.float() / N, (1 - free / ctx.memory).float(), (1 - (free - size_i) / ctx.memory).float(),
+            torch.full_like(cur, step / N), torch.full_like(cur, float(ctx.single[i]) / s),
+            (new_overall - new_overall.min(dim=1, keepdim=True).values) / s,
+        ], dim=-1)
+        mask = _memory_mask(free, size_i, rest_sum[step], rest_max[step])
+        stuck = ~mask.any(dim=1)
+        if stuck.any():  # lookahead too strict: any device with room; none: infeasible, flagged
+            fits = free[stuck] >= size_i
+            none = ~fits.any(dim=1)
+            fits[none, :] = free[stuck][none] == free[stuck][none].max(dim=1, keepdim=True).values
+            mask[stuck] = fits
+            feasible[stuck.nonzero().squeeze(1)[none]] = False
+        logits = policy(feats).masked_fill(~mask, float("-inf"))
+        dist = torch.distributions.Categorical(logits=logits)
+        if mode == "greedy":
+            a = logits.argmax(dim=1)
+        else:
+            a = dist.sample() if generator is None else torch.multinomial(dist.probs, 1, generator=generator).squeeze(1)
+        log_prob = log_prob + dist.log_prob(a)
+        entropy = entropy + dist.entropy()
+        assignment[:, i] = a.numpy()
+        sums[rows, a] += sc.enc[i]
+        counts[rows, a] += 1
+        cur[rows, a] = cand[rows, a]
+        free[rows, a] -= size_i
+    feasible &= (free >= 0).all(dim=1)
+    return Rollouts(assignment, log_prob, entropy, feasible.numpy(), cur.max(dim=1).values.numpy().astype(np.float64),
+                    cur.numpy().astype(np.float64))
+
+
+def _memory_mask(free: torch.Tensor, size: torch.Tensor, rest_sum: torch.Tensor, rest_max: torch.Tensor):
+    """Devices that can take the table and leave room for the rest (sum and largest remaining table)."""
+    after = free - size
+    fits = after >= 0
+    total_ok = (after.sum(dim=1, keepdim=True) - 0) >= rest_sum  # same for every choice
+    # Largest free block left if device d takes the table: max(after_d, max over the others of free).
+    top2 = torch.topk(free, k=min(2, free.shape[1]), dim=1).values
+    best_other = torch.where(free == top2[:, :1], top2[:, -1:], top2[:, :1])
+    largest = torch.maximum(after, best_other)
+    return fits & total_ok & (largest >= rest_max)
+
+
+@dataclass
+class TrainConfig:
+    iterations: int = 300
+    rollouts_per_task: int = 16
+    lr: float = 3e-3
+    entropy_coef: float = 0.01
+    hidden: int = 64
+    seed: int = 0
+
+
+def reinforce_step(policy: PolicyNet, optimizer: torch.optim.Optimizer, ctx: TaskContext, cfg: TrainConfig,
+                   generator: torch.Generator) -> dict:
+    """One REINFORCE update on one task: group baseline, normalised advantages, entropy bonus."""
+    ro = rollout(policy, ctx, cfg.rollouts_per_task, "sample", generator)
+    reward = torch.as_tensor(-ro.overall / ctx.scale, dtype=torch.float32)
+    reward = torch.where(torch.as_tensor(ro.feasible), reward, torch.full_like(reward, -INFEASIBLE_PENALTY))
+    adv = reward - reward.mean()
+    adv = adv / (adv.std() + 1e-6)
+    loss = -(adv * ro.log_prob).mean() - cfg.entropy_coef * ro.entropy.mean() / len(ctx.sizes)
+    optimizer.zero_grad()
+    loss.backward()
+    nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+    optimizer.step()
+    return {"loss": float(loss), "reward_mean": float(reward.mean()), "reward_best": float(reward.max()),
+            "feasible_frac": float(ro.feasible.mean())}

@@ -1,0 +1,77 @@
+"""Scoring placements with the learned cost model, fast enough for RL rollouts and local search.
+
+The cost model is SUM-decomposable: a device's cost is a function of the sum of its tables' encodings. So a
+task's tables are encoded once, and any candidate device content is scored from a sum of rows: adding or
+removing a table is one vector addition, and thousands of candidates are one batched call.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..placement import Placement, Shard
+from ..tableset import TableSet
+
+
+class TaskScorer:
+    """Predicted per-device costs for one task (a fixed set of table pieces on `num_devices` devices)."""
+
+    def __init__(self, cost_model, features: np.ndarray, num_devices: int):
+        self.cost_model = cost_model
+        self.num_devices = int(num_devices)
+        with torch.no_grad():
+            self.enc = cost_model.encode(np.asarray(features, dtype=np.float64)).float()  # (N, H)
+        self.dim = self.enc.shape[1]
+
+    @torch.no_grad()
+    def totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Device totals (ms) from summed encodings (..., H) and table counts (...); empty devices cost 0."""
+        out = self.cost_model.totals_from_sums(sums, self.num_devices)
+        return torch.where(counts > 0, out, torch.zeros_like(out))
+
+    def device_sums(self, assignment: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.as_tensor(np.asarray(assignment), dtype=torch.long)
+        sums = torch.zeros(self.num_devices, self.dim).index_add_(0, a, self.enc)
+        counts = torch.bincount(a, minlength=self.num_devices)
+        return sums, counts
+
+    def device_costs(self, assignment: np.ndarray) -> np.ndarray:
+        sums, counts = self.device_sums(assignment)
+        return self.totals(sums, counts).numpy().astype(np.float64)
+
+    def single_costs(self) -> np.ndarray:
+        """Predicted cost of each piece alone on a device."""
+        return self.totals(self.enc, torch.ones(len(self.enc), dtype=torch.long)).numpy().astype(np.float64)
+
+
+def piece_features(tables: TableSet, shards: list[Shard]) -> np.ndarray:
+    """Raw features of each placed piece: a column slice is a table of dim col_size (same rows and accesses)."""
+    base = tables.features()
+    feats = base[[s.table for s in shards]].copy()
+    for k, s in enumerate(shards):
+        if s.col_size is not None:
+            bpe = tables.bytes_per_element[s.table]
+            feats[k, 0] = s.col_size
+            feats[k, 3] = tables.rows[s.table] * s.col_size * bpe
+    return feats
+
+
+def placement_costs(cost_model, placement: Placement) -> np.ndarray:
+    """Predicted per-device total cost (ms) of any placement, column slices included."""
+    scorer = TaskScorer(cost_model, piece_features(placement.tables, placement.shards), placement.num_devices)
+    return scorer.device_costs(placement.device_of_shards())
+
+
+def lower_bound(cost_model, tables: TableSet, num_devices: int, column_splits: bool = False) -> float:
+    """Lower bound under the model (ALGORITHMS.md): cost of all tables on one device / D.
+
+    With a fused, sub-additive cost no plan's slowest device can cost less than that. For table-wise plans
+    the largest single-table cost is a bound too (a device holding it costs at least as much); column-wise
+    splits can go below it, so they get the first term alone.
+    """
+    scorer = TaskScorer(cost_model, tables.features(), num_devices)
+    all_one = scorer.totals(scorer.enc.sum(0, keepdim=True), torch.tensor([len(tables)])).item()
+    bound = all_one / num_devices
+    if not column_splits:
+        bound = max(bound, float(scorer.single_costs().max()))
+    return float(bound)
