@@ -99,6 +99,15 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("origin", _STR, required=False, nullable=True),       # 'random' | 'placement:<planner>' | ...
         Column("chunk", pa.int32(), required=False, nullable=True),
     ],
+    # Device shards to measure (bench): one row per shard, the tables one device holds.
+    "shards": [
+        Column("sample_id", _STR, check=_non_empty_str, rule="a non-empty, unique id"),
+        Column("table_ids", pa.list_(_STR), check=_non_empty_list, rule="a non-empty list of table ids"),
+        Column("num_devices", pa.int32(), check=_positive, rule="an integer > 0"),
+        Column("origin", _STR),
+        # Optional column-wise slices: col_sizes[i] is the width measured for table_ids[i] (-1 = whole table).
+        Column("col_sizes", pa.list_(pa.int32()), required=False, nullable=True),
+    ],
     "placements": [
         Column("task_id", _STR, check=_non_empty_str, rule="a non-empty id"),
         Column("table_id", _STR, check=_non_empty_str, rule="a non-empty table id"),
@@ -153,7 +162,7 @@ def validate(df: pd.DataFrame, kind: str, path: str | os.PathLike = "<data>") ->
                 bad_idx = nonnull.index[~np.asarray(ok, dtype=bool)][0]
                 raise EmbshardError(f"invalid value {nonnull.loc[bad_idx]!r} in row {bad_idx}",
                                     path=where, field=c.name, fix=f"every value must be {c.rule}")
-    key = {"tables": "table_id", "tasks": "task_id", "costs": "sample_id"}.get(kind)
+    key = {"tables": "table_id", "tasks": "task_id", "costs": "sample_id", "shards": "sample_id"}.get(kind)
     if key is not None and out[key].duplicated().any():
         dup = out.loc[out[key].duplicated(), key].iloc[0]
         raise EmbshardError(f"duplicate value {dup!r}", path=where, field=key,
@@ -183,7 +192,8 @@ def _check_tables(df: pd.DataFrame, where: str) -> None:
 
 def _coerce(s: pd.Series, typ: pa.DataType) -> pd.Series:
     if pa.types.is_list(typ):
-        return s.map(lambda v: None if v is None else [str(x) for x in v])
+        conv = str if pa.types.is_string(typ.value_type) else int  # list<int32> (shards.col_sizes)
+        return s.map(lambda v: None if v is None else [conv(x) for x in v])
     if pa.types.is_timestamp(typ):
         return pd.to_datetime(s, utc=True)
     if pa.types.is_string(typ):
