@@ -1,0 +1,126 @@
+"""The learned planner: policy rollouts, the baselines as a portfolio, then local search and column splits.
+
+plan():
+ 1. candidates: one greedy and K sampled policy rollouts, a cost-model greedy (each table, most expensive first,
+    onto the device whose predicted cost after adding it is lowest), and every baseline's placement;
+ 2. each candidate is scored by the cost model; the best few are improved by local search (moves and swaps);
+ 3. column-wise splits of dominant tables where they lower the predicted cost (optional);
+ 4. portfolio guarantee: the result is never predicted worse than the best baseline placement, since those are
+    candidates and search only accepts improvements.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from ..errors import EmbshardError
+from ..placement import Placement, Shard
+from .base import Planner, no_room_error
+from .baselines import BASELINES, make_baseline
+from .policy import PolicyNet, TaskContext, rollout
+from .scoring import TaskScorer
+from .search import SearchState, local_search, try_column_splits
+
+
+class LearnedPlanner(Planner):
+    name = "learned"
+
+    def __init__(self, policy: PolicyNet | None, cost_model, *, num_samples: int = 8, time_budget_s: float = 0.8,
+                 column_splits: bool = True, portfolio: bool = True, refine_top: int = 3, seed: int = 0,
+                 model_uri: str | None = None):
+        self.policy = policy
+        self.cost_model = cost_model
+        self.num_samples = num_samples
+        self.time_budget_s = time_budget_s
+        self.column_splits = column_splits
+        self.portfolio = portfolio
+        self.refine_top = refine_top
+        self.seed = seed
+        self.model_uri = model_uri
+
+    @torch.no_grad()
+    def _plan(self, tables, num_devices, memory_bytes_per_device, task_id):
+        start = time.perf_counter()
+        deadline = start + self.time_budget_s
+        ctx = TaskContext.build(self.cost_model, tables.features(), tables.size_bytes, num_devices,
+                                memory_bytes_per_device)
+        cands: dict[str, np.ndarray] = {}
+        if self.policy is not None:
+            self.policy.eval()
+            gen = torch.Generator().manual_seed(self.seed)
+            greedy = rollout(self.policy, ctx, 1, "greedy")
+            if greedy.feasible[0]:
+                cands["policy_greedy"] = greedy.assignment[0]
+            if self.num_samples > 0:
+                sampled = rollout(self.policy, ctx, self.num_samples, "sample", gen)
+                ok = np.flatnonzero(sampled.feasible)
+                if len(ok):
+                    best = ok[np.argmin(sampled.overall[ok])]
+                    cands["policy_sampled"] = sampled.assignment[best]
+        lpt = cost_greedy(ctx)
+        if lpt is not None:
+            cands["cost_greedy"] = lpt
+        if self.portfolio or not cands:
+            for name in BASELINES:
+                try:
+                    p = make_baseline(name, seed=self.seed).plan(tables, num_devices, memory_bytes_per_device, task_id)
+                except EmbshardError:
+                    continue
+                cands[name] = p.device_of_shards()
+        if not cands:
+            raise no_room_error(tables, int(np.argmax(tables.size_bytes)),
+                                np.full(num_devices, memory_bytes_per_device), task_id)
+        scored = sorted(((float(ctx.scorer.device_costs(a).max()), n, a) for n, a in cands.items()),
+                        key=lambda x: x[0])
+        best_state, best_from = None, None
+        for _, name, a in scored[: self.refine_top]:
+            st = local_search(SearchState(ctx.scorer, ctx.sizes, memory_bytes_per_device, a),
+                              deadline if best_state is None else max(deadline, time.perf_counter() + 0.05))
+            if best_state is None or st.overall < best_state.overall:
+                best_state, best_from = st, name
+        shards = [Shard(i, int(d)) for i, d in enumerate(best_state.assignment)]
+        assignment = best_state.assignment
+        if self.column_splits and time.perf_counter() < deadline:
+            shards, assignment, _ = try_column_splits(tables, shards, assignment, self.cost_model, num_devices,
+                                                      memory_bytes_per_device, deadline)
+        shards = [Shard(s.table, int(d), s.col_offset, s.col_size) for s, d in zip(shards, assignment)]
+        placement = Placement(tables, num_devices, memory_bytes_per_device, shards, planner=self.name,
+                              model_uri=self.model_uri)
+        placement.meta.update({
+            "start_candidate": best_from,
+            "candidate_costs": {n: c for c, n, _ in scored},
+            "planning_time_s": time.perf_counter() - start,
+            "column_splits": sum(s.col_size is not None for s in shards),
+        })
+        return placement
+
+
+def cost_greedy(ctx: TaskContext) -> np.ndarray | None:
+    """Most expensive first onto the device whose predicted cost after adding it is lowest (memory-aware)."""
+    sc = ctx.scorer
+    D = sc.num_devices
+    sums = torch.zeros(D, sc.dim)
+    counts = torch.zeros(D, dtype=torch.long)
+    free = np.full(D, ctx.memory, dtype=np.int64)
+    assignment = np.empty(len(ctx.sizes), dtype=np.int64)
+    for i in ctx.order:
+        fits = free >= ctx.sizes[i]
+        if not fits.any():
+            return None
+        cand = sc.totals(sums + sc.enc[i], counts + 1).numpy()
+        d = int(np.argmin(np.where(fits, cand, np.inf)))
+        assignment[i] = d
+        sums[d] += sc.enc[i]
+        counts[d] += 1
+        free[d] -= ctx.sizes[i]
+    return assignment
+
+
+def load_planner(model_uri: str = "models:/embshard-policy@champion", **kw) -> LearnedPlanner:
+    """The learned planner registered in MLflow (policy + the cost model it was trained against)."""
+    from .policy_model import load_policy_bundle
+
+    policy, cost_model, info = load_policy_bundle(model_uri)
+    return LearnedPlanner(policy, cost_model, model_uri=model_uri, **kw)

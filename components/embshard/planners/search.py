@@ -1,0 +1,182 @@
+"""Search on top of the policy: local improvement and column-wise splits, scored by the batched cost model.
+
+Local search repeatedly takes the slowest device and tries every move of one of its pieces to another device and
+every swap with a piece elsewhere, all scored in one batched call; it applies the best one that lowers the
+slowest device's cost (or, at equal maximum, the spread), within memory. Column-wise splits (NeuroShard) halve
+a dominant table on the slowest device when that lowers the predicted cost.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..placement import Shard
+from ..tableset import TableSet
+from .scoring import TaskScorer, piece_features
+
+_REL_TOL = 1e-6
+MIN_SPLIT_DIM = 4  # FBGEMM wants dims that are multiples of 4
+
+
+@dataclass
+class SearchState:
+    """A table-wise assignment of pieces (tables or column slices) with its cached device sums and costs."""
+
+    scorer: TaskScorer
+    sizes: np.ndarray   # (N,) bytes per piece
+    memory: int
+    assignment: np.ndarray  # (N,) device per piece
+
+    def __post_init__(self):
+        self.assignment = np.asarray(self.assignment, dtype=np.int64).copy()
+        self.sums, self.counts = self.scorer.device_sums(self.assignment)
+        self.costs = self.scorer.totals(self.sums, self.counts).double()
+        self.used = torch.as_tensor(np.bincount(self.assignment, weights=self.sizes,
+                                                minlength=self.scorer.num_devices), dtype=torch.float64)
+
+    @property
+    def overall(self) -> float:
+        return float(self.costs.max())
+
+    def apply_move(self, piece: int, dst: int) -> None:
+        src = int(self.assignment[piece])
+        e = self.scorer.enc[piece]
+        self.sums[src] -= e
+        self.sums[dst] += e
+        self.counts[src] -= 1
+        self.counts[dst] += 1
+        self.used[src] -= float(self.sizes[piece])
+        self.used[dst] += float(self.sizes[piece])
+        self.assignment[piece] = dst
+        idx = torch.tensor([src, dst])
+        self.costs[idx] = self.scorer.totals(self.sums[idx], self.counts[idx]).double()
+
+
+def local_search(state: SearchState, deadline: float, max_rounds: int = 10_000) -> SearchState:
+    """Best-improvement moves and swaps off the slowest device until none helps or the deadline passes."""
+    sc = state.scorer
+    D = sc.num_devices
+    sizes_t = torch.as_tensor(state.sizes, dtype=torch.float64)
+    for _ in range(max_rounds):
+        if time.perf_counter() > deadline or D < 2:
+            break
+        costs = state.costs
+        b = int(torch.argmax(costs))
+        cur_max = float(costs[b])
+        cur_sq = float((costs ** 2).sum())
+        on_b = torch.as_tensor(np.flatnonzero(state.assignment == b))
+        if len(on_b) == 0:
+            break
+        others = torch.as_tensor(np.flatnonzero(state.assignment != b))
+        best = _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq)
+        if best is None:
+            break
+        kind, p, q = best
+        if kind == "move":
+            state.apply_move(p, q)
+        else:
+            d = int(state.assignment[q])
+            state.apply_move(p, d)
+            state.apply_move(q, b)
+    return state
+
+
+def _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq):
+    sc = state.scorer
+    D = sc.num_devices
+    costs = state.costs
+    enc = sc.enc
+    tol = _REL_TOL * max(cur_max, 1e-9)
+    # Max over the devices other than b and d, for every d: from the top-3 costs.
+    top_vals, top_idx = torch.topk(costs, k=min(3, D))
+    other_max = torch.empty(D, dtype=torch.float64)
+    for d in range(D):
+        vals = [float(v) for v, i in zip(top_vals, top_idx) if int(i) not in (b, d)]
+        other_max[d] = vals[0] if vals else 0.0
+    candidates = []  # (max, sumsq, kind, p, q)
+    # Moves: piece p from b to device d.
+    dsts = torch.tensor([d for d in range(D) if d != b])
+    P = len(on_b)
+    new_b = sc.totals(state.sums[b] - enc[on_b], state.counts[b].expand(P) - 1).double()  # (P,)
+    new_d = sc.totals(state.sums[dsts].unsqueeze(0) + enc[on_b].unsqueeze(1),
+                      (state.counts[dsts] + 1).unsqueeze(0).expand(P, -1)).double()  # (P, D-1)
+    fits = (state.used[dsts].unsqueeze(0) + sizes_t[on_b].unsqueeze(1)) <= state.memory
+    mx = torch.maximum(torch.maximum(new_b.unsqueeze(1), new_d), other_max[dsts].unsqueeze(0))
+    sq = cur_sq - costs[b] ** 2 - costs[dsts].unsqueeze(0) ** 2 + new_b.unsqueeze(1) ** 2 + new_d ** 2
+    _collect(candidates, mx, sq, fits, "move", on_b, dsts)
+    # Swaps: p on b with q on d.
+    if len(others):
+        dev_q = torch.as_tensor(state.assignment[others.numpy()])
+        sums_b = state.sums[b] - enc[on_b]  # (P, H)
+        nb = sc.totals(sums_b.unsqueeze(1) + enc[others].unsqueeze(0), state.counts[b].expand(P, len(others))).double()
+        sums_d = state.sums[dev_q] - enc[others]  # (Q, H)
+        nd = sc.totals(sums_d.unsqueeze(0) + enc[on_b].unsqueeze(1),
+                       state.counts[dev_q].unsqueeze(0).expand(P, -1)).double()
+        mem_b = state.used[b] - sizes_t[on_b].unsqueeze(1) + sizes_t[others].unsqueeze(0)
+        mem_d = state.used[dev_q].unsqueeze(0) - sizes_t[others].unsqueeze(0) + sizes_t[on_b].unsqueeze(1)
+        fits = (mem_b <= state.memory) & (mem_d <= state.memory)
+        mx = torch.maximum(torch.maximum(nb, nd), other_max[dev_q].unsqueeze(0))
+        sq = cur_sq - costs[b] ** 2 - costs[dev_q].unsqueeze(0) ** 2 + nb ** 2 + nd ** 2
+        _collect(candidates, mx, sq, fits, "swap", on_b, others)
+    best = None
+    for m, s, kind, p, q in candidates:
+        better = m < cur_max - tol or (m <= cur_max + tol and s < cur_sq - tol * cur_max)
+        if better and (best is None or (m, s) < (best[0], best[1])):
+            best = (m, s, kind, p, q)
+    return None if best is None else best[2:]
+
+
+def _collect(out, mx, sq, fits, kind, rows, cols):
+    """The best feasible candidate of a (P, Q) grid, appended to `out` as (max, sumsq, kind, p, q)."""
+    mx = torch.where(fits, mx, torch.full_like(mx, float("inf")))
+    if not torch.isfinite(mx).any():
+        return
+    # Lexicographic (max, sumsq): among the minimal max (within a tolerance), the smallest spread.
+    m = mx.min()
+    near = mx <= m + _REL_TOL * max(float(m), 1e-9)
+    sq = torch.where(near, sq, torch.full_like(sq, float("inf")))
+    flat = int(torch.argmin(sq))
+    i, j = divmod(flat, mx.shape[1])
+    out.append((float(mx[i, j]), float(sq[i, j]), kind, int(rows[i]), int(cols[j])))
+
+
+def try_column_splits(tables: TableSet, shards: list[Shard], assignment: np.ndarray, cost_model,
+                      num_devices: int, memory: int, deadline: float, max_splits: int = 8):
+    """Halve the most expensive piece of the slowest device while that lowers the predicted overall cost.
+
+    Returns (shards, assignment, state) of the best plan found; unchanged inputs when no split helps.
+    """
+    shards = list(shards)
+    state = _state(tables, shards, assignment, cost_model, num_devices, memory)
+    for _ in range(max_splits):
+        if time.perf_counter() > deadline:
+            break
+        b = int(torch.argmax(state.costs))
+        on_b = np.flatnonzero(state.assignment == b)
+        single = state.scorer.single_costs()[on_b]
+        p = int(on_b[np.argmax(single)])
+        s = shards[p]
+        dim = s.col_size if s.col_size is not None else int(tables.dims[s.table])
+        half = (dim // 2) // MIN_SPLIT_DIM * MIN_SPLIT_DIM
+        if half < MIN_SPLIT_DIM or dim - half < MIN_SPLIT_DIM:
+            break
+        left = Shard(s.table, s.device, s.col_offset, half)
+        right = Shard(s.table, s.device, s.col_offset + half, dim - half)
+        trial_shards = shards[:p] + [left, right] + shards[p + 1:]
+        trial_assign = np.concatenate([state.assignment[:p], [b, b], state.assignment[p + 1:]])
+        trial = _state(tables, trial_shards, trial_assign, cost_model, num_devices, memory)
+        trial = local_search(trial, deadline)
+        if trial.overall < state.overall * (1 - 1e-4):
+            shards, state = trial_shards, trial
+        else:
+            break
+    return shards, state.assignment, state
+
+
+def _state(tables, shards, assignment, cost_model, num_devices, memory) -> SearchState:
+    feats = piece_features(tables, shards)
+    sizes = feats[:, 3].astype(np.int64)
+    return SearchState(TaskScorer(cost_model, feats, num_devices), sizes, memory, assignment)
