@@ -1,0 +1,39 @@
+"""`embshard place`: tables in, devices + memory in, a placement out (plan.json + placements.parquet)."""
+from __future__ import annotations
+
+import argparse
+
+GiB = 2**30
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tables", required=True, help="tables.parquet (all its tables are placed unless --task-id)")
+    p.add_argument("--tasks", help="tasks.parquet, with --task-id: place that task's tables")
+    p.add_argument("--task-id", help="the task to place (its devices/memory are used unless given)")
+    p.add_argument("--devices", type=int, help="number of devices")
+    p.add_argument("--memory-gb", type=float, help="memory per device, GiB")
+    p.add_argument("--planner", default="learned", help="learned (default, from the registry) or a baseline: "
+                   "random, round_robin, dim_greedy, size_greedy, lookup_greedy, size_lookup_greedy, "
+                   "torchrec_table_wise, torchrec_full")
+    p.add_argument("--model", default="models:/embshard-policy@champion", help="learned planner's model URI")
+    p.add_argument("--cost-model", default=None,
+                   help="cost model for predicted costs of non-learned planners (default: embshard-cost@champion "
+                        "if registered)")
+    p.add_argument("--time-budget-s", type=float, default=None, help="search time budget of the learned planner")
+    p.add_argument("--out", required=True, help="output folder")
+
+
+def main(args) -> int:
+    from ..errors import EmbshardError
+    from .place import place
+
+    if (args.devices is None or args.memory_gb is None) and not args.task_id:
+        raise EmbshardError("--devices and --memory-gb are required without --task-id", field="devices",
+                            fix="give --devices N --memory-gb M")
+    result = place(args.tables, args.out, devices=args.devices,
+                   memory_bytes=None if args.memory_gb is None else int(args.memory_gb * GiB),
+                   planner=args.planner, model_uri=args.model, cost_model_uri=args.cost_model,
+                   tasks=args.tasks, task_id=args.task_id, time_budget_s=args.time_budget_s)
+    print(result["report"])
+    print(f"wrote {result['plan_json']} and {result['placements']}")
+    return 0

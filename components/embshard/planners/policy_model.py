@@ -1,0 +1,81 @@
+"""The registered form of the learned planner: policy weights + the cost model it was trained against.
+
+One MLflow pyfunc model holds both, so `models:/embshard-policy@champion` needs nothing else to plan. As a
+pyfunc it also predicts: a tables DataFrame in (tables contract), params num_devices and
+memory_bytes_per_device, a placements DataFrame out.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import mlflow.pyfunc
+import numpy as np
+import torch
+
+from .policy import PolicyNet
+
+REGISTERED_NAME = "embshard-policy"
+
+
+def save_policy(policy: PolicyNet, folder: str, extra: dict | None = None) -> dict[str, str]:
+    os.makedirs(folder, exist_ok=True)
+    weights, config = os.path.join(folder, "policy.pt"), os.path.join(folder, "policy.json")
+    torch.save(policy.state_dict(), weights)
+    with open(config, "w", encoding="utf-8") as f:
+        json.dump({"hidden": policy.hidden, **(extra or {})}, f, indent=1)
+    return {"policy_weights": weights, "policy_config": config}
+
+
+def load_policy_files(weights: str, config: str) -> tuple[PolicyNet, dict]:
+    with open(config, encoding="utf-8") as f:
+        cfg = json.load(f)
+    policy = PolicyNet(hidden=int(cfg.get("hidden", 64)))
+    policy.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+    return policy.eval(), cfg
+
+
+class PolicyPythonModel(mlflow.pyfunc.PythonModel):
+    """pyfunc wrapper: load_context restores the policy and its cost model from the logged artifacts."""
+
+    def load_context(self, context):
+        from ..costmodel.model import CostModel
+
+        a = context.artifacts
+        self.policy, self.config = load_policy_files(a["policy_weights"], a["policy_config"])
+        self.cost_model = CostModel.from_files(a["cost_weights"], a["cost_config"])
+
+    def predict(self, context, model_input, params=None):
+        from .. import schemas
+        from ..tableset import TableSet
+        from .learned import LearnedPlanner
+
+        params = params or {}
+        tables = TableSet.from_frame(schemas.validate(model_input, "tables", "<model input>"))
+        planner = LearnedPlanner(self.policy, self.cost_model)
+        placement = planner.plan(tables, int(params.get("num_devices", 4)),
+                                 int(params.get("memory_bytes_per_device", 80 * 2**30)),
+                                 str(params.get("task_id", "task")))
+        from .scoring import placement_costs
+
+        return placement.to_frame(placement_costs(self.cost_model, placement))
+
+
+def load_policy_bundle(uri: str):
+    """(policy, cost_model, config) of a registered learned planner."""
+    from .. import registry
+
+    model = registry.load_python_model(uri)
+    return model.policy, model.cost_model, model.config
+
+
+def policy_artifacts(policy: PolicyNet, cost_model, folder: str, extra: dict | None = None) -> dict[str, str]:
+    """Artifacts of the bundle: the policy's files and the cost model's weights/config."""
+    arts = save_policy(policy, os.path.join(folder, "policy"), extra)
+    cost = cost_model.save(os.path.join(folder, "cost_model"))
+    arts.update({"cost_weights": cost["weights"], "cost_config": cost["config"]})
+    return arts
+
+
+def input_example(tables_df) -> "object":
+    return tables_df.head(3)

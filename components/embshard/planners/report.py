@@ -1,0 +1,34 @@
+"""A per-device table of a placement that a person reads at a glance (tables, memory, predicted cost)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..placement import Placement
+
+GiB = 2**30
+
+
+def device_table(placement: Placement, device_costs: np.ndarray | None = None,
+                 lower_bound: float | None = None) -> str:
+    mem = placement.memory_per_device()
+    shards = placement.device_shards()
+    lines = [f"task {placement.task_id}: {len(placement.tables)} tables on {placement.num_devices} devices, "
+             f"planner {placement.planner}" + (f" ({placement.model_uri})" if placement.model_uri else "")]
+    head = f"{'device':>6} {'tables':>6} {'splits':>6} {'memory GiB':>11} {'mem %':>6}"
+    if device_costs is not None:
+        head += f" {'pred. ms':>9} {'vs mean':>8}"
+    lines.append(head)
+    mean = float(np.mean(device_costs)) if device_costs is not None else None
+    for d in range(placement.num_devices):
+        row = (f"{d:>6} {len(shards[d]):>6} {sum(s.col_size is not None for s in shards[d]):>6} "
+               f"{mem[d] / GiB:>11.3f} {100 * mem[d] / placement.memory_bytes_per_device:>5.1f}%")
+        if device_costs is not None:
+            row += f" {device_costs[d]:>9.3f} {device_costs[d] / mean if mean else 0:>7.2f}x"
+        lines.append(row)
+    if device_costs is not None:
+        overall = float(np.max(device_costs))
+        summary = f"predicted step cost {overall:.3f} ms (slowest device), imbalance max/mean {overall / mean:.3f}"
+        if lower_bound:
+            summary += f", lower bound {lower_bound:.3f} ms, gap {100 * (overall / lower_bound - 1):.1f}%"
+        lines.append(summary)
+    return "\n".join(lines)
