@@ -5,6 +5,20 @@ from ..errors import EmbshardError
 from .base import Planner
 
 LEARNED = "learned"
+POLICY_ONLY = "policy_only"
+POLICY_MODEL = "embshard-policy"
+
+
+def learned_uri(name: str, default: str | None = None) -> str:
+    """Model URI of a learned planner name: learned (champion or `default`), learned@ALIAS, learned/VERSION."""
+    for prefix in (LEARNED, POLICY_ONLY):
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            if rest.startswith("@"):
+                return f"models:/{POLICY_MODEL}@{rest[1:]}"
+            if rest.startswith("/"):
+                return f"models:/{POLICY_MODEL}/{rest[1:]}"
+    return default or f"models:/{POLICY_MODEL}@champion"
 
 
 def available_planners() -> list[str]:
@@ -17,11 +31,16 @@ def get_planner(name: str, **kw) -> Planner:
     """A planner by name. `learned` takes model_uri=... (default models:/embshard-policy@champion)."""
     from .baselines import make_baseline
 
-    if name == LEARNED or name.startswith("learned"):
+    if name.startswith(LEARNED) or name.startswith(POLICY_ONLY):
         from .learned import load_planner
 
-        return load_planner(kw.get("model_uri") or "models:/embshard-policy@champion", **{
-            k: v for k, v in kw.items() if k != "model_uri"})
+        uri = learned_uri(name, kw.get("model_uri"))
+        opts = {k: v for k, v in kw.items() if k in ("time_budget_s", "num_samples", "column_splits", "seed")}
+        if name.startswith(POLICY_ONLY):  # ablation: one greedy rollout, no portfolio, no search
+            opts.update(num_samples=0, portfolio=False, column_splits=False, time_budget_s=0.0, cost_greedy=False)
+        planner = load_planner(uri, **opts)
+        planner.name = name
+        return planner
     if name.startswith("torchrec_"):
         from .torchrec_planner import TorchRecPlanner
 

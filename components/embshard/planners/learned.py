@@ -29,7 +29,7 @@ class LearnedPlanner(Planner):
 
     def __init__(self, policy: PolicyNet | None, cost_model, *, num_samples: int = 8, time_budget_s: float = 0.8,
                  column_splits: bool = True, portfolio: bool = True, refine_top: int = 3, seed: int = 0,
-                 model_uri: str | None = None):
+                 model_uri: str | None = None, cost_greedy: bool = True):
         self.policy = policy
         self.cost_model = cost_model
         self.num_samples = num_samples
@@ -39,6 +39,7 @@ class LearnedPlanner(Planner):
         self.refine_top = refine_top
         self.seed = seed
         self.model_uri = model_uri
+        self.use_cost_greedy = cost_greedy
 
     @torch.no_grad()
     def _plan(self, tables, num_devices, memory_bytes_per_device, task_id):
@@ -59,7 +60,7 @@ class LearnedPlanner(Planner):
                 if len(ok):
                     best = ok[np.argmin(sampled.overall[ok])]
                     cands["policy_sampled"] = sampled.assignment[best]
-        lpt = cost_greedy(ctx)
+        lpt = cost_greedy(ctx) if self.use_cost_greedy else None
         if lpt is not None:
             cands["cost_greedy"] = lpt
         if self.portfolio or not cands:
@@ -75,9 +76,16 @@ class LearnedPlanner(Planner):
         scored = sorted(((float(ctx.scorer.device_costs(a).max()), n, a) for n, a in cands.items()),
                         key=lambda x: x[0])
         best_state, best_from = None, None
-        for _, name, a in scored[: self.refine_top]:
+        top = scored[: max(1, self.refine_top)]
+        # Column splits get the last part of the budget; the refined candidates share the rest equally.
+        search_end = start + self.time_budget_s * (0.75 if self.column_splits else 1.0)
+        for k, (_, name, a) in enumerate(top):
+            if self.time_budget_s <= 0:  # no search: the best candidate as it is
+                best_state, best_from = SearchState(ctx.scorer, ctx.sizes, memory_bytes_per_device, a), name
+                break
+            now = time.perf_counter()
             st = local_search(SearchState(ctx.scorer, ctx.sizes, memory_bytes_per_device, a),
-                              deadline if best_state is None else max(deadline, time.perf_counter() + 0.05))
+                              now + max(search_end - now, 0.0) / (len(top) - k))
             if best_state is None or st.overall < best_state.overall:
                 best_state, best_from = st, name
         shards = [Shard(i, int(d)) for i, d in enumerate(best_state.assignment)]
