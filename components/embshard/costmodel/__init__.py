@@ -1,0 +1,44 @@
+"""The learned cost model: per-table encoder, SUM per device, fwd/bwd compute and comm heads, overall head.
+
+`CostModel` (prediction API), `load(uri)` (a registry URI such as models:/embshard-cost@champion, or a local
+folder written by CostModel.save), `run(...)` (the train_cost_model stage). Imports are lazy so that
+`embshard --help` does not pull torch.
+"""
+from __future__ import annotations
+
+REGISTERED_NAME = "embshard-cost"
+
+__all__ = ["CostModel", "load", "run", "REGISTERED_NAME"]
+
+
+def __getattr__(name):
+    if name == "CostModel":
+        from .model import CostModel
+
+        return CostModel
+    if name == "run":
+        from .stage import run
+
+        return run
+    raise AttributeError(name)
+
+
+def load(uri: str):
+    """A CostModel from `models:/embshard-cost@<alias>` (or any MLflow model URI) or a local model folder."""
+    import os
+
+    from .model import CostModel
+
+    if "://" not in uri and ":/" not in uri and os.path.isdir(uri):
+        return CostModel.load_dir(uri)
+    from .. import registry
+
+    registry.connect()
+    wrapper = registry.load_python_model(uri)
+    model = getattr(wrapper, "model", None)
+    if not isinstance(model, CostModel):
+        from ..errors import EmbshardError
+
+        raise EmbshardError("this registry entry is not a cost model", path=uri,
+                            fix=f"use a version of '{REGISTERED_NAME}'")
+    return model

@@ -1,0 +1,153 @@
+"""Measured costs -> training arrays, the seeded splits, and placements assembled from measured shards.
+
+Splits (seeded, reproducible):
+- the tables are divided into a *seen* pool and an *unseen* pool (`table_pools`: a seeded shuffle, the last
+  `unseen_frac` of it unseen, the DLRM protocol of ALGORITHMS.md). Shards made only of unseen tables form the
+  `unseen` test split; shards mixing both pools are dropped (their unseen tables would leak into training).
+- shards made only of seen tables are split at random into train / val (early stopping) / heldout.
+A benchmark sampler that wants a meaningful unseen split draws each shard inside one pool (`table_pools`
+with the same seed), and measures every table alone once (the single-table reference needs it).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from .. import schemas
+from ..errors import EmbshardError
+from ..features import feature_matrix
+
+log = logging.getLogger(__name__)
+
+TARGETS = ("fwd_compute_ms", "bwd_compute_ms", "comm_ms")
+SPLITS = ("train", "val", "heldout", "unseen")
+
+
+def table_pools(table_ids, seed: int = 0, unseen_frac: float = 0.5) -> tuple[set[str], set[str]]:
+    """(seen, unseen) table-id pools: a seeded shuffle of the sorted ids, the last `unseen_frac` unseen."""
+    ids = np.array(sorted(str(t) for t in table_ids), dtype=object)
+    perm = np.random.default_rng(seed).permutation(len(ids))
+    n_unseen = int(round(len(ids) * unseen_frac))
+    unseen = set(ids[perm[len(ids) - n_unseen:]]) if n_unseen else set()
+    return set(ids[perm[:len(ids) - n_unseen]]), unseen
+
+
+@dataclass
+class CostData:
+    """Measured shards as arrays: shard s holds tables rows[offsets[s]:offsets[s+1]] of `features`."""
+
+    features: np.ndarray       # (N, 21) raw features of all tables of tables.parquet
+    table_ids: np.ndarray      # (N,)
+    shards: list[np.ndarray]   # per measured row: table row indices
+    targets: np.ndarray        # (S, 3) fwd compute, bwd compute, comm (fwd + bwd) ms
+    num_devices: np.ndarray    # (S,)
+    frame: pd.DataFrame        # the costs rows used (same order)
+    split: np.ndarray          # (S,) one of SPLITS, or "" (dropped: mixes pools)
+    batch_size: int
+    hardware: str
+    backend: str
+    dataset_hash: str
+    dropped: dict
+
+    def index(self, split: str) -> np.ndarray:
+        return np.flatnonzero(self.split == split)
+
+    def singles(self) -> dict[tuple[int, int], np.ndarray]:
+        """(table row, num_devices) -> measured (3,) ms of the single-table shards (median if repeated)."""
+        out: dict[tuple[int, int], list] = {}
+        for s, rows in enumerate(self.shards):
+            if len(rows) == 1:
+                out.setdefault((int(rows[0]), int(self.num_devices[s])), []).append(self.targets[s])
+        return {k: np.median(np.stack(v), axis=0) for k, v in out.items()}
+
+
+def dataset_hash(frame: pd.DataFrame) -> str:
+    """A short content hash of the costs rows used (order-independent)."""
+    cols = ["sample_id", "fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms", "batch_size"]
+    text = frame[cols].assign(table_ids=frame["table_ids"].map(lambda v: ",".join(v))) \
+        .sort_values("sample_id").to_csv(index=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def load(costs: str, tables: str, *, seed: int = 0, unseen_frac: float = 0.5, val_frac: float = 0.15,
+         heldout_frac: float = 0.15) -> CostData:
+    """Read and check costs + tables, keep one batch size / hardware / backend (the most common), split."""
+    tdf = schemas.read(tables, "tables")
+    cdf = schemas.read(costs, "costs")  # empty / corrupt / missing columns -> EmbshardError naming the file
+    dropped: dict[str, int] = {}
+    for col in ("hardware", "backend", "batch_size"):
+        keep = cdf[col].value_counts().index[0]
+        n = int((cdf[col] != keep).sum())
+        if n:
+            log.warning("using the %d rows with %s=%s, dropping %d others", len(cdf) - n, col, keep, n)
+            dropped[f"other_{col}"] = n
+            cdf = cdf[cdf[col] == keep]
+    cdf = cdf.reset_index(drop=True)
+    ids = tdf["table_id"].astype(str).to_numpy(dtype=object)
+    lookup = {t: i for i, t in enumerate(ids)}
+    unknown = sorted({t for v in cdf["table_ids"] for t in v if t not in lookup})
+    if unknown:
+        raise EmbshardError(f"{len(unknown)} table ids of the costs are not in the tables file, e.g. {unknown[:3]}",
+                            path=costs, field="table_ids",
+                            fix="pass the tables.parquet the benchmark measured (--tables)")
+    shards = [np.fromiter((lookup[t] for t in v), dtype=np.int64, count=len(v)) for v in cdf["table_ids"]]
+    targets = np.stack([cdf["fwd_compute_ms"].to_numpy(float), cdf["bwd_compute_ms"].to_numpy(float),
+                        (cdf["fwd_comm_ms"] + cdf["bwd_comm_ms"]).to_numpy(float)], axis=1)
+    nd = (cdf["num_devices"].to_numpy(np.int64) if "num_devices" in cdf.columns
+          else np.ones(len(cdf), dtype=np.int64))
+
+    _, unseen = table_pools(ids, seed=seed, unseen_frac=unseen_frac)
+    is_unseen = np.array([t in unseen for t in ids])
+    frac = np.array([is_unseen[s].mean() for s in shards])
+    split = np.full(len(cdf), "", dtype=object)
+    split[frac == 1.0] = "unseen"
+    seen_idx = np.flatnonzero(frac == 0.0)
+    rng = np.random.default_rng(seed)
+    u = rng.random(len(seen_idx))
+    split[seen_idx] = np.where(u < val_frac, "val", np.where(u < val_frac + heldout_frac, "heldout", "train"))
+    dropped["mixed_pools"] = int(((frac > 0) & (frac < 1)).sum())
+    if (split == "train").sum() < 4 or (split == "val").sum() < 1:
+        raise EmbshardError(f"only {(split == 'train').sum()} training and {(split == 'val').sum()} validation "
+                            f"shards after the splits ({len(cdf)} rows)", path=costs,
+                            fix="measure more shards (each inside one table pool, see costmodel.data.table_pools)")
+    if (split == "unseen").sum() < 10:
+        log.warning("only %d unseen-table shards: the benchmark sampler should draw shards inside one table "
+                    "pool (embshard.costmodel.data.table_pools)", int((split == "unseen").sum()))
+    return CostData(features=feature_matrix(tdf), table_ids=ids, shards=shards, targets=targets,
+                    num_devices=nd, frame=cdf, split=split, batch_size=int(cdf["batch_size"].iloc[0]),
+                    hardware=str(cdf["hardware"].iloc[0]), backend=str(cdf["backend"].iloc[0]),
+                    dataset_hash=dataset_hash(cdf), dropped=dropped)
+
+
+def assemble_placements(data: CostData, idx: np.ndarray, count: int, seed: int) -> list[tuple[np.ndarray, float]]:
+    """`count` pseudo-placements from measured shards of `idx`: D shards with the same num_devices D, taken
+    without repeating a table; overall = max of their measured totals. Returns (shard indices, overall ms)."""
+    rng = np.random.default_rng(seed)
+    totals = data.targets.sum(1)
+    out = []
+    by_d = {int(d): idx[data.num_devices[idx] == d] for d in np.unique(data.num_devices[idx])}
+    by_d = {d: v for d, v in by_d.items() if d > 1 and len(v) >= d}
+    if not by_d:
+        return out
+    keys = sorted(by_d)
+    for _ in range(count * 3):
+        if len(out) >= count:
+            break
+        d = keys[rng.integers(len(keys))]
+        pool = rng.permutation(by_d[d])
+        chosen, used = [], set()
+        for s in pool:
+            t = set(data.shards[s].tolist())
+            if t & used:
+                continue
+            chosen.append(s)
+            used |= t
+            if len(chosen) == d:
+                break
+        if len(chosen) == d:
+            out.append((np.array(chosen), float(totals[chosen].max())))
+    return out

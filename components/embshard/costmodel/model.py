@@ -1,0 +1,237 @@
+"""The cost network (DreamShard-style) and `CostModel`, its batched prediction API.
+
+table features --(scaler, saved in the model)--> per-table MLP encoder -> encoding e_t (H channels)
+device shard d: s_d = SUM_t e_t  (works for any number of tables)
+heads on s_d: forward compute ms, backward compute ms, communication ms (fwd + bwd all-to-all)
+overall head on the element-wise MAX over device vectors (trained on placements assembled from measured shards)
+
+Each encoding ends with three raw, additive channels so that the SUM carries exact shard totals that the
+heads need: a count (1 per table: an empty device has count 0 and costs 0), dim / DIM_SCALE (the dim sum
+drives the all-to-all) and pooling * dim / LOOKUP_SCALE (the bytes a lookup reads drive compute, and let the
+compute heads extrapolate roughly linearly to shards larger than those measured).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..errors import EmbshardError
+from ..features import NUM_FEATURES, FeatureScaler
+from ..schemas import FEATURE_VERSION
+
+HEADS = ("fwd_compute", "bwd_compute", "comm")
+DIM_SCALE = 128.0
+LOOKUP_SCALE = 1024.0
+BIN_STD_FLOOR = 0.1
+Z_CLIP = 6.0
+NUM_EXTRA = 3  # count, dim sum, lookup-bytes sum
+COUNT, DIMSUM, LOOKUPS = 0, 1, 2  # positions of the extra channels after the learned part
+
+
+@dataclass
+class CostModelConfig:
+    hidden: int = 128
+    embed: int = 32
+    head_hidden: int = 64
+    overall_hidden: int = 64
+    # ms per unit of each head's output (about the median measured value), so the nets work near 1
+    target_scale: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    scaler: dict | None = None
+    batch_size: int | None = None
+    hardware: str = ""
+    backend: str = ""
+    feature_version: str = FEATURE_VERSION
+    dataset_hash: str = ""
+    num_devices_seen: list[int] = field(default_factory=list)
+
+
+def _device_context(num_devices: torch.Tensor) -> torch.Tensor:
+    """Features of the device count for the comm head: log2 D and the all-to-all share (D-1)/D."""
+    d = num_devices.to(torch.float32).clamp(min=1.0)
+    return torch.stack([torch.log2(d), (d - 1.0) / d], dim=-1)
+
+
+class CostNet(nn.Module):
+    def __init__(self, cfg: CostModelConfig):
+        super().__init__()
+        e = cfg.embed
+        self.encoder = nn.Sequential(nn.Linear(NUM_FEATURES, cfg.hidden), nn.ReLU(),
+                                     nn.Linear(cfg.hidden, e), nn.ReLU())
+        h_in = e + NUM_EXTRA
+        self.fwd = nn.Sequential(nn.Linear(h_in, cfg.head_hidden), nn.ReLU(), nn.Linear(cfg.head_hidden, 1))
+        self.bwd = nn.Sequential(nn.Linear(h_in, cfg.head_hidden), nn.ReLU(), nn.Linear(cfg.head_hidden, 1))
+        # comm = dim_sum * rate(D) + latency(D): the all-to-all moves B x dim_sum pooled values.
+        self.comm_rate = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.comm_latency = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
+        # overall: MAX over devices of [sum encoding, the 3 predicted heads, the device total]
+        o_in = h_in + len(HEADS) + 1
+        self.overall = nn.Sequential(nn.Linear(o_in, cfg.overall_hidden), nn.ReLU(),
+                                     nn.Linear(cfg.overall_hidden, 1))
+        self.register_buffer("target_scale", torch.tensor(cfg.target_scale, dtype=torch.float32))
+        self.register_buffer("scaler_mean", torch.zeros(NUM_FEATURES))
+        self.register_buffer("scaler_std", torch.ones(NUM_FEATURES))
+
+    def encode_scaled(self, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        """(N, H) encodings from scaled features x and raw features (for the additive channels)."""
+        extra = torch.stack([torch.ones_like(raw[:, 0]), raw[:, 0] / DIM_SCALE,
+                             raw[:, 0] * raw[:, 2] / LOOKUP_SCALE], dim=-1)
+        return torch.cat([self.encoder(x), extra.to(x.dtype)], dim=-1)
+
+    def heads(self, sums: torch.Tensor, num_devices: torch.Tensor) -> torch.Tensor:
+        """(..., 3) ms for fwd compute, bwd compute, comm from device sums (..., H); 0 for empty devices."""
+        ctx = _device_context(num_devices).expand(*sums.shape[:-1], 2)
+        f = nn.functional.softplus(self.fwd(sums))
+        b = nn.functional.softplus(self.bwd(sums))
+        dimsum = sums[..., -NUM_EXTRA + DIMSUM:][..., :1]
+        c = dimsum * nn.functional.softplus(self.comm_rate(ctx)) + nn.functional.softplus(self.comm_latency(ctx))
+        c = c * (num_devices.to(sums.dtype).expand(*sums.shape[:-1]) > 1).unsqueeze(-1)  # one device: no comm
+        out = torch.cat([f, b, c], dim=-1) * self.target_scale
+        nonempty = (sums[..., -NUM_EXTRA + COUNT] > 0.5).unsqueeze(-1)
+        return out * nonempty
+
+    def overall_from(self, sums: torch.Tensor, heads: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Overall ms of placements: sums (P, D, H), heads (P, D, 3), mask (P, D) True for real devices."""
+        scale = self.target_scale.sum()
+        total = heads.sum(-1, keepdim=True)
+        v = torch.cat([sums, heads / scale, total / scale], dim=-1)
+        v = v.masked_fill(~mask.unsqueeze(-1), float("-inf")).amax(dim=1)
+        v = torch.nan_to_num(v, neginf=0.0)
+        return nn.functional.softplus(self.overall(v)).squeeze(-1) * scale
+
+
+class CostModel:
+    """The trained cost network with its feature normalisation: everything a loaded model needs.
+
+    Raw features are the (N, 21) matrix of `embshard.features.feature_matrix` (FEATURE_NAMES order).
+    Heads, in order: fwd_compute, bwd_compute, comm (= fwd + bwd all-to-all), all in ms.
+    """
+
+    def __init__(self, net: CostNet, config: CostModelConfig):
+        self.net = net.eval()
+        self.config = config
+
+    # -- construction and persistence --------------------------------------------------------------------------
+    @classmethod
+    def create(cls, config: CostModelConfig, scaler: FeatureScaler) -> "CostModel":
+        net = CostNet(config)
+        # Access bins are fractions: a bin that is rare in the training pool has a tiny std, and an unseen
+        # table using it would get a z-score in the hundreds. Floor their std; clip all z-scores (_scaled).
+        std = np.asarray(scaler.std, dtype=np.float64).copy()
+        std[4:] = np.maximum(std[4:], BIN_STD_FLOOR)
+        config.scaler = {"mean": list(map(float, scaler.mean)), "std": list(map(float, std))}
+        net.scaler_mean.copy_(torch.as_tensor(scaler.mean, dtype=torch.float32))
+        net.scaler_std.copy_(torch.as_tensor(std, dtype=torch.float32))
+        return cls(net, config)
+
+    def save(self, folder: str) -> dict[str, str]:
+        """Write weights.pt (state_dict) and config.json; returns the artifact paths (MLflow artifacts)."""
+        os.makedirs(folder, exist_ok=True)
+        weights, config = os.path.join(folder, "weights.pt"), os.path.join(folder, "config.json")
+        torch.save(self.net.state_dict(), weights)
+        with open(config, "w", encoding="utf-8") as f:
+            json.dump(asdict(self.config), f, indent=1)
+        return {"weights": weights, "config": config}
+
+    @classmethod
+    def from_files(cls, weights: str, config: str) -> "CostModel":
+        try:
+            with open(config, encoding="utf-8") as f:
+                cfg = CostModelConfig(**json.load(f))
+            net = CostNet(cfg)
+            net.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
+        except (OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
+            raise EmbshardError(f"cannot load the cost model ({str(exc).splitlines()[0][:120]})", path=weights,
+                                fix="re-train with `embshard train-cost`") from None
+        return cls(net, cfg)
+
+    @classmethod
+    def load_dir(cls, folder: str) -> "CostModel":
+        return cls.from_files(os.path.join(folder, "weights.pt"), os.path.join(folder, "config.json"))
+
+    # -- fast torch path (policy, search) ----------------------------------------------------------------------
+    @property
+    def width(self) -> int:
+        """H, the number of channels of a table encoding."""
+        return self.config.embed + NUM_EXTRA
+
+    def _scaled(self, raw: torch.Tensor) -> torch.Tensor:
+        x = raw.clone()
+        x[:, :4] = torch.log1p(x[:, :4])
+        return ((x - self.net.scaler_mean) / self.net.scaler_std).clamp(-Z_CLIP, Z_CLIP)
+
+    def encode(self, features) -> torch.Tensor:
+        """(N, H) float32 encodings of tables from raw (N, 21) features; normalisation happens inside.
+
+        Sum the encodings of a device's tables and pass the sum to `totals_from_sums`/`heads_from_sums`.
+        Channel `-3` of an encoding is 1 (a table count): an all-zero sum is an empty device and costs 0, so a
+        caller only needs to sum over the tables actually on the device (zeros elsewhere).
+        """
+        raw = _as_raw(features)
+        with torch.no_grad():
+            return self.net.encode_scaled(self._scaled(raw), raw)
+
+    def heads_from_sums(self, sums: torch.Tensor, num_devices: int) -> torch.Tensor:
+        """(..., 3) ms (fwd compute, bwd compute, comm) from device sums (..., H)."""
+        with torch.no_grad():
+            return self.net.heads(sums, torch.tensor(float(num_devices)))
+
+    def totals_from_sums(self, sums: torch.Tensor, num_devices: int) -> torch.Tensor:
+        """(...) total ms of each device from the SUM of its tables' encodings (..., H); empty device -> 0."""
+        return self.heads_from_sums(sums, num_devices).sum(-1)
+
+    def overall_from_sums(self, sums: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Overall-cost head: (P,) ms of P placements from device sums (P, D, H), D = num_devices."""
+        d = sums.shape[-2]
+        if mask is None:
+            mask = sums[..., -NUM_EXTRA + COUNT] > -1.0  # all devices present
+        with torch.no_grad():
+            heads = self.net.heads(sums, torch.tensor(float(d)))
+            return self.net.overall_from(sums, heads, mask)
+
+    # -- numpy API ---------------------------------------------------------------------------------------------
+    def predict_shards(self, features, shards: Sequence[np.ndarray], num_devices: int) -> np.ndarray:
+        """(S, 3) ms (fwd compute, bwd compute, comm) of S device shards, each an array of row indices into
+        `features` (N, 21 raw). Vectorised: one encoding pass and one segment sum, no loop over shards."""
+        enc = self.encode(features)
+        if len(shards) == 0:
+            return np.zeros((0, len(HEADS)), dtype=np.float32)
+        lengths = np.fromiter((len(s) for s in shards), dtype=np.int64, count=len(shards))
+        flat = np.concatenate([np.asarray(s, dtype=np.int64).ravel() for s in shards]) if lengths.sum() else \
+            np.zeros(0, dtype=np.int64)
+        if flat.size and (flat.min() < 0 or flat.max() >= enc.shape[0]):
+            raise EmbshardError(f"shard row index out of range 0..{enc.shape[0] - 1}", field="shards",
+                                fix="shards hold row indices into the features matrix")
+        seg = torch.from_numpy(np.repeat(np.arange(len(shards)), lengths))
+        sums = torch.zeros(len(shards), enc.shape[1])
+        sums.index_add_(0, seg, enc[torch.from_numpy(flat)])
+        return self.heads_from_sums(sums, num_devices).numpy()
+
+    def predict_placement(self, features, assignment, num_devices: int) -> tuple[np.ndarray, float]:
+        """(per-device total ms (D,), overall = max of them) for a table-wise assignment (N,) of devices."""
+        enc = self.encode(features)
+        assignment = torch.as_tensor(np.asarray(assignment, dtype=np.int64))
+        if assignment.numel() != enc.shape[0]:
+            raise EmbshardError(f"assignment has {assignment.numel()} entries for {enc.shape[0]} tables",
+                                field="assignment", fix="give one device per table row")
+        if assignment.numel() and (assignment.min() < 0 or assignment.max() >= num_devices):
+            raise EmbshardError(f"device index out of range 0..{num_devices - 1}", field="assignment")
+        sums = torch.zeros(num_devices, enc.shape[1]).index_add_(0, assignment, enc)
+        totals = self.totals_from_sums(sums, num_devices).numpy()
+        return totals, float(totals.max()) if len(totals) else 0.0
+
+
+def _as_raw(features) -> torch.Tensor:
+    if isinstance(features, torch.Tensor):
+        raw = features.to(torch.float32)
+    else:
+        raw = torch.from_numpy(np.asarray(features, dtype=np.float32))
+    if raw.ndim != 2 or raw.shape[1] != NUM_FEATURES:
+        raise EmbshardError(f"features of shape {tuple(raw.shape)}", field="features",
+                            fix=f"pass the (N, {NUM_FEATURES}) raw matrix of embshard.features.feature_matrix")
+    return raw

@@ -1,0 +1,39 @@
+"""The MLflow pyfunc wrapper of the cost model (importable class: no pickled lambdas, nothing in __main__).
+
+Artifacts: `weights` (state_dict .pt) and `config` (JSON with the architecture and the feature scaler).
+`predict` takes a DataFrame with one row per (shard, table): the 21 raw feature columns
+(embshard.features.FEATURE_NAMES), `shard` (int id) and `num_devices`; it returns one row per shard with
+fwd_compute_ms, bwd_compute_ms, comm_ms, total_ms. Python callers use `.model` (a CostModel) directly.
+"""
+from __future__ import annotations
+
+import mlflow.pyfunc
+
+
+class CostModelPyfunc(mlflow.pyfunc.PythonModel):
+    def __init__(self):
+        self.model = None
+
+    def load_context(self, context) -> None:
+        from .model import CostModel
+
+        self.model = CostModel.from_files(context.artifacts["weights"], context.artifacts["config"])
+
+    def predict(self, context, model_input, params=None):
+        import numpy as np
+        import pandas as pd
+
+        from ..features import FEATURE_NAMES
+
+        df = pd.DataFrame(model_input)
+        out = []
+        for nd, part in df.groupby("num_devices", sort=True):
+            codes, ids = pd.factorize(part["shard"], sort=True)
+            order = np.argsort(codes, kind="stable")
+            bounds = np.cumsum(np.bincount(codes, minlength=len(ids)))[:-1]
+            shards = np.split(order, bounds)
+            pred = self.model.predict_shards(part[FEATURE_NAMES].to_numpy(np.float32), shards, int(nd))
+            out.append(pd.DataFrame({"shard": ids, "num_devices": int(nd), "fwd_compute_ms": pred[:, 0],
+                                     "bwd_compute_ms": pred[:, 1], "comm_ms": pred[:, 2],
+                                     "total_ms": pred.sum(1)}))
+        return pd.concat(out, ignore_index=True)

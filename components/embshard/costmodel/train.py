@@ -1,0 +1,194 @@
+"""Seeded training of the cost network with a validation split and early stopping.
+
+Loss: squared log-ratio log((pred + eps) / (true + eps)) per head, i.e. relative error, so that small and large
+shards count alike (MAPE and rank order are what the planners need); eps = 2% of the head's median keeps
+near-zero measurements from dominating. Stage 1 trains encoder + three heads on measured shards; stage 2
+trains the overall head alone on placements assembled from measured shards (overall = max device total).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..features import FeatureScaler
+from .data import CostData, assemble_placements
+from .model import CostModel, CostModelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainParams:
+    seed: int = 0
+    max_epochs: int = 400
+    patience: int = 40
+    lr: float = 3e-3
+    weight_decay: float = 1e-5
+    batch_shards: int = 64
+    overall_placements: int = 2000
+    hidden: int = 128
+    embed: int = 32
+    head_hidden: int = 64
+
+
+@dataclass
+class History:
+    train_loss: list[float] = field(default_factory=list)
+    val_loss: list[float] = field(default_factory=list)
+    overall_train_loss: list[float] = field(default_factory=list)
+    overall_val_loss: list[float] = field(default_factory=list)
+    best_epoch: int = 0
+    overall_best_epoch: int = 0
+
+
+class _Batcher:
+    """Segment-sum inputs for a set of shards (flat table rows + shard id of each)."""
+
+    def __init__(self, data: CostData, device_nd: bool = True):
+        self.data = data
+
+    def __call__(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        shards = [self.data.shards[s] for s in idx]
+        lengths = np.fromiter((len(s) for s in shards), dtype=np.int64, count=len(shards))
+        return (torch.from_numpy(np.concatenate(shards)),
+                torch.from_numpy(np.repeat(np.arange(len(shards)), lengths)))
+
+
+def _sums(net, x, raw, flat, seg, n):
+    enc = net.encode_scaled(x, raw)
+    return torch.zeros(n, enc.shape[1]).index_add_(0, seg, enc[flat])
+
+
+def _log_ratio(pred, true, eps, mask):
+    err = (torch.log(pred + eps) - torch.log(true + eps)) ** 2
+    return (err * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def fit(data: CostData, params: TrainParams) -> tuple[CostModel, History]:
+    torch.manual_seed(params.seed)
+    rng = np.random.default_rng(params.seed)
+    threads = int(os.environ.get("EMBSHARD_NUM_THREADS", "0") or 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    tr, va = data.index("train"), data.index("val")
+    used = np.unique(np.concatenate([data.shards[s] for s in tr]))
+    scaler = FeatureScaler.fit(data.features[used])  # fitted on training tables only
+    y_tr = data.targets[tr]
+    scale = [float(np.median(y_tr[y_tr[:, h] > 0, h])) if (y_tr[:, h] > 0).any() else 1.0 for h in range(3)]
+    cfg = CostModelConfig(hidden=params.hidden, embed=params.embed, head_hidden=params.head_hidden,
+                          target_scale=scale, batch_size=data.batch_size, hardware=data.hardware,
+                          backend=data.backend, dataset_hash=data.dataset_hash,
+                          num_devices_seen=sorted(int(d) for d in np.unique(data.num_devices[tr])))
+    model = CostModel.create(cfg, scaler)
+    net = model.net.train()
+    raw = torch.from_numpy(data.features.astype(np.float32))
+    x = model._scaled(raw)
+    eps = torch.tensor(scale, dtype=torch.float32) * 0.02
+    y_all = torch.from_numpy(data.targets.astype(np.float32))
+    nd_all = torch.from_numpy(data.num_devices.astype(np.float32))
+    # comm of a one-device shard is 0 by construction: no loss there
+    mask_all = torch.ones_like(y_all)
+    mask_all[:, 2] = (nd_all > 1).float()
+    batch = _Batcher(data)
+
+    def loss_of(idx: np.ndarray) -> torch.Tensor:
+        flat, seg = batch(idx)
+        sums = _sums(net, x, raw, flat, seg, len(idx))
+        t = torch.from_numpy(idx)
+        pred = net.heads(sums, nd_all[t])
+        return _log_ratio(pred, y_all[t], eps, mask_all[t])
+
+    stage1 = [p for n, p in net.named_parameters() if not n.startswith("overall")]
+    opt = torch.optim.Adam(stage1, lr=params.lr, weight_decay=params.weight_decay)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=params.patience // 3)
+    hist = History()
+    best, best_state, bad = float("inf"), None, 0
+    for epoch in range(params.max_epochs):
+        net.train()
+        order = rng.permutation(tr)
+        total, n = 0.0, 0
+        for i in range(0, len(order), params.batch_shards):
+            idx = order[i:i + params.batch_shards]
+            loss = loss_of(idx)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            total, n = total + loss.item() * len(idx), n + len(idx)
+        with torch.no_grad():
+            net.eval()
+            v = float(loss_of(va))
+        hist.train_loss.append(total / n)
+        hist.val_loss.append(v)
+        sched.step(v)
+        if v < best - 1e-6:
+            best, best_state, bad, hist.best_epoch = v, copy.deepcopy(net.state_dict()), 0, epoch
+        else:
+            bad += 1
+            if bad >= params.patience:
+                break
+    net.load_state_dict(best_state)
+    log.info("cost heads: best val loss %.4f at epoch %d of %d", best, hist.best_epoch, len(hist.val_loss))
+    _fit_overall(model, data, params, hist, x, raw)
+    model.net.eval()
+    return model, hist
+
+
+def _fit_overall(model: CostModel, data: CostData, params: TrainParams, hist: History, x, raw) -> None:
+    """Stage 2: the overall head on assembled placements; encoder and heads stay frozen."""
+    net = model.net
+    sets = {}
+    for name, split, seed in (("train", "train", params.seed), ("val", "val", params.seed + 1)):
+        sets[name] = assemble_placements(data, data.index(split), params.overall_placements if name == "train"
+                                         else params.overall_placements // 4, seed)
+    if not sets["train"] or not sets["val"]:
+        log.warning("no multi-device placements to assemble: the overall head stays untrained "
+                    "(planners use the max of device totals anyway)")
+        return
+    with torch.no_grad():
+        enc = net.encode_scaled(x, raw)
+
+    def tensors(pls):
+        # group by device count: one (P, D, H) block per D
+        groups: dict[int, list] = {}
+        for shards, y in pls:
+            groups.setdefault(len(shards), []).append((shards, y))
+        out = []
+        for d, items in groups.items():
+            sums = torch.stack([torch.stack([enc[torch.from_numpy(data.shards[s])].sum(0) for s in sh])
+                                for sh, _ in items])
+            with torch.no_grad():
+                heads = net.heads(sums, torch.tensor(float(d)))
+            out.append((sums, heads, torch.tensor([y for _, y in items], dtype=torch.float32)))
+        return out
+
+    tr, va = tensors(sets["train"]), tensors(sets["val"])
+    eps = float(net.target_scale.sum()) * 0.02
+    opt = torch.optim.Adam(net.overall.parameters(), lr=params.lr)
+
+    def loss_of(blocks):
+        losses = [_log_ratio(net.overall_from(s, h, torch.ones(s.shape[:2], dtype=torch.bool)), y, eps,
+                             torch.ones_like(y)) * len(y) for s, h, y in blocks]
+        return sum(losses) / sum(len(b[2]) for b in blocks)
+
+    best, best_state, bad = float("inf"), None, 0
+    for epoch in range(params.max_epochs):
+        loss = loss_of(tr)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            v = float(loss_of(va))
+        hist.overall_train_loss.append(float(loss))
+        hist.overall_val_loss.append(v)
+        if v < best - 1e-6:
+            best, best_state, bad, hist.overall_best_epoch = v, copy.deepcopy(net.overall.state_dict()), 0, epoch
+        else:
+            bad += 1
+            if bad >= params.patience:
+                break
+    net.overall.load_state_dict(best_state)

@@ -1,0 +1,125 @@
+"""Generic MLflow helpers shared by the cost model and the policy.
+
+Tracking URI: `MLFLOW_TRACKING_URI`, else a sqlite store `mlflow.db` inside the run directory (or the current
+folder). Artifacts of a local sqlite store live beside the database in `mlartifacts/`, never in the cwd.
+Models are pyfunc `PythonModel`s whose class lives in this package (importable, nothing from `__main__`),
+logged with explicit pip requirements (skips MLflow's slow dependency inference) and registered with tags;
+versions are addressed by aliases (`champion`, `challenger`), never by the deprecated stages.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .errors import ModelNotFoundError
+
+DEFAULT_EXPERIMENT = "embshard"
+
+
+def tracking_uri(run_dir: str | os.PathLike | None = None) -> str:
+    """MLFLOW_TRACKING_URI if set, else sqlite:///<run_dir or cwd>/mlflow.db (absolute)."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    root = os.path.abspath(os.fspath(run_dir) if run_dir is not None else os.getcwd())
+    os.makedirs(root, exist_ok=True)
+    return f"sqlite:///{os.path.join(root, 'mlflow.db')}"
+
+
+def _artifact_root(uri: str) -> str | None:
+    """For a local sqlite store: file:// folder beside the database; else None (the server decides)."""
+    if uri.startswith("sqlite:///"):
+        db = uri[len("sqlite:///"):]
+        return "file://" + os.path.join(os.path.dirname(os.path.abspath(db)), "mlartifacts")
+    return None
+
+
+def connect(run_dir: str | os.PathLike | None = None) -> str:
+    """Point MLflow tracking and registry at `tracking_uri(run_dir)`; returns the URI."""
+    import mlflow
+
+    uri = tracking_uri(run_dir)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    return uri
+
+
+def use(run_dir: str | os.PathLike | None = None, experiment: str = DEFAULT_EXPERIMENT) -> str:
+    """`connect(run_dir)` and select `experiment` (created with a local artifact root where the store is
+    local). Returns the URI."""
+    import mlflow
+
+    uri = connect(run_dir)
+    client = mlflow.MlflowClient()
+    if client.get_experiment_by_name(experiment) is None:
+        client.create_experiment(experiment, artifact_location=_artifact_root(uri))
+    mlflow.set_experiment(experiment)
+    return uri
+
+
+def default_pip_requirements() -> list[str]:
+    """Pinned requirements of the running environment (explicit: MLflow need not infer them)."""
+    from importlib import metadata
+
+    reqs = []
+    for dist in ("embshard", "mlflow", "torch", "numpy", "pandas", "pyarrow"):
+        try:
+            reqs.append(f"{dist}=={metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            continue
+    return reqs
+
+
+def log_and_register(python_model, artifacts: dict[str, str], registered_name: str, tags: dict[str, Any],
+                     input_example=None, pip_requirements: list[str] | None = None):
+    """Log a pyfunc model in the active run (one is started if none is) and register it as a new version of
+    `registered_name`, tagged with `tags` (on the version). Returns the MLflow ModelVersion."""
+    import mlflow
+
+    started = mlflow.active_run() is None
+    if started:
+        mlflow.start_run()
+    try:
+        info = mlflow.pyfunc.log_model(
+            name="model", python_model=python_model, artifacts=artifacts, input_example=input_example,
+            pip_requirements=pip_requirements or default_pip_requirements(),
+            registered_model_name=registered_name)
+        client = mlflow.MlflowClient()
+        version = str(info.registered_model_version)
+        for k, v in tags.items():
+            client.set_model_version_tag(registered_name, version, k, str(v))
+        return client.get_model_version(registered_name, version)
+    finally:
+        if started:
+            mlflow.end_run()
+
+
+def set_alias(name: str, alias: str, version) -> None:
+    import mlflow
+
+    mlflow.MlflowClient().set_registered_model_alias(name, alias, str(version))
+
+
+def version_for_alias(name: str, alias: str):
+    """The ModelVersion behind `name@alias`, or None when the model or the alias does not exist."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return mlflow.MlflowClient().get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+
+
+def load_python_model(uri: str):
+    """The unwrapped PythonModel instance behind a model URI (`models:/name@alias`, `runs:/...`)."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return mlflow.pyfunc.load_model(uri).unwrap_python_model()
+    except MlflowException as exc:
+        name = uri.split("/")[1].split("@")[0] if uri.startswith("models:/") else uri
+        raise ModelNotFoundError(f"no model at {uri} ({str(exc).splitlines()[0][:120]})", path=uri,
+                                 fix=f"train and register '{name}' first, or check MLFLOW_TRACKING_URI "
+                                     f"({tracking_uri()})") from None
