@@ -1,0 +1,65 @@
+{{/* Chart name, truncated to the 63 characters of a DNS label. */}}
+{{- define "embshard.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Fully qualified app name; a release named like the chart is not repeated ("embshard", not "embshard-embshard"). */}}
+{{- define "embshard.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "embshard.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "embshard.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Selector labels of one component: include with (dict "ctx" $ "component" "mlflow"). */}}
+{{- define "embshard.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "embshard.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "embshard.mlflowName" -}}{{ include "embshard.fullname" . }}-mlflow{{- end }}
+{{- define "embshard.postgresName" -}}{{ include "embshard.fullname" . }}-postgres{{- end }}
+{{- define "embshard.minioName" -}}{{ include "embshard.fullname" . }}-minio{{- end }}
+
+{{/* In-cluster URLs. */}}
+{{- define "embshard.mlflowUri" -}}
+{{- printf "http://%s.%s.svc.cluster.local:%d" (include "embshard.mlflowName" .) .Release.Namespace (int .Values.mlflow.port) }}
+{{- end }}
+{{- define "embshard.minioEndpoint" -}}
+{{- printf "http://%s.%s.svc.cluster.local:9000" (include "embshard.minioName" .) .Release.Namespace }}
+{{- end }}
+
+{{/* The stage-pod settings the DAG reads: stagePods plus the release namespace and the MLflow URI. */}}
+{{- define "embshard.stagePodConfig" -}}
+{{- $cfg := deepCopy .Values.stagePods }}
+{{- $_ := set $cfg "namespace" .Release.Namespace }}
+{{- if not $cfg.mlflowTrackingUri }}
+{{- $_ := set $cfg "mlflowTrackingUri" (include "embshard.mlflowUri" .) }}
+{{- end }}
+{{- toYaml $cfg }}
+{{- end }}
+
+{{/* Restricted pod security for the bundled services. */}}
+{{- define "embshard.containerSecurity" -}}
+allowPrivilegeEscalation: false
+capabilities:
+  drop: [ALL]
+{{- end }}

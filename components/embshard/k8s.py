@@ -1,0 +1,249 @@
+"""Stage pods on Kubernetes: the one source of truth for how each pipeline stage runs as a pod.
+
+The DAG's `kubernetes` runner builds one KubernetesPodOperator per stage from `pod_operator_kwargs(stage,
+arguments)`. Its settings are `POD_DEFAULTS`, overridden by the YAML file named in `EMBSHARD_K8S_CONFIG`.
+The Helm chart (charts/embshard) renders that YAML into a ConfigMap from its `stagePods` values, and the
+Airflow values (charts/airflow-values.yaml) mount it into the scheduler and workers; tests/test_k8s_pods.py
+checks that the chart's defaults equal `POD_DEFAULTS`, so the two cannot drift apart.
+
+Credentials never appear here: pods get them from Kubernetes Secrets (`envFromSecrets`, `secretEnv`).
+The kubernetes client is imported inside functions so that importing this module stays cheap.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+from .errors import EmbshardError
+
+CONFIG_ENV = "EMBSHARD_K8S_CONFIG"
+
+# Stage names = the DAG's task ids (same ids for the local and the kubernetes runner).
+STAGES = ("ingest", "benchmark", "train_cost_model", "train_policy", "evaluate_and_promote",
+          "export_placements")
+
+# camelCase keys, as in the chart's values (`stagePods`), so the ConfigMap is this dict verbatim.
+POD_DEFAULTS: dict[str, Any] = {
+    "image": "ghcr.io/embshard/embshard-cuda:0.1.0",
+    "imagePullPolicy": "IfNotPresent",
+    "imagePullSecrets": [],
+    "namespace": "embshard",
+    "serviceAccountName": "embshard-stage",
+    "labels": {"app.kubernetes.io/name": "embshard", "app.kubernetes.io/component": "stage"},
+    "annotations": {},
+    # In-cluster MLflow server of the chart (release "embshard" in namespace "embshard").
+    "mlflowTrackingUri": "http://embshard-mlflow.embshard.svc.cluster.local:5000",
+    # Plain, non-secret settings.
+    "env": {"PYTHONUNBUFFERED": "1"},
+    # Whole Secrets as environment (S3 keys, MLflow auth); optional so clusters with workload identity
+    # (IRSA, GKE WI) need none.
+    "envFromSecrets": [{"name": "embshard-credentials", "optional": True}],
+    # Single keys from Secrets: [{"name": ENV_NAME, "secretName": ..., "key": ..., "optional": bool}].
+    "secretEnv": [],
+    # Where stages exchange Parquet: a shared ReadWriteMany PVC, or a bucket (then no volume is mounted).
+    "storage": {
+        "type": "pvc",  # "pvc" | "bucket"
+        "claimName": "embshard-data",
+        "mountPath": "/data",
+        "dataRoot": "file:///data/embshard",
+        # For type "bucket": dataRoot "s3://bucket/prefix"; endpoint for S3-compatible stores (MinIO).
+        "s3Endpoint": "",
+    },
+    "gpu": {
+        "resourceName": "nvidia.com/gpu",
+        "count": 1,
+        # Labels set by NVIDIA GPU feature discovery; pin a product to measure on one GPU type only.
+        "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    },
+    "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
+                           "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
+    "containerSecurityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    "startupTimeoutSeconds": 900,  # GPU nodes may scale up from zero and pull a multi-GB image
+    "onFinishAction": "delete_succeeded_pod",  # failed pods stay for `kubectl logs/describe`
+    # Per stage: resources and whether the pod needs a GPU. Measuring stages run on the GPU type whose costs
+    # they learn from: benchmark measures shards, evaluate_and_promote measures whole placements.
+    "stages": {
+        "ingest": {"gpu": False, "resources": {"requests": {"cpu": "1", "memory": "4Gi"},
+                                               "limits": {"cpu": "2", "memory": "8Gi"}}},
+        "benchmark": {"gpu": True, "resources": {"requests": {"cpu": "4", "memory": "16Gi"},
+                                                 "limits": {"cpu": "8", "memory": "32Gi"}}},
+        "train_cost_model": {"gpu": False, "resources": {"requests": {"cpu": "4", "memory": "8Gi"},
+                                                         "limits": {"cpu": "8", "memory": "16Gi"}}},
+        "train_policy": {"gpu": False, "resources": {"requests": {"cpu": "4", "memory": "8Gi"},
+                                                     "limits": {"cpu": "8", "memory": "16Gi"}}},
+        "evaluate_and_promote": {"gpu": True, "resources": {"requests": {"cpu": "4", "memory": "16Gi"},
+                                                            "limits": {"cpu": "8", "memory": "32Gi"}}},
+        "export_placements": {"gpu": False, "resources": {"requests": {"cpu": "1", "memory": "2Gi"},
+                                                          "limits": {"cpu": "2", "memory": "4Gi"}}},
+    },
+}
+
+
+def _merge(base: dict, override: dict) -> dict:
+    """Deep-merge `override` into a copy of `base`: dicts merge, everything else (lists too) replaces."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _check(config: dict, source: str) -> dict:
+    unknown = sorted(set(config) - set(POD_DEFAULTS))
+    if unknown:
+        raise EmbshardError(f"unknown pod setting(s) {unknown}", path=source,
+                            fix=f"use only {sorted(POD_DEFAULTS)}")
+    if not config.get("image"):
+        raise EmbshardError("no image set", path=source, field="image",
+                            fix="set the embshard image, e.g. <registry>/embshard-cuda:0.1.0")
+    for stage, spec in config["stages"].items():
+        if stage not in STAGES:
+            raise EmbshardError(f"unknown stage '{stage}'", path=source, field="stages",
+                                fix=f"use one of {list(STAGES)}")
+        if not isinstance(spec, dict) or not isinstance(spec.get("resources", {}), dict):
+            raise EmbshardError("a stage needs a mapping with 'gpu' and 'resources'", path=source,
+                                field=f"stages.{stage}")
+    storage = config["storage"]
+    if storage.get("type") not in ("pvc", "bucket"):
+        raise EmbshardError(f"storage type '{storage.get('type')}' is not supported", path=source,
+                            field="storage.type", fix="use 'pvc' (a shared volume) or 'bucket' (s3://)")
+    if storage["type"] == "pvc" and not storage.get("claimName"):
+        raise EmbshardError("a pvc storage needs a claim name", path=source, field="storage.claimName")
+    if storage["type"] == "bucket" and not str(storage.get("dataRoot", "")).startswith("s3://"):
+        raise EmbshardError("a bucket storage needs an s3:// data root", path=source,
+                            field="storage.dataRoot", fix="e.g. s3://my-bucket/embshard")
+    for item in config.get("secretEnv", []):
+        if not {"name", "secretName", "key"} <= set(item):
+            raise EmbshardError("each secretEnv entry needs name, secretName and key", path=source,
+                                field="secretEnv")
+    return config
+
+
+def load_pod_config(path: str | os.PathLike | None = None) -> dict:
+    """POD_DEFAULTS overridden by the YAML at `path` (else $EMBSHARD_K8S_CONFIG; else the defaults alone).
+
+    The YAML has the same keys as POD_DEFAULTS (the chart's `stagePods` values); it may set only a few.
+    """
+    import yaml
+
+    path = path or os.environ.get(CONFIG_ENV) or None
+    if path is None:
+        return _check(copy.deepcopy(POD_DEFAULTS), "POD_DEFAULTS")
+    try:
+        with open(path, encoding="utf-8") as f:
+            override = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise EmbshardError(f"cannot read the pod settings ({exc.strerror})", path=str(path),
+                            fix=f"mount the chart's ConfigMap there or unset {CONFIG_ENV}") from exc
+    except yaml.YAMLError as exc:
+        raise EmbshardError(f"not valid YAML ({exc})", path=str(path)) from exc
+    if not isinstance(override, dict):
+        raise EmbshardError("the pod settings must be a YAML mapping", path=str(path))
+    return _check(_merge(POD_DEFAULTS, override), str(path))
+
+
+def data_root(config: dict | None = None) -> str:
+    """The storage root stage pods see (file:///data/... on the shared PVC, or s3://...)."""
+    config = config if config is not None else load_pod_config()
+    return config["storage"]["dataRoot"]
+
+
+def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = None) -> dict:
+    """Keyword arguments for `KubernetesPodOperator(task_id=..., **kwargs)` running `embshard <arguments>`.
+
+    The image's entrypoint is `embshard`, so `arguments` start with the command: ["bench", "--tables", ...].
+    GPU stages request and limit `gpu.count` of `gpu.resourceName` and carry the GPU node selector and
+    tolerations; the others carry neither.
+    """
+    from kubernetes.client import models as k8s
+
+    config = config if config is not None else load_pod_config()
+    if stage not in STAGES:
+        raise EmbshardError(f"unknown stage '{stage}'", field="stage", fix=f"use one of {list(STAGES)}")
+    spec = config["stages"].get(stage) or {"gpu": False, "resources": {}}
+    gpu = config["gpu"]
+
+    requests = {k: str(v) for k, v in (spec.get("resources", {}).get("requests") or {}).items()}
+    limits = {k: str(v) for k, v in (spec.get("resources", {}).get("limits") or {}).items()}
+    node_selector: dict[str, str] = {}
+    tolerations: list[k8s.V1Toleration] = []
+    if spec.get("gpu"):
+        # Extended resources must be requested and limited with the same whole number.
+        requests[gpu["resourceName"]] = limits[gpu["resourceName"]] = str(int(gpu["count"]))
+        node_selector = {k: str(v) for k, v in gpu.get("nodeSelector", {}).items()}
+        tolerations = [k8s.V1Toleration(key=t.get("key"), operator=t.get("operator"), value=t.get("value"),
+                                        effect=t.get("effect"),
+                                        toleration_seconds=t.get("tolerationSeconds"))
+                       for t in gpu.get("tolerations", [])]
+
+    storage = config["storage"]
+    env = {"EMBSHARD_STAGE": stage, "EMBSHARD_DATA_ROOT": storage["dataRoot"]}
+    if config.get("mlflowTrackingUri"):
+        env["MLFLOW_TRACKING_URI"] = config["mlflowTrackingUri"]
+    if storage["type"] == "bucket" and storage.get("s3Endpoint"):
+        # pyarrow's S3 filesystem and boto3 both read AWS_ENDPOINT_URL.
+        env["AWS_ENDPOINT_URL"] = storage["s3Endpoint"]
+    env.update({k: str(v) for k, v in config.get("env", {}).items()})
+    env_vars = [k8s.V1EnvVar(name=k, value=v) for k, v in env.items()]
+    env_vars += [k8s.V1EnvVar(name=item["name"], value_from=k8s.V1EnvVarSource(
+        secret_key_ref=k8s.V1SecretKeySelector(name=item["secretName"], key=item["key"],
+                                               optional=item.get("optional", False))))
+        for item in config.get("secretEnv", [])]
+    env_from = [k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=s["name"],
+                                                                      optional=s.get("optional", False)))
+                for s in config.get("envFromSecrets", [])]
+
+    volumes: list[k8s.V1Volume] = []
+    volume_mounts: list[k8s.V1VolumeMount] = []
+    if storage["type"] == "pvc":
+        volumes.append(k8s.V1Volume(name="embshard-data", persistent_volume_claim=(
+            k8s.V1PersistentVolumeClaimVolumeSource(claim_name=storage["claimName"]))))
+        volume_mounts.append(k8s.V1VolumeMount(name="embshard-data", mount_path=storage["mountPath"]))
+
+    psc = config.get("podSecurityContext") or {}
+    csc = config.get("containerSecurityContext") or {}
+    labels = {**config.get("labels", {}), "embshard.io/stage": stage.replace("_", "-")}
+    return {
+        "name": f"embshard-{stage.replace('_', '-')}",
+        "image": config["image"],
+        "image_pull_policy": config.get("imagePullPolicy", "IfNotPresent"),
+        "image_pull_secrets": [k8s.V1LocalObjectReference(name=n) for n in config.get("imagePullSecrets", [])],
+        "cmds": ["embshard"],
+        "arguments": [str(a) for a in arguments],
+        "namespace": config["namespace"],
+        "service_account_name": config["serviceAccountName"],
+        "labels": labels,
+        "annotations": dict(config.get("annotations", {})),
+        "container_resources": k8s.V1ResourceRequirements(requests=requests or None, limits=limits or None),
+        "node_selector": node_selector,
+        "tolerations": tolerations,
+        "env_vars": env_vars,
+        "env_from": env_from,
+        "volumes": volumes,
+        "volume_mounts": volume_mounts,
+        "security_context": _security(k8s.V1PodSecurityContext, psc),
+        "container_security_context": _security(k8s.V1SecurityContext, csc),
+        "startup_timeout_seconds": int(config.get("startupTimeoutSeconds", 900)),
+        "on_finish_action": config.get("onFinishAction", "delete_succeeded_pod"),
+        "get_logs": True,
+        "log_events_on_failure": True,
+        "do_xcom_push": False,
+    }
+
+
+def _security(cls, settings: dict):
+    """A kubernetes-client security context object from camelCase settings (None when empty)."""
+    if not settings:
+        return None
+    from kubernetes.client import ApiClient
+
+    # The client's own deserializer maps camelCase JSON onto its snake_case models.
+    class _Response:
+        data = json.dumps(settings)
+
+    return ApiClient().deserialize(_Response(), cls.__name__)
