@@ -1,0 +1,106 @@
+"""Ingestion: DLRM traces, table-spec files or the synthetic generator -> DIR/tables.parquet.
+
+`run(source, out, ...)` is the stage function the DAG calls; `embshard ingest` (ingest/cli.py) wraps it.
+Heavy work (torch, the samplers) is imported inside the functions.
+"""
+from __future__ import annotations
+
+import os
+
+SOURCES = ("dlrm", "spec", "synthetic")
+TABLES_FILE = "tables.parquet"
+TRACES_FILE = "traces.pt"
+
+
+def run(source: str, out: str, input: str | None = None, seed: int = 0, num_tables: int | None = None,
+        **kw) -> str:
+    """Ingest tables from `source` into `<out>/tables.parquet`; returns that path.
+
+    source="synthetic": `num_tables` (default 856) seeded tables; kw `write_traces=True` also writes
+      `<out>/traces.pt` in the DLRM format (kw `trace_batch_size`, default 4096; `trace_layout`) and takes
+      the pooling factors and bins from those traces, so rows point at them; `bins_batch_size`,
+      `bytes_per_element`.
+    source="dlrm": `input` a .pt/.pt.gz trace; kw `dim` (int or "mixed"), `data_type` ("fp32"/"fp16"),
+      `rows_file`; `num_tables` reads only the first N tables.
+    source="spec": `input` a CSV/Parquet/YAML table spec; kw `bins_batch_size`.
+    kw `progress` (default True) shows a bar over tables. Writes are atomic: on error nothing is left behind.
+    """
+    from .. import schemas, storage
+    from ..errors import EmbshardError
+
+    progress = kw.pop("progress", True)
+    if source not in SOURCES:
+        raise EmbshardError(f"unknown source {source!r}", field="source", fix=f"use one of {', '.join(SOURCES)}")
+    if source in ("dlrm", "spec") and not input:
+        raise EmbshardError(f"--input is required for source {source!r}", field="input",
+                            fix="give the trace file (.pt/.pt.gz)" if source == "dlrm"
+                            else "give the spec file (.csv/.parquet/.yaml)")
+    out_path = storage.join(out, TABLES_FILE)
+    local_out = "://" not in os.fspath(out) or os.fspath(out).startswith("file://")
+    if source == "synthetic":
+        df = _synthetic(out, seed, 856 if num_tables is None else int(num_tables), progress, local_out, kw)
+    elif source == "dlrm":
+        from .dlrm import TraceOptions, tables_from_trace
+
+        opts = TraceOptions(dim=kw.pop("dim", "mixed"), data_type=kw.pop("data_type", "fp32"),
+                            rows_file=kw.pop("rows_file", None), seed=seed, num_tables=num_tables,
+                            # a .pt.gz is decompressed beside the output (a big file; /tmp may be small)
+                            tmp_dir=kw.pop("tmp_dir", None) or (os.fspath(out).removeprefix("file://")
+                                                                if local_out else None))
+        _no_extra(kw)
+        df = tables_from_trace(input, opts, progress=progress)
+    else:
+        from .spec import tables_from_spec
+
+        batch = kw.pop("bins_batch_size", None)
+        _no_extra(kw)
+        df = tables_from_spec(input, seed=seed, bins_batch_size=batch, progress=progress)
+    schemas.write(df, out_path, "tables")
+    return out_path
+
+
+def _no_extra(kw: dict) -> None:
+    from ..errors import EmbshardError
+
+    if kw:
+        name = sorted(kw)[0]
+        raise EmbshardError("option does not apply to this source", field=name, fix=f"drop '{name}'")
+
+
+def _synthetic(out: str, seed: int, num_tables: int, progress: bool, local_out: bool, kw: dict):
+    from ..errors import EmbshardError
+    from .synthetic import BINS_BATCH_SIZE, generate_tables, write_dlrm_traces
+
+    write_traces = bool(kw.pop("write_traces", False))
+    trace_batch = int(kw.pop("trace_batch_size", 4096))
+    layout = kw.pop("trace_layout", "flat")
+    bins_batch = int(kw.pop("bins_batch_size", None) or BINS_BATCH_SIZE)
+    bpe = int(kw.pop("bytes_per_element", 4))
+    _no_extra(kw)
+    df = generate_tables(num_tables, seed=seed, bytes_per_element=bpe,
+                         bins_batch_size=trace_batch if write_traces else bins_batch)
+    if not write_traces:
+        return df
+    if not local_out:
+        raise EmbshardError("traces can only be written to a local folder", field="out",
+                            fix="use a local --out, or drop --write-traces")
+    from .dlrm import tables_from_trace
+
+    out_dir = os.fspath(out).removeprefix("file://")
+    trace_path = os.path.join(out_dir, TRACES_FILE)
+    existed = os.path.exists(trace_path)
+    write_dlrm_traces(df, trace_path, batch_size=trace_batch, seed=seed, layout=layout)
+    try:
+        # Features from the very indices the benchmark will replay; shapes stay the generator's.
+        traced = tables_from_trace(
+            trace_path, rows=df["rows"].to_numpy(), dims=df["dim"].to_numpy(), table_ids=list(df["table_id"]),
+            source=f"synthetic:seed={seed};traces={TRACES_FILE};batch={trace_batch};layout={layout}",
+            progress=progress)
+    except BaseException:
+        if not existed:
+            os.remove(trace_path)
+        raise
+    traced["bytes_per_element"] = bpe
+    traced["size_bytes"] = traced["rows"] * traced["dim"] * bpe
+    traced["zipf_alpha"] = df["zipf_alpha"].to_numpy()
+    return traced

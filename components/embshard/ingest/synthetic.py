@@ -166,6 +166,9 @@ def write_dlrm_traces(tables_df: pd.DataFrame, path, batch_size: int, seed: int,
     os.makedirs(parent, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; the trace is a normal data file
     try:
         if path.endswith(".gz"):
             raw = tmp + ".raw"

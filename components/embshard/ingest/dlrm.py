@@ -1,0 +1,392 @@
+"""Meta's open DLRM trace format (`fbgemm_t856_bs65536.pt`, ALGORITHMS.md), read table by table.
+
+A file holds `torch.save((indices, offsets, lengths))` (a dict with those keys is accepted too):
+indices (all tables concatenated, table by table), lengths [T, B], and offsets in one of three layouts:
+one flat array of T*B+1 running positions, or [T, B+1] per table (flat T*(B+1) also read) whose rows start
+either at 0 or at the table's global position. A table's position in `indices` is the sum of the earlier
+tables' lookups, which is the same in every layout, so no layout guessing is needed.
+
+The real file holds ~887M indices (4.2 GB): zip-format `.pt` files are memory-mapped
+(`torch.load(mmap=True)`), so only the table being read is resident, and the pages of a finished table are
+handed back to the kernel. A `.pt.gz` is stream-decompressed to a temporary file first, then mapped.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import gzip
+import logging
+import os
+import shutil
+import tempfile
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from .. import schemas
+from ..errors import EmbshardError
+
+log = logging.getLogger(__name__)
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_ZIP_MAGIC = b"PK\x03\x04"
+DATA_TYPES = {"fp32": 4, "fp16": 2}
+_FIX_FORMAT = "give a torch.save((indices, offsets, lengths)) file (.pt or .pt.gz), re-download or regenerate it"
+
+
+class TraceFile:
+    """A lazily read DLRM trace file: `table(t)` gives one table's (indices, lengths) as numpy int64."""
+
+    def __init__(self, path: str | os.PathLike, tmp_dir: str | None = None):
+        self.path = os.fspath(path)
+        self._tmp: str | None = None
+        if not os.path.isfile(self.path):
+            raise EmbshardError("file not found", path=self.path, fix="check the --input path")
+        with open(self.path, "rb") as f:
+            magic = f.read(4)
+        load_path = self.path
+        if magic[:2] == _GZIP_MAGIC:
+            load_path = self._tmp = _gunzip_to_temp(self.path, tmp_dir)
+        self.mapped = False  # set by _load: True when the tensors are backed by a file mapping
+        try:
+            indices, offsets, lengths = self._load(load_path, mmap=magic == _ZIP_MAGIC or self._tmp is not None)
+            self._indices = _as_numpy(indices)
+            self._offsets = None if offsets is None else _as_numpy(offsets)
+            self._lengths = None if lengths is None else _as_numpy(lengths)
+            self._keep = (indices, offsets, lengths)  # the tensors own the memory maps
+            # a non-contiguous tensor was copied into ordinary memory: never madvise that
+            self._release_ok = self.mapped and indices.is_contiguous()
+            self._index()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- loading -------------------------------------------------------------------------------------
+    def _load(self, load_path: str, mmap: bool):
+        import pickle
+
+        import torch
+
+        try:
+            try:
+                obj = torch.load(load_path, mmap=mmap, weights_only=True, map_location="cpu")
+                self.mapped = mmap
+            except RuntimeError as exc:
+                if not mmap or "mmap" not in str(exc):
+                    raise
+                # Legacy (pre-zip) torch.save files cannot be mapped: read them whole.
+                log.warning("%s is not in torch's zip format; loading it into memory", self.path)
+                obj = torch.load(load_path, weights_only=True, map_location="cpu")
+        except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError, KeyError,
+                AttributeError, IndexError, TypeError) as exc:
+            msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
+            reason = f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+            raise EmbshardError(f"not a readable torch.save file, truncated or corrupt ({reason})",
+                                path=self.path, fix=_FIX_FORMAT) from None
+        if isinstance(obj, dict):
+            missing = [k for k in ("indices", "offsets") if k not in obj]
+            if missing and not ("indices" in obj and "lengths" in obj):
+                raise EmbshardError(f"the saved dict has no {missing[0]!r} entry", path=self.path,
+                                    field=missing[0], fix=_FIX_FORMAT)
+            parts = (obj.get("indices"), obj.get("offsets"), obj.get("lengths"))
+        elif isinstance(obj, (tuple, list)) and len(obj) in (2, 3):
+            parts = (*obj, None) if len(obj) == 2 else tuple(obj)
+        else:
+            raise EmbshardError(f"holds a {type(obj).__name__}, not (indices, offsets, lengths)",
+                                path=self.path, fix=_FIX_FORMAT)
+        for name, t in zip(("indices", "offsets", "lengths"), parts):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex()):
+                raise EmbshardError(f"is not an integer tensor ({getattr(t, 'dtype', type(t).__name__)})",
+                                    path=self.path, field=name, fix=_FIX_FORMAT)
+        return parts
+
+    def _index(self) -> None:
+        """Find T, B and where every table starts in `indices` (reads only T+1 offsets, or the lengths)."""
+        ind, off, lens = self._indices, self._offsets, self._lengths
+        where = self.path
+        if ind.ndim != 1:
+            raise EmbshardError(f"has shape {tuple(ind.shape)}, expected 1-D", path=where, field="indices",
+                                fix=_FIX_FORMAT)
+        if lens is not None and lens.ndim == 2:
+            T, B = lens.shape
+        elif off is not None and off.ndim == 2:
+            T, B = off.shape[0], off.shape[1] - 1
+        else:
+            raise EmbshardError("cannot tell tables from samples: need lengths of shape [T, B] or offsets "
+                                "of shape [T, B+1]", path=where, field="lengths", fix=_FIX_FORMAT)
+        if T <= 0 or B <= 0:
+            raise EmbshardError(f"no tables or no samples (T={T}, B={B})", path=where, field="lengths",
+                                fix="give a trace with at least one table and one sample")
+        if lens is not None and lens.size != T * B:
+            raise EmbshardError(f"has {lens.size} entries, expected T*B = {T}*{B}", path=where, field="lengths",
+                                fix=_FIX_FORMAT)
+        self.num_tables, self.batch_size = int(T), int(B)
+        self._layout = None
+        if off is not None:
+            if off.ndim == 1 and off.size == T * B + 1:
+                self._layout = "flat"
+                starts = off[::B].astype(np.int64)  # T+1 positions
+                # positions are relative to the first offset (0 in every file we know of)
+                bounds = starts - starts[0]
+            elif (off.ndim == 1 and off.size == T * (B + 1)) or (off.ndim == 2 and off.shape == (T, B + 1)):
+                self._layout = "per_table"
+                self._offsets = off = off.reshape(T, B + 1)
+                totals = off[:, -1].astype(np.int64) - off[:, 0].astype(np.int64)
+                bounds = np.concatenate([[0], np.cumsum(totals)])
+            else:
+                raise EmbshardError(f"has shape {tuple(off.shape)}; expected {T * B + 1} (flat) or "
+                                    f"[{T}, {B + 1}] (per table)", path=where, field="offsets", fix=_FIX_FORMAT)
+        else:
+            bounds = np.concatenate([[0], np.cumsum(lens.reshape(T, B).sum(axis=1, dtype=np.int64))])
+        if lens is not None:
+            self._lengths = lens.reshape(T, B)
+        if np.any(np.diff(bounds) < 0) or bounds[0] < 0:
+            raise EmbshardError("offsets decrease: the file is corrupt", path=where, field="offsets",
+                                fix=_FIX_FORMAT)
+        if bounds[-1] != ind.size:
+            raise EmbshardError(f"offsets cover {bounds[-1]} indices but the file holds {ind.size}",
+                                path=where, field="offsets", fix=_FIX_FORMAT)
+        self.bounds = bounds.astype(np.int64)
+        self.num_indices = int(ind.size)
+
+    # -- reading ---------------------------------------------------------------------------------------
+    def table(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """(indices int64, lengths int64 [B]) of table t, checked for consistency."""
+        if not 0 <= t < self.num_tables:
+            raise EmbshardError(f"table index {t} out of range 0..{self.num_tables - 1}", path=self.path,
+                                field="trace_table_index", fix="re-ingest the tables from this trace file")
+        B = self.batch_size
+        lo, hi = int(self.bounds[t]), int(self.bounds[t + 1])
+        if self._layout == "flat":
+            o = self._offsets[t * B:(t + 1) * B + 1].astype(np.int64)
+            lengths = np.diff(o)
+        elif self._layout == "per_table":
+            lengths = np.diff(self._offsets[t].astype(np.int64))
+        else:
+            lengths = self._lengths[t].astype(np.int64)
+        if self._lengths is not None and self._layout is not None:
+            if not np.array_equal(lengths, self._lengths[t]):
+                raise EmbshardError(f"lengths of table {t} disagree with its offsets", path=self.path,
+                                    field="lengths", fix=_FIX_FORMAT)
+        if lengths.size and lengths.min() < 0:
+            raise EmbshardError(f"negative bag length in table {t}", path=self.path, field="offsets",
+                                fix=_FIX_FORMAT)
+        view = self._indices[lo:hi]
+        indices = view.astype(np.int64, copy=True)
+        if self._release_ok:
+            _release(view)
+        if indices.size and indices.min() < 0:
+            raise EmbshardError(f"negative index in table {t}", path=self.path, field="indices", fix=_FIX_FORMAT)
+        return indices, lengths
+
+    def close(self) -> None:
+        self._keep = self._indices = self._offsets = self._lengths = None
+        if self._tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self._tmp)
+            self._tmp = None
+
+    def __enter__(self) -> "TraceFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _as_numpy(t) -> np.ndarray:
+    return t.numpy() if t.is_contiguous() else t.contiguous().numpy()
+
+
+_libc = None
+_MADV_DONTNEED = 4
+
+
+def _release(view: np.ndarray) -> None:
+    """Give the pages of a finished, memory-mapped slice back to the kernel (keeps resident memory flat).
+
+    Only for file mappings that are never written (torch.load(mmap=True)): dropping their pages loses
+    nothing, a later read faults them back in from the file. NEVER call it on ordinary (anonymous) memory,
+    where MADV_DONTNEED would zero the data. Whole pages inside the slice only.
+    """
+    global _libc
+    if view.size == 0 or view.base is None:
+        return
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        page = os.sysconf("SC_PAGE_SIZE")
+        start = view.ctypes.data
+        end = start + view.nbytes
+        a, b = -(-start // page) * page, (end // page) * page
+        if b > a:
+            _libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), _MADV_DONTNEED)
+    except (OSError, AttributeError, ValueError):
+        pass
+
+
+def _gunzip_to_temp(path: str, tmp_dir: str | None) -> str:
+    """Stream-decompress a .gz to a temporary file (never whole in memory); errors name the file."""
+    if tmp_dir:
+        os.makedirs(tmp_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".embshard-trace-", suffix=".pt", dir=tmp_dir)
+    try:
+        with os.fdopen(fd, "wb") as dst, gzip.open(path, "rb") as src:
+            shutil.copyfileobj(src, dst, 16 << 20)
+    except (EOFError, OSError, zlib.error) as exc:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        if isinstance(exc, OSError) and getattr(exc, "errno", None) is not None:
+            raise EmbshardError(f"cannot decompress ({exc.strerror})", path=path,
+                                fix="free disk space for the decompressed copy or pass a .pt file") from None
+        reason = str(exc).splitlines()[0][:100] or type(exc).__name__
+        raise EmbshardError(f"truncated or corrupt gzip file ({reason})", path=path, fix=_FIX_FORMAT) from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    return tmp
+
+
+# -- lazy per-table access for other stages (the benchmark replays real indices) -----------------------------
+_OPEN: dict[tuple, TraceFile] = {}
+_MAX_OPEN = 2
+
+
+def read_table_trace(path: str, table_index: int) -> tuple[np.ndarray, np.ndarray]:
+    """(indices int64, lengths int64 [B]) of one table of a DLRM-format trace file (.pt or .pt.gz).
+
+    The file is opened once per process and memory-mapped (a .gz is decompressed once to a temp file that
+    is removed at exit), so reading many tables one by one stays cheap.
+    """
+    path = os.fspath(path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise EmbshardError("trace file not found", path=path, field="trace_file",
+                            fix="re-ingest the tables, or restore the trace file they point to") from None
+    key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+    trace = _OPEN.get(key)
+    if trace is None:
+        while len(_OPEN) >= _MAX_OPEN:
+            _OPEN.pop(next(iter(_OPEN))).close()
+        trace = _OPEN[key] = TraceFile(path)
+    return trace.table(int(table_index))
+
+
+@atexit.register
+def _close_all() -> None:
+    while _OPEN:
+        _OPEN.popitem()[1].close()
+
+
+# -- ingestion -------------------------------------------------------------------------------------------------
+@dataclass
+class TraceOptions:
+    dim: str | int = "mixed"            # an int for every table, or "mixed": a seeded draw from the synthetic mix
+    data_type: str = "fp32"
+    rows_file: str | None = None        # hash sizes, one per table; default: max index + 1
+    seed: int = 0
+    num_tables: int | None = None       # read only the first N tables
+    tmp_dir: str | None = None          # where a .pt.gz is decompressed
+
+
+def read_rows_file(path: str, num_tables: int) -> np.ndarray:
+    """Hash sizes from a text file: integers separated by commas, spaces or newlines, one per table."""
+    if not os.path.isfile(path):
+        raise EmbshardError("file not found", path=path, field="rows", fix="check the --rows-file path")
+    text = open(path, encoding="utf-8").read().replace(",", " ").split()
+    try:
+        rows = np.array([int(x) for x in text], dtype=np.int64)
+    except ValueError as exc:
+        raise EmbshardError(f"not an integer ({str(exc).split(':')[-1].strip()})", path=path, field="rows",
+                            fix="list one integer hash size per table") from None
+    if rows.size < num_tables:
+        raise EmbshardError(f"has {rows.size} hash sizes for {num_tables} tables", path=path, field="rows",
+                            fix="list one hash size per table of the trace")
+    if (rows[:num_tables] <= 0).any():
+        bad = int(np.flatnonzero(rows <= 0)[0])
+        raise EmbshardError(f"hash size {rows[bad]} of table {bad} is not > 0", path=path, field="rows",
+                            fix="every hash size must be a positive integer")
+    return rows[:num_tables]
+
+
+def choose_dims(dim: str | int, num_tables: int, seed: int) -> np.ndarray:
+    from .synthetic import DIM_PROBS, DIMS
+
+    if isinstance(dim, str) and dim.strip().lower() == "mixed":
+        return np.random.default_rng([seed, 3]).choice(DIMS, size=num_tables, p=DIM_PROBS).astype(np.int64)
+    try:
+        d = int(dim)
+    except (TypeError, ValueError):
+        d = 0
+    if d <= 0:
+        raise EmbshardError(f"invalid value {dim!r}", field="dim", fix="give a positive integer or 'mixed'")
+    return np.full(num_tables, d, dtype=np.int64)
+
+
+def bytes_per_element(data_type: str) -> int:
+    key = str(data_type).strip().lower()
+    if key not in DATA_TYPES:
+        raise EmbshardError(f"unsupported data type {data_type!r}", field="data_type", fix="use fp32 or fp16")
+    return DATA_TYPES[key]
+
+
+def tables_from_trace(path: str, options: TraceOptions | None = None, *, rows: np.ndarray | None = None,
+                      dims: np.ndarray | None = None, table_ids: list[str] | None = None,
+                      source: str | None = None, progress: bool = True) -> pd.DataFrame:
+    """A validated tables frame with one row per table of the trace, features computed from its indices.
+
+    `rows`/`dims`/`table_ids` override what the options would choose (the synthetic source passes its own).
+    Tables are streamed one at a time; every row points back at its trace (trace_file, trace_table_index).
+    """
+    from tqdm.auto import tqdm
+
+    from .synthetic import table_bins
+
+    opt = options or TraceOptions()
+    bpe = bytes_per_element(opt.data_type)
+    with TraceFile(path, tmp_dir=opt.tmp_dir) as trace:
+        T = trace.num_tables if opt.num_tables is None else min(int(opt.num_tables), trace.num_tables)
+        if T <= 0:
+            raise EmbshardError("must be > 0", field="num_tables", fix="ask for at least one table")
+        if rows is None and opt.rows_file:
+            rows = read_rows_file(opt.rows_file, T)
+        if dims is None:
+            dims = choose_dims(opt.dim, T, opt.seed)
+        ids = table_ids or [f"t{i:04d}" for i in range(T)]
+        out_rows = np.empty(T, dtype=np.int64)
+        pooling = np.empty(T)
+        bins = np.empty((T, schemas.NUM_BINS))
+        for t in tqdm(range(T), desc="ingest tables", unit="table", disable=not progress or None,
+                      mininterval=1.0):
+            idx, lengths = trace.table(t)
+            top = int(idx.max()) + 1 if idx.size else 1
+            if rows is not None:
+                out_rows[t] = int(rows[t])
+                if top > out_rows[t]:
+                    raise EmbshardError(f"table {t} uses index {top - 1} but has {out_rows[t]} rows",
+                                        path=opt.rows_file or path, field="rows",
+                                        fix="give hash sizes larger than every index, or omit --rows-file")
+            else:
+                out_rows[t] = top
+            pooling[t] = lengths.sum() / trace.batch_size
+            bins[t] = table_bins(idx, int(out_rows[t]))
+            del idx, lengths
+        batch = trace.batch_size
+    df = pd.DataFrame({"table_id": ids, "rows": out_rows, "dim": np.asarray(dims, dtype=np.int64),
+                       "pooling_factor": pooling, "bytes_per_element": bpe})
+    df["size_bytes"] = df["rows"] * df["dim"] * bpe
+    for k, c in enumerate(schemas.BIN_COLUMNS):
+        df[c] = bins[:, k]
+    if source is None:
+        dim_desc = f"mixed(seed={opt.seed})" if str(opt.dim).lower() == "mixed" else str(int(opt.dim))
+        rows_desc = f"file:{opt.rows_file}" if opt.rows_file else "max-index+1"
+        source = (f"dlrm:{os.path.abspath(path)};batch={batch};dim={dim_desc};"
+                  f"dtype={str(opt.data_type).lower()};rows={rows_desc}")
+    df["source"] = source
+    df["trace_file"] = os.path.abspath(path)
+    df["trace_table_index"] = np.arange(T, dtype=np.int64)
+    return schemas.validate(df, "tables", path)

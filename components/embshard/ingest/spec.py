@@ -1,0 +1,218 @@
+"""Table-spec files: a user's description of a real model's tables, without traces.
+
+One row per table with TorchRec's names: `name`, `num_embeddings`, `embedding_dim`, `pooling_factor`, and
+optionally `data_type` (fp32/fp16) and the access skew: `zipf_alpha`, or the 17 bins `bin_00`..`bin_16`.
+CSV, Parquet or YAML (a list of mappings, or a mapping with a `tables:` list).
+
+Skew per row: the bins if given, else the row's zipf_alpha, else DEFAULT_ZIPF_ALPHA. Bins from a zipf_alpha are
+computed from a sampled batch of BINS_BATCH_SIZE samples, exactly as for synthetic tables; `source` records
+which skew a row got (`spec:<file>;skew=bins|zipf-<a>|default-zipf-1.0`).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pandas as pd
+
+from .. import schemas
+from ..errors import EmbshardError
+from .dlrm import DATA_TYPES
+
+# Default skew where a spec gives none: Zipf alpha 1.0, the classic "web" popularity law, between the
+# near-uniform (0) and very skewed (1.4) ends of the synthetic population.
+DEFAULT_ZIPF_ALPHA = 1.0
+REQUIRED = ["name", "num_embeddings", "embedding_dim", "pooling_factor"]
+_DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "datatype.fp32": "fp32",
+                  "fp16": "fp16", "float16": "fp16", "half": "fp16", "datatype.fp16": "fp16"}
+_FORMATS = ".csv, .parquet, .yaml or .yml"
+
+
+def read_spec_file(path: str) -> pd.DataFrame:
+    """The raw rows of a spec file; unreadable files and empty lists are errors naming the file."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise EmbshardError("file not found", path=path, fix="check the --input path")
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        if ext == ".csv":
+            df = pd.read_csv(path, skipinitialspace=True, comment="#")
+        elif ext in (".parquet", ".pq"):
+            df = pd.read_parquet(path)
+        elif ext in (".yaml", ".yml"):
+            import yaml
+
+            with open(path, encoding="utf-8") as f:
+                doc = yaml.safe_load(f)
+            if isinstance(doc, dict):
+                doc = doc.get("tables")
+            if doc is None:
+                doc = []
+            if not isinstance(doc, list) or not all(isinstance(r, dict) for r in doc):
+                raise EmbshardError("expected a list of tables (mappings), or a mapping with a 'tables' list",
+                                    path=path, field="tables", fix="write one mapping per table under 'tables:'")
+            df = pd.DataFrame(doc)
+        else:
+            raise EmbshardError(f"unknown file type {ext or '(none)'!r}", path=path,
+                                fix=f"give a {_FORMATS} file")
+    except EmbshardError:
+        raise
+    except pd.errors.EmptyDataError:
+        df = pd.DataFrame()
+    except Exception as exc:  # parser errors of three libraries: one line naming the file
+        reason = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
+        raise EmbshardError(f"cannot read this file ({reason})", path=path,
+                            fix=f"give a valid {_FORMATS} file") from None
+    if len(df) == 0:
+        raise EmbshardError("the table list is empty", path=path, field="name",
+                            fix="describe at least one table (one row per table)")
+    df.columns = [str(c).strip() for c in df.columns]
+    return df
+
+
+def _numbers(df: pd.DataFrame, col: str, path: str, integer: bool) -> pd.Series:
+    """A numeric column, or an error naming the first value that is not a number (or not an integer)."""
+    s = df[col]
+    if s.dtype == bool:
+        raise EmbshardError("is boolean, not a number", path=path, field=col, fix="give numbers")
+    num = pd.to_numeric(s, errors="coerce")
+    bad = num.isna() & s.notna()
+    if bad.any():
+        i = int(np.flatnonzero(bad.to_numpy())[0])
+        raise EmbshardError(f"value {s.iloc[i]!r} in row {i} ({_name(df, i)}) is not a number", path=path,
+                            field=col, fix="give a number" if not integer else "give an integer")
+    if integer:
+        missing = num.isna()
+        if missing.any():
+            i = int(np.flatnonzero(missing.to_numpy())[0])
+            raise EmbshardError(f"empty value in row {i} ({_name(df, i)})", path=path, field=col,
+                                fix="give an integer for every table")
+        frac = num != np.round(num)
+        if frac.any():
+            i = int(np.flatnonzero(frac.to_numpy())[0])
+            raise EmbshardError(f"value {s.iloc[i]!r} in row {i} ({_name(df, i)}) is not an integer",
+                                path=path, field=col, fix="give an integer")
+    return num.astype("float64")
+
+
+def _name(df: pd.DataFrame, i: int) -> str:
+    return f"table {df['name'].iloc[i]!r}" if "name" in df.columns else f"row {i}"
+
+
+def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
+    """Checked spec rows: required columns, types, positive sizes, finite pooling, unique names."""
+    for col in REQUIRED:
+        if col not in df.columns:
+            raise EmbshardError("missing column", path=path, field=col,
+                                fix=f"add a '{col}' column (required: {', '.join(REQUIRED)})")
+    names = df["name"]
+    empty = names.isna() | (names.astype(str).str.strip() == "")
+    if empty.any():
+        i = int(np.flatnonzero(empty.to_numpy())[0])
+        raise EmbshardError(f"empty name in row {i}", path=path, field="name", fix="give every table a name")
+    names = names.astype(str).str.strip()
+    dup = names.duplicated()
+    if dup.any():
+        raise EmbshardError(f"duplicate table name {names[dup].iloc[0]!r}", path=path, field="name",
+                            fix="give every table a unique name")
+    out = pd.DataFrame({"name": names})
+    for col in ("num_embeddings", "embedding_dim"):
+        v = _numbers(df, col, path, integer=True)
+        if (v <= 0).any():
+            i = int(np.flatnonzero((v <= 0).to_numpy())[0])
+            raise EmbshardError(f"value {int(v.iloc[i])} of {_name(df, i)} is not > 0", path=path, field=col,
+                                fix="rows and dims must be positive integers")
+        out[col] = v.astype(np.int64)
+    pf = _numbers(df, "pooling_factor", path, integer=False)
+    bad = ~np.isfinite(pf) | (pf < 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad.to_numpy())[0])
+        raise EmbshardError(f"value {pf.iloc[i]} of {_name(df, i)} is not a finite number >= 0", path=path,
+                            field="pooling_factor", fix="give the mean lookups per sample of every table")
+    out["pooling_factor"] = pf
+    if "data_type" in df.columns:
+        dt = df["data_type"].fillna("fp32").astype(str).str.strip().str.lower()
+        unknown = ~dt.isin(list(_DTYPE_ALIASES))
+        if unknown.any():
+            i = int(np.flatnonzero(unknown.to_numpy())[0])
+            raise EmbshardError(f"unsupported data type {df['data_type'].iloc[i]!r} of {_name(df, i)}",
+                                path=path, field="data_type", fix="use fp32 or fp16")
+        out["data_type"] = dt.map(_DTYPE_ALIASES)
+    else:
+        out["data_type"] = "fp32"
+    if "zipf_alpha" in df.columns:
+        za = _numbers(df, "zipf_alpha", path, integer=False)
+        bad = za.notna() & (~np.isfinite(za) | (za < 0))
+        if bad.any():
+            i = int(np.flatnonzero(bad.to_numpy())[0])
+            raise EmbshardError(f"value {za.iloc[i]} of {_name(df, i)} is not a finite number >= 0", path=path,
+                                field="zipf_alpha", fix="give a skew >= 0 (0 = uniform, ~1 = typical) or leave it empty")
+        out["zipf_alpha"] = za
+    present = [c for c in schemas.BIN_COLUMNS if c in df.columns]
+    if present:
+        if len(present) != schemas.NUM_BINS:
+            missing = [c for c in schemas.BIN_COLUMNS if c not in df.columns]
+            raise EmbshardError(f"only {len(present)} of the 17 bins given", path=path, field=missing[0],
+                                fix="give all of bin_00..bin_16, or none (use zipf_alpha instead)")
+        bins = pd.DataFrame({c: _numbers(df, c, path, integer=False) for c in schemas.BIN_COLUMNS})
+        given = bins.notna().all(axis=1)
+        partial = bins.notna().any(axis=1) & ~given
+        if partial.any():
+            i = int(np.flatnonzero(partial.to_numpy())[0])
+            raise EmbshardError(f"{_name(df, i)} has some bins empty", path=path, field="bin_00..bin_16",
+                                fix="give all 17 bins of a table, or none")
+        vals = bins.to_numpy()
+        bad = given.to_numpy() & ((vals < 0).any(axis=1) | (np.abs(np.nansum(vals, axis=1) - 1) > 1e-3))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise EmbshardError(f"bins of {_name(df, i)} are not fractions summing to 1", path=path,
+                                field="bin_00..bin_16", fix="give the fraction of unique indices in each bin")
+        for c in schemas.BIN_COLUMNS:
+            out[c] = bins[c]
+    return out.reset_index(drop=True)
+
+
+def tables_from_spec(path: str, seed: int = 0, bins_batch_size: int | None = None,
+                     progress: bool = True) -> pd.DataFrame:
+    """A validated tables frame (+ `zipf_alpha`, NaN where bins were given) from a spec file."""
+    from tqdm.auto import tqdm
+
+    from .synthetic import BINS_BATCH_SIZE, sample_table_batch, table_bins
+
+    path = os.fspath(path)
+    batch = int(bins_batch_size or BINS_BATCH_SIZE)
+    spec = validate_spec(read_spec_file(path), path)
+    n = len(spec)
+    has_bins = (spec[schemas.BIN_COLUMNS].notna().all(axis=1).to_numpy() if schemas.BIN_COLUMNS[0] in spec
+                else np.zeros(n, dtype=bool))
+    alpha_given = spec["zipf_alpha"].to_numpy() if "zipf_alpha" in spec else np.full(n, np.nan)
+    bins = np.empty((n, schemas.NUM_BINS))
+    alpha = np.full(n, np.nan)
+    sources = []
+    where = f"spec:{os.path.abspath(path)}"
+    for i in tqdm(range(n), desc="ingest tables", unit="table", disable=not progress or None, mininterval=1.0):
+        if has_bins[i]:
+            bins[i] = spec.loc[i, schemas.BIN_COLUMNS].to_numpy(dtype=np.float64)
+            bins[i] /= bins[i].sum()
+            sources.append(f"{where};skew=bins")
+            continue
+        if np.isfinite(alpha_given[i]):
+            alpha[i] = alpha_given[i]
+            sources.append(f"{where};skew=zipf-{alpha[i]:g};bins_batch={batch}")
+        else:
+            alpha[i] = DEFAULT_ZIPF_ALPHA
+            sources.append(f"{where};skew=default-zipf-{DEFAULT_ZIPF_ALPHA:.1f};bins_batch={batch}")
+        # per-table stream: a table's bins do not depend on the order or number of rows in the file
+        rng = np.random.default_rng([seed, i])
+        rows = int(spec.loc[i, "num_embeddings"])
+        idx, _ = sample_table_batch(rows, float(spec.loc[i, "pooling_factor"]), float(alpha[i]), batch, rng)
+        bins[i] = table_bins(idx, rows)
+    bpe = spec["data_type"].map(DATA_TYPES).astype(np.int64)
+    df = pd.DataFrame({"table_id": spec["name"], "rows": spec["num_embeddings"], "dim": spec["embedding_dim"],
+                       "pooling_factor": spec["pooling_factor"], "bytes_per_element": bpe})
+    df["size_bytes"] = df["rows"] * df["dim"] * df["bytes_per_element"]
+    for k, c in enumerate(schemas.BIN_COLUMNS):
+        df[c] = bins[:, k]
+    df["source"] = sources
+    df["zipf_alpha"] = alpha
+    return schemas.validate(df, "tables", path)

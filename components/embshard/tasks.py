@@ -1,0 +1,157 @@
+"""`embshard tasks`: split tables into a train pool and an unseen test pool, and sample placement tasks.
+
+ALGORITHMS.md protocol: shuffle the table ids with a fixed seed; the first half is the training pool, the
+second half the test pool (never seen in training). Each task draws T tables from one pool (T fixed or a
+range), a device count D (one value or a list to draw from) and a per-device memory cap. A task that cannot
+fit (total bytes over D x memory, or one table over the per-device memory) is an error that says which task
+and how much memory would make every task fit; no task is silently dropped.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+GIB = 2**30
+TASKS_FILE = "tasks.parquet"
+
+
+def parse_range(text: str | int | tuple, field: str) -> tuple[int, int]:
+    """'20' -> (20, 20); '20-60' or (20, 60) -> (20, 60)."""
+    from .errors import EmbshardError
+
+    if isinstance(text, (tuple, list)) and len(text) == 2:
+        lo, hi = int(text[0]), int(text[1])
+    else:
+        parts = str(text).replace(":", "-").split("-")
+        try:
+            lo = int(parts[0])
+            hi = int(parts[1]) if len(parts) == 2 else lo
+            if len(parts) > 2:
+                raise ValueError
+        except ValueError:
+            raise EmbshardError(f"invalid value {text!r}", field=field, fix="give N or LO-HI, e.g. 20 or 20-60") \
+                from None
+    if lo <= 0 or hi < lo:
+        raise EmbshardError(f"invalid range {lo}-{hi}", field=field, fix="give 0 < LO <= HI")
+    return lo, hi
+
+
+def parse_list(text, field: str, cast=int) -> list:
+    """'4,8' -> [4, 8]; an int/float or a list passes through. Values must be > 0."""
+    from .errors import EmbshardError
+
+    items = text if isinstance(text, (list, tuple)) else str(text).split(",")
+    try:
+        vals = [cast(v) for v in items if str(v).strip() != ""]
+    except ValueError:
+        raise EmbshardError(f"invalid value {text!r}", field=field, fix="give a number or a list like 4,8") from None
+    if not vals or any(not np.isfinite(v) or v <= 0 for v in vals):
+        raise EmbshardError(f"invalid value {text!r}", field=field, fix="give positive numbers, e.g. 4 or 4,8")
+    return vals
+
+
+def split_pools(table_ids, seed: int) -> tuple[list[str], list[str]]:
+    """(train pool, test pool): a seeded shuffle, first half train (the larger half when odd), rest test."""
+    ids = np.array(sorted(map(str, table_ids)), dtype=object)  # independent of the file's row order
+    order = np.random.default_rng([seed, 11]).permutation(len(ids))
+    cut = (len(ids) + 1) // 2
+    return list(ids[order[:cut]]), list(ids[order[cut:]])
+
+
+def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb, seed: int,
+                 where: str = "<tables>"):
+    """A validated tasks frame: `num_tasks` tasks from each pool (ids train-0000.., test-0000..)."""
+    import pandas as pd
+
+    from . import schemas
+    from .errors import EmbshardError, InfeasiblePlacementError
+
+    if int(num_tasks) <= 0:
+        raise EmbshardError("must be > 0", field="num_tasks", fix="ask for at least one task per split")
+    lo, hi = parse_range(tables_per_task, "tables_per_task")
+    dev_choices = parse_list(devices, "devices", int)
+    mem_choices = parse_list(memory_gb, "memory_gb", float)
+    if len(tables_df) < 2:
+        raise EmbshardError(f"only {len(tables_df)} table: cannot split into train and test pools", path=where,
+                            field="table_id", fix="ingest at least 2 tables")
+    train, test = split_pools(tables_df["table_id"], seed)
+    size = dict(zip(tables_df["table_id"].astype(str), tables_df["size_bytes"].astype(np.int64)))
+    rng = np.random.default_rng([seed, 12])
+    rows = []
+    for split, pool in (("train", train), ("test", test)):
+        if hi > len(pool):
+            raise EmbshardError(f"a task of {hi} tables cannot be drawn from the {len(pool)} tables of the "
+                                f"{split} pool", path=where, field="tables_per_task",
+                                fix=f"use --tables-per-task <= {len(pool)}, or ingest more tables")
+        pool_arr = np.array(pool, dtype=object)
+        for k in range(int(num_tasks)):
+            t = int(rng.integers(lo, hi + 1))
+            ids = sorted(pool_arr[rng.choice(len(pool_arr), size=t, replace=False)])
+            d = int(dev_choices[rng.integers(len(dev_choices))])
+            mem = int(mem_choices[rng.integers(len(mem_choices))] * GIB)
+            rows.append({"task_id": f"{split}-{k:04d}", "split": split, "num_devices": d,
+                         "memory_bytes_per_device": mem, "table_ids": ids})
+    # Feasibility: report the first task that cannot fit and the memory that would make every task fit.
+    need = []  # per task: the per-device memory it needs at least
+    for r in rows:
+        sizes = np.array([size[i] for i in r["table_ids"]], dtype=np.int64)
+        need.append(max(int(sizes.max()), -(-int(sizes.sum()) // r["num_devices"])))
+    over = [i for i, r in enumerate(rows) if need[i] > r["memory_bytes_per_device"]]
+    if over:
+        i = over[0]
+        r = rows[i]
+        sizes = {t: size[t] for t in r["table_ids"]}
+        big = max(sizes, key=sizes.get)
+        cap = r["memory_bytes_per_device"]
+        if sizes[big] > cap:
+            why = f"table {big} needs {sizes[big] / GIB:.2f} GiB > {cap / GIB:.2f} GiB per device"
+        else:
+            why = (f"its {len(sizes)} tables need {sum(sizes.values()) / GIB:.2f} GiB > {r['num_devices']} "
+                   f"devices x {cap / GIB:.2f} GiB")
+        enough = max(need) / GIB
+        raise InfeasiblePlacementError(
+            f"task {r['task_id']} cannot fit: {why}", path=where, field="memory_gb",
+            fix=f"use --memory-gb >= {np.ceil(enough * 100) / 100:.2f} (fits every sampled task), "
+                f"more --devices, or fewer --tables-per-task")
+    df = pd.DataFrame(rows)
+    return schemas.validate(df, "tasks", where)
+
+
+def run(tables: str, out: str, num_tasks: int, tables_per_task=20, devices=4, memory_gb=16.0,
+        seed: int = 0) -> str:
+    """Sample tasks from tables.parquet into `<out>/tasks.parquet`; returns that path.
+
+    tables_per_task: an int, "20-60" or (20, 60); devices: an int, "4,8" or a list to draw from per task;
+    memory_gb: per-device memory in GiB (2**30 bytes), one value or a list to draw from.
+    """
+    from . import schemas, storage
+
+    df = schemas.read(tables, "tables")
+    tasks = sample_tasks(df, num_tasks, tables_per_task, devices, memory_gb, seed, where=os.fspath(tables))
+    path = storage.join(out, TASKS_FILE)
+    schemas.write(tasks, path, "tasks")
+    return path
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tables", required=True, help="tables.parquet (from embshard ingest)")
+    p.add_argument("--out", required=True, help="output folder; writes OUT/tasks.parquet")
+    p.add_argument("--num-tasks", type=int, required=True, help="tasks per split (train and test)")
+    p.add_argument("--tables-per-task", default="20", help="tables per task: N or a range LO-HI (default 20)")
+    p.add_argument("--devices", default="4", help="devices per task: N or a list to draw from, e.g. 4,8")
+    p.add_argument("--memory-gb", default="16", help="memory per device in GiB (a list draws per task)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the pool split and the sampling (default 0)")
+
+
+def main(args: argparse.Namespace) -> int:
+    from . import schemas
+
+    path = run(args.tables, args.out, args.num_tasks, args.tables_per_task, args.devices, args.memory_gb,
+               args.seed)
+    df = schemas.read(path, "tasks")
+    n = df["table_ids"].map(len)
+    print(f"wrote {path}: {int((df['split'] == 'train').sum())} train + {int((df['split'] == 'test').sum())} "
+          f"test tasks, {n.min()}..{n.max()} tables, devices {sorted(df['num_devices'].unique().tolist())}")
+    return 0

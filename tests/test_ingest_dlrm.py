@@ -1,0 +1,168 @@
+"""DLRM-format traces: writer -> loader round trips in every layout, hand-made files, and bad input."""
+from __future__ import annotations
+
+import gzip
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from embshard import schemas
+from embshard.cli import main as cli
+from embshard.features import access_bins
+from embshard.ingest import dlrm
+from embshard.ingest.synthetic import generate_tables, write_dlrm_traces
+
+
+@pytest.fixture(scope="module")
+def tables():
+    # small shapes, a mix of pooling factors (incl. < 1) and skews
+    return generate_tables(7, seed=3, bins_batch_size=256)
+
+
+def _direct(path):
+    """Per-table (indices, lengths) straight from torch.load, without the loader under test."""
+    if path.endswith(".gz"):
+        with gzip.open(path, "rb") as f:
+            indices, offsets, lengths = torch.load(f, weights_only=True)
+    else:
+        indices, offsets, lengths = torch.load(path, weights_only=True)
+    T, B = lengths.shape
+    out, pos = [], 0
+    for t in range(T):
+        n = int(lengths[t].sum())
+        out.append((indices[pos:pos + n].numpy(), lengths[t].numpy()))
+        pos += n
+    return out
+
+
+@pytest.mark.parametrize("layout,name", [("flat", "tr.pt"), ("per_table", "tr.pt"),
+                                         ("per_table_cumulative", "tr.pt"), ("flat", "tr.pt.gz")])
+def test_round_trip_features_equal_direct_computation(tmp_path, tables, layout, name):
+    path = str(tmp_path / name)
+    write_dlrm_traces(tables, path, batch_size=64, seed=5, layout=layout)
+    raw = torch.load(path, weights_only=True) if not name.endswith(".gz") else None
+    if raw is not None:
+        assert raw[1].shape == ((7 * 64 + 1,) if layout == "flat" else (7, 65))
+        if layout == "per_table":
+            assert (raw[1][:, 0] == 0).all()
+    out = tmp_path / "out"
+    assert cli(["ingest", "--source", "dlrm", "--input", path, "--out", str(out), "--dim", "32",
+                "--no-progress"]) == 0
+    df = schemas.read(out / "tables.parquet", "tables")
+    direct = _direct(path)
+    assert len(df) == len(direct) == 7
+    for t, (idx, lengths) in enumerate(direct):
+        row = df.iloc[t]
+        assert row["trace_table_index"] == t and row["trace_file"] == os.path.abspath(path)
+        assert row["rows"] == (idx.max() + 1 if idx.size else 1)
+        assert row["pooling_factor"] == pytest.approx(lengths.sum() / 64)
+        np.testing.assert_allclose(row[schemas.BIN_COLUMNS].to_numpy(float), access_bins(idx))
+        got_idx, got_len = dlrm.read_table_trace(path, t)
+        assert got_idx.dtype == np.int64 and got_len.dtype == np.int64 and got_len.shape == (64,)
+        np.testing.assert_array_equal(got_idx, idx)
+        np.testing.assert_array_equal(got_len, lengths)
+    assert (df["dim"] == 32).all() and (df["size_bytes"] == df["rows"] * 32 * 4).all()
+    assert "dim=32" in df["source"].iloc[0] and "rows=max-index+1" in df["source"].iloc[0]
+
+
+def _hand_made(layout):
+    # table 0: samples [3,3] [] [5]; table 1: samples [0] [0,0,0] [1]
+    indices = torch.tensor([3, 3, 5, 0, 0, 0, 0, 1])
+    lengths = torch.tensor([[2, 0, 1], [1, 3, 1]])
+    if layout == "flat":
+        offsets = torch.tensor([0, 2, 2, 3, 4, 7, 8])
+    elif layout == "local":
+        offsets = torch.tensor([[0, 2, 2, 3], [0, 1, 4, 5]])
+    else:
+        offsets = torch.tensor([[0, 2, 2, 3], [3, 4, 7, 8]])
+    return indices, offsets, lengths
+
+
+@pytest.mark.parametrize("layout", ["flat", "local", "cumulative"])
+def test_hand_made_trace(tmp_path, layout):
+    path = tmp_path / "h.pt"
+    torch.save(_hand_made(layout), path)
+    df = dlrm.tables_from_trace(str(path), dlrm.TraceOptions(dim=8, data_type="fp16"), progress=False)
+    assert df["rows"].tolist() == [6, 2]
+    assert df["pooling_factor"].tolist() == pytest.approx([1.0, 5 / 3])
+    assert df["bytes_per_element"].tolist() == [2, 2] and df["size_bytes"].tolist() == [6 * 8 * 2, 2 * 8 * 2]
+    # table 0: index 3 twice (bin 1), 5 once (bin 0); table 1: index 0 four times (bin 2), 1 once (bin 0)
+    b = df[schemas.BIN_COLUMNS].to_numpy()
+    np.testing.assert_allclose(b[0, :3], [0.5, 0.5, 0.0])
+    np.testing.assert_allclose(b[1, :3], [0.5, 0.0, 0.5])
+    idx, lens = dlrm.read_table_trace(str(path), 1)
+    assert idx.tolist() == [0, 0, 0, 0, 1] and lens.tolist() == [1, 3, 1]
+
+
+def test_dict_int32_and_legacy_formats(tmp_path):
+    ind, off, lens = _hand_made("flat")
+    torch.save({"indices": ind.int(), "offsets": off.int(), "lengths": lens}, tmp_path / "d.pt")
+    torch.save((ind, off, lens), tmp_path / "legacy.pt", _use_new_zipfile_serialization=False)
+    for name in ("d.pt", "legacy.pt"):
+        df = dlrm.tables_from_trace(str(tmp_path / name), progress=False)
+        assert df["rows"].tolist() == [6, 2], name
+        assert dlrm.read_table_trace(str(tmp_path / name), 0)[0].dtype == np.int64
+
+
+def test_options_rows_file_mixed_dims_and_first_n(tmp_path, tables):
+    path = str(tmp_path / "tr.pt")
+    write_dlrm_traces(tables, path, batch_size=32, seed=1)
+    rows_file = tmp_path / "rows.txt"
+    rows_file.write_text(",".join(str(r) for r in tables["rows"]))
+    a = dlrm.tables_from_trace(path, dlrm.TraceOptions(rows_file=str(rows_file), seed=4), progress=False)
+    b = dlrm.tables_from_trace(path, dlrm.TraceOptions(seed=4, num_tables=3), progress=False)
+    assert a["rows"].tolist() == tables["rows"].tolist()
+    assert set(a["dim"]) <= {4, 8, 16, 32, 64, 128, 256}
+    assert len(b) == 3 and b["dim"].tolist() == a["dim"].tolist()[:3]  # same seeded dims
+    assert "rows=file:" in a["source"].iloc[0] and "dim=mixed(seed=4)" in a["source"].iloc[0]
+
+
+def test_gz_temp_copy_is_removed(tmp_path, tables):
+    path = str(tmp_path / "tr.pt.gz")
+    write_dlrm_traces(tables, path, batch_size=16, seed=1)
+    scratch = tmp_path / "scratch"
+    with dlrm.TraceFile(path, tmp_dir=str(scratch)) as trace:
+        assert trace.num_tables == 7 and len(os.listdir(scratch)) == 1
+        trace.table(6)
+    assert os.listdir(scratch) == []
+
+
+def _fails(capsys, argv, *words):
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err  # one line
+    for w in words:
+        assert w in err, err
+    return err
+
+
+def test_bad_trace_files(tmp_path, capsys, tables):
+    good = tmp_path / "good.pt"
+    write_dlrm_traces(tables, str(good), batch_size=16, seed=1)
+    data = good.read_bytes()
+    (tmp_path / "trunc.pt").write_bytes(data[: len(data) // 2])
+    (tmp_path / "junk.pt").write_bytes(b"this is not a torch file at all")
+    gz = gzip.compress(data)
+    (tmp_path / "trunc.pt.gz").write_bytes(gz[: len(gz) // 2])
+    (tmp_path / "corrupt.pt.gz").write_bytes(gz[:20] + b"\x00" * 64 + gz[84:])
+    ind, off, lens = _hand_made("flat")
+    torch.save((ind[:-1], off, lens), tmp_path / "short.pt")  # offsets promise more indices than stored
+    torch.save((ind, off.float(), lens), tmp_path / "float.pt")
+    torch.save([ind], tmp_path / "one.pt")
+    out = tmp_path / "out"
+    base = ["ingest", "--source", "dlrm", "--out", str(out), "--no-progress", "--input"]
+    _fails(capsys, base + [str(tmp_path / "missing.pt")], "missing.pt", "not found")
+    for name in ("trunc.pt", "junk.pt", "trunc.pt.gz", "corrupt.pt.gz"):
+        _fails(capsys, base + [str(tmp_path / name)], name, "corrupt", "fix:")
+    _fails(capsys, base + [str(tmp_path / "short.pt")], "short.pt", "field 'offsets'")
+    _fails(capsys, base + [str(tmp_path / "float.pt")], "float.pt", "field 'offsets'", "integer")
+    _fails(capsys, base + [str(tmp_path / "one.pt")], "one.pt", "not (indices, offsets, lengths)")
+    small_rows = tmp_path / "rows.txt"
+    small_rows.write_text("1\n" * 7)
+    _fails(capsys, base + [str(good), "--rows-file", str(small_rows)], "rows.txt", "field 'rows'")
+    _fails(capsys, base + [str(good), "--dim", "0"], "field 'dim'")
+    assert not out.exists() or os.listdir(out) == []  # nothing half-written
+    assert [f for f in os.listdir(tmp_path) if ".embshard-trace-" in f] == []

@@ -1,0 +1,125 @@
+"""Table-spec files (CSV, Parquet, YAML with TorchRec's names): examples, skew handling, and bad input."""
+from __future__ import annotations
+
+import os
+from importlib import resources
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from embshard import schemas
+from embshard.cli import main as cli
+from embshard.ingest import spec
+
+EXAMPLES = resources.files("embshard.ingest") / "examples"
+CRITEO_KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194, 27, 14992,
+                 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+
+
+def test_criteo_csv_example(tmp_path):
+    out = tmp_path / "out"
+    # a small bins batch keeps the test fast; the default is the open dataset's 65,536 samples
+    assert cli(["ingest", "--source", "spec", "--input", str(EXAMPLES / "criteo_26.csv"), "--out", str(out),
+                "--bins-batch-size", "2048", "--no-progress"]) == 0
+    df = schemas.read(out / "tables.parquet", "tables")
+    assert len(df) == 26 and df["rows"].tolist() == CRITEO_KAGGLE
+    assert (df["dim"] == 128).all() and (df["pooling_factor"] == 1.0).all()
+    assert (df["size_bytes"] == df["rows"] * 128 * 4).all()
+    assert df["source"].str.contains("skew=default-zipf-1.0").all()
+    assert (df["zipf_alpha"] == spec.DEFAULT_ZIPF_ALPHA).all()
+    # a 3-row table hit 2048 times cannot be cold; a 10M-row table mostly is
+    t3 = df.set_index("table_id").loc["t_cat_8", schemas.BIN_COLUMNS].to_numpy(float)
+    big = df.set_index("table_id").loc["t_cat_2", schemas.BIN_COLUMNS].to_numpy(float)
+    assert t3[0] == 0 and big[0] > 0.5
+
+
+def test_mlperf_yaml_example():
+    df = spec.tables_from_spec(str(EXAMPLES / "mlperf_dlrm.yaml"), bins_batch_size=256, progress=False)
+    assert len(df) == 26 and df["rows"].max() == 40_000_000
+    assert df.set_index("table_id").loc["t_cat_20", "pooling_factor"] == 100
+
+
+def test_parquet_with_bins_alpha_and_fp16(tmp_path):
+    bins = np.zeros(17)
+    bins[[0, 3]] = [0.75, 0.25]
+    rows = [
+        {"name": "a", "num_embeddings": 1000, "embedding_dim": 16, "pooling_factor": 2.5, "data_type": "fp16",
+         "zipf_alpha": np.nan, **{c: b for c, b in zip(schemas.BIN_COLUMNS, bins)}},
+        {"name": "b", "num_embeddings": 50, "embedding_dim": 8, "pooling_factor": 1.0, "data_type": "FP32",
+         "zipf_alpha": 0.0, **{c: np.nan for c in schemas.BIN_COLUMNS}},
+        {"name": "c", "num_embeddings": 50, "embedding_dim": 8, "pooling_factor": 1.0, "data_type": None,
+         "zipf_alpha": np.nan, **{c: np.nan for c in schemas.BIN_COLUMNS}},
+    ]
+    path = tmp_path / "s.parquet"
+    pd.DataFrame(rows).to_parquet(path)
+    df = spec.tables_from_spec(str(path), seed=1, bins_batch_size=512, progress=False).set_index("table_id")
+    np.testing.assert_allclose(df.loc["a", schemas.BIN_COLUMNS].to_numpy(float), bins)
+    assert df.loc["a", "bytes_per_element"] == 2 and df.loc["a", "size_bytes"] == 1000 * 16 * 2
+    assert df.loc["b", "bytes_per_element"] == 4 and df.loc["c", "bytes_per_element"] == 4
+    assert df.loc["a", "source"].endswith("skew=bins")
+    assert "skew=zipf-0;" in df.loc["b", "source"] and "default-zipf-1.0" in df.loc["c", "source"]
+    # uniform over 50 rows, 512 lookups: ~10 per index -> bins 3..4, nothing cold
+    assert df.loc["b", "bin_00"] == 0
+    # seeded: the same file gives the same bins
+    again = spec.tables_from_spec(str(path), seed=1, bins_batch_size=512, progress=False).set_index("table_id")
+    np.testing.assert_array_equal(again[schemas.BIN_COLUMNS].to_numpy(), df[schemas.BIN_COLUMNS].to_numpy())
+
+
+GOOD = "name,num_embeddings,embedding_dim,pooling_factor\nx,100,16,1.0\ny,200,32,2.0\n"
+
+
+@pytest.mark.parametrize("name,content,field,words", [
+    ("missing_col.csv", "name,num_embeddings,pooling_factor\nx,100,1.0\n", "embedding_dim", ["missing column"]),
+    ("zero_rows.csv", GOOD.replace("100,16", "0,16"), "num_embeddings", ["not > 0"]),
+    ("neg_dim.csv", GOOD.replace("200,32", "200,-4"), "embedding_dim", ["not > 0"]),
+    ("nan_pool.csv", GOOD.replace("1.0", "nan"), "pooling_factor", ["finite"]),
+    ("empty_pool.csv", GOOD.replace(",1.0", ","), "pooling_factor", ["finite"]),
+    ("dup.csv", GOOD.replace("y,", "x,"), "name", ["duplicate", "'x'"]),
+    ("text_rows.csv", GOOD.replace("100,16", "lots,16"), "num_embeddings", ["'lots'", "not a number"]),
+    ("frac_dim.csv", GOOD.replace("100,16", "100,16.5"), "embedding_dim", ["not an integer"]),
+    ("bad_dtype.csv", GOOD.replace("factor\n", "factor,data_type\n").replace("1.0\n", "1.0,int4\n")
+     .replace("2.0\n", "2.0,fp16\n"), "data_type", ["int4"]),
+    ("header_only.csv", "name,num_embeddings,embedding_dim,pooling_factor\n", "name", ["empty"]),
+    ("blank.csv", "", "name", ["empty"]),
+    ("empty.yaml", "tables: []\n", "name", ["empty"]),
+    ("scalar.yaml", "tables: 3\n", "tables", ["list of tables"]),
+])
+def test_bad_spec_files(tmp_path, capsys, name, content, field, words):
+    path = tmp_path / name
+    path.write_text(content)
+    out = tmp_path / "out"
+    assert cli(["ingest", "--source", "spec", "--input", str(path), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and str(path) in err and f"field '{field}'" in err and "fix:" in err, err
+    for w in words:
+        assert w in err, err
+    assert not (out / "tables.parquet").exists()
+
+
+def test_bad_parquet_and_other_files(tmp_path, capsys):
+    out = tmp_path / "out"
+    ok = pd.DataFrame({"name": ["a", "b"], "num_embeddings": [10, 20], "embedding_dim": [4, 8],
+                       "pooling_factor": [1.0, 2.0]})
+    cases = {
+        "missing.parquet": (ok.drop(columns=["pooling_factor"]), "pooling_factor"),
+        "mistyped.parquet": (ok.assign(embedding_dim=["four", "eight"]), "embedding_dim"),
+        "bool.parquet": (ok.assign(pooling_factor=[True, False]), "pooling_factor"),
+        "empty.parquet": (ok.iloc[:0], "name"),
+    }
+    for name, (frame, field) in cases.items():
+        frame.to_parquet(tmp_path / name)
+        assert cli(["ingest", "--source", "spec", "--input", str(tmp_path / name), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert name in err and f"field '{field}'" in err, err
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    (tmp_path / "bad.yaml").write_text("tables: [ {name: a, \n")
+    (tmp_path / "spec.txt").write_text(GOOD)
+    for name, words in [("broken.parquet", ["cannot read"]), ("bad.yaml", ["cannot read"]),
+                        ("spec.txt", ["unknown file type"]), ("nope.csv", ["not found"])]:
+        assert cli(["ingest", "--source", "spec", "--input", str(tmp_path / name), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert name in err and all(w in err for w in words), err
+    assert cli(["ingest", "--source", "spec", "--out", str(out)]) == 2
+    assert "--input" in capsys.readouterr().err
+    assert not (out / "tables.parquet").exists()

@@ -1,0 +1,66 @@
+"""The synthetic source: a realistic, seeded population; traces it writes are replayable."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from embshard import schemas
+from embshard.cli import main as cli
+from embshard.features import access_bins
+from embshard.ingest import dlrm, run
+
+
+def test_856_tables_population(tmp_path):
+    out = tmp_path / "out"
+    # the default bins batch is 65,536 samples (~15 s for 856 tables); a small one keeps the test quick
+    assert cli(["ingest", "--source", "synthetic", "--num-tables", "856", "--seed", "0", "--out", str(out),
+                "--bins-batch-size", "512", "--no-progress"]) == 0
+    df = schemas.read(out / "tables.parquet", "tables")
+    assert len(df) == 856 and df["table_id"].is_unique
+    assert df["rows"].between(10, 10**8).all() and df["rows"].min() < 1000 and df["rows"].max() > 10**7
+    assert set(df["dim"]) == {4, 8, 16, 32, 64, 128, 256}
+    pf = df["pooling_factor"]
+    assert (pf == 1.0).mean() > 0.15 and pf.max() > 10 * pf.median()  # many one-hot, a heavy tail
+    assert df["zipf_alpha"].between(0, 1.4).all() and df["zipf_alpha"].std() > 0.3
+    assert (df["size_bytes"] == df["rows"] * df["dim"] * 4).all()
+    # same seed, same tables; another seed, other tables
+    again = run("synthetic", str(tmp_path / "again"), seed=0, num_tables=856, bins_batch_size=512,
+                progress=False)
+    other = run("synthetic", str(tmp_path / "other"), seed=1, num_tables=856, bins_batch_size=512,
+                progress=False)
+    assert schemas.read(again, "tables").equals(df)
+    assert not np.array_equal(schemas.read(other, "tables")["rows"], df["rows"])
+
+
+@pytest.mark.parametrize("layout", ["flat", "per_table"])
+def test_write_traces_rows_point_at_replayable_indices(tmp_path, layout):
+    out = tmp_path / "out"
+    assert cli(["ingest", "--source", "synthetic", "--num-tables", "12", "--seed", "2", "--out", str(out),
+                "--write-traces", "--trace-batch-size", "128", "--trace-layout", layout, "--no-progress"]) == 0
+    df = schemas.read(out / "tables.parquet", "tables")
+    trace = str(out / "traces.pt")
+    assert os.path.isfile(trace)
+    assert (df["trace_file"] == os.path.abspath(trace)).all()
+    assert df["trace_table_index"].tolist() == list(range(12))
+    plain = run("synthetic", str(tmp_path / "plain"), seed=2, num_tables=12, progress=False)
+    plain = schemas.read(plain, "tables")
+    # shapes are the generator's; pooling and bins are those of the written indices
+    assert df["rows"].tolist() == plain["rows"].tolist() and df["dim"].tolist() == plain["dim"].tolist()
+    for t in range(12):
+        idx, lengths = dlrm.read_table_trace(trace, t)
+        assert lengths.shape == (128,) and (idx < df["rows"][t]).all()
+        assert df["pooling_factor"][t] == pytest.approx(lengths.sum() / 128)
+        np.testing.assert_allclose(df.loc[t, schemas.BIN_COLUMNS].to_numpy(float), access_bins(idx))
+
+
+def test_bad_synthetic_requests(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert cli(["ingest", "--source", "synthetic", "--num-tables", "0", "--out", str(out)]) == 2
+    assert "num_tables" in capsys.readouterr().err
+    with pytest.raises(Exception, match="layout"):
+        run("synthetic", str(out), num_tables=3, write_traces=True, trace_layout="diagonal", progress=False)
+    with pytest.raises(Exception, match="does not apply"):
+        run("synthetic", str(out), num_tables=3, dim=16)
+    assert not out.exists() or os.listdir(out) == []

@@ -1,0 +1,98 @@
+"""Task sampling: a seeded train/test split of unseen tables, tasks drawn from each, infeasible tasks refused."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from embshard import schemas, tasks
+from embshard.cli import main as cli
+from embshard.errors import EmbshardError
+
+
+def _tables(sizes_gib):
+    n = len(sizes_gib)
+    rows = (np.asarray(sizes_gib, dtype=float) * 2**30 / (64 * 4)).astype(np.int64)
+    df = pd.DataFrame({"table_id": [f"t{i:03d}" for i in range(n)], "rows": rows, "dim": 64,
+                       "pooling_factor": 1.0, "bytes_per_element": 4})
+    df["size_bytes"] = df["rows"] * 64 * 4
+    for k, c in enumerate(schemas.BIN_COLUMNS):
+        df[c] = 1.0 if k == 0 else 0.0
+    df["source"] = "test"
+    return df
+
+
+@pytest.fixture()
+def tables_path(tmp_path):
+    path = tmp_path / "tables.parquet"
+    schemas.write(_tables(np.linspace(0.01, 1.0, 41)), path, "tables")
+    return path
+
+
+def test_split_is_seeded_disjoint_and_covers_all():
+    ids = [f"t{i}" for i in range(41)]
+    train, test = tasks.split_pools(ids, seed=0)
+    assert len(train) == 21 and len(test) == 20 and set(train) | set(test) == set(ids)
+    assert not set(train) & set(test)
+    assert tasks.split_pools(list(reversed(ids)), seed=0) == (train, test)  # row order does not matter
+    assert tasks.split_pools(ids, seed=1) != (train, test)
+
+
+def test_tasks_cli(tmp_path, tables_path):
+    out = tmp_path / "out"
+    assert cli(["tasks", "--tables", str(tables_path), "--out", str(out), "--num-tasks", "6",
+                "--tables-per-task", "3-8", "--devices", "2,4", "--memory-gb", "4", "--seed", "7"]) == 0
+    df = schemas.read(out / "tasks.parquet", "tasks")
+    train, test = tasks.split_pools(_tables(np.ones(41))["table_id"], seed=7)
+    assert df["task_id"].tolist() == [f"train-{k:04d}" for k in range(6)] + [f"test-{k:04d}" for k in range(6)]
+    for r in df.itertuples():
+        pool = set(train) if r.split == "train" else set(test)
+        assert set(r.table_ids) <= pool and len(set(r.table_ids)) == len(r.table_ids)
+        assert 3 <= len(r.table_ids) <= 8 and r.num_devices in (2, 4)
+        assert r.memory_bytes_per_device == 4 * 2**30
+    assert df["table_ids"].map(len).nunique() > 1 and df["num_devices"].nunique() == 2
+    again = tasks.run(str(tables_path), str(tmp_path / "again"), 6, "3-8", "2,4", 4, seed=7)
+    assert schemas.read(again, "tasks").equals(df)
+
+
+def test_infeasible_tasks_are_errors_not_dropped(tmp_path, capsys):
+    path = tmp_path / "tables.parquet"
+    schemas.write(_tables([0.5] * 10 + [3.0] * 2), path, "tables")
+    out = tmp_path / "out"
+    # every table of 0.5 GiB fits a 1 GiB device, but 6 of them do not fit 2 devices x 1 GiB
+    assert cli(["tasks", "--tables", str(path), "--out", str(out), "--num-tasks", "1", "--tables-per-task",
+                "6", "--devices", "2", "--memory-gb", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot fit" in err and "field 'memory_gb'" in err and "--memory-gb >=" in err, err
+    assert not (out / "tasks.parquet").exists()
+    # a single 3 GiB table over a 2 GiB device, with plenty of devices: still an error naming the table
+    tables = schemas.read(path, "tables")
+    with pytest.raises(EmbshardError, match=r"needs 3\.00 GiB > 2\.00 GiB per device"):
+        tasks.sample_tasks(tables, 4, 6, 64, 2.0, seed=0)
+    # the memory the error suggests makes every sampled task fit
+    with pytest.raises(EmbshardError, match=r"--memory-gb >= ") as info:
+        tasks.sample_tasks(tables, 4, 6, 2, 1.0, seed=0)
+    enough = float(str(info.value).split("--memory-gb >= ")[1].split()[0])
+    df = tasks.sample_tasks(tables, 4, 6, 2, enough, seed=0)
+    assert len(df) == 8
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--tables-per-task", "30"], ["tables_per_task", "21 tables of the train pool"]),
+    (["--tables-per-task", "9-3"], ["tables_per_task"]),
+    (["--devices", "four"], ["devices"]),
+    (["--memory-gb", "0"], ["memory_gb"]),
+    (["--num-tasks", "0"], ["num_tasks"]),
+])
+def test_bad_requests(tmp_path, tables_path, capsys, argv, words):
+    base = ["tasks", "--tables", str(tables_path), "--out", str(tmp_path / "out"), "--num-tasks", "2"]
+    assert cli(base + argv) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+    assert not (tmp_path / "out" / "tasks.parquet").exists()
+
+
+def test_missing_tables_file(tmp_path, capsys):
+    assert cli(["tasks", "--tables", str(tmp_path / "nope.parquet"), "--out", str(tmp_path), "--num-tasks",
+                "1"]) == 2
+    assert "nope.parquet" in capsys.readouterr().err
