@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("embshard.planners.evaluate", "measure several planners' placements side by side"),
     "export": ("embshard.export.cli", "export placements (plan.json, Parquet, TorchRec plan)"),
     "pipeline": ("embshard.pipeline", "run the whole Airflow DAG locally"),
+    "stage": ("embshard.stages", "run one pipeline stage on a run root (what the DAG's tasks and pods run)"),
 }
 
 

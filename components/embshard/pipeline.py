@@ -1,0 +1,145 @@
+"""`embshard pipeline`: run the whole Airflow DAG locally (embedded default: sqlite Airflow and MLflow,
+CPU FBGEMM, a small synthetic dataset) and print where the results are.
+
+It is a real Airflow run of `dags/embshard_pipeline.py` (dag.test(): every task through Airflow's own task
+runner, XComs and dynamic mapping included), not a re-implementation of the DAG.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def dags_folder() -> str:
+    """The DAGs folder: $EMBSHARD_DAGS_FOLDER, else the repository's dags/ next to components/."""
+    env = os.environ.get("EMBSHARD_DAGS_FOLDER")
+    if env:
+        return env
+    return str(Path(__file__).resolve().parents[2] / "dags")
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="runs/local", help="folder for the run data, MLflow and Airflow state")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a DAG parameter (see the DAG's Param form), e.g. --param num_tables=400")
+    p.add_argument("--quick", action="store_true", help="a tiny configuration (smoke test, ~2 minutes)")
+
+
+QUICK_PARAMS = {"num_tables": 80, "num_tasks": 4, "tables_per_task": "10-20", "bench_shards": 40,
+                "bench_chunks": 2, "policy_iterations": 30, "eval_tasks": 2,
+                "eval_planners": "size_greedy,lookup_greedy,size_lookup_greedy,dim_greedy"}
+
+
+def setup_environment(out: str) -> dict[str, str]:
+    """Environment of an embedded run; call before importing airflow (it reads its config at import)."""
+    out = os.path.abspath(out)
+    os.makedirs(out, exist_ok=True)
+    env = {
+        "AIRFLOW_HOME": os.environ.get("AIRFLOW_HOME") or os.path.join(out, "airflow"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": dags_folder(),
+        "EMBSHARD_DATA_ROOT": os.environ.get("EMBSHARD_DATA_ROOT") or os.path.join(out, "data"),
+        "MLFLOW_TRACKING_URI": os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.join(out, 'mlflow.db')}",
+        "EMBSHARD_RUNNER": "local",
+    }
+    os.environ.update(env)
+    return env
+
+
+def load_dag():
+    path = os.path.join(dags_folder(), "embshard_pipeline.py")
+    spec = importlib.util.spec_from_file_location("embshard_pipeline_dag", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.dag
+
+
+def run(out: str = "runs/local", params: dict | None = None) -> dict:
+    """Run the DAG once with `params`; returns the run's root, state and stage outputs."""
+    from .errors import EmbshardError
+
+    env = setup_environment(out)
+    from airflow.utils.db import initdb
+
+    from . import stages
+
+    initdb()
+    dag = load_dag()
+    start = time.perf_counter()
+    dag_run = dag.test(run_conf=params or {})
+    elapsed = time.perf_counter() - start
+    root = stages.run_root(env["EMBSHARD_DATA_ROOT"], dag_run.run_id)
+    state = str(dag_run.state)
+    result = {"run_id": dag_run.run_id, "state": state, "root": root, "seconds": elapsed, "env": env}
+    if state != "success":
+        failed = [ti.task_id for ti in dag_run.get_task_instances() if str(ti.state) not in ("success", "skipped")]
+        raise EmbshardError(f"the DAG run ended {state} (tasks not successful: {', '.join(failed)})",
+                            path=root, fix="read the task logs printed above")
+    for name in ("promotion", "export", "policy", "cost_model"):
+        p = os.path.join(root, "state", f"{name}.json")
+        if os.path.exists(p):
+            with open(p, encoding="utf-8") as f:
+                result[name] = json.load(f)
+    return result
+
+
+def _parse_params(items: list[str]) -> dict:
+    from .errors import EmbshardError
+    from .stages import DEFAULT_PARAMS
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in DEFAULT_PARAMS:
+            raise EmbshardError(f"bad --param {item!r}", field="param",
+                                fix=f"use KEY=VALUE with KEY one of {', '.join(DEFAULT_PARAMS)}")
+        default = DEFAULT_PARAMS[key]
+        try:
+            out[key] = type(default)(value) if not isinstance(default, str) else value
+        except ValueError:
+            raise EmbshardError(f"{key}={value!r} is not a {type(default).__name__}", field=key) from None
+    return out
+
+
+def main(args) -> int:
+    params = dict(QUICK_PARAMS) if args.quick else {}
+    params.update(_parse_params(args.param))
+    res = run(args.out, params)
+    print(summary_text(res))
+    return 0
+
+
+def summary_text(res: dict) -> str:
+    env, root = res["env"], res["root"]
+    lines = ["", "=" * 78, f"embshard pipeline: {res['state']} in {res['seconds']:.0f} s   (run {res['run_id']})",
+             f"run data: {root}"]
+    promo = res.get("promotion") or {}
+    if promo:
+        ratio = promo.get("candidate_median_ratio_best_baseline")
+        if ratio is not None:
+            lines.append(f"measured cost of the learned planner vs the best baseline (median over held-out tasks): "
+                         f"{ratio:.3f}x  ({100 * (1 - ratio):+.1f}% faster)")
+        lines.append(f"promotion: {'PROMOTED to champion' if promo.get('promoted') else 'kept the champion'} "
+                     f"(candidate v{promo.get('candidate_version')}; {promo.get('reason')})")
+        if promo.get("summary"):
+            lines.append(promo["summary"])
+    exp = res.get("export") or {}
+    if exp:
+        lines.append(f"placements: {exp.get('placements')}")
+        lines.append(f"exported plans (plan.json + TorchRec plan per task): {os.path.join(root, 'export')}")
+    lines += [f"evaluation plot: {os.path.join(root, 'evaluation', 'evaluation.png')}",
+              "look at it:",
+              f"  MLflow UI:  .venv/bin/mlflow ui --backend-store-uri {env['MLFLOW_TRACKING_URI']}",
+              f"  Airflow UI: AIRFLOW_HOME={env['AIRFLOW_HOME']} AIRFLOW__CORE__DAGS_FOLDER={env['AIRFLOW__CORE__DAGS_FOLDER']}"
+              f" .venv/bin/airflow standalone   (http://127.0.0.1:8080)",
+              "=" * 78]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(0)

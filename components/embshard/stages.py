@@ -1,0 +1,212 @@
+"""The pipeline's stages as functions of (run root, params): the one place where the DAG's knobs meet the
+components. The local runner calls them in-process from Airflow tasks; the kubernetes runner calls the same
+functions in pods through `embshard stage NAME --root ROOT --params JSON`. Every stage reads and writes fixed
+paths under the run root, so stages pass nothing but that root.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+
+from . import storage
+from .errors import EmbshardError
+
+log = logging.getLogger(__name__)
+XCOM_DIR = "/airflow/xcom"  # the sidecar-shared folder of KubernetesPodOperator's XCom push
+
+# Defaults of the embedded pipeline: small enough for `make run` on 2 cores, large enough to learn from.
+DEFAULT_PARAMS: dict = {
+    "source": "synthetic",        # synthetic | spec | dlrm
+    "input": "",                  # spec or trace file for source spec/dlrm
+    "num_tables": 240,
+    "seed": 0,
+    "num_tasks": 12,              # per split (train and test)
+    "tables_per_task": "20-60",
+    "devices": 4,
+    "memory_gb": 128.0,           # per device (an H200 has ~141 GB)
+    "bench_shards": 360,          # random training shards measured for the cost model
+    "bench_chunks": 3,            # mapped benchmark tasks (pods)
+    "bench_batch_size": 0,        # 0 = the benchmark's CPU/GPU default
+    "policy_iterations": 200,
+    "policy_rounds": 1,
+    "eval_tasks": 6,
+    "eval_planners": "dim_greedy,size_greedy,lookup_greedy,size_lookup_greedy,random,round_robin",
+    "promotion_margin": 0.01,     # the candidate must beat the champion's measured cost by this fraction
+    "export_tasks": "test",       # which tasks get exported placements
+}
+
+PATHS = {"tables": "tables.parquet", "tasks": "tasks.parquet", "costs": "costs", "cost_model": "cost_model",
+         "policy": "policy", "evaluation": "evaluation", "export": "export", "state": "state"}
+
+
+# The run root of a DAG run, in Python (local runner) and as a Jinja template (pod arguments): same result.
+RUN_ROOT_TEMPLATE = "{data_root}/{{{{ run_id | replace(':', '-') | replace('+', '-') }}}}"
+# All of the run's params as one JSON object, rendered by Airflow into a pod's arguments.
+PARAMS_TEMPLATE = ("{ {%- for k, v in params.items() %}{{ k | tojson }}: {{ v | tojson }}"
+                   "{%- if not loop.last %}, {% endif %}{%- endfor %} }")
+
+
+def run_root(data_root: str, run_id: str) -> str:
+    return storage.join(data_root, str(run_id).replace(":", "-").replace("+", "-"))
+
+
+def path(root: str, key: str) -> str:
+    return storage.join(root, PATHS[key])
+
+
+def merged(params: dict | None) -> dict:
+    p = dict(DEFAULT_PARAMS)
+    p.update({k: v for k, v in (params or {}).items() if v is not None})
+    unknown = sorted(set(p) - set(DEFAULT_PARAMS))
+    if unknown:
+        raise EmbshardError(f"unknown pipeline parameter {unknown[0]!r}", field=unknown[0],
+                            fix=f"use only {', '.join(DEFAULT_PARAMS)}")
+    return p
+
+
+def _state(root: str, name: str, value: dict | None = None) -> dict:
+    """Small JSON facts one stage leaves for the next (e.g. which model version it registered)."""
+    target = storage.join(path(root, "state"), f"{name}.json")
+    if value is not None:
+        storage.write_text(target, json.dumps(value, indent=1, default=str))
+        return value
+    if not storage.exists(target):
+        raise EmbshardError("missing stage output", path=target, fix=f"run the stage that writes {name} first")
+    return json.loads(storage.read_text(target))
+
+
+def ingest(root: str, params: dict) -> dict:
+    from .ingest import run as ingest_run
+    from .tasks import run as tasks_run
+
+    p = merged(params)
+    kw = {}
+    tables = ingest_run(p["source"], root, input=p["input"] or None, seed=int(p["seed"]),
+                        num_tables=int(p["num_tables"]) if p["source"] == "synthetic" else None, **kw)
+    tasks = tasks_run(tables, root, num_tasks=int(p["num_tasks"]), tables_per_task=p["tables_per_task"],
+                      devices=p["devices"], memory_gb=p["memory_gb"], seed=int(p["seed"]))
+    return _state(root, "ingest", {"tables": tables, "tasks": tasks})
+
+
+def bench_shards(root: str, params: dict) -> str:
+    """The shard list of the benchmark stage: random train-pool shards, plus every baseline placement's shards."""
+    import pandas as pd
+
+    from . import schemas
+    from .bench.sampler import placement_shards, random_shards
+    from .planners.baselines import BASELINES, make_baseline
+    from .tableset import TableSet
+
+    p = merged(params)
+    target = storage.join(root, "shards.parquet")
+    if storage.exists(target):  # deterministic: every mapped chunk sees the same list
+        return target
+    tables = TableSet.read(path(root, "tables"))
+    tasks = schemas.read(path(root, "tasks"), "tasks")
+    train = tasks[tasks["split"] == "train"]
+    pool = sorted({t for ids in train["table_ids"] for t in ids})
+    frames = [random_shards(pool, int(p["bench_shards"]), seed=int(p["seed"]), num_devices=int(train["num_devices"].iloc[0]))]
+    # Baselines' device shards: the cost model must know the region where placements live.
+    rows = []
+    for t in train.itertuples():
+        sub = tables.select(list(t.table_ids))
+        for name in BASELINES:
+            try:
+                pl = make_baseline(name, seed=int(p["seed"])).plan(sub, int(t.num_devices), int(t.memory_bytes_per_device), t.task_id)
+            except EmbshardError:
+                continue
+            rows.append(pl.to_frame())
+    if rows:
+        frames.append(placement_shards(pd.concat(rows, ignore_index=True), int(train["num_devices"].iloc[0])))
+    shards = pd.concat(frames, ignore_index=True).drop_duplicates("sample_id")
+    schemas.write(shards, target, "shards")
+    return target
+
+
+def benchmark(root: str, params: dict, chunk: int) -> dict:
+    from .bench import run as bench_run
+
+    p = merged(params)
+    shards = bench_shards(root, p)
+    kw = {"batch_size": int(p["bench_batch_size"])} if int(p["bench_batch_size"]) > 0 else {}
+    parts = bench_run(path(root, "tables"), shards, root, chunk=int(chunk), num_chunks=int(p["bench_chunks"]),
+                      **kw)
+    return {"chunk": int(chunk), "parts": parts}
+
+
+def train_cost_model(root: str, params: dict) -> dict:
+    from .costmodel import run as train_cost
+
+    p = merged(params)
+    res = train_cost(path(root, "costs"), path(root, "tables"), path(root, "cost_model"), seed=int(p["seed"]))
+    return _state(root, "cost_model", {"model_uri": res["model_uri"], "version": str(res["model_version"]),
+                                       "summary": res.get("summary", "")})
+
+
+def train_policy(root: str, params: dict) -> dict:
+    from .planners.train import run as train_run
+
+    p = merged(params)
+    cm = _state(root, "cost_model")
+    kw = {"batch_size": int(p["bench_batch_size"])} if int(p["bench_batch_size"]) > 0 else {}
+    res = train_run(path(root, "tables"), path(root, "tasks"), path(root, "policy"), cost_model_uri=cm["model_uri"],
+                    iterations=int(p["policy_iterations"]), rounds=int(p["policy_rounds"]),
+                    costs=path(root, "costs"), seed=int(p["seed"]), bench_kw=kw)
+    return _state(root, "policy", {"model_uri": res["model_uri"], "version": res["version"],
+                                   "cost_model_uri": res["cost_model_uri"],
+                                   "val_ratio": res["final_val_ratio"]})
+
+
+def evaluate_and_promote(root: str, params: dict) -> dict:
+    from .promote import evaluate_and_promote as promote
+
+    p = merged(params)
+    pol = _state(root, "policy")
+    kw = {"batch_size": int(p["bench_batch_size"])} if int(p["bench_batch_size"]) > 0 else {}
+    decision = promote(path(root, "tables"), path(root, "tasks"), path(root, "evaluation"),
+                       candidate_version=pol["version"], cost_model_uri=pol["cost_model_uri"],
+                       baselines=[b for b in str(p["eval_planners"]).split(",") if b],
+                       max_tasks=int(p["eval_tasks"]), margin=float(p["promotion_margin"]), bench_kw=kw)
+    return _state(root, "promotion", decision)
+
+
+def export_placements(root: str, params: dict) -> dict:
+    from .export import run as export_run
+    from .planners import get_planner
+    from .promote import place_tasks
+
+    p = merged(params)
+    placements = place_tasks(path(root, "tables"), path(root, "tasks"), get_planner("learned@champion"),
+                             storage.join(path(root, "export"), "planned.parquet"), split=p["export_tasks"])
+    res = export_run(placements, path(root, "tables"), path(root, "export"))
+    return _state(root, "export", {"placements": placements, **{k: v for k, v in res.items()
+                                                                  if isinstance(v, (str, int, float))}})
+
+
+STAGES = {"ingest": ingest, "benchmark": benchmark, "train_cost_model": train_cost_model,
+          "train_policy": train_policy, "evaluate_and_promote": evaluate_and_promote,
+          "export_placements": export_placements}
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", choices=list(STAGES), help="the stage to run")
+    p.add_argument("--root", required=True, help="run root (folder, file:// or s3:// URI)")
+    p.add_argument("--params", default="{}", help="pipeline parameters as JSON (see embshard.stages.DEFAULT_PARAMS)")
+    p.add_argument("--chunk", type=int, default=0, help="benchmark chunk index (benchmark stage only)")
+
+
+def main(args) -> int:
+    try:
+        params = json.loads(args.params)
+    except json.JSONDecodeError as exc:
+        raise EmbshardError(f"not valid JSON ({exc.msg})", field="params", fix="pass a JSON object") from None
+    fn = STAGES[args.name]
+    res = fn(args.root, params, args.chunk) if args.name == "benchmark" else fn(args.root, params)
+    print(json.dumps(res, indent=1, default=str))
+    if args.name == "ingest" and os.path.isdir(XCOM_DIR):
+        # KubernetesPodOperator(do_xcom_push=True) reads this: the benchmark chunks to map over.
+        with open(os.path.join(XCOM_DIR, "return.json"), "w", encoding="utf-8") as f:
+            json.dump(list(range(int(merged(params)["bench_chunks"]))), f)
+    return 0

@@ -1,0 +1,124 @@
+"""embshard_pipeline: learn to place embedding tables, then export the champion's placements.
+
+    ingest -> benchmark (mapped over chunks) -> train_cost_model -> train_policy -> evaluate_and_promote
+           -> export_placements
+
+This file only wires stages (embshard.stages). Runner, chosen at parse time by EMBSHARD_RUNNER:
+  local (default)  each stage runs in-process in its Airflow task;
+  kubernetes       each stage is a pod from the project image (KubernetesPodOperator, settings from embshard.k8s);
+                   benchmark pods request a GPU and carry the GPU node selector and tolerations.
+The task ids are the same either way. Each run works under its own root: EMBSHARD_DATA_ROOT/<run id>.
+Triggers: weekly retraining, the `embshard_tables` asset (new tables), and manual runs with the Param form.
+"""
+from __future__ import annotations
+
+import os
+from datetime import datetime, timedelta
+
+from airflow.sdk import DAG, Asset, AssetOrTimeSchedule, CronTriggerTimetable, Param, task
+
+from embshard import stages
+
+RUNNER = os.environ.get("EMBSHARD_RUNNER", "local")
+DATA_ROOT = os.environ.get("EMBSHARD_DATA_ROOT", os.path.abspath("runs"))
+TABLES_ASSET = Asset(name="embshard_tables", uri=os.environ.get("EMBSHARD_TABLES_ASSET_URI",
+                                                                "file:///embshard/tables"))
+D = stages.DEFAULT_PARAMS
+
+PARAMS = {
+    "source": Param(D["source"], enum=["synthetic", "spec", "dlrm"],
+                    description="Where the tables come from: the synthetic generator, a table-spec file "
+                                "(CSV/Parquet/YAML, TorchRec names) or a DLRM trace (.pt/.pt.gz)."),
+    "input": Param(D["input"], type="string", description="Spec or trace file for source spec/dlrm (a path or URI)."),
+    "num_tables": Param(D["num_tables"], type="integer", minimum=2, maximum=100_000,
+                        description="Synthetic source: how many tables to generate."),
+    "seed": Param(D["seed"], type="integer", minimum=0, description="Seed of every random choice of the run."),
+    "num_tasks": Param(D["num_tasks"], type="integer", minimum=1, maximum=10_000,
+                       description="Tasks sampled per split (train pool / unseen test pool)."),
+    "tables_per_task": Param(D["tables_per_task"], type="string", pattern=r"^\d+(-\d+)?$",
+                             description="Tables per task: a number or a range like 20-60."),
+    "devices": Param(D["devices"], type="integer", minimum=1, maximum=4096, description="Devices per task."),
+    "memory_gb": Param(D["memory_gb"], type="number", exclusiveMinimum=0, maximum=100_000,
+                       description="Memory per device in GiB (a hard constraint)."),
+    "bench_shards": Param(D["bench_shards"], type="integer", minimum=10, maximum=1_000_000,
+                          description="Benchmark budget: random training shards to measure."),
+    "bench_chunks": Param(D["bench_chunks"], type="integer", minimum=1, maximum=1024,
+                          description="Benchmark chunks: mapped tasks (pods) that measure in parallel."),
+    "bench_batch_size": Param(D["bench_batch_size"], type="integer", minimum=0,
+                              description="Benchmark batch size (0 = the benchmark's default for the device)."),
+    "policy_iterations": Param(D["policy_iterations"], type="integer", minimum=1, maximum=1_000_000,
+                               description="REINFORCE updates of the policy."),
+    "policy_rounds": Param(D["policy_rounds"], type="integer", minimum=1, maximum=20,
+                           description="Outer rounds: measure the policy's plans, refit the cost model, retrain."),
+    "eval_tasks": Param(D["eval_tasks"], type="integer", minimum=1, description="Held-out tasks measured."),
+    "eval_planners": Param(D["eval_planners"], type="string", pattern=r"^[a-z_@/0-9]+(,[a-z_@/0-9]+)*$",
+                           description="Baselines measured beside the candidate and the champion."),
+    "promotion_margin": Param(D["promotion_margin"], type="number", minimum=0, maximum=0.9,
+                              description="The candidate must beat the champion by this fraction to be promoted."),
+    "export_tasks": Param(D["export_tasks"], enum=["test", "train", "all"],
+                          description="Which tasks get exported placements."),
+}
+
+DEFAULT_ARGS = {"owner": "embshard", "retries": 0}
+
+with DAG(
+    dag_id="embshard_pipeline",
+    description="Measure fused shard costs, learn a cost model and a placement policy, promote, export plans.",
+    schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 3 * * 1", timezone="UTC"), assets=[TABLES_ASSET]),
+    start_date=datetime(2026, 1, 1),
+    catchup=False,
+    max_active_runs=1,
+    params=PARAMS,
+    default_args=DEFAULT_ARGS,
+    tags=["embshard"],
+    doc_md=__doc__,
+) as dag:
+    if RUNNER == "local":
+
+        @task(task_id="ingest")
+        def ingest(params=None, run_id=None) -> list[int]:
+            root = stages.run_root(DATA_ROOT, run_id)
+            stages.ingest(root, dict(params))
+            return list(range(int(params["bench_chunks"])))
+
+        @task(task_id="benchmark", retries=2, retry_delay=timedelta(seconds=5))
+        def benchmark(chunk: int, params=None, run_id=None) -> None:
+            stages.benchmark(stages.run_root(DATA_ROOT, run_id), dict(params), chunk)
+
+        def stage_task(name: str, retries: int = 0):
+            @task(task_id=name, retries=retries)
+            def _run(params=None, run_id=None) -> None:
+                stages.STAGES[name](stages.run_root(DATA_ROOT, run_id), dict(params))
+            return _run()
+
+        chunks = ingest()
+        measured = benchmark.expand(chunk=chunks)
+        measured >> stage_task("train_cost_model") >> stage_task("train_policy") \
+            >> stage_task("evaluate_and_promote") >> stage_task("export_placements", retries=1)
+
+    elif RUNNER == "kubernetes":
+        from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+
+        from embshard import k8s
+
+        pod_config = k8s.load_pod_config()
+        root = stages.RUN_ROOT_TEMPLATE.format(data_root=k8s.data_root(pod_config))
+
+        def stage_args(name: str) -> list[str]:
+            return ["stage", name, "--root", root, "--params", stages.PARAMS_TEMPLATE]
+
+        ingest = KubernetesPodOperator(task_id="ingest", **{
+            **k8s.pod_operator_kwargs("ingest", stage_args("ingest"), pod_config), "do_xcom_push": True})
+        benchmark = KubernetesPodOperator.partial(
+            task_id="benchmark", retries=2, retry_delay=timedelta(seconds=30),
+            **{k: v for k, v in k8s.pod_operator_kwargs("benchmark", [], pod_config).items() if k != "arguments"},
+        ).expand(arguments=ingest.output.map(lambda chunk: [*stage_args("benchmark"), "--chunk", str(chunk)]))
+        rest = [KubernetesPodOperator(task_id=name, **k8s.pod_operator_kwargs(name, stage_args(name), pod_config))
+                for name in ("train_cost_model", "train_policy", "evaluate_and_promote", "export_placements")]
+        benchmark >> rest[0] >> rest[1] >> rest[2] >> rest[3]
+    else:
+        raise ValueError(f"EMBSHARD_RUNNER={RUNNER!r}: use 'local' or 'kubernetes'")
+
+
+if __name__ == "__main__":
+    dag.test()
