@@ -1,0 +1,76 @@
+"""Placements ⇄ placements.parquet rows: rebuild a Placement from the rows of one task."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from ..errors import EmbshardError
+from ..placement import Placement, Shard
+from ..tableset import TableSet
+
+
+def _value(v):
+    return None if v is None or (isinstance(v, float) and np.isnan(v)) or v is pd.NA else v
+
+
+def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: int | None = None,
+                         memory_bytes_per_device: int | None = None) -> Placement:
+    """The Placement of one task's placements.parquet rows (Placement.to_frame's inverse).
+
+    `tables` may hold more tables than the task; the placement's TableSet is the task's tables in row order.
+    Without `num_devices`, it is the highest device + 1 (an empty last device is then lost); without
+    `memory_bytes_per_device`, the fullest device's memory (recorded in meta as inferred). The result is
+    checked (every column placed once, memory respected).
+    """
+    if df_task is None or len(df_task) == 0:
+        raise EmbshardError("no placement rows", field="task_id", fix="give the rows of one task")
+    task_ids = df_task["task_id"].astype(str).unique()
+    if len(task_ids) != 1:
+        raise EmbshardError(f"rows of {len(task_ids)} tasks ({list(task_ids[:3])})", field="task_id",
+                            fix="pass the rows of one task (df[df.task_id == ...])")
+    task_id = str(task_ids[0])
+    ids: list[str] = []
+    for t in df_task["table_id"].astype(str):
+        if t not in ids:
+            ids.append(t)
+    sub = tables.select(ids, where=task_id)
+    pos = {t: i for i, t in enumerate(ids)}
+    shards = []
+    for row in df_task.itertuples(index=False):
+        off = _value(getattr(row, "col_offset", None))
+        size = _value(getattr(row, "col_size", None))
+        shards.append(Shard(pos[str(row.table_id)], int(row.device), int(off or 0),
+                            None if size is None else int(size)))
+    meta: dict = {}
+    devices = int(df_task["device"].max()) + 1
+    if num_devices is None:
+        num_devices = devices
+        meta["num_devices_inferred"] = True
+    elif devices > num_devices:
+        raise EmbshardError(f"device {devices - 1} used but the task has {num_devices} devices", path=task_id,
+                            field="device", fix="use devices 0..num_devices-1")
+    planners = df_task["planner"].astype(str).unique()
+    uris = [u for u in (df_task["model_uri"] if "model_uri" in df_task.columns else []) if _value(u) is not None]
+    placement = Placement(sub, int(num_devices), 1, shards, planner=str(planners[0]),
+                          model_uri=str(uris[0]) if uris else None, task_id=task_id, meta=meta)
+    if memory_bytes_per_device is None:
+        memory_bytes_per_device = max(int(placement.memory_per_device().max()), 1)
+        meta["memory_bytes_per_device_inferred"] = True
+    placement.memory_bytes_per_device = int(memory_bytes_per_device)
+    placement.check()
+    return placement
+
+
+def device_costs_from_frame(df_task: pd.DataFrame, num_devices: int, column: str = "predicted_cost_ms"):
+    """Per-device costs from the rows (each row carries its device's cost); None when the column is empty.
+
+    A device without rows holds nothing and costs 0.
+    """
+    if column not in df_task.columns or df_task[column].isna().all():
+        return None
+    costs = np.zeros(int(num_devices))
+    for dev, group in df_task.groupby("device"):
+        vals = group[column].dropna().astype(float)
+        if len(vals):
+            costs[int(dev)] = float(vals.max())
+    return costs

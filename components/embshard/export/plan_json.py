@@ -1,0 +1,288 @@
+"""`plan.json`: one placement, as a documented and versioned JSON file (schema "embshard.plan/v1").
+
+The JSON Schema ships beside this module (`plan.schema.json`); `write_plan_json` validates before writing and
+`read_plan_json` validates after reading, both with the schema and with the consistency checks below.
+
+Fields (all required; `null` where unknown):
+- `schema`: "embshard.plan/v1". A reader refuses other versions. Adding optional keys inside `meta` keeps v1;
+  any other change bumps the version.
+- `task_id`: the placement task (tasks.parquet `task_id`).
+- `num_devices`: D, the number of devices (ranks) 0..D-1.
+- `memory_bytes_per_device`: memory budget of each device in bytes (weights only, as embshard counts it).
+- `planner`: the planner that made the placement (e.g. "learned", "size_greedy", "torchrec_full").
+- `model_uri`: MLflow URI of the model behind a learned planner (e.g. "models:/embshard-policy/3"), else null.
+- `created_at`: ISO-8601 UTC time the file was written. `embshard_version`: the package version that wrote it.
+- `cost`: predicted costs, `unit` "ms" per training iteration:
+  - `device_costs_ms`: D numbers, predicted cost of each device (by the cost model), or null.
+  - `overall_ms`: the placement's cost = the largest device cost, or null.
+  - `lower_bound_ms`: a lower bound on any placement's cost for this task (ALGORITHMS.md), or null.
+  - `gap`: overall_ms / lower_bound_ms - 1 (0.1 = 10% above the bound), or null.
+- `devices`: D entries in device order: `device` (index), `memory_bytes` (bytes of the shards it holds),
+  `memory_used_fraction` (memory_bytes / memory_bytes_per_device), `predicted_cost_ms` (or null), and `tables`
+  (ids of the tables it holds a shard of, in placement order; a column-split table is listed on every device
+  holding a slice).
+- `tables`: one entry per table: `table_id`, `rows`, `dim`, `bytes_per_element`, `pooling_factor`, `size_bytes`
+  (rows * dim * bytes_per_element) and `shards`: where its columns live, each `device`, `col_offset`,
+  `col_size` (a whole table is one shard with col_offset 0 and col_size = dim) and `memory_bytes`
+  (rows * col_size * bytes_per_element). The shards of a table cover its columns exactly once.
+- `meta`: free-form notes of the planner (JSON values only), e.g. TorchRec's planning time or a fallback note.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+from importlib import resources
+from typing import Any, Mapping
+
+import numpy as np
+
+from .. import storage
+from ..errors import EmbshardError
+from ..placement import Placement, Shard
+from ..tableset import TableSet
+
+SCHEMA_VERSION = "embshard.plan/v1"
+SCHEMA_FILE = "plan.schema.json"
+
+
+def json_schema() -> dict:
+    """The JSON Schema of plan.json (shipped in the package)."""
+    return json.loads(resources.files(__package__).joinpath(SCHEMA_FILE).read_text(encoding="utf-8"))
+
+
+def plan_dict(placement: Placement, device_costs=None, lower_bound: float | None = None) -> dict:
+    """The plan.json content of a placement (validated)."""
+    from .. import __version__
+
+    t = placement.tables
+    d = placement.num_devices
+    costs = None if device_costs is None else [float(c) for c in np.asarray(device_costs, dtype=float)]
+    if costs is not None and not all(math.isfinite(c) and c >= 0 for c in costs):
+        raise EmbshardError(f"device costs {costs} are not finite numbers >= 0", field="device_costs",
+                            fix="give predicted costs in ms, or none")
+    if costs is not None and len(costs) != d:
+        raise EmbshardError(f"{len(costs)} device costs for {d} devices", field="device_costs",
+                            fix="give one predicted cost per device")
+    overall = None if costs is None else max(costs)
+    gap = None
+    if overall is not None and lower_bound is not None and lower_bound > 0:
+        gap = overall / float(lower_bound) - 1.0
+    mem = placement.memory_per_device()
+    per_table: list[list[Shard]] = [[] for _ in range(len(t))]
+    for s in placement.shards:
+        per_table[s.table].append(s)
+    tables = []
+    for i, shards in enumerate(per_table):
+        rows, dim, bpe = int(t.rows[i]), int(t.dims[i]), int(t.bytes_per_element[i])
+        tables.append({
+            "table_id": str(t.table_ids[i]), "rows": rows, "dim": dim, "bytes_per_element": bpe,
+            "pooling_factor": float(t.pooling_factor[i]), "size_bytes": int(t.size_bytes[i]),
+            "shards": [{"device": int(s.device), "col_offset": int(s.col_offset) if s.col_size is not None else 0,
+                        "col_size": int(dim if s.col_size is None else s.col_size),
+                        "memory_bytes": rows * int(dim if s.col_size is None else s.col_size) * bpe}
+                       for s in sorted(shards, key=lambda s: s.col_offset)],
+        })
+    devices = []
+    for dev, shards in enumerate(placement.device_shards()):
+        names: list[str] = []
+        for s in shards:
+            name = str(t.table_ids[s.table])
+            if name not in names:
+                names.append(name)
+        devices.append({"device": dev, "memory_bytes": int(mem[dev]),
+                        "memory_used_fraction": float(mem[dev]) / placement.memory_bytes_per_device,
+                        "predicted_cost_ms": None if costs is None else costs[dev], "tables": names})
+    plan = {
+        "schema": SCHEMA_VERSION, "task_id": str(placement.task_id), "num_devices": int(d),
+        "memory_bytes_per_device": int(placement.memory_bytes_per_device), "planner": str(placement.planner),
+        "model_uri": placement.model_uri,
+        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "embshard_version": __version__,
+        "cost": {"unit": "ms", "device_costs_ms": costs, "overall_ms": overall,
+                 "lower_bound_ms": None if lower_bound is None else float(lower_bound), "gap": gap},
+        "devices": devices, "tables": tables, "meta": _json_safe(placement.meta or {}),
+    }
+    validate_plan(plan)
+    return plan
+
+
+def write_plan_json(placement: Placement, path: str | os.PathLike, device_costs=None,
+                    lower_bound: float | None = None) -> dict:
+    """Validate and atomically write plan.json for `placement`; returns the written dict."""
+    plan = plan_dict(placement, device_costs=device_costs, lower_bound=lower_bound)
+    storage.write_text(path, json.dumps(plan, indent=2, allow_nan=False) + "\n")
+    return plan
+
+
+def read_plan_json(path: str | os.PathLike) -> dict:
+    """Read and validate a plan.json (any other schema version is refused)."""
+    where = os.fspath(path)
+    if not storage.exists(where):
+        raise EmbshardError("file not found", path=where, fix="check the path, or run `embshard export`")
+    try:
+        plan = json.loads(storage.read_text(where))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise EmbshardError(f"not valid JSON ({str(exc)[:80]})", path=where,
+                            fix="re-run `embshard export`; the file is corrupt") from None
+    validate_plan(plan, where)
+    return plan
+
+
+def validate_plan(plan: Any, where: str = "<plan.json>") -> None:
+    """Check `plan` against the JSON Schema and the consistency rules; raise EmbshardError naming the field."""
+    if isinstance(plan, Mapping) and plan.get("schema") != SCHEMA_VERSION:
+        raise EmbshardError(f"schema {plan.get('schema')!r} is not {SCHEMA_VERSION!r}", path=where, field="schema",
+                            fix="re-export the plan with this embshard version")
+    _schema_check(plan, json_schema(), where)
+    _consistency_check(plan, where)
+
+
+def _schema_check(plan: Any, schema: dict, where: str) -> None:
+    try:
+        import jsonschema
+    except ImportError:  # jsonschema comes with the airflow extra; without it the built-in subset checker runs
+        err = _mini_validate(plan, schema, "")
+        if err:
+            raise EmbshardError(err[1], path=where, field=err[0] or "<root>",
+                                fix=f"follow the {SCHEMA_VERSION} schema (embshard/export/{SCHEMA_FILE})")
+        return
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(plan), key=lambda e: list(e.absolute_path))
+    if errors:
+        e = errors[0]
+        field = ".".join(str(p) for p in e.absolute_path) or "<root>"
+        raise EmbshardError(e.message[:200], path=where, field=field,
+                            fix=f"follow the {SCHEMA_VERSION} schema (embshard/export/{SCHEMA_FILE})")
+
+
+_TYPES = {"object": dict, "array": list, "string": str, "null": type(None), "boolean": bool}
+
+
+def _is_type(value: Any, name: str) -> bool:
+    if name == "integer":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if name == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, _TYPES[name])
+
+
+def _mini_validate(value: Any, schema: dict, at: str) -> tuple[str, str] | None:
+    """The subset of JSON Schema that plan.schema.json uses; returns (field, message) of the first error."""
+    if "const" in schema and value != schema["const"]:
+        return at, f"must be {schema['const']!r}"
+    types = schema.get("type")
+    if types is not None:
+        types = [types] if isinstance(types, str) else types
+        if not any(_is_type(value, t) for t in types):
+            return at, f"{value!r:.60} is not of type {' or '.join(types)}"
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and "minimum" in schema:
+        if value < schema["minimum"]:
+            return at, f"{value} is less than the minimum of {schema['minimum']}"
+    if isinstance(value, str) and len(value) < schema.get("minLength", 0):
+        return at, "must not be empty"
+    if isinstance(value, dict):
+        for key in schema.get("required", []):
+            if key not in value:
+                return at, f"{key!r} is a required property"
+        props = schema.get("properties", {})
+        for key, sub in value.items():
+            path = f"{at}.{key}" if at else key
+            if key in props:
+                err = _mini_validate(sub, props[key], path)
+                if err:
+                    return err
+            elif schema.get("additionalProperties", True) is False:
+                return path, "additional property not allowed"
+    if isinstance(value, list):
+        if len(value) < schema.get("minItems", 0):
+            return at, f"needs at least {schema['minItems']} item(s)"
+        if "items" in schema:
+            for k, item in enumerate(value):
+                err = _mini_validate(item, schema["items"], f"{at}.{k}" if at else str(k))
+                if err:
+                    return err
+    return None
+
+
+def _consistency_check(plan: dict, where: str) -> None:
+    def fail(field: str, msg: str, fix: str) -> None:
+        raise EmbshardError(msg, path=where, field=field, fix=fix)
+
+    d = plan["num_devices"]
+    budget = plan["memory_bytes_per_device"]
+    if [dev["device"] for dev in plan["devices"]] != list(range(d)):
+        fail("devices", f"devices must be listed 0..{d - 1} in order", "one entry per device")
+    ids = [t["table_id"] for t in plan["tables"]]
+    if len(set(ids)) != len(ids):
+        fail("tables", "duplicate table_id", "list every table once")
+    mem = [0] * d
+    holders: list[set] = [set() for _ in range(d)]
+    for k, t in enumerate(plan["tables"]):
+        if t["size_bytes"] != t["rows"] * t["dim"] * t["bytes_per_element"]:
+            fail(f"tables.{k}.size_bytes", f"table {t['table_id']}: size_bytes != rows*dim*bytes_per_element",
+                 "recompute size_bytes")
+        next_col = 0
+        for s in sorted(t["shards"], key=lambda s: s["col_offset"]):
+            if s["device"] >= d:
+                fail(f"tables.{k}.shards", f"table {t['table_id']}: device {s['device']} >= num_devices {d}",
+                     "use devices 0..num_devices-1")
+            if s["col_offset"] != next_col:
+                fail(f"tables.{k}.shards", f"table {t['table_id']}: columns {next_col}..{s['col_offset']} are "
+                     "missing or overlap", "shards must cover the table's columns exactly once")
+            next_col += s["col_size"]
+            if s["memory_bytes"] != t["rows"] * s["col_size"] * t["bytes_per_element"]:
+                fail(f"tables.{k}.shards", f"table {t['table_id']}: shard memory_bytes != rows*col_size*bytes",
+                     "recompute memory_bytes")
+            mem[s["device"]] += s["memory_bytes"]
+            holders[s["device"]].add(t["table_id"])
+        if next_col != t["dim"]:
+            fail(f"tables.{k}.shards", f"table {t['table_id']}: shards cover {next_col} of {t['dim']} columns",
+                 "shards must cover the table's columns exactly once")
+    for dev in plan["devices"]:
+        i = dev["device"]
+        if dev["memory_bytes"] != mem[i]:
+            fail(f"devices.{i}.memory_bytes", f"device {i}: memory_bytes {dev['memory_bytes']} != {mem[i]} of its "
+                 "shards", "recompute device memory from the shards")
+        if mem[i] > budget:
+            fail(f"devices.{i}.memory_bytes", f"device {i} holds {mem[i]} bytes, {mem[i] - budget} over its "
+                 f"{budget}", "this placement breaks the memory budget; re-plan it")
+        if set(dev["tables"]) != holders[i]:
+            fail(f"devices.{i}.tables", f"device {i}: table list does not match the shards",
+                 "list exactly the tables with a shard on the device")
+    costs = plan["cost"]["device_costs_ms"]
+    if costs is not None and len(costs) != d:
+        fail("cost.device_costs_ms", f"{len(costs)} costs for {d} devices", "one cost per device")
+
+
+def _json_safe(value: Any) -> Any:
+    """meta values as plain JSON (numpy scalars/arrays converted, non-finite floats and objects as strings)."""
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return [_json_safe(v) for v in (value.tolist() if isinstance(value, np.ndarray) else value)]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def placement_from_plan(plan: Mapping, tables: TableSet) -> Placement:
+    """Rebuild the Placement of a plan.json over `tables` (a TableSet holding at least the plan's tables)."""
+    ids = [t["table_id"] for t in plan["tables"]]
+    sub = tables.select(ids, where=plan.get("task_id", "plan.json"))
+    shards = []
+    for i, t in enumerate(plan["tables"]):
+        for s in t["shards"]:
+            whole = len(t["shards"]) == 1 and s["col_size"] == t["dim"]
+            shards.append(Shard(i, int(s["device"]), 0 if whole else int(s["col_offset"]),
+                                None if whole else int(s["col_size"])))
+    placement = Placement(sub, int(plan["num_devices"]), int(plan["memory_bytes_per_device"]), shards,
+                          planner=plan["planner"], model_uri=plan["model_uri"], task_id=plan["task_id"],
+                          meta=dict(plan.get("meta", {})))
+    placement.check()
+    return placement
