@@ -83,10 +83,13 @@ POD_DEFAULTS: dict[str, Any] = {
 
 
 def _merge(base: dict, override: dict) -> dict:
-    """Deep-merge `override` into a copy of `base`: dicts merge, everything else (lists too) replaces."""
+    """Deep-merge `override` into a copy of `base`: dicts merge, lists and scalars replace, null deletes
+    (Helm's rules for values, so a file and the chart's values mean the same thing)."""
     out = copy.deepcopy(base)
     for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)

@@ -1,0 +1,188 @@
+"""The kubernetes runner's stage pods, rendered without a cluster and validated against the Kubernetes schema.
+
+Each stage gets a real KubernetesPodOperator built from `embshard.k8s.pod_operator_kwargs`; its pod comes
+from `build_pod_request_obj(dry_run=True)` (no API server) and must validate strictly. The chart's
+stage-pods ConfigMap must equal POD_DEFAULTS: one source of truth for the DAG and the chart.
+"""
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+import yaml
+
+from embshard import k8s
+from embshard.errors import EmbshardError
+
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="dev extra: kubernetes-validate")
+pytest.importorskip("airflow.providers.cncf.kubernetes", reason="airflow extra")
+helm = pytest.importorskip("helm_python", reason="dev extra: helm-python-sdk")
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "embshard"
+KUBE_VERSION = "1.33.0"
+GPU = "nvidia.com/gpu"
+GPU_STAGES = {"benchmark", "evaluate_and_promote"}
+
+# What the DAG passes: the image's entrypoint is `embshard`, so arguments start with the command.
+ARGS = {
+    "ingest": ["ingest", "--source", "synthetic", "--out", "file:///data/embshard/run-1"],
+    "benchmark": ["bench", "--tables", "file:///data/embshard/run-1/tables.parquet", "--chunk", "0"],
+    "train_cost_model": ["train-cost", "--costs", "file:///data/embshard/run-1/costs"],
+    "train_policy": ["train-policy", "--tables", "file:///data/embshard/run-1/tables.parquet"],
+    "evaluate_and_promote": ["evaluate", "--tasks", "file:///data/embshard/run-1/tasks.parquet"],
+    "export_placements": ["export", "--out", "file:///data/embshard/run-1/placements"],
+}
+
+
+def pod_manifest(stage: str, config: dict | None = None) -> dict:
+    """The pod the KubernetesPodOperator would create for `stage`, as a plain manifest."""
+    from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+    from airflow.sdk import DAG
+    from kubernetes.client import ApiClient
+
+    with DAG(f"embshard_pods_{stage}", schedule=None, start_date=dt.datetime(2026, 1, 1)):
+        op = KubernetesPodOperator(task_id=stage, **k8s.pod_operator_kwargs(stage, ARGS[stage], config))
+    return ApiClient().sanitize_for_serialization(op.build_pod_request_obj(dry_run=True))
+
+
+def chart_stage_pods(values: dict | None = None, namespace: str = "embshard") -> dict:
+    """The stage-pods YAML the chart renders into its ConfigMap (release "embshard")."""
+    with helm.Chart.load(CHART) as chart:
+        out = chart.render(values or {}, name="embshard", namespace=namespace, is_install=True)
+    (cm,) = [d for d in yaml.safe_load_all(out["embshard/templates/stage-pods-configmap.yaml"]) if d]
+    return yaml.safe_load(cm["data"]["stage-pods.yaml"])
+
+
+@pytest.fixture(autouse=True)
+def _no_config_env(monkeypatch):
+    monkeypatch.delenv(k8s.CONFIG_ENV, raising=False)
+
+
+@pytest.mark.parametrize("stage", k8s.STAGES)
+def test_stage_pod_is_a_valid_kubernetes_pod(stage):
+    pod = pod_manifest(stage)
+    kubernetes_validate.validate(pod, desired_version=KUBE_VERSION, strict=True)
+    (container,) = pod["spec"]["containers"]
+    assert container["image"] == k8s.POD_DEFAULTS["image"]
+    assert container["command"] == ["embshard"] and container["args"] == ARGS[stage]
+    assert pod["metadata"]["namespace"] == "embshard"
+    assert pod["spec"]["serviceAccountName"] == "embshard-stage"
+    assert pod["metadata"]["labels"]["embshard.io/stage"] == stage.replace("_", "-")
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    env = {e["name"]: e for e in container["env"]}
+    assert env["MLFLOW_TRACKING_URI"]["value"] == "http://embshard-mlflow.embshard.svc.cluster.local:5000"
+    assert env["EMBSHARD_DATA_ROOT"]["value"] == "file:///data/embshard"
+    assert container["envFrom"] == [{"secretRef": {"name": "embshard-credentials", "optional": True}}]
+    # The shared volume the stages exchange Parquet through.
+    assert container["volumeMounts"] == [{"name": "embshard-data", "mountPath": "/data"}]
+    assert pod["spec"]["volumes"] == [{"name": "embshard-data",
+                                       "persistentVolumeClaim": {"claimName": "embshard-data"}}]
+
+
+@pytest.mark.parametrize("stage", k8s.STAGES)
+def test_only_measuring_stages_get_a_gpu_and_the_gpu_nodes(stage):
+    pod = pod_manifest(stage)
+    resources = pod["spec"]["containers"][0]["resources"]
+    if stage in GPU_STAGES:
+        assert resources["requests"][GPU] == resources["limits"][GPU] == "1"
+        assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert pod["spec"]["tolerations"] == [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
+    else:
+        assert GPU not in resources.get("requests", {}) and GPU not in resources.get("limits", {})
+        assert not pod["spec"].get("nodeSelector") and not pod["spec"].get("tolerations")
+    assert resources["requests"]["memory"] and resources["limits"]["memory"]
+
+
+def test_pod_validation_is_not_vacuous():
+    pod = pod_manifest("benchmark")
+    pod["spec"]["containers"][0]["resources"]["limits"]["cpu"] = {"cores": 8}  # not a quantity
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(pod, desired_version=KUBE_VERSION, strict=True)
+
+
+def test_chart_configmap_is_pod_defaults():
+    """One source of truth: the chart's default stage-pod settings equal POD_DEFAULTS exactly."""
+    assert chart_stage_pods() == k8s.POD_DEFAULTS
+
+
+def test_chart_configmap_drives_the_pods(tmp_path, monkeypatch):
+    """Settings changed in the chart's values reach the DAG's pods through the mounted ConfigMap."""
+    values = {"stagePods": {
+        "image": "registry.example.com/embshard-cuda:0.1.0",
+        "gpu": {"count": 2, "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
+                "tolerations": [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"},
+                                {"key": "dedicated", "operator": "Equal", "value": "gpu", "effect": "NoSchedule"}]},
+        "storage": {"type": "bucket", "dataRoot": "s3://embshard/runs",
+                    "s3Endpoint": "http://embshard-minio.ml.svc.cluster.local:9000"},
+        "secretEnv": [{"name": "MLFLOW_TRACKING_TOKEN", "secretName": "mlflow-auth", "key": "token"}],
+    }}
+    path = tmp_path / "stage-pods.yaml"
+    path.write_text(yaml.safe_dump(chart_stage_pods(values, namespace="ml")))
+    monkeypatch.setenv(k8s.CONFIG_ENV, str(path))
+    config = k8s.load_pod_config()
+    assert k8s.data_root(config) == "s3://embshard/runs"
+
+    pod = pod_manifest("benchmark", config)
+    kubernetes_validate.validate(pod, desired_version=KUBE_VERSION, strict=True)
+    spec, (container,) = pod["spec"], pod["spec"]["containers"]
+    assert pod["metadata"]["namespace"] == "ml"
+    assert container["image"] == "registry.example.com/embshard-cuda:0.1.0"
+    assert container["resources"]["limits"][GPU] == "2"
+    # Helm merges value maps, so the product label joins the default one (null in values removes a key).
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert len(spec["tolerations"]) == 2
+    assert not spec.get("volumes") and not container.get("volumeMounts")  # bucket: nothing to mount
+    env = {e["name"]: e for e in container["env"]}
+    assert env["EMBSHARD_DATA_ROOT"]["value"] == "s3://embshard/runs"
+    assert env["AWS_ENDPOINT_URL"]["value"] == "http://embshard-minio.ml.svc.cluster.local:9000"
+    assert env["MLFLOW_TRACKING_URI"]["value"] == "http://embshard-mlflow.ml.svc.cluster.local:5000"
+    assert env["MLFLOW_TRACKING_TOKEN"] == {"name": "MLFLOW_TRACKING_TOKEN", "valueFrom": {
+        "secretKeyRef": {"name": "mlflow-auth", "key": "token", "optional": False}}}
+
+    # A CPU stage stays off the GPU nodes under the same settings.
+    ingest = pod_manifest("ingest", config)
+    assert GPU not in ingest["spec"]["containers"][0]["resources"]["limits"]
+    assert not ingest["spec"].get("nodeSelector")
+
+
+def test_partial_override_keeps_the_rest(tmp_path):
+    path = tmp_path / "pods.yaml"
+    path.write_text("image: my/embshard-cpu:1\nstages:\n  train_policy:\n    gpu: true\n"
+                    "gpu:\n  nodeSelector:\n    nvidia.com/gpu.present: null\n    nvidia.com/gpu.product: NVIDIA-H200\n")
+    config = k8s.load_pod_config(path)
+    assert config["gpu"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}  # null removes, as in Helm
+    assert config["image"] == "my/embshard-cpu:1"
+    assert config["stages"]["train_policy"]["gpu"] is True
+    assert config["stages"]["train_policy"]["resources"] == k8s.POD_DEFAULTS["stages"]["train_policy"]["resources"]
+    assert config["gpu"]["tolerations"] == k8s.POD_DEFAULTS["gpu"]["tolerations"]
+    assert k8s.POD_DEFAULTS["stages"]["train_policy"]["gpu"] is False  # defaults are not mutated
+
+
+@pytest.mark.parametrize("text, match", [
+    ("imagee: typo\n", "unknown pod setting"),
+    ("storage:\n  type: nfs\n", "storage.type"),
+    ("storage:\n  type: bucket\n  dataRoot: /data\n", "s3://"),
+    ("stages:\n  bench:\n    gpu: true\n", "unknown stage"),
+    ("secretEnv:\n  - name: X\n", "secretEnv"),
+    ("- a\n- b\n", "mapping"),
+    ("image: [unclosed\n", "not valid YAML"),
+])
+def test_bad_pod_settings_are_one_line_errors(tmp_path, text, match):
+    path = tmp_path / "pods.yaml"
+    path.write_text(text)
+    with pytest.raises(EmbshardError, match=match) as info:
+        k8s.load_pod_config(path)
+    assert "\n" not in str(info.value) and str(path) in str(info.value)
+
+
+def test_missing_config_file_says_how_to_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv(k8s.CONFIG_ENV, str(tmp_path / "absent.yaml"))
+    with pytest.raises(EmbshardError, match="EMBSHARD_K8S_CONFIG"):
+        k8s.load_pod_config()
+
+
+def test_unknown_stage_is_refused():
+    with pytest.raises(EmbshardError, match="unknown stage"):
+        k8s.pod_operator_kwargs("bench", ["bench"])
