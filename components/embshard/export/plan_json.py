@@ -152,7 +152,10 @@ def _schema_check(plan: Any, schema: dict, where: str) -> None:
     errors = sorted(validator.iter_errors(plan), key=lambda e: list(e.absolute_path))
     if errors:
         e = errors[0]
-        field = ".".join(str(p) for p in e.absolute_path) or "<root>"
+        parts = [str(p) for p in e.absolute_path]
+        if e.validator == "required":  # name the missing key, not its parent
+            parts += [next(k for k in e.validator_value if k not in e.instance)]
+        field = ".".join(parts) or "<root>"
         raise EmbshardError(e.message[:200], path=where, field=field,
                             fix=f"follow the {SCHEMA_VERSION} schema (embshard/export/{SCHEMA_FILE})")
 
@@ -185,7 +188,7 @@ def _mini_validate(value: Any, schema: dict, at: str) -> tuple[str, str] | None:
     if isinstance(value, dict):
         for key in schema.get("required", []):
             if key not in value:
-                return at, f"{key!r} is a required property"
+                return (f"{at}.{key}" if at else key), f"{key!r} is a required property"
         props = schema.get("properties", {})
         for key, sub in value.items():
             path = f"{at}.{key}" if at else key

@@ -1,0 +1,343 @@
+"""Export: plan.json (embshard.plan/v1), placements.parquet round trips, and plans TorchRec accepts."""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from embshard import schemas
+from embshard.errors import EmbshardError
+from embshard.export import (placement_from_frame, placement_from_plan, read_plan_json, validate_plan,
+                             write_plan_json)
+from embshard.export.placements import device_costs_from_frame
+from embshard.export.plan_json import _mini_validate, json_schema
+from embshard.ingest.synthetic import generate_tables
+from embshard.placement import Placement, Shard
+from embshard.tableset import TableSet
+
+D = 4
+
+
+@pytest.fixture(scope="module")
+def tables_df():
+    df = generate_tables(10, seed=11, bins_batch_size=1024)
+    df["dim"] = [64, 32, 128, 16, 64, 8, 32, 64, 16, 128]
+    df["rows"] = np.minimum(df["rows"], 50_000)
+    df.loc[3, "bytes_per_element"] = 2  # one fp16 table
+    df["size_bytes"] = df["rows"] * df["dim"] * df["bytes_per_element"]
+    return schemas.validate(df, "tables")
+
+
+@pytest.fixture(scope="module")
+def tables(tables_df) -> TableSet:
+    return TableSet.from_frame(tables_df)
+
+
+@pytest.fixture()
+def placement(tables) -> Placement:
+    # Mixed plan: whole tables, table 0 split evenly over two devices, table 2 split unevenly over three.
+    shards = [Shard(0, 0, 0, 32), Shard(0, 1, 32, 32), Shard(1, 2), Shard(2, 3, 0, 64), Shard(2, 0, 64, 32),
+              Shard(2, 2, 96, 32), Shard(3, 1), Shard(4, 3), Shard(5, 0), Shard(6, 1), Shard(7, 2), Shard(8, 3),
+              Shard(9, 0)]
+    mem = int(tables.size_bytes.sum())
+    return Placement(tables, D, mem, shards, planner="size_greedy", task_id="task-a",
+                     meta={"note": "test", "score": np.float32(1.5)})
+
+
+COSTS = np.array([1.0, 2.5, 0.5, 3.0])
+
+
+def test_plan_json_round_trip_and_fields(tmp_path, placement, tables):
+    path = tmp_path / "plan.json"
+    written = write_plan_json(placement, path, device_costs=COSTS, lower_bound=2.0)
+    plan = read_plan_json(path)
+    assert plan == written
+    assert plan["schema"] == "embshard.plan/v1"
+    assert plan["task_id"] == "task-a" and plan["num_devices"] == D and plan["planner"] == "size_greedy"
+    assert plan["cost"]["overall_ms"] == 3.0 and plan["cost"]["gap"] == pytest.approx(0.5)
+    assert [d["memory_bytes"] for d in plan["devices"]] == placement.memory_per_device().tolist()
+    assert plan["devices"][0]["tables"] == [tables.table_ids[i] for i in (0, 2, 5, 9)]
+    t2 = plan["tables"][2]
+    assert [(s["device"], s["col_offset"], s["col_size"]) for s in t2["shards"]] == [(3, 0, 64), (0, 64, 32),
+                                                                                     (2, 96, 32)]
+    assert plan["meta"] == {"note": "test", "score": 1.5}
+    back = placement_from_plan(plan, tables)
+    assert back.memory_per_device().tolist() == placement.memory_per_device().tolist()
+    assert sorted((s.table, s.device, s.col_offset, s.col_size) for s in back.shards) == \
+        sorted((s.table, s.device, s.col_offset, s.col_size) for s in placement.shards)
+
+
+def test_plan_json_without_costs(tmp_path, placement):
+    plan = write_plan_json(placement, tmp_path / "p.json")
+    assert plan["cost"] == {"unit": "ms", "device_costs_ms": None, "overall_ms": None, "lower_bound_ms": None,
+                            "gap": None}
+
+
+def _bad(plan, edit):
+    bad = copy.deepcopy(plan)
+    edit(bad)
+    return bad
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda p: p.pop("tables"), "tables"),
+    (lambda p: p.update(schema="embshard.plan/v0"), "schema"),
+    (lambda p: p.update(num_devices=0), "num_devices"),
+    (lambda p: p["tables"][0]["shards"].pop(), "tables.0.shards"),
+    (lambda p: p["tables"][1]["shards"][0].update(device=7), "tables.1.shards"),
+    (lambda p: p["devices"][0].update(memory_bytes=1), "devices.0.memory_bytes"),
+    (lambda p: p.update(memory_bytes_per_device=1000), "devices.0.memory_bytes"),
+    (lambda p: p["devices"][1]["tables"].append("t_unknown"), "devices.1.tables"),
+    (lambda p: p.update(extra=1), "<root>"),
+])
+def test_plan_json_validation_names_the_field(placement, tmp_path, edit, field):
+    plan = write_plan_json(placement, tmp_path / "p.json", device_costs=COSTS)
+    bad = _bad(plan, edit)
+    with pytest.raises(EmbshardError) as err:
+        validate_plan(bad)
+    assert f"field '{field}'" in str(err.value)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(EmbshardError, match="bad.json"):
+        read_plan_json(path)
+
+
+def test_builtin_schema_checker_agrees_with_jsonschema(placement, tmp_path):
+    # Without jsonschema installed the built-in subset checker runs: it must catch the same structural errors.
+    plan = write_plan_json(placement, tmp_path / "p.json", device_costs=COSTS)
+    schema = json_schema()
+    assert _mini_validate(plan, schema, "") is None
+    cases = [lambda p: p.pop("meta"), lambda p: p.update(model_uri=3), lambda p: p["cost"].update(overall_ms=-1),
+             lambda p: p["tables"][0].update(rows=True), lambda p: p["devices"][0].update(x=1),
+             lambda p: p.update(tables=[])]
+    jsonschema = pytest.importorskip("jsonschema")
+    for edit in cases:
+        bad = _bad(plan, edit)
+        assert _mini_validate(bad, schema, "") is not None
+        assert list(jsonschema.Draft202012Validator(schema).iter_errors(bad))
+
+
+def test_validation_without_jsonschema(placement, tmp_path, monkeypatch):
+    plan = write_plan_json(placement, tmp_path / "p.json", device_costs=COSTS)
+    monkeypatch.setitem(sys.modules, "jsonschema", None)
+    validate_plan(plan)
+    with pytest.raises(EmbshardError, match="field 'tables.0.rows'"):
+        validate_plan(_bad(plan, lambda p: p["tables"][0].update(rows="many")))
+    with pytest.raises(EmbshardError, match="field 'cost.gap'"):
+        validate_plan(_bad(plan, lambda p: p["cost"].pop("gap")))
+
+
+def test_read_plan_json_rejects_garbage(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text("{not json")
+    with pytest.raises(EmbshardError, match="not valid JSON"):
+        read_plan_json(path)
+    with pytest.raises(EmbshardError, match="file not found"):
+        read_plan_json(tmp_path / "missing.json")
+
+
+def test_placement_from_frame_inverts_to_frame(placement, tables):
+    df = placement.to_frame(device_costs=COSTS)
+    df = schemas.validate(df, "placements")
+    back = placement_from_frame(df, tables, D, placement.memory_bytes_per_device)
+    assert [(s.device, s.col_offset, s.col_size) for s in back.shards] == \
+        [(s.device, s.col_offset, s.col_size) for s in placement.shards]
+    assert list(back.tables.table_ids) == list(tables.table_ids)
+    assert device_costs_from_frame(df, D).tolist() == COSTS.tolist()
+    inferred = placement_from_frame(df, tables)
+    assert inferred.num_devices == D and inferred.meta["memory_bytes_per_device_inferred"]
+    assert inferred.memory_bytes_per_device == int(placement.memory_per_device().max())
+    with pytest.raises(EmbshardError, match="over"):
+        placement_from_frame(df, tables, D, 10)
+    with pytest.raises(EmbshardError, match="device 3 used"):
+        placement_from_frame(df, tables, 2, placement.memory_bytes_per_device)
+
+
+def _write_inputs(tmp_path, tables_df, placement):
+    schemas.write(tables_df, tmp_path / "tables.parquet", "tables")
+    other = Placement(placement.tables, D, placement.memory_bytes_per_device,
+                      [Shard(i, i % D) for i in range(len(placement.tables))], planner="round_robin",
+                      task_id="task-b")
+    import pandas as pd
+
+    rows = pd.concat([placement.to_frame(COSTS), other.to_frame()], ignore_index=True)
+    schemas.write(rows, tmp_path / "placements.parquet", "placements")
+    tasks = pd.DataFrame({"task_id": ["task-a", "task-b"], "split": ["test", "test"], "num_devices": [D, D],
+                          "memory_bytes_per_device": [placement.memory_bytes_per_device] * 2,
+                          "table_ids": [list(placement.tables.table_ids)] * 2})
+    schemas.write(tasks, tmp_path / "tasks.parquet", "tasks")
+    return rows
+
+
+def test_cli_writes_every_file(tmp_path, tables_df, placement):
+    from embshard.cli import main
+
+    rows = _write_inputs(tmp_path, tables_df, placement)
+    out = tmp_path / "out"
+    code = main(["export", "--placements", str(tmp_path / "placements.parquet"), "--tables",
+                 str(tmp_path / "tables.parquet"), "--tasks", str(tmp_path / "tasks.parquet"), "--out", str(out)])
+    assert code == 0
+    again = schemas.read(out / "placements.parquet", "placements")
+    assert len(again) == len(rows) and set(again["task_id"]) == {"task-a", "task-b"}
+    plan_a = read_plan_json(out / "task-a" / "plan.json")
+    assert plan_a["cost"]["device_costs_ms"] == COSTS.tolist()
+    assert read_plan_json(out / "task-b" / "plan.json")["planner"] == "round_robin"
+    if _has_torchrec():
+        assert (out / "task-a" / "torchrec_plan.json").exists() and (out / "task-a" / "torchrec_plan.pt").exists()
+    # Bad input: one line on stderr, exit code 2.
+    code = main(["export", "--placements", str(tmp_path / "nope.parquet"), "--tables",
+                 str(tmp_path / "tables.parquet"), "--out", str(out)])
+    assert code == 2
+
+
+def test_run_without_torchrec_still_exports(tmp_path, tables_df, placement, monkeypatch):
+    from embshard.export import run
+    from embshard.export.torchrec_plan import require_torchrec
+
+    _write_inputs(tmp_path, tables_df, placement)
+    monkeypatch.setitem(sys.modules, "torchrec", None)  # what a machine without the extra sees
+    with pytest.raises(EmbshardError, match="torchrec==1.8.0"):
+        require_torchrec()
+    result = run(str(tmp_path / "placements.parquet"), str(tmp_path / "tables.parquet"), str(tmp_path / "out"))
+    assert result["torchrec"] is False and "torchrec" in result["torchrec_note"]
+    assert set(result["plans"]["task-a"]) == {"plan_json"}
+    read_plan_json(result["plans"]["task-a"]["plan_json"])
+
+
+# ---- TorchRec accepts our plans -------------------------------------------------------------------------
+
+
+def _has_torchrec() -> bool:
+    try:
+        import torchrec  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_torchrec = pytest.mark.skipif(not _has_torchrec(), reason="torchrec extra not installed")
+
+
+@needs_torchrec
+def test_sharding_plan_is_well_formed(placement):
+    from torchrec.distributed.planner.planners import validate_rank_assignment
+    from torchrec.distributed.types import ParameterSharding, ShardingPlan
+
+    from embshard.export import to_torchrec_plan
+    from embshard.export.torchrec_plan import plan_layout, rank_layout, topology
+
+    plan = to_torchrec_plan(placement)
+    assert isinstance(plan, ShardingPlan)
+    module_plan = plan.plan[""]
+    t = placement.tables
+    assert set(module_plan) == set(t.table_ids)
+    for i, name in enumerate(t.table_ids):
+        ps = module_plan[name]
+        assert isinstance(ps, ParameterSharding) and ps.compute_kernel == "fused"
+        ours = sorted((s.col_offset, s.col_size or int(t.dims[i]), s.device) for s in placement.shards
+                      if s.table == i)
+        assert ps.ranks == [r for _, _, r in ours]
+        assert ps.sharding_type == ("table_wise" if len(ours) == 1 else "column_wise")
+        # The shards cover the table: all rows, and the column slices tile [0, dim).
+        assert all(m.shard_sizes[0] == t.rows[i] and m.shard_offsets[0] == 0 for m in ps.sharding_spec.shards)
+        assert sum(m.shard_sizes[1] for m in ps.sharding_spec.shards) == t.dims[i]
+    assert rank_layout(plan) == plan_layout(placement)
+    validate_rank_assignment(plan, topology(D, placement.memory_bytes_per_device))
+
+
+@needs_torchrec
+def test_torchrec_shards_the_module_with_our_plan(placement):
+    """DistributedModelParallel shards a meta-device EBC with the plan (fake process group, no GPUs)."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    from embshard.export import to_torchrec_plan
+    from embshard.export.torchrec_plan import build_module
+
+    class Model(torch.nn.Module):
+        def __init__(self, ebc):
+            super().__init__()
+            self.sparse = ebc
+
+    plan = to_torchrec_plan(placement, module_path="sparse")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=D)
+    try:
+        model = DistributedModelParallel(Model(build_module(placement.tables)), device=torch.device("meta"),
+                                         plan=plan, sharders=[EmbeddingBagCollectionSharder()],
+                                         init_data_parallel=False, init_parameters=False)
+        sharded = model.module.sparse
+        assert type(sharded).__name__ == "ShardedEmbeddingBagCollection"
+        # Every rank's local tables, as TorchRec's sharding computed them, are exactly ours.
+        got = {r: set() for r in range(D)}
+        for sharding in sharded._embedding_shardings:
+            for rank, groups in enumerate(sharding._grouped_embedding_configs_per_rank):
+                for group in groups:
+                    for table in group.embedding_tables:
+                        got[rank].add((table.name, int(table.local_metadata.shard_offsets[1]), table.local_cols))
+    finally:
+        dist.destroy_process_group()
+    t = placement.tables
+    want = {r: set() for r in range(D)}
+    for s in placement.shards:
+        want[s.device].add((t.table_ids[s.table], s.col_offset, s.col_size or int(t.dims[s.table])))
+    assert got == want
+
+
+@needs_torchrec
+def test_torchrec_planner_with_our_constraints_reproduces_our_ranks(tables):
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    from embshard.export.torchrec_plan import (build_module, plan_layout, rank_layout, torchrec_constraints,
+                                               torchrec_planner_for)
+
+    # Equal column blocks (what TorchRec's enumerator makes): table 2 in two 64-column slices.
+    shards = [Shard(i, (i * 3) % D) for i in range(len(tables)) if i != 2] + [Shard(2, 1, 0, 64), Shard(2, 3, 64, 64)]
+    p = Placement(tables, D, int(tables.size_bytes.sum()), shards, task_id="c")
+    constraints = torchrec_constraints(p)
+    assert constraints[tables.table_ids[2]].sharding_types == ["column_wise"]
+    assert constraints[tables.table_ids[2]].min_partition == 64
+    assert constraints[tables.table_ids[0]].sharding_types == ["table_wise"]
+    plan = torchrec_planner_for(p).plan(build_module(tables), [EmbeddingBagCollectionSharder()])
+    assert rank_layout(plan) == plan_layout(p)
+
+
+@needs_torchrec
+def test_uneven_slices_cannot_be_constraints(placement):
+    from embshard.export.torchrec_plan import torchrec_constraints
+
+    with pytest.raises(EmbshardError, match="equal column blocks"):
+        torchrec_constraints(placement)
+
+
+@needs_torchrec
+def test_pickle_free_plan_round_trip(tmp_path, placement):
+    import torch
+
+    from embshard.export import to_torchrec_plan
+    from embshard.export.torchrec_plan import plan_from_json, plan_to_json, rank_layout
+
+    plan = to_torchrec_plan(placement)
+    path = tmp_path / "torchrec_plan.json"
+    path.write_text(json.dumps(plan_to_json(plan)))
+    again = plan_from_json(str(path))
+    assert rank_layout(again) == rank_layout(plan)
+    assert str(again) == str(plan)
+    torch.save(plan, tmp_path / "plan.pt")
+    assert str(torch.load(tmp_path / "plan.pt", weights_only=False)) == str(plan)
+
+
+@needs_torchrec
+def test_plan_names_must_be_valid_module_keys(tables):
+    from embshard.export import to_torchrec_plan
+
+    bad = TableSet(*(getattr(tables, f) for f in tables.__dataclass_fields__))
+    object.__setattr__(bad, "table_ids", np.array(["a.b"] + list(tables.table_ids[1:]), dtype=object))
+    p = Placement(bad, D, int(bad.size_bytes.sum()), [Shard(i, 0) for i in range(len(bad))])
+    with pytest.raises(EmbshardError, match="without '.'"):
+        to_torchrec_plan(p)

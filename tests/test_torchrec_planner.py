@@ -1,0 +1,135 @@
+"""The TorchRec baseline planner: real TorchRec planning on a meta-device module, converted to our Placement."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+pytest.importorskip("torchrec")
+
+from embshard.errors import EmbshardError, InfeasiblePlacementError  # noqa: E402
+from embshard.ingest.synthetic import generate_tables  # noqa: E402
+from embshard.placement import Placement, Shard  # noqa: E402
+from embshard.planners.torchrec_planner import TorchRecPlanner  # noqa: E402
+from embshard.tableset import TableSet  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tables() -> TableSet:
+    return TableSet.from_frame(generate_tables(24, seed=3, bins_batch_size=2048))
+
+
+def _budget(tables: TableSet, devices: int, slack: float) -> int:
+    return int(max(tables.size_bytes.sum() / devices * slack, tables.size_bytes.max() * 1.02))
+
+
+@pytest.mark.parametrize("search", ["table_wise", "full"])
+def test_plans_every_table_within_memory(tables, search):
+    mem = _budget(tables, 4, 1.3)
+    placement = TorchRecPlanner(search=search).plan(tables, 4, mem, task_id="t1")
+    placement.check()
+    assert placement.planner == f"torchrec_{search}"
+    assert placement.memory_per_device().max() <= mem
+    cols = np.zeros(len(tables), dtype=np.int64)
+    for s, d in zip(placement.shards, placement.shard_dims()):
+        cols[s.table] += d
+    assert np.array_equal(cols, tables.dims)
+    assert placement.meta["torchrec_search"] == search
+    assert placement.meta["torchrec_num_plans"] >= 1
+    assert len(placement.meta["torchrec_rank_perf_ms"]) == 4
+    if search == "table_wise":
+        assert all(s.col_size is None for s in placement.shards)
+
+
+def test_full_search_splits_columns_when_a_big_table_dominates():
+    # One wide, hot table is most of the load: TorchRec's full search splits it column-wise.
+    df = generate_tables(8, seed=1, bins_batch_size=1024)
+    df.loc[0, ["rows", "dim", "pooling_factor"]] = [200_000, 256, 80.0]
+    df.loc[1:, "rows"] = 1000
+    df.loc[1:, "dim"] = 16
+    df["size_bytes"] = df["rows"] * df["dim"] * df["bytes_per_element"]
+    t = TableSet.from_frame(df)
+    mem = int(t.size_bytes.sum())
+    full = TorchRecPlanner(search="full").plan(t, 4, mem)
+    split = [s for s in full.shards if s.table == 0]
+    assert len(split) > 1 and all(s.col_size is not None for s in split)
+    assert sum(s.col_size for s in split) == 256
+    assert len({s.device for s in split}) == len(split)
+    assert full.meta["torchrec_sharding_types"].get("column_wise", 0) + \
+        full.meta["torchrec_sharding_types"].get("table_column_wise", 0) >= 1
+    tw = TorchRecPlanner(search="table_wise").plan(t, 4, mem)
+    # TorchRec rates its own full plan at least as good as its table-wise plan.
+    assert full.meta["torchrec_max_rank_perf_ms"] <= tw.meta["torchrec_max_rank_perf_ms"] + 1e-9
+
+
+def test_weights_only_memory_matches_ours_exactly():
+    # Four equal tables, four devices, memory = exactly one table: only a one-table-per-device plan fits.
+    df = generate_tables(4, seed=2, bins_batch_size=512)
+    df["rows"], df["dim"], df["bytes_per_element"] = 5000, 32, 4
+    df["size_bytes"] = df["rows"] * df["dim"] * df["bytes_per_element"]
+    t = TableSet.from_frame(df)
+    placement = TorchRecPlanner(search="table_wise").plan(t, 4, int(t.size_bytes[0]))
+    assert sorted(placement.device_of_shards().tolist()) == [0, 1, 2, 3]
+    # TorchRec's training estimate adds IO buffers per shard, so the same budget is infeasible for it.
+    with pytest.raises(InfeasiblePlacementError, match="missing|TorchRec"):
+        TorchRecPlanner(search="table_wise", memory_model="torchrec").plan(t, 4, int(t.size_bytes[0]))
+
+
+def test_infeasible_packing_says_how_much_memory_is_missing():
+    # Three tables of 0.6 units on two devices of 1 unit: the total fits (1.8 <= 2) but no packing does.
+    df = generate_tables(3, seed=4, bins_batch_size=512)
+    df["rows"], df["dim"], df["bytes_per_element"] = 6000, 16, 4
+    df["size_bytes"] = df["rows"] * df["dim"] * df["bytes_per_element"]
+    t = TableSet.from_frame(df)
+    unit = int(t.size_bytes[0] / 0.6)
+    with pytest.raises(InfeasiblePlacementError) as err:
+        TorchRecPlanner(search="table_wise").plan(t, 2, unit, task_id="tight")
+    msg = str(err.value)
+    assert "tight" in msg and "GiB missing" in msg and "TorchRec found no table_wise plan" in msg
+    assert "\n" not in msg
+
+
+def test_unknown_search_and_int8_tables_are_clear_errors():
+    with pytest.raises(EmbshardError, match="unknown TorchRec search"):
+        TorchRecPlanner(search="row_wise")
+    df = generate_tables(3, seed=5, bins_batch_size=512)
+    df["bytes_per_element"] = 1
+    df["size_bytes"] = df["rows"] * df["dim"]
+    t = TableSet.from_frame(df)
+    with pytest.raises(EmbshardError, match="fp32"):
+        TorchRecPlanner().plan(t, 2, int(t.size_bytes.sum()))
+
+
+def test_fp16_tables_are_counted_at_two_bytes():
+    df = generate_tables(6, seed=6, bins_batch_size=512)
+    df["bytes_per_element"] = 2
+    df["size_bytes"] = df["rows"] * df["dim"] * 2
+    t = TableSet.from_frame(df)
+    mem = _budget(t, 2, 1.2)
+    placement = TorchRecPlanner().plan(t, 2, mem)
+    assert placement.memory_per_device().sum() == int(t.size_bytes.sum())
+
+
+def test_sharding_plan_round_trip_merges_slices():
+    from embshard.export.torchrec_plan import placement_from_sharding_plan, to_torchrec_plan
+
+    df = generate_tables(3, seed=7, bins_batch_size=512)
+    df["dim"] = 64
+    df["size_bytes"] = df["rows"] * df["dim"] * df["bytes_per_element"]
+    t = TableSet.from_frame(df)
+    mem = int(t.size_bytes.sum())
+    # Table 1 split in three slices, two of which (adjacent, same device) merge back into one.
+    shards = [Shard(0, 0), Shard(1, 1, 0, 16), Shard(1, 1, 16, 16), Shard(1, 0, 32, 32), Shard(2, 1)]
+    p = Placement(t, 2, mem, shards)
+    plan = to_torchrec_plan(p)
+    back = placement_from_sharding_plan(plan, t, 2, mem)
+    back.check()
+    assert back.shards == [Shard(0, 0), Shard(1, 1, 0, 32), Shard(1, 0, 32, 32), Shard(2, 1)]
+    assert isinstance(pd.DataFrame(back.to_frame()), pd.DataFrame)
+
+
+def test_get_planner_names():
+    from embshard.planners import get_planner
+
+    assert get_planner("torchrec_table_wise").name == "torchrec_table_wise"
+    assert get_planner("torchrec_full", timeout_s=5).timeout_s == 5
