@@ -106,6 +106,7 @@ def test_default_install_has_every_piece():
     role = by_kind(objs, "Role")["embshard-pod-launcher"]
     rules = {(r["resources"][0]): set(r["verbs"]) for r in role["rules"]}
     assert {"create", "get", "watch", "delete"} <= rules["pods"] and "get" in rules["pods/log"]
+    assert "create" in rules["pods/exec"]  # the XCom sidecar of the ingest pod
     assert not any(o["kind"] in ("ClusterRole", "ClusterRoleBinding") for o in objs)
     binding = by_kind(objs, "RoleBinding")["embshard-pod-launcher"]
     assert {(s["name"], s["namespace"]) for s in binding["subjects"]} == {
@@ -194,6 +195,5 @@ def test_airflow_values_wire_the_kubernetes_runner_to_this_chart():
     volume = next(v for v in values["volumes"] if v.get("configMap", {}).get("name") == "embshard-stage-pods")
     mount = next(m for m in values["volumeMounts"] if m["name"] == volume["name"])
     assert env["EMBSHARD_K8S_CONFIG"] == f"{mount['mountPath']}/{key}"
-    stage_pods = yaml.safe_load(config_map["data"][key])
-    assert env["EMBSHARD_DATA_ROOT"] == stage_pods["storage"]["dataRoot"]
-    assert env["MLFLOW_TRACKING_URI"] == stage_pods["mlflowTrackingUri"]
+    # Data root and MLflow URI come from the mounted stage-pods file only, never from a second setting.
+    assert "EMBSHARD_DATA_ROOT" not in env and "MLFLOW_TRACKING_URI" not in env

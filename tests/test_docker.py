@@ -118,6 +118,8 @@ def test_image_installs_the_package_with_the_lock_and_torchrec_without_deps(flav
     assert "-c constraints.txt" in text
     assert re.search(r"--no-deps -c constraints.txt \"torchrec==1\.8\.0\"", text)
     assert "pip check" in text
+    if flavour == "cpu":  # torchrec's metadata wants fbgemm-gpu; the CPU build is fbgemm-gpu-cpu (as in the Makefile)
+        assert text.index("pip check") < text.index('--no-deps -c constraints.txt "torchrec')
     bases = [arg for word, arg in _instructions(DOCKERFILES[flavour]) if word == "FROM"]
     assert len(bases) == 2, "multi-stage: build tools and sources stay out of the runtime image"
     default_base = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", text, flags=re.M).group(1)
