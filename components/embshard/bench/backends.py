@@ -1,0 +1,290 @@
+"""The fused operators a device shard is measured with, backend selection, and the timers.
+
+- fbgemm: FBGEMM's table-batched embedding bag (SplitTableBatchedEmbeddingBagsCodegen) over all tables of the
+  shard: SUM pooling, FP32 weights, exact SGD (the backward pass computes the gradient and updates the rows,
+  as in training), no bounds check (inputs are valid by construction).
+- torch: for hosts with torch but no FBGEMM. One fused `embedding_bag` over the shard's tables concatenated
+  row-wise; tables of different dims cannot share one weight matrix without padding (which would charge a
+  dim-4 table for the bytes of a dim-256 one), so a shard with k distinct dims runs k fused calls, one per dim.
+  Backward: sparse gradients + the exact-SGD row update (index_add_).
+
+Timers: CUDA events on GPU. On CPU with one intra-op thread (the default, EMBSHARD_NUM_THREADS=1) the thread's
+CPU time: the kernels run on the calling thread, and CPU time does not count the time the OS gives to other
+processes on a shared machine, which makes re-measurements far more repeatable than wall time. With more threads,
+wall time (perf_counter).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import time
+from functools import lru_cache
+
+import numpy as np
+
+from ..errors import BackendUnavailableError, EmbshardError
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "fbgemm", "torch")
+LEARNING_RATE = 0.01
+_TBE_MODULE = "fbgemm_gpu.split_table_batched_embeddings_ops_training"
+
+
+def num_threads() -> int:
+    """Intra-op threads for CPU measurements (EMBSHARD_NUM_THREADS, default 1: repeatability over speed)."""
+    raw = os.environ.get("EMBSHARD_NUM_THREADS", "1")
+    try:
+        n = int(raw)
+    except ValueError:
+        raise EmbshardError(f"EMBSHARD_NUM_THREADS={raw!r}", field="EMBSHARD_NUM_THREADS",
+                            fix="set it to a positive integer") from None
+    if n < 1:
+        raise EmbshardError(f"EMBSHARD_NUM_THREADS={n}", field="EMBSHARD_NUM_THREADS", fix="use >= 1")
+    return n
+
+
+def check_device(device: str) -> str:
+    """'cpu' or 'cuda[:N]'; a clear error when CUDA is asked for and absent."""
+    import torch
+
+    if device == "cpu":
+        return device
+    if device == "cuda" or device.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError("CUDA is not available on this machine", field="device",
+                                          fix="use --device cpu, or run on a GPU host with a CUDA build of torch")
+        return device
+    raise EmbshardError(f"unknown device {device!r}", field="device", fix="use cpu or cuda")
+
+
+def _load_tbe():
+    import importlib
+
+    return importlib.import_module(_TBE_MODULE)
+
+
+def fbgemm_status(device: str) -> str | None:
+    """None when FBGEMM's TBE runs on `device`, else the reason it does not."""
+    try:
+        _load_tbe()
+    except Exception as exc:  # ImportError, or an OSError/RuntimeError from a mismatched binary
+        return f"fbgemm_gpu does not load ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+    if device != "cpu":
+        return _fbgemm_cuda_status(device)
+    return None
+
+
+@lru_cache(maxsize=4)
+def _fbgemm_cuda_status(device: str) -> str | None:
+    # fbgemm-gpu-cpu imports fine on a GPU host but has no CUDA kernels: try a tiny op.
+    try:
+        op = FbgemmShard([10], [4], device)
+        import torch
+
+        out = op.forward((torch.zeros(1, dtype=torch.int64, device=device),
+                          torch.tensor([0, 1], dtype=torch.int64, device=device)))
+        out.sum().item()
+        return None
+    except Exception as exc:
+        return f"FBGEMM has no working CUDA kernels here ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+
+
+def select_backend(backend: str, device: str) -> str:
+    """The backend to measure with: 'fbgemm' or 'torch'. A forced backend that cannot run is an error."""
+    if backend not in BACKENDS:
+        raise EmbshardError(f"unknown backend {backend!r}", field="backend", fix="use auto, fbgemm or torch")
+    device = check_device(device)
+    if backend == "torch":
+        return "torch"
+    reason = fbgemm_status(device)
+    if reason is None:
+        return "fbgemm"
+    if backend == "fbgemm":
+        raise BackendUnavailableError(
+            f"backend 'fbgemm' was forced but cannot run on {device}: {reason}", field="backend",
+            fix="install fbgemm-gpu-cpu==1.8.0 (CPU) or fbgemm-gpu (CUDA) matching torch, or use --backend auto|torch")
+    log.info("FBGEMM unavailable on %s (%s): measuring with the torch backend", device, reason)
+    return "torch"
+
+
+@lru_cache(maxsize=4)
+def hardware(device: str) -> str:
+    """'cpu:<model name>' or 'cuda:<device name>'."""
+    if device == "cpu":
+        name = ""
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        name = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+        return f"cpu:{name or platform.processor() or platform.machine()}"
+    import torch
+
+    return f"cuda:{torch.cuda.get_device_name(torch.device(device))}"
+
+
+class FbgemmShard:
+    """One FBGEMM TBE over the shard's tables. Inputs: (indices, offsets) over T*B bags, table-major."""
+
+    backend = "fbgemm"
+
+    def __init__(self, rows: list[int], dims: list[int], device: str):
+        import torch
+
+        m = _load_tbe()
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+        on_gpu = device != "cpu"
+        loc = m.EmbeddingLocation.DEVICE if on_gpu else m.EmbeddingLocation.HOST
+        comp = m.ComputeDevice.CUDA if on_gpu else m.ComputeDevice.CPU
+        # FBGEMM logs every constructor argument at INFO on the root logger: keep the CLI output readable.
+        previous = logging.root.manager.disable
+        logging.disable(logging.INFO)
+        try:
+            self.op = m.SplitTableBatchedEmbeddingBagsCodegen(
+                [(int(r), int(d), loc, comp) for r, d in zip(rows, dims)],
+                optimizer=m.OptimType.EXACT_SGD, learning_rate=LEARNING_RATE, pooling_mode=m.PoolingMode.SUM,
+                weights_precision=m.SparseType.FP32, bounds_check_mode=BoundsCheckMode.NONE,
+                device=torch.device(device))
+        finally:
+            logging.disable(previous)
+        # Host weights are zero-filled lazily (calloc): touch every page now so page faults stay out of timings.
+        with torch.no_grad():
+            for name in ("weights_host", "weights_dev"):
+                w = getattr(self.op, name, None)
+                if w is not None and w.numel() > 0:
+                    w.fill_(1e-3)
+
+    @staticmethod
+    def prepare(per_table: list[tuple[np.ndarray, np.ndarray]], device: str):
+        import torch
+
+        indices = np.concatenate([i for i, _ in per_table]) if per_table else np.zeros(0, np.int64)
+        lengths = np.concatenate([lens for _, lens in per_table])
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        return (torch.from_numpy(indices.astype(np.int64)).to(device),
+                torch.from_numpy(offsets.astype(np.int64)).to(device))
+
+    def forward(self, batch):
+        return self.op(batch[0], batch[1])
+
+    def backward(self, out, grad) -> None:
+        out.backward(grad)  # exact SGD: the row update happens inside the backward kernel
+
+
+class TorchShard:
+    """Fused torch.nn.functional.embedding_bag calls, one per distinct dim (see module doc)."""
+
+    backend = "torch"
+
+    def __init__(self, rows: list[int], dims: list[int], device: str):
+        import torch
+
+        self.device = device
+        self.groups: list[tuple[list[int], int]] = []  # (table positions, dim)
+        for d in sorted(set(int(x) for x in dims)):
+            self.groups.append(([i for i, x in enumerate(dims) if int(x) == d], d))
+        self.row_offsets: dict[int, int] = {}
+        self.weights = []
+        for members, d in self.groups:
+            off = 0
+            for i in members:
+                self.row_offsets[i] = off
+                off += int(rows[i])
+            w = torch.full((off, d), 1e-3, dtype=torch.float32, device=device)  # materialised, like FBGEMM's
+            self.weights.append(w.requires_grad_(True))
+
+    def prepare(self, per_table: list[tuple[np.ndarray, np.ndarray]], device: str):
+        import torch
+
+        out = []
+        for members, _ in self.groups:
+            idx = np.concatenate([per_table[i][0] + self.row_offsets[i] for i in members])
+            lens = np.concatenate([per_table[i][1] for i in members])
+            offs = np.concatenate([[0], np.cumsum(lens)])  # include_last_offset layout
+            out.append((torch.from_numpy(idx.astype(np.int64)).to(device),
+                        torch.from_numpy(offs.astype(np.int64)).to(device), len(members)))
+        return out
+
+    def forward(self, batch):
+        import torch
+        import torch.nn.functional as F
+
+        parts = []
+        for w, (idx, offs, t) in zip(self.weights, batch):
+            pooled = F.embedding_bag(idx, w, offs, mode="sum", sparse=True, include_last_offset=True)
+            b = pooled.shape[0] // t
+            # (T*B, d) table-major -> (B, T*d), the layout FBGEMM returns.
+            parts.append(pooled.view(t, b, -1).permute(1, 0, 2).reshape(b, -1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def backward(self, out, grad) -> None:
+        import torch
+
+        out.backward(grad)
+        with torch.no_grad():
+            for w in self.weights:
+                g = w.grad
+                if g is not None:
+                    g = g.coalesce() if g.is_sparse else g
+                    if g.is_sparse:
+                        w.index_add_(0, g.indices()[0], g.values(), alpha=-LEARNING_RATE)
+                    else:
+                        w.add_(g, alpha=-LEARNING_RATE)
+                w.grad = None
+
+
+def build(backend: str, rows: list[int], dims: list[int], device: str):
+    return (FbgemmShard if backend == "fbgemm" else TorchShard)(rows, dims, device)
+
+
+def resolve_timer(timer: str, device: str, threads: int) -> str:
+    if timer == "auto":
+        if device != "cpu":
+            return "cuda_events"
+        return "thread_cpu" if threads == 1 else "wall"
+    if timer not in ("wall", "thread_cpu", "cuda_events"):
+        raise EmbshardError(f"unknown timer {timer!r}", field="timer", fix="use auto, wall or thread_cpu")
+    if timer == "cuda_events" and device == "cpu":
+        raise EmbshardError("cuda_events timer on cpu", field="timer", fix="use auto, wall or thread_cpu")
+    if timer == "thread_cpu" and threads != 1:
+        raise EmbshardError(f"thread_cpu timer with {threads} threads counts one thread only", field="timer",
+                            fix="set EMBSHARD_NUM_THREADS=1 or use --timer wall")
+    return timer
+
+
+def time_iterations(op, batches: list, grad, warmup: int, iterations: int, timer: str
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(fwd_ms, bwd_ms) of each timed iteration; batches are cycled so caches see rotating inputs."""
+    import torch
+
+    fwd, bwd = np.empty(iterations), np.empty(iterations)
+    n = len(batches)
+    for it in range(warmup + iterations):
+        batch = batches[it % n]
+        if timer == "cuda_events":
+            e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            e0.record()
+            out = op.forward(batch)
+            e1.record()
+            op.backward(out, grad)
+            e2.record()
+            torch.cuda.synchronize()
+            f, b = e0.elapsed_time(e1), e1.elapsed_time(e2)
+        else:
+            clock = time.thread_time_ns if timer == "thread_cpu" else time.perf_counter_ns
+            t0 = clock()
+            out = op.forward(batch)
+            t1 = clock()
+            op.backward(out, grad)
+            t2 = clock()
+            f, b = (t1 - t0) / 1e6, (t2 - t1) / 1e6
+        del out
+        if it >= warmup:
+            fwd[it - warmup], bwd[it - warmup] = f, b
+    return fwd, bwd

@@ -1,0 +1,222 @@
+"""Communication cost of a device shard: the all-to-all of its pooled outputs (forward) and their gradients
+(backward).
+
+A device with S = sum of its tables' dims sends, per step, B x S x 4 bytes x (D-1)/D to the other D-1 devices
+(each sample's pooled vectors go to the device that owns the sample); the backward all-to-all moves the same
+bytes back as gradients.
+
+- measured (comm_source='measured'): `CommGroup(n)` starts n-1 helper processes; with the main process they form
+  a torch.distributed group (gloo on CPU, NCCL on GPUs) and time real `all_to_all_single` calls of that size.
+  Every rank exchanges a tensor of the measured shard's size (the symmetric case).
+- model (comm_source='model'): time = latency + bytes / bandwidth. Latency and bandwidth come from
+  `calibrate()` (a 2-process gloo all-to-all at several sizes, least-squares fit; cached per hardware in
+  DIR/comm_calibration.json so every chunk of a run uses the same constants, and per process), from given
+  numbers (arguments, or EMBSHARD_COMM_BANDWIDTH_GBPS / EMBSHARD_COMM_LATENCY_US), or on CUDA without peers
+  from documented constants (NVLINK_DEFAULT).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing as mp
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .. import storage
+from ..errors import EmbshardError
+
+log = logging.getLogger(__name__)
+
+# A GPU pod has one GPU and cannot measure NCCL; these are typical effective per-GPU all-to-all numbers of an
+# NVLink node (documented assumption, recorded as the model's source).
+NVLINK_DEFAULT = {"latency_s": 30e-6, "bandwidth_Bps": 100e9}
+CALIBRATION_FILE = "comm_calibration.json"
+_PROCESS_CACHE: dict[str, "CommModel"] = {}  # calibrations made by this process, per hardware
+_CALIBRATION_SIZES = [1 << 8, 1 << 20, 1 << 22]  # floats per rank: latency-bound to bandwidth-bound
+
+
+@dataclass(frozen=True)
+class CommModel:
+    latency_s: float
+    bandwidth_Bps: float
+    source: str  # how the constants were obtained
+
+    def time_ms(self, batch_size: int, sum_dims: int, num_devices: int) -> float:
+        if num_devices <= 1 or sum_dims <= 0:
+            return 0.0
+        return 1e3 * (self.latency_s + exchanged_bytes(batch_size, sum_dims, num_devices) / self.bandwidth_Bps)
+
+
+def exchanged_bytes(batch_size: int, sum_dims: int, num_devices: int) -> float:
+    return batch_size * sum_dims * 4.0 * (num_devices - 1) / num_devices
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run_collectives(rank: int, world: int, device: str, cmd_device: str) -> None:
+    """Helper ranks: wait for a command (numel, warmup, iters), run the all-to-alls, repeat; numel 0 stops."""
+    import torch
+    import torch.distributed as dist
+
+    cmd = torch.zeros(3, dtype=torch.int64, device=cmd_device)
+    while True:
+        dist.broadcast(cmd, src=0)
+        numel, warmup, iters = (int(x) for x in cmd.tolist())
+        if numel == 0:
+            return
+        x = torch.ones(numel, dtype=torch.float32, device=device)
+        y = torch.empty_like(x)
+        for _ in range(warmup + iters):
+            dist.all_to_all_single(y, x)
+
+
+def _helper_main(rank: int, world: int, port: int, backend: str, device: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dev = f"cuda:{rank}" if device != "cpu" else "cpu"
+    if dev != "cpu":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        _run_collectives(rank, world, dev, dev)
+    finally:
+        dist.destroy_process_group()
+
+
+class CommGroup:
+    """The main process (rank 0) plus n-1 helper processes in one torch.distributed group."""
+
+    def __init__(self, world_size: int, device: str = "cpu", timeout_s: float = 120.0):
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        if world_size < 2:
+            raise EmbshardError(f"{world_size} communication ranks", field="comm_ranks",
+                                fix="use at least 2 ranks, or leave it unset to use the comm model")
+        if dist.is_initialized():
+            raise EmbshardError("a torch.distributed group already exists in this process", field="comm_ranks",
+                                fix="run the benchmark in its own process")
+        on_gpu = device != "cpu"
+        if on_gpu and torch.cuda.device_count() < world_size:
+            raise EmbshardError(f"{world_size} NCCL ranks need {world_size} GPUs, this host has "
+                                f"{torch.cuda.device_count()}", field="comm_ranks",
+                                fix="lower --comm-ranks or use the comm model")
+        self.world, self.device = world_size, ("cuda:0" if on_gpu else "cpu")
+        backend = "nccl" if on_gpu else "gloo"
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=_helper_main, args=(r, world_size, port, backend, device), daemon=True)
+                      for r in range(1, world_size)]
+        for p in self.procs:
+            p.start()
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.backend = backend
+
+    def all_to_all_ms(self, numel: int, warmup: int = 3, iterations: int = 10) -> np.ndarray:
+        """Wall ms of each timed all_to_all_single of `numel` floats per rank (rounded up to a multiple of n)."""
+        import torch
+        import torch.distributed as dist
+
+        numel = max(self.world, -(-int(numel) // self.world) * self.world)
+        dist.broadcast(torch.tensor([numel, warmup, iterations], dtype=torch.int64, device=self.device), src=0)
+        x = torch.ones(numel, dtype=torch.float32, device=self.device)
+        y = torch.empty_like(x)
+        times = []
+        for it in range(warmup + iterations):
+            if self.device != "cpu":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dist.all_to_all_single(y, x)
+            if self.device != "cpu":
+                torch.cuda.synchronize()
+            if it >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+        return np.asarray(times)
+
+    def close(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return
+        try:
+            dist.broadcast(torch.zeros(3, dtype=torch.int64, device=self.device), src=0)
+        finally:
+            dist.destroy_process_group()
+            for p in self.procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.terminate()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def calibrate(world_size: int = 2) -> CommModel:
+    """Latency = the smallest all-to-all's median time; bandwidth = the slope between the smallest and the
+    largest (gloo all-to-alls between local processes, medians of 7)."""
+    with CommGroup(world_size, "cpu") as group:
+        xs, ys = [], []
+        for numel in _CALIBRATION_SIZES:
+            ms = float(np.median(group.all_to_all_ms(numel, warmup=2, iterations=7)))
+            xs.append(numel * 4.0 * (world_size - 1) / world_size)
+            ys.append(ms / 1e3)
+    dt = ys[-1] - ys[0]
+    bandwidth = (xs[-1] - xs[0]) / dt if dt > 0 else xs[-1] / ys[-1]
+    return CommModel(latency_s=float(max(ys[0], 1e-6)), bandwidth_Bps=float(bandwidth),
+                     source=f"calibrated:gloo-{world_size}proc")
+
+
+def comm_model(hardware: str, device: str, *, out: str | None = None, bandwidth_gbps: float | None = None,
+               latency_us: float | None = None) -> CommModel:
+    """The model a run uses: given numbers, else the run's cached calibration, else calibrate (CPU) or the
+    documented NVLink constants (CUDA)."""
+    if bandwidth_gbps is None and latency_us is None and os.environ.get("EMBSHARD_COMM_BANDWIDTH_GBPS"):
+        # Fixed constants for a whole environment (tests, or hardware known better than a calibration).
+        bandwidth_gbps = float(os.environ["EMBSHARD_COMM_BANDWIDTH_GBPS"])
+        latency_us = float(os.environ.get("EMBSHARD_COMM_LATENCY_US", "0"))
+    if bandwidth_gbps is not None or latency_us is not None:
+        if bandwidth_gbps is None or latency_us is None or bandwidth_gbps <= 0 or latency_us < 0:
+            raise EmbshardError("give both a bandwidth > 0 and a latency >= 0", field="comm_bandwidth_gbps",
+                                fix="pass --comm-bandwidth-gbps and --comm-latency-us together")
+        return CommModel(latency_us * 1e-6, bandwidth_gbps * 1e9, source="given")
+    path = storage.join(out, CALIBRATION_FILE) if out is not None else None
+    if path is None and hardware in _PROCESS_CACHE:
+        return _PROCESS_CACHE[hardware]
+    cached: dict = {}
+    if path is not None and storage.exists(path):
+        try:
+            cached = json.loads(storage.read_text(path))
+        except (ValueError, OSError):
+            cached = {}
+        if hardware in cached:
+            c = cached[hardware]
+            return CommModel(float(c["latency_s"]), float(c["bandwidth_Bps"]), str(c["source"]))
+    if device != "cpu":
+        model = CommModel(NVLINK_DEFAULT["latency_s"], NVLINK_DEFAULT["bandwidth_Bps"], "constants:nvlink")
+    else:
+        log.info("calibrating the communication model (gloo all-to-all between 2 local processes)")
+        model = calibrate(2)
+        log.info("comm model: latency %.1f us, bandwidth %.2f GB/s", model.latency_s * 1e6,
+                 model.bandwidth_Bps / 1e9)
+    _PROCESS_CACHE[hardware] = model
+    if path is not None:
+        cached[hardware] = asdict(model)
+        storage.write_text(path, json.dumps(cached, indent=2))
+    return model

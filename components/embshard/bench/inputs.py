@@ -1,0 +1,188 @@
+"""Benchmark inputs: realistic batches for each table of a shard, and the memory rule that keeps them safe.
+
+Indices come from the table's real trace when it has one (replayed window by window), otherwise they are
+drawn from its 17 access bins; bag lengths from its pooling factor (ingest.synthetic.bag_lengths).
+
+Drawing from the bins (no trace). With L lookups in the batch and bin k holding a fraction f_k of the unique
+indices, each with a representative access count c_k (1, 2, 3, then the geometric middle 2**(k-0.5) of
+(2**(k-1), 2**k]), the batch has U = L / sum_k f_k c_k unique ids (capped at rows). A pool in which U*f_k
+distinct ids each repeat c_k times is shuffled and truncated/padded to L. Ids are ranks scattered over
+[0, rows) by a per-table stride coprime with rows (distinct ranks give distinct ids). The hot ids (count >= 2)
+keep the same ranks in every rotated batch, as hot rows do across real batches; the singletons take fresh
+ranks in each batch, so rotating batches really brings cold rows in.
+
+Memory rule (row scaling). Weights need sum(rows x dim x 4) bytes. When that exceeds the budget left after the
+batch itself, the largest tables are capped at C rows (water-filling: tables under C are untouched, C is the
+largest cap that fits). Access structure is kept: unique ids are remapped to distinct rows of [0, C) whenever
+a batch touches at most C unique ids (always true for real batch sizes and sane budgets), else folded modulo C.
+`row_scale` = scaled weight bytes / original weight bytes of the shard (1.0 = none).
+If the batch alone does not fit the budget the shard is refused with a message to lower the batch size.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .. import schemas
+from ..errors import EmbshardError
+from ..ingest.synthetic import bag_lengths
+
+WEIGHT_BYTES = 4  # FP32 weights (the fused op is built in FP32 for every shard)
+REP_COUNTS = np.array([1.0, 2.0, 3.0] + [2.0 ** (k - 0.5) for k in range(3, schemas.NUM_BINS)])
+
+
+@dataclass
+class TableInput:
+    """Spec of one table as measured: rows after scaling, dim (col_size where sliced), where its ids come from."""
+
+    table_id: str
+    rows: int            # original rows
+    dim: int
+    pooling_factor: float
+    bins: np.ndarray     # (17,)
+    trace_file: str | None = None
+    trace_table_index: int = -1
+    scaled_rows: int | None = None
+
+    @property
+    def measured_rows(self) -> int:
+        return int(self.scaled_rows if self.scaled_rows is not None else self.rows)
+
+
+def _stride(rows: int, rng: np.random.Generator) -> tuple[int, int]:
+    """(offset, multiplier) of a bijection rank -> (offset + rank * multiplier) % rows."""
+    if rows <= 1:
+        return 0, 1
+    while True:
+        m = int(rng.integers(1, rows))
+        if math.gcd(m, rows) == 1:
+            return int(rng.integers(0, rows)), m
+
+
+def _scatter(ranks: np.ndarray, rows: int, stride: tuple[int, int]) -> np.ndarray:
+    a, m = stride
+    # Python ints would be exact; int64 products overflow for rows near 1e8 * 1e8, so reduce first.
+    r = np.asarray(ranks, dtype=np.int64) % rows
+    return ((a + (r * (m % rows)) % rows) % rows if rows < 3_000_000_000 else (a + r) % rows).astype(np.int64)
+
+
+def bin_counts(num_lookups: int, bins: np.ndarray, rows: int) -> np.ndarray:
+    """Distinct ids per bin, n_k = U * f_k (at least one id when the batch has lookups)."""
+    f = np.asarray(bins, dtype=np.float64)
+    f = f / f.sum() if f.sum() > 0 else np.eye(schemas.NUM_BINS)[0]
+    u = num_lookups / float((f * REP_COUNTS).sum())
+    u = min(max(u, 1.0), float(rows))
+    n = np.floor(u * f).astype(np.int64)
+    # Largest remainders bring the total to round(u): small tables keep their hot ids.
+    missing = int(round(u)) - int(n.sum())
+    if missing > 0:
+        order = np.argsort(-(u * f - n))
+        n[order[:missing]] += 1
+    return n
+
+
+def sample_from_bins(num_lookups: int, bins: np.ndarray, rows: int, rng: np.random.Generator,
+                     stride: tuple[int, int], batch_no: int = 0) -> np.ndarray:
+    """`num_lookups` ids in [0, rows) whose access counts follow `bins` (see module doc)."""
+    if num_lookups == 0:
+        return np.zeros(0, dtype=np.int64)
+    n = bin_counts(num_lookups, bins, rows)
+    hot_ranks = int(n[1:].sum())
+    # Hot ids: the same ranks in every batch, hottest first.
+    reps = np.repeat(REP_COUNTS[1:].round().astype(np.int64), n[1:])
+    hot = np.repeat(np.arange(hot_ranks, dtype=np.int64), reps)
+    # Singletons: fresh ranks per rotated batch (cold rows), wrapping within the rows left.
+    cold_space = max(rows - hot_ranks, 1)
+    cold = hot_ranks + (batch_no * int(n[0]) + np.arange(n[0], dtype=np.int64)) % cold_space
+    pool = np.concatenate([hot, cold])
+    rng.shuffle(pool)
+    if len(pool) >= num_lookups:
+        ranks = pool[:num_lookups]
+    else:
+        ranks = np.concatenate([pool, pool[rng.integers(0, len(pool), num_lookups - len(pool))]])
+    return _scatter(ranks, rows, stride)
+
+
+@lru_cache(maxsize=8)
+def _trace(path: str, table_index: int) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        from ..ingest.dlrm import read_table_trace
+    except ImportError as exc:
+        raise EmbshardError(f"cannot replay traces ({exc})", path=path, field="trace_file",
+                            fix="install the ingest stage (embshard.ingest.dlrm) or drop trace_file") from None
+    indices, lengths = read_table_trace(path, int(table_index))
+    return np.asarray(indices, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+
+
+def trace_windows(t: TableInput, batch_size: int, num_batches: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Consecutive windows of `batch_size` samples of the table's trace (wrapping), ids remapped if scaled."""
+    indices, lengths = _trace(str(t.trace_file), int(t.trace_table_index))
+    total = len(lengths)
+    if total == 0:
+        raise EmbshardError("trace has no samples", path=str(t.trace_file), field="trace_table_index",
+                            fix="re-ingest the trace")
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    out = []
+    for j in range(num_batches):
+        samples = (j * batch_size + np.arange(batch_size)) % total
+        lens = lengths[samples]
+        starts = offsets[samples]
+        # Gather each sample's ids: starts repeated by length plus the position inside the bag.
+        pos = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        out.append((indices[np.repeat(starts, lens) + pos], lens))
+    rows = t.measured_rows
+    if rows < t.rows or any(len(i) and i.max() >= rows for i, _ in out):
+        uniq, inv = np.unique(np.concatenate([i for i, _ in out]), return_inverse=True)
+        if len(uniq) <= rows:  # distinct rows for distinct ids: the access structure is unchanged
+            new = _scatter(np.arange(len(uniq)), rows, _stride(rows, np.random.default_rng(len(uniq))))
+        else:
+            new = uniq % rows
+        mapped = new[inv]
+        split = np.cumsum([len(i) for i, _ in out])[:-1]
+        out = [(m, lens) for m, (_, lens) in zip(np.split(mapped, split), out)]
+    return out
+
+
+def table_lengths(t: TableInput, batch_size: int, num_batches: int, rng: np.random.Generator) -> list[np.ndarray]:
+    if t.trace_file:
+        return [lens for _, lens in trace_windows(t, batch_size, num_batches)]
+    return [bag_lengths(float(t.pooling_factor), batch_size, rng) for _ in range(num_batches)]
+
+
+def table_batches(t: TableInput, lengths: list[np.ndarray], rng: np.random.Generator
+                  ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(indices, lengths) per rotated batch for one table; `lengths` from `table_lengths`."""
+    if t.trace_file:
+        return trace_windows(t, len(lengths[0]), len(lengths))
+    rows = t.measured_rows
+    stride = _stride(rows, rng)
+    return [(sample_from_bins(int(lens.sum()), t.bins, rows, rng, stride, j), lens)
+            for j, lens in enumerate(lengths)]
+
+
+def batch_bytes(total_lookups_per_batch: list[int], num_bags: int, batch_size: int, sum_dims: int,
+                max_dim: int) -> int:
+    """Bytes the inputs and the fwd/bwd temporaries need (indices+offsets per rotated batch, outputs, grads)."""
+    idx = sum(8 * (2 * lk + num_bags + 1) for lk in total_lookups_per_batch)  # int64 ids (+ a copy) and offsets
+    dense = 3 * batch_size * sum_dims * 4                                    # output, its grad, a temporary
+    sparse_grad = max(total_lookups_per_batch, default=0) * (max_dim * 4 + 16)  # per-lookup grad rows, sort keys
+    return int(idx + dense + sparse_grad)
+
+
+def row_cap(rows: np.ndarray, dims: np.ndarray, budget_bytes: int) -> int | None:
+    """Largest C with sum(min(rows, C) * dims * 4) <= budget, or None when no cap is needed."""
+    rows = np.asarray(rows, dtype=np.int64)
+    dims = np.asarray(dims, dtype=np.int64)
+    if int((rows * dims).sum()) * WEIGHT_BYTES <= budget_bytes:
+        return None
+    lo, hi = 0, int(rows.max())
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if int((np.minimum(rows, mid) * dims).sum()) * WEIGHT_BYTES <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

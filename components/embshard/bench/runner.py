@@ -1,0 +1,379 @@
+"""Measure device shards: the fused compute of each shard (forward, backward) and its all-to-all, in chunks.
+
+`run` writes DIR/costs/part-{chunk:05d}-of-{num_chunks:05d}.parquet (costs contract), one per chunk. Shard i of
+the (deterministic) shard list belongs to chunk i % num_chunks, so a pod runs exactly one chunk with the same
+CLI. A finished part is skipped on rerun. Inside a chunk every measured shard is committed at once, atomically,
+to DIR/costs/.partial/<part>/<shard index>.parquet (hidden from readers of the costs folder); a killed chunk
+keeps those and its rerun measures only the rest; the part is then written from them (one row per sample_id)
+and the partial folder removed.
+
+`measure_placement` measures every device of a Placement in-process (evaluation).
+
+Defaults: CPU batch 2,048 samples (a 15-table shard is measured in about a second at 1 thread), 5 warm-up and
+15 timed iterations over 4 rotated batches, compute = median; GPU batch 65,536 (the papers), 5 + 20 iterations.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from .. import schemas, storage
+from ..errors import EmbshardError
+from ..tableset import TableSet
+from . import inputs as inp
+from .sampler import load_shards
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH = {"cpu": 2048, "cuda": 65_536}
+DEFAULT_ITERATIONS = {"cpu": 15, "cuda": 20}
+DEFAULT_WARMUP = 5
+DEFAULT_ROTATIONS = 4
+DEFAULT_MAX_SHARD_GB_CPU = 2.0
+GiB = 2**30
+
+
+@dataclass
+class BenchConfig:
+    backend: str
+    device: str
+    batch_size: int
+    warmup: int
+    iterations: int
+    num_batches: int
+    budget_bytes: int
+    timer: str
+    threads: int
+    seed: int
+    hardware: str
+    comm: object | None = None        # comm.CommModel when modelled
+    comm_group: object | None = None  # comm.CommGroup when measured
+
+    @property
+    def comm_source(self) -> str:
+        return "measured" if self.comm_group is not None else "model"
+
+    @property
+    def comm_detail(self) -> str:
+        if self.comm_group is not None:
+            return f"{self.comm_group.backend}:{self.comm_group.world}ranks"
+        return self.comm.source
+
+
+def _kind(device: str) -> str:
+    return "cpu" if device == "cpu" else "cuda"
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def memory_budget(device: str, max_shard_gb: float | None) -> int:
+    """Bytes one measurement may allocate: --max-shard-gb (CPU default 2), never above half the free host
+    memory (CPU) or 80% of the free GPU memory."""
+    if max_shard_gb is not None and max_shard_gb <= 0:
+        raise EmbshardError(f"max_shard_gb={max_shard_gb}", field="max_shard_gb", fix="use a positive number")
+    if device == "cpu":
+        budget = (max_shard_gb or DEFAULT_MAX_SHARD_GB_CPU) * GiB
+        avail = _mem_available()
+        if avail is not None:
+            budget = min(budget, 0.5 * avail)
+    else:
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        budget = 0.8 * free if max_shard_gb is None else min(max_shard_gb * GiB, 0.8 * free)
+    return int(budget)
+
+
+def make_config(*, backend: str = "auto", device: str = "cpu", batch_size: int | None = None,
+                warmup: int | None = None, iterations: int | None = None, num_batches: int = DEFAULT_ROTATIONS,
+                max_shard_gb: float | None = None, timer: str = "auto", seed: int = 0, out: str | None = None,
+                comm_ranks: int | None = None, comm_bandwidth_gbps: float | None = None,
+                comm_latency_us: float | None = None) -> BenchConfig:
+    import torch
+
+    from . import backends, comm
+
+    chosen = backends.select_backend(backend, device)
+    kind = _kind(device)
+    batch_size = DEFAULT_BATCH[kind] if batch_size is None else int(batch_size)
+    warmup = DEFAULT_WARMUP if warmup is None else int(warmup)
+    iterations = DEFAULT_ITERATIONS[kind] if iterations is None else int(iterations)
+    if batch_size < 1:
+        raise EmbshardError(f"batch size {batch_size}", field="batch_size", fix="use a positive batch size")
+    if iterations < 10:
+        raise EmbshardError(f"{iterations} timed iterations", field="iterations",
+                            fix="time at least 10 iterations (the median needs them)")
+    if warmup < 0 or num_batches < 1:
+        raise EmbshardError("warm-up must be >= 0 and rotated batches >= 1", field="warmup")
+    threads = backends.num_threads()
+    torch.set_num_threads(threads)
+    hw = backends.hardware(device)
+    cfg = BenchConfig(backend=chosen, device=device, batch_size=batch_size, warmup=warmup, iterations=iterations,
+                      num_batches=int(num_batches), budget_bytes=memory_budget(device, max_shard_gb),
+                      timer=backends.resolve_timer(timer, device, threads), threads=threads, seed=int(seed),
+                      hardware=hw)
+    if comm_ranks is not None and comm_ranks >= 2:
+        cfg.comm_group = comm.CommGroup(int(comm_ranks), device)
+    else:
+        cfg.comm = comm.comm_model(hw, device, out=out, bandwidth_gbps=comm_bandwidth_gbps,
+                                   latency_us=comm_latency_us)
+    return cfg
+
+
+def close_config(cfg: BenchConfig) -> None:
+    if cfg.comm_group is not None:
+        cfg.comm_group.close()
+        cfg.comm_group = None
+
+
+def _table_inputs(tables: TableSet, members: np.ndarray, col_sizes) -> list[inp.TableInput]:
+    out = []
+    for k, i in enumerate(members):
+        dim = int(tables.dims[i])
+        if col_sizes is not None and col_sizes[k] is not None and int(col_sizes[k]) > 0:
+            dim = int(col_sizes[k])
+        tf = tables.trace_file[i]
+        out.append(inp.TableInput(
+            table_id=str(tables.table_ids[i]), rows=int(tables.rows[i]), dim=dim,
+            pooling_factor=float(tables.pooling_factor[i]), bins=tables.bins[i],
+            trace_file=None if tf is None or (isinstance(tf, float) and math.isnan(tf)) or tf == "" else str(tf),
+            trace_table_index=int(tables.trace_table_index[i])))
+    return out
+
+
+def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: int, col_sizes=None,
+                  where: str = "shard") -> dict:
+    """Measure one device shard (positions `members` into `tables`); returns the measured numbers."""
+    import torch
+
+    from . import backends
+
+    members = np.asarray(members, dtype=np.int64)
+    specs = _table_inputs(tables, members, col_sizes)
+    key = ",".join(f"{s.table_id}:{s.dim}" for s in specs)
+    rng = np.random.default_rng([cfg.seed, zlib.crc32(key.encode())])  # same shard, same inputs
+    B = cfg.batch_size
+    lengths = [inp.table_lengths(s, B, cfg.num_batches, rng) for s in specs]
+    lookups = [int(sum(int(lens[j].sum()) for lens in lengths)) for j in range(cfg.num_batches)]
+    dims = np.array([s.dim for s in specs], dtype=np.int64)
+    rows = np.array([s.rows for s in specs], dtype=np.int64)
+    need_batch = inp.batch_bytes(lookups, len(specs) * B, B, int(dims.sum()), int(dims.max()))
+    weight_budget = cfg.budget_bytes - need_batch
+    if weight_budget < int(dims.sum()) * inp.WEIGHT_BYTES * 16:
+        raise EmbshardError(
+            f"the batch alone needs {need_batch / GiB:.2f} GiB of the {cfg.budget_bytes / GiB:.2f} GiB this "
+            f"measurement may use ({len(specs)} tables, {max(lookups)} lookups per batch)", path=where,
+            field="batch_size", fix="lower --batch-size, or raise --max-shard-gb if the machine has the memory")
+    cap = inp.row_cap(rows, dims, weight_budget)
+    scaled = rows if cap is None else np.minimum(rows, cap)
+    for s, r in zip(specs, scaled):
+        s.scaled_rows = int(r)
+    row_scale = float((scaled * dims).sum() / (rows * dims).sum())
+    per_batch = [[None] * len(specs) for _ in range(cfg.num_batches)]
+    for t, s in enumerate(specs):
+        for j, pair in enumerate(inp.table_batches(s, lengths[t], rng)):
+            per_batch[j][t] = pair
+    try:
+        op = backends.build(cfg.backend, [int(r) for r in scaled], [int(d) for d in dims], cfg.device)
+        batches = [op.prepare(pb, cfg.device) for pb in per_batch]
+        grad = torch.ones(B, int(dims.sum()), dtype=torch.float32, device=cfg.device)
+        fwd, bwd = backends.time_iterations(op, batches, grad, cfg.warmup, cfg.iterations, cfg.timer)
+    except (torch.OutOfMemoryError, MemoryError) as exc:
+        raise EmbshardError(f"out of memory while measuring ({str(exc).splitlines()[0][:100]})", path=where,
+                            fix="lower --max-shard-gb (rows are scaled to fit it) or --batch-size") from None
+    finally:
+        op = batches = grad = None
+        if cfg.device != "cpu":
+            torch.cuda.empty_cache()
+    total = fwd + bwd
+    q75, q25 = np.percentile(total, [75, 25])
+    sum_dims = int(dims.sum())
+    if cfg.comm_group is not None:
+        nd = cfg.comm_group.world
+        f_comm = float(np.median(cfg.comm_group.all_to_all_ms(B * sum_dims)))
+        b_comm = float(np.median(cfg.comm_group.all_to_all_ms(B * sum_dims)))
+    else:
+        nd = int(num_devices)
+        f_comm = b_comm = cfg.comm.time_ms(B, sum_dims, nd)
+    return {
+        "fwd_compute_ms": float(np.median(fwd)), "bwd_compute_ms": float(np.median(bwd)),
+        "fwd_comm_ms": f_comm, "bwd_comm_ms": b_comm, "num_devices": nd, "row_scale": row_scale,
+        "spread": float((q75 - q25) / max(np.median(total), 1e-9)),
+    }
+
+
+def _row(sample_id, table_ids, m: dict, cfg: BenchConfig, origin, chunk) -> dict:
+    return {"sample_id": sample_id, "table_ids": list(table_ids), **{k: m[k] for k in (
+        "fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")},
+        "hardware": cfg.hardware, "backend": cfg.backend, "batch_size": cfg.batch_size,
+        "iterations": cfg.iterations, "measured_at": pd.Timestamp.now(tz="UTC"),
+        "num_devices": m["num_devices"], "comm_source": cfg.comm_source, "row_scale": m["row_scale"],
+        "spread": m["spread"], "origin": origin, "chunk": chunk,
+        "timer": cfg.timer, "num_threads": cfg.threads, "comm_model": cfg.comm_detail}
+
+
+_PART = re.compile(r"^part-(\d{5})-of-(\d{5})\.parquet$")
+
+
+def part_name(chunk: int, num_chunks: int) -> str:
+    return f"part-{chunk:05d}-of-{num_chunks:05d}.parquet"
+
+
+def _tableset(tables) -> TableSet:
+    if isinstance(tables, TableSet):
+        return tables
+    if isinstance(tables, pd.DataFrame):
+        return TableSet.from_frame(schemas.validate(tables, "tables", "<tables>"))
+    return TableSet.read(tables)
+
+
+def run(tables, shards, out: str, *, backend: str = "auto", device: str = "cpu", batch_size: int | None = None,
+        num_devices: int = 4, chunk: int | None = None, num_chunks: int = 1, tasks: str | None = None,
+        placements: str | None = None, seed: int = 0, warmup: int | None = None, iterations: int | None = None,
+        num_batches: int = DEFAULT_ROTATIONS, max_shard_gb: float | None = None, timer: str = "auto",
+        comm_ranks: int | None = None, comm_bandwidth_gbps: float | None = None,
+        comm_latency_us: float | None = None, max_tables: int = 15, progress: bool = True) -> list[str]:
+    """Measure the shards of chunk `chunk` (all chunks when None) into DIR/costs; returns the part files of the
+    chunks handled (written now or finished before). See the module doc for chunking and resuming."""
+    from tqdm.auto import tqdm
+
+    ts = _tableset(tables)
+    shard_df = load_shards(shards, table_ids=list(ts.table_ids), tasks=tasks, placements=placements,
+                           num_devices=num_devices, seed=seed, max_tables=max_tables)
+    members = [ts.index_of(list(ids), where="shards") for ids in shard_df["table_ids"]]
+    if num_chunks < 1:
+        raise EmbshardError(f"num_chunks={num_chunks}", field="num_chunks", fix="use num_chunks >= 1")
+    if chunk is not None and not 0 <= chunk < num_chunks:
+        raise EmbshardError(f"chunk {chunk} of {num_chunks}", field="chunk",
+                            fix=f"use a chunk in 0..{num_chunks - 1}")
+    costs_dir = storage.join(out, "costs")
+    _check_chunking(costs_dir, num_chunks)
+    chunks = [chunk] if chunk is not None else list(range(num_chunks))
+    has_cols = "col_sizes" in shard_df.columns
+
+    # What is left to do, before any heavy setup.
+    plan: list[tuple[int, str, str, list[int], set[str]]] = []
+    done_parts: list[str] = []
+    for c in chunks:
+        part = storage.join(costs_dir, part_name(c, num_chunks))
+        idx = [i for i in range(len(shard_df)) if i % num_chunks == c]
+        if storage.exists(part):
+            done_parts.append(part)
+            continue
+        if not idx:
+            log.info("chunk %d of %d has no shards", c, num_chunks)
+            continue
+        partial = storage.join(costs_dir, ".partial", part_name(c, num_chunks)[:-len(".parquet")])
+        finished = {_sub_index(p) for p in storage.list_files(partial, ".parquet")}
+        plan.append((c, part, partial, idx, finished))
+    todo = sum(len([i for i in idx if i not in fin]) for _, _, _, idx, fin in plan)
+    if not plan:
+        return done_parts
+
+    cfg = make_config(backend=backend, device=device, batch_size=batch_size, warmup=warmup,
+                      iterations=iterations, num_batches=num_batches, max_shard_gb=max_shard_gb, timer=timer,
+                      seed=seed, out=out, comm_ranks=comm_ranks, comm_bandwidth_gbps=comm_bandwidth_gbps,
+                      comm_latency_us=comm_latency_us)
+    log.info("bench: %d shards to measure on %s (%s, batch %d, %d threads, timer %s, comm %s)", todo,
+             cfg.hardware, cfg.backend, cfg.batch_size, cfg.threads, cfg.timer, cfg.comm_detail)
+    written = list(done_parts)
+    fail_after = int(os.environ.get("EMBSHARD_BENCH_FAIL_AFTER", "-1"))  # test hook: simulate a crash
+    measured = 0
+    try:
+        with tqdm(total=todo, unit="shard", desc="bench", disable=not progress, dynamic_ncols=True) as bar:
+            for c, part, partial, idx, finished in plan:
+                for i in idx:
+                    if i in finished:
+                        continue
+                    if measured == fail_after:
+                        raise RuntimeError(f"EMBSHARD_BENCH_FAIL_AFTER={fail_after}: simulated crash")
+                    s = shard_df.iloc[i]
+                    cols = s["col_sizes"] if has_cols else None
+                    m = measure_shard(ts, members[i], cfg, num_devices=int(s["num_devices"]),
+                                      col_sizes=None if cols is None else list(cols), where=str(s["sample_id"]))
+                    row = _row(s["sample_id"], s["table_ids"], m, cfg, s["origin"], c)
+                    if has_cols:
+                        row["col_sizes"] = None if cols is None else [int(x) for x in cols]
+                    schemas.write(pd.DataFrame([row]), storage.join(partial, f"{i:06d}.parquet"), "costs")
+                    measured += 1
+                    bar.update(1)
+                    bar.set_postfix_str(f"{len(s['table_ids'])} tables {m['fwd_compute_ms'] + m['bwd_compute_ms']:.1f} ms")
+                written.append(_finish_part(part, partial, idx))
+    finally:
+        close_config(cfg)
+    return sorted(written)
+
+
+def _sub_index(path: str) -> int:
+    return int(os.path.basename(path).split(".")[0])
+
+
+def _finish_part(part: str, partial: str, idx: list[int]) -> str:
+    subs = {_sub_index(p): p for p in storage.list_files(partial, ".parquet")}
+    missing = [i for i in idx if i not in subs]
+    if missing:
+        raise EmbshardError(f"shards {missing[:3]} of this chunk were not measured", path=partial,
+                            fix="rerun the same command")
+    frames = [schemas.read(subs[i], "costs") for i in idx]
+    df = pd.concat(frames, ignore_index=True).drop_duplicates("sample_id", keep="first")
+    schemas.write(df, part, "costs")
+    fs, p = storage.resolve(partial)
+    fs.delete_dir(p)
+    return part
+
+
+def _check_chunking(costs_dir: str, num_chunks: int) -> None:
+    for f in storage.list_files(costs_dir, ".parquet"):
+        m = _PART.match(os.path.basename(f))
+        if m and int(m.group(2)) != num_chunks:
+            raise EmbshardError(f"this folder holds parts of a {int(m.group(2))}-chunk run, not {num_chunks}",
+                                path=costs_dir, field="num_chunks",
+                                fix="rerun with the same --num-chunks, or write to a new --out")
+
+
+def measure_placement(placement, *, backend: str = "auto", device: str = "cpu", batch_size: int | None = None,
+                      warmup: int | None = None, iterations: int | None = None, seed: int = 0,
+                      max_shard_gb: float | None = None, timer: str = "auto", out: str | None = None,
+                      comm_ranks: int | None = None, comm_bandwidth_gbps: float | None = None,
+                      comm_latency_us: float | None = None) -> pd.DataFrame:
+    """Measure every device of `placement` (one fused op per device shard; a column slice is measured as a
+    table of dim=col_size). One row per device: device, table_ids, fwd/bwd compute and comm ms, total_ms (an
+    empty device costs 0), plus hardware, backend, comm_source, row_scale."""
+    cfg = make_config(backend=backend, device=device, batch_size=batch_size, warmup=warmup, iterations=iterations,
+                      max_shard_gb=max_shard_gb, timer=timer, seed=seed, out=out, comm_ranks=comm_ranks,
+                      comm_bandwidth_gbps=comm_bandwidth_gbps, comm_latency_us=comm_latency_us)
+    rows = []
+    try:
+        for d, shards in enumerate(placement.device_shards()):
+            ids = [str(placement.tables.table_ids[s.table]) for s in shards]
+            if not shards:
+                m = {k: 0.0 for k in ("fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")}
+                m.update(row_scale=1.0, spread=0.0)
+            else:
+                m = measure_shard(placement.tables, [s.table for s in shards], cfg,
+                                  num_devices=placement.num_devices, col_sizes=[s.col_size for s in shards],
+                                  where=f"{placement.task_id}/device {d}")
+            rows.append({"device": d, "table_ids": ids, **{k: m[k] for k in (
+                "fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")},
+                "total_ms": m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"],
+                "hardware": cfg.hardware, "backend": cfg.backend, "comm_source": cfg.comm_source,
+                "row_scale": m["row_scale"], "spread": m["spread"]})
+    finally:
+        close_config(cfg)
+    return pd.DataFrame(rows)

@@ -1,0 +1,118 @@
+"""Which device shards to measure: random shards from the train pool, and every device shard of given placements.
+
+A shard is the set of tables one device holds. Shard lists are frames of the "shards" contract
+(sample_id, table_ids, num_devices, origin[, col_sizes]); `load_shards` builds one from the CLI's spec.
+Sample ids are deterministic (seed and position), so a rerun or another pod sees exactly the same list.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+from .. import schemas
+from ..errors import EmbshardError
+
+
+def random_shards(table_ids: Sequence[str], n: int, min_tables: int = 1, max_tables: int = 15, seed: int = 0,
+                  num_devices: int = 4) -> pd.DataFrame:
+    """`n` random shards of `min_tables..max_tables` distinct tables (size uniform) drawn from `table_ids`."""
+    pool = np.asarray(sorted(set(map(str, table_ids))), dtype=object)
+    if len(pool) == 0:
+        raise EmbshardError("empty table pool", field="table_ids", fix="give at least one table to sample from")
+    if n <= 0:
+        raise EmbshardError(f"{n} random shards asked", field="shards", fix="ask for at least one shard")
+    if min_tables < 1 or max_tables < min_tables:
+        raise EmbshardError(f"bad shard size range {min_tables}..{max_tables}", field="max_tables",
+                            fix="use 1 <= min_tables <= max_tables")
+    hi = min(max_tables, len(pool))
+    lo = min(min_tables, hi)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        k = int(rng.integers(lo, hi + 1))
+        picked = rng.choice(len(pool), size=k, replace=False)
+        rows.append({"sample_id": f"random-s{seed}-{i:06d}", "table_ids": [str(t) for t in pool[picked]],
+                     "num_devices": int(num_devices), "origin": "random"})
+    return schemas.validate(pd.DataFrame(rows), "shards", "<random shards>")
+
+
+def placement_shards(placements_df: pd.DataFrame, num_devices: int | Mapping[str, int] | None = None) -> pd.DataFrame:
+    """Every non-empty device shard of the placements in `placements_df` (placements contract).
+
+    `num_devices`: one count for all tasks, a {task_id: count} map, or None to use max(device)+1 per task.
+    Column-wise slices (col_size set) are kept in `col_sizes`.
+    """
+    df = schemas.validate(placements_df, "placements", "<placements>")
+    has_cols = "col_size" in df.columns and df["col_size"].notna().any()
+    rows = []
+    for (task, planner), g in df.groupby(["task_id", "planner"], sort=True):
+        if num_devices is None:
+            nd = int(g["device"].max()) + 1
+        elif isinstance(num_devices, Mapping):
+            if task not in num_devices:
+                raise EmbshardError(f"no device count for task {task!r}", field="num_devices",
+                                    fix="give --tasks with every task of the placements, or --num-devices")
+            nd = int(num_devices[task])
+        else:
+            nd = int(num_devices)
+        if int(g["device"].max()) >= nd:
+            raise EmbshardError(f"task {task!r} uses device {int(g['device'].max())} of only {nd}",
+                                field="device", fix="check num_devices for this task")
+        for dev, gd in g.groupby("device", sort=True):
+            row = {"sample_id": f"placement-{planner}-{task}-d{int(dev)}",
+                   "table_ids": [str(t) for t in gd["table_id"]], "num_devices": nd,
+                   "origin": f"placement:{planner}"}
+            if has_cols:
+                row["col_sizes"] = [-1 if pd.isna(c) else int(c) for c in gd["col_size"]]
+            rows.append(row)
+    return schemas.validate(pd.DataFrame(rows), "shards", "<placement shards>")
+
+
+def load_shards(spec, *, table_ids: Sequence[str], tasks: str | None = None, placements: str | None = None,
+                num_devices: int = 4, seed: int = 0, max_tables: int = 15) -> pd.DataFrame:
+    """The shard list of a bench run.
+
+    spec: None, "random:N" (N random shards from the train pool: the train tasks' tables of `tasks`, else all
+    tables), a path to a shards Parquet file, a shards DataFrame, or a list of table-id lists.
+    `placements` (a placements Parquet path) adds every device shard of those placements.
+    """
+    frames = []
+    if isinstance(spec, pd.DataFrame):
+        frames.append(schemas.validate(spec, "shards", "<shards>"))
+    elif isinstance(spec, str) and spec.startswith("random:"):
+        try:
+            n = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise EmbshardError(f"bad shard spec {spec!r}", field="shards", fix="write random:N, e.g. random:200") from None
+        pool = list(table_ids)
+        if tasks is not None:
+            t = schemas.read(tasks, "tasks")
+            train = t[t["split"] == "train"]
+            if len(train) == 0:
+                raise EmbshardError("no train tasks", path=tasks, field="split", fix="give tasks with a train split")
+            pool = sorted({x for ids in train["table_ids"] for x in ids})
+        frames.append(random_shards(pool, n, max_tables=max_tables, seed=seed, num_devices=num_devices))
+    elif isinstance(spec, str):
+        frames.append(schemas.read(spec, "shards"))
+    elif spec is not None:
+        lists = [[str(t) for t in s] for s in spec]
+        frames.append(schemas.validate(pd.DataFrame({
+            "sample_id": [f"shard-{i:06d}" for i in range(len(lists))], "table_ids": lists,
+            "num_devices": num_devices, "origin": "given"}), "shards", "<shards>"))
+    if placements is not None:
+        nd: int | Mapping[str, int] | None = None
+        if tasks is not None:
+            t = schemas.read(tasks, "tasks")
+            nd = dict(zip(t["task_id"], t["num_devices"].astype(int)))
+        frames.append(placement_shards(schemas.read(placements, "placements"), nd))
+    if not frames:
+        raise EmbshardError("no shards to measure", field="shards",
+                            fix="give --shards (a file or random:N) and/or --placements")
+    out = pd.concat(frames, ignore_index=True)
+    if "col_sizes" in out.columns:
+        out["col_sizes"] = out["col_sizes"].map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v))
+                                                else list(v))
+    return schemas.validate(out, "shards", "<shards>")

@@ -1,0 +1,233 @@
+"""Benchmark stage: real FBGEMM / torch kernels on tiny shards, real Parquet parts, chunk resumability."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from embshard import schemas
+from embshard.bench import inputs, measure_placement, run
+from embshard.bench import backends, runner
+from embshard.bench.sampler import placement_shards, random_shards
+from embshard.errors import BackendUnavailableError, EmbshardError
+from embshard.features import access_bins
+from embshard.placement import Placement
+from embshard.tableset import TableSet
+
+FAST = dict(batch_size=256, warmup=2, iterations=10, comm_bandwidth_gbps=10.0, comm_latency_us=20.0)
+
+
+@pytest.fixture(scope="module")
+def tables_df():
+    from embshard.ingest.synthetic import generate_tables
+
+    return generate_tables(30, seed=3, bins_batch_size=2048)
+
+
+@pytest.fixture(scope="module")
+def ts(tables_df):
+    return TableSet.from_frame(tables_df)
+
+
+@pytest.fixture()
+def tables_path(tmp_path, tables_df):
+    p = tmp_path / "tables.parquet"
+    schemas.write(tables_df, p, "tables")
+    return str(p)
+
+
+def _heavy(ts, k=2):
+    """k tables with real work per sample (pooling >= 3, dim >= 16), largest lookups x dim first."""
+    score = np.where((ts.pooling_factor >= 3) & (ts.dims >= 16), ts.pooling_factor * ts.dims, 0)
+    return list(np.argsort(-score)[:k])
+
+
+def test_random_shards_are_deterministic_and_sized():
+    ids = [f"t{i}" for i in range(40)]
+    a = random_shards(ids, 50, seed=7)
+    b = random_shards(ids, 50, seed=7)
+    assert a["table_ids"].map(tuple).tolist() == b["table_ids"].map(tuple).tolist()
+    sizes = a["table_ids"].map(len)
+    assert sizes.min() >= 1 and sizes.max() <= 15 and sizes.nunique() > 5
+    assert all(len(set(t)) == len(t) for t in a["table_ids"])
+    assert a["sample_id"].is_unique and (a["origin"] == "random").all()
+    assert random_shards(ids[:3], 5, seed=0)["table_ids"].map(len).max() <= 3
+
+
+def test_placement_shards_one_per_non_empty_device(ts):
+    sub = ts.subset(range(6))
+    pl = Placement.from_assignment(sub, [0, 0, 2, 2, 2, 0], 4, 2**40, planner="size_greedy", task_id="task7")
+    df = placement_shards(pl.to_frame(), 4)
+    assert len(df) == 2  # devices 1 and 3 are empty
+    assert sorted(map(len, df["table_ids"])) == [3, 3]
+    assert (df["origin"] == "placement:size_greedy").all() and (df["num_devices"] == 4).all()
+    with pytest.raises(EmbshardError, match="device 2 of only 2"):
+        placement_shards(pl.to_frame(), 2)
+
+
+def test_bin_sampling_reproduces_the_access_distribution(ts):
+    rng = np.random.default_rng(0)
+    for i in range(len(ts)):
+        rows = int(ts.rows[i])
+        if rows < 50_000:  # small tables saturate: all rows are hot, bins cannot be matched
+            continue
+        stride = inputs._stride(rows, rng)
+        idx = inputs.sample_from_bins(20_000, ts.bins[i], rows, rng, stride)
+        assert len(idx) == 20_000 and idx.min() >= 0 and idx.max() < rows
+        got = access_bins(idx)
+        # The same fraction of cold (count-1) ids and the same hot tail, within sampling tolerance.
+        assert abs(got[0] - ts.bins[i][0]) < 0.1, (i, got[:4], ts.bins[i][:4])
+        assert abs(np.dot(got, np.arange(17)) - np.dot(ts.bins[i], np.arange(17))) < 0.6
+
+
+def test_row_cap_keeps_small_tables_and_fits_budget():
+    rows, dims = np.array([10, 1_000, 10**8]), np.array([8, 8, 64])
+    assert inputs.row_cap(rows, dims, 10**12) is None
+    cap = inputs.row_cap(rows, dims, 10**6)
+    assert 1_000 < cap < 10**8
+    assert (np.minimum(rows, cap) * dims).sum() * 4 <= 10**6 < (np.minimum(rows, cap + 1) * dims).sum() * 4
+
+
+def test_fused_costs_positive_and_two_tables_cost_more(ts):
+    cfg = runner.make_config(backend="fbgemm", **FAST)
+    assert cfg.backend == "fbgemm" and cfg.timer == "thread_cpu" and cfg.threads == 1
+    a, b = _heavy(ts)
+    total = {}
+    for key, members in {"a": [a], "b": [b], "ab": [a, b]}.items():
+        m = runner.measure_shard(ts, members, cfg, num_devices=4)
+        assert m["fwd_compute_ms"] > 0 and m["bwd_compute_ms"] > 0 and m["fwd_comm_ms"] > 0
+        total[key] = m["fwd_compute_ms"] + m["bwd_compute_ms"]
+    assert total["ab"] > max(total["a"], total["b"]), total
+
+
+def test_torch_backend_runs_on_cpu_with_mixed_dims(ts):
+    cfg = runner.make_config(backend="torch", **FAST)
+    members = _heavy(ts, 4)
+    assert len({int(ts.dims[i]) for i in members}) >= 2  # exercises one fused call per dim
+    m = runner.measure_shard(ts, members, cfg, num_devices=8)
+    assert cfg.backend == "torch" and m["fwd_compute_ms"] > 0 and m["bwd_compute_ms"] > 0
+    # Forward of the torch op returns the FBGEMM layout (B, sum dims).
+    dims = [int(ts.dims[i]) for i in members]
+    op = backends.TorchShard([100] * len(dims), dims, "cpu")
+    rng = np.random.default_rng(0)
+    per_table = [(rng.integers(0, 100, 2 * 5), np.full(5, 2)) for _ in dims]
+    out = op.forward(op.prepare(per_table, "cpu"))
+    assert tuple(out.shape) == (5, sum(dims))
+
+
+def test_backend_selection_and_forced_backend_errors(monkeypatch):
+    assert backends.select_backend("auto", "cpu") == "fbgemm"
+    assert backends.select_backend("torch", "cpu") == "torch"
+    with pytest.raises(BackendUnavailableError, match="CUDA is not available"):
+        backends.select_backend("auto", "cuda")
+    with pytest.raises(EmbshardError, match="unknown backend"):
+        backends.select_backend("tpu", "cpu")
+    # FBGEMM missing: the import system refuses the modules (None in sys.modules), as on a torch-only host.
+    monkeypatch.setitem(sys.modules, "fbgemm_gpu", None)
+    monkeypatch.setitem(sys.modules, backends._TBE_MODULE, None)
+    with pytest.raises(BackendUnavailableError, match="backend 'fbgemm' was forced") as err:
+        backends.select_backend("fbgemm", "cpu")
+    assert "fbgemm-gpu-cpu" in str(err.value)
+    assert backends.select_backend("auto", "cpu") == "torch"
+
+
+def test_oversized_shard_is_scaled_and_oversized_batch_refused(ts):
+    big = int(np.argmax(ts.rows * ts.dims))
+    cfg = runner.make_config(backend="fbgemm", max_shard_gb=0.01, **FAST)
+    m = runner.measure_shard(ts, [big], cfg, num_devices=4)
+    assert 0 < m["row_scale"] < 1 and m["fwd_compute_ms"] > 0
+    cfg = runner.make_config(backend="fbgemm", max_shard_gb=0.001, **{**FAST, "batch_size": 200_000})
+    with pytest.raises(EmbshardError, match="lower --batch-size"):
+        runner.measure_shard(ts, _heavy(ts, 3), cfg, num_devices=4)
+
+
+def test_measure_placement_one_row_per_device(ts):
+    sub = ts.subset(_heavy(ts, 4))
+    pl = Placement.from_assignment(sub, [0, 0, 2, 2], 3, 2**40, task_id="t")
+    pl.shards[3] = type(pl.shards[3])(3, 2, col_offset=0, col_size=4)  # a column slice: measured at dim 4
+    df = measure_placement(pl, **FAST)
+    assert df["device"].tolist() == [0, 1, 2]
+    assert df.loc[1, "total_ms"] == 0 and df.loc[1, "table_ids"] == []
+    assert (df.loc[[0, 2], ["fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "total_ms"]] > 0).all().all()
+    assert (df["comm_source"] == "model").all()
+
+
+def test_run_writes_parts_and_rerun_skips_them(tables_path, tmp_path):
+    out = str(tmp_path / "run")
+    parts = run(tables_path, "random:5", out, num_chunks=2, max_tables=4, progress=False, **FAST)
+    assert [os.path.basename(p) for p in parts] == ["part-00000-of-00002.parquet", "part-00001-of-00002.parquet"]
+    costs = schemas.read(os.path.join(out, "costs"), "costs")
+    assert len(costs) == 5 and costs["sample_id"].is_unique
+    assert (costs["fwd_compute_ms"] > 0).all() and (costs["bwd_compute_ms"] > 0).all()
+    assert set(costs["chunk"]) == {0, 1} and (costs["comm_source"] == "model").all()
+    assert (costs["backend"] == "fbgemm").all() and costs["hardware"].str.startswith("cpu:").all()
+    assert not os.path.exists(os.path.join(out, "costs", ".partial", "part-00000-of-00002"))
+    before = costs.set_index("sample_id")["measured_at"]
+    again = run(tables_path, "random:5", out, num_chunks=2, max_tables=4, progress=False, **FAST)
+    assert again == parts
+    after = schemas.read(os.path.join(out, "costs"), "costs").set_index("sample_id")["measured_at"]
+    assert after.equals(before)  # nothing re-measured
+    with pytest.raises(EmbshardError, match="2-chunk run, not 3"):
+        run(tables_path, "random:5", out, num_chunks=3, chunk=0, progress=False, **FAST)
+
+
+def test_crash_mid_chunk_loses_nothing_and_duplicates_nothing(tables_path, tmp_path, monkeypatch):
+    out = str(tmp_path / "run")
+    kw = dict(num_chunks=1, chunk=0, max_tables=3, progress=False, **FAST)
+    monkeypatch.setenv("EMBSHARD_BENCH_FAIL_AFTER", "3")
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run(tables_path, "random:6", out, **kw)
+    partial = os.path.join(out, "costs", ".partial", "part-00000-of-00001")
+    kept = {f: schemas.read(os.path.join(partial, f), "costs") for f in sorted(os.listdir(partial))}
+    assert len(kept) == 3
+    assert not os.path.exists(os.path.join(out, "costs", "part-00000-of-00001.parquet"))
+    monkeypatch.delenv("EMBSHARD_BENCH_FAIL_AFTER")
+    run(tables_path, "random:6", out, **kw)
+    costs = schemas.read(os.path.join(out, "costs"), "costs")
+    assert len(costs) == 6 and costs["sample_id"].is_unique
+    for f, row in kept.items():  # the rows measured before the crash are kept as they were
+        got = costs[costs["sample_id"] == row["sample_id"].iloc[0]]
+        assert got["measured_at"].iloc[0] == row["measured_at"].iloc[0]
+
+
+def test_killed_cli_process_resumes(tables_path, tmp_path):
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "embshard", "bench", "--tables", tables_path, "--shards", "random:12",
+           "--out", out, "--max-tables", "3", "--batch-size", "256", "--warmup", "2", "--iterations", "10",
+           "--comm-bandwidth-gbps", "10", "--comm-latency-us", "20", "--no-progress"]
+    partial = os.path.join(out, "costs", ".partial", "part-00000-of-00001")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.isdir(partial) and len([f for f in os.listdir(partial) if f.endswith(".parquet")]) >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = {f for f in os.listdir(partial) if f.endswith(".parquet")}
+    assert 2 <= len(done) < 12
+    before = pd.concat([schemas.read(os.path.join(partial, f), "costs") for f in done])
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "12 shards" in res.stdout
+    costs = schemas.read(os.path.join(out, "costs"), "costs")
+    assert len(costs) == 12 and costs["sample_id"].is_unique
+    merged = before.merge(costs, on="sample_id", suffixes=("_old", ""))
+    assert len(merged) == len(before) and (merged["measured_at_old"] == merged["measured_at"]).all()
+
+
+def test_cli_errors_are_one_line(tables_path, tmp_path, capsys):
+    from embshard.cli import main
+
+    assert main(["bench", "--tables", tables_path, "--shards", "random:2", "--out", str(tmp_path),
+                 "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "CUDA is not available" in err and len(err.splitlines()) == 1
+    assert main(["bench", "--tables", tables_path, "--shards", "bogus:2", "--out", str(tmp_path)]) == 2
