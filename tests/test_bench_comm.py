@@ -1,0 +1,68 @@
+"""Benchmark communication (real gloo all-to-all between local processes) and trace replay."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from embshard import schemas
+from embshard.bench import comm, inputs, run, runner
+from embshard.tableset import TableSet
+
+
+def test_comm_model_bytes_and_given_constants():
+    m = comm.comm_model("cpu:x", "cpu", bandwidth_gbps=1.0, latency_us=10.0)
+    assert m.source == "given"
+    # 1024 samples x 100 dims x 4 B x 3/4 = 307,200 B at 1 GB/s = 0.3072 ms, + 0.01 ms latency
+    assert abs(m.time_ms(1024, 100, 4) - 0.3172) < 1e-9
+    assert m.time_ms(1024, 100, 1) == 0.0  # one device: no all-to-all
+
+
+def test_measured_comm_and_calibration_with_gloo(tmp_path, small_tables_df, monkeypatch):
+    monkeypatch.delenv("EMBSHARD_COMM_BANDWIDTH_GBPS", raising=False)
+    tables = str(tmp_path / "tables.parquet")
+    schemas.write(small_tables_df, tables, "tables")
+    out = str(tmp_path / "run")
+    parts = run(tables, [["t0000", "t0001"], ["t0002"]], out, batch_size=256, warmup=1, iterations=10,
+                comm_ranks=2, progress=False)
+    costs = schemas.read(parts[0], "costs")
+    assert (costs["comm_source"] == "measured").all() and (costs["num_devices"] == 2).all()
+    assert (costs["fwd_comm_ms"] > 0).all() and (costs["bwd_comm_ms"] > 0).all()
+    assert (costs["comm_model"] == "gloo:2ranks").all()
+    # The calibrated model: fitted once, cached in the run folder for every later chunk.
+    model = comm.comm_model("cpu:test", "cpu", out=out)
+    assert model.source.startswith("calibrated:gloo") and model.bandwidth_Bps > 1e6 and model.latency_s > 0
+    cached = json.loads(open(os.path.join(out, comm.CALIBRATION_FILE)).read())
+    assert cached["cpu:test"]["bandwidth_Bps"] == model.bandwidth_Bps
+    assert comm.comm_model("cpu:test", "cpu", out=out) == model
+
+
+def test_trace_replay_uses_the_real_indices(tmp_path, small_tables_df):
+    from embshard.ingest.synthetic import write_dlrm_traces
+
+    df = small_tables_df.head(4).copy()
+    trace = str(tmp_path / "trace.pt")
+    write_dlrm_traces(df, trace, batch_size=300, seed=1)
+    df["trace_file"] = trace
+    df["trace_table_index"] = np.arange(4)
+    ts = TableSet.from_frame(schemas.validate(df, "tables"))
+    from embshard.ingest.dlrm import read_table_trace
+
+    idx, lens = read_table_trace(trace, 2)
+    spec = runner._table_inputs(ts, np.array([2]), None)[0]
+    windows = inputs.trace_windows(spec, 128, 3)
+    # Window j holds samples j*128 .. j*128+127 (wrapping at 300) of the trace, indices untouched.
+    offs = np.concatenate([[0], np.cumsum(lens)])
+    assert np.array_equal(windows[0][1], lens[:128]) and np.array_equal(windows[0][0], idx[:offs[128]])
+    wrap = (256 + np.arange(128)) % 300
+    assert np.array_equal(windows[2][1], lens[wrap])
+    # Scaled rows: the same access structure (distinct ids stay distinct) within the smaller table.
+    spec.scaled_rows = max(len(np.unique(np.concatenate([w[0] for w in windows]))), 1)
+    scaled = inputs.trace_windows(spec, 128, 3)
+    assert scaled[0][0].max() < spec.scaled_rows
+    assert np.array_equal(np.unique(scaled[0][0], return_counts=True)[1].sum(), len(windows[0][0]))
+    assert sorted(np.unique(scaled[0][0], return_counts=True)[1]) == sorted(np.unique(windows[0][0], return_counts=True)[1])
+    cfg = runner.make_config(batch_size=128, warmup=1, iterations=10, comm_bandwidth_gbps=10, comm_latency_us=5)
+    m = runner.measure_shard(ts, [0, 1, 2, 3], cfg, num_devices=4)
+    assert m["fwd_compute_ms"] > 0 and m["bwd_compute_ms"] > 0
