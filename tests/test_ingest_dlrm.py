@@ -166,3 +166,15 @@ def test_bad_trace_files(tmp_path, capsys, tables):
     _fails(capsys, base + [str(good), "--dim", "0"], "field 'dim'")
     assert not out.exists() or os.listdir(out) == []  # nothing half-written
     assert [f for f in os.listdir(tmp_path) if ".embshard-trace-" in f] == []
+
+
+def test_pages_handed_back_are_read_again_intact(tmp_path, tables):
+    # TraceFile drops the pages of a table it has read (madvise): reading again must give the same data
+    path = str(tmp_path / "tr.pt")
+    write_dlrm_traces(tables, path, batch_size=2048, seed=9)
+    direct = _direct(path)
+    with dlrm.TraceFile(path) as trace:
+        assert trace.mapped
+        for _ in range(2):
+            for t in range(trace.num_tables):
+                np.testing.assert_array_equal(trace.table(t)[0], direct[t][0])
