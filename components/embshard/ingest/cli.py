@@ -17,7 +17,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dim", default="mixed",
                    help="embedding dim of every table, or 'mixed' = a seeded draw from the synthetic mix "
                         "4..256 (default)")
-    g.add_argument("--data-type", default="fp32", choices=["fp32", "fp16"], help="weight type, dlrm and synthetic (default fp32)")
+    g.add_argument("--data-type", default="fp32", choices=["fp32", "fp16"],
+                   help="weight type, dlrm and synthetic (default fp32)")
     g.add_argument("--rows-file", help="hash sizes, one integer per table (default: max index + 1)")
     g = p.add_argument_group("synthetic")
     g.add_argument("--write-traces", action="store_true",

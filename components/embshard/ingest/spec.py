@@ -146,7 +146,8 @@ def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])
             raise EmbshardError(f"value {za.iloc[i]} of {_name(df, i)} is not a finite number >= 0", path=path,
-                                field="zipf_alpha", fix="give a skew >= 0 (0 = uniform, ~1 = typical) or leave it empty")
+                                field="zipf_alpha",
+                                fix="give a skew >= 0 (0 = uniform, ~1 = typical) or leave it empty")
         out["zipf_alpha"] = za
     present = [c for c in schemas.BIN_COLUMNS if c in df.columns]
     if present:
