@@ -80,7 +80,7 @@ class TorchRecPlanner(Planner):
                                             self.timeout_s)
         except PlannerError as exc:
             elapsed = time.perf_counter() - start
-            timed_out = self.timeout_s is not None and elapsed >= self.timeout_s
+            timed_out = self.timeout_s is not None and elapsed >= _torchrec_timeout(self.timeout_s)
             if not (timed_out and self.search != "table_wise"):
                 raise self._infeasible(exc, tables, num_devices, memory_bytes_per_device, task_id) from None
             # No plan within the time limit: TorchRec's table-wise search is much smaller and still a fair plan.
@@ -94,7 +94,10 @@ class TorchRecPlanner(Planner):
         elapsed = time.perf_counter() - start
         meta.update(info)
         meta["torchrec_planning_s"] = round(elapsed, 3)
-        meta["torchrec_timed_out"] = bool(self.timeout_s is not None and info["torchrec_search_s"] >= self.timeout_s)
+        # TorchRec's limit is whole seconds and only checked between proposals: a search that ran that long
+        # was stopped by it (its best plan so far is what we return).
+        meta["torchrec_timed_out"] = bool(self.timeout_s is not None and "torchrec_fallback" not in meta
+                                          and info["torchrec_search_s"] >= _torchrec_timeout(self.timeout_s))
 
         from ..export.torchrec_plan import placement_from_sharding_plan
 
@@ -133,7 +136,7 @@ class TorchRecPlanner(Planner):
         planner = EmbeddingShardingPlanner(
             topology=topo, batch_size=self.batch_size, enumerator=enumerator, constraints=constraints,
             storage_reservation=FixedPercentageStorageReservation(0.0), debug=self.verbose,
-            timeout_seconds=None if timeout_s is None else max(1, math.ceil(timeout_s)), **kw)
+            timeout_seconds=None if timeout_s is None else _torchrec_timeout(timeout_s), **kw)
         t0 = time.perf_counter()
         plan = planner.plan(module, [EmbeddingBagCollectionSharder()])
         search_s = time.perf_counter() - t0
@@ -170,6 +173,10 @@ class TorchRecPlanner(Planner):
             f"TorchRec found no {self.search} plan ({first}); tables need {total / GiB:.3f} GiB of "
             f"{num_devices} x {memory / GiB:.3f} = {capacity / GiB:.3f} GiB; {where}", path=task_id,
             field="memory_bytes_per_device", fix="add devices, raise memory per device, or use size_greedy")
+
+
+def _torchrec_timeout(timeout_s: float) -> int:
+    return max(1, math.ceil(timeout_s))
 
 
 def _names(n: int) -> list[str]:
