@@ -258,14 +258,23 @@ def resolve_timer(timer: str, device: str, threads: int) -> str:
     return timer
 
 
-def time_iterations(op, batches: list, grad, warmup: int, iterations: int, timer: str
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """(fwd_ms, bwd_ms) of each timed iteration; batches are cycled so caches see rotating inputs."""
+def time_iterations(op, batches: list, grad, warmup: int, iterations: int, timer: str,
+                    min_time_ms: float = 0.0, max_iterations: int = 200) -> tuple[np.ndarray, np.ndarray]:
+    """(fwd_ms, bwd_ms) of each timed iteration; batches are cycled so caches see rotating inputs.
+
+    At least `iterations` are timed, and more (up to `max_iterations`) until the timed work reaches
+    `min_time_ms`: a cheap shard's median then rests on many samples instead of ten noisy ones.
+    """
     import torch
 
-    fwd, bwd = np.empty(iterations), np.empty(iterations)
+    fwd: list[float] = []
+    bwd: list[float] = []
     n = len(batches)
-    for it in range(warmup + iterations):
+    it = 0
+    while True:
+        timed = it - warmup
+        if timed >= iterations and (timed >= max_iterations or sum(fwd) + sum(bwd) >= min_time_ms):
+            break
         batch = batches[it % n]
         if timer == "cuda_events":
             e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
@@ -286,5 +295,7 @@ def time_iterations(op, batches: list, grad, warmup: int, iterations: int, timer
             f, b = (t1 - t0) / 1e6, (t2 - t1) / 1e6
         del out
         if it >= warmup:
-            fwd[it - warmup], bwd[it - warmup] = f, b
-    return fwd, bwd
+            fwd.append(f)
+            bwd.append(b)
+        it += 1
+    return np.asarray(fwd), np.asarray(bwd)

@@ -9,8 +9,10 @@ and the partial folder removed.
 
 `measure_placement` measures every device of a Placement in-process (evaluation).
 
-Defaults: CPU batch 2,048 samples (a 15-table shard is measured in about a second at 1 thread), 5 warm-up and
-15 timed iterations over 4 rotated batches, compute = median; GPU batch 65,536 (the papers), 5 + 20 iterations.
+Defaults: CPU batch 2,048 samples, 5 warm-up and at least 15 timed iterations over 4 rotated batches (more, up
+to 200, until 300 ms of timed work: cheap shards get many samples), compute = median; GPU batch 65,536 (the
+papers), 5 + at least 20 iterations (50 ms). A 15-table CPU measurement takes 1-4 s, mostly building and
+touching up to 2 GiB of weights.
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH = {"cpu": 2048, "cuda": 65_536}
 DEFAULT_ITERATIONS = {"cpu": 15, "cuda": 20}
 DEFAULT_WARMUP = 5
+# Cheap shards are timed for more iterations until this much timed work (ms) has accumulated (max 200).
+DEFAULT_MIN_TIME_MS = {"cpu": 300.0, "cuda": 50.0}
 DEFAULT_ROTATIONS = 4
 DEFAULT_MAX_SHARD_GB_CPU = 2.0
 GiB = 2**30
@@ -193,7 +197,8 @@ def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: i
         op = backends.build(cfg.backend, [int(r) for r in scaled], [int(d) for d in dims], cfg.device)
         batches = [op.prepare(pb, cfg.device) for pb in per_batch]
         grad = torch.ones(B, int(dims.sum()), dtype=torch.float32, device=cfg.device)
-        fwd, bwd = backends.time_iterations(op, batches, grad, cfg.warmup, cfg.iterations, cfg.timer)
+        fwd, bwd = backends.time_iterations(op, batches, grad, cfg.warmup, cfg.iterations, cfg.timer,
+                                            min_time_ms=DEFAULT_MIN_TIME_MS[_kind(cfg.device)])
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise EmbshardError(f"out of memory while measuring ({str(exc).splitlines()[0][:100]})", path=where,
                             fix="lower --max-shard-gb (rows are scaled to fit it) or --batch-size") from None
@@ -212,6 +217,7 @@ def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: i
         nd = int(num_devices)
         f_comm = b_comm = cfg.comm.time_ms(B, sum_dims, nd)
     return {
+        "iterations": int(len(fwd)),
         "fwd_compute_ms": float(np.median(fwd)), "bwd_compute_ms": float(np.median(bwd)),
         "fwd_comm_ms": f_comm, "bwd_comm_ms": b_comm, "num_devices": nd, "row_scale": row_scale,
         "spread": float((q75 - q25) / max(np.median(total), 1e-9)),
@@ -222,7 +228,7 @@ def _row(sample_id, table_ids, m: dict, cfg: BenchConfig, origin, chunk) -> dict
     return {"sample_id": sample_id, "table_ids": list(table_ids), **{k: m[k] for k in (
         "fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")},
         "hardware": cfg.hardware, "backend": cfg.backend, "batch_size": cfg.batch_size,
-        "iterations": cfg.iterations, "measured_at": pd.Timestamp.now(tz="UTC"),
+        "iterations": m["iterations"], "measured_at": pd.Timestamp.now(tz="UTC"),
         "num_devices": m["num_devices"], "comm_source": cfg.comm_source, "row_scale": m["row_scale"],
         "spread": m["spread"], "origin": origin, "chunk": chunk,
         "timer": cfg.timer, "num_threads": cfg.threads, "comm_model": cfg.comm_detail}
