@@ -41,3 +41,48 @@ def mlflow_uri(tmp_path, monkeypatch):
     mlflow.set_tracking_uri(uri)
     yield uri
     mlflow.set_tracking_uri(None)
+
+
+@pytest.fixture(scope="session")
+def measured_world(tmp_path_factory):
+    """A tiny, real end-to-end data set: 40 synthetic tables, train/test tasks, and real FBGEMM measurements of
+    random shards plus the baselines' device shards (small batch and memory budget to stay fast)."""
+    import pandas as pd
+
+    from embshard import bench, schemas, tasks
+    from embshard.bench.sampler import placement_shards, random_shards
+    from embshard.ingest.synthetic import generate_tables
+    from embshard.planners.baselines import GREEDY_BASELINES, make_baseline
+    from embshard.tableset import TableSet
+
+    root = tmp_path_factory.mktemp("world")
+    df = generate_tables(40, seed=3, bins_batch_size=2048)
+    tables = str(root / "tables.parquet")
+    schemas.write(df, tables, "tables")
+    tasks_path = tasks.run(tables, str(root), num_tasks=4, tables_per_task="6-10", devices=2, memory_gb=256, seed=0)
+    task_df = schemas.read(tasks_path, "tasks")
+    train = task_df[task_df["split"] == "train"]
+    pool = sorted({t for ids in train["table_ids"] for t in ids})
+    ts = TableSet.read(tables)
+    frames = [random_shards(pool, 24, min_tables=1, max_tables=6, seed=0, num_devices=2),
+              random_shards(pool, len(pool), min_tables=1, max_tables=1, seed=1, num_devices=2)]
+    plans = [make_baseline(b).plan(ts.select(list(t.table_ids)), 2, int(t.memory_bytes_per_device), t.task_id).to_frame()
+             for t in train.itertuples() for b in GREEDY_BASELINES[:2]]
+    frames.append(placement_shards(pd.concat(plans, ignore_index=True), 2))
+    shards = pd.concat(frames, ignore_index=True).drop_duplicates("sample_id")
+    shards_path = str(root / "shards.parquet")
+    schemas.write(shards, shards_path, "shards")
+    bench_kw = {"batch_size": 256, "iterations": 10, "warmup": 2, "max_shard_gb": 0.05}
+    bench.run(tables, shards_path, str(root), progress=False, **bench_kw)
+    return {"root": str(root), "tables": tables, "tasks": tasks_path, "costs": str(root / "costs"),
+            "bench_kw": bench_kw}
+
+
+@pytest.fixture(scope="session")
+def cost_model_uri(measured_world):
+    """A cost model trained on the measured world and registered (session MLflow store) as embshard-cost."""
+    from embshard.costmodel import run
+
+    res = run(measured_world["costs"], measured_world["tables"], os.path.join(measured_world["root"], "cm"),
+              seed=0, max_epochs=150, patience=30)
+    return res["model_uri"]

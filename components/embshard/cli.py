@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from .errors import EmbshardError
@@ -48,11 +49,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def quiet_third_party() -> None:
+    """Keep a command's output to what it says itself: libraries' warnings and INFO chatter only with -v."""
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    for name in ("mlflow", "alembic", "root", "torchrec", "fbgemm_gpu", "urllib3", "git"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("embshard").setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-v" not in argv and "--verbose" not in argv:
+        # Before any library is imported: MLflow reads its log level once, at import.
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+        quiet_third_party()
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if not args.verbose:
+        quiet_third_party()
     if not getattr(args, "_main", None):
         parser.print_help()
         return 2

@@ -10,7 +10,6 @@ import json
 import logging
 import os
 
-from . import storage
 from .errors import EmbshardError
 
 log = logging.getLogger(__name__)
@@ -48,12 +47,17 @@ PARAMS_TEMPLATE = ("{ {%- for k, v in params.items() %}{{ k | tojson }}: {{ v | 
                    "{%- if not loop.last %}, {% endif %}{%- endfor %} }")
 
 
+def _join(root: str, *parts: str) -> str:
+    # Plain string joining (no pyarrow): the DAG imports this module at parse time in any Airflow image.
+    return "/".join([str(root).rstrip("/"), *parts])
+
+
 def run_root(data_root: str, run_id: str) -> str:
-    return storage.join(data_root, str(run_id).replace(":", "-").replace("+", "-"))
+    return _join(data_root, str(run_id).replace(":", "-").replace("+", "-"))
 
 
 def path(root: str, key: str) -> str:
-    return storage.join(root, PATHS[key])
+    return _join(root, PATHS[key])
 
 
 def merged(params: dict | None) -> dict:
@@ -68,7 +72,9 @@ def merged(params: dict | None) -> dict:
 
 def _state(root: str, name: str, value: dict | None = None) -> dict:
     """Small JSON facts one stage leaves for the next (e.g. which model version it registered)."""
-    target = storage.join(path(root, "state"), f"{name}.json")
+    from . import storage
+
+    target = _join(path(root, "state"), f"{name}.json")
     if value is not None:
         storage.write_text(target, json.dumps(value, indent=1, default=str))
         return value
@@ -99,8 +105,10 @@ def bench_shards(root: str, params: dict) -> str:
     from .planners.baselines import BASELINES, make_baseline
     from .tableset import TableSet
 
+    from . import storage
+
     p = merged(params)
-    target = storage.join(root, "shards.parquet")
+    target = _join(root, "shards.parquet")
     if storage.exists(target):  # deterministic: every mapped chunk sees the same list
         return target
     tables = TableSet.read(path(root, "tables"))
@@ -179,8 +187,8 @@ def export_placements(root: str, params: dict) -> dict:
 
     p = merged(params)
     placements = place_tasks(path(root, "tables"), path(root, "tasks"), get_planner("learned@champion"),
-                             storage.join(path(root, "export"), "planned.parquet"), split=p["export_tasks"])
-    res = export_run(placements, path(root, "tables"), path(root, "export"))
+                             _join(path(root, "export"), "planned.parquet"), split=p["export_tasks"])
+    res = export_run(placements, path(root, "tables"), path(root, "export"), tasks=path(root, "tasks"))
     return _state(root, "export", {"placements": placements, **{k: v for k, v in res.items()
                                                                   if isinstance(v, (str, int, float))}})
 

@@ -8,6 +8,7 @@ fwd_compute_ms, bwd_compute_ms, comm_ms, total_ms. Python callers use `.model` (
 from __future__ import annotations
 
 import mlflow.pyfunc
+import pandas as pd
 
 
 class CostModelPyfunc(mlflow.pyfunc.PythonModel):
@@ -19,7 +20,7 @@ class CostModelPyfunc(mlflow.pyfunc.PythonModel):
 
         self.model = CostModel.from_files(context.artifacts["weights"], context.artifacts["config"])
 
-    def predict(self, context, model_input, params=None):
+    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         import numpy as np
         import pandas as pd
 

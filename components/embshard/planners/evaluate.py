@@ -91,7 +91,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
         for _ in range(repeats):
             all_one = Placement.from_assignment(sub, np.zeros(len(sub), dtype=np.int64), 1, 2**62,
                                                 planner="lower_bound", task_id=t.task_id)
-            lb_df = measure_placement(all_one, num_devices=D, **bench_kw)
+            lb_df = measure_placement(all_one, **bench_kw)
             lb_samples.append(float(lb_df["fwd_compute_ms"].sum() + lb_df["bwd_compute_ms"].sum()) / D)
             bar.update(1)
             for name, pl in planned.items():

@@ -72,7 +72,7 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
           planner: str = "learned", model_uri: str = "models:/embshard-policy@champion",
           cost_model_uri: str | None = None, tasks: str | None = None, task_id: str | None = None,
           time_budget_s: float | None = None) -> dict:
-    from ..export.plan import write_plan_json
+    from ..export.plan_json import write_plan_json
 
     table_set, D, mem, tid = resolve_task(tables, tasks, task_id, devices, memory_bytes)
     p = planner_for(planner, model_uri, time_budget_s)

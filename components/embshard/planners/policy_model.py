@@ -10,6 +10,7 @@ import json
 import os
 
 import mlflow.pyfunc
+import pandas as pd
 import numpy as np
 import torch
 
@@ -45,7 +46,7 @@ class PolicyPythonModel(mlflow.pyfunc.PythonModel):
         self.policy, self.config = load_policy_files(a["policy_weights"], a["policy_config"])
         self.cost_model = CostModel.from_files(a["cost_weights"], a["cost_config"])
 
-    def predict(self, context, model_input, params=None):
+    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         from .. import schemas
         from ..tableset import TableSet
         from .learned import LearnedPlanner

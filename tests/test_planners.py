@@ -1,0 +1,192 @@
+"""Planners: memory is a hard constraint for every one of them, infeasible tasks fail clearly, the learned
+planner is never predicted worse than the best baseline, the policy learns, and `place` uses the registry."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from embshard import schemas
+from embshard.errors import EmbshardError, InfeasiblePlacementError
+from embshard.planners import get_planner
+from embshard.planners.baselines import BASELINES, GREEDY_BASELINES, make_baseline
+from embshard.planners.learned import LearnedPlanner
+from embshard.planners.policy import PolicyNet, TaskContext, TrainConfig, rollout
+from embshard.planners.scoring import lower_bound, placement_costs
+from embshard.tableset import TableSet
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def tables(small_tables_df):
+    return TableSet.from_frame(small_tables_df)
+
+
+@pytest.fixture(scope="module")
+def cost_model(cost_model_uri):
+    from embshard.costmodel import load
+
+    return load(cost_model_uri)
+
+
+def tight_memory(t: TableSet, devices: int, slack: float = 1.08) -> int:
+    """Memory per device just above an even split (and the largest table): packing is hard, but possible."""
+    return int(max(t.size_bytes.sum() / devices * slack, t.size_bytes.max() * 1.01))
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_baselines_respect_memory(tables, name):
+    sub = tables.subset(np.argsort(tables.size_bytes)[:30])  # skip the giants: a tight but feasible task
+    # Round-robin and random have no memory foresight: give them slack; they still must never overfill.
+    mem = int(max(sub.size_bytes.sum() / 4 * 1.5, 2 * sub.size_bytes.max()))
+    p = make_baseline(name).plan(sub, 4, mem, "t")
+    p.check()
+    assert p.memory_per_device().max() <= mem
+    assert sorted(s.table for s in p.shards) == list(range(len(sub)))
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_baselines_fail_clearly_when_a_table_fits_nowhere(tables, name):
+    big = int(np.argmax(tables.size_bytes))
+    mem = int(tables.size_bytes[big]) - 1
+    with pytest.raises(InfeasiblePlacementError, match=r"GiB missing"):
+        make_baseline(name).plan(tables, 64, mem, "too-small")
+
+
+def test_total_memory_shortfall_says_how_much(tables):
+    mem = int(tables.size_bytes.max() * 1.01)
+    with pytest.raises(InfeasiblePlacementError, match=r"tables need .* GiB, devices hold .* GiB missing"):
+        get_planner("size_greedy").plan(tables, 1, mem, "one-device")
+
+
+def test_empty_task_and_unknown_planner_are_errors(tables):
+    with pytest.raises(EmbshardError, match="no tables"):
+        get_planner("size_greedy").plan(tables.subset([]), 2, GiB, "empty")
+    with pytest.raises(EmbshardError, match="unknown planner"):
+        get_planner("best_effort")
+
+
+def test_greedy_baselines_balance_their_proxy(tables):
+    from embshard.planners.baselines import PROXIES
+
+    sub = tables.subset(np.argsort(tables.size_bytes)[:30])
+    for proxy in ("dim", "lookup"):
+        p = make_baseline(f"{proxy}_greedy").plan(sub, 4, 100 * GiB)
+        load = np.bincount(p.device_of_shards(), weights=PROXIES[proxy](sub), minlength=4)
+        rr = make_baseline("round_robin").plan(sub, 4, 100 * GiB)
+        rr_load = np.bincount(rr.device_of_shards(), weights=PROXIES[proxy](sub), minlength=4)
+        assert load.max() <= rr_load.max() + 1e-9
+
+
+def test_learned_planner_respects_memory_and_beats_every_baseline_prediction(tables, cost_model):
+    """Portfolio guarantee: the learned planner's predicted cost is never above the best baseline's."""
+    rng = np.random.default_rng(0)
+    small = np.argsort(tables.size_bytes)[:32]
+    for k in range(4):
+        sub = tables.subset(rng.choice(small, size=int(rng.integers(8, 20)), replace=False))
+        devices = int(rng.choice([2, 3, 4]))
+        mem = tight_memory(sub, devices, slack=1.3)
+        planner = LearnedPlanner(PolicyNet(), cost_model, time_budget_s=0.5)
+        p = planner.plan(sub, devices, mem, f"task{k}")
+        p.check()
+        assert p.memory_per_device().max() <= mem
+        ours = placement_costs(cost_model, p).max()
+        best = np.inf
+        for b in BASELINES:  # the baselines that manage to place this tight task
+            try:
+                best = min(best, placement_costs(cost_model, make_baseline(b).plan(sub, devices, mem)).max())
+            except InfeasiblePlacementError:
+                continue
+        assert np.isfinite(best)
+        assert ours <= best * (1 + 1e-6)
+        assert ours >= lower_bound(cost_model, sub, devices, column_splits=True) * (1 - 1e-6)
+
+
+def test_learned_planner_fails_clearly_when_infeasible(tables, cost_model):
+    planner = LearnedPlanner(PolicyNet(), cost_model)
+    with pytest.raises(InfeasiblePlacementError, match="GiB missing"):
+        planner.plan(tables, 2, int(tables.size_bytes.max() // 2))
+
+
+def test_column_split_pieces_cover_each_table_exactly_once(tables, cost_model):
+    # One dominant, heavily pooled table: halving it across devices is the only way to balance.
+    idx = np.argsort(tables.dims * tables.pooling_factor)[-6:]
+    sub = tables.subset(idx)
+    p = LearnedPlanner(PolicyNet(), cost_model, time_budget_s=1.0).plan(sub, 4, 512 * GiB)
+    p.check()  # raises if a table's columns are not placed exactly once
+    for s in p.shards:
+        if s.col_size is not None:
+            assert s.col_size % 4 == 0 and s.col_offset % 4 == 0
+
+
+def test_rollouts_only_use_devices_with_room(tables, cost_model):
+    sub = tables.subset(np.argsort(tables.size_bytes)[:24])
+    mem = tight_memory(sub, 4, slack=1.15)
+    ctx = TaskContext.build(cost_model, sub.features(), sub.size_bytes, 4, mem)
+    ro = rollout(PolicyNet(), ctx, 32, "sample", torch.Generator().manual_seed(0))
+    for a, ok in zip(ro.assignment, ro.feasible):
+        used = np.bincount(a, weights=sub.size_bytes, minlength=4)
+        assert ok == bool((used <= mem).all())
+    assert ro.feasible.mean() > 0.9  # the lookahead mask avoids dead ends
+
+
+def test_policy_learns_to_beat_random_on_the_estimated_mdp(tables, cost_model):
+    from embshard.planners.train import best_baseline_cost, train_estimated
+
+    rng = np.random.default_rng(1)
+    small = np.argsort(tables.size_bytes)[:32]
+    ctxs = []
+    for k in range(6):
+        sub = tables.subset(rng.choice(small, size=12, replace=False))
+        ctxs.append((f"t{k}", sub, TaskContext.build(cost_model, sub.features(), sub.size_bytes, 3, 512 * GiB)))
+    torch.manual_seed(0)
+    policy = PolicyNet()
+    cfg = TrainConfig(iterations=60, rollouts_per_task=12, seed=0)
+    train_estimated(policy, cost_model, ctxs[:4], ctxs[4:], cfg, history=[], progress=False)
+    ratios = []
+    for _, sub, ctx in ctxs:
+        ours = rollout(policy, ctx, 1, "greedy").overall[0]
+        rand = np.median([placement_costs(cost_model, make_baseline("random", seed=s).plan(sub, 3, 512 * GiB)).max()
+                          for s in range(5)])
+        ratios.append(ours / rand)
+    assert np.median(ratios) < 0.95
+
+
+def test_train_policy_registers_and_place_uses_the_registry(measured_world, cost_model_uri, tmp_path):
+    from embshard import registry
+    from embshard.planners.train import run as train_policy
+
+    res = train_policy(measured_world["tables"], measured_world["tasks"], str(tmp_path / "policy"),
+                       cost_model_uri=cost_model_uri, iterations=20, rollouts_per_task=8, alias="champion",
+                       progress=False)
+    mv = registry.version_for_alias("embshard-policy", "champion")
+    assert mv is not None and str(mv.version) == res["version"]
+    assert mv.tags["cost_model_uri"] == cost_model_uri
+    out = tmp_path / "placed"
+    proc = subprocess.run([sys.executable, "-m", "embshard", "place", "--tables", measured_world["tables"],
+                           "--devices", "2", "--memory-gb", "512", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "predicted step cost" in proc.stdout and "lower bound" in proc.stdout
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["num_devices"] == 2
+    df = schemas.read(out / "placements.parquet", "placements")
+    assert set(df["planner"]) == {"learned"} and df["predicted_cost_ms"].notna().all()
+
+
+def test_place_without_a_registered_model_says_how_to_train(small_tables_path, tmp_path):
+    env_uri = f"sqlite:///{tmp_path}/empty.db"
+    proc = subprocess.run([sys.executable, "-m", "embshard", "place", "--tables", str(small_tables_path),
+                           "--devices", "4", "--memory-gb", "128", "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MLFLOW_TRACKING_URI": env_uri, "MLFLOW_REGISTRY_URI": env_uri})
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("embshard place: error:") and len(proc.stderr.strip().splitlines()) == 1
+    assert "train" in proc.stderr
+    assert not (tmp_path / "o" / "plan.json").exists()
