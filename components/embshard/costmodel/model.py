@@ -57,6 +57,19 @@ def _device_context(num_devices: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.log2(d), (d - 1.0) / d], dim=-1)
 
 
+class _Head(nn.Module):
+    """MLP plus a linear skip: with few measured tables the linear part (cost ~ sum of per-table work, the
+    analytic model's shape) carries the trend and the MLP the fused, sub-additive correction."""
+
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.skip = nn.Linear(width, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x) + self.skip(x)
+
+
 class CostNet(nn.Module):
     def __init__(self, cfg: CostModelConfig):
         super().__init__()
@@ -64,8 +77,8 @@ class CostNet(nn.Module):
         self.encoder = nn.Sequential(nn.Linear(NUM_FEATURES, cfg.hidden), nn.ReLU(),
                                      nn.Linear(cfg.hidden, e), nn.ReLU())
         h_in = e + NUM_EXTRA
-        self.fwd = nn.Sequential(nn.Linear(h_in, cfg.head_hidden), nn.ReLU(), nn.Linear(cfg.head_hidden, 1))
-        self.bwd = nn.Sequential(nn.Linear(h_in, cfg.head_hidden), nn.ReLU(), nn.Linear(cfg.head_hidden, 1))
+        self.fwd = _Head(h_in, cfg.head_hidden)
+        self.bwd = _Head(h_in, cfg.head_hidden)
         # comm = dim_sum * rate(D) + latency(D): the all-to-all moves B x dim_sum pooled values.
         self.comm_rate = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))
         self.comm_latency = nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Linear(16, 1))

@@ -166,13 +166,14 @@ def _plots(model: CostModel, data: CostData, hist: History, folder: str) -> dict
 
 
 def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias: str | None = None,
-        unseen_frac: float = 0.5, max_epochs: int = 400, patience: int = 40, register: bool = True,
+        unseen_frac: float = 0.5, max_epochs: int = 400, patience: int = 60, register: bool = True,
         experiment: str = registry.DEFAULT_EXPERIMENT) -> dict:
     """Train, evaluate, log and register the cost model.
 
     `out`: folder for the model files, plots and report.json (and the default MLflow sqlite store);
     a temporary folder when None. `alias` (e.g. "challenger") is set on the new registered version.
-    Returns {"report", "metrics", "model_uri", "model_version", "run_id", "out", "summary"}.
+    Returns {"model" (the trained CostModel), "report", "metrics", "model_uri", "model_version", "run_id",
+    "out", "summary", "splits", "history", "tracking_uri"}.
     """
     import mlflow
 
@@ -197,7 +198,7 @@ def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias
     with open(os.path.join(out, "report.json"), "w", encoding="utf-8") as f:
         json.dump(full, f, indent=1, default=float)
 
-    registry.use(out if "MLFLOW_TRACKING_URI" not in os.environ else None, experiment)
+    uri = registry.use(out, experiment)
     tags = {"hardware": data.hardware, "backend": data.backend, "dataset_hash": data.dataset_hash,
             "feature_version": FEATURE_VERSION, "batch_size": data.batch_size}
     with mlflow.start_run(run_name="train-cost") as active:
@@ -226,6 +227,7 @@ def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias
     log.info("train-cost done in %.1f s", time.perf_counter() - t0)
     model_uri = (f"models:/{REGISTERED_NAME}@{alias}" if alias and version is not None
                  else f"models:/{REGISTERED_NAME}/{version.version}" if version is not None else None)
-    return {"report": report, "metrics": flat, "model_uri": model_uri,
+    return {"model": model, "report": report, "metrics": flat, "model_uri": model_uri,
             "model_version": None if version is None else int(version.version), "run_id": run_id, "out": out,
-            "summary": summary, "splits": counts}
+            "summary": summary, "splits": counts, "history": hist,
+            "tracking_uri": uri}

@@ -1,0 +1,65 @@
+"""Generic MLflow helpers: tracking URI resolution, log + register with tags, aliases, loading, clear errors."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from embshard import registry
+from embshard.errors import ModelNotFoundError
+
+
+def test_tracking_uri_env_wins_else_sqlite_in_the_run_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////somewhere/else.db")
+    assert registry.tracking_uri(tmp_path) == "sqlite:////somewhere/else.db"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert registry.tracking_uri(tmp_path / "run") == f"sqlite:///{tmp_path}/run/mlflow.db"
+    monkeypatch.chdir(tmp_path)
+    assert registry.tracking_uri() == f"sqlite:///{tmp_path}/mlflow.db"
+
+
+@pytest.fixture()
+def tiny_artifacts(tmp_path):
+    """A real (untrained) cost model's artifacts: the package's own importable pyfunc class wraps it."""
+    from embshard.costmodel.model import CostModel, CostModelConfig
+    from embshard.features import FeatureScaler, feature_matrix
+    from embshard.ingest.synthetic import generate_tables
+
+    feats = feature_matrix(generate_tables(6, seed=1, bins_batch_size=256))
+    model = CostModel.create(CostModelConfig(), FeatureScaler.fit(feats))
+    return model, feats, model.save(str(tmp_path / "m"))
+
+
+def test_log_register_alias_and_load(mlflow_uri, tiny_artifacts, tmp_path):
+    from embshard.costmodel.pyfunc import CostModelPyfunc
+
+    model, feats, artifacts = tiny_artifacts
+    registry.use(experiment="registry-test")
+    v1 = registry.log_and_register(CostModelPyfunc(), artifacts, "reg-test", {"hardware": "cpu:x", "n": 3})
+    v2 = registry.log_and_register(CostModelPyfunc(), artifacts, "reg-test", {"hardware": "cpu:y"})
+    assert (int(v1.version), int(v2.version)) == (1, 2)
+    assert v1.tags == {"hardware": "cpu:x", "n": "3"}
+    # artifacts of a local sqlite store live beside the database, not in the working directory
+    db_dir = mlflow_uri[len("sqlite:///"):].rsplit("/", 1)[0]
+    assert os.path.isdir(os.path.join(db_dir, "mlartifacts"))
+
+    assert registry.version_for_alias("reg-test", "champion") is None
+    registry.set_alias("reg-test", "champion", v1.version)
+    registry.set_alias("reg-test", "challenger", 2)
+    assert int(registry.version_for_alias("reg-test", "champion").version) == 1
+    assert registry.version_for_alias("reg-test", "challenger").tags["hardware"] == "cpu:y"
+    registry.set_alias("reg-test", "champion", 2)  # aliases move
+    assert int(registry.version_for_alias("reg-test", "champion").version) == 2
+    assert registry.version_for_alias("no-such-model", "champion") is None
+
+    loaded = registry.load_python_model("models:/reg-test@champion")
+    assert isinstance(loaded, CostModelPyfunc)
+    shards = [np.array([0, 1]), np.array([2, 3, 4, 5])]
+    assert np.array_equal(loaded.model.predict_shards(feats, shards, 4), model.predict_shards(feats, shards, 4))
+
+
+def test_missing_model_is_a_clear_error(mlflow_uri):
+    registry.use()
+    with pytest.raises(ModelNotFoundError, match="embshard-cost"):
+        registry.load_python_model("models:/embshard-cost@champion")
