@@ -178,7 +178,14 @@ def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: i
     dims = np.array([s.dim for s in specs], dtype=np.int64)
     rows = np.array([s.rows for s in specs], dtype=np.int64)
     need_batch = inp.batch_bytes(lookups, len(specs) * B, B, int(dims.sum()), int(dims.max()))
-    weight_budget = cfg.budget_bytes - need_batch
+    if cfg.device == "cpu":
+        # On the host the cap is about weights (what caches see); the batch only has to fit in free memory.
+        avail = _mem_available()
+        weight_budget = cfg.budget_bytes
+        if avail is not None and need_batch > 0.5 * avail:
+            weight_budget = -1
+    else:
+        weight_budget = cfg.budget_bytes - need_batch  # weights and batch share the GPU's memory
     if weight_budget < int(dims.sum()) * inp.WEIGHT_BYTES * 16:
         raise EmbshardError(
             f"the batch alone needs {need_batch / GiB:.2f} GiB of the {cfg.budget_bytes / GiB:.2f} GiB this "
