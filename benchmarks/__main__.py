@@ -1,0 +1,145 @@
+"""`python -m benchmarks` (`make bench`): the side-by-side benchmark harness; writes benchmarks/results/.
+
+    python -m benchmarks                      # full run (~30 min on 2 cores): trains the models with one Airflow run
+    python -m benchmarks --run runs/local     # reuse the models of a `make run` folder (no retraining)
+    python -m benchmarks --quick              # CI smoke test of the harness (< 2 min), writes to a temp folder
+    python -m benchmarks --jobs quality,planning --run runs/local   # a subset of the reports
+
+Reports (each a Markdown page naming the hardware, plus plots): quality.md/.png, planning_time.md/.png,
+costmodel.md (+ parity plot), pipeline.md, and README.md linking them with the headline numbers. Raw rows go to
+results/raw/ (not committed).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import tempfile
+import time
+
+JOBS = ("quality", "planning", "costmodel", "pipeline")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "benchmarks", "results")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n", 2)[2])
+    p.add_argument("--quick", action="store_true", help="tiny everything (CI check of the harness, < 2 min)")
+    p.add_argument("--out", default=None,
+                   help="results folder (default benchmarks/results; with --quick a new temporary folder)")
+    p.add_argument("--run", default=None, metavar="DIR",
+                   help="reuse the trained models of this pipeline folder (e.g. runs/local) instead of training")
+    p.add_argument("--workdir", default=None,
+                   help="where the harness's own pipeline run and suite files go (default runs/bench, or a "
+                        "temporary folder with --quick)")
+    p.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated subset of {', '.join(JOBS)}")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    jobs = [j for j in args.jobs.split(",") if j]
+    bad = [j for j in jobs if j not in JOBS]
+    if bad:
+        print(f"error: unknown job {bad[0]!r} (choose from {', '.join(JOBS)})", file=sys.stderr)
+        return 2
+    out = os.path.abspath(args.out or (tempfile.mkdtemp(prefix="embshard-bench-quick-") if args.quick else RESULTS))
+    work = os.path.abspath(args.workdir or (tempfile.mkdtemp(prefix="embshard-bench-work-") if args.quick
+                                            else os.path.join(REPO, "runs", "bench")))
+    os.makedirs(os.path.join(out, "raw"), exist_ok=True)
+    os.makedirs(work, exist_ok=True)
+    os.environ.setdefault("EMBSHARD_NUM_THREADS", "1")
+    try:
+        return _run(args, jobs, out, work)
+    except Exception as exc:  # EmbshardError: one line, exit 2 (the CLI convention)
+        from embshard.errors import EmbshardError
+
+        if isinstance(exc, EmbshardError):
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _run(args, jobs: list[str], out: str, work: str) -> int:
+    from . import costmodel_accuracy, pipeline_stages, planning_time, quality, report
+    from .common import hardware, progress, write_text
+
+    import torch
+
+    # One intra-op thread for everything, planning included: the planners' small tensor ops get slower, not
+    # faster, with more threads on a shared 2-core machine (measured: 0.8 s -> 15 s for one plan under load).
+    torch.set_num_threads(int(os.environ["EMBSHARD_NUM_THREADS"]))
+    t_start = time.perf_counter()
+    started = dt.datetime.now(dt.timezone.utc)
+    hw = hardware()
+    hw_line = hw.line()
+    progress(f"harness: {'quick' if args.quick else 'full'} run; results -> {out}; work -> {work}")
+    progress(f"hardware: {hw_line}")
+
+    # 1. The models: one real Airflow run of the pipeline (timed per stage), or an existing run folder.
+    if args.run:
+        info = pipeline_stages.reuse(args.run)
+    else:
+        params = pipeline_stages.QUICK_PARAMS if args.quick else pipeline_stages.FULL_PARAMS
+        info = pipeline_stages.train(os.path.join(work, "pipeline"), dict(params))
+    progress(f"models: policy {info.policy_uri}, cost model {info.cost_model_uri}, bench batch {info.batch_size}, "
+             f"MLflow {info.tracking_uri}")
+    pages: dict[str, dict] = {}
+    if "pipeline" in jobs:
+        write_text(os.path.join(out, "pipeline.md"), pipeline_stages.markdown(info, hw_line))
+        if info.stages is not None:
+            info.stages.to_csv(os.path.join(out, "raw", "pipeline_stages.csv"), index=False)
+        pages["pipeline"] = {"md": "pipeline.md"}
+
+    # 2. Cost-model accuracy (from the run's report).
+    if "costmodel" in jobs:
+        full = costmodel_accuracy.load(info.root)
+        text, head = costmodel_accuracy.markdown(full, info.root, out, hw_line, info.cost_model_uri)
+        write_text(os.path.join(out, "costmodel.md"), text)
+        pages["costmodel"] = {"md": "costmodel.md", "headline": head}
+        progress("cost model: " + "; ".join(
+            f"{s} total MAPE learned {h['learned']['mape']:.1f}% vs sum-of-singles {h['sum_singles']['mape']:.1f}% "
+            f"vs analytic {h['analytic']['mape']:.1f}%" for s, h in head.items()))
+
+    # 3. Placement quality, measured.
+    if "quality" in jobs:
+        cfg = quality.quick_config() if args.quick else quality.full_config()
+        t0 = time.perf_counter()
+        frame = quality.run(info.policy_uri, cfg, os.path.join(work, "quality"), info.batch_size,
+                            comm_root=info.root)
+        secs = time.perf_counter() - t0
+        frame.drop(columns=[c for c in ("error",) if c in frame.columns]).to_csv(
+            os.path.join(out, "raw", "quality.csv"), index=False)
+        png = quality.plot(quality.summarize(frame), os.path.join(out, "quality.png"), hw_line)
+        write_text(os.path.join(out, "quality.md"),
+                   quality.markdown(frame, cfg, hw_line, info.policy_uri, info.batch_size, secs, png))
+        pages["quality"] = {"md": "quality.md", "png": "quality.png",
+                            "headline": quality.headline(quality.summarize(frame)), "seconds": secs}
+
+    # 4. Planning time scaling (no kernels).
+    if "planning" in jobs:
+        cfg = planning_time.quick_config() if args.quick else planning_time.full_config()
+        t0 = time.perf_counter()
+        df = planning_time.run(info.policy_uri, cfg)
+        df.to_csv(os.path.join(out, "raw", "planning_time.csv"), index=False)
+        png = planning_time.plot(df, os.path.join(out, "planning_time.png"), cfg, hw_line)
+        write_text(os.path.join(out, "planning_time.md"),
+                   planning_time.markdown(df, cfg, hw_line, info.policy_uri, png))
+        pages["planning"] = {"md": "planning_time.md", "png": "planning_time.png", "frame": df,
+                             "seconds": time.perf_counter() - t0}
+
+    total = time.perf_counter() - t_start
+    command = "python -m benchmarks" + (" --quick" if args.quick else "") + (f" --run {args.run}" if args.run else "")
+    text, headline = report.readme(pages, info, hw_line, started, total, quick=args.quick, command=command)
+    write_text(os.path.join(out, "README.md"), text)
+    with open(os.path.join(out, "raw", "headline.json"), "w", encoding="utf-8") as f:
+        json.dump(headline, f, indent=1, default=float)
+    progress(f"harness: done in {total / 60:.1f} min; results page {os.path.join(out, 'README.md')}")
+    return 0
+
+
+if __name__ == "__main__":  # the guard matters: the comm calibration spawns processes that re-import this module
+    sys.exit(main())

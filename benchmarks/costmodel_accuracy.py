@@ -1,0 +1,88 @@
+"""Cost-model accuracy per head against the reference estimators, from the pipeline's cost-model report.
+
+The train_cost_model stage evaluates on two splits it never trained on: `heldout` (unseen shards of seen tables)
+and `unseen` (shards made only of tables never seen in training), per head, for the learned model and the two
+references (sum of single-table costs; an analytic bytes model fitted on the training shards). Its report.json
+and parity plot live in the run root's cost_model/ folder; this module turns them into a results page.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pandas as pd
+
+from .common import md_table
+
+ESTIMATORS = ("learned", "sum_singles", "analytic")
+HEADS = ("fwd_compute", "bwd_compute", "comm", "total_compute", "total")
+
+
+def load(root: str) -> dict | None:
+    path = os.path.join(root, "cost_model", "report.json")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def table(full: dict) -> pd.DataFrame:
+    """One row per (split, head): MAPE % and Spearman of each estimator on the compared shards."""
+    rows = []
+    for split, rep in full.get("report", {}).items():
+        for h in HEADS:
+            row = {"split": split, "head": h, "shards": rep.get("n_compared")}
+            for e in ESTIMATORS:
+                m = (rep.get(e) or {}).get(h) or {}
+                row[f"{e} MAPE %"] = m.get("mape", float("nan"))
+                row[f"{e} Spearman"] = m.get("spearman", float("nan"))
+            m = (rep.get("learned_all_shards") or {}).get(h) or {}
+            row["learned MAPE % (all shards)"] = m.get("mape", float("nan"))
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def overall(full: dict) -> pd.DataFrame:
+    rows = []
+    for split, rep in full.get("report", {}).items():
+        ov = rep.get("overall") or {}
+        for k, m in ov.items():
+            rows.append({"split": split, "estimate of a placement's cost": k, "MAPE %": m.get("mape"),
+                         "Spearman": m.get("spearman"), "placements": m.get("n")})
+    return pd.DataFrame(rows)
+
+
+def markdown(full: dict | None, root: str, out_dir: str, hw_line: str, model_uri: str) -> tuple[str, dict]:
+    """The page text and headline numbers; copies the stage's parity plot next to it."""
+    lines = ["# Cost-model accuracy", "", f"Hardware: {hw_line}", ""]
+    if full is None:
+        lines.append(f"No cost-model report found under {root}/cost_model.")
+        return "\n".join(lines), {}
+    splits = full.get("splits", {})
+    lines += [f"Model `{model_uri}`, trained by the pipeline's train_cost_model stage on measured device shards "
+              f"(splits: {', '.join(f'{k} {v}' for k, v in splits.items())}; best epoch {full.get('best_epoch')}). "
+              "`heldout`: unseen shards of training tables; `unseen`: shards of tables never seen in training. "
+              "Compared on the shards of >= 2 tables whose tables were all measured alone (what the sum-of-singles "
+              "reference needs); `learned MAPE % (all shards)` is the learned model on every shard of the split. "
+              "MAPE: mean absolute percentage error (lower is better); Spearman: rank correlation (higher is "
+              "better, what placement search needs).", ""]
+    parity = os.path.join(root, "cost_model", "parity.png")
+    if os.path.exists(parity):
+        shutil.copyfile(parity, os.path.join(out_dir, "costmodel_parity.png"))
+        lines += ["![parity](costmodel_parity.png)", ""]
+    tab = table(full)
+    lines += [md_table(tab, {"shards": 0}), ""]
+    ov = overall(full)
+    if len(ov):
+        lines += ["Whole placements assembled from measured shards (max over devices):", "",
+                  md_table(ov, {"placements": 0}), ""]
+    head = {}
+    for split in ("unseen", "heldout"):
+        sub = tab[(tab["split"] == split) & (tab["head"] == "total")]
+        if len(sub):
+            r = sub.iloc[0]
+            head[split] = {e: {"mape": r[f"{e} MAPE %"], "spearman": r[f"{e} Spearman"]} for e in ESTIMATORS}
+            head[split]["learned_all_shards_mape"] = r["learned MAPE % (all shards)"]
+            head[split]["shards"] = r["shards"]
+    return "\n".join(lines), head

@@ -1,0 +1,248 @@
+"""Placement quality: measured cost (real fused kernels) of every planner on held-out suites, side by side.
+
+Suites: T tables on D devices drawn from a synthetic DLRM-like population generated with a seed the models never
+saw (the unseen half of it, as in the papers' protocol), and spec-based suites (Criteo-like and MLPerf-DLRM-like
+table lists from components/embshard/ingest/examples). Each suite is measured by `embshard.planners.evaluate.run`:
+every planner plans each task, the placements are measured interleaved (A, B, C, then again), the lower bound is
+all tables as one fused shard / D. Ratios are taken within a task, so machine drift cancels out.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from .common import md_table, progress, pyplot
+
+GIB = 2**30
+HELDOUT_SEED = 2026  # the synthetic population of the suites: tables no pipeline run trained on
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "components", "embshard",
+                        "ingest", "examples")
+ALL_PLANNERS = ["learned", "policy_only", "random", "round_robin", "dim_greedy", "size_greedy", "lookup_greedy",
+                "size_lookup_greedy", "torchrec_table_wise", "torchrec_full"]
+# Without the two weak baselines (they only lengthen the big suites: their ratios are far above 1).
+MAIN_PLANNERS = [p for p in ALL_PLANNERS if p not in ("random", "round_robin")]
+
+
+@dataclass
+class Suite:
+    name: str
+    source: str                  # "synthetic" or a spec file under ingest/examples
+    tables: int | None           # T (None: every table of the spec)
+    devices: list[int]           # synthetic: one D; spec: one task per D
+    tasks: int = 3               # synthetic: tasks sampled from the held-out pool
+    repeats: int = 1             # measurements of each placement (median)
+    planners: list[str] = field(default_factory=lambda: list(ALL_PLANNERS))
+
+
+@dataclass
+class QualityConfig:
+    suites: list[Suite]
+    memory_gb: float = 128.0     # per device (an H200 has ~141 GB)
+    population: int = 856        # synthetic tables generated (half of them form the held-out pool)
+    bins_batch_size: int | None = None   # None: the generator's default (what ingest uses)
+    torchrec_timeout_s: float = 30.0
+    max_shard_gb: float | None = None
+    seed: int = 0
+
+
+def full_config() -> QualityConfig:
+    suites = []
+    for t in (20, 50, 100, 200):
+        for d in (4, 8):
+            # Every planner at T=20; the two weak baselines (far above 1) are left out of the bigger suites.
+            suites.append(Suite(f"synthetic T={t} D={d}", "synthetic", t, [d], tasks=3 if t <= 50 else 2,
+                                planners=ALL_PLANNERS if t <= 20 else MAIN_PLANNERS))
+    # One 26-table list each: its tasks are the two device counts.
+    suites.append(Suite("Criteo-like (26 tables)", "criteo_26.csv", None, [4, 8], planners=MAIN_PLANNERS))
+    suites.append(Suite("MLPerf-DLRM-like (26 tables)", "mlperf_dlrm.yaml", None, [4, 8], planners=MAIN_PLANNERS))
+    return QualityConfig(suites=suites, torchrec_timeout_s=20.0)
+
+
+def quick_config() -> QualityConfig:
+    planners = ["learned", "policy_only", "dim_greedy", "torchrec_table_wise"]
+    return QualityConfig(suites=[Suite("synthetic T=10 D=2", "synthetic", 10, [2], tasks=1, planners=planners),
+                                 Suite("Criteo-like (26 tables)", "criteo_26.csv", None, [2], planners=planners)],
+                         population=60, bins_batch_size=2048, torchrec_timeout_s=10.0, max_shard_gb=0.05)
+
+
+def _suite_files(suite: Suite, cfg: QualityConfig, folder: str, synthetic: pd.DataFrame) -> tuple[str, str]:
+    """tables.parquet + tasks.parquet of a suite (test split only)."""
+    from embshard import ingest, schemas
+    from embshard.tasks import sample_tasks
+
+    os.makedirs(folder, exist_ok=True)
+    tables_path = os.path.join(folder, "tables.parquet")
+    tasks_path = os.path.join(folder, "tasks.parquet")
+    if suite.source == "synthetic":
+        df = synthetic
+        schemas.write(df, tables_path, "tables")
+        tasks = sample_tasks(df, suite.tasks, suite.tables, suite.devices, cfg.memory_gb, cfg.seed, where=suite.name)
+        tasks = tasks[tasks["split"] == "test"].reset_index(drop=True)
+    else:
+        kw = {"bins_batch_size": cfg.bins_batch_size} if cfg.bins_batch_size else {}
+        ingest.run("spec", folder, input=os.path.join(EXAMPLES, suite.source), progress=False, **kw)
+        df = schemas.read(tables_path, "tables")
+        ids = sorted(df["table_id"].astype(str))
+        if suite.tables:
+            ids = ids[: suite.tables]
+        tasks = pd.DataFrame([{"task_id": f"test-d{d}", "split": "test", "num_devices": int(d),
+                               "memory_bytes_per_device": int(cfg.memory_gb * GIB), "table_ids": ids}
+                              for d in suite.devices])
+    schemas.write(tasks, tasks_path, "tasks")
+    return tables_path, tasks_path
+
+
+def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int, comm_root: str | None = None) -> pd.DataFrame:
+    """Measure every suite; one row per (suite, task, planner) with evaluate.run's columns plus suite facts."""
+    from embshard.ingest.synthetic import generate_tables
+    from embshard.planners import evaluate
+
+    kw = {"bins_batch_size": cfg.bins_batch_size} if cfg.bins_batch_size else {}
+    synthetic = generate_tables(cfg.population, seed=HELDOUT_SEED, **kw)
+    # The run's batch size and communication calibration, so the cost model sees what it was trained on.
+    bench_kw = {"batch_size": int(batch_size)}
+    if comm_root:
+        bench_kw["out"] = comm_root
+    if cfg.max_shard_gb:
+        bench_kw["max_shard_gb"] = cfg.max_shard_gb
+    frames = []
+    for k, suite in enumerate(cfg.suites):
+        t0 = time.perf_counter()
+        folder = os.path.join(workdir, f"suite-{k:02d}")
+        tables_path, tasks_path = _suite_files(suite, cfg, folder, synthetic)
+        planner_kw = {p: {"model_uri": policy_uri} for p in suite.planners if p in ("learned", "policy_only")}
+        planner_kw.update({p: {"timeout_s": cfg.torchrec_timeout_s} for p in suite.planners
+                           if p.startswith("torchrec_")})
+        progress(f"quality {k + 1}/{len(cfg.suites)}: {suite.name}, {len(suite.planners)} planners, "
+                 f"repeats {suite.repeats}")
+        res = evaluate.run(tables_path, tasks_path, os.path.join(folder, "eval"), planners=suite.planners,
+                           split="test", repeats=suite.repeats, bench_kw=bench_kw, planner_kw=planner_kw,
+                           progress=False)
+        df = res["frame"].copy()
+        df.insert(0, "suite", suite.name)
+        df["repeats"] = suite.repeats
+        frames.append(df)
+        s = summarize(df)
+        learned = s[s["planner"] == "learned"]
+        msg = ""
+        if not learned.empty:
+            r = learned.iloc[0]
+            msg = (f"; learned vs best baseline {r['ratio_best_median']:.3f} (worst {r['ratio_best_worst']:.3f}), "
+                   f"vs TorchRec {r['ratio_torchrec_median']:.3f}")
+        progress(f"quality {k + 1}/{len(cfg.suites)}: done in {time.perf_counter() - t0:.0f} s{msg}")
+    return pd.concat(frames, ignore_index=True)
+
+
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
+    """Per (suite, planner): tasks, failures, median/worst ratio to the best baseline and to TorchRec, gap."""
+    rows = []
+    for (suite, planner), g in df.groupby(["suite", "planner"], sort=False):
+        rb, rt = g["ratio_to_best_baseline"].dropna(), g["ratio_to_torchrec"].dropna()
+        gap = g["gap_to_lower_bound"].dropna()
+        rows.append({
+            "suite": suite, "planner": planner, "tasks": len(g), "failed": int((~g["feasible"].astype(bool)).sum()),
+            "ratio_best_median": rb.median() if len(rb) else np.nan,
+            "ratio_best_min": rb.min() if len(rb) else np.nan,
+            "ratio_best_worst": rb.max() if len(rb) else np.nan,
+            "ratio_torchrec_median": rt.median() if len(rt) else np.nan,
+            "ratio_torchrec_min": rt.min() if len(rt) else np.nan,
+            "ratio_torchrec_worst": rt.max() if len(rt) else np.nan,
+            "gap_lb_median": gap.median() if len(gap) else np.nan,
+            "measured_ms_median": g["measured_cost_ms"].median(),
+            "planning_s_median": g["planning_time_s"].median(),
+        })
+    return pd.DataFrame(rows)
+
+
+def headline(summary: pd.DataFrame) -> pd.DataFrame:
+    """One row per suite: the learned planner against the best baseline and TorchRec (ratios < 1: faster)."""
+    out = []
+    for suite, g in summary.groupby("suite", sort=False):
+        g = g.set_index("planner")
+        row = {"suite": suite, "tasks": int(g["tasks"].max())}
+        for p, key in (("learned", "learned"), ("policy_only", "policy_only")):
+            if p in g.index:
+                row[f"{key} / best baseline (median)"] = g.loc[p, "ratio_best_median"]
+                if p == "learned":
+                    row["learned / best baseline (worst)"] = g.loc[p, "ratio_best_worst"]
+                    row["learned / TorchRec (median)"] = g.loc[p, "ratio_torchrec_median"]
+                    row["learned / TorchRec (worst)"] = g.loc[p, "ratio_torchrec_worst"]
+                    row["learned gap to LB"] = g.loc[p, "gap_lb_median"]
+        tr = [p for p in ("torchrec_table_wise", "torchrec_full") if p in g.index]
+        if tr:
+            row["best TorchRec / best baseline"] = min(g.loc[p, "ratio_best_median"] for p in tr)
+        base = [p for p in ("dim_greedy", "size_greedy", "lookup_greedy", "size_lookup_greedy") if p in g.index]
+        if base:
+            row["best baseline gap to LB"] = min(g.loc[p, "gap_lb_median"] for p in base)
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def plot(summary: pd.DataFrame, path: str, hw_line: str) -> str:
+    plt = pyplot()
+    suites = list(dict.fromkeys(summary["suite"]))
+    planners = [p for p in ALL_PLANNERS if p in set(summary["planner"])]
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5.2), sharex=True)
+    width = 0.8 / max(len(planners), 1)
+    for ax, (col, lo, hi, title) in zip(axes, (
+            ("ratio_best_median", "ratio_best_min", "ratio_best_worst", "measured cost / best greedy baseline"),
+            ("ratio_torchrec_median", "ratio_torchrec_min", "ratio_torchrec_worst", "measured cost / best TorchRec plan"))):
+        for k, p in enumerate(planners):
+            sub = summary[summary["planner"] == p].set_index("suite").reindex(suites)
+            x = np.arange(len(suites)) + (k - (len(planners) - 1) / 2) * width
+            y = sub[col].to_numpy(float)
+            top = sub[hi].to_numpy(float) - y
+            bottom = (y - sub[lo].to_numpy(float)) if lo else np.zeros_like(y)
+            ax.errorbar(x, y, yerr=[np.nan_to_num(bottom), np.nan_to_num(top)], fmt="o", ms=4, capsize=2,
+                        label=p, lw=1)
+        ax.axhline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_ylabel(title + " (lower is better)")
+        finite = summary[col][np.isfinite(summary[col])]
+        if len(finite):
+            ax.set_ylim(max(0.0, float(finite.min()) - 0.1), min(float(summary[hi].max()) + 0.05, 2.0))
+        ax.set_xticks(np.arange(len(suites)))
+        ax.set_xticklabels(suites, rotation=35, ha="right", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle("Placement quality, measured with real FBGEMM kernels (median over tasks; bars: best..worst task)\n"
+                 + hw_line.split(";")[0], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def markdown(frame: pd.DataFrame, cfg: QualityConfig, hw_line: str, policy_uri: str, batch_size: int,
+             seconds: float, png: str | None) -> str:
+    summary = summarize(frame)
+    head = headline(summary)
+    lines = ["# Placement quality (measured)", "", f"Hardware: {hw_line}", "",
+             f"Learned planner: `{policy_uri}`. Every placement is measured with real fused FBGEMM kernels (one "
+             f"table-batched op per device, forward + backward, batch {batch_size}) plus the all-to-all model; the "
+             f"cost of a placement is its slowest device. Memory per device: {cfg.memory_gb:g} GiB. TorchRec runs "
+             f"its own planner (proposers, partitioner, perf model) with a {cfg.torchrec_timeout_s:g} s timeout. "
+             f"Ratios are per task (lower is better; < 1 means faster than the reference); `best baseline` is the "
+             f"best of the four greedy heuristics on that task; the lower bound (LB) is all of a task's tables as one "
+             f"fused shard / D. Synthetic suites draw their tables from the unseen half of a {cfg.population}-table "
+             f"population generated with seed {HELDOUT_SEED} (no training run saw these tables). "
+             f"Measured in {seconds / 60:.1f} min.", ""]
+    if png:
+        lines += [f"![quality]({os.path.basename(png)})", ""]
+    lines += ["## Learned planner per suite", "", md_table(head), "",
+              "## Every planner per suite", "",
+              md_table(summary.drop(columns=["ratio_best_min", "ratio_torchrec_min"]), {"measured_ms_median": 2, "planning_s_median": 3,
+                                                                   "tasks": 0, "failed": 0}), "",
+              "Columns: `ratio_best_*` measured cost / best greedy baseline of the task (median and worst task); "
+              "`ratio_torchrec_*` the same against the better of TorchRec's two plans; `gap_lb_median` measured "
+              "cost / lower bound - 1; `planning_s_median` wall seconds of `plan()`.", "",
+              "## Suites", "",
+              md_table(pd.DataFrame([{"suite": s.name, "source": s.source, "tables": s.tables or "all",
+                                      "devices": ",".join(map(str, s.devices)),
+                                      "tasks": s.tasks if s.source == "synthetic" else len(s.devices),
+                                      "repeats": s.repeats, "planners": ", ".join(s.planners)}
+                                     for s in cfg.suites]))]
+    return "\n".join(lines)

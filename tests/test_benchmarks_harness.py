@@ -1,0 +1,116 @@
+"""The benchmark harness end to end in its --quick mode: a real (tiny) Airflow pipeline run trains the models,
+real FBGEMM measurements of every planner, TorchRec's included, planning times, and the results pages.
+
+One harness run is shared by the tests of this module (it is the expensive part: about 1.5-2 minutes here)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ["ingest", "benchmark", "train_cost_model", "train_policy", "evaluate_and_promote", "export_placements"]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    # The harness's own pipeline run keeps its Airflow DB and MLflow store in its workdir, not the test session's.
+    for key in ("AIRFLOW_HOME", "MLFLOW_TRACKING_URI", "EMBSHARD_DATA_ROOT"):
+        env.pop(key, None)
+    env.update(EMBSHARD_NUM_THREADS="1", EMBSHARD_COMM_BANDWIDTH_GBPS="1.0", EMBSHARD_COMM_LATENCY_US="100",
+               AIRFLOW__CORE__LOAD_EXAMPLES="False", PYTHONPATH=REPO)
+    return env
+
+
+def _harness(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    work = tmp_path_factory.mktemp("work")
+    proc = _harness("--quick", "--out", str(out), "--workdir", str(work))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"out": out, "work": work, "stdout": proc.stdout}
+
+
+def test_quick_writes_every_page_and_plot(quick):
+    out = quick["out"]
+    for name in ("README.md", "quality.md", "planning_time.md", "costmodel.md", "pipeline.md"):
+        text = (out / name).read_text()
+        assert "Hardware:" in text or "**Hardware:**" in text, name
+        assert "AMD" in text or "Intel" in text or "cpu" in text.lower(), name  # the CPU is named
+    for name in ("quality.png", "planning_time.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    readme = (out / "README.md").read_text()
+    for link in ("quality.md", "planning_time.md", "costmodel.md", "pipeline.md", "quality.png"):
+        assert f"({link})" in readme
+    assert "QUICK mode" in readme
+    assert "[bench" in quick["stdout"]  # progress lines
+
+
+def test_quality_rows_are_real_measurements_of_every_planner(quick):
+    from benchmarks import quality
+
+    df = pd.read_csv(quick["out"] / "raw" / "quality.csv")
+    cfg = quality.quick_config()
+    assert set(df["suite"]) == {s.name for s in cfg.suites}
+    for suite in cfg.suites:
+        sub = df[df["suite"] == suite.name]
+        assert sorted(set(sub["planner"])) == sorted(suite.planners)
+        # one row per (task, planner): no planner was dropped from a task
+        assert (sub.groupby("task_id")["planner"].nunique() == len(suite.planners)).all()
+    ok = df[df["feasible"]]
+    assert len(ok) == len(df)  # 256 GiB per device: every planner places every task
+    assert (ok["measured_cost_ms"] > 0).all() and (ok["lower_bound_ms"] > 0).all()
+    # the only greedy baseline of the quick suites is dim_greedy: it is its own best baseline
+    dg = ok[ok["planner"] == "dim_greedy"]
+    assert (dg["ratio_to_best_baseline"] - 1.0).abs().max() < 1e-9
+    tr = ok[ok["planner"] == "torchrec_table_wise"]
+    assert (tr["ratio_to_torchrec"] - 1.0).abs().max() < 1e-9
+    ratios = ok["measured_cost_ms"] / ok["best_baseline_ms"]
+    assert (ratios - ok["ratio_to_best_baseline"]).abs().max() < 1e-9
+    text = (quick["out"] / "quality.md").read_text()
+    assert "| learned |" in text and "torchrec_table_wise" in text
+
+
+def test_planning_times_and_cost_model_pages(quick):
+    from benchmarks import planning_time
+
+    df = pd.read_csv(quick["out"] / "raw" / "planning_time.csv")
+    cfg = planning_time.quick_config()
+    ran = df[df["planner"] != "(all)"]
+    assert set(ran["planner"]) == set(cfg.planners)
+    assert set(ran["tables"]) == set(cfg.tables)
+    assert (ran["median_s"] > 0).all() and (ran["runs"] >= 1).all()
+    cm = (quick["out"] / "costmodel.md").read_text()
+    assert "learned MAPE %" in cm and "sum_singles" in cm and "analytic" in cm
+
+
+def test_pipeline_stage_times_from_airflow(quick):
+    st = pd.read_csv(quick["out"] / "raw" / "pipeline_stages.csv")
+    assert list(st["stage"]) == STAGES
+    assert (st["state"] == "success").all()
+    assert (st["wall_s"] > 0).all()
+    assert abs(st["share"].sum() - 1.0) < 1e-6
+
+
+def test_reuse_a_run_folder_and_reject_bad_jobs(quick, tmp_path):
+    # --run: the models and stage times of an existing pipeline folder, no retraining, no measurement.
+    proc = _harness("--run", str(quick["work"] / "pipeline"), "--jobs", "costmodel,pipeline", "--out",
+                    str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    readme = (tmp_path / "README.md").read_text()
+    assert "reused from" in readme and "(quality.md)" not in readme
+    st = pd.read_csv(tmp_path / "raw" / "pipeline_stages.csv")
+    assert list(st["stage"]) == STAGES
+    bad = _harness("--quick", "--jobs", "quality,nope", "--out", str(tmp_path / "x"))
+    assert bad.returncode == 2 and "nope" in bad.stderr
+    missing = _harness("--run", str(tmp_path / "no-such-run"), "--jobs", "pipeline", "--out", str(tmp_path / "y"))
+    assert missing.returncode == 2 and "no such run folder" in missing.stderr
