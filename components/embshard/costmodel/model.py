@@ -243,7 +243,7 @@ def _as_raw(features) -> torch.Tensor:
     if isinstance(features, torch.Tensor):
         raw = features.to(torch.float32)
     else:
-        raw = torch.from_numpy(np.asarray(features, dtype=np.float32))
+        raw = torch.from_numpy(np.array(features, dtype=np.float32))  # a copy: callers may pass read-only views
     if raw.ndim != 2 or raw.shape[1] != NUM_FEATURES:
         raise EmbshardError(f"features of shape {tuple(raw.shape)}", field="features",
                             fix=f"pass the (N, {NUM_FEATURES}) raw matrix of embshard.features.feature_matrix")
