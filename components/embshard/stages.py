@@ -97,11 +97,18 @@ def ingest(root: str, params: dict) -> dict:
 
 
 def bench_shards(root: str, params: dict) -> str:
-    """The shard list of the benchmark stage: random train-pool shards, plus every baseline placement's shards."""
+    """The shard list of the benchmark stage: random train-pool shards, plus every baseline placement's shards.
+
+    Every shard lies inside one of the cost model's table pools (costmodel.data.table_pools, same seed): the cost
+    model drops shards that mix seen and unseen tables, so mixed shards would be measured for nothing.
+    """
+    import math
+
     import pandas as pd
 
     from . import schemas
     from .bench.sampler import placement_shards, random_shards
+    from .costmodel.data import table_pools
     from .planners.baselines import BASELINES, make_baseline
     from .tableset import TableSet
 
@@ -115,20 +122,38 @@ def bench_shards(root: str, params: dict) -> str:
     tasks = schemas.read(path(root, "tasks"), "tasks")
     train = tasks[tasks["split"] == "train"]
     pool = sorted({t for ids in train["table_ids"] for t in ids})
-    frames = [random_shards(pool, int(p["bench_shards"]), seed=int(p["seed"]), num_devices=int(train["num_devices"].iloc[0]))]
-    # Baselines' device shards: the cost model must know the region where placements live.
+    seed, D = int(p["seed"]), int(train["num_devices"].iloc[0])
+    seen, unseen = table_pools(tables.table_ids, seed=seed)
+    # Most of the budget where the cost model trains (seen pool); a third measures generalization (unseen).
+    n_unseen = int(p["bench_shards"]) // 3
+    budget = {"seen": int(p["bench_shards"]) - n_unseen, "unseen": n_unseen}
+    frames = []
+    for name, ids in (("seen", seen), ("unseen", unseen)):
+        members = [t for t in pool if t in ids]
+        if members and budget[name] > 0:
+            df = random_shards(members, budget[name], seed=seed, num_devices=D)
+            frames.append(df.assign(sample_id=f"{name}-" + df["sample_id"]))
+    # Baselines' device shards: the cost model must know the region where placements live. Each train task's
+    # tables of one pool are placed on half its devices, so these shards are as large as a real placement's.
     rows = []
     for t in train.itertuples():
-        sub = tables.select(list(t.table_ids))
-        for name in BASELINES:
-            try:
-                pl = make_baseline(name, seed=int(p["seed"])).plan(sub, int(t.num_devices), int(t.memory_bytes_per_device), t.task_id)
-            except EmbshardError:
+        for name, ids in (("seen", seen), ("unseen", unseen)):
+            members = [x for x in t.table_ids if x in ids]
+            if not members:
                 continue
-            rows.append(pl.to_frame())
+            sub = tables.select(members)
+            for b in BASELINES:
+                try:
+                    pl = make_baseline(b, seed=seed).plan(sub, max(1, math.ceil(int(t.num_devices) / 2)),
+                                                          int(t.memory_bytes_per_device), f"{t.task_id}-{name}")
+                except EmbshardError:
+                    continue
+                rows.append(pl.to_frame())
     if rows:
-        frames.append(placement_shards(pd.concat(rows, ignore_index=True), int(train["num_devices"].iloc[0])))
+        frames.append(placement_shards(pd.concat(rows, ignore_index=True), D))
     shards = pd.concat(frames, ignore_index=True).drop_duplicates("sample_id")
+    # The same table set from several baselines is measured once.
+    shards = shards[~shards["table_ids"].map(lambda v: tuple(sorted(v))).duplicated()].reset_index(drop=True)
     schemas.write(shards, target, "shards")
     return target
 

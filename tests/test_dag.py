@@ -1,0 +1,230 @@
+"""The Airflow DAG `embshard_pipeline`: it imports cleanly under both runners, has the same tasks either way,
+its schedule and Params are what the design says, and the kubernetes runner's pods (rendered without a cluster,
+templates filled in as Airflow would) are valid Kubernetes pods that run `embshard stage ...` on the run's root.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from embshard import k8s, stages
+
+pytest.importorskip("airflow.providers.cncf.kubernetes", reason="airflow extra")
+kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="dev extra: kubernetes-validate")
+
+DAG_FILE = Path(__file__).resolve().parents[1] / "dags" / "embshard_pipeline.py"
+DAG_ID = "embshard_pipeline"
+KUBE_VERSION = "1.33.0"
+GPU = "nvidia.com/gpu"
+CHAIN = ["ingest", "benchmark", "train_cost_model", "train_policy", "evaluate_and_promote", "export_placements"]
+RUN_ID = "scheduled__2026-01-05T03:00:00+00:00"
+
+
+def load_bag(monkeypatch, runner: str):
+    """A fresh DagBag of the DAG file: the module is executed again, so it sees EMBSHARD_RUNNER now."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    monkeypatch.setenv("EMBSHARD_RUNNER", runner)
+    monkeypatch.delenv(k8s.CONFIG_ENV, raising=False)
+    return DagBag(dag_folder=str(DAG_FILE), safe_mode=False)
+
+
+@pytest.fixture(params=["local", "kubernetes"])
+def dag_by_runner(request, monkeypatch):
+    bag = load_bag(monkeypatch, request.param)
+    assert bag.import_errors == {}
+    return request.param, bag.dags[DAG_ID]
+
+
+@pytest.fixture(scope="module")
+def k8s_dag():
+    with pytest.MonkeyPatch.context() as mp:
+        bag = load_bag(mp, "kubernetes")
+    assert bag.import_errors == {}
+    return bag.dags[DAG_ID]
+
+
+def test_dagbag_imports_without_errors(monkeypatch):
+    for runner in ("local", "kubernetes"):
+        bag = load_bag(monkeypatch, runner)
+        assert bag.import_errors == {}, runner
+        assert bag.dag_ids == [DAG_ID]
+
+
+def test_each_runner_builds_its_own_kind_of_task(dag_by_runner):
+    from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+
+    runner, dag = dag_by_runner
+    for task in dag.tasks:
+        cls = getattr(task, "operator_class", type(task))  # the mapped benchmark task names its class
+        assert issubclass(cls, KubernetesPodOperator) == (runner == "kubernetes"), task.task_id
+    assert dag.get_task("benchmark").is_mapped
+
+
+def test_unknown_runner_is_an_import_error(monkeypatch):
+    bag = load_bag(monkeypatch, "ssh")
+    assert DAG_ID not in bag.dags
+    (error,) = bag.import_errors.values()
+    assert "EMBSHARD_RUNNER='ssh'" in error
+
+
+def test_same_tasks_and_dependencies_in_both_runners(monkeypatch):
+    shapes = {}
+    for runner in ("local", "kubernetes"):
+        dag = load_bag(monkeypatch, runner).dags[DAG_ID]
+        shapes[runner] = {t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks}
+    assert shapes["local"] == shapes["kubernetes"]
+    assert shapes["local"] == {a: ([b] if b else []) for a, b in zip(CHAIN, CHAIN[1:] + [None])}
+
+
+def test_schedule_is_weekly_or_new_tables(k8s_dag):
+    schedule = k8s_dag.timetable
+    assert schedule.timetable.expression == "0 3 * * 1"  # Mondays 03:00 UTC
+    assert [a.name for a in schedule.asset_condition.objects] == ["embshard_tables"]
+    assert k8s_dag.catchup is False and k8s_dag.max_active_runs == 1
+
+
+def test_params_are_the_stage_defaults_and_documented(k8s_dag):
+    assert k8s_dag.params.validate() == stages.DEFAULT_PARAMS
+    assert stages.merged(k8s_dag.params.validate()) == stages.DEFAULT_PARAMS
+    for key in stages.DEFAULT_PARAMS:
+        assert k8s_dag.params.get_param(key).description, key  # the trigger form shows it
+
+
+def test_params_accept_a_small_valid_run(k8s_dag):
+    params = copy.deepcopy(k8s_dag.params)
+    params.update({"num_tables": 40, "num_tasks": 2, "tables_per_task": "6-10", "devices": 2, "memory_gb": 256,
+                   "bench_shards": 16, "bench_chunks": 2, "bench_batch_size": 256, "policy_iterations": 10,
+                   "eval_tasks": 1, "eval_planners": "dim_greedy,size_lookup_greedy", "source": "spec",
+                   "input": "s3://bucket/tables.csv", "export_tasks": "all", "promotion_margin": 0})
+    values = params.validate()
+    assert values["devices"] == 2 and values["tables_per_task"] == "6-10"
+    assert stages.merged(values)["source"] == "spec"
+
+
+@pytest.mark.parametrize("key, value", [
+    ("devices", -1),
+    ("devices", 0),
+    ("devices", 2.5),
+    ("source", "csv"),
+    ("tables_per_task", "20..60"),
+    ("tables_per_task", "-5"),
+    ("tables_per_task", "a-b"),
+    ("num_tables", "many"),
+    ("num_tables", 1),
+    ("memory_gb", 0),
+    ("memory_gb", -8.0),
+    ("bench_shards", 5),
+    ("bench_chunks", 0),
+    ("promotion_margin", 1.5),
+    ("eval_planners", "Dim Greedy"),
+    ("eval_planners", "dim_greedy,,random"),
+    ("export_tasks", "everything"),
+    ("seed", -1),
+])
+def test_params_reject_bad_values(k8s_dag, key, value):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    params = copy.deepcopy(k8s_dag.params)
+    with pytest.raises(ParamValidationError, match=key):
+        params[key] = value
+    # validate() (what a run does with its params) refuses the value too, naming the param.
+    params = copy.deepcopy(k8s_dag.params)
+    params.get_param(key).value = value
+    with pytest.raises(ParamValidationError, match=f"param {key}"):
+        params.validate()
+
+
+# --- the kubernetes runner's pods -----------------------------------------------------------------------------
+
+def concrete_operator(dag, task_id: str, chunk: int = 1):
+    """The operator Airflow would run: the benchmark task unmapped with the arguments the DAG's own map()
+    makes of one chunk index (what ingest's XCom holds), the others as they are."""
+    task = dag.get_task(task_id)
+    if not task.is_mapped:
+        return copy.deepcopy(task)
+    mapped = task.expand_input.value["arguments"]
+    arguments = chunk
+    for fn in mapped.callables:
+        arguments = fn(arguments)
+    return task.unmap({"arguments": arguments})
+
+
+def render_pod(dag, task_id: str, params: dict | None = None, run_id: str = RUN_ID, chunk: int = 1) -> dict:
+    """Templates filled in as Airflow does at run time (run_id, validated params), then the pod, offline."""
+    from kubernetes.client import ApiClient
+
+    values = copy.deepcopy(dag.params)
+    values.update(params or {})
+    op = concrete_operator(dag, task_id, chunk)
+    op.render_template_fields({"run_id": run_id, "params": values.validate()}, dag.get_template_env())
+    return ApiClient().sanitize_for_serialization(op.build_pod_request_obj(dry_run=True))
+
+
+@pytest.mark.parametrize("task_id", CHAIN)
+def test_stage_pods_are_valid_and_run_the_stage_on_the_run_root(k8s_dag, task_id):
+    from embshard.cli import build_parser
+
+    pod = render_pod(k8s_dag, task_id)
+    kubernetes_validate.validate(pod, desired_version=KUBE_VERSION, strict=True)
+    container = pod["spec"]["containers"][0]
+    assert container["image"] == k8s.POD_DEFAULTS["image"] and container["command"] == ["embshard"]
+    root = stages.run_root(k8s.data_root(), RUN_ID)
+    assert root == "file:///data/embshard/scheduled__2026-01-05T03-00-00-00-00"
+    assert container["args"][:4] == ["stage", task_id, "--root", root]
+    # The arguments are a valid `embshard stage` command line whose params the stages accept.
+    args = build_parser().parse_args(container["args"])
+    assert (args.command, args.name, args.root) == ("stage", task_id, root)
+    assert stages.merged(json.loads(args.params)) == stages.DEFAULT_PARAMS
+    assert args.chunk == (1 if task_id == "benchmark" else 0)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["EMBSHARD_STAGE"] == task_id
+
+
+@pytest.mark.parametrize("task_id", CHAIN)
+def test_measuring_pods_get_a_gpu_on_gpu_nodes(k8s_dag, task_id):
+    pod = render_pod(k8s_dag, task_id)
+    resources = pod["spec"]["containers"][0]["resources"]
+    if task_id in ("benchmark", "evaluate_and_promote"):
+        assert resources["requests"][GPU] == resources["limits"][GPU] == "1"
+        assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert pod["spec"]["tolerations"] == [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
+    else:
+        assert GPU not in resources["requests"] and GPU not in resources["limits"]
+        assert not pod["spec"].get("nodeSelector") and not pod["spec"].get("tolerations")
+
+
+def test_ingest_pod_pushes_the_chunks_for_the_benchmark_map(k8s_dag):
+    pod = render_pod(k8s_dag, "ingest")
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["base", "airflow-xcom-sidecar"]
+    # One benchmark pod per chunk that ingest's XCom lists, each told its own chunk.
+    chunks = list(range(stages.DEFAULT_PARAMS["bench_chunks"]))
+    args = [render_pod(k8s_dag, "benchmark", chunk=c)["spec"]["containers"][0]["args"] for c in chunks]
+    assert [a[-2:] for a in args] == [["--chunk", str(c)] for c in chunks]
+    assert len({tuple(a[:-1]) for a in args}) == 1
+    assert k8s_dag.get_task("benchmark").partial_kwargs["retries"] == 2
+
+
+@pytest.mark.parametrize("run_id", [RUN_ID, "manual__2026-11-22T00:33:52.069730+00:00",
+                                    "asset_triggered__2026-02-01T10:00:00+00:00"])
+def test_pod_run_root_is_the_local_runner_run_root(k8s_dag, run_id):
+    """Both runners put a run's data at the same place: the Jinja template == stages.run_root."""
+    pod = render_pod(k8s_dag, "train_policy", run_id=run_id)
+    root = pod["spec"]["containers"][0]["args"][3]
+    assert root == stages.run_root(k8s.data_root(), run_id)
+    assert ":" not in root.split("://", 1)[1] and "+" not in root
+
+
+def test_params_from_the_trigger_form_reach_the_pods_intact(k8s_dag):
+    """Quotes, HTML-ish characters and non-ASCII in a string param survive the JSON template."""
+    conf = {"source": "spec", "input": "s3://bucket/it's \"my\" <spec> & ünïcode.csv", "devices": 8,
+            "memory_gb": 80.5, "eval_planners": "dim_greedy,size_greedy"}
+    pod = render_pod(k8s_dag, "evaluate_and_promote", params=conf)
+    kubernetes_validate.validate(pod, desired_version=KUBE_VERSION, strict=True)
+    args = pod["spec"]["containers"][0]["args"]
+    params = json.loads(args[args.index("--params") + 1])
+    assert params == {**stages.DEFAULT_PARAMS, **conf}
+    assert stages.merged(params) == params

@@ -1,0 +1,198 @@
+"""The whole DAG, end to end, twice: real `dag.test()` runs (Airflow's task runner, XComs, dynamic mapping), real
+FBGEMM measurements, a real MLflow sqlite registry, on a tiny configuration.
+
+Run 1 must produce every output, valid, and promote its policy (there is no champion yet). Run 2 works under its
+own root (run 1's files are untouched) and moves `champion` exactly when its recorded decision says so.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+
+from embshard import schemas, stages
+
+pytestmark = pytest.mark.slow
+
+# Smaller than pipeline.QUICK_PARAMS: 2 devices, 6-10 tables per task, one evaluated task.
+TINY = {"num_tables": 40, "num_tasks": 2, "tables_per_task": "6-10", "devices": 2, "memory_gb": 256,
+        "bench_shards": 16, "bench_chunks": 2, "bench_batch_size": 256, "policy_iterations": 10, "eval_tasks": 1,
+        "eval_planners": "dim_greedy,size_lookup_greedy"}
+POLICY, COST = "embshard-policy", "embshard-cost"
+ENV_KEYS = ("AIRFLOW_HOME", "AIRFLOW__CORE__LOAD_EXAMPLES", "AIRFLOW__CORE__DAGS_FOLDER", "EMBSHARD_DATA_ROOT",
+            "MLFLOW_TRACKING_URI", "EMBSHARD_RUNNER")
+
+
+def aliases() -> dict[str, dict[str, str]]:
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    return {name: {a: str(v) for a, v in client.get_registered_model(name).aliases.items()}
+            for name in (POLICY, COST)}
+
+
+def digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """Two pipeline runs into one output folder with its own MLflow store. Airflow reads AIRFLOW_HOME when it is
+    first imported, so the runs keep the session's (conftest) and only get a fresh DB schema from initdb()."""
+    import mlflow
+
+    from embshard import pipeline
+
+    out = tmp_path_factory.mktemp("pipeline")
+    with pytest.MonkeyPatch.context() as mp:
+        # setup_environment() writes these into os.environ: record them so they are restored afterwards.
+        for key in ENV_KEYS:
+            mp.setenv(key, os.environ.get(key, ""))
+        mp.delenv("EMBSHARD_DATA_ROOT")
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{out}/mlflow.db")
+        try:
+            first = pipeline.run(str(out), dict(TINY))
+            first["aliases"] = aliases()
+            first["digests"] = {p: digest(os.path.join(first["root"], p))
+                                for p in ("tables.parquet", "tasks.parquet", "state/promotion.json",
+                                          "export/placements.parquet")}
+            second = pipeline.run(str(out), dict(TINY))
+            second["aliases"] = aliases()
+            versions = {name: sorted(int(v.version) for v in mlflow.MlflowClient().search_model_versions(
+                f"name='{name}'")) for name in (POLICY, COST)}
+            promote_runs = mlflow.search_runs(experiment_names=["embshard"],
+                                              filter_string="attributes.run_name = 'evaluate-and-promote'")
+        finally:
+            mlflow.set_tracking_uri(None)
+            mlflow.set_registry_uri(None)
+    return {"out": str(out), "first": first, "second": second, "versions": versions, "promote_runs": promote_runs}
+
+
+def test_run_uses_the_tests_airflow_home_and_its_own_stores(two_runs):
+    first = two_runs["first"]
+    assert first["state"] == "success"
+    assert first["env"]["MLFLOW_TRACKING_URI"] == f"sqlite:///{two_runs['out']}/mlflow.db"
+    assert first["env"]["EMBSHARD_DATA_ROOT"] == os.path.join(two_runs["out"], "data")
+    assert first["root"] == stages.run_root(os.path.join(two_runs["out"], "data"), first["run_id"])
+    assert os.path.isfile(os.path.join(two_runs["out"], "mlflow.db"))
+
+
+def test_first_run_writes_every_output_and_each_validates(two_runs):
+    root = two_runs["first"]["root"]
+    tables = schemas.read(os.path.join(root, "tables.parquet"), "tables")
+    assert len(tables) == TINY["num_tables"]
+    tasks = schemas.read(os.path.join(root, "tasks.parquet"), "tasks")
+    assert set(tasks["split"]) == {"train", "test"}
+    assert (tasks["num_devices"] == TINY["devices"]).all()
+    assert tasks["table_ids"].map(len).between(6, 10).all()
+
+    # One costs part per mapped benchmark chunk, all of them valid and positive.
+    parts = sorted(p for p in os.listdir(os.path.join(root, "costs")) if not p.startswith("."))  # .partial: bench
+    assert parts == [f"part-{i:05d}-of-{TINY['bench_chunks']:05d}.parquet" for i in range(TINY["bench_chunks"])]
+    costs = schemas.read(os.path.join(root, "costs"), "costs")
+    assert len(costs) >= TINY["bench_shards"] and (costs["fwd_compute_ms"] > 0).all()
+    assert (costs["batch_size"] == TINY["bench_batch_size"]).all()
+    # Every measured shard lies inside one of the cost model's table pools (mixed shards are useless to it).
+    from embshard.costmodel.data import table_pools
+
+    seen, unseen = table_pools(tables["table_id"], seed=0)
+    assert all(set(ids) <= seen or set(ids) <= unseen for ids in costs["table_ids"])
+
+    # Evaluation: candidate + every baseline, measured on the held-out task.
+    import pandas as pd
+
+    ev = pd.read_parquet(os.path.join(root, "evaluation", "evaluation.parquet"))
+    for col in ("task_id", "planner", "feasible", "measured_cost_ms", "lower_bound_ms", "ratio_to_best_baseline",
+                "planning_time_s", "predicted_cost_ms"):
+        assert col in ev.columns, col
+    policy = stages._state(root, "policy")
+    assert sorted(ev["planner"]) == sorted([f"learned/{policy['version']}", "dim_greedy", "size_lookup_greedy"])
+    assert ev["feasible"].all() and np.isfinite(ev["measured_cost_ms"]).all() and (ev["measured_cost_ms"] > 0).all()
+    assert set(ev["task_id"]) <= set(tasks.loc[tasks["split"] == "test", "task_id"])
+    schemas.read(os.path.join(root, "evaluation", "placements.parquet"), "placements")
+    with open(os.path.join(root, "evaluation", "evaluation.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    # Export: the champion's placements of every test task, plan.json + TorchRec plans that agree with them.
+    from embshard.export.plan_json import read_plan_json
+    from embshard.export.torchrec_plan import plan_from_json, plan_layout, rank_layout
+
+    placements = schemas.read(os.path.join(root, "export", "placements.parquet"), "placements")
+    test_ids = sorted(tasks.loc[tasks["split"] == "test", "task_id"])
+    assert sorted(placements["task_id"].unique()) == test_ids
+    assert (placements["model_uri"] == f"models:/{POLICY}@champion").all()
+    for task_id in test_ids:
+        folder = os.path.join(root, "export", task_id)
+        plan = read_plan_json(os.path.join(folder, "plan.json"))
+        assert plan["num_devices"] == TINY["devices"]
+        task_tables = set(tasks.set_index("task_id").loc[task_id, "table_ids"])
+        rows = placements[placements["task_id"] == task_id]
+        assert set(rows["table_id"]) == task_tables
+        assert {(t, d) for t, shards in plan_layout(plan).items() for _, _, d in shards} == \
+            set(zip(rows["table_id"], rows["device"].astype(int)))
+        torchrec_plan = plan_from_json(os.path.join(folder, "torchrec_plan.json"))
+        assert rank_layout(torchrec_plan) == plan_layout(plan)
+        assert os.path.getsize(os.path.join(folder, "torchrec_plan.pt")) > 0
+
+    # The small facts the stages hand each other.
+    assert set(os.listdir(os.path.join(root, "state"))) == {f"{n}.json" for n in (
+        "ingest", "cost_model", "policy", "promotion", "export")}
+    assert stages._state(root, "export")["num_tasks"] == len(test_ids)
+    assert policy["cost_model_uri"] == stages._state(root, "cost_model")["model_uri"]
+
+
+def test_first_run_promotes_its_models(two_runs):
+    first = two_runs["first"]
+    promo = stages._state(first["root"], "promotion")
+    policy = stages._state(first["root"], "policy")
+    cost = stages._state(first["root"], "cost_model")
+    assert promo["promoted"] is True and promo["champion_version_before"] is None
+    assert promo["candidate_version"] == promo["champion_version_after"] == policy["version"]
+    # The champion policy and the cost model it was trained against carry the alias together.
+    assert first["aliases"][POLICY]["champion"] == policy["version"]
+    assert first["aliases"][COST]["champion"] == cost["version"]
+
+
+def test_second_run_has_its_own_root_and_leaves_the_first_intact(two_runs):
+    first, second = two_runs["first"], two_runs["second"]
+    assert second["state"] == "success"
+    assert second["run_id"] != first["run_id"] and second["root"] != first["root"]
+    assert os.path.dirname(second["root"]) == os.path.dirname(first["root"])
+    for rel, before in first["digests"].items():
+        assert digest(os.path.join(first["root"], rel)) == before, rel
+    assert two_runs["versions"] == {POLICY: [1, 2], COST: [1, 2]}
+
+
+def test_second_run_moves_champion_exactly_as_its_decision_says(two_runs):
+    first, second = two_runs["first"], two_runs["second"]
+    promo = stages._state(second["root"], "promotion")
+    old, new = first["aliases"][POLICY]["champion"], stages._state(second["root"], "policy")["version"]
+    old_cost, new_cost = first["aliases"][COST]["champion"], stages._state(second["root"], "cost_model")["version"]
+    assert promo["candidate_version"] == new != old
+    assert promo["champion_version_before"] == old
+    ratio = promo["candidate_over_champion_median"]
+    assert promo["promoted"] == (ratio <= 1.0 - promo["margin"])
+    if promo["promoted"]:
+        assert second["aliases"][POLICY]["champion"] == promo["champion_version_after"] == new
+        assert second["aliases"][COST]["champion"] == new_cost
+    else:
+        assert second["aliases"][POLICY]["champion"] == promo["champion_version_after"] == old
+        assert second["aliases"][POLICY]["challenger"] == new
+        assert second["aliases"][COST] == {"champion": old_cost, "challenger": new_cost}
+    # The champion was measured beside the candidate on the same held-out task.
+    import pandas as pd
+
+    ev = pd.read_parquet(os.path.join(second["root"], "evaluation", "evaluation.parquet"))
+    assert {f"learned/{old}", f"learned/{new}"} <= set(ev["planner"])
+
+
+def test_each_decision_is_logged_in_mlflow(two_runs):
+    runs = two_runs["promote_runs"]
+    assert len(runs) == 2
+    promoted = {str(r["params.candidate_version"]): r["metrics.promoted"] for _, r in runs.iterrows()}
+    decisions = {stages._state(two_runs[k]["root"], "promotion")["candidate_version"]:
+                 float(stages._state(two_runs[k]["root"], "promotion")["promoted"]) for k in ("first", "second")}
+    assert promoted == decisions

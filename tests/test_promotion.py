@@ -1,0 +1,175 @@
+"""Promotion in a real MLflow registry (sqlite), with real measured evaluations.
+
+Three registered learned planners: v1 and v3 trained against the session's real cost model, v2 against a
+deliberately wrong one that believes every extra table on a device makes it cheaper (so it piles all tables on
+one device: measured, clearly worse than any balanced placement, whatever the policy learned). Each test starts
+from a registry without aliases and sets the one it needs.
+"""
+from __future__ import annotations
+
+import os
+
+import pandas as pd
+import pytest
+
+from embshard import registry
+from embshard.promote import COST, POLICY, evaluate_and_promote
+
+BASELINES = ["dim_greedy", "size_lookup_greedy"]
+GOOD, BAD, GOOD_TOO = "1", "2", "3"
+
+
+def piling_cost_model(good):
+    """A copy of `good` whose device cost only depends on its table count and falls as tables are added (no
+    communication cost). Under it the best placement puts every table on one device."""
+    import copy
+
+    import torch
+
+    from embshard.costmodel.model import COUNT, NUM_EXTRA
+
+    bad = copy.deepcopy(good)
+    net = bad.net
+    with torch.no_grad():
+        for head in (net.fwd, net.bwd):
+            head.mlp[-1].weight.zero_()
+            head.mlp[-1].bias.fill_(5.0)
+            head.skip.weight.zero_()
+            head.skip.weight[0, head.skip.weight.shape[1] - NUM_EXTRA + COUNT] = -0.4
+        for comm in (net.comm_rate, net.comm_latency):
+            comm[-1].weight.zero_()
+            comm[-1].bias.fill_(-40.0)
+    return bad
+
+
+@pytest.fixture(scope="module")
+def store(measured_world, cost_model_uri, tmp_path_factory):
+    """A module-wide MLflow store: cost models v1 (real) and v2 (piling), policies v1, v2, v3."""
+    import mlflow
+
+    from embshard.costmodel import load
+    from embshard.costmodel.pyfunc import CostModelPyfunc
+    from embshard.planners.train import run as train_policy
+
+    good = load(cost_model_uri)  # from the session store, before switching stores
+    root = tmp_path_factory.mktemp("promotion")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root}/mlflow.db")
+        registry.use(str(root))
+        for name, model in (("good", good), ("bad", piling_cost_model(good))):
+            with mlflow.start_run(run_name=f"cost-{name}"):
+                registry.log_and_register(CostModelPyfunc(), model.save(str(root / f"cost-{name}")), COST,
+                                          {"hardware": model.config.hardware})
+        for cost_version, seed in (("1", 0), ("2", 0), ("1", 1)):
+            train_policy(measured_world["tables"], measured_world["tasks"], str(root / "policy"),
+                         cost_model_uri=f"models:/{COST}/{cost_version}", iterations=4, rollouts_per_task=4,
+                         seed=seed, progress=False)
+        try:
+            yield {"root": root, **measured_world}
+        finally:
+            mlflow.set_tracking_uri(None)
+            mlflow.set_registry_uri(None)
+
+
+@pytest.fixture()
+def fresh(store):
+    """The module store with no aliases set."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    for name in (POLICY, COST):
+        for alias in list(client.get_registered_model(name).aliases):
+            client.delete_registered_model_alias(name, alias)
+    return store
+
+
+def aliases(name: str) -> dict[str, str]:
+    import mlflow
+
+    return {a: str(v) for a, v in mlflow.MlflowClient().get_registered_model(name).aliases.items()}
+
+
+def promote(world, tmp_path, candidate: str, margin: float = 0.01) -> dict:
+    return evaluate_and_promote(world["tables"], world["tasks"], str(tmp_path / "evaluation"),
+                                candidate_version=candidate, cost_model_uri=f"models:/{COST}/1",
+                                baselines=BASELINES, max_tasks=2, margin=margin, bench_kw=world["bench_kw"])
+
+
+def promote_run(candidate: str):
+    import mlflow
+
+    runs = mlflow.search_runs(experiment_names=[registry.DEFAULT_EXPERIMENT],
+                              filter_string="attributes.run_name = 'evaluate-and-promote'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    row = runs.iloc[0]
+    assert row["params.candidate_version"] == candidate
+    return row
+
+
+def test_registered_versions_carry_the_cost_model_they_were_trained_against(store):
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    tags = {v: client.get_model_version(POLICY, v).tags for v in (GOOD, BAD, GOOD_TOO)}
+    assert {v: (t["cost_model_uri"], t["cost_model_version"]) for v, t in tags.items()} == {
+        GOOD: (f"models:/{COST}/1", "1"), BAD: (f"models:/{COST}/2", "2"), GOOD_TOO: (f"models:/{COST}/1", "1")}
+
+
+def test_without_a_champion_the_candidate_becomes_champion(fresh, tmp_path):
+    decision = promote(fresh, tmp_path, GOOD)
+    assert decision["promoted"] is True and decision["reason"] == "no champion yet"
+    assert decision["champion_version_before"] is None and decision["champion_version_after"] == GOOD
+    assert aliases(POLICY) == {"champion": GOOD}
+    assert aliases(COST) == {"champion": "1"}  # the cost model follows its policy
+    run = promote_run(GOOD)
+    assert run["metrics.promoted"] == 1.0 and run["tags.decision"] == "promoted"
+    # Evaluated against the baselines only (there was no champion to compare with), the files are written.
+    ev = pd.read_parquet(tmp_path / "evaluation" / "evaluation.parquet")
+    assert set(ev["planner"]) == {f"learned/{GOOD}", *BASELINES}
+    assert os.path.exists(tmp_path / "evaluation" / "decision.json")
+
+
+def test_a_worse_candidate_leaves_the_champion_where_it_was(fresh, tmp_path):
+    registry.set_alias(POLICY, "champion", GOOD)
+    registry.set_alias(COST, "champion", "1")
+    decision = promote(fresh, tmp_path, BAD)
+    assert decision["promoted"] is False
+    assert decision["champion_version_before"] == decision["champion_version_after"] == GOOD
+    # Genuinely worse when measured, not a near tie decided by noise.
+    assert decision["candidate_over_champion_median"] > 1.1
+    assert aliases(POLICY) == {"champion": GOOD, "challenger": BAD}
+    assert aliases(COST) == {"champion": "1", "challenger": "2"}
+    run = promote_run(BAD)
+    assert run["metrics.promoted"] == 0.0 and run["tags.decision"] == "challenger"
+    assert run["metrics.candidate_over_champion_median"] == pytest.approx(decision["candidate_over_champion_median"])
+    # Why it is worse: its cost model put every table on one device, the champion spread them.
+    placed = pd.read_parquet(tmp_path / "evaluation" / "placements.parquet")
+    devices = placed.groupby(["planner", "task_id"])["device"].nunique().groupby("planner").max()
+    assert devices[f"learned/{BAD}"] == 1 and devices[f"learned/{GOOD}"] == 2
+
+
+def test_a_better_candidate_replaces_a_worse_champion(fresh, tmp_path):
+    registry.set_alias(POLICY, "champion", BAD)
+    registry.set_alias(COST, "champion", "2")
+    decision = promote(fresh, tmp_path, GOOD)
+    assert decision["promoted"] is True and decision["candidate_over_champion_median"] < 0.9
+    assert decision["champion_version_before"] == BAD and decision["champion_version_after"] == GOOD
+    assert decision["reason"].startswith("beats the champion")
+    assert aliases(POLICY) == {"champion": GOOD}
+    assert aliases(COST) == {"champion": "1"}  # the cost model follows the policy back to v1
+    assert promote_run(GOOD)["metrics.promoted"] == 1.0
+
+
+def test_a_candidate_not_better_by_the_margin_gets_challenger(fresh, tmp_path):
+    """Margin 0.9 (the Param's maximum): only a candidate 10x faster than the champion could pass."""
+    registry.set_alias(POLICY, "champion", GOOD)
+    registry.set_alias(COST, "champion", "1")
+    decision = promote(fresh, tmp_path, GOOD_TOO, margin=0.9)
+    assert decision["promoted"] is False and decision["margin"] == 0.9
+    assert decision["candidate_over_champion_median"] > 0.1
+    assert decision["reason"] == "not better than the champion by 90.0%"
+    assert aliases(POLICY) == {"champion": GOOD, "challenger": GOOD_TOO}
+    assert aliases(COST) == {"champion": "1", "challenger": "1"}
+    ev = pd.read_parquet(tmp_path / "evaluation" / "evaluation.parquet")
+    assert set(ev["planner"]) == {f"learned/{GOOD_TOO}", f"learned/{GOOD}", *BASELINES}
+    assert promote_run(GOOD_TOO)["metrics.promoted"] == 0.0
