@@ -167,9 +167,11 @@ def _plots(model: CostModel, data: CostData, hist: History, folder: str) -> dict
 
 def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias: str | None = None,
         unseen_frac: float = 0.5, max_epochs: int = 400, patience: int = 60, register: bool = True,
-        experiment: str = registry.DEFAULT_EXPERIMENT) -> dict:
+        experiment: str = registry.DEFAULT_EXPERIMENT, refit_all: bool = True) -> dict:
     """Train, evaluate, log and register the cost model.
 
+    `refit_all`: after the report, refit on all measured shards (the held-out and unseen ones too) and register
+    that model (the report then describes the training procedure, not the registered weights' own test set).
     `out`: folder for the model files, plots and report.json (and the default MLflow sqlite store);
     a temporary folder when None. `alias` (e.g. "challenger") is set on the new registered version.
     Returns {"model" (the trained CostModel), "report", "metrics", "model_uri", "model_version", "run_id",
@@ -185,13 +187,22 @@ def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias
     model, hist = fit(data, params)
     analytic = AnalyticEstimator().fit(data, data.index("train"))
     report = evaluate(model, data, analytic, seed=seed)
+    eval_model = model
+    if refit_all:
+        # The report above measures the procedure honestly; the model that gets registered then learns from
+        # every measured shard (held-out and unseen-table ones too): planners need all the data there is.
+        import dataclasses
+
+        split = data.split.copy()
+        split[np.isin(split, ["heldout", "unseen"])] = "train"
+        model, _ = fit(dataclasses.replace(data, split=split), params)
     flat = _flat_metrics(report)
     summary = summary_table(report)
 
     out = os.path.abspath(out) if out else tempfile.mkdtemp(prefix="embshard-cost-")
     os.makedirs(out, exist_ok=True)
     artifacts = model.save(os.path.join(out, "model"))
-    plots = _plots(model, data, hist, out)
+    plots = _plots(eval_model, data, hist, out)  # parity of the honestly evaluated model
     counts = {s: int((data.split == s).sum()) for s in ("train", "val", "heldout", "unseen")}
     full = {"report": report, "splits": counts, "dropped": data.dropped, "analytic": analytic.to_dict(),
             "best_epoch": hist.best_epoch, "epochs": len(hist.val_loss)}
@@ -203,7 +214,7 @@ def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias
             "feature_version": FEATURE_VERSION, "batch_size": data.batch_size}
     with mlflow.start_run(run_name="train-cost") as active:
         mlflow.set_tags({f"embshard.{k}": v for k, v in tags.items()})
-        mlflow.log_params({"seed": seed, "unseen_frac": unseen_frac, "max_epochs": max_epochs,
+        mlflow.log_params({"seed": seed, "unseen_frac": unseen_frac, "refit_all": refit_all, "max_epochs": max_epochs,
                            "patience": patience, "lr": params.lr, "hidden": params.hidden, "embed": params.embed,
                            "head_hidden": params.head_hidden, "batch_shards": params.batch_shards,
                            "costs": costs, "tables": tables, "batch_size": data.batch_size,

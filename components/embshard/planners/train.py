@@ -241,11 +241,19 @@ def _refit_round(policy, cost_model, table_set, fit_df, tables, costs, out, meas
     # Measured into a folder of its own, then added to the costs under a round-specific name: the benchmark's
     # chunk files of earlier runs are never overwritten or mistaken for finished work.
     round_dir = os.path.join(out, f"policy_round{r}")
-    for part in bench.run(tables, shards_path, round_dir, **bench_kw):
+    kw = dict(bench_kw)
+    run_root = kw.pop("out", None)
+    if run_root is not None:  # the run's communication calibration, so the new costs match the old ones
+        from ..bench.comm import CALIBRATION_FILE
+
+        calib = storage.join(run_root, CALIBRATION_FILE)
+        if storage.exists(calib):
+            storage.write_text(os.path.join(round_dir, CALIBRATION_FILE), storage.read_text(calib))
+    for part in bench.run(tables, shards_path, round_dir, **kw):
         with open(part, "rb") as src, storage.atomic_write(
                 storage.join(costs, f"policy-r{r}-{os.path.basename(part)}")) as dst:
             dst.write(src.read())
-    res = train_cost(costs, tables, out, seed=seed + r + 1, alias="challenger")
+    res = train_cost(costs, tables, os.path.join(out, f"cost_model_round{r}"), seed=seed + r + 1)
     uri = res.get("model_uri") or f"models:/embshard-cost/{res['version']}"
     return load_cost_model(uri), uri
 
