@@ -24,6 +24,7 @@ from ..errors import EmbshardError
 from ..tableset import TableSet
 from .baselines import GREEDY_BASELINES, make_baseline
 from .policy import INFEASIBLE_PENALTY, PolicyNet, TaskContext, TrainConfig, reinforce_step, rollout
+from .scoring import single_threaded
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ def run(tables: str, tasks: str, out: str, *, cost_model_uri: str = "models:/emb
     bench_kw = dict(bench_kw or {})
     cost_versions = [cost_model_uri]
     start = time.perf_counter()
-    with mlflow.start_run(run_name=f"train-policy-{reward}") as run_:
+    with mlflow.start_run(run_name=f"train-policy-{reward}") as run_, single_threaded():
         mlflow.log_params({"reward": reward, "iterations": iterations, "rounds": rounds, "seed": seed,
                            "rollouts_per_task": rollouts_per_task, "lr": cfg.lr, "hidden": cfg.hidden,
                            "train_tasks": len(fit_df), "val_tasks": len(val_df), "cost_model_uri": cost_model_uri})
