@@ -190,3 +190,20 @@ def test_place_without_a_registered_model_says_how_to_train(small_tables_path, t
     assert proc.stderr.startswith("embshard place: error:") and len(proc.stderr.strip().splitlines()) == 1
     assert "train" in proc.stderr
     assert not (tmp_path / "o" / "plan.json").exists()
+
+
+def test_autoshard_variant_learns_from_measured_rewards(measured_world, cost_model):
+    """The AutoShard-style policy: every rollout's reward is the measured cost of its placement (real kernels)."""
+    from embshard.planners.train import train_measured
+
+    tables = TableSet.read(measured_world["tables"])
+    sub = tables.subset(np.arange(6))
+    ctx = TaskContext.build(cost_model, sub.features(), sub.size_bytes, 2, 512 * GiB)
+    history: list = []
+    policy = PolicyNet()
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    train_measured(policy, [("t", sub, ctx)], TrainConfig(iterations=2, rollouts_per_task=3, seed=0), history,
+                   bench_kw=measured_world["bench_kw"] | {"out": measured_world["root"]}, progress=False)
+    assert len(history) == 2
+    assert all(np.isfinite(h["measured_best_ms"]) and h["measured_best_ms"] > 0 for h in history)
+    assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())  # it did update
