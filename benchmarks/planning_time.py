@@ -4,7 +4,7 @@ Tables are the first T of one synthetic population (nested sets), memory per dev
 whose tables cannot fit (total over 95% of D x memory, or one table over a device) is skipped, as are D > T.
 The learned planner runs with its default time budget (its search stops there), TorchRec with a timeout (it keeps
 its best plan so far; `timed_out` says when it stopped). A cell is repeated while it stays cheap; the median and
-the spread (max - min) are reported.
+the spread (max - min) are reported. A planner slower than `stop_after_s` at some T is not run at larger T (same D).
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ class PlanningConfig:
     full_max_tables: int = 200      # TorchRec's full search only up to this many tables
     repeats: int = 3                # at most; a cell repeats only while its total time stays under repeat_budget_s
     repeat_budget_s: float = 4.0
+    stop_after_s: float = 60.0      # a planner slower than this at some T is not run at larger T (same D)
     seed: int = 0
     bins_batch_size: int = 4096     # planning does not measure kernels; bins only feed the features
 
@@ -65,6 +66,7 @@ def run(policy_uri: str, cfg: PlanningConfig) -> pd.DataFrame:
         except EmbshardError as exc:  # e.g. torchrec not installed
             progress(f"planning time: skipping {name}: {exc}")
     rows = []
+    too_slow: dict[tuple[str, int], int] = {}  # (planner, D) -> the T where it passed stop_after_s
     for t in cfg.tables:
         tables = population.subset(range(t))
         total, largest = int(tables.size_bytes.sum()), int(tables.size_bytes.max())
@@ -77,6 +79,11 @@ def run(policy_uri: str, cfg: PlanningConfig) -> pd.DataFrame:
                 continue
             for name, planner in planners.items():
                 if name == "torchrec_full" and t > cfg.full_max_tables:
+                    continue
+                if (name, d) in too_slow:
+                    rows.append({"tables": t, "devices": d, "planner": name, "runs": 0, "median_s": np.nan,
+                                 "spread_s": np.nan, "timed_out": False,
+                                 "error": f"not run: over {cfg.stop_after_s:g} s at T={too_slow[(name, d)]}"})
                     continue
                 times, err, meta = [], None, {}
                 while len(times) < cfg.repeats and (not times or sum(times) < cfg.repeat_budget_s):
@@ -94,6 +101,8 @@ def run(policy_uri: str, cfg: PlanningConfig) -> pd.DataFrame:
                        "timed_out": bool(meta.get("torchrec_timed_out", False) or meta.get("torchrec_fallback")),
                        "error": err}
                 rows.append(row)
+                if times and row["median_s"] > cfg.stop_after_s:
+                    too_slow[(name, d)] = t
                 progress(f"planning time T={t:<5} D={d:<4} {name:<20} "
                          + (f"{row['median_s']:8.3f} s (x{len(times)})" if times else f"failed: {err}")
                          + ("  [timeout]" if row["timed_out"] else ""))

@@ -11,6 +11,8 @@ import sys
 import pandas as pd
 import pytest
 
+pytestmark = pytest.mark.slow
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGES = ["ingest", "benchmark", "train_cost_model", "train_policy", "evaluate_and_promote", "export_placements"]
 
