@@ -33,6 +33,13 @@ def aliases() -> dict[str, dict[str, str]]:
             for name in (POLICY, COST)}
 
 
+def trained_against(root: str) -> str:
+    """The embshard-cost version the run's policy was trained against (after the outer loop's refits)."""
+    uri = stages._state(root, "policy")["cost_model_uri"]
+    assert uri.startswith(f"models:/{COST}/"), uri
+    return uri.rsplit("/", 1)[-1]
+
+
 def digest(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
@@ -90,16 +97,22 @@ def test_first_run_writes_every_output_and_each_validates(two_runs):
     assert tasks["table_ids"].map(len).between(6, 10).all()
 
     # One costs part per mapped benchmark chunk, all of them valid and positive.
-    parts = sorted(p for p in os.listdir(os.path.join(root, "costs")) if not p.startswith("."))  # .partial: bench
+    files = os.listdir(os.path.join(root, "costs"))
+    parts = sorted(p for p in files if p.startswith("part-"))
     assert parts == [f"part-{i:05d}-of-{TINY['bench_chunks']:05d}.parquet" for i in range(TINY["bench_chunks"])]
+    # The policy's outer loop adds its measured placements (one file per extra round).
+    rounds = {p.split("-")[1] for p in files if p.startswith("policy-")}
+    assert rounds == {f"r{r}" for r in range(stages.DEFAULT_PARAMS["policy_rounds"] - 1)}
     costs = schemas.read(os.path.join(root, "costs"), "costs")
     assert len(costs) >= TINY["bench_shards"] and (costs["fwd_compute_ms"] > 0).all()
     assert (costs["batch_size"] == TINY["bench_batch_size"]).all()
-    # Every measured shard lies inside one of the cost model's table pools (mixed shards are useless to it).
+    # Every shard the benchmark stage chose lies inside one of the cost model's table pools (it drops mixed ones).
     from embshard.costmodel.data import table_pools
 
     seen, unseen = table_pools(tables["table_id"], seed=0)
-    assert all(set(ids) <= seen or set(ids) <= unseen for ids in costs["table_ids"])
+    bench_rows = costs[~costs["sample_id"].str.startswith("policy-")]
+    assert len(bench_rows) >= TINY["bench_shards"]
+    assert all(set(ids) <= seen or set(ids) <= unseen for ids in bench_rows["table_ids"])
 
     # Evaluation: candidate + every baseline, measured on the held-out task.
     import pandas as pd
@@ -141,19 +154,19 @@ def test_first_run_writes_every_output_and_each_validates(two_runs):
     assert set(os.listdir(os.path.join(root, "state"))) == {f"{n}.json" for n in (
         "ingest", "cost_model", "policy", "promotion", "export")}
     assert stages._state(root, "export")["num_tasks"] == len(test_ids)
-    assert policy["cost_model_uri"] == stages._state(root, "cost_model")["model_uri"]
+    # The policy was trained against the stage's cost model, or (outer loop) a refit of it registered after it.
+    assert int(trained_against(root)) >= int(stages._state(root, "cost_model")["version"])
 
 
 def test_first_run_promotes_its_models(two_runs):
     first = two_runs["first"]
     promo = stages._state(first["root"], "promotion")
     policy = stages._state(first["root"], "policy")
-    cost = stages._state(first["root"], "cost_model")
     assert promo["promoted"] is True and promo["champion_version_before"] is None
     assert promo["candidate_version"] == promo["champion_version_after"] == policy["version"]
     # The champion policy and the cost model it was trained against carry the alias together.
     assert first["aliases"][POLICY]["champion"] == policy["version"]
-    assert first["aliases"][COST]["champion"] == cost["version"]
+    assert first["aliases"][COST]["champion"] == trained_against(first["root"])
 
 
 def test_second_run_has_its_own_root_and_leaves_the_first_intact(two_runs):
@@ -163,14 +176,19 @@ def test_second_run_has_its_own_root_and_leaves_the_first_intact(two_runs):
     assert os.path.dirname(second["root"]) == os.path.dirname(first["root"])
     for rel, before in first["digests"].items():
         assert digest(os.path.join(first["root"], rel)) == before, rel
-    assert two_runs["versions"] == {POLICY: [1, 2], COST: [1, 2]}
+    versions = two_runs["versions"]
+    assert versions[POLICY] == [1, 2]
+    # Each run registers its cost model (and one refit per extra policy round), never replacing a version.
+    rounds = stages.DEFAULT_PARAMS["policy_rounds"]
+    assert versions[COST] == list(range(1, 2 * rounds + 1))
+    assert int(stages._state(second["root"], "cost_model")["version"]) > int(trained_against(first["root"]))
 
 
 def test_second_run_moves_champion_exactly_as_its_decision_says(two_runs):
     first, second = two_runs["first"], two_runs["second"]
     promo = stages._state(second["root"], "promotion")
     old, new = first["aliases"][POLICY]["champion"], stages._state(second["root"], "policy")["version"]
-    old_cost, new_cost = first["aliases"][COST]["champion"], stages._state(second["root"], "cost_model")["version"]
+    old_cost, new_cost = first["aliases"][COST]["champion"], trained_against(second["root"])
     assert promo["candidate_version"] == new != old
     assert promo["champion_version_before"] == old
     ratio = promo["candidate_over_champion_median"]

@@ -64,10 +64,14 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
     from .errors import EmbshardError
 
     env = setup_environment(out)
+    from airflow import settings
     from airflow.utils.db import initdb
 
     from . import stages
 
+    # Airflow reads its DAGs folder once, at import; when it was imported before this call (a test session, a
+    # notebook), dag.test() would serialize the DAG from the stale folder and find nothing to run.
+    settings.DAGS_FOLDER = env["AIRFLOW__CORE__DAGS_FOLDER"]
     initdb()
     dag = load_dag()
     start = time.perf_counter()

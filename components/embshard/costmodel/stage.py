@@ -212,7 +212,8 @@ def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias
     uri = registry.use(out, experiment)
     tags = {"hardware": data.hardware, "backend": data.backend, "dataset_hash": data.dataset_hash,
             "feature_version": FEATURE_VERSION, "batch_size": data.batch_size}
-    with mlflow.start_run(run_name="train-cost") as active:
+    # Nested when called inside another run (the policy's outer loop refits the cost model).
+    with mlflow.start_run(run_name="train-cost", nested=mlflow.active_run() is not None) as active:
         mlflow.set_tags({f"embshard.{k}": v for k, v in tags.items()})
         mlflow.log_params({"seed": seed, "unseen_frac": unseen_frac, "refit_all": refit_all, "max_epochs": max_epochs,
                            "patience": patience, "lr": params.lr, "hidden": params.hidden, "embed": params.embed,
