@@ -194,7 +194,9 @@ def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias
         import dataclasses
 
         split = data.split.copy()
-        split[np.isin(split, ["heldout", "unseen"])] = "train"
+        # "" marks shards mixing both table pools: left out of the honest report, but real measurements
+        # (e.g. the policy's own placements in the outer loop) that the planner's model should learn from.
+        split[np.isin(split, ["heldout", "unseen", ""])] = "train"
         model, _ = fit(dataclasses.replace(data, split=split), params)
     flat = _flat_metrics(report)
     summary = summary_table(report)
