@@ -136,6 +136,10 @@ def bench_shards(root: str, params: dict) -> str:
         if members and budget[name] > 0:
             df = random_shards(members, budget[name], seed=seed, num_devices=D)
             frames.append(df.assign(sample_id=f"{name}-" + df["sample_id"]))
+    # Every train-pool table alone (cheap to measure): what each table costs by itself, and what the cost model's
+    # sum-of-singles reference needs.
+    frames.append(pd.DataFrame({"sample_id": [f"single-{t}" for t in pool], "table_ids": [[t] for t in pool],
+                                "num_devices": D, "origin": "single"}))
     # Baselines' device shards: the cost model must know the region where placements live. Each train task's
     # tables of one pool are placed on half its devices, so these shards are as large as a real placement's.
     rows = []
