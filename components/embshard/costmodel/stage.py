@@ -51,9 +51,9 @@ def evaluate(model: CostModel, data: CostData, analytic: AnalyticEstimator, seed
         singles = sum_of_singles(data, idx)
         multi = np.array([len(data.shards[s]) >= 2 for s in idx]) & np.isfinite(singles).all(1)
         preds = {"learned": learned, "sum_singles": singles, "analytic": analytic.predict(data, idx)}
+        several = np.array([len(data.shards[s]) >= 2 for s in idx])
         rep = {"n_shards": int(len(idx)), "n_compared": int(multi.sum()),
-               "coverage_singles": float(np.isfinite(singles).all(1)[
-                   [len(data.shards[s]) >= 2 for s in idx]].mean()) if len(idx) else 0.0}
+               "coverage_singles": float(np.isfinite(singles).all(1)[several].mean()) if several.any() else 0.0}
         for est, p in preds.items():
             pt = with_totals(p)
             rep[est] = {h: metrics(pt[h][multi], true[h][multi]) for h in EVAL_HEADS}
