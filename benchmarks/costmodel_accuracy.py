@@ -32,7 +32,8 @@ def table(full: dict) -> pd.DataFrame:
     rows = []
     for split, rep in full.get("report", {}).items():
         for h in HEADS:
-            row = {"split": split, "head": h, "shards": rep.get("n_compared")}
+            row = {"split": split, "head": h, "compared shards": rep.get("n_compared"),
+                   "all shards": rep.get("n_shards")}
             for e in ESTIMATORS:
                 m = (rep.get(e) or {}).get(h) or {}
                 row[f"{e} MAPE %"] = m.get("mape", float("nan"))
@@ -53,7 +54,8 @@ def overall(full: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def markdown(full: dict | None, root: str, out_dir: str, hw_line: str, model_uri: str) -> tuple[str, dict]:
+def markdown(full: dict | None, root: str, out_dir: str, hw_line: str, model_uri: str,
+             policy_cost_model: str | None = None) -> tuple[str, dict]:
     """The page text and headline numbers; copies the stage's parity plot next to it."""
     lines = ["# Cost-model accuracy", "", f"Hardware: {hw_line}", ""]
     if full is None:
@@ -67,12 +69,15 @@ def markdown(full: dict | None, root: str, out_dir: str, hw_line: str, model_uri
               "reference needs); `learned MAPE % (all shards)` is the learned model on every shard of the split. "
               "MAPE: mean absolute percentage error (lower is better); Spearman: rank correlation (higher is "
               "better, what placement search needs).", ""]
+    if policy_cost_model and policy_cost_model != model_uri:
+        lines += [f"The learned planner uses `{policy_cost_model}`: the policy stage's refit of this model on the "
+                  "shards it measured for its own placements.", ""]
     parity = os.path.join(root, "cost_model", "parity.png")
     if os.path.exists(parity):
         shutil.copyfile(parity, os.path.join(out_dir, "costmodel_parity.png"))
         lines += ["![parity](costmodel_parity.png)", ""]
     tab = table(full)
-    lines += [md_table(tab, {"shards": 0}), ""]
+    lines += [md_table(tab, {"compared shards": 0, "all shards": 0}), ""]
     ov = overall(full)
     if len(ov):
         lines += ["Whole placements assembled from measured shards (max over devices):", "",
@@ -84,5 +89,6 @@ def markdown(full: dict | None, root: str, out_dir: str, hw_line: str, model_uri
             r = sub.iloc[0]
             head[split] = {e: {"mape": r[f"{e} MAPE %"], "spearman": r[f"{e} Spearman"]} for e in ESTIMATORS}
             head[split]["learned_all_shards_mape"] = r["learned MAPE % (all shards)"]
-            head[split]["shards"] = r["shards"]
+            head[split]["shards"] = r["compared shards"]
+            head[split]["all_shards"] = r["all shards"]
     return "\n".join(lines), head

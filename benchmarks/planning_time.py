@@ -170,6 +170,9 @@ def markdown(df: pd.DataFrame, cfg: PlanningConfig, hw_line: str, policy_uri: st
             cols = ["T", *[c for c in piv.columns if c.startswith(name + " D=")]]
             sub = piv[cols].rename(columns={c: c.removeprefix(name + " ") for c in cols})
             lines += [f"## {name}", "", md_table(sub), ""]
+    lines += ["`–`: not run (more devices than tables, tables that cannot fit the devices' memory, TorchRec's full "
+              f"search above {cfg.full_max_tables} tables, or a planner already over {cfg.stop_after_s:g} s at a "
+              "smaller T).", ""]
     skipped = df[df["planner"] == "(all)"]
     if len(skipped):
         lines += ["Skipped (memory cannot fit): " + "; ".join(f"T={r.tables} D={r.devices}"

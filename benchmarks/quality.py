@@ -96,7 +96,8 @@ def _suite_files(suite: Suite, cfg: QualityConfig, folder: str, synthetic: pd.Da
     return tables_path, tasks_path
 
 
-def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int, comm_root: str | None = None) -> pd.DataFrame:
+def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int,
+        comm_root: str | None = None) -> pd.DataFrame:
     """Measure every suite; one row per (suite, task, planner) with evaluate.run's columns plus suite facts."""
     from embshard.ingest.synthetic import generate_tables
     from embshard.planners import evaluate
@@ -190,7 +191,8 @@ def plot(summary: pd.DataFrame, path: str, hw_line: str) -> str:
     width = 0.8 / max(len(planners), 1)
     for ax, (col, lo, hi, title) in zip(axes, (
             ("ratio_best_median", "ratio_best_min", "ratio_best_worst", "measured cost / best greedy baseline"),
-            ("ratio_torchrec_median", "ratio_torchrec_min", "ratio_torchrec_worst", "measured cost / best TorchRec plan"))):
+            ("ratio_torchrec_median", "ratio_torchrec_min", "ratio_torchrec_worst",
+             "measured cost / best TorchRec plan"))):
         for k, p in enumerate(planners):
             sub = summary[summary["planner"] == p].set_index("suite").reindex(suites)
             x = np.arange(len(suites)) + (k - (len(planners) - 1) / 2) * width
@@ -234,8 +236,8 @@ def markdown(frame: pd.DataFrame, cfg: QualityConfig, hw_line: str, policy_uri: 
         lines += [f"![quality]({os.path.basename(png)})", ""]
     lines += ["## Learned planner per suite", "", md_table(head), "",
               "## Every planner per suite", "",
-              md_table(summary.drop(columns=["ratio_best_min", "ratio_torchrec_min"]), {"measured_ms_median": 2, "planning_s_median": 3,
-                                                                   "tasks": 0, "failed": 0}), "",
+              md_table(summary.drop(columns=["ratio_best_min", "ratio_torchrec_min"]),
+                       {"measured_ms_median": 2, "planning_s_median": 3, "tasks": 0, "failed": 0}), "",
               "Columns: `ratio_best_*` measured cost / best greedy baseline of the task (median and worst task); "
               "`ratio_torchrec_*` the same against the better of TorchRec's two plans; `gap_lb_median` measured "
               "cost / lower bound - 1; `planning_s_median` wall seconds of `plan()`.", "",
