@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args, jobs: list[str], out: str, work: str) -> int:
     from . import costmodel_accuracy, pipeline_stages, planning_time, quality, report
-    from .common import hardware, progress, write_text
+    from .common import git_commit, hardware, progress, write_text
 
     import torch
 
@@ -74,6 +74,7 @@ def _run(args, jobs: list[str], out: str, work: str) -> int:
     torch.set_num_threads(int(os.environ["EMBSHARD_NUM_THREADS"]))
     t_start = time.perf_counter()
     started = dt.datetime.now(dt.timezone.utc)
+    commit = git_commit()  # the code this run starts with (others may commit while it runs)
     hw = hardware()
     hw_line = hw.line()
     progress(f"harness: {'quick' if args.quick else 'full'} run; results -> {out}; work -> {work}")
@@ -135,7 +136,8 @@ def _run(args, jobs: list[str], out: str, work: str) -> int:
 
     total = time.perf_counter() - t_start
     command = "python -m benchmarks" + (" --quick" if args.quick else "") + (f" --run {args.run}" if args.run else "")
-    text, headline = report.readme(pages, info, hw_line, started, total, quick=args.quick, command=command)
+    text, headline = report.readme(pages, info, hw_line, started, total, quick=args.quick, command=command,
+                                   commit=commit)
     write_text(os.path.join(out, "README.md"), text)
     with open(os.path.join(out, "raw", "headline.json"), "w", encoding="utf-8") as f:
         json.dump(headline, f, indent=1, default=float)
