@@ -174,6 +174,7 @@ def test_train_policy_registers_and_place_uses_the_registry(measured_world, cost
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "predicted step cost" in proc.stdout and "lower bound" in proc.stdout
+    assert (out / "devices.png").read_bytes()[:4] == b"\x89PNG"
     plan = json.loads((out / "plan.json").read_text())
     assert plan["num_devices"] == 2
     df = schemas.read(out / "placements.parquet", "placements")

@@ -11,7 +11,7 @@ from ..errors import EmbshardError, ModelNotFoundError
 from ..placement import Placement
 from ..tableset import TableSet
 from . import get_planner
-from .report import device_table
+from .report import device_table, plot_device_costs
 from .scoring import lower_bound, placement_costs
 
 log = logging.getLogger(__name__)
@@ -84,5 +84,7 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     write_plan_json(placement, plan_path, device_costs=costs, lower_bound=lb)
     pq_path = storage.join(out, "placements.parquet")
     schemas.write(placement.to_frame(costs), pq_path, "placements")
-    return {"placement": placement, "device_costs": costs, "lower_bound": lb, "plan_json": plan_path,
+    png = storage.join(out, "devices.png")
+    plot_device_costs(placement, costs, png, lb)
+    return {"plot": png, "placement": placement, "device_costs": costs, "lower_bound": lb, "plan_json": plan_path,
             "placements": pq_path, "report": device_table(placement, costs, lb)}

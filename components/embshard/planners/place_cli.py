@@ -35,5 +35,5 @@ def main(args) -> int:
                    planner=args.planner, model_uri=args.model, cost_model_uri=args.cost_model,
                    tasks=args.tasks, task_id=args.task_id, time_budget_s=args.time_budget_s)
     print(result["report"])
-    print(f"wrote {result['plan_json']} and {result['placements']}")
+    print(f"wrote {result['plan_json']}, {result['placements']} and {result['plot']}")
     return 0

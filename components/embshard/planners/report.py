@@ -32,3 +32,36 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
             summary += f", lower bound {lower_bound:.3f} ms, gap {100 * (overall / lower_bound - 1):.1f}%"
         lines.append(summary)
     return "\n".join(lines)
+
+
+def plot_device_costs(placement: Placement, device_costs: np.ndarray | None, path: str,
+                      lower_bound: float | None = None) -> None:
+    """Bars of each device's predicted cost and memory use: imbalance at a glance (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .. import storage
+
+    devices = np.arange(placement.num_devices)
+    mem = placement.memory_per_device() / placement.memory_bytes_per_device * 100
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.4))
+    if device_costs is not None:
+        ax[0].bar(devices, device_costs, color="tab:blue")
+        if lower_bound:
+            ax[0].axhline(lower_bound, color="black", ls="--", lw=1, label="lower bound")
+            ax[0].legend(fontsize=8)
+        ax[0].set_ylabel("predicted cost (ms)")
+    else:
+        ax[0].text(0.5, 0.5, "no cost model: costs not predicted", ha="center", transform=ax[0].transAxes)
+    ax[0].set_xlabel("device")
+    ax[1].bar(devices, mem, color="tab:orange")
+    ax[1].axhline(100, color="red", lw=1)
+    ax[1].set_ylabel("memory used (% of the device)")
+    ax[1].set_xlabel("device")
+    fig.suptitle(f"{placement.task_id}: {len(placement.tables)} tables, planner {placement.planner}")
+    fig.tight_layout()
+    with storage.atomic_write(path) as f:
+        fig.savefig(f, format="png", dpi=100)
+    plt.close(fig)
