@@ -77,15 +77,20 @@ def placement_costs(cost_model, placement: Placement) -> np.ndarray:
 
 
 def lower_bound(cost_model, tables: TableSet, num_devices: int, column_splits: bool = False) -> float:
-    """Lower bound under the model (ALGORITHMS.md): cost of all tables on one device / D.
+    """Lower bound under the model: the average device cost can't be lower than, per cost head, the smaller of
+    (all tables fused on one device) and (the sum of single-table costs), divided by D.
 
-    With a fused, sub-additive cost no plan's slowest device can cost less than that. For table-wise plans
-    the largest single-table cost is a bound too (a device holding it costs at least as much); column-wise
-    splits can go below it, so they get the first term alone.
+    ALGORITHMS.md's all-on-one / D holds for a sub-additive fused cost; the sum of singles / D holds for a
+    super-additive one. Measured CPU costs are both (forward shares work as tables fuse, backward grows faster
+    than linearly, the all-to-all pays its latency once per device), so each head takes the smaller of its two.
+    A device holding the most expensive table costs at least that table alone (table-wise plans; column-wise
+    splits can go below it, so they get the first term alone).
     """
     scorer = TaskScorer(cost_model, tables.features(), num_devices)
-    all_one = scorer.totals(scorer.enc.sum(0, keepdim=True), torch.tensor([len(tables)])).item()
-    bound = all_one / num_devices
+    with torch.no_grad():
+        fused = cost_model.heads_from_sums(scorer.enc.sum(0, keepdim=True), num_devices)[0]
+        singles = cost_model.heads_from_sums(scorer.enc, num_devices)
+    bound = float(torch.minimum(fused, singles.sum(0)).sum()) / num_devices
     if not column_splits:
-        bound = max(bound, float(scorer.single_costs().max()))
+        bound = max(bound, float(singles.sum(1).max()))
     return float(bound)
