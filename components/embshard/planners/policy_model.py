@@ -76,7 +76,3 @@ def policy_artifacts(policy: PolicyNet, cost_model, folder: str, extra: dict | N
     cost = cost_model.save(os.path.join(folder, "cost_model"))
     arts.update({"cost_weights": cost["weights"], "cost_config": cost["config"]})
     return arts
-
-
-def input_example(tables_df) -> "object":
-    return tables_df.head(3)

@@ -13,7 +13,6 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import asdict
 
 import numpy as np
 import pandas as pd
