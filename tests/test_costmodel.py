@@ -30,7 +30,7 @@ def measured(tmp_path_factory, small_tables_df):
     shards = pd.concat([
         pd.DataFrame({"sample_id": [f"single-{t}" for t in ids], "table_ids": [[t] for t in ids],
                       "num_devices": 4, "origin": "single"}),
-        random_shards(sorted(seen), 60, min_tables=2, max_tables=6, seed=1, num_devices=4),
+        random_shards(sorted(seen), 90, min_tables=2, max_tables=6, seed=1, num_devices=4),
         random_shards(sorted(unseen), 16, min_tables=2, max_tables=6, seed=2, num_devices=4),
     ], ignore_index=True)
     with pytest.MonkeyPatch.context() as mp:
@@ -102,7 +102,9 @@ def test_comm_head_sees_the_exact_dim_sum():
 
 def test_training_converges_below_the_reference_estimators(trained):
     hist = trained["history"]
-    assert hist.best_epoch > 0 and min(hist.val_loss) < 0.5 * hist.val_loss[0]
+    # The comm head starts at its least-squares fit, so the first epoch's loss is already mostly compute error.
+    assert hist.best_epoch > 0 and min(hist.val_loss) < 0.8 * hist.val_loss[0]
+    assert min(hist.train_loss) < 0.5 * hist.train_loss[0]
     # Held-out shards: below both references. Unseen tables: with only 20 measured training tables the
     # 2-parameter analytic fit generalises better (the real-scale numbers are in the report), so here the
     # learned model only has to beat the sum of single-table costs.
@@ -116,6 +118,23 @@ def test_training_converges_below_the_reference_estimators(trained):
     assert trained["report"]["heldout"]["learned"]["comm"]["mape"] < 5  # comm is exactly learnable here
     m = trained["metrics"]
     assert "unseen.learned.total_compute.spearman" in m and "heldout.analytic.comm.rmse" in m
+
+
+def test_comm_extrapolates_to_device_counts_never_measured(trained, measured):
+    """Trained on 4-device shards only, the comm head must follow the all-to-all's (D-1)/D law on 2..16 devices
+    (an MLP over D once predicted 0.6x the comm at D=8 and 0.4x at D=16, misleading every 8-16 device plan)."""
+    from embshard.bench.comm import CommModel
+    from embshard.tableset import TableSet
+
+    tables = TableSet.from_frame(schemas.read(measured["tables"], "tables"))
+    feats = tables.features()
+    given = CommModel(20e-6, 10e9, "given")  # the constants the fixture measured with
+    shard = np.arange(6)
+    dims = int(feats[shard, 0].sum())
+    for d in (2, 4, 8, 16):
+        predicted = float(trained["model"].predict_shards(feats, [shard], d)[0, 2])
+        expected = 2 * given.time_ms(128, dims, d)  # forward + backward all-to-all
+        assert predicted == pytest.approx(expected, rel=0.05), d
 
 
 def test_save_register_load_by_alias_gives_identical_predictions(trained, measured, monkeypatch):

@@ -36,9 +36,8 @@ def piling_cost_model(good):
             head.mlp[-1].bias.fill_(5.0)
             head.skip.weight.zero_()
             head.skip.weight[0, head.skip.weight.shape[1] - NUM_EXTRA + COUNT] = -0.4
-        for comm in (net.comm_rate, net.comm_latency):
-            comm[-1].weight.zero_()
-            comm[-1].bias.fill_(-40.0)
+        for comm in (net.comm_rate, net.comm_latency, net.comm_latency_slope):
+            comm.fill_(-40.0)  # softplus(-40) ~ 0: no communication cost
     return bad
 
 

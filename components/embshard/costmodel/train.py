@@ -87,6 +87,7 @@ def fit(data: CostData, params: TrainParams) -> tuple[CostModel, History]:
                           num_devices_seen=sorted(int(d) for d in np.unique(data.num_devices[tr])))
     model = CostModel.create(cfg, scaler)
     net = model.net.train()
+    _init_comm(net, data, tr, scale[2])
     raw = torch.from_numpy(data.features.astype(np.float32))
     x = model._scaled(raw)
     eps = torch.tensor(scale, dtype=torch.float32) * 0.02
@@ -106,8 +107,16 @@ def fit(data: CostData, params: TrainParams) -> tuple[CostModel, History]:
 
     # Weight decay on the nonlinear parts only: the linear skips (the analytic, additive trend) stay free, the
     # MLPs must earn their corrections; this is what keeps unseen tables sane when few tables were measured.
-    decay = [p for n, p in net.named_parameters() if not n.startswith("overall") and ".skip." not in n]
-    free = [p for n, p in net.named_parameters() if ".skip." in n]
+    # The comm head's three physical constants are free too.
+    def is_free(name: str) -> bool:
+        return ".skip." in name or name.startswith("comm_")
+
+    # The latency's growth with log2 D can only be learned from several device counts: frozen (near 0) otherwise.
+    multi_d = len(np.unique(data.num_devices[tr][data.num_devices[tr] > 1])) >= 2
+    net.comm_latency_slope.requires_grad_(multi_d)
+    trainable = [(n, p) for n, p in net.named_parameters() if p.requires_grad]
+    decay = [p for n, p in trainable if not n.startswith("overall") and not is_free(n)]
+    free = [p for n, p in trainable if is_free(n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": params.weight_decay},
                              {"params": free, "weight_decay": 0.0}], lr=params.lr)
     sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=params.patience // 3)
@@ -141,6 +150,31 @@ def fit(data: CostData, params: TrainParams) -> tuple[CostModel, History]:
     _fit_overall(model, data, params, hist, x, raw)
     model.net.eval()
     return model, hist
+
+
+def _init_comm(net, data: CostData, idx: np.ndarray, comm_scale: float) -> None:
+    """Start the comm head at the least-squares fit of comm = latency + rate * dim_sum * (D-1)/D on the
+    training shards: the head is that formula, so training then only refines it (from an arbitrary start the
+    two scalars took hundreds of epochs to get there)."""
+    from .model import DIM_SCALE
+
+    multi = idx[data.num_devices[idx] > 1]
+    if len(multi) < 2:
+        return
+    dimsum = np.array([data.features[data.shards[s], 0].sum() for s in multi]) / DIM_SCALE
+    d = data.num_devices[multi].astype(np.float64)
+    x = dimsum * (d - 1.0) / d
+    y = data.targets[multi, 2] / comm_scale
+    a = np.stack([np.ones_like(x), x], axis=1)
+    (latency, rate), *_ = np.linalg.lstsq(a, y, rcond=None)
+
+    def softplus_inv(v: float) -> float:
+        v = max(float(v), 1e-4)
+        return float(np.log(np.expm1(v))) if v < 20 else v
+
+    with torch.no_grad():
+        net.comm_latency.fill_(softplus_inv(latency))
+        net.comm_rate.fill_(softplus_inv(rate))
 
 
 def _fit_overall(model: CostModel, data: CostData, params: TrainParams, hist: History, x, raw) -> None:
