@@ -120,7 +120,7 @@ def _run(args, jobs: list[str], out: str, work: str) -> int:
         write_text(os.path.join(out, "quality.md"),
                    quality.markdown(frame, cfg, hw_line, info.policy_uri, info.batch_size, secs, png))
         pages["quality"] = {"md": "quality.md", "png": "quality.png",
-                            "headline": quality.headline(quality.summarize(frame)), "seconds": secs}
+                            "headline": quality.headline(quality.summarize(frame), frame), "seconds": secs}
 
     # 4. Planning time scaling (no kernels).
     if "planning" in jobs:
