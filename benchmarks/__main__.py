@@ -1,6 +1,6 @@
 """`python -m benchmarks` (`make bench`): the side-by-side benchmark harness; writes benchmarks/results/.
 
-    python -m benchmarks                      # full run (~30 min on 2 cores): trains the models with one Airflow run
+    python -m benchmarks                      # full run (~45 min on 2 cores): trains the models with one Airflow run
     python -m benchmarks --run runs/local     # reuse the models of a `make run` folder (no retraining)
     python -m benchmarks --quick              # CI smoke test of the harness (< 2 min), writes to a temp folder
     python -m benchmarks --jobs quality,planning --run runs/local   # a subset of the reports

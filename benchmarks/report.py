@@ -88,7 +88,7 @@ def readme(pages: dict, info, hw_line: str, started: dt.datetime, seconds: float
         lines += ["Wall time of each stage of the Airflow run that trained the models, and its parameters: "
                   "[pipeline.md](pipeline.md).", ""]
     lines += ["## How to reproduce", "",
-              "```", "make bench                                   # = python -m benchmarks (~30 min on 2 cores)",
+              "```", "make bench                                   # = python -m benchmarks (~45 min on 2 cores)",
               "python -m benchmarks --run runs/local        # reuse the models of `make run`",
               "python -m benchmarks --quick                 # harness smoke test (< 2 min, temporary folder)", "```"]
     return "\n".join(lines), headline

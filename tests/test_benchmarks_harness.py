@@ -116,3 +116,18 @@ def test_reuse_a_run_folder_and_reject_bad_jobs(quick, tmp_path):
     assert bad.returncode == 2 and "nope" in bad.stderr
     missing = _harness("--run", str(tmp_path / "no-such-run"), "--jobs", "pipeline", "--out", str(tmp_path / "y"))
     assert missing.returncode == 2 and "no such run folder" in missing.stderr
+
+
+def test_eval_noise_remeasures_the_saved_placements(quick, tmp_path):
+    """benchmarks.eval_noise rebuilds a suite's placements from its parquet and measures them again, pass by pass."""
+    out = tmp_path / "noise"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.eval_noise", "--suite",
+                           str(quick["work"] / "quality" / "suite-00"), "--run", str(quick["work"] / "pipeline"),
+                           "--passes", "2", "--batch-size", "256", "--out", str(out)],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    df = pd.read_csv(out / "raw" / "eval_noise.csv")
+    assert sorted(df["pass"].unique()) == [0, 1]
+    assert {"learned", "dim_greedy"} <= set(df["planner"]) and (df["measured_cost_ms"] > 0).all()
+    assert df.groupby("pass").size().nunique() == 1  # every placement measured once per pass
+    assert "moves by a median" in (out / "eval_noise.md").read_text()
