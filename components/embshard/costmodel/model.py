@@ -109,8 +109,7 @@ class CostNet(nn.Module):
         dimsum = sums[..., -NUM_EXTRA + DIMSUM:][..., :1]
         nd = num_devices.to(sums.dtype).expand(*sums.shape[:-1]).unsqueeze(-1)  # (..., 1)
         latency = softplus(self.comm_latency) + softplus(self.comm_latency_slope) * torch.log2(nd.clamp(min=1.0))
-        c = dimsum * softplus(self.comm_rate) * _share_sent(nd) + latency
-        c = c * (num_devices.to(sums.dtype).expand(*sums.shape[:-1]) > 1).unsqueeze(-1)  # one device: no comm
+        c = (dimsum * softplus(self.comm_rate) * _share_sent(nd) + latency) * (nd > 1)  # one device: no comm
         out = torch.cat([f, b, c], dim=-1) * self.target_scale
         nonempty = (sums[..., -NUM_EXTRA + COUNT] > 0.5).unsqueeze(-1)
         return out * nonempty

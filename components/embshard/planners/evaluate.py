@@ -90,7 +90,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
         lb_samples = []
         singles = measured_singles(sub, D, bench_kw)
         for _ in range(repeats):
-            lb_samples.append(measured_lower_bound(sub, D, singles, bench_kw, t.task_id, column_splits=True))
+            lb_samples.append(measured_lower_bound(sub, D, singles, bench_kw, t.task_id))
             bar.update(1)
             for name, pl in planned.items():
                 measured[name].append(measure_placement(pl, **bench_kw))
@@ -149,9 +149,9 @@ def measured_singles(tables: TableSet, num_devices: int, bench_kw: dict) -> np.n
 
 
 def measured_lower_bound(tables: TableSet, num_devices: int, singles: np.ndarray, bench_kw: dict,
-                         task_id: str, column_splits: bool = False) -> float:
-    """Sum over heads of min(all tables fused on one device, sum of singles) / D, and for table-wise plans
-    (column_splits=False) at least the largest single table.
+                         task_id: str) -> float:
+    """Sum over heads of min(all tables fused on one device, sum of singles) / D: the bound of any plan, column
+    splits included (a table-wise plan also owes its largest single table; the caller adds that term).
 
     All-on-one / D (ALGORITHMS.md) bounds a sub-additive fused cost, the sum of singles / D a super-additive one;
     measured CPU heads are of both kinds (forward shares work, backward grows faster than linearly, the
@@ -163,8 +163,7 @@ def measured_lower_bound(tables: TableSet, num_devices: int, singles: np.ndarray
                                       planner="lower_bound", task_id=task_id)
     row = measure_placement(fused, **bench_kw).iloc[0]  # device 0 holds everything; its all-to-all is for D ranks
     fused_heads = np.array([sum(float(row[c]) for c in cols) for cols in HEAD_COLUMNS])
-    bound = float(np.minimum(fused_heads, singles.sum(0)).sum()) / num_devices
-    return bound if column_splits else max(bound, float(singles.sum(1).max()))
+    return float(np.minimum(fused_heads, singles.sum(0)).sum()) / num_devices
 
 
 def _median_device_totals(frames: list[pd.DataFrame], D: int) -> np.ndarray:
