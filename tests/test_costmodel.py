@@ -19,8 +19,9 @@ BATCH = 512  # the measured fixture's batch size
 @pytest.fixture(scope="session")
 def measured(tmp_path_factory, small_tables_df):
     """A tiny measured set: every table alone, plus random shards drawn inside the seen / unseen table pools
-    (real FBGEMM CPU kernels, batch 512, 20 iterations: sub-millisecond shards at batch 128 were noisy enough to
-    scramble the rank order of the ~10 held-out shards; comm from given constants, no calibration)."""
+    (real FBGEMM CPU kernels, batch 512, 20 iterations; comm from given constants, no calibration). Sub-millisecond
+    shards at batch 128 and ~10 held-out shards made the accuracy checks a coin toss; 160 seen-pool shards give
+    about 20 held-out ones."""
     from embshard.bench import run as bench_run
     from embshard.bench.sampler import random_shards
     from embshard.costmodel.data import table_pools
@@ -33,7 +34,7 @@ def measured(tmp_path_factory, small_tables_df):
     shards = pd.concat([
         pd.DataFrame({"sample_id": [f"single-{t}" for t in ids], "table_ids": [[t] for t in ids],
                       "num_devices": 4, "origin": "single"}),
-        random_shards(sorted(seen), 90, min_tables=2, max_tables=6, seed=1, num_devices=4),
+        random_shards(sorted(seen), 160, min_tables=2, max_tables=6, seed=1, num_devices=4),
         random_shards(sorted(unseen), 16, min_tables=2, max_tables=6, seed=2, num_devices=4),
     ], ignore_index=True)
     with pytest.MonkeyPatch.context() as mp:
