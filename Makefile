@@ -7,7 +7,7 @@ RUN_DIR ?= runs/local
 export AIRFLOW__CORE__LOAD_EXAMPLES ?= False
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: install run test bench bench-quick lint clean
+.PHONY: install run ui mlflow-ui test bench bench-quick lint clean
 
 # The virtual environment, rebuilt when the dependency pins change.
 $(STAMP): pyproject.toml constraints.txt
@@ -22,6 +22,16 @@ install: $(STAMP)
 
 run: install
 	$(BIN)/embshard pipeline --out $(RUN_DIR)
+
+# A real Airflow (api-server, scheduler, dag-processor, triggerer) on 127.0.0.1:$(PORT); prints the URL and login.
+PORT ?= 8080
+ui: install
+	$(BIN)/embshard ui --out $(RUN_DIR) --port $(PORT)
+
+# The MLflow store of $(RUN_DIR) (the one `make run` and `make ui` write to).
+MLFLOW_PORT ?= 5000
+mlflow-ui: install
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath $(RUN_DIR))/mlflow.db --host 127.0.0.1 --port $(MLFLOW_PORT)
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -7,20 +7,30 @@ This file only wires stages (embshard.stages). Runner, chosen at parse time by E
   local (default)  each stage runs in-process in its Airflow task;
   kubernetes       each stage is a pod from the project image (KubernetesPodOperator, settings from embshard.k8s);
                    benchmark pods request a GPU and carry the GPU node selector and tolerations.
-The task ids are the same either way. Each run works under its own root: EMBSHARD_DATA_ROOT/<run id>.
-Triggers: weekly retraining, the `embshard_tables` asset (new tables), and manual runs with the Param form.
+The task ids are the same either way. Each run works under its own root: EMBSHARD_DATA_ROOT/<run id>; every
+stage of the local runner uses the one MLflow store MLFLOW_TRACKING_URI (both default to the repository's
+runs/local, where `make run`, `make ui` and `make mlflow-ui` look).
+Triggers: weekly retraining (EMBSHARD_SCHEDULE: a cron expression, or "none"), the `embshard_tables` asset (new
+tables), and manual runs with the Param form. Unpausing does not start a run at once: the first scheduled run is
+the next Monday 03:00 UTC. Runs queue one at a time (max_active_runs=1).
 """
 from __future__ import annotations
 
 import os
-from datetime import datetime, timedelta
+from datetime import timedelta
+
+from pathlib import Path
 
 from airflow.sdk import DAG, Asset, AssetOrTimeSchedule, CronTriggerTimetable, Param, task
 
 from embshard import stages
 
 RUNNER = os.environ.get("EMBSHARD_RUNNER", "local")
-DATA_ROOT = os.environ.get("EMBSHARD_DATA_ROOT", os.path.abspath("runs"))
+# Local runner: one data root and one MLflow store for every stage, wherever Airflow was started from.
+LOCAL_HOME = Path(__file__).resolve().parents[1] / "runs" / "local"
+DATA_ROOT = os.environ.get("EMBSHARD_DATA_ROOT") or str(LOCAL_HOME / "data")
+MLFLOW_URI = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{LOCAL_HOME / 'mlflow.db'}"
+SCHEDULE_CRON = os.environ.get("EMBSHARD_SCHEDULE", "0 3 * * 1")  # Mondays 03:00 UTC
 TABLES_ASSET = Asset(name="embshard_tables", uri=os.environ.get("EMBSHARD_TABLES_ASSET_URI",
                                                                 "file:///embshard/tables"))
 D = stages.DEFAULT_PARAMS
@@ -29,7 +39,9 @@ PARAMS = {
     "source": Param(D["source"], enum=["synthetic", "spec", "dlrm"],
                     description="Where the tables come from: the synthetic generator, a table-spec file "
                                 "(CSV/Parquet/YAML, TorchRec names) or a DLRM trace (.pt/.pt.gz)."),
-    "input": Param(D["input"], type="string", description="Spec or trace file for source spec/dlrm (a path or URI)."),
+    # Optional (null allowed): the synthetic source needs no file, and the UI form must submit with the defaults.
+    "input": Param(D["input"], type=["null", "string"],
+                   description="Spec or trace file for source spec/dlrm (a path or URI); empty for synthetic."),
     "num_tables": Param(D["num_tables"], type="integer", minimum=2, maximum=100_000,
                         description="Synthetic source: how many tables to generate."),
     "seed": Param(D["seed"], type="integer", minimum=0, description="Seed of every random choice of the run."),
@@ -61,11 +73,33 @@ PARAMS = {
 
 DEFAULT_ARGS = {"owner": "embshard", "retries": 0}
 
+# Shown on each task's page in the Airflow UI.
+TASK_DOCS = {
+    "ingest": "**Ingest** the tables (synthetic generator, table-spec file or DLRM trace), compute their features "
+              "and sample train/test tasks. Writes `tables.parquet`, `tasks.parquet` under the run root; returns "
+              "the benchmark chunks to map over.",
+    "benchmark": "**Benchmark** one chunk of device shards: a fused FBGEMM table-batched-embedding op per shard "
+                 "(forward and backward) plus the all-to-all. Writes `costs/part-<chunk>.parquet`; reruns resume.",
+    "train_cost_model": "**Train the cost model** on the measured costs and register a new `embshard-cost` "
+                        "version in MLflow (accuracy report against two reference estimators as artifacts).",
+    "train_policy": "**Train the placement policy** with REINFORCE on the cost model, with the outer loop "
+                    "(measure the policy's plans, refit the cost model); registers an `embshard-policy` version.",
+    "evaluate_and_promote": "**Evaluate and promote**: measure the candidate, the champion and the baselines on "
+                            "held-out tasks; `champion` moves only if the candidate wins by the margin. Returns "
+                            "the decision and the measured ratios; the plot is `evaluation/evaluation.png`.",
+    "export_placements": "**Export** the champion's placements of the target tasks: `export/placements.parquet`, "
+                         "`plan.json` and TorchRec plans per task.",
+}
+
 with DAG(
     dag_id="embshard_pipeline",
     description="Measure fused shard costs, learn a cost model and a placement policy, promote, export plans.",
-    schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 3 * * 1", timezone="UTC"), assets=[TABLES_ASSET]),
-    start_date=datetime(2026, 1, 1),
+    # Unpausing must not start a run at once (it would block manual runs): no start_date (with one, catchup=False
+    # runs the latest interval), and run_immediately=0 (else a tick less than 10% of a week ago runs at once).
+    schedule=(AssetOrTimeSchedule(timetable=CronTriggerTimetable(SCHEDULE_CRON, timezone="UTC",
+                                                                 run_immediately=timedelta(0)),
+                                  assets=[TABLES_ASSET])
+              if SCHEDULE_CRON.lower() != "none" else [TABLES_ASSET]),
     catchup=False,
     max_active_runs=1,
     params=PARAMS,
@@ -75,20 +109,23 @@ with DAG(
 ) as dag:
     if RUNNER == "local":
 
-        @task(task_id="ingest")
-        def ingest(params=None, run_id=None) -> list[int]:
-            root = stages.run_root(DATA_ROOT, run_id)
-            stages.ingest(root, dict(params))
+        def run_stage(name: str, params, run_id, ti, chunk: int | None = None):
+            return stages.run_in_task(name, DATA_ROOT, MLFLOW_URI, dict(params), run_id=run_id, dag_id=dag.dag_id,
+                                      try_number=ti.try_number, chunk=chunk)
+
+        @task(task_id="ingest", doc_md=TASK_DOCS["ingest"])
+        def ingest(params=None, run_id=None, ti=None) -> list[int]:
+            run_stage("ingest", params, run_id, ti)
             return list(range(int(params["bench_chunks"])))
 
-        @task(task_id="benchmark", retries=2, retry_delay=timedelta(seconds=5))
-        def benchmark(chunk: int, params=None, run_id=None) -> None:
-            stages.benchmark(stages.run_root(DATA_ROOT, run_id), dict(params), chunk)
+        @task(task_id="benchmark", retries=2, retry_delay=timedelta(seconds=5), doc_md=TASK_DOCS["benchmark"])
+        def benchmark(chunk: int, params=None, run_id=None, ti=None) -> dict:
+            return run_stage("benchmark", params, run_id, ti, chunk=chunk)
 
         def stage_task(name: str, retries: int = 0):
-            @task(task_id=name, retries=retries)
-            def _run(params=None, run_id=None) -> None:
-                stages.STAGES[name](stages.run_root(DATA_ROOT, run_id), dict(params))
+            @task(task_id=name, retries=retries, doc_md=TASK_DOCS[name])
+            def _run(params=None, run_id=None, ti=None) -> dict:
+                return run_stage(name, params, run_id, ti)
             return _run()
 
         chunks = ingest()
@@ -107,13 +144,14 @@ with DAG(
         def stage_args(name: str) -> list[str]:
             return ["stage", name, "--root", root, "--params", stages.PARAMS_TEMPLATE]
 
-        ingest = KubernetesPodOperator(task_id="ingest", **{
+        ingest = KubernetesPodOperator(task_id="ingest", doc_md=TASK_DOCS["ingest"], **{
             **k8s.pod_operator_kwargs("ingest", stage_args("ingest"), pod_config), "do_xcom_push": True})
         benchmark = KubernetesPodOperator.partial(
-            task_id="benchmark", retries=2, retry_delay=timedelta(seconds=30),
+            task_id="benchmark", retries=2, retry_delay=timedelta(seconds=30), doc_md=TASK_DOCS["benchmark"],
             **{k: v for k, v in k8s.pod_operator_kwargs("benchmark", [], pod_config).items() if k != "arguments"},
         ).expand(arguments=ingest.output.map(lambda chunk: [*stage_args("benchmark"), "--chunk", str(chunk)]))
-        rest = [KubernetesPodOperator(task_id=name, **k8s.pod_operator_kwargs(name, stage_args(name), pod_config))
+        rest = [KubernetesPodOperator(task_id=name, doc_md=TASK_DOCS[name],
+                                      **k8s.pod_operator_kwargs(name, stage_args(name), pod_config))
                 for name in ("train_cost_model", "train_policy", "evaluate_and_promote", "export_placements")]
         benchmark >> rest[0] >> rest[1] >> rest[2] >> rest[3]
     else:

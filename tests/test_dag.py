@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -81,8 +82,22 @@ def test_same_tasks_and_dependencies_in_both_runners(monkeypatch):
 
 
 def test_schedule_is_weekly_or_new_tables(k8s_dag):
+    import datetime
+
+    from airflow.serialization.decoders import decode_timetable
+    from airflow.serialization.encoders import encode_timetable
+    from airflow.timetables.base import TimeRestriction
+
     schedule = k8s_dag.timetable
     assert schedule.timetable.expression == "0 3 * * 1"  # Mondays 03:00 UTC
+    # Unpausing does not start a run at once: the first scheduled run is the next Monday 03:00, in the future,
+    # even right after a Monday's tick (a run for that tick would block manual runs for the whole pipeline).
+    core = decode_timetable(encode_timetable(schedule.timetable))  # the scheduler's view of it
+    first = core.next_dagrun_info(last_automated_data_interval=None,
+                                                restriction=TimeRestriction(None, None, catchup=False))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    assert now < first.run_after <= now + datetime.timedelta(days=7)
+    assert first.run_after.weekday() == 0 and first.run_after.hour == 3
     assert [a.name for a in schedule.asset_condition.objects] == ["embshard_tables"]
     assert k8s_dag.catchup is False and k8s_dag.max_active_runs == 1
 
@@ -160,7 +175,9 @@ def render_pod(dag, task_id: str, params: dict | None = None, run_id: str = RUN_
     values = copy.deepcopy(dag.params)
     values.update(params or {})
     op = concrete_operator(dag, task_id, chunk)
-    op.render_template_fields({"run_id": run_id, "params": values.validate()}, dag.get_template_env())
+    ti = types.SimpleNamespace(task_id=task_id, try_number=1)
+    op.render_template_fields({"run_id": run_id, "params": values.validate(), "dag": dag, "ti": ti},
+                              dag.get_template_env())
     return ApiClient().sanitize_for_serialization(op.build_pod_request_obj(dry_run=True))
 
 
@@ -182,6 +199,9 @@ def test_stage_pods_are_valid_and_run_the_stage_on_the_run_root(k8s_dag, task_id
     assert args.chunk == (1 if task_id == "benchmark" else 0)
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["EMBSHARD_STAGE"] == task_id
+    # Lineage for the MLflow tags of whatever the pod logs.
+    assert (env["EMBSHARD_AIRFLOW_DAG_ID"], env["EMBSHARD_AIRFLOW_RUN_ID"], env["EMBSHARD_AIRFLOW_TASK_ID"]) == \
+        (DAG_ID, RUN_ID, task_id)
 
 
 @pytest.mark.parametrize("task_id", CHAIN)

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("embshard.planners.evaluate", "measure several planners' placements side by side"),
     "export": ("embshard.export.cli", "export placements (plan.json, Parquet, TorchRec plan)"),
     "pipeline": ("embshard.pipeline", "run the whole Airflow DAG locally"),
+    "ui": ("embshard.airflow_local", "start a real local Airflow (UI, scheduler) that runs the pipeline DAG"),
     "stage": ("embshard.stages", "run one pipeline stage on a run root (what the DAG's tasks and pods run)"),
 }
 

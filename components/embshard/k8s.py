@@ -192,6 +192,9 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
         # pyarrow's S3 filesystem and boto3 both read AWS_ENDPOINT_URL.
         env["AWS_ENDPOINT_URL"] = storage["s3Endpoint"]
     env.update({k: str(v) for k, v in config.get("env", {}).items()})
+    # Lineage for MLflow tags (embshard.run_context), rendered by Airflow: env_vars is a templated field.
+    env.update({"EMBSHARD_AIRFLOW_DAG_ID": "{{ dag.dag_id }}", "EMBSHARD_AIRFLOW_RUN_ID": "{{ run_id }}",
+                "EMBSHARD_AIRFLOW_TASK_ID": "{{ ti.task_id }}", "EMBSHARD_AIRFLOW_TRY_NUMBER": "{{ ti.try_number }}"})
     env_vars = [k8s.V1EnvVar(name=k, value=v) for k, v in env.items()]
     env_vars += [k8s.V1EnvVar(name=item["name"], value_from=k8s.V1EnvVarSource(
         secret_key_ref=k8s.V1SecretKeySelector(name=item["secretName"], key=item["key"],

@@ -10,7 +10,6 @@ import argparse
 import importlib.util
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -79,7 +78,7 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
     elapsed = time.perf_counter() - start
     root = stages.run_root(env["EMBSHARD_DATA_ROOT"], dag_run.run_id)
     state = str(dag_run.state)
-    result = {"run_id": dag_run.run_id, "state": state, "root": root, "seconds": elapsed, "env": env}
+    result = {"run_id": dag_run.run_id, "state": state, "root": root, "seconds": elapsed, "env": env, "out": out}
     if state != "success":
         failed = [ti.task_id for ti in dag_run.get_task_instances() if str(ti.state) not in ("success", "skipped")]
         raise EmbshardError(f"the DAG run ended {state} (tasks not successful: {', '.join(failed)})",
@@ -104,7 +103,7 @@ def _parse_params(items: list[str]) -> dict:
                                 fix=f"use KEY=VALUE with KEY one of {', '.join(DEFAULT_PARAMS)}")
         default = DEFAULT_PARAMS[key]
         try:
-            out[key] = type(default)(value) if not isinstance(default, str) else value
+            out[key] = value if default is None or isinstance(default, str) else type(default)(value)
         except ValueError:
             raise EmbshardError(f"{key}={value!r} is not a {type(default).__name__}", field=key) from None
     return out
@@ -124,26 +123,18 @@ def summary_text(res: dict) -> str:
              f"run data: {root}"]
     promo = res.get("promotion") or {}
     if promo:
-        ratio = promo.get("candidate_median_ratio_best_baseline")
-        if ratio is not None:
-            lines.append(f"measured cost of the learned planner vs the best baseline (median over held-out tasks): "
-                         f"{ratio:.3f}x  ({100 * (1 - ratio):+.1f}% faster)")
-        lines.append(f"promotion: {'PROMOTED to champion' if promo.get('promoted') else 'kept the champion'} "
-                     f"(candidate v{promo.get('candidate_version')}; {promo.get('reason')})")
-        if promo.get("summary"):
-            lines.append(promo["summary"])
+        from .stages import promotion_lines
+
+        lines += [line[2:] if line.startswith("  ") else line for line in promotion_lines(promo, root)
+                  if not line.lstrip().startswith("plot:")]
     exp = res.get("export") or {}
     if exp:
         lines.append(f"placements: {exp.get('placements')}")
         lines.append(f"exported plans (plan.json + TorchRec plan per task): {os.path.join(root, 'export')}")
     lines += [f"evaluation plot: {os.path.join(root, 'evaluation', 'evaluation.png')}",
               "look at it:",
-              f"  MLflow UI:  .venv/bin/mlflow ui --backend-store-uri {env['MLFLOW_TRACKING_URI']}",
-              f"  Airflow UI: AIRFLOW_HOME={env['AIRFLOW_HOME']} AIRFLOW__CORE__DAGS_FOLDER={env['AIRFLOW__CORE__DAGS_FOLDER']}"
-              f" .venv/bin/airflow standalone   (http://127.0.0.1:8080)",
+              f"  MLflow UI:  make mlflow-ui RUN_DIR={res['out']}   (store {env['MLFLOW_TRACKING_URI']})",
+              f"  Airflow UI: make ui RUN_DIR={res['out']}   (a real scheduler; trigger embshard_pipeline there)",
               "=" * 78]
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    sys.exit(0)

@@ -38,7 +38,7 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
         champ_name = f"learned/{champion.version}"
         planners.append(champ_name)
     planners += baselines
-    with mlflow.start_run(run_name="evaluate-and-promote"):
+    with registry.start_run(run_name="evaluate-and-promote"):
         res = evaluate(tables, tasks, out, planners=planners, split=split, max_tasks=max_tasks, bench_kw=bench_kw)
         df = res["frame"]
         cand = df[df["planner"] == cand_name].set_index("task_id")["measured_cost_ms"]

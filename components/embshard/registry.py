@@ -70,24 +70,55 @@ def default_pip_requirements() -> list[str]:
     return reqs
 
 
-def log_and_register(python_model, artifacts: dict[str, str], registered_name: str, tags: dict[str, Any],
-                     input_example=None, pip_requirements: list[str] | None = None):
-    """Log a pyfunc model in the active run (one is started if none is) and register it as a new version of
-    `registered_name`, tagged with `tags` (on the version). Returns the MLflow ModelVersion."""
+def signature(input_example, output_example, params: dict | None = None, required=None):
+    """The model's signature, inferred from an example call; input columns outside `required` are optional
+    (MLflow checks the columns and types of every predict call against it)."""
+    from mlflow.models import infer_signature
+    from mlflow.types.schema import ColSpec, Schema
+
+    sig = infer_signature(input_example, output_example, params=params)
+    if required is not None:
+        keep = set(required)
+        sig.inputs = Schema([ColSpec(c.type, c.name, required=c.name in keep) for c in sig.inputs.inputs])
+    return sig
+
+
+def start_run(**kwargs):
+    """mlflow.start_run with the Airflow lineage tags of this process (dag, run, task, run root)."""
     import mlflow
+
+    from .run_context import mlflow_tags
+
+    return mlflow.start_run(tags={**mlflow_tags(), **kwargs.pop("tags", {})}, **kwargs)
+
+
+def log_and_register(python_model, artifacts: dict[str, str], registered_name: str, tags: dict[str, Any],
+                     input_example=None, pip_requirements: list[str] | None = None, signature=None,
+                     description: str = ""):
+    """Log a pyfunc model in the active run (one is started if none is) and register it as a new version of
+    `registered_name`, tagged with `tags` and the Airflow lineage (on the version), with a description that
+    says what made it. Returns the MLflow ModelVersion."""
+    import mlflow
+
+    from .run_context import mlflow_tags
 
     started = mlflow.active_run() is None
     if started:
-        mlflow.start_run()
+        start_run()
     try:
         info = mlflow.pyfunc.log_model(
             name="model", python_model=python_model, artifacts=artifacts, input_example=input_example,
-            pip_requirements=pip_requirements or default_pip_requirements(),
+            signature=signature, pip_requirements=pip_requirements or default_pip_requirements(),
             registered_model_name=registered_name)
         client = mlflow.MlflowClient()
         version = str(info.registered_model_version)
-        for k, v in tags.items():
+        for k, v in {**tags, **mlflow_tags()}.items():
             client.set_model_version_tag(registered_name, version, k, str(v))
+        lineage = mlflow_tags()
+        origin = (f"Airflow {lineage['airflow.dag_id']} run {lineage['airflow.run_id']}, task "
+                  f"{lineage['airflow.task_id']}" if "airflow.run_id" in lineage else "a command-line run")
+        client.update_model_version(registered_name, version, description=(
+            f"{description} Made by {origin}, MLflow run {mlflow.active_run().info.run_id}.").strip())
         return client.get_model_version(registered_name, version)
     finally:
         if started:

@@ -18,7 +18,7 @@ XCOM_DIR = "/airflow/xcom"  # the sidecar-shared folder of KubernetesPodOperator
 # Defaults of the embedded pipeline: small enough for `make run` on 2 cores, large enough to learn from.
 DEFAULT_PARAMS: dict = {
     "source": "synthetic",        # synthetic | spec | dlrm
-    "input": "",                  # spec or trace file for source spec/dlrm
+    "input": None,                # spec or trace file for source spec/dlrm (None for synthetic)
     "num_tables": 240,
     "seed": 0,
     "num_tasks": 12,              # per split (train and test)
@@ -234,6 +234,76 @@ def export_placements(root: str, params: dict) -> dict:
                                                                   if isinstance(v, (str, int, float))}})
 
 
+def run(name: str, root: str, params: dict, chunk: int | None = None) -> dict:
+    """Run one stage on a run root; returns its small JSON-able result."""
+    if name not in STAGES:
+        raise EmbshardError(f"unknown stage {name!r}", field="stage", fix=f"use one of {', '.join(STAGES)}")
+    fn = STAGES[name]
+    return fn(root, params, int(chunk or 0)) if name == "benchmark" else fn(root, params)
+
+
+def run_in_task(name: str, data_root: str, mlflow_uri: str, params: dict, *, run_id: str, dag_id: str,
+                try_number: int | None = None, chunk: int | None = None) -> dict:
+    """A stage inside an Airflow task of the local runner: the run's one data root and MLflow store, lineage
+    tags for MLflow, progress on stdout, a readable block in the task log; returns the result (the XCom)."""
+    from . import run_context
+
+    root = run_root(data_root, run_id)
+    env = {**run_context.lineage_env(dag_id, run_id, name, root, try_number),
+           "EMBSHARD_DATA_ROOT": data_root, "MLFLOW_TRACKING_URI": mlflow_uri}
+    with run_context.stage_output(env):
+        result = run(name, root, params, chunk)
+    print(report(name, result, root), flush=True)
+    return json.loads(json.dumps(result, default=str))
+
+
+def report(name: str, result: dict, root: str) -> str:
+    """What a person reads at the end of a stage's log: the promotion decision in full, else the outputs."""
+    bar = "=" * 72
+    lines = [bar, f"embshard {name}: done   (run root {root})"]
+    if name == "evaluate_and_promote":
+        lines += promotion_lines(result, root)
+    else:
+        for k, v in result.items():
+            if k == "summary" and v:
+                lines.append(str(v))
+            elif isinstance(v, (str, int, float)) or v is None:
+                lines.append(f"  {k}: {v}")
+            elif isinstance(v, list):
+                lines.append(f"  {k}: {len(v)} item(s)")
+    lines.append(bar)
+    return "\n".join(lines)
+
+
+def promotion_lines(decision: dict, root: str) -> list[str]:
+    """The promotion decision in words: ratios with the right sign, the verdict, the reason, the plot."""
+    lines = []
+    ratio = decision.get("candidate_median_ratio_best_baseline")
+    if ratio is not None:
+        lines.append(f"  learned planner vs the best baseline (median measured cost ratio over held-out tasks): "
+                     f"{ratio:.3f}x  ({speed_words(ratio)})")
+    champ = decision.get("candidate_over_champion_median")
+    if champ is not None:
+        lines.append(f"  candidate vs the champion: {champ:.3f}x  ({speed_words(champ)})")
+    verdict = "PROMOTED to champion" if decision.get("promoted") else "not promoted (challenger); champion kept"
+    lines.append(f"  decision: {verdict}  (candidate v{decision.get('candidate_version')}, "
+                 f"champion before v{decision.get('champion_version_before')}, after "
+                 f"v{decision.get('champion_version_after')}): {decision.get('reason')}")
+    lines.append(f"  plot: {_join(path(root, 'evaluation'), 'evaluation.png')}")
+    if decision.get("summary"):
+        lines.append(str(decision["summary"]))
+    return lines
+
+
+def speed_words(ratio: float) -> str:
+    """'4.1% faster' for a cost ratio below 1, '2.9% slower' above it."""
+    if ratio != ratio:  # NaN
+        return "not measured"
+    if abs(ratio - 1.0) < 5e-4:
+        return "same cost"
+    return f"{100 * (1 - ratio):.1f}% faster" if ratio < 1 else f"{100 * (ratio - 1):.1f}% slower"
+
+
 STAGES = {"ingest": ingest, "benchmark": benchmark, "train_cost_model": train_cost_model,
           "train_policy": train_policy, "evaluate_and_promote": evaluate_and_promote,
           "export_placements": export_placements}
@@ -251,8 +321,8 @@ def main(args) -> int:
         params = json.loads(args.params)
     except json.JSONDecodeError as exc:
         raise EmbshardError(f"not valid JSON ({exc.msg})", field="params", fix="pass a JSON object") from None
-    fn = STAGES[args.name]
-    res = fn(args.root, params, args.chunk) if args.name == "benchmark" else fn(args.root, params)
+    res = run(args.name, args.root, params, args.chunk)
+    print(report(args.name, res, args.root))
     print(json.dumps(res, indent=1, default=str))
     if args.name == "ingest" and os.path.isdir(XCOM_DIR):
         # KubernetesPodOperator(do_xcom_push=True) reads this: the benchmark chunks to map over.

@@ -5,7 +5,7 @@ A device with S = sum of its tables' dims sends, per step, B x S x 4 bytes x (D-
 (each sample's pooled vectors go to the device that owns the sample); the backward all-to-all moves the same
 bytes back as gradients.
 
-- measured (comm_source='measured'): `CommGroup(n)` starts n-1 helper processes; with the main process they form
+- measured (comm_source='measured'): `CommGroup(n)` starts n-1 helper processes (`python -m embshard.bench.comm_rank`); with the main process they form
   a torch.distributed group (gloo on CPU, NCCL on GPUs) and time real `all_to_all_single` calls of that size.
   Every rank exchanges a tensor of the measured shard's size (the symmetric case).
 - model (comm_source='model'): time = latency + bytes / bandwidth. Latency and bandwidth come from
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing as mp
 import os
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -61,38 +62,6 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_collectives(rank: int, world: int, device: str, cmd_device: str) -> None:
-    """Helper ranks: wait for a command (numel, warmup, iters), run the all-to-alls, repeat; numel 0 stops."""
-    import torch
-    import torch.distributed as dist
-
-    cmd = torch.zeros(3, dtype=torch.int64, device=cmd_device)
-    while True:
-        dist.broadcast(cmd, src=0)
-        numel, warmup, iters = (int(x) for x in cmd.tolist())
-        if numel == 0:
-            return
-        x = torch.ones(numel, dtype=torch.float32, device=device)
-        y = torch.empty_like(x)
-        for _ in range(warmup + iters):
-            dist.all_to_all_single(y, x)
-
-
-def _helper_main(rank: int, world: int, port: int, backend: str, device: str) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dev = f"cuda:{rank}" if device != "cpu" else "cpu"
-    if dev != "cpu":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        _run_collectives(rank, world, dev, dev)
-    finally:
-        dist.destroy_process_group()
-
-
 class CommGroup:
     """The main process (rank 0) plus n-1 helper processes in one torch.distributed group."""
 
@@ -116,13 +85,20 @@ class CommGroup:
         self.world, self.device = world_size, ("cuda:0" if on_gpu else "cpu")
         backend = "nccl" if on_gpu else "gloo"
         port = _free_port()
-        ctx = mp.get_context("spawn")
-        self.procs = [ctx.Process(target=_helper_main, args=(r, world_size, port, backend, device), daemon=True)
+        # Helper ranks are fresh interpreters running a small module (see comm_rank: why not multiprocessing).
+        self.procs = [subprocess.Popen([sys.executable, "-m", "embshard.bench.comm_rank", "--rank", str(r),
+                                        "--world", str(world_size), "--port", str(port), "--backend", backend,
+                                        "--device", device, "--timeout-s", str(timeout_s)],
+                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
                       for r in range(1, world_size)]
-        for p in self.procs:
-            p.start()
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception:
+            for p in self.procs:  # no orphans when the group never forms
+                p.kill()
+                p.wait()
+            raise
         self.backend = backend
 
     def all_to_all_ms(self, numel: int, warmup: int = 3, iterations: int = 10) -> np.ndarray:
@@ -157,9 +133,11 @@ class CommGroup:
         finally:
             dist.destroy_process_group()
             for p in self.procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.terminate()
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
 
     def __enter__(self):
         return self

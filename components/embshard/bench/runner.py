@@ -329,7 +329,8 @@ def run(tables, shards, out: str, *, backend: str = "auto", device: str = "cpu",
                     schemas.write(pd.DataFrame([row]), storage.join(partial, f"{i:06d}.parquet"), "costs")
                     measured += 1
                     bar.update(1)
-                    bar.set_postfix_str(f"{len(s['table_ids'])} tables {m['fwd_compute_ms'] + m['bwd_compute_ms']:.1f} ms")
+                    bar.set_postfix_str(f"{len(s['table_ids'])} tables "
+                                        f"{m['fwd_compute_ms'] + m['bwd_compute_ms']:.1f} ms", refresh=False)
                 written.append(_finish_part(part, partial, idx))
     finally:
         close_config(cfg)

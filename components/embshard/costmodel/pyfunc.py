@@ -21,20 +21,36 @@ class CostModelPyfunc(mlflow.pyfunc.PythonModel):
         self.model = CostModel.from_files(context.artifacts["weights"], context.artifacts["config"])
 
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
-        import numpy as np
-        import pandas as pd
+        return predict_frame(self.model, model_input)
 
-        from ..features import FEATURE_NAMES
 
-        df = pd.DataFrame(model_input)
-        out = []
-        for nd, part in df.groupby("num_devices", sort=True):
-            codes, ids = pd.factorize(part["shard"], sort=True)
-            order = np.argsort(codes, kind="stable")
-            bounds = np.cumsum(np.bincount(codes, minlength=len(ids)))[:-1]
-            shards = np.split(order, bounds)
-            pred = self.model.predict_shards(part[FEATURE_NAMES].to_numpy(np.float32), shards, int(nd))
-            out.append(pd.DataFrame({"shard": ids, "num_devices": int(nd), "fwd_compute_ms": pred[:, 0],
-                                     "bwd_compute_ms": pred[:, 1], "comm_ms": pred[:, 2],
-                                     "total_ms": pred.sum(1)}))
-        return pd.concat(out, ignore_index=True)
+def predict_frame(model, model_input: pd.DataFrame) -> pd.DataFrame:
+    """The pyfunc's output for `model_input` (one row per (shard, table)), from a CostModel."""
+    import numpy as np
+
+    from ..features import FEATURE_NAMES
+
+    df = pd.DataFrame(model_input)
+    out = []
+    for nd, part in df.groupby("num_devices", sort=True):
+        codes, ids = pd.factorize(part["shard"], sort=True)
+        order = np.argsort(codes, kind="stable")
+        bounds = np.cumsum(np.bincount(codes, minlength=len(ids)))[:-1]
+        shards = np.split(order, bounds)
+        pred = model.predict_shards(part[FEATURE_NAMES].to_numpy(np.float32), shards, int(nd))
+        out.append(pd.DataFrame({"shard": ids, "num_devices": int(nd), "fwd_compute_ms": pred[:, 0],
+                                 "bwd_compute_ms": pred[:, 1], "comm_ms": pred[:, 2],
+                                 "total_ms": pred.sum(1)}))
+    return pd.concat(out, ignore_index=True)
+
+
+def example_input(tables, num_devices: int = 4) -> pd.DataFrame:
+    """A small valid input (two shards of the first tables): the model's signature and docs example."""
+    from ..features import FEATURE_NAMES
+
+    n = min(3, len(tables))
+    feats = pd.DataFrame({"dim": tables.dims[:n], "rows": tables.rows[:n],
+                          "pooling_factor": tables.pooling_factor[:n], "size_bytes": tables.size_bytes[:n],
+                          **{c: tables.bins[:n, i] for i, c in enumerate(FEATURE_NAMES[4:])}})
+    shard = [0] + [1] * (n - 1) if n > 1 else [0]
+    return pd.DataFrame({"shard": shard, "num_devices": int(num_devices), **{c: feats[c] for c in FEATURE_NAMES}})

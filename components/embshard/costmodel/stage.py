@@ -17,7 +17,9 @@ import time
 import numpy as np
 
 from .. import registry
+from ..features import FEATURE_NAMES
 from ..schemas import FEATURE_VERSION
+from ..tableset import TableSet
 from . import REGISTERED_NAME
 from .data import CostData, assemble_placements, load
 from .model import HEADS, CostModel
@@ -179,7 +181,7 @@ def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias
     """
     import mlflow
 
-    from .pyfunc import CostModelPyfunc
+    from .pyfunc import CostModelPyfunc, example_input, predict_frame
 
     t0 = time.perf_counter()
     data = load(costs, tables, seed=seed, unseen_frac=unseen_frac)
@@ -215,7 +217,7 @@ def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias
     tags = {"hardware": data.hardware, "backend": data.backend, "dataset_hash": data.dataset_hash,
             "feature_version": FEATURE_VERSION, "batch_size": data.batch_size}
     # Nested when called inside another run (the policy's outer loop refits the cost model).
-    with mlflow.start_run(run_name="train-cost", nested=mlflow.active_run() is not None) as active:
+    with registry.start_run(run_name="train-cost", nested=mlflow.active_run() is not None) as active:
         mlflow.set_tags({f"embshard.{k}": v for k, v in tags.items()})
         mlflow.log_params({"seed": seed, "unseen_frac": unseen_frac, "refit_all": refit_all, "max_epochs": max_epochs,
                            "patience": patience, "lr": params.lr, "hidden": params.hidden, "embed": params.embed,
@@ -234,7 +236,13 @@ def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias
         mlflow.log_artifact(os.path.join(out, "report.json"))
         version = None
         if register:
-            version = registry.log_and_register(CostModelPyfunc(), artifacts, REGISTERED_NAME, tags)
+            example = example_input(TableSet.read(tables), int(np.max(data.num_devices)))
+            version = registry.log_and_register(
+                CostModelPyfunc(), artifacts, REGISTERED_NAME, tags,
+                signature=registry.signature(example, predict_frame(model, example),
+                                             required=["shard", "num_devices", *FEATURE_NAMES]),
+                description=f"Cost model of device shards on {data.hardware} ({data.backend}, batch "
+                            f"{data.batch_size}), trained on {counts['train']} measured shards.")
             if alias:
                 registry.set_alias(REGISTERED_NAME, alias, version.version)
         run_id = active.info.run_id

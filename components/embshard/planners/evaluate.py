@@ -69,7 +69,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     planner_objs = {name: get_planner(name, **(planner_kw or {}).get(name, {})) for name in planners}
     rows, placements = [], []
     bar = tqdm(total=len(task_df) * (len(planners) + 1) * repeats, desc="evaluate (measured)",
-               disable=not progress, mininterval=2)
+               disable=not progress)
     for t in task_df.itertuples():
         sub = table_set.select(list(t.table_ids), f"{tasks}:{t.task_id}")
         D, mem = int(t.num_devices), int(t.memory_bytes_per_device)

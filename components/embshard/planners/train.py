@@ -71,7 +71,7 @@ def train_estimated(policy: PolicyNet, cost_model, train_ctx, val_ctx, cfg: Trai
     best_ratio = validation_ratio(policy, val_ctx, val_base)
     best_state = {k: v.clone() for k, v in policy.state_dict().items()}
     eval_every = max(1, cfg.iterations // 20)
-    bar = tqdm(range(cfg.iterations), desc="policy (estimated MDP)", disable=not progress, mininterval=2)
+    bar = tqdm(range(cfg.iterations), desc="policy (estimated MDP)", disable=not progress)
     for it in bar:
         _, _, ctx = train_ctx[int(rng.integers(len(train_ctx)))]
         policy.train()
@@ -82,7 +82,7 @@ def train_estimated(policy: PolicyNet, cost_model, train_ctx, val_ctx, cfg: Trai
             stats["val_ratio_to_best_baseline"] = ratio
             if ratio < best_ratio:
                 best_ratio, best_state = ratio, {k: v.clone() for k, v in policy.state_dict().items()}
-            bar.set_postfix(val_ratio=f"{ratio:.3f}", best=f"{best_ratio:.3f}")
+            bar.set_postfix(val_ratio=f"{ratio:.3f}", best=f"{best_ratio:.3f}", refresh=False)
         history.append({"step": step0 + it, **stats})
     policy.load_state_dict(best_state)
     return policy.eval()
@@ -160,7 +160,7 @@ def run(tables: str, tasks: str, out: str, *, cost_model_uri: str = "models:/emb
     bench_kw = dict(bench_kw or {})
     cost_versions = [cost_model_uri]
     start = time.perf_counter()
-    with mlflow.start_run(run_name=f"train-policy-{reward}") as run_, single_threaded():
+    with registry.start_run(run_name=f"train-policy-{reward}") as run_, single_threaded():
         mlflow.log_params({"reward": reward, "iterations": iterations, "rounds": rounds, "seed": seed,
                            "rollouts_per_task": rollouts_per_task, "lr": cfg.lr, "hidden": cfg.hidden,
                            "train_tasks": len(fit_df), "val_tasks": len(val_df), "cost_model_uri": cost_model_uri})
@@ -197,11 +197,35 @@ def run(tables: str, tasks: str, out: str, *, cost_model_uri: str = "models:/emb
                         "hardware": getattr(cost_model.config, "hardware", ""),
                         "backend": getattr(cost_model.config, "backend", ""),
                         "val_ratio_to_best_baseline": f"{final_ratio:.4f}"}
-                mv = registry.log_and_register(PolicyPythonModel(), arts, REGISTERED_NAME, tags)
+                mv = registry.log_and_register(
+                    PolicyPythonModel(), arts, REGISTERED_NAME, tags,
+                    signature=_signature(policy, cost_model, tables, val_df.iloc[0]),
+                    description=f"Placement policy (REINFORCE, {reward} rewards, {iterations} iterations, {rounds} "
+                                f"round(s)) with the cost model {cost_versions[-1]}; validation cost / best "
+                                f"baseline {final_ratio:.3f}.")
                 if alias:
                     registry.set_alias(REGISTERED_NAME, alias, mv.version)
                 result.update({"version": str(mv.version), "model_uri": f"models:/{REGISTERED_NAME}/{mv.version}"})
     return result
+
+
+def _signature(policy, cost_model, tables: str, task):
+    """The registered planner's signature, from planning one validation task: tables in (the tables contract;
+    trace pointers optional), placements out, devices and memory as params."""
+    from .. import registry
+    from .learned import LearnedPlanner
+    from .scoring import placement_costs
+
+    frame = schemas.read(tables, "tables")
+    frame = frame[frame["table_id"].isin(list(task.table_ids))].reset_index(drop=True)
+    params = {"num_devices": int(task.num_devices), "memory_bytes_per_device": int(task.memory_bytes_per_device),
+              "task_id": str(task.task_id)}
+    planner = LearnedPlanner(policy, cost_model)
+    placement = planner.plan(TableSet.from_frame(frame), params["num_devices"], params["memory_bytes_per_device"],
+                             params["task_id"])
+    optional = {"trace_file", "trace_table_index", "source"}
+    return registry.signature(frame, placement.to_frame(placement_costs(cost_model, placement)), params,
+                              required=[c for c in frame.columns if c not in optional])
 
 
 def _cost_model_version(uri: str) -> str:

@@ -1,0 +1,75 @@
+"""What a stage knows about the orchestrator that runs it, and how it talks to it.
+
+- Lineage: the Airflow dag id, run id, task id and run root travel as environment variables (set by the DAG's
+  local tasks, and templated into the pods of the kubernetes runner), so every MLflow run and model version
+  can be traced back to the Airflow task that made it (`mlflow_tags()`).
+- Logs: an Airflow task logs what a stage writes to stderr as ERROR. Progress bars (tqdm) and MLflow's INFO
+  lines go there by default, so inside a task they are routed to stdout (`stage_output()`); real failures still
+  reach Airflow as the task's exception.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Iterator
+
+# Environment variable -> MLflow tag.
+LINEAGE = {
+    "EMBSHARD_AIRFLOW_DAG_ID": "airflow.dag_id",
+    "EMBSHARD_AIRFLOW_RUN_ID": "airflow.run_id",
+    "EMBSHARD_AIRFLOW_TASK_ID": "airflow.task_id",
+    "EMBSHARD_AIRFLOW_TRY_NUMBER": "airflow.try_number",
+    "EMBSHARD_RUN_ROOT": "embshard.run_root",
+}
+
+
+def lineage_env(dag_id: str, run_id: str, task_id: str, run_root: str, try_number: int | str | None = None) -> dict:
+    env = {"EMBSHARD_AIRFLOW_DAG_ID": dag_id, "EMBSHARD_AIRFLOW_RUN_ID": run_id,
+           "EMBSHARD_AIRFLOW_TASK_ID": task_id, "EMBSHARD_RUN_ROOT": run_root}
+    if try_number is not None:
+        env["EMBSHARD_AIRFLOW_TRY_NUMBER"] = str(try_number)
+    return env
+
+
+def mlflow_tags() -> dict[str, str]:
+    """The lineage tags of the current process (empty outside Airflow)."""
+    return {tag: os.environ[var] for var, tag in LINEAGE.items() if os.environ.get(var)}
+
+
+class _Lines:
+    """A text stream that turns a progress bar's carriage-return redraws into log lines."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        for line in text.replace("\r", "\n").split("\n"):
+            if line.strip():
+                self.stream.write(line.rstrip() + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+@contextlib.contextmanager
+def stage_output(env: dict[str, str] | None = None) -> Iterator[None]:
+    """Run a stage inside an Airflow task: lineage in the environment, progress and library INFO on stdout,
+    progress bars refreshed every 15 s (a log gets lines, not a redrawn bar)."""
+    old = {k: os.environ.get(k) for k in [*(env or {}), "TQDM_MININTERVAL"]}
+    os.environ.update(env or {})
+    os.environ.setdefault("TQDM_MININTERVAL", "15")
+    try:
+        with contextlib.redirect_stderr(_Lines(sys.stdout)):
+            yield
+    finally:
+        sys.stdout.flush()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -1,0 +1,146 @@
+"""The DAG under a real Airflow: api-server, scheduler (LocalExecutor), DAG processor and triggerer as separate
+processes on 127.0.0.1 (embshard.airflow_local, what `make ui` starts), a run triggered through the REST API, every
+task run by the task supervisor in its own process (not dag.test()).
+
+It checks what dag.test() cannot: helpers that re-import the entry point die under the supervisor, every stage
+must find the run's one data root and one MLflow store, the trigger form must submit with its defaults, and
+progress must not reach the task logs as ERROR lines. The browser test is skipped where Debian's chromium is
+absent.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from embshard import stages
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("airflow", reason="airflow extra")
+
+# A tiny run: 2 devices, 6-10 tables per task, one evaluated task, one outer round.
+TINY = {"num_tables": 40, "num_tasks": 2, "tables_per_task": "6-10", "devices": 2, "memory_gb": 256,
+        "bench_shards": 16, "bench_chunks": 2, "bench_batch_size": 256, "policy_iterations": 10, "policy_rounds": 1,
+        "eval_tasks": 1, "eval_planners": "dim_greedy,size_lookup_greedy"}
+ENV = ("AIRFLOW_HOME", "EMBSHARD_DATA_ROOT", "MLFLOW_TRACKING_URI", "AIRFLOW__CORE__DAGS_FOLDER")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="module")
+def airflow(tmp_path_factory):
+    from embshard.airflow_local import LocalAirflow
+
+    out = tmp_path_factory.mktemp("airflow-real")
+    with pytest.MonkeyPatch.context() as mp:
+        for key in ENV:  # the installation's own folders, not the test session's
+            mp.delenv(key, raising=False)
+        af = LocalAirflow(str(out), free_port())
+        af.start()
+        try:
+            yield af
+        finally:
+            pids = [p.pid for p in af.procs.values()]
+            af.stop()
+            # Stopped by PID: no component (nor anything in its process group) outlives the test.
+            for pid in pids:
+                with pytest.raises(ProcessLookupError):
+                    os.killpg(pid, 0)
+            assert not listening(af.port)
+
+
+def test_components_listen_on_localhost_only(airflow):
+    import psutil
+
+    ports = {c.laddr for p in airflow.procs.values() for proc in [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+             for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+    assert ports, "the api-server listens somewhere"
+    assert {a.ip for a in ports} == {"127.0.0.1"}, ports
+
+
+def test_triggered_run_succeeds_end_to_end(airflow):
+    import mlflow
+
+    run_id = airflow.trigger(dict(TINY))
+    state = airflow.wait_run(run_id, timeout_s=900)
+    logs = Path(airflow.log_dir) / "dag_id=embshard_pipeline" / f"run_id={run_id}"
+    if state != "success":
+        tails = "\n".join(f"--- {p}\n" + p.read_text()[-3000:] for p in sorted(logs.rglob("*.log")))
+        pytest.fail(f"run {run_id} ended {state}: {airflow.task_states(run_id)}\n{tails}")
+
+    # One data root for every stage of the run.
+    root = Path(stages.run_root(airflow.env["EMBSHARD_DATA_ROOT"], run_id))
+    for rel in ("tables.parquet", "tasks.parquet", "costs", "evaluation/evaluation.parquet",
+                "evaluation/decision.json", "export/placements.parquet"):
+        assert (root / rel).exists(), rel
+    assert len(list((root / "costs").glob("part-*.parquet"))) == TINY["bench_chunks"]
+
+    # One MLflow store, every run tagged with the Airflow task that made it, versions described and typed.
+    mlflow.set_tracking_uri(airflow.env["MLFLOW_TRACKING_URI"])
+    try:
+        runs = mlflow.search_runs(experiment_names=["embshard"], filter_string=f"tags.`airflow.run_id` = '{run_id}'")
+        assert set(runs["tags.airflow.task_id"]) >= {"train_cost_model", "train_policy", "evaluate_and_promote"}
+        assert set(runs["tags.airflow.dag_id"]) == {"embshard_pipeline"}
+        assert set(runs["tags.embshard.run_root"]) == {str(root)}
+        client = mlflow.MlflowClient()
+        for name in ("embshard-cost", "embshard-policy"):
+            (mv,) = client.search_model_versions(f"name='{name}'")
+            assert run_id in mv.description and mv.tags["airflow.run_id"] == run_id
+            info = mlflow.models.get_model_info(f"models:/{name}/{mv.version}")
+            assert info.signature is not None and info.signature.inputs is not None
+    finally:
+        mlflow.set_tracking_uri(None)
+
+    # The decision is the task's return value (XCom) and a readable block in its log.
+    decision = airflow._request("GET", f"/api/v2/dags/embshard_pipeline/dagRuns/{run_id}/taskInstances/"
+                                       "evaluate_and_promote/xcomEntries/return_value")["value"]
+    if isinstance(decision, str):
+        decision = json.loads(decision)
+    assert decision["promoted"] is True and "candidate_median_ratio_best_baseline" in decision
+    log = (logs / "task_id=evaluate_and_promote" / "attempt=1.log").read_text()
+    assert "decision: PROMOTED to champion" in log and "learned planner vs the best baseline" in log
+
+    # Progress bars and library INFO lines are not errors.
+    for path in logs.rglob("*.log"):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            assert entry.get("level") not in ("error", "critical"), f"{path}: {entry.get('event')}"
+
+
+def test_trigger_form_submits_with_defaults(airflow):
+    """Headless Chromium opens the trigger form of the DAG: with the defaults, the Trigger button is enabled."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="dev extra: playwright")
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(f"{airflow.url}/auth/login/")
+            page.get_by_label("Username").fill("admin")
+            page.get_by_label("Password").fill(airflow.password())
+            page.get_by_role("button", name="Sign in").click()
+            page.goto(f"{airflow.url}/dags/embshard_pipeline")
+            page.get_by_role("button", name="Trigger").first.click()
+            dialog = page.get_by_role("dialog")
+            dialog.wait_for(timeout=30_000)
+            time.sleep(2)  # the form validates its fields after it renders
+            button = dialog.get_by_role("button", name="Trigger")
+            assert button.is_enabled()
+        finally:
+            browser.close()
