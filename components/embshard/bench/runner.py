@@ -89,8 +89,10 @@ def _mem_available() -> int | None:
 def memory_budget(device: str, max_shard_gb: float | None) -> int:
     """Bytes one measurement may allocate: --max-shard-gb (CPU default 0.25), never above half the free host
     memory (CPU) or 80% of the free GPU memory."""
-    if max_shard_gb is not None and max_shard_gb <= 0:
-        raise EmbshardError(f"max_shard_gb={max_shard_gb}", field="max_shard_gb", fix="use a positive number")
+    if max_shard_gb is not None:
+        from .. import checks
+
+        max_shard_gb = checks.positive_finite(max_shard_gb, field="max_shard_gb", upper=checks.MAX_MEMORY_GB)
     if device == "cpu":
         budget = (max_shard_gb or DEFAULT_MAX_SHARD_GB_CPU) * GiB
         avail = _mem_available()

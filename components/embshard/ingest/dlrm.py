@@ -43,6 +43,8 @@ class TraceFile:
     def __init__(self, path: str | os.PathLike, tmp_dir: str | None = None):
         self.path = os.fspath(path)
         self._tmp: str | None = None
+        if os.path.isdir(self.path):
+            raise EmbshardError("is a folder, not a file", path=self.path, fix="give the trace file itself")
         if not os.path.isfile(self.path):
             raise EmbshardError("file not found", path=self.path, fix="check the --input path")
         with open(self.path, "rb") as f:
@@ -50,6 +52,9 @@ class TraceFile:
         load_path = self.path
         if magic[:2] == _GZIP_MAGIC:
             load_path = self._tmp = _gunzip_to_temp(self.path, tmp_dir)
+        elif self.path.lower().endswith(".gz"):
+            raise EmbshardError("is named .gz but is not gzip-compressed", path=self.path,
+                                fix="compress it with gzip, or rename it to .pt if it is a plain torch.save file")
         self.mapped = False  # set by _load: True when the tensors are backed by a file mapping
         try:
             indices, offsets, lengths = self._load(load_path, mmap=magic == _ZIP_MAGIC or self._tmp is not None)
@@ -295,6 +300,8 @@ class TraceOptions:
 
 def read_rows_file(path: str, num_tables: int) -> np.ndarray:
     """Hash sizes from a text file: integers separated by commas, spaces or newlines, one per table."""
+    if os.path.isdir(path):
+        raise EmbshardError("is a folder, not a file", path=path, field="rows", fix="give the rows file itself")
     if not os.path.isfile(path):
         raise EmbshardError("file not found", path=path, field="rows", fix="check the --rows-file path")
     text = open(path, encoding="utf-8").read().replace(",", " ").split()

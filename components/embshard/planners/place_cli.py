@@ -24,14 +24,19 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
+    from .. import checks
     from ..errors import EmbshardError
     from .place import place
 
     if (args.devices is None or args.memory_gb is None) and not args.task_id:
         raise EmbshardError("--devices and --memory-gb are required without --task-id", field="devices",
                             fix="give --devices N --memory-gb M")
-    result = place(args.tables, args.out, devices=args.devices,
-                   memory_bytes=None if args.memory_gb is None else int(args.memory_gb * GiB),
+    # Given values are checked as given: 0 is an error, never "use the task's value".
+    devices = None if args.devices is None else checks.devices(args.devices, field="devices")
+    memory = None if args.memory_gb is None else checks.memory_bytes(args.memory_gb, field="memory_gb")
+    if args.time_budget_s is not None:
+        checks.positive_finite(args.time_budget_s, field="time_budget_s", upper=86_400)
+    result = place(args.tables, args.out, devices=devices, memory_bytes=memory,
                    planner=args.planner, model_uri=args.model, cost_model_uri=args.cost_model,
                    tasks=args.tasks, task_id=args.task_id, time_budget_s=args.time_budget_s)
     print(result["report"])
