@@ -329,8 +329,11 @@ def choose_dims(dim: str | int, num_tables: int, seed: int) -> np.ndarray:
         d = int(dim)
     except (TypeError, ValueError):
         d = 0
-    if d <= 0:
-        raise EmbshardError(f"invalid value {dim!r}", field="dim", fix="give a positive integer or 'mixed'")
+    from ..checks import MAX_DIM
+
+    if not 0 < d <= MAX_DIM:
+        raise EmbshardError(f"invalid value {str(dim)[:40]!r}", field="dim",
+                            fix=f"give an integer from 1 to {MAX_DIM:,} or 'mixed'")
     return np.full(num_tables, d, dtype=np.int64)
 
 
