@@ -50,10 +50,12 @@ def load_cost_model_or_none(uri: str | None):
         return None
 
 
-def planner_for(name: str, model_uri: str, time_budget_s: float | None):
+def planner_for(name: str, model_uri: str, time_budget_s: float | None, search_evaluations: int | None = None):
     kw = {"model_uri": model_uri}
     if time_budget_s is not None:
         kw["time_budget_s"] = time_budget_s
+    if search_evaluations is not None:
+        kw["search_evaluations"] = search_evaluations
     try:
         return get_planner(name, **kw)
     except ModelNotFoundError as exc:
@@ -75,11 +77,11 @@ def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | N
 def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: int | None = None,
           planner: str = "learned", model_uri: str = "models:/embshard-policy@champion",
           cost_model_uri: str | None = None, tasks: str | None = None, task_id: str | None = None,
-          time_budget_s: float | None = None) -> dict:
+          time_budget_s: float | None = None, search_evaluations: int | None = None) -> dict:
     from ..export.plan_json import write_plan_json
 
     table_set, D, mem, tid, where = resolve_task(tables, tasks, task_id, devices, memory_bytes)
-    p = planner_for(planner, model_uri, time_budget_s)
+    p = planner_for(planner, model_uri, time_budget_s, search_evaluations)
     try:
         placement = p.plan(table_set, D, mem, tid)
     except EmbshardError as exc:  # name the user's file, not the internal task name

@@ -31,6 +31,10 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
         if lower_bound:
             summary += f", lower bound {lower_bound:.3f} ms, gap {100 * (overall / lower_bound - 1):.1f}%"
         lines.append(summary)
+    if placement.meta.get("time_cap_hit"):
+        lines.append(f"note: the search hit its time cap after {placement.meta.get('search_evaluations')} of "
+                     f"{placement.meta.get('search_budget')} evaluations: this plan depends on the machine's speed "
+                     "(raise --time-budget-s for a reproducible plan)")
     return "\n".join(lines)
 
 
