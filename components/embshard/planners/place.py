@@ -12,7 +12,7 @@ from ..placement import Placement
 from ..tableset import TableSet
 from . import get_planner
 from .report import device_table, plot_device_costs
-from .scoring import lower_bound, placement_costs
+from .scoring import checked_lower_bound, lower_bound, placement_costs
 
 log = logging.getLogger(__name__)
 DEFAULT_COST_MODEL = "models:/embshard-cost@champion"
@@ -71,7 +71,11 @@ def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | N
         return None, None
     costs = placement_costs(model, placement)
     splits = any(s.col_size is not None for s in placement.shards)
-    return costs, lower_bound(model, placement.tables, placement.num_devices, column_splits=splits)
+    bound = lower_bound(model, placement.tables, placement.num_devices, column_splits=splits)
+    checked = checked_lower_bound(model, placement, bound, costs)
+    if checked is None:
+        log.info("lower bound %.3f ms withheld: the cost model predicts a placement below it on these tables", bound)
+    return costs, checked
 
 
 def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: int | None = None,
