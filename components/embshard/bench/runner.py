@@ -290,7 +290,8 @@ def run(tables, shards, out: str, *, backend: str = "auto", device: str = "cpu",
     ts = _tableset(tables)
     shard_df = load_shards(shards, table_ids=list(ts.table_ids), tasks=tasks, placements=placements,
                            num_devices=num_devices, seed=seed, max_tables=max_tables)
-    members = [ts.index_of(list(ids), where="shards") for ids in shard_df["table_ids"]]
+    where = shards if isinstance(shards, str) and not shards.startswith("random:") else "shards"
+    members = [ts.index_of(list(ids), where=where) for ids in shard_df["table_ids"]]
     if num_chunks < 1:
         raise EmbshardError(f"num_chunks={num_chunks}", field="num_chunks", fix="use num_chunks >= 1")
     if chunk is not None and not 0 <= chunk < num_chunks:

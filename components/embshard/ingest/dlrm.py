@@ -89,6 +89,8 @@ class TraceFile:
                 AttributeError, IndexError, TypeError) as exc:
             msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
             reason = f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+            if isinstance(exc, (KeyError, pickle.UnpicklingError)):  # a pickle opcode, meaningless to a user
+                reason = "not in torch.save's format"
             raise EmbshardError(f"not a readable torch.save file, truncated or corrupt ({reason})",
                                 path=self.path, fix=_FIX_FORMAT) from None
         if isinstance(obj, dict):
