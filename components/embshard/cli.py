@@ -30,10 +30,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the project's error format: one line naming the option and the fix, exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (fix: see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="embshard", description="Learned embedding-table sharding.")
+    parser = _Parser(prog="embshard", description="Learned embedding-table sharding.")
     parser.add_argument("--version", action="version", version=f"embshard {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

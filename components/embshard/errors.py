@@ -5,6 +5,11 @@ prints it and exits with code 2. Nothing half-written is left behind (see storag
 """
 from __future__ import annotations
 
+import re
+
+# Terminal colour codes and other control characters (some libraries' messages carry them): one plain line.
+_CONTROL = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|[\x00-\x1f\x7f]")
+
 
 class EmbshardError(Exception):
     """Bad input or an impossible request: the message says what to change."""
@@ -22,8 +27,12 @@ class EmbshardError(Exception):
         text = ": ".join(parts)
         if fix:
             text += f" (fix: {fix})"
-        super().__init__(text.replace("\n", " "))
-        self.path, self.field, self.fix = path, field, fix
+        super().__init__(_CONTROL.sub(lambda m: " " if m.group() in "\n\r\t" else "", text))
+        self.message, self.path, self.field, self.fix = message, path, field, fix
+
+    def at(self, path: str) -> "EmbshardError":
+        """The same error naming `path` (the user's input file) instead of an internal name such as a task id."""
+        return type(self)(self.message, path=path, field=self.field, fix=self.fix)
 
 
 class InfeasiblePlacementError(EmbshardError):

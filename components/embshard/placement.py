@@ -60,12 +60,15 @@ class Placement:
             out[s.device].append(s)
         return out
 
-    def check(self) -> None:
-        """Every table fully placed once, devices in range, memory respected; else a clear error."""
+    def check(self, where: str | None = None) -> None:
+        """Every table fully placed once, devices in range, memory respected; else a clear error.
+
+        `where` names the input in errors (a file, or a file and task); default the task id."""
+        where = where or self.task_id
         dev = self.device_of_shards()
         if len(dev) and (dev.min() < 0 or dev.max() >= self.num_devices):
             raise InfeasiblePlacementError(f"device index out of range 0..{self.num_devices - 1}",
-                                           path=self.task_id, field="device")
+                                           path=where, field="device")
         cols = np.zeros(len(self.tables), dtype=np.int64)
         for s, d in zip(self.shards, self.shard_dims()):
             cols[s.table] += d
@@ -73,14 +76,14 @@ class Placement:
             bad = int(np.flatnonzero(cols != self.tables.dims)[0])
             raise InfeasiblePlacementError(
                 f"table {self.tables.table_ids[bad]} has {cols[bad]} of {self.tables.dims[bad]} columns placed",
-                path=self.task_id, field="shards", fix="place every column of every table exactly once")
+                path=where, field="table_id", fix="place every column of every table exactly once")
         mem = self.memory_per_device()
         over = mem - self.memory_bytes_per_device
         if (over > 0).any():
             d = int(np.argmax(over))
             raise InfeasiblePlacementError(
                 f"device {d} holds {mem[d] / 2**30:.3f} GiB, {over[d] / 2**30:.3f} GiB over its "
-                f"{self.memory_bytes_per_device / 2**30:.3f} GiB", path=self.task_id, field="memory",
+                f"{self.memory_bytes_per_device / 2**30:.3f} GiB", path=where, field="memory",
                 fix="add devices, raise memory per device, or use a planner that respects memory")
 
     def to_frame(self, device_costs: np.ndarray | None = None) -> pd.DataFrame:

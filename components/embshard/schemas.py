@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from . import storage
+from . import checks, storage
 from .errors import EmbshardError
 
 NUM_BINS = 17
@@ -55,29 +55,51 @@ def _non_empty_list(s: pd.Series) -> pd.Series:
     return s.map(lambda v: v is not None and len(v) > 0)
 
 
+def _valid_id(s: pd.Series) -> pd.Series:
+    return ~s.map(checks.bad_id).astype(bool)
+
+
+def _id_list(s: pd.Series) -> pd.Series:
+    """Non-empty lists of valid, distinct ids (a table listed twice would be placed twice)."""
+    return s.map(lambda v: v is not None and len(v) > 0 and len(set(v)) == len(v)
+                 and not any(checks.bad_id(x) for x in v))
+
+
+def _dim(s: pd.Series) -> pd.Series:
+    return (s > 0) & (s <= checks.MAX_DIM)
+
+
+def _pooling(s: pd.Series) -> pd.Series:
+    return _finite_non_negative(s) & (s <= checks.MAX_POOLING_FACTOR)
+
+
 _STR = pa.string()
 _F64 = pa.float64()
 
 SCHEMAS: dict[str, list[Column]] = {
     "tables": [
-        Column("table_id", _STR, check=_non_empty_str, rule="a non-empty, unique name"),
+        Column("table_id", _STR, check=_valid_id, rule=f"a unique id of {checks.ID_RULE}"),
         Column("rows", pa.int64(), check=_positive, rule="an integer > 0"),
-        Column("dim", pa.int32(), check=_positive, rule="an integer > 0"),
-        Column("pooling_factor", _F64, check=_finite_non_negative, rule="a finite number >= 0"),
+        Column("dim", pa.int32(), check=_dim, rule=f"an integer from 1 to {checks.MAX_DIM:,}"),
+        Column("pooling_factor", _F64, check=_pooling,
+               rule=f"a finite number from 0 to {checks.MAX_POOLING_FACTOR:,.0f}"),
         Column("bytes_per_element", pa.int32(), check=lambda s: s.isin([1, 2, 4, 8]),
                rule="1, 2, 4 or 8"),
-        Column("size_bytes", pa.int64(), check=_positive, rule="rows * dim * bytes_per_element > 0"),
+        Column("size_bytes", pa.int64(), check=lambda s: (s > 0) & (s < checks.MAX_TABLE_BYTES),
+               rule="rows * dim * bytes_per_element, > 0 and < 2^62"),
         *[Column(c, _F64, check=_finite_non_negative, rule="a fraction in [0, 1]") for c in BIN_COLUMNS],
         Column("source", _STR),
         Column("trace_file", _STR, required=False, nullable=True),
         Column("trace_table_index", pa.int64(), required=False, nullable=True),
     ],
     "tasks": [
-        Column("task_id", _STR, check=_non_empty_str, rule="a non-empty, unique id"),
+        Column("task_id", _STR, check=_valid_id, rule=f"a unique id of {checks.ID_RULE}"),
         Column("split", _STR, check=lambda s: s.isin(["train", "test"]), rule="'train' or 'test'"),
-        Column("num_devices", pa.int32(), check=_positive, rule="an integer > 0"),
+        Column("num_devices", pa.int32(), check=lambda s: (s > 0) & (s <= checks.MAX_DEVICES),
+               rule=f"an integer from 1 to {checks.MAX_DEVICES:,}"),
         Column("memory_bytes_per_device", pa.int64(), check=_positive, rule="an integer > 0"),
-        Column("table_ids", pa.list_(_STR), check=_non_empty_list, rule="a non-empty list of table ids"),
+        Column("table_ids", pa.list_(_STR), check=_id_list,
+               rule="a non-empty list of valid table ids, each listed once"),
     ],
     "costs": [
         Column("sample_id", _STR, check=_non_empty_str, rule="a non-empty id"),
@@ -109,8 +131,8 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("col_sizes", pa.list_(pa.int32()), required=False, nullable=True),
     ],
     "placements": [
-        Column("task_id", _STR, check=_non_empty_str, rule="a non-empty id"),
-        Column("table_id", _STR, check=_non_empty_str, rule="a non-empty table id"),
+        Column("task_id", _STR, check=_valid_id, rule=f"an id of {checks.ID_RULE}"),
+        Column("table_id", _STR, check=_valid_id, rule=f"a table id of {checks.ID_RULE}"),
         Column("device", pa.int32(), check=_non_negative, rule="an integer >= 0"),
         Column("col_offset", pa.int32(), required=False, nullable=True),
         Column("col_size", pa.int32(), required=False, nullable=True),
@@ -160,18 +182,27 @@ def validate(df: pd.DataFrame, kind: str, path: str | os.PathLike = "<data>") ->
             ok = c.check(nonnull)
             if not bool(np.all(ok)):
                 bad_idx = nonnull.index[~np.asarray(ok, dtype=bool)][0]
-                raise EmbshardError(f"invalid value {nonnull.loc[bad_idx]!r} in row {bad_idx}",
+                raise EmbshardError(f"invalid value {_show(nonnull.loc[bad_idx])} in row {bad_idx}",
                                     path=where, field=c.name, fix=f"every value must be {c.rule}")
     key = {"tables": "table_id", "tasks": "task_id", "costs": "sample_id", "shards": "sample_id"}.get(kind)
     if key is not None and out[key].duplicated().any():
         dup = out.loc[out[key].duplicated(), key].iloc[0]
-        raise EmbshardError(f"duplicate value {dup!r}", path=where, field=key,
+        raise EmbshardError(f"duplicate value {_show(dup)}", path=where, field=key,
                             fix=f"make every '{key}' unique")
     if kind == "tables":
         _check_tables(out, where)
     names = [c.name for c in cols if c.name in out.columns]
     extra = [c for c in out.columns if c not in names]
     return out[names + extra].reset_index(drop=True)
+
+
+def _show(value) -> str:
+    """A value for a message: numbers plainly (never np.float64(...)), text quoted, lists short."""
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return "[" + ", ".join(_show(v) for v in list(value)[:5]) + (", ...]" if len(value) > 5 else "]")
+    if isinstance(value, (str, bytes)):
+        return repr(str(value)[:60])
+    return checks.number(value)
 
 
 def _check_tables(df: pd.DataFrame, where: str) -> None:
@@ -243,6 +274,9 @@ def read(path: str | os.PathLike, kind: str) -> pd.DataFrame:
     info = fs.get_file_info(p)
     if info.type == pafs.FileType.NotFound:
         raise EmbshardError("file not found", path=where, fix=f"check the path, or run the stage that writes {kind}")
+    if info.type == pafs.FileType.Directory and kind != "costs":
+        raise EmbshardError("is a folder, not a file", path=where,
+                            fix=f"give the {kind} Parquet file itself (e.g. {os.path.join(where, kind + '.parquet')})")
     if info.type == pafs.FileType.Directory:
         parts = storage.list_files(where, ".parquet")
         if not parts:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import os
 import posixpath
+import shutil
+import tempfile
 import uuid
 from typing import Iterator
 
@@ -77,6 +79,43 @@ def atomic_write(uri: str | os.PathLike, mode: str = "wb") -> Iterator:
         with contextlib.suppress(Exception):
             fs.delete_file(tmp)
         raise
+
+
+def existing_folder(path: str) -> str:
+    """`path` if it is a local folder, else its nearest existing ancestor (room for temporary files that does
+    not create the output folder before anything is written to it)."""
+    path = os.path.abspath(path)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+@contextlib.contextmanager
+def staged_dir(out: str | os.PathLike) -> Iterator[str]:
+    """A local temporary folder for a command's outputs, published under `out` only if the block succeeds.
+
+    A failed command leaves nothing: not a half-set of files, not an empty `out`. Each file is published with
+    atomic_write (a reader never sees half a file); the window in which only some files are published is the
+    copy of small files at the very end.
+    """
+    local = "://" not in os.fspath(out)
+    tmp = tempfile.mkdtemp(prefix=".embshard-stage-",
+                           dir=existing_folder(os.fspath(out)) if local else None)
+    try:
+        yield tmp
+        for root, _, files in os.walk(tmp):
+            for name in sorted(files):
+                src = os.path.join(root, name)
+                rel = os.path.relpath(src, tmp).split(os.sep)
+                if local:
+                    dest = os.path.join(os.fspath(out), *rel)
+                    os.makedirs(os.path.dirname(dest), exist_ok=True)
+                    os.replace(src, dest)  # same file system: an atomic rename
+                else:
+                    with open(src, "rb") as r, atomic_write(join(out, *rel)) as w:
+                        shutil.copyfileobj(r, w)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def write_text(uri: str | os.PathLike, text: str) -> None:

@@ -71,8 +71,10 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
     if int(num_tasks) <= 0:
         raise EmbshardError("must be > 0", field="num_tasks", fix="ask for at least one task per split")
     lo, hi = parse_range(tables_per_task, "tables_per_task")
-    dev_choices = parse_list(devices, "devices", int)
-    mem_choices = parse_list(memory_gb, "memory_gb", float)
+    from . import checks
+
+    dev_choices = [checks.devices(d) for d in parse_list(devices, "devices", int)]
+    mem_choices = [checks.memory_gb(m) for m in parse_list(memory_gb, "memory_gb", float)]
     if len(tables_df) < 2:
         raise EmbshardError(f"only {len(tables_df)} table: cannot split into train and test pools", path=where,
                             field="table_id", fix="ingest at least 2 tables")

@@ -17,6 +17,7 @@ bytes back as gradients.
 from __future__ import annotations
 
 import json
+import math
 import logging
 import os
 import socket
@@ -170,7 +171,8 @@ def comm_model(hardware: str, device: str, *, out: str | None = None, bandwidth_
         bandwidth_gbps = float(os.environ["EMBSHARD_COMM_BANDWIDTH_GBPS"])
         latency_us = float(os.environ.get("EMBSHARD_COMM_LATENCY_US", "0"))
     if bandwidth_gbps is not None or latency_us is not None:
-        if bandwidth_gbps is None or latency_us is None or bandwidth_gbps <= 0 or latency_us < 0:
+        if (bandwidth_gbps is None or latency_us is None or not math.isfinite(bandwidth_gbps)
+                or not math.isfinite(latency_us) or bandwidth_gbps <= 0 or latency_us < 0):
             raise EmbshardError("give both a bandwidth > 0 and a latency >= 0", field="comm_bandwidth_gbps",
                                 fix="pass --comm-bandwidth-gbps and --comm-latency-us together")
         return CommModel(latency_us * 1e-6, bandwidth_gbps * 1e9, source="given")

@@ -29,6 +29,7 @@ import pandas as pd
 from .. import schemas, storage
 from ..errors import EmbshardError
 from ..tableset import TableSet
+from . import fingerprint
 from . import inputs as inp
 from .sampler import load_shards
 
@@ -89,8 +90,10 @@ def _mem_available() -> int | None:
 def memory_budget(device: str, max_shard_gb: float | None) -> int:
     """Bytes one measurement may allocate: --max-shard-gb (CPU default 0.25), never above half the free host
     memory (CPU) or 80% of the free GPU memory."""
-    if max_shard_gb is not None and max_shard_gb <= 0:
-        raise EmbshardError(f"max_shard_gb={max_shard_gb}", field="max_shard_gb", fix="use a positive number")
+    if max_shard_gb is not None:
+        from .. import checks
+
+        max_shard_gb = checks.positive_finite(max_shard_gb, field="max_shard_gb", upper=checks.MAX_MEMORY_GB)
     if device == "cpu":
         budget = (max_shard_gb or DEFAULT_MAX_SHARD_GB_CPU) * GiB
         avail = _mem_available()
@@ -104,14 +107,11 @@ def memory_budget(device: str, max_shard_gb: float | None) -> int:
     return int(budget)
 
 
-def make_config(*, backend: str = "auto", device: str = "cpu", batch_size: int | None = None,
-                warmup: int | None = None, iterations: int | None = None, num_batches: int = DEFAULT_ROTATIONS,
-                max_shard_gb: float | None = None, timer: str = "auto", seed: int = 0, out: str | None = None,
-                comm_ranks: int | None = None, comm_bandwidth_gbps: float | None = None,
-                comm_latency_us: float | None = None) -> BenchConfig:
-    import torch
-
-    from . import backends, comm
+def resolve_settings(*, backend: str = "auto", device: str = "cpu", batch_size: int | None = None,
+                     warmup: int | None = None, iterations: int | None = None, num_batches: int = DEFAULT_ROTATIONS,
+                     max_shard_gb: float | None = None, timer: str = "auto") -> dict:
+    """The measurement settings with defaults filled in and checked (what the fingerprint records)."""
+    from . import backends
 
     chosen = backends.select_backend(backend, device)
     kind = _kind(device)
@@ -124,18 +124,39 @@ def make_config(*, backend: str = "auto", device: str = "cpu", batch_size: int |
         raise EmbshardError(f"{iterations} timed iterations", field="iterations",
                             fix="time at least 10 iterations (the median needs them)")
     if warmup < 0 or num_batches < 1:
-        raise EmbshardError("warm-up must be >= 0 and rotated batches >= 1", field="warmup")
+        raise EmbshardError("warm-up must be >= 0 and rotated batches >= 1", field="warmup",
+                            fix="use --warmup 0 or more")
+    if max_shard_gb is not None:
+        from .. import checks
+
+        max_shard_gb = checks.positive_finite(max_shard_gb, field="max_shard_gb", upper=checks.MAX_MEMORY_GB)
     threads = backends.num_threads()
-    torch.set_num_threads(threads)
-    hw = backends.hardware(device)
-    cfg = BenchConfig(backend=chosen, device=device, batch_size=batch_size, warmup=warmup, iterations=iterations,
-                      num_batches=int(num_batches), budget_bytes=memory_budget(device, max_shard_gb),
-                      timer=backends.resolve_timer(timer, device, threads), threads=threads, seed=int(seed),
-                      hardware=hw)
+    return {"backend": chosen, "device": device, "batch_size": batch_size, "warmup": warmup,
+            "iterations": iterations, "num_batches": int(num_batches), "max_shard_gb": max_shard_gb,
+            "timer": backends.resolve_timer(timer, device, threads), "num_threads": threads,
+            "hardware": backends.hardware(device)}
+
+
+def make_config(*, backend: str = "auto", device: str = "cpu", batch_size: int | None = None,
+                warmup: int | None = None, iterations: int | None = None, num_batches: int = DEFAULT_ROTATIONS,
+                max_shard_gb: float | None = None, timer: str = "auto", seed: int = 0, out: str | None = None,
+                comm_ranks: int | None = None, comm_bandwidth_gbps: float | None = None,
+                comm_latency_us: float | None = None) -> BenchConfig:
+    import torch
+
+    from . import comm
+
+    st = resolve_settings(backend=backend, device=device, batch_size=batch_size, warmup=warmup,
+                          iterations=iterations, num_batches=num_batches, max_shard_gb=max_shard_gb, timer=timer)
+    torch.set_num_threads(st["num_threads"])
+    cfg = BenchConfig(backend=st["backend"], device=device, batch_size=st["batch_size"], warmup=st["warmup"],
+                      iterations=st["iterations"], num_batches=st["num_batches"],
+                      budget_bytes=memory_budget(device, st["max_shard_gb"]), timer=st["timer"],
+                      threads=st["num_threads"], seed=int(seed), hardware=st["hardware"])
     if comm_ranks is not None and comm_ranks >= 2:
         cfg.comm_group = comm.CommGroup(int(comm_ranks), device)
     else:
-        cfg.comm = comm.comm_model(hw, device, out=out, bandwidth_gbps=comm_bandwidth_gbps,
+        cfg.comm = comm.comm_model(st["hardware"], device, out=out, bandwidth_gbps=comm_bandwidth_gbps,
                                    latency_us=comm_latency_us)
     return cfg
 
@@ -269,7 +290,8 @@ def run(tables, shards, out: str, *, backend: str = "auto", device: str = "cpu",
     ts = _tableset(tables)
     shard_df = load_shards(shards, table_ids=list(ts.table_ids), tasks=tasks, placements=placements,
                            num_devices=num_devices, seed=seed, max_tables=max_tables)
-    members = [ts.index_of(list(ids), where="shards") for ids in shard_df["table_ids"]]
+    where = shards if isinstance(shards, str) and not shards.startswith("random:") else "shards"
+    members = [ts.index_of(list(ids), where=where) for ids in shard_df["table_ids"]]
     if num_chunks < 1:
         raise EmbshardError(f"num_chunks={num_chunks}", field="num_chunks", fix="use num_chunks >= 1")
     if chunk is not None and not 0 <= chunk < num_chunks:
@@ -277,6 +299,15 @@ def run(tables, shards, out: str, *, backend: str = "auto", device: str = "cpu",
                             fix=f"use a chunk in 0..{num_chunks - 1}")
     costs_dir = storage.join(out, "costs")
     _check_chunking(costs_dir, num_chunks)
+    # Same inputs and settings, or no resuming: the fingerprint decides before anything is measured or skipped.
+    settings = resolve_settings(backend=backend, device=device, batch_size=batch_size, warmup=warmup,
+                                iterations=iterations, num_batches=num_batches, max_shard_gb=max_shard_gb,
+                                timer=timer)
+    fp = {"tables_sha256": fingerprint.tables_hash(ts), "shards_sha256": fingerprint.shards_hash(shard_df),
+          "num_shards": len(shard_df), **settings, "seed": int(seed),
+          "comm": {"ranks": comm_ranks, "bandwidth_gbps": comm_bandwidth_gbps, "latency_us": comm_latency_us}}
+    has_results = bool(storage.list_files(costs_dir, ".parquet")) or storage.exists(storage.join(costs_dir, ".partial"))
+    fp_pending = fingerprint.check_or_adopt(costs_dir, fp, has_results)
     chunks = [chunk] if chunk is not None else list(range(num_chunks))
     has_cols = "col_sizes" in shard_df.columns
 
@@ -326,6 +357,9 @@ def run(tables, shards, out: str, *, backend: str = "auto", device: str = "cpu",
                     row = _row(s["sample_id"], s["table_ids"], m, cfg, s["origin"], c)
                     if has_cols:
                         row["col_sizes"] = None if cols is None else [int(x) for x in cols]
+                    if fp_pending:  # with the first result: a failed first shard leaves nothing behind
+                        fingerprint.write(costs_dir, fp)
+                        fp_pending = False
                     schemas.write(pd.DataFrame([row]), storage.join(partial, f"{i:06d}.parquet"), "costs")
                     measured += 1
                     bar.update(1)

@@ -42,22 +42,27 @@ def main(args: argparse.Namespace) -> int:
 def run(placements: str, tables: str, out: str, tasks: str | None = None, module_path: str = "",
         torchrec: bool = True) -> dict:
     """Export every task of `placements`; returns {"placements": path, "plans": {task_id: {file: path}},
-    "num_tasks": n, "torchrec": bool, "torchrec_note": str | None}."""
-    from tqdm import tqdm
+    "num_tasks": n, "torchrec": bool, "torchrec_note": str | None}.
 
+    Complete or absent: every task is checked first (every table of the task, with --tasks exactly the task's
+    tables, each column once, memory respected), all files are written into a temporary folder and published
+    under `out` only when every one was written; on any error nothing is left behind."""
     from .. import schemas, storage
     from ..errors import EmbshardError
     from ..tableset import TableSet
     from .placements import device_costs_from_frame, placement_from_frame
     from .plan_json import write_plan_json
 
+    where = os.fspath(placements)
     df = schemas.read(placements, "placements")
     table_set = TableSet.read(tables)
+    task_tables: dict[str, list[str]] = {}
     task_info: dict[str, tuple[int, int]] = {}
     if tasks:
         tdf = schemas.read(tasks, "tasks")
         task_info = {str(r.task_id): (int(r.num_devices), int(r.memory_bytes_per_device))
                      for r in tdf.itertuples(index=False)}
+        task_tables = {str(r.task_id): list(r.table_ids) for r in tdf.itertuples(index=False)}
     note = None
     if torchrec:
         try:
@@ -69,35 +74,49 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
             log.warning("TorchRec plans skipped: %s", exc)
     else:
         note = "--no-torchrec"
-    storage.makedirs(out)
-    out_placements = storage.join(out, "placements.parquet")
-    plans: dict[str, dict[str, str]] = {}
-    groups = list(df.groupby("task_id", sort=False))
-    for task_id, rows in tqdm(groups, desc="export", unit="task", disable=len(groups) < 5):
+    # Everything is checked before anything is written.
+    checked = []
+    for task_id, rows in df.groupby("task_id", sort=False):
         task_id = str(task_id)
-        _check_task_id(task_id)
+        at = f"{where} (task {task_id})"
         if tasks and task_id not in task_info:
-            raise EmbshardError(f"task {task_id} is not in the tasks file", path=tasks, field="task_id",
+            raise EmbshardError(f"task {task_id} is not in the tasks file {tasks}", path=where, field="task_id",
                                 fix="pass the tasks.parquet the placements were made for")
+        if tasks:
+            _check_complete(rows, task_tables[task_id], at, tasks)
         num_devices, memory = task_info.get(task_id, (None, None))
-        placement = placement_from_frame(rows, table_set, num_devices, memory)
-        costs = device_costs_from_frame(rows, placement.num_devices)
-        files = {"plan_json": storage.join(out, task_id, "plan.json")}
-        write_plan_json(placement, files["plan_json"], device_costs=costs)
-        if torchrec:
-            files.update(_write_torchrec(placement, storage.join(out, task_id), module_path))
-        plans[task_id] = files
-    schemas.write(df, out_placements, "placements")
-    return {"placements": out_placements, "plans": plans, "num_tasks": len(plans), "torchrec": torchrec,
-            "torchrec_note": note}
+        placement = placement_from_frame(rows, table_set, num_devices, memory, where=at)
+        checked.append((task_id, placement, device_costs_from_frame(rows, placement.num_devices)))
+    plans: dict[str, dict[str, str]] = {}
+    with storage.staged_dir(out) as stage:
+        for task_id, placement, costs in checked:
+            write_plan_json(placement, os.path.join(stage, task_id, "plan.json"), device_costs=costs)
+            if torchrec:
+                _write_torchrec(placement, os.path.join(stage, task_id), module_path)
+        schemas.write(df, os.path.join(stage, "placements.parquet"), "placements")
+        for task_id, _, _ in checked:
+            names = ["plan.json"] + (["torchrec_plan.json", "torchrec_plan.pt"] if torchrec else [])
+            plans[task_id] = {k: storage.join(out, task_id, n)
+                              for k, n in zip(("plan_json", "torchrec_plan_json", "torchrec_plan_pt"), names)}
+    return {"placements": storage.join(out, "placements.parquet"), "plans": plans, "num_tasks": len(plans),
+            "torchrec": torchrec, "torchrec_note": note}
 
 
-def _check_task_id(task_id: str) -> None:
+def _check_complete(rows, task_tables: list[str], where: str, tasks: str) -> None:
+    """The rows of a task place exactly the task's tables: none missing, none foreign (each once is checked
+    when the placement is rebuilt, column by column)."""
     from ..errors import EmbshardError
 
-    if task_id in (".", "..") or "/" in task_id or os.sep in task_id:
-        raise EmbshardError(f"task id {task_id!r} cannot name a folder", field="task_id",
-                            fix="use task ids without path separators")
+    placed = set(rows["table_id"].astype(str))
+    missing = [t for t in task_tables if t not in placed]
+    if missing:
+        raise EmbshardError(f"{len(missing)} of the task's {len(task_tables)} tables are not placed "
+                            f"({', '.join(missing[:3])}{'...' if len(missing) > 3 else ''})", path=where,
+                            field="table_id", fix=f"place every table the task lists in {tasks} (re-run the planner)")
+    foreign = sorted(placed - set(task_tables))
+    if foreign:
+        raise EmbshardError(f"tables {', '.join(foreign[:3])} are placed but not part of the task in {tasks}",
+                            path=where, field="table_id", fix="export the placements made for this tasks file")
 
 
 def _write_torchrec(placement, folder: str, module_path: str) -> dict[str, str]:

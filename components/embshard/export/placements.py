@@ -14,13 +14,14 @@ def _value(v):
 
 
 def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: int | None = None,
-                         memory_bytes_per_device: int | None = None) -> Placement:
+                         memory_bytes_per_device: int | None = None, where: str | None = None) -> Placement:
     """The Placement of one task's placements.parquet rows (Placement.to_frame's inverse).
 
     `tables` may hold more tables than the task; the placement's TableSet is the task's tables in row order.
     Without `num_devices`, it is the highest device + 1 (an empty last device is then lost); without
     `memory_bytes_per_device`, the fullest device's memory (recorded in meta as inferred). The result is
-    checked (every column placed once, memory respected).
+    checked (every column placed once, memory respected). `where` names the input in errors (default the
+    task id).
     """
     if df_task is None or len(df_task) == 0:
         raise EmbshardError("no placement rows", field="task_id", fix="give the rows of one task")
@@ -29,11 +30,12 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
         raise EmbshardError(f"rows of {len(task_ids)} tasks ({list(task_ids[:3])})", field="task_id",
                             fix="pass the rows of one task (df[df.task_id == ...])")
     task_id = str(task_ids[0])
+    where = where or task_id
     ids: list[str] = []
     for t in df_task["table_id"].astype(str):
         if t not in ids:
             ids.append(t)
-    sub = tables.select(ids, where=task_id)
+    sub = tables.select(ids, where=where)
     pos = {t: i for i, t in enumerate(ids)}
     shards = []
     for row in df_task.itertuples(index=False):
@@ -47,7 +49,7 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
         num_devices = devices
         meta["num_devices_inferred"] = True
     elif devices > num_devices:
-        raise EmbshardError(f"device {devices - 1} used but the task has {num_devices} devices", path=task_id,
+        raise EmbshardError(f"device {devices - 1} used but the task has {num_devices} devices", path=where,
                             field="device", fix="use devices 0..num_devices-1")
     planners = df_task["planner"].astype(str).unique()
     uris = [u for u in (df_task["model_uri"] if "model_uri" in df_task.columns else []) if _value(u) is not None]
@@ -57,7 +59,7 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
         memory_bytes_per_device = max(int(placement.memory_per_device().max()), 1)
         meta["memory_bytes_per_device_inferred"] = True
     placement.memory_bytes_per_device = int(memory_bytes_per_device)
-    placement.check()
+    placement.check(where)
     return placement
 
 

@@ -45,8 +45,8 @@ def run(source: str, out: str, input: str | None = None, seed: int = 0, num_tabl
         opts = TraceOptions(dim=kw.pop("dim", "mixed"), data_type=kw.pop("data_type", "fp32"),
                             rows_file=kw.pop("rows_file", None), seed=seed, num_tables=num_tables,
                             # a .pt.gz is decompressed beside the output (a big file; /tmp may be small)
-                            tmp_dir=kw.pop("tmp_dir", None) or (os.fspath(out).removeprefix("file://")
-                                                                if local_out else None))
+                            tmp_dir=kw.pop("tmp_dir", None) or (storage.existing_folder(
+                                os.fspath(out).removeprefix("file://")) if local_out else None))
         _no_extra(kw)
         df = tables_from_trace(input, opts, progress=progress)
     else:
@@ -56,7 +56,23 @@ def run(source: str, out: str, input: str | None = None, seed: int = 0, num_tabl
         _no_extra(kw)
         df = tables_from_spec(input, seed=seed, bins_batch_size=batch, progress=progress)
     schemas.write(df, out_path, "tables")
+    _drop_stale_tasks(out)
     return out_path
+
+
+def _drop_stale_tasks(out: str) -> None:
+    """Tasks sampled from the tables this ingest replaced name tables that may no longer exist: remove them."""
+    import logging
+
+    from .. import storage
+    from ..tasks import TASKS_FILE
+
+    stale = storage.join(out, TASKS_FILE)
+    if storage.exists(stale):
+        fs, p = storage.resolve(stale)
+        fs.delete_file(p)
+        logging.getLogger(__name__).warning("removed %s: it was sampled from the tables this ingest replaced; "
+                                            "run `embshard tasks` again", stale)
 
 
 def _no_extra(kw: dict) -> None:

@@ -43,6 +43,8 @@ class TraceFile:
     def __init__(self, path: str | os.PathLike, tmp_dir: str | None = None):
         self.path = os.fspath(path)
         self._tmp: str | None = None
+        if os.path.isdir(self.path):
+            raise EmbshardError("is a folder, not a file", path=self.path, fix="give the trace file itself")
         if not os.path.isfile(self.path):
             raise EmbshardError("file not found", path=self.path, fix="check the --input path")
         with open(self.path, "rb") as f:
@@ -50,6 +52,9 @@ class TraceFile:
         load_path = self.path
         if magic[:2] == _GZIP_MAGIC:
             load_path = self._tmp = _gunzip_to_temp(self.path, tmp_dir)
+        elif self.path.lower().endswith(".gz"):
+            raise EmbshardError("is named .gz but is not gzip-compressed", path=self.path,
+                                fix="compress it with gzip, or rename it to .pt if it is a plain torch.save file")
         self.mapped = False  # set by _load: True when the tensors are backed by a file mapping
         try:
             indices, offsets, lengths = self._load(load_path, mmap=magic == _ZIP_MAGIC or self._tmp is not None)
@@ -84,6 +89,8 @@ class TraceFile:
                 AttributeError, IndexError, TypeError) as exc:
             msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
             reason = f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+            if isinstance(exc, (KeyError, pickle.UnpicklingError)):  # a pickle opcode, meaningless to a user
+                reason = "not in torch.save's format"
             raise EmbshardError(f"not a readable torch.save file, truncated or corrupt ({reason})",
                                 path=self.path, fix=_FIX_FORMAT) from None
         if isinstance(obj, dict):
@@ -295,6 +302,8 @@ class TraceOptions:
 
 def read_rows_file(path: str, num_tables: int) -> np.ndarray:
     """Hash sizes from a text file: integers separated by commas, spaces or newlines, one per table."""
+    if os.path.isdir(path):
+        raise EmbshardError("is a folder, not a file", path=path, field="rows", fix="give the rows file itself")
     if not os.path.isfile(path):
         raise EmbshardError("file not found", path=path, field="rows", fix="check the --rows-file path")
     text = open(path, encoding="utf-8").read().replace(",", " ").split()
@@ -322,8 +331,11 @@ def choose_dims(dim: str | int, num_tables: int, seed: int) -> np.ndarray:
         d = int(dim)
     except (TypeError, ValueError):
         d = 0
-    if d <= 0:
-        raise EmbshardError(f"invalid value {dim!r}", field="dim", fix="give a positive integer or 'mixed'")
+    from ..checks import MAX_DIM
+
+    if not 0 < d <= MAX_DIM:
+        raise EmbshardError(f"invalid value {str(dim)[:40]!r}", field="dim",
+                            fix=f"give an integer from 1 to {MAX_DIM:,} or 'mixed'")
     return np.full(num_tables, d, dtype=np.int64)
 
 

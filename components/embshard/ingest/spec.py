@@ -15,7 +15,7 @@ import os
 import numpy as np
 import pandas as pd
 
-from .. import schemas
+from .. import checks, schemas
 from ..errors import EmbshardError
 from .dlrm import DATA_TYPES
 
@@ -31,6 +31,8 @@ _FORMATS = ".csv, .parquet, .yaml or .yml"
 def read_spec_file(path: str) -> pd.DataFrame:
     """The raw rows of a spec file; unreadable files and empty lists are errors naming the file."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise EmbshardError("is a folder, not a file", path=path, fix="give the spec file itself as --input")
     if not os.path.isfile(path):
         raise EmbshardError("file not found", path=path, fix="check the --input path")
     ext = os.path.splitext(path)[1].lower()
@@ -79,7 +81,7 @@ def _numbers(df: pd.DataFrame, col: str, path: str, integer: bool) -> pd.Series:
     bad = num.isna() & s.notna()
     if bad.any():
         i = int(np.flatnonzero(bad.to_numpy())[0])
-        raise EmbshardError(f"value {s.iloc[i]!r} in row {i} ({_name(df, i)}) is not a number", path=path,
+        raise EmbshardError(f"value {_show(s.iloc[i])} in row {i} ({_name(df, i)}) is not a number", path=path,
                             field=col, fix="give a number" if not integer else "give an integer")
     if integer:
         missing = num.isna()
@@ -90,13 +92,18 @@ def _numbers(df: pd.DataFrame, col: str, path: str, integer: bool) -> pd.Series:
         frac = num != np.round(num)
         if frac.any():
             i = int(np.flatnonzero(frac.to_numpy())[0])
-            raise EmbshardError(f"value {s.iloc[i]!r} in row {i} ({_name(df, i)}) is not an integer",
+            raise EmbshardError(f"value {_show(s.iloc[i])} in row {i} ({_name(df, i)}) is not an integer",
                                 path=path, field=col, fix="give an integer")
     return num.astype("float64")
 
 
 def _name(df: pd.DataFrame, i: int) -> str:
-    return f"table {df['name'].iloc[i]!r}" if "name" in df.columns else f"row {i}"
+    return f"table {_show(df['name'].iloc[i])}" if "name" in df.columns else f"row {i}"
+
+
+def _show(value) -> str:
+    """A cell for a message: text quoted, numbers plainly (never np.float64(...))."""
+    return repr(str(value)[:60]) if isinstance(value, str) else checks.number(value)
 
 
 def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
@@ -111,6 +118,11 @@ def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
         i = int(np.flatnonzero(empty.to_numpy())[0])
         raise EmbshardError(f"empty name in row {i}", path=path, field="name", fix="give every table a name")
     names = names.astype(str).str.strip()
+    bad = names.map(checks.bad_id).astype(bool)
+    if bad.any():
+        i = int(np.flatnonzero(bad.to_numpy())[0])
+        raise EmbshardError(f"table name {names.iloc[i][:60]!r} in row {i} is not allowed", path=path, field="name",
+                            fix=f"use {checks.ID_RULE}")
     dup = names.duplicated()
     if dup.any():
         raise EmbshardError(f"duplicate table name {names[dup].iloc[0]!r}", path=path, field="name",
@@ -120,15 +132,22 @@ def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
         v = _numbers(df, col, path, integer=True)
         if (v <= 0).any():
             i = int(np.flatnonzero((v <= 0).to_numpy())[0])
-            raise EmbshardError(f"value {int(v.iloc[i])} of {_name(df, i)} is not > 0", path=path, field=col,
-                                fix="rows and dims must be positive integers")
+            raise EmbshardError(f"value {checks.number(v.iloc[i])} of {_name(df, i)} is not > 0", path=path,
+                                field=col, fix="rows and dims must be positive integers")
+        upper = checks.MAX_DIM if col == "embedding_dim" else checks.MAX_TABLE_BYTES
+        if (v > upper).any():
+            i = int(np.flatnonzero((v > upper).to_numpy())[0])
+            raise EmbshardError(f"value {checks.number(v.iloc[i])} of {_name(df, i)} is too large", path=path,
+                                field=col, fix=f"give at most {checks.number(upper)}"
+                                + (" (the largest dims in use are a few thousand)" if col == "embedding_dim" else ""))
         out[col] = v.astype(np.int64)
     pf = _numbers(df, "pooling_factor", path, integer=False)
-    bad = ~np.isfinite(pf) | (pf < 0)
+    bad = ~np.isfinite(pf) | (pf < 0) | (pf > checks.MAX_POOLING_FACTOR)
     if bad.any():
         i = int(np.flatnonzero(bad.to_numpy())[0])
-        raise EmbshardError(f"value {pf.iloc[i]} of {_name(df, i)} is not a finite number >= 0", path=path,
-                            field="pooling_factor", fix="give the mean lookups per sample of every table")
+        raise EmbshardError(f"value {checks.number(pf.iloc[i])} of {_name(df, i)} is not a finite number from 0 "
+                            f"to {checks.number(checks.MAX_POOLING_FACTOR)}", path=path, field="pooling_factor",
+                            fix="give the mean lookups per sample of every table")
     out["pooling_factor"] = pf
     if "data_type" in df.columns:
         dt = df["data_type"].fillna("fp32").astype(str).str.strip().str.lower()
@@ -140,12 +159,17 @@ def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
         out["data_type"] = dt.map(_DTYPE_ALIASES)
     else:
         out["data_type"] = "fp32"
+    size = out["num_embeddings"].astype(float) * out["embedding_dim"] * out["data_type"].map(DATA_TYPES)
+    if (size >= checks.MAX_TABLE_BYTES).any():
+        i = int(np.flatnonzero((size >= checks.MAX_TABLE_BYTES).to_numpy())[0])
+        raise EmbshardError(f"{_name(df, i)} would need {size.iloc[i]:.3g} bytes", path=path, field="num_embeddings",
+                            fix="give a table below 2^62 bytes (num_embeddings x embedding_dim x bytes per value)")
     if "zipf_alpha" in df.columns:
         za = _numbers(df, "zipf_alpha", path, integer=False)
         bad = za.notna() & (~np.isfinite(za) | (za < 0))
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])
-            raise EmbshardError(f"value {za.iloc[i]} of {_name(df, i)} is not a finite number >= 0", path=path,
+            raise EmbshardError(f"value {checks.number(za.iloc[i])} of {_name(df, i)} is not a finite number >= 0", path=path,
                                 field="zipf_alpha",
                                 fix="give a skew >= 0 (0 = uniform, ~1 = typical) or leave it empty")
         out["zipf_alpha"] = za

@@ -35,9 +35,10 @@ def get_planner(name: str, **kw) -> Planner:
         from .learned import load_planner
 
         uri = learned_uri(name, kw.get("model_uri"))
-        opts = {k: v for k, v in kw.items() if k in ("time_budget_s", "num_samples", "column_splits", "seed")}
+        opts = {k: v for k, v in kw.items()
+                if k in ("time_budget_s", "search_evaluations", "num_samples", "column_splits", "seed")}
         if name.startswith(POLICY_ONLY):  # ablation: one greedy rollout, no portfolio, no search
-            opts.update(num_samples=0, portfolio=False, column_splits=False, time_budget_s=0.0, cost_greedy=False)
+            opts.update(num_samples=0, portfolio=False, column_splits=False, search_evaluations=0, cost_greedy=False)
         planner = load_planner(uri, **opts)
         planner.name = name
         return planner

@@ -30,6 +30,9 @@ class Planner(ABC):
         if num_devices <= 0:
             raise EmbshardError(f"{num_devices} devices", path=task_id, field="num_devices",
                                 fix="ask for at least one device")
+        if memory_bytes_per_device <= 0:
+            raise EmbshardError(f"{memory_bytes_per_device} bytes of memory per device", path=task_id,
+                                field="memory_bytes_per_device", fix="give a positive memory per device")
         check_feasible(tables, num_devices, memory_bytes_per_device, task_id)
         placement = self._plan(tables, int(num_devices), int(memory_bytes_per_device), task_id)
         placement.planner = placement.planner or self.name

@@ -65,13 +65,21 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     if task_df.empty:
         raise EmbshardError(f"no tasks with split {split!r}", path=tasks, field="split",
                             fix="choose --split train/test/all or sample tasks with `embshard tasks`")
+    # A task that no planner can place is bad input, not a failed planner: refuse before measuring anything.
+    from .base import check_feasible
+
+    subsets = {}
+    for t in task_df.itertuples():
+        where = f"{os.fspath(tasks)} (task {t.task_id})"
+        subsets[t.task_id] = table_set.select(list(t.table_ids), where)
+        check_feasible(subsets[t.task_id], int(t.num_devices), int(t.memory_bytes_per_device), where)
     bench_kw = dict(bench_kw or {})
     planner_objs = {name: get_planner(name, **(planner_kw or {}).get(name, {})) for name in planners}
     rows, placements = [], []
     bar = tqdm(total=len(task_df) * (len(planners) + 1) * repeats, desc="evaluate (measured)",
                disable=not progress)
     for t in task_df.itertuples():
-        sub = table_set.select(list(t.table_ids), f"{tasks}:{t.task_id}")
+        sub = subsets[t.task_id]
         D, mem = int(t.num_devices), int(t.memory_bytes_per_device)
         planned: dict[str, Placement] = {}
         for name, planner in planner_objs.items():
@@ -118,14 +126,14 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     bar.close()
     df = pd.DataFrame(rows)
     df = add_ratios(df)
-    storage.makedirs(out)
+    with storage.staged_dir(out) as stage:  # every output or none
+        _write_parquet(df, os.path.join(stage, "evaluation.parquet"))
+        if placements:
+            schemas.write(pd.concat(placements, ignore_index=True), os.path.join(stage, "placements.parquet"),
+                          "placements")
+        plot_evaluation(df, os.path.join(stage, "evaluation.png"))
     eval_path = storage.join(out, "evaluation.parquet")
-    _write_parquet(df, eval_path)
-    if placements:
-        schemas.write(pd.concat(placements, ignore_index=True), storage.join(out, "placements.parquet"),
-                      "placements")
     plot_path = storage.join(out, "evaluation.png")
-    plot_evaluation(df, plot_path)
     summary = summarize(df)
     _log_to_mlflow(df, summary, plot_path)
     return {"evaluation": eval_path, "plot": plot_path, "frame": df, "summary": summary,

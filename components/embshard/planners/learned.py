@@ -3,13 +3,15 @@
 plan():
  1. candidates: one greedy and K sampled policy rollouts, a cost-model greedy (each table, most expensive first,
     onto the device whose predicted cost after adding it is lowest), and every baseline's placement;
- 2. each candidate is scored by the cost model; the best few are improved by local search (moves and swaps);
+ 2. each candidate is scored by the cost model; the best few are improved by local search (moves and swaps)
+    within a work budget (scored candidates, not seconds: the same inputs and seed give the same plan);
  3. column-wise splits of dominant tables where they lower the predicted cost (optional);
  4. portfolio guarantee: the result is never predicted worse than the best baseline placement, since those are
     candidates and search only accepts improvements.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -21,19 +23,22 @@ from .base import Planner, no_room_error
 from .baselines import BASELINES, make_baseline
 from .policy import PolicyNet, TaskContext, rollout
 from .scoring import TaskScorer, single_threaded
-from .search import SearchState, local_search, try_column_splits
+from .search import Budget, SearchState, local_search, try_column_splits
+
+log = logging.getLogger(__name__)
 
 
 class LearnedPlanner(Planner):
     name = "learned"
 
     def __init__(self, policy: PolicyNet | None, cost_model, *, num_samples: int = 8,
-                 time_budget_s: float | None = None,
+                 search_evaluations: int | None = None, time_budget_s: float | None = None,
                  column_splits: bool = True, portfolio: bool = True, refine_top: int = 3, seed: int = 0,
                  model_uri: str | None = None, cost_greedy: bool = True):
         self.policy = policy
         self.cost_model = cost_model
         self.num_samples = num_samples
+        self.search_evaluations = search_evaluations
         self.time_budget_s = time_budget_s
         self.column_splits = column_splits
         self.portfolio = portfolio
@@ -46,17 +51,23 @@ class LearnedPlanner(Planner):
         with single_threaded(), torch.no_grad():
             return self._search(tables, num_devices, memory_bytes_per_device, task_id)
 
-    def budget_for(self, num_tables: int) -> float:
-        """Search time: the given budget, else 0.45 s up to 250 tables, growing to 2 s (planning stays within
-        1 s at 200 tables and 5 s at 856 tables including rollouts and baselines)."""
-        if self.time_budget_s is not None:
-            return float(self.time_budget_s)
-        return 0.45 if num_tables <= 250 else min(2.0, 0.45 + 0.0025 * (num_tables - 250))
+    def evaluations_for(self, num_tables: int) -> int:
+        """Search work (scored moves and swaps): the given budget, else 60,000 up to 250 tables, growing to
+        240,000 at 1,000 tables. About what the former 0.45-2 s time budgets allowed on a 2-core machine, but
+        counted, so the plan does not depend on the machine's speed or load."""
+        if self.search_evaluations is not None:
+            return max(int(self.search_evaluations), 0)
+        return 60_000 if num_tables <= 250 else min(240_000, 60_000 + 240 * (num_tables - 250))
+
+    def time_cap_for(self, num_tables: int) -> float:
+        """Safety cap on the wall time of the search (the given --time-budget-s, else 60 s): only a guard against
+        a pathological case; when it is hit the plan depends on the machine and this is reported."""
+        return float(self.time_budget_s) if self.time_budget_s is not None else 60.0
 
     def _search(self, tables, num_devices, memory_bytes_per_device, task_id):
         start = time.perf_counter()
-        budget = self.budget_for(len(tables))
-        deadline = start + budget
+        cap = self.time_cap_for(len(tables))
+        budget = Budget(self.evaluations_for(len(tables)), deadline=start + cap)
         ctx = TaskContext.build(self.cost_model, tables.features(), tables.size_bytes, num_devices,
                                 memory_bytes_per_device)
         cands: dict[str, np.ndarray] = {}
@@ -89,22 +100,22 @@ class LearnedPlanner(Planner):
                         key=lambda x: x[0])
         best_state, best_from = None, None
         top = scored[: max(1, self.refine_top)]
-        # Column splits get the last part of the budget; the refined candidates share the rest equally.
-        search_end = start + budget * (0.75 if self.column_splits else 1.0)
+        # Column splits get the last quarter of the work; the refined candidates share the rest equally.
+        search_total = int(budget.evaluations * (0.75 if self.column_splits else 1.0))
         for k, (_, name, a) in enumerate(top):
-            if budget <= 0:  # no search: the best candidate as it is
-                best_state, best_from = SearchState(ctx.scorer, ctx.sizes, memory_bytes_per_device, a), name
-                break
-            now = time.perf_counter()
-            st = local_search(SearchState(ctx.scorer, ctx.sizes, memory_bytes_per_device, a),
-                              now + max(search_end - now, 0.0) / (len(top) - k))
+            sub = budget.share((search_total - budget.used) // (len(top) - k))
+            st = SearchState(ctx.scorer, ctx.sizes, memory_bytes_per_device, a)
+            if sub.evaluations > 0:
+                st = local_search(st, sub)
+            budget.absorb(sub)
+            # ties keep the earlier (better-scored) candidate: the order of `scored` is deterministic
             if best_state is None or st.overall < best_state.overall:
                 best_state, best_from = st, name
         shards = [Shard(i, int(d)) for i, d in enumerate(best_state.assignment)]
         assignment = best_state.assignment
-        if self.column_splits and time.perf_counter() < deadline:
+        if self.column_splits and not budget.exhausted():
             shards, assignment, _ = try_column_splits(tables, shards, assignment, self.cost_model, num_devices,
-                                                      memory_bytes_per_device, deadline)
+                                                      memory_bytes_per_device, budget)
         shards = [Shard(s.table, int(d), s.col_offset, s.col_size) for s, d in zip(shards, assignment)]
         placement = Placement(tables, num_devices, memory_bytes_per_device, shards, planner=self.name,
                               model_uri=self.model_uri)
@@ -113,7 +124,13 @@ class LearnedPlanner(Planner):
             "candidate_costs": {n: c for c, n, _ in scored},
             "planning_time_s": time.perf_counter() - start,
             "column_splits": sum(s.col_size is not None for s in shards),
+            "search_evaluations": budget.used, "search_budget": budget.evaluations,
+            "time_cap_hit": budget.cap_hit,
         })
+        if budget.cap_hit:
+            log.warning("%s: the search hit its %.1f s safety cap after %d of %d evaluations; this plan depends "
+                        "on the machine's speed (raise --time-budget-s for a reproducible plan)", task_id, cap,
+                        budget.used, budget.evaluations)
         return placement
 
 
@@ -139,7 +156,13 @@ def cost_greedy(ctx: TaskContext) -> np.ndarray | None:
 
 
 def load_planner(model_uri: str = "models:/embshard-policy@champion", **kw) -> LearnedPlanner:
-    """The learned planner registered in MLflow (policy + the cost model it was trained against)."""
+    """The learned planner registered in MLflow (policy + the cost model it was trained against).
+
+    Plans are reproducible: the same tables, devices, memory, model version and `seed` give the same placement
+    on every machine and under any load (every rank of a training job may call `plan(...)` and get the same
+    plan). The search stops on a work budget (`search_evaluations`, scored moves and swaps), not on a clock;
+    `time_budget_s` is only a safety cap, and a plan that hit it says so in `placement.meta["time_cap_hit"]`.
+    """
     from .policy_model import load_policy_bundle
 
     policy, cost_model, info = load_policy_bundle(model_uri)

@@ -12,17 +12,18 @@ from ..placement import Placement
 from ..tableset import TableSet
 from . import get_planner
 from .report import device_table, plot_device_costs
-from .scoring import lower_bound, placement_costs
+from .scoring import checked_lower_bound, lower_bound, placement_costs
 
 log = logging.getLogger(__name__)
 DEFAULT_COST_MODEL = "models:/embshard-cost@champion"
 
 
 def resolve_task(tables: str, tasks: str | None, task_id: str | None, devices: int | None,
-                 memory_bytes: int | None) -> tuple[TableSet, int, int, str]:
+                 memory_bytes: int | None) -> tuple[TableSet, int, int, str, str]:
+    """(tables, devices, memory per device, task id, where): `where` names the input file in errors."""
     table_set = TableSet.read(tables)
     if task_id is None:
-        return table_set, int(devices), int(memory_bytes), "task"
+        return table_set, int(devices), int(memory_bytes), "task", os.fspath(tables)
     if tasks is None:
         raise EmbshardError("--task-id needs --tasks", field="tasks", fix="pass --tasks tasks.parquet")
     df = schemas.read(tasks, "tasks")
@@ -31,8 +32,11 @@ def resolve_task(tables: str, tasks: str | None, task_id: str | None, devices: i
         raise EmbshardError(f"no task {task_id!r}", path=tasks, field="task_id",
                             fix=f"choose one of {', '.join(df['task_id'].head(5))}...")
     r = row.iloc[0]
-    return (table_set.select(list(r["table_ids"]), f"{tasks}:{task_id}"),
-            int(devices or r["num_devices"]), int(memory_bytes or r["memory_bytes_per_device"]), task_id)
+    where = f"{os.fspath(tasks)} (task {task_id})"
+    # A value given explicitly wins, also when it is wrong: the caller checked it (0 is not "not given").
+    return (table_set.select(list(r["table_ids"]), where),
+            int(r["num_devices"] if devices is None else devices),
+            int(r["memory_bytes_per_device"] if memory_bytes is None else memory_bytes), task_id, where)
 
 
 def load_cost_model_or_none(uri: str | None):
@@ -46,10 +50,12 @@ def load_cost_model_or_none(uri: str | None):
         return None
 
 
-def planner_for(name: str, model_uri: str, time_budget_s: float | None):
+def planner_for(name: str, model_uri: str, time_budget_s: float | None, search_evaluations: int | None = None):
     kw = {"model_uri": model_uri}
     if time_budget_s is not None:
         kw["time_budget_s"] = time_budget_s
+    if search_evaluations is not None:
+        kw["search_evaluations"] = search_evaluations
     try:
         return get_planner(name, **kw)
     except ModelNotFoundError as exc:
@@ -65,26 +71,31 @@ def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | N
         return None, None
     costs = placement_costs(model, placement)
     splits = any(s.col_size is not None for s in placement.shards)
-    return costs, lower_bound(model, placement.tables, placement.num_devices, column_splits=splits)
+    bound = lower_bound(model, placement.tables, placement.num_devices, column_splits=splits)
+    checked = checked_lower_bound(model, placement, bound, costs)
+    if checked is None:
+        log.info("lower bound %.3f ms withheld: the cost model predicts a placement below it on these tables", bound)
+    return costs, checked
 
 
 def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: int | None = None,
           planner: str = "learned", model_uri: str = "models:/embshard-policy@champion",
           cost_model_uri: str | None = None, tasks: str | None = None, task_id: str | None = None,
-          time_budget_s: float | None = None) -> dict:
+          time_budget_s: float | None = None, search_evaluations: int | None = None) -> dict:
     from ..export.plan_json import write_plan_json
 
-    table_set, D, mem, tid = resolve_task(tables, tasks, task_id, devices, memory_bytes)
-    p = planner_for(planner, model_uri, time_budget_s)
-    placement = p.plan(table_set, D, mem, tid)
+    table_set, D, mem, tid, where = resolve_task(tables, tasks, task_id, devices, memory_bytes)
+    p = planner_for(planner, model_uri, time_budget_s, search_evaluations)
+    try:
+        placement = p.plan(table_set, D, mem, tid)
+    except EmbshardError as exc:  # name the user's file, not the internal task name
+        raise exc.at(where) from None
     cost_model = None if getattr(p, "cost_model", None) is not None else load_cost_model_or_none(cost_model_uri)
     costs, lb = predicted(placement, p, cost_model)
-    storage.makedirs(out)
-    plan_path = storage.join(out, "plan.json")
-    write_plan_json(placement, plan_path, device_costs=costs, lower_bound=lb)
-    pq_path = storage.join(out, "placements.parquet")
-    schemas.write(placement.to_frame(costs), pq_path, "placements")
-    png = storage.join(out, "devices.png")
-    plot_device_costs(placement, costs, png, lb)
-    return {"plot": png, "placement": placement, "device_costs": costs, "lower_bound": lb, "plan_json": plan_path,
-            "placements": pq_path, "report": device_table(placement, costs, lb)}
+    with storage.staged_dir(out) as stage:  # all three files or none
+        write_plan_json(placement, os.path.join(stage, "plan.json"), device_costs=costs, lower_bound=lb)
+        schemas.write(placement.to_frame(costs), os.path.join(stage, "placements.parquet"), "placements")
+        plot_device_costs(placement, costs, os.path.join(stage, "devices.png"), lb)
+    return {"plot": storage.join(out, "devices.png"), "placement": placement, "device_costs": costs,
+            "lower_bound": lb, "plan_json": storage.join(out, "plan.json"),
+            "placements": storage.join(out, "placements.parquet"), "report": device_table(placement, costs, lb)}

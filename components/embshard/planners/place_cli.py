@@ -19,21 +19,35 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-model", default=None,
                    help="cost model for predicted costs of non-learned planners (default: embshard-cost@champion "
                         "if registered)")
-    p.add_argument("--time-budget-s", type=float, default=None, help="search time budget of the learned planner")
+    p.add_argument("--search-evaluations", type=int, default=None,
+                   help="work budget of the learned planner's search, in scored moves/swaps (default: by task "
+                        "size); the plan is the same on every machine")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="safety cap on the learned planner's search time (default 60 s); a plan that hits it "
+                        "depends on the machine's speed, and the report says so")
     p.add_argument("--out", required=True, help="output folder")
 
 
 def main(args) -> int:
+    from .. import checks
     from ..errors import EmbshardError
     from .place import place
 
     if (args.devices is None or args.memory_gb is None) and not args.task_id:
         raise EmbshardError("--devices and --memory-gb are required without --task-id", field="devices",
                             fix="give --devices N --memory-gb M")
-    result = place(args.tables, args.out, devices=args.devices,
-                   memory_bytes=None if args.memory_gb is None else int(args.memory_gb * GiB),
+    # Given values are checked as given: 0 is an error, never "use the task's value".
+    devices = None if args.devices is None else checks.devices(args.devices, field="devices")
+    memory = None if args.memory_gb is None else checks.memory_bytes(args.memory_gb, field="memory_gb")
+    if args.time_budget_s is not None:
+        checks.positive_finite(args.time_budget_s, field="time_budget_s", upper=86_400)
+    if args.search_evaluations is not None and not 0 <= args.search_evaluations <= 10**10:
+        raise EmbshardError(f"invalid value {args.search_evaluations}", field="search_evaluations",
+                            fix="give an integer from 0 (no search) to 10^10")
+    result = place(args.tables, args.out, devices=devices, memory_bytes=memory,
                    planner=args.planner, model_uri=args.model, cost_model_uri=args.cost_model,
-                   tasks=args.tasks, task_id=args.task_id, time_budget_s=args.time_budget_s)
+                   tasks=args.tasks, task_id=args.task_id, time_budget_s=args.time_budget_s,
+                   search_evaluations=args.search_evaluations)
     print(result["report"])
     print(f"wrote {result['plan_json']}, {result['placements']} and {result['plot']}")
     return 0

@@ -30,7 +30,13 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
         summary = f"predicted step cost {overall:.3f} ms (slowest device), imbalance max/mean {overall / mean:.3f}"
         if lower_bound:
             summary += f", lower bound {lower_bound:.3f} ms, gap {100 * (overall / lower_bound - 1):.1f}%"
+        else:
+            summary += ", lower bound n/a (the cost model is not monotone on these tables)"
         lines.append(summary)
+    if placement.meta.get("time_cap_hit"):
+        lines.append(f"note: the search hit its time cap after {placement.meta.get('search_evaluations')} of "
+                     f"{placement.meta.get('search_budget')} evaluations: this plan depends on the machine's speed "
+                     "(raise --time-budget-s for a reproducible plan)")
     return "\n".join(lines)
 
 

@@ -1,5 +1,6 @@
 """Search on top of the policy: local improvement and column-wise splits, scored by the batched cost model.
 
+The search's budget counts work (scored candidates), never wall time, so a plan is reproducible (see Budget).
 Local search repeatedly takes the slowest device and tries every move of one of its pieces to another device and
 every swap with a piece elsewhere, all scored in one batched call; it applies the best one that lowers the
 slowest device's cost (or, at equal maximum, the spread), within memory. Column-wise splits (NeuroShard) halve
@@ -55,13 +56,44 @@ class SearchState:
         self.costs[idx] = self.scorer.totals(self.sums[idx], self.counts[idx]).double()
 
 
-def local_search(state: SearchState, deadline: float, max_rounds: int = 10_000) -> SearchState:
-    """Best-improvement moves and swaps off the slowest device until none helps or the deadline passes."""
+@dataclass
+class Budget:
+    """Work the search may do, counted in scored candidates (moves and swaps), so that the same inputs give the
+    same plan on any machine and under any load. `deadline` (perf_counter time) is only a safety cap: hitting it
+    makes the plan depend on the machine's speed, so it is recorded (`cap_hit`) and reported by the caller."""
+
+    evaluations: int
+    deadline: float = float("inf")
+    used: int = 0
+    cap_hit: bool = False
+
+    def spend(self, n: int) -> None:
+        self.used += int(n)
+
+    def exhausted(self) -> bool:
+        if self.used >= self.evaluations:
+            return True
+        if time.perf_counter() > self.deadline:
+            self.cap_hit = True
+            return True
+        return False
+
+    def share(self, evaluations: int) -> "Budget":
+        """A sub-budget of at most `evaluations` (and what is left), charged back with `absorb`."""
+        return Budget(min(int(evaluations), max(self.evaluations - self.used, 0)), self.deadline)
+
+    def absorb(self, sub: "Budget") -> None:
+        self.used += sub.used
+        self.cap_hit |= sub.cap_hit
+
+
+def local_search(state: SearchState, budget: Budget, max_rounds: int = 10_000) -> SearchState:
+    """Best-improvement moves and swaps off the slowest device until none helps or the budget is spent."""
     sc = state.scorer
     D = sc.num_devices
     sizes_t = torch.as_tensor(state.sizes, dtype=torch.float64)
     for _ in range(max_rounds):
-        if time.perf_counter() > deadline or D < 2:
+        if D < 2 or budget.exhausted():
             break
         costs = state.costs
         b = int(torch.argmax(costs))
@@ -71,6 +103,7 @@ def local_search(state: SearchState, deadline: float, max_rounds: int = 10_000) 
         if len(on_b) == 0:
             break
         others = torch.as_tensor(np.flatnonzero(state.assignment != b))
+        budget.spend(len(on_b) * (D - 1 + len(others)))
         best = _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq)
         if best is None:
             break
@@ -144,7 +177,7 @@ def _collect(out, mx, sq, fits, kind, rows, cols):
 
 
 def try_column_splits(tables: TableSet, shards: list[Shard], assignment: np.ndarray, cost_model,
-                      num_devices: int, memory: int, deadline: float, max_splits: int = 8):
+                      num_devices: int, memory: int, budget: Budget, max_splits: int = 8):
     """Halve the most expensive piece of the slowest device while that lowers the predicted overall cost.
 
     Returns (shards, assignment, state) of the best plan found; unchanged inputs when no split helps.
@@ -152,7 +185,7 @@ def try_column_splits(tables: TableSet, shards: list[Shard], assignment: np.ndar
     shards = list(shards)
     state = _state(tables, shards, assignment, cost_model, num_devices, memory)
     for _ in range(max_splits):
-        if time.perf_counter() > deadline:
+        if budget.exhausted():
             break
         b = int(torch.argmax(state.costs))
         on_b = np.flatnonzero(state.assignment == b)
@@ -168,7 +201,7 @@ def try_column_splits(tables: TableSet, shards: list[Shard], assignment: np.ndar
         trial_shards = shards[:p] + [left, right] + shards[p + 1:]
         trial_assign = np.concatenate([state.assignment[:p], [b, b], state.assignment[p + 1:]])
         trial = _state(tables, trial_shards, trial_assign, cost_model, num_devices, memory)
-        trial = local_search(trial, deadline)
+        trial = local_search(trial, budget)
         if trial.overall < state.overall * (1 - 1e-4):
             shards, state = trial_shards, trial
         else:

@@ -1,0 +1,92 @@
+"""Limits on what users type: ids, device counts, memory sizes, table shapes. One place, so every stage agrees.
+
+Id rules (table_id, task_id): `^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$` and not "." or "..". TorchRec names
+tables and uses them as keys of module paths and state dicts (letters, digits, `_` are always safe; `.` and `-`
+appear in real feature names and are accepted by EmbeddingBagConfig); exports turn task ids into folder names, so
+no path separator, no leading dot (hidden files, "." and "..") and at most 128 characters (far below any file
+system's 255-byte name limit, with room for suffixes).
+
+Shape limits catch unit mistakes (bytes typed as dims, a size typed in bytes as GiB) before they become
+overflows or hours of measuring: dims up to 65,536 (production models use 4..2,048; FBGEMM's fused kernels are
+tuned for dims of a few thousand at most), pooling up to 4,096 lookups per sample (larger is a sequence feature,
+not a pooled one, and the access-bin sample of 65,536 samples would need over 2 GiB of indices), table sizes
+below 2^62 bytes (int64 arithmetic stays exact), memory per device up to 1 PiB and up to 65,536 devices.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from .errors import EmbshardError
+
+ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$"
+ID_RULE = "letters, digits, '_', '.', '-' (not first), at most 128 characters"
+_ID = re.compile(ID_PATTERN)
+
+MAX_DIM = 65_536
+MAX_POOLING_FACTOR = 4096.0
+MAX_TABLE_BYTES = 2**62
+MAX_MEMORY_GB = 2.0**20  # 1 PiB per device
+MAX_DEVICES = 65_536
+GiB = 2**30
+
+
+def bad_id(value) -> bool:
+    """True when `value` is not a valid table/task id (see the module doc)."""
+    return not isinstance(value, str) or _ID.match(value) is None
+
+
+def check_id(value, *, field: str, path: str | None = None) -> str:
+    if bad_id(value):
+        raise EmbshardError(f"id {str(value)[:60]!r} is not allowed", path=path, field=field,
+                            fix=f"use {ID_RULE}")
+    return value
+
+
+def number(value) -> str:
+    """A number for messages: plain Python formatting, never a numpy repr like np.float64(1.5)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return repr(value)
+    return str(int(v)) if v.is_integer() and abs(v) < 1e15 else f"{v:g}"
+
+
+def devices(value, *, field: str = "devices", path: str | None = None) -> int:
+    """A device count: an integer in 1..MAX_DEVICES."""
+    try:
+        ok = float(value).is_integer()
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok or not 1 <= int(float(value)) <= MAX_DEVICES:
+        raise EmbshardError(f"invalid device count {number(value)}", path=path, field=field,
+                            fix=f"give an integer from 1 to {MAX_DEVICES}")
+    return int(float(value))
+
+
+def memory_gb(value, *, field: str = "memory_gb", path: str | None = None) -> float:
+    """Memory per device in GiB: a finite number > 0 and at most MAX_MEMORY_GB."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = math.nan
+    if not math.isfinite(v) or v <= 0 or v > MAX_MEMORY_GB:
+        raise EmbshardError(f"invalid memory {number(value)} GiB", path=path, field=field,
+                            fix=f"give a number of GiB > 0 and <= {MAX_MEMORY_GB:,.0f} (1 PiB)")
+    return v
+
+
+def memory_bytes(gb, *, field: str = "memory_gb", path: str | None = None) -> int:
+    return int(memory_gb(gb, field=field, path=path) * GiB)
+
+
+def positive_finite(value, *, field: str, path: str | None = None, upper: float | None = None) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = math.nan
+    if not math.isfinite(v) or v <= 0 or (upper is not None and v > upper):
+        limit = f" and <= {number(upper)}" if upper is not None else ""
+        raise EmbshardError(f"invalid value {number(value)}", path=path, field=field,
+                            fix=f"give a finite number > 0{limit}")
+    return v
