@@ -2,7 +2,7 @@
 
 Suites: T tables on D devices drawn from a synthetic DLRM-like population generated with a seed the models never
 saw (the unseen half of it, as in the papers' protocol), and spec-based suites (Criteo-like and MLPerf-DLRM-like
-table lists from components/embshard/ingest/examples). Each suite is measured by `embshard.planners.evaluate.run`:
+table lists from components/embshard/ingest/examples). Each suite is measured by `embshard.jobs.evaluate.run`:
 every planner plans each task, the placements are measured interleaved (A, B, C, then again), the lower bound is
 all tables as one fused shard / D. Ratios are taken within a task, so machine drift cancels out.
 """
@@ -73,8 +73,9 @@ def quick_config() -> QualityConfig:
 
 def _suite_files(suite: Suite, cfg: QualityConfig, folder: str, synthetic: pd.DataFrame) -> tuple[str, str]:
     """tables.parquet + tasks.parquet of a suite (test split only)."""
-    from embshard import ingest, schemas
-    from embshard.tasks import sample_tasks
+    from embshard import schemas
+    from embshard.jobs import ingest
+    from embshard.jobs.tasks import sample_tasks
 
     os.makedirs(folder, exist_ok=True)
     tables_path = os.path.join(folder, "tables.parquet")
@@ -102,7 +103,7 @@ def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int,
         comm_root: str | None = None) -> pd.DataFrame:
     """Measure every suite; one row per (suite, task, planner) with evaluate.run's columns plus suite facts."""
     from embshard.ingest.synthetic import generate_tables
-    from embshard.planners import evaluate
+    from embshard.jobs import evaluate
 
     kw = {"bins_batch_size": cfg.bins_batch_size} if cfg.bins_batch_size else {}
     synthetic = generate_tables(cfg.population, seed=HELDOUT_SEED, **kw)

@@ -49,8 +49,8 @@ def readme(pages: dict, info, hw_line: str, started: dt.datetime, seconds: float
                   "full-search plans); gap to the lower bound (all tables fused on one device / D). Median over the "
                   "suite's tasks, worst task in its own column.", "",
                   md_table(head, {"tasks": 0}), "",
-                  f"Every planner, every suite, and the setup: [quality.md](quality.md). "
-                  f"Plot: [quality.png](quality.png).", "", "![quality](quality.png)", ""]
+                  "Every planner, every suite, and the setup: [quality.md](quality.md). "
+                  "Plot: [quality.png](quality.png).", "", "![quality](quality.png)", ""]
     if "planning" in pages:
         df = pages["planning"]["frame"]
         ph = planning_headline(df)

@@ -49,7 +49,9 @@ def measured_world(tmp_path_factory):
     random shards plus the baselines' device shards (small batch and memory budget to stay fast)."""
     import pandas as pd
 
-    from embshard import bench, schemas, tasks
+    from embshard import schemas
+    from embshard.jobs import bench
+    from embshard.jobs import tasks
     from embshard.bench.sampler import placement_shards, random_shards
     from embshard.ingest.synthetic import generate_tables
     from embshard.planners.baselines import GREEDY_BASELINES, make_baseline
@@ -81,7 +83,7 @@ def measured_world(tmp_path_factory):
 @pytest.fixture(scope="session")
 def cost_model_uri(measured_world):
     """A cost model trained on the measured world and registered (session MLflow store) as embshard-cost."""
-    from embshard.costmodel import run
+    from embshard.jobs.train_cost import run
 
     res = run(measured_world["costs"], measured_world["tables"], os.path.join(measured_world["root"], "cm"),
               seed=0, max_epochs=150, patience=30)

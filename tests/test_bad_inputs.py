@@ -15,7 +15,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -30,7 +29,7 @@ LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING) ")
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """Valid inputs every case starts from: 12 tables, one train and one test task of 3 tables, a placement."""
-    from embshard import tasks
+    from embshard.jobs import tasks
     from embshard.ingest.synthetic import generate_tables
     from embshard.planners.baselines import make_baseline
     from embshard.tableset import TableSet

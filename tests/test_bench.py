@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 
 from embshard import schemas
-from embshard.bench import inputs, measure_placement, run
+from embshard.bench import inputs, measure_placement
+from embshard.jobs.bench import run
 from embshard.bench import backends, runner
 from embshard.bench.sampler import placement_shards, random_shards
 from embshard.errors import BackendUnavailableError, EmbshardError

@@ -7,7 +7,8 @@ import os
 import numpy as np
 
 from embshard import schemas
-from embshard.bench import comm, inputs, run, runner
+from embshard.bench import comm, inputs, runner
+from embshard.jobs.bench import run
 from embshard.tableset import TableSet
 
 

@@ -22,7 +22,7 @@ def measured(tmp_path_factory, small_tables_df):
     (real FBGEMM CPU kernels, batch 512, 20 iterations; comm from given constants, no calibration). Sub-millisecond
     shards at batch 128 and ~10 held-out shards made the accuracy checks a coin toss; 160 seen-pool shards give
     about 20 held-out ones."""
-    from embshard.bench import run as bench_run
+    from embshard.jobs.bench import run as bench_run
     from embshard.bench.sampler import random_shards
     from embshard.costmodel.data import table_pools
 
@@ -48,7 +48,7 @@ def measured(tmp_path_factory, small_tables_df):
 @pytest.fixture(scope="module")
 def trained(measured, tmp_path_factory):
     """One training run (seeded) against its own sqlite MLflow store, alias `champion`."""
-    from embshard.costmodel import run
+    from embshard.jobs.train_cost import run
 
     out = tmp_path_factory.mktemp("cost-run")
     with pytest.MonkeyPatch.context() as mp:
@@ -199,7 +199,7 @@ def test_training_is_seeded(measured, tmp_path):
 
 def test_empty_corrupt_or_mismatched_costs_give_a_clear_error(measured, tmp_path):
     from embshard.cli import main as cli_main
-    from embshard.costmodel import run
+    from embshard.jobs.train_cost import run
 
     empty = tmp_path / "empty"
     empty.mkdir()

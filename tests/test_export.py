@@ -194,7 +194,7 @@ def test_cli_writes_every_file(tmp_path, tables_df, placement):
 
 
 def test_run_without_torchrec_still_exports(tmp_path, tables_df, placement, monkeypatch):
-    from embshard.export import run
+    from embshard.jobs.export import run
     from embshard.export.torchrec_plan import require_torchrec
 
     _write_inputs(tmp_path, tables_df, placement)

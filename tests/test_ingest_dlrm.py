@@ -5,7 +5,6 @@ import gzip
 import os
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 

@@ -1,7 +1,6 @@
 """Table-spec files (CSV, Parquet, YAML with TorchRec's names): examples, skew handling, and bad input."""
 from __future__ import annotations
 
-import os
 from importlib import resources
 
 import numpy as np

@@ -9,7 +9,8 @@ import pytest
 from embshard import schemas
 from embshard.cli import main as cli
 from embshard.features import access_bins
-from embshard.ingest import dlrm, run
+from embshard.ingest import dlrm
+from embshard.jobs.ingest import run
 
 
 def test_856_tables_population(tmp_path):

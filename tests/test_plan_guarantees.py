@@ -14,8 +14,8 @@ from embshard.features import FeatureScaler
 from embshard.ingest.synthetic import generate_tables
 from embshard.planners.baselines import BASELINES, make_baseline
 from embshard.planners.learned import LearnedPlanner
-from embshard.planners.place import predicted
-from embshard.planners.policy import PolicyNet
+from embshard.jobs.place import predicted
+from embshard.policy.core import PolicyNet
 from embshard.tableset import TableSet
 
 GiB = 2**30
@@ -55,7 +55,7 @@ def test_same_inputs_same_plan_also_under_cpu_load(setup):
 def test_hitting_the_time_cap_is_reported(setup):
     p, _ = _plan(setup, time_budget_s=1e-6)
     assert p.meta["time_cap_hit"] is True
-    from embshard.planners.report import device_table
+    from embshard.placement_report import device_table
 
     assert "time cap" in device_table(p)
 
@@ -78,7 +78,7 @@ def test_no_planner_is_predicted_below_its_bound(setup):
 def test_measured_costs_are_not_below_the_measured_bound(tmp_path):
     """A small measured case: three tables on two devices, every greedy baseline measured with real kernels."""
     from embshard import schemas
-    from embshard.planners import evaluate
+    from embshard.jobs import evaluate
 
     df = generate_tables(3, seed=4, bins_batch_size=512)
     tables = str(tmp_path / "tables.parquet")

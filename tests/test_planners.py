@@ -14,9 +14,9 @@ import torch
 from embshard import schemas
 from embshard.errors import EmbshardError, InfeasiblePlacementError
 from embshard.planners import get_planner
-from embshard.planners.baselines import BASELINES, GREEDY_BASELINES, make_baseline
+from embshard.planners.baselines import BASELINES, make_baseline
 from embshard.planners.learned import LearnedPlanner
-from embshard.planners.policy import PolicyNet, TaskContext, TrainConfig, rollout
+from embshard.policy.core import PolicyNet, TaskContext, TrainConfig, rollout
 from embshard.planners.scoring import lower_bound, placement_costs
 from embshard.tableset import TableSet
 
@@ -138,7 +138,7 @@ def test_rollouts_only_use_devices_with_room(tables, cost_model):
 
 
 def test_policy_learns_to_beat_random_on_the_estimated_mdp(tables, cost_model):
-    from embshard.planners.train import best_baseline_cost, train_estimated
+    from embshard.policy.train import train_estimated
 
     rng = np.random.default_rng(1)
     small = np.argsort(tables.size_bytes)[:32]
@@ -161,7 +161,7 @@ def test_policy_learns_to_beat_random_on_the_estimated_mdp(tables, cost_model):
 
 def test_train_policy_registers_and_place_uses_the_registry(measured_world, cost_model_uri, tmp_path):
     from embshard import registry
-    from embshard.planners.train import run as train_policy
+    from embshard.jobs.train_policy import run as train_policy
 
     res = train_policy(measured_world["tables"], measured_world["tasks"], str(tmp_path / "policy"),
                        cost_model_uri=cost_model_uri, iterations=20, rollouts_per_task=8, alias="champion",
@@ -196,7 +196,7 @@ def test_place_without_a_registered_model_says_how_to_train(small_tables_path, t
 
 def test_autoshard_variant_learns_from_measured_rewards(measured_world, cost_model):
     """The AutoShard-style policy: every rollout's reward is the measured cost of its placement (real kernels)."""
-    from embshard.planners.train import train_measured
+    from embshard.policy.train import train_measured
 
     tables = TableSet.read(measured_world["tables"])
     sub = tables.subset(np.arange(6))

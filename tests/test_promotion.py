@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from embshard import registry
-from embshard.promote import COST, POLICY, evaluate_and_promote
+from embshard.jobs.promote import COST, POLICY, evaluate_and_promote
 
 BASELINES = ["dim_greedy", "size_lookup_greedy"]
 GOOD, BAD, GOOD_TOO = "1", "2", "3"
@@ -48,7 +48,7 @@ def store(measured_world, cost_model_uri, tmp_path_factory):
 
     from embshard.costmodel import load
     from embshard.costmodel.pyfunc import CostModelPyfunc
-    from embshard.planners.train import run as train_policy
+    from embshard.jobs.train_policy import run as train_policy
 
     good = load(cost_model_uri)  # from the session store, before switching stores
     root = tmp_path_factory.mktemp("promotion")

@@ -5,7 +5,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from embshard import schemas, tasks
+from embshard import schemas
+from embshard.jobs import tasks
 from embshard.cli import main as cli
 from embshard.errors import EmbshardError
 

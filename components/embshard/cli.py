@@ -16,14 +16,14 @@ from .errors import EmbshardError
 
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "ingest": ("embshard.ingest.cli", "read tables (DLRM traces, spec files, synthetic) into tables.parquet"),
-    "tasks": ("embshard.tasks", "sample train/test placement tasks into tasks.parquet"),
-    "bench": ("embshard.bench.cli", "measure fused device-shard costs into costs/part-*.parquet"),
-    "train-cost": ("embshard.costmodel.cli", "train the cost model and register embshard-cost"),
-    "train-policy": ("embshard.planners.train_cli", "train the placement policy and register embshard-policy"),
-    "place": ("embshard.planners.place_cli", "place tables on devices with a planner"),
-    "evaluate": ("embshard.planners.evaluate", "measure several planners' placements side by side"),
-    "export": ("embshard.export.cli", "export placements (plan.json, Parquet, TorchRec plan)"),
+    "ingest": ("embshard.jobs.ingest", "read tables (DLRM traces, spec files, synthetic) into tables.parquet"),
+    "tasks": ("embshard.jobs.tasks", "sample train/test placement tasks into tasks.parquet"),
+    "bench": ("embshard.jobs.bench", "measure fused device-shard costs into costs/part-*.parquet"),
+    "train-cost": ("embshard.jobs.train_cost", "train the cost model and register embshard-cost"),
+    "train-policy": ("embshard.jobs.train_policy", "train the placement policy and register embshard-policy"),
+    "place": ("embshard.jobs.place", "place tables on devices with a planner"),
+    "evaluate": ("embshard.jobs.evaluate", "measure several planners' placements side by side"),
+    "export": ("embshard.jobs.export", "export placements (plan.json, Parquet, TorchRec plan)"),
     "pipeline": ("embshard.pipeline", "run the whole Airflow DAG locally"),
     "ui": ("embshard.airflow_local", "start a real local Airflow (UI, scheduler) that runs the pipeline DAG"),
     "stage": ("embshard.stages", "run one pipeline stage on a run root (what the DAG's tasks and pods run)"),

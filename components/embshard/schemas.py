@@ -7,7 +7,7 @@ and the fix; `write` is atomic.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -280,7 +280,7 @@ def read(path: str | os.PathLike, kind: str) -> pd.DataFrame:
     if info.type == pafs.FileType.Directory:
         parts = storage.list_files(where, ".parquet")
         if not parts:
-            raise EmbshardError(f"no .parquet files in this folder", path=where,
+            raise EmbshardError("no .parquet files in this folder", path=where,
                                 fix=f"run the stage that writes {kind} first")
         frames = [_read_one(part) for part in parts]
         df = pd.concat(frames, ignore_index=True)

@@ -87,8 +87,8 @@ def _state(root: str, name: str, value: dict | None = None) -> dict:
 
 
 def ingest(root: str, params: dict) -> dict:
-    from .ingest import run as ingest_run
-    from .tasks import run as tasks_run
+    from .jobs.ingest import run as ingest_run
+    from .jobs.tasks import run as tasks_run
 
     p = merged(params)
     kw = {}
@@ -166,7 +166,7 @@ def bench_shards(root: str, params: dict) -> str:
 
 
 def benchmark(root: str, params: dict, chunk: int) -> dict:
-    from .bench import run as bench_run
+    from .jobs.bench import run as bench_run
 
     p = merged(params)
     shards = bench_shards(root, p)
@@ -177,7 +177,7 @@ def benchmark(root: str, params: dict, chunk: int) -> dict:
 
 
 def train_cost_model(root: str, params: dict) -> dict:
-    from .costmodel import run as train_cost
+    from .jobs.train_cost import run as train_cost
 
     p = merged(params)
     res = train_cost(path(root, "costs"), path(root, "tables"), path(root, "cost_model"), seed=int(p["seed"]))
@@ -186,7 +186,7 @@ def train_cost_model(root: str, params: dict) -> dict:
 
 
 def train_policy(root: str, params: dict) -> dict:
-    from .planners.train import run as train_run
+    from .jobs.train_policy import run as train_run
 
     p = merged(params)
     cm = _state(root, "cost_model")
@@ -209,7 +209,7 @@ def _bench_kw(root: str, p: dict) -> dict:
 
 
 def evaluate_and_promote(root: str, params: dict) -> dict:
-    from .promote import evaluate_and_promote as promote
+    from .jobs.promote import evaluate_and_promote as promote
 
     p = merged(params)
     pol = _state(root, "policy")
@@ -222,9 +222,9 @@ def evaluate_and_promote(root: str, params: dict) -> dict:
 
 
 def export_placements(root: str, params: dict) -> dict:
-    from .export import run as export_run
+    from .jobs.export import run as export_run
     from .planners import get_planner
-    from .promote import place_tasks
+    from .jobs.export import place_tasks
 
     p = merged(params)
     placements = place_tasks(path(root, "tables"), path(root, "tasks"), get_planner("learned@champion"),

@@ -1,8 +1,7 @@
-"""Benchmark stage: measure fused device-shard costs (compute and communication) into costs/part-*.parquet.
-
-`run(...)` is the stage entry point (CLI: `embshard bench`); `measure_placement(...)` measures the devices of a
-Placement in-process; `sampler` chooses the shards. torch/FBGEMM are imported only when measuring.
+"""Measuring device shards: kernels (backends), inputs, the all-to-all (comm), shard sampling (sampler), the
+measurement protocol (runner) and the fingerprint that makes a benchmark folder resumable. The benchmark stage
+that writes costs/part-*.parquet is embshard.jobs.bench. torch/FBGEMM are imported only when measuring.
 """
-from .runner import measure_placement, run
+from .runner import measure_placement
 
-__all__ = ["run", "measure_placement"]
+__all__ = ["measure_placement"]

@@ -1,11 +1,7 @@
-"""Measure device shards: the fused compute of each shard (forward, backward) and its all-to-all, in chunks.
+"""How one device shard is measured: the fused compute of the shard (forward, backward) and its all-to-all.
 
-`run` writes DIR/costs/part-{chunk:05d}-of-{num_chunks:05d}.parquet (costs contract), one per chunk. Shard i of
-the (deterministic) shard list belongs to chunk i % num_chunks, so a pod runs exactly one chunk with the same
-CLI. A finished part is skipped on rerun. Inside a chunk every measured shard is committed at once, atomically,
-to DIR/costs/.partial/<part>/<shard index>.parquet (hidden from readers of the costs folder); a killed chunk
-keeps those and its rerun measures only the rest; the part is then written from them (one row per sample_id)
-and the partial folder removed.
+The benchmark stage (jobs.bench) calls `measure_shard` for each shard of its chunk; evaluation calls
+`measure_placement`, which measures every device of a Placement in-process.
 
 `measure_placement` measures every device of a Placement in-process (evaluation).
 
@@ -18,20 +14,15 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import re
 import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
-from .. import schemas, storage
 from ..errors import EmbshardError
 from ..tableset import TableSet
-from . import fingerprint
 from . import inputs as inp
-from .sampler import load_shards
 
 log = logging.getLogger(__name__)
 
@@ -250,152 +241,6 @@ def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: i
         "fwd_comm_ms": f_comm, "bwd_comm_ms": b_comm, "num_devices": nd, "row_scale": row_scale,
         "spread": float((q75 - q25) / max(np.median(total), 1e-9)),
     }
-
-
-def _row(sample_id, table_ids, m: dict, cfg: BenchConfig, origin, chunk) -> dict:
-    return {"sample_id": sample_id, "table_ids": list(table_ids), **{k: m[k] for k in (
-        "fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")},
-        "hardware": cfg.hardware, "backend": cfg.backend, "batch_size": cfg.batch_size,
-        "iterations": m["iterations"], "measured_at": pd.Timestamp.now(tz="UTC"),
-        "num_devices": m["num_devices"], "comm_source": cfg.comm_source, "row_scale": m["row_scale"],
-        "spread": m["spread"], "origin": origin, "chunk": chunk,
-        "timer": cfg.timer, "num_threads": cfg.threads, "comm_model": cfg.comm_detail}
-
-
-_PART = re.compile(r"^part-(\d{5})-of-(\d{5})\.parquet$")
-
-
-def part_name(chunk: int, num_chunks: int) -> str:
-    return f"part-{chunk:05d}-of-{num_chunks:05d}.parquet"
-
-
-def _tableset(tables) -> TableSet:
-    if isinstance(tables, TableSet):
-        return tables
-    if isinstance(tables, pd.DataFrame):
-        return TableSet.from_frame(schemas.validate(tables, "tables", "<tables>"))
-    return TableSet.read(tables)
-
-
-def run(tables, shards, out: str, *, backend: str = "auto", device: str = "cpu", batch_size: int | None = None,
-        num_devices: int = 4, chunk: int | None = None, num_chunks: int = 1, tasks: str | None = None,
-        placements: str | None = None, seed: int = 0, warmup: int | None = None, iterations: int | None = None,
-        num_batches: int = DEFAULT_ROTATIONS, max_shard_gb: float | None = None, timer: str = "auto",
-        comm_ranks: int | None = None, comm_bandwidth_gbps: float | None = None,
-        comm_latency_us: float | None = None, max_tables: int = 15, progress: bool = True) -> list[str]:
-    """Measure the shards of chunk `chunk` (all chunks when None) into DIR/costs; returns the part files of the
-    chunks handled (written now or finished before). See the module doc for chunking and resuming."""
-    from tqdm.auto import tqdm
-
-    ts = _tableset(tables)
-    shard_df = load_shards(shards, table_ids=list(ts.table_ids), tasks=tasks, placements=placements,
-                           num_devices=num_devices, seed=seed, max_tables=max_tables)
-    where = shards if isinstance(shards, str) and not shards.startswith("random:") else "shards"
-    members = [ts.index_of(list(ids), where=where) for ids in shard_df["table_ids"]]
-    if num_chunks < 1:
-        raise EmbshardError(f"num_chunks={num_chunks}", field="num_chunks", fix="use num_chunks >= 1")
-    if chunk is not None and not 0 <= chunk < num_chunks:
-        raise EmbshardError(f"chunk {chunk} of {num_chunks}", field="chunk",
-                            fix=f"use a chunk in 0..{num_chunks - 1}")
-    costs_dir = storage.join(out, "costs")
-    _check_chunking(costs_dir, num_chunks)
-    # Same inputs and settings, or no resuming: the fingerprint decides before anything is measured or skipped.
-    settings = resolve_settings(backend=backend, device=device, batch_size=batch_size, warmup=warmup,
-                                iterations=iterations, num_batches=num_batches, max_shard_gb=max_shard_gb,
-                                timer=timer)
-    fp = {"tables_sha256": fingerprint.tables_hash(ts), "shards_sha256": fingerprint.shards_hash(shard_df),
-          "num_shards": len(shard_df), **settings, "seed": int(seed),
-          "comm": {"ranks": comm_ranks, "bandwidth_gbps": comm_bandwidth_gbps, "latency_us": comm_latency_us}}
-    has_results = bool(storage.list_files(costs_dir, ".parquet")) or storage.exists(storage.join(costs_dir, ".partial"))
-    fp_pending = fingerprint.check_or_adopt(costs_dir, fp, has_results)
-    chunks = [chunk] if chunk is not None else list(range(num_chunks))
-    has_cols = "col_sizes" in shard_df.columns
-
-    # What is left to do, before any heavy setup.
-    plan: list[tuple[int, str, str, list[int], set[str]]] = []
-    done_parts: list[str] = []
-    for c in chunks:
-        part = storage.join(costs_dir, part_name(c, num_chunks))
-        idx = [i for i in range(len(shard_df)) if i % num_chunks == c]
-        if storage.exists(part):
-            done_parts.append(part)
-            continue
-        if not idx:
-            log.info("chunk %d of %d has no shards", c, num_chunks)
-            continue
-        partial = storage.join(costs_dir, ".partial", part_name(c, num_chunks)[:-len(".parquet")])
-        finished = {_sub_index(p) for p in storage.list_files(partial, ".parquet")}
-        plan.append((c, part, partial, idx, finished))
-    todo = sum(len([i for i in idx if i not in fin]) for _, _, _, idx, fin in plan)
-    if not plan:
-        return done_parts
-
-    cfg = make_config(backend=backend, device=device, batch_size=batch_size, warmup=warmup,
-                      iterations=iterations, num_batches=num_batches, max_shard_gb=max_shard_gb, timer=timer,
-                      seed=seed, out=out, comm_ranks=comm_ranks, comm_bandwidth_gbps=comm_bandwidth_gbps,
-                      comm_latency_us=comm_latency_us)
-    log.info("bench: %d shards to measure on %s (%s, batch %d, %d threads, timer %s, comm %s)", todo,
-             cfg.hardware, cfg.backend, cfg.batch_size, cfg.threads, cfg.timer, cfg.comm_detail)
-    written = list(done_parts)
-    fail_after = int(os.environ.get("EMBSHARD_BENCH_FAIL_AFTER", "-1"))  # test hook: simulate a crash
-    measured = 0
-    try:
-        with tqdm(total=todo, unit="shard", desc="bench", disable=not progress, dynamic_ncols=True) as bar:
-            for c, part, partial, idx, finished in plan:
-                # A seeded shuffle of the measuring order: load drifting over a long chunk then spreads over all
-                # kinds of shards instead of biasing the ones listed last (e.g. one table pool).
-                order = np.random.default_rng(seed + c).permutation(len(idx))
-                for i in (idx[k] for k in order):
-                    if i in finished:
-                        continue
-                    if measured == fail_after:
-                        raise RuntimeError(f"EMBSHARD_BENCH_FAIL_AFTER={fail_after}: simulated crash")
-                    s = shard_df.iloc[i]
-                    cols = s["col_sizes"] if has_cols else None
-                    m = measure_shard(ts, members[i], cfg, num_devices=int(s["num_devices"]),
-                                      col_sizes=None if cols is None else list(cols), where=str(s["sample_id"]))
-                    row = _row(s["sample_id"], s["table_ids"], m, cfg, s["origin"], c)
-                    if has_cols:
-                        row["col_sizes"] = None if cols is None else [int(x) for x in cols]
-                    if fp_pending:  # with the first result: a failed first shard leaves nothing behind
-                        fingerprint.write(costs_dir, fp)
-                        fp_pending = False
-                    schemas.write(pd.DataFrame([row]), storage.join(partial, f"{i:06d}.parquet"), "costs")
-                    measured += 1
-                    bar.update(1)
-                    bar.set_postfix_str(f"{len(s['table_ids'])} tables "
-                                        f"{m['fwd_compute_ms'] + m['bwd_compute_ms']:.1f} ms", refresh=False)
-                written.append(_finish_part(part, partial, idx))
-    finally:
-        close_config(cfg)
-    return sorted(written)
-
-
-def _sub_index(path: str) -> int:
-    return int(os.path.basename(path).split(".")[0])
-
-
-def _finish_part(part: str, partial: str, idx: list[int]) -> str:
-    subs = {_sub_index(p): p for p in storage.list_files(partial, ".parquet")}
-    missing = [i for i in idx if i not in subs]
-    if missing:
-        raise EmbshardError(f"shards {missing[:3]} of this chunk were not measured", path=partial,
-                            fix="rerun the same command")
-    frames = [schemas.read(subs[i], "costs") for i in idx]
-    df = pd.concat(frames, ignore_index=True).drop_duplicates("sample_id", keep="first")
-    schemas.write(df, part, "costs")
-    fs, p = storage.resolve(partial)
-    fs.delete_dir(p)
-    return part
-
-
-def _check_chunking(costs_dir: str, num_chunks: int) -> None:
-    for f in storage.list_files(costs_dir, ".parquet"):
-        m = _PART.match(os.path.basename(f))
-        if m and int(m.group(2)) != num_chunks:
-            raise EmbshardError(f"this folder holds parts of a {int(m.group(2))}-chunk run, not {num_chunks}",
-                                path=costs_dir, field="num_chunks",
-                                fix="rerun with the same --num-chunks, or write to a new --out")
 
 
 def measure_placement(placement, *, backend: str = "auto", device: str = "cpu", batch_size: int | None = None,

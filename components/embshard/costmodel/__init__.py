@@ -1,14 +1,14 @@
 """The learned cost model: per-table encoder, SUM per device, fwd/bwd compute and comm heads, overall head.
 
-`CostModel` (prediction API), `load(uri)` (a registry URI such as models:/embshard-cost@champion, or a local
-folder written by CostModel.save), `run(...)` (the train_cost_model stage). Imports are lazy so that
+`CostModel` (prediction API) and `load(uri)` (a registry URI such as models:/embshard-cost@champion, or a local
+folder written by CostModel.save). The train_cost_model stage is embshard.jobs.train_cost. Imports are lazy so that
 `embshard --help` does not pull torch.
 """
 from __future__ import annotations
 
 REGISTERED_NAME = "embshard-cost"
 
-__all__ = ["CostModel", "load", "run", "REGISTERED_NAME"]
+__all__ = ["CostModel", "load", "REGISTERED_NAME"]
 
 
 def __getattr__(name):
@@ -16,10 +16,6 @@ def __getattr__(name):
         from .model import CostModel
 
         return CostModel
-    if name == "run":
-        from .stage import run
-
-        return run
     raise AttributeError(name)
 
 

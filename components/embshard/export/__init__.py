@@ -22,12 +22,5 @@ def torchrec_constraints(plan_or_placement):
     return _c(plan_or_placement)
 
 
-def run(placements: str, tables: str, out: str, **kw) -> dict:
-    """The export_placements stage (see embshard.export.cli.run)."""
-    from .cli import run as _run
-
-    return _run(placements, tables, out, **kw)
-
-
 __all__ = ["SCHEMA_VERSION", "write_plan_json", "read_plan_json", "validate_plan", "placement_from_plan",
-           "placement_from_frame", "device_costs_from_frame", "to_torchrec_plan", "torchrec_constraints", "run"]
+           "placement_from_frame", "device_costs_from_frame", "to_torchrec_plan", "torchrec_constraints"]

@@ -21,8 +21,8 @@ from ..errors import EmbshardError
 from ..placement import Placement, Shard
 from .base import Planner, no_room_error
 from .baselines import BASELINES, make_baseline
-from .policy import PolicyNet, TaskContext, rollout
-from .scoring import TaskScorer, single_threaded
+from ..policy.core import PolicyNet, TaskContext, rollout
+from .scoring import single_threaded
 from .search import Budget, SearchState, local_search, try_column_splits
 
 log = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ def load_planner(model_uri: str = "models:/embshard-policy@champion", **kw) -> L
     plan). The search stops on a work budget (`search_evaluations`, scored moves and swaps), not on a clock;
     `time_budget_s` is only a safety cap, and a plan that hit it says so in `placement.meta["time_cap_hit"]`.
     """
-    from .policy_model import load_policy_bundle
+    from ..policy.model import load_policy_bundle
 
     policy, cost_model, info = load_policy_bundle(model_uri)
     return LearnedPlanner(policy, cost_model, model_uri=model_uri, **kw)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .scoring import TaskScorer
+from ..planners.scoring import TaskScorer
 
 NUM_POLICY_FEATURES = 11
 INFEASIBLE_PENALTY = 3.0  # reward of a rollout that ran out of memory, in units of the task scale
@@ -149,11 +149,19 @@ class TrainConfig:
 
 
 def reinforce_step(policy: PolicyNet, optimizer: torch.optim.Optimizer, ctx: TaskContext, cfg: TrainConfig,
-                   generator: torch.Generator) -> dict:
-    """One REINFORCE update on one task: group baseline, normalised advantages, entropy bonus."""
+                   generator: torch.Generator, costs=None) -> dict:
+    """One REINFORCE update on one task: sample `cfg.rollouts_per_task` placements, reward each with minus its
+    cost relative to the task's scale (the cost model's prediction, or `costs(rollouts)`: e.g. measured ms, NaN
+    where infeasible), group baseline, normalised advantages, entropy bonus. The only policy-gradient update."""
     ro = rollout(policy, ctx, cfg.rollouts_per_task, "sample", generator)
-    reward = torch.as_tensor(-ro.overall / ctx.scale, dtype=torch.float32)
-    reward = torch.where(torch.as_tensor(ro.feasible), reward, torch.full_like(reward, -INFEASIBLE_PENALTY))
+    if costs is None:
+        cost, scale = ro.overall, ctx.scale
+    else:
+        cost = np.asarray(costs(ro), dtype=np.float64)
+        scale = np.nanmedian(cost) if np.isfinite(cost).any() else 1.0
+    feasible = np.asarray(ro.feasible, dtype=bool) & np.isfinite(cost)
+    reward = torch.as_tensor(np.where(feasible, -np.nan_to_num(cost) / scale, -INFEASIBLE_PENALTY),
+                             dtype=torch.float32)
     adv = reward - reward.mean()
     adv = adv / (adv.std() + 1e-6)
     loss = -(adv * ro.log_prob).mean() - cfg.entropy_coef * ro.entropy.mean() / len(ctx.sizes)
@@ -161,5 +169,8 @@ def reinforce_step(policy: PolicyNet, optimizer: torch.optim.Optimizer, ctx: Tas
     loss.backward()
     nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
     optimizer.step()
-    return {"loss": float(loss), "reward_mean": float(reward.mean()), "reward_best": float(reward.max()),
-            "feasible_frac": float(ro.feasible.mean())}
+    stats = {"loss": float(loss), "reward_mean": float(reward.mean()), "reward_best": float(reward.max()),
+             "feasible_frac": float(feasible.mean())}
+    if costs is not None:
+        stats["measured_best_ms"] = float(np.nanmin(cost)) if np.isfinite(cost).any() else float("nan")
+    return stats

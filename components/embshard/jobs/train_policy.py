@@ -9,119 +9,24 @@ MDP gains or loses.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import tempfile
 import time
 
-import numpy as np
 import pandas as pd
 import torch
 
 from .. import schemas, storage
 from ..errors import EmbshardError
 from ..tableset import TableSet
-from .baselines import GREEDY_BASELINES, make_baseline
-from .policy import INFEASIBLE_PENALTY, PolicyNet, TaskContext, TrainConfig, reinforce_step, rollout
-from .scoring import single_threaded
+from ..policy.core import PolicyNet, TaskContext, TrainConfig, rollout
+from ..policy.train import (best_baseline_cost, plot_learning_curve, task_contexts, train_estimated,
+                            train_measured, validation_ratio)
+from ..planners.scoring import single_threaded
 
 log = logging.getLogger(__name__)
-
-
-def task_contexts(cost_model, tables: TableSet, tasks: pd.DataFrame, where: str) -> list[tuple[str, TableSet, TaskContext]]:
-    out = []
-    for t in tasks.itertuples():
-        sub = tables.select(list(t.table_ids), f"{where}:{t.task_id}")
-        out.append((t.task_id, sub, TaskContext.build(cost_model, sub.features(), sub.size_bytes,
-                                                      int(t.num_devices), int(t.memory_bytes_per_device))))
-    return out
-
-
-def best_baseline_cost(ctx: TaskContext, sub: TableSet) -> float:
-    """Predicted overall cost of the best greedy baseline on a task (the bar the policy must clear)."""
-    best = np.inf
-    for name in GREEDY_BASELINES:
-        try:
-            p = make_baseline(name).plan(sub, ctx.scorer.num_devices, ctx.memory)
-        except EmbshardError:
-            continue
-        best = min(best, float(ctx.scorer.device_costs(p.device_of_shards()).max()))
-    return best
-
-
-@torch.no_grad()
-def validation_ratio(policy: PolicyNet, contexts, baseline_costs: list[float]) -> float:
-    """Median over tasks of (greedy policy's predicted cost / best baseline's); infeasible counts as 2."""
-    ratios = []
-    for (_, _, ctx), base in zip(contexts, baseline_costs):
-        ro = rollout(policy, ctx, 1, "greedy")
-        ratios.append(ro.overall[0] / base if ro.feasible[0] else 2.0)
-    return float(np.median(ratios))
-
-
-def train_estimated(policy: PolicyNet, cost_model, train_ctx, val_ctx, cfg: TrainConfig, history: list,
-                    step0: int = 0, progress: bool = True) -> PolicyNet:
-    """REINFORCE on the estimated MDP; keeps the weights with the best validation ratio."""
-    from tqdm import tqdm
-
-    gen = torch.Generator().manual_seed(cfg.seed + step0)
-    rng = np.random.default_rng(cfg.seed + step0)
-    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
-    val_base = [best_baseline_cost(ctx, sub) for _, sub, ctx in val_ctx]
-    best_ratio = validation_ratio(policy, val_ctx, val_base)
-    best_state = {k: v.clone() for k, v in policy.state_dict().items()}
-    eval_every = max(1, cfg.iterations // 20)
-    bar = tqdm(range(cfg.iterations), desc="policy (estimated MDP)", disable=not progress)
-    for it in bar:
-        _, _, ctx = train_ctx[int(rng.integers(len(train_ctx)))]
-        policy.train()
-        stats = reinforce_step(policy, opt, ctx, cfg, gen)
-        if (it + 1) % eval_every == 0 or it == cfg.iterations - 1:
-            policy.eval()
-            ratio = validation_ratio(policy, val_ctx, val_base)
-            stats["val_ratio_to_best_baseline"] = ratio
-            if ratio < best_ratio:
-                best_ratio, best_state = ratio, {k: v.clone() for k, v in policy.state_dict().items()}
-            bar.set_postfix(val_ratio=f"{ratio:.3f}", best=f"{best_ratio:.3f}", refresh=False)
-        history.append({"step": step0 + it, **stats})
-    policy.load_state_dict(best_state)
-    return policy.eval()
-
-
-def train_measured(policy: PolicyNet, train_ctx, cfg: TrainConfig, history: list, bench_kw: dict,
-                   progress: bool = True) -> PolicyNet:
-    """AutoShard-style: each rollout's reward is its measured overall cost (real kernels), relative to scale."""
-    from tqdm import tqdm
-
-    from ..bench import measure_placement
-    from ..placement import Placement
-
-    gen = torch.Generator().manual_seed(cfg.seed)
-    rng = np.random.default_rng(cfg.seed)
-    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
-    for it in tqdm(range(cfg.iterations), desc="policy (measured rewards)", disable=not progress):
-        _, sub, ctx = train_ctx[int(rng.integers(len(train_ctx)))]
-        policy.train()
-        ro = rollout(policy, ctx, cfg.rollouts_per_task, "sample", gen)
-        measured = np.empty(len(ro.assignment))
-        for b, a in enumerate(ro.assignment):
-            if not ro.feasible[b]:
-                measured[b] = np.nan
-                continue
-            pl = Placement.from_assignment(sub, a, ctx.scorer.num_devices, ctx.memory, planner="autoshard")
-            measured[b] = float(measure_placement(pl, **bench_kw)["total_ms"].max())
-        scale = np.nanmedian(measured) if np.isfinite(measured).any() else 1.0
-        reward = torch.as_tensor(np.where(np.isfinite(measured), -measured / scale, -INFEASIBLE_PENALTY),
-                                 dtype=torch.float32)
-        adv = (reward - reward.mean()) / (reward.std() + 1e-6)
-        loss = -(adv * ro.log_prob).mean() - cfg.entropy_coef * ro.entropy.mean() / len(ctx.sizes)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        opt.step()
-        history.append({"step": it, "loss": float(loss), "measured_best_ms": float(np.nanmin(measured)),
-                        "reward_mean": float(reward.mean())})
-    return policy.eval()
 
 
 def run(tables: str, tasks: str, out: str, *, cost_model_uri: str = "models:/embshard-cost@champion",
@@ -137,7 +42,7 @@ def run(tables: str, tasks: str, out: str, *, cost_model_uri: str = "models:/emb
 
     from .. import registry
     from ..costmodel import load as load_cost_model
-    from .policy_model import REGISTERED_NAME, PolicyPythonModel, policy_artifacts
+    from ..policy.model import REGISTERED_NAME, PolicyPythonModel, policy_artifacts
 
     if reward not in ("estimated", "measured"):
         raise EmbshardError(f"unknown reward {reward!r}", field="reward", fix="use 'estimated' or 'measured'")
@@ -213,8 +118,8 @@ def _signature(policy, cost_model, tables: str, task):
     """The registered planner's signature, from planning one validation task: tables in (the tables contract;
     trace pointers optional), placements out, devices and memory as params."""
     from .. import registry
-    from .learned import LearnedPlanner
-    from .scoring import placement_costs
+    from ..planners.learned import LearnedPlanner
+    from ..planners.scoring import placement_costs
 
     frame = schemas.read(tables, "tables")
     frame = frame[frame["table_id"].isin(list(task.table_ids))].reset_index(drop=True)
@@ -240,9 +145,9 @@ def _cost_model_version(uri: str) -> str:
 
 def _refit_round(policy, cost_model, table_set, fit_df, tables, costs, out, measure_tasks, r, seed, bench_kw):
     """Measure the policy's placements of some train tasks, append them to the costs, refit the cost model."""
-    from .. import bench
+    from .bench import run as bench_run
     from ..costmodel import load as load_cost_model
-    from ..costmodel import run as train_cost
+    from .train_cost import run as train_cost
     from ..placement import Placement
 
     if costs is None:
@@ -273,7 +178,7 @@ def _refit_round(policy, cost_model, table_set, fit_df, tables, costs, out, meas
         calib = storage.join(run_root, CALIBRATION_FILE)
         if storage.exists(calib):
             storage.write_text(os.path.join(round_dir, CALIBRATION_FILE), storage.read_text(calib))
-    for part in bench.run(tables, shards_path, round_dir, **kw):
+    for part in bench_run(tables, shards_path, round_dir, **kw):
         with open(part, "rb") as src, storage.atomic_write(
                 storage.join(costs, f"policy-r{r}-{os.path.basename(part)}")) as dst:
             dst.write(src.read())
@@ -282,28 +187,30 @@ def _refit_round(policy, cost_model, table_set, fit_df, tables, costs, out, meas
     return load_cost_model(uri), uri
 
 
-def plot_learning_curve(history: list[dict], path: str, reward: str) -> None:
-    import matplotlib
+# --- `embshard train-policy` -------------------------------------------------------------------
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tables", required=True, help="tables.parquet")
+    p.add_argument("--tasks", required=True, help="tasks.parquet (its 'train' tasks are used)")
+    p.add_argument("--out", required=True, help="run folder (MLflow store defaults to OUT/mlflow.db)")
+    p.add_argument("--cost-model", default="models:/embshard-cost@champion", help="cost model URI")
+    p.add_argument("--iterations", type=int, default=300, help="REINFORCE updates (all rounds together)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="outer-loop rounds: measure the policy's placements, refit the cost model, retrain")
+    p.add_argument("--costs", help="costs folder to extend in the outer loop (needed when --rounds > 1)")
+    p.add_argument("--measure-tasks", type=int, default=4, help="tasks measured per outer round")
+    p.add_argument("--reward", choices=["estimated", "measured"], default="estimated",
+                   help="estimated: cost-model rewards (DreamShard); measured: real kernels (AutoShard-style)")
+    p.add_argument("--rollouts", type=int, default=16, help="rollouts per task and update (group baseline)")
+    p.add_argument("--alias", help="alias to set on the new version (e.g. challenger)")
+    p.add_argument("--seed", type=int, default=0)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    df = pd.DataFrame(history)
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
-    if "reward_mean" in df:
-        ax[0].plot(df["step"], df["reward_mean"].rolling(10, min_periods=1).mean(), label="mean reward (rolling)")
-    if "reward_best" in df:
-        ax[0].plot(df["step"], df["reward_best"].rolling(10, min_periods=1).mean(), label="best of group")
-    ax[0].set_xlabel("update")
-    ax[0].set_ylabel("reward (-cost / task scale)")
-    ax[0].legend()
-    if "val_ratio_to_best_baseline" in df:
-        v = df.dropna(subset=["val_ratio_to_best_baseline"])
-        ax[1].plot(v["step"], v["val_ratio_to_best_baseline"], marker="o")
-        ax[1].axhline(1.0, color="grey", ls="--", lw=1)
-    ax[1].set_xlabel("update")
-    ax[1].set_ylabel("greedy policy / best baseline (predicted)")
-    fig.suptitle(f"embshard policy training ({reward} rewards)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def main(args) -> int:
+    res = run(args.tables, args.tasks, args.out, cost_model_uri=args.cost_model, iterations=args.iterations,
+              rounds=args.rounds, measure_tasks=args.measure_tasks, reward=args.reward,
+              rollouts_per_task=args.rollouts, seed=args.seed, alias=args.alias, costs=args.costs)
+    print(f"policy trained: validation ratio to the best baseline (predicted) {res['final_val_ratio']:.3f}")
+    if "version" in res:
+        print(f"registered embshard-policy version {res['version']} ({res['model_uri']})"
+              + (f", alias {args.alias}" if args.alias else ""))
+    return 0

@@ -11,12 +11,9 @@ import json
 import logging
 
 import numpy as np
-import pandas as pd
 
-from . import registry, schemas, storage
-from .errors import EmbshardError
-from .planners.policy_model import REGISTERED_NAME as POLICY
-from .tableset import TableSet
+from .. import registry, storage
+from ..policy.model import REGISTERED_NAME as POLICY
 
 log = logging.getLogger(__name__)
 COST = "embshard-cost"
@@ -27,7 +24,7 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
                          bench_kw: dict | None = None, split: str = "test") -> dict:
     import mlflow
 
-    from .planners.evaluate import run as evaluate
+    from .evaluate import run as evaluate
 
     registry.use(out)
     champion = registry.version_for_alias(POLICY, "champion")
@@ -89,23 +86,3 @@ def _follow_cost_model(policy_version: str, alias: str) -> None:
     version = mv.tags.get("cost_model_version", "")
     if version and uri.startswith(f"models:/{COST}"):
         registry.set_alias(COST, alias, version)
-
-
-def place_tasks(tables: str, tasks: str, planner, out: str, split: str = "test") -> str:
-    """Place every task of `split` (or 'all') with `planner`; writes the placements contract file."""
-    from .planners.scoring import placement_costs
-
-    table_set = TableSet.read(tables)
-    df = schemas.read(tasks, "tasks")
-    if split != "all":
-        df = df[df["split"] == split]
-    if df.empty:
-        raise EmbshardError(f"no tasks with split {split!r}", path=tasks, field="split", fix="use test, train or all")
-    frames = []
-    for t in df.itertuples():
-        sub = table_set.select(list(t.table_ids), f"{tasks}:{t.task_id}")
-        pl = planner.plan(sub, int(t.num_devices), int(t.memory_bytes_per_device), t.task_id)
-        costs = placement_costs(planner.cost_model, pl) if getattr(planner, "cost_model", None) else None
-        frames.append(pl.to_frame(costs))
-    schemas.write(pd.concat(frames, ignore_index=True), out, "placements")
-    return out

@@ -19,7 +19,7 @@ from .. import schemas, storage
 from ..errors import EmbshardError
 from ..placement import Placement
 from ..tableset import TableSet
-from .baselines import BASELINES, GREEDY_BASELINES
+from ..planners.baselines import BASELINES, GREEDY_BASELINES
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     from tqdm import tqdm
 
     from ..bench import measure_placement
-    from . import get_planner
+    from ..planners import get_planner
 
     if not planners:
         raise EmbshardError("no planners given", field="planners", fix="e.g. --planners learned,size_lookup_greedy")
@@ -66,7 +66,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
         raise EmbshardError(f"no tasks with split {split!r}", path=tasks, field="split",
                             fix="choose --split train/test/all or sample tasks with `embshard tasks`")
     # A task that no planner can place is bad input, not a failed planner: refuse before measuring anything.
-    from .base import check_feasible
+    from ..planners.base import check_feasible
 
     subsets = {}
     for t in task_df.itertuples():
@@ -185,7 +185,7 @@ def _predicted(planner, placement: Placement):
     model = getattr(planner, "cost_model", None)
     if model is None:
         return None
-    from .scoring import placement_costs
+    from ..planners.scoring import placement_costs
 
     return placement_costs(model, placement)
 

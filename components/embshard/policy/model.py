@@ -11,10 +11,9 @@ import os
 
 import mlflow.pyfunc
 import pandas as pd
-import numpy as np
 import torch
 
-from .policy import PolicyNet
+from .core import PolicyNet
 
 REGISTERED_NAME = "embshard-policy"
 
@@ -49,7 +48,7 @@ class PolicyPythonModel(mlflow.pyfunc.PythonModel):
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         from .. import schemas
         from ..tableset import TableSet
-        from .learned import LearnedPlanner
+        from ..planners.learned import LearnedPlanner
 
         params = params or {}
         tables = TableSet.from_frame(schemas.validate(model_input, "tables", "<model input>"))
@@ -57,7 +56,7 @@ class PolicyPythonModel(mlflow.pyfunc.PythonModel):
         placement = planner.plan(tables, int(params.get("num_devices", 4)),
                                  int(params.get("memory_bytes_per_device", 80 * 2**30)),
                                  str(params.get("task_id", "task")))
-        from .scoring import placement_costs
+        from ..planners.scoring import placement_costs
 
         return placement.to_frame(placement_costs(self.cost_model, placement))
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..placement import Placement
+from .placement import Placement
 
 GiB = 2**30
 
@@ -48,7 +48,7 @@ def plot_device_costs(placement: Placement, device_costs: np.ndarray | None, pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .. import storage
+    from . import storage
 
     devices = np.arange(placement.num_devices)
     mem = placement.memory_per_device() / placement.memory_bytes_per_device * 100

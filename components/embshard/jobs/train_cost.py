@@ -8,6 +8,7 @@ shard it would be exact by definition); the learned model is also reported on ev
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -20,11 +21,11 @@ from .. import registry
 from ..features import FEATURE_NAMES
 from ..schemas import FEATURE_VERSION
 from ..tableset import TableSet
-from . import REGISTERED_NAME
-from .data import CostData, assemble_placements, load
-from .model import HEADS, CostModel
-from .reference import AnalyticEstimator, metrics, sum_of_singles, with_totals
-from .train import History, TrainParams, fit
+from ..costmodel import REGISTERED_NAME
+from ..costmodel.data import CostData, assemble_placements, load
+from ..costmodel.model import HEADS, CostModel
+from ..costmodel.reference import AnalyticEstimator, metrics, sum_of_singles, with_totals
+from ..costmodel.train import History, TrainParams, fit
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,7 @@ def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias
     """
     import mlflow
 
-    from .pyfunc import CostModelPyfunc, example_input, predict_frame
+    from ..costmodel.pyfunc import CostModelPyfunc, example_input, predict_frame
 
     t0 = time.perf_counter()
     data = load(costs, tables, seed=seed, unseen_frac=unseen_frac)
@@ -253,3 +254,29 @@ def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias
             "model_version": None if version is None else int(version.version), "run_id": run_id, "out": out,
             "summary": summary, "splits": counts, "history": hist,
             "tracking_uri": uri}
+
+
+# --- `embshard train-cost` ---------------------------------------------------------------------
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--costs", required=True, help="costs folder (part-*.parquet) or file")
+    parser.add_argument("--tables", required=True, help="tables.parquet the costs were measured on")
+    parser.add_argument("--out", default=None, help="folder for model files, plots, report.json and the "
+                                                    "default MLflow store (default: a temporary folder)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--alias", default=None, help="alias to set on the new version, e.g. challenger")
+    parser.add_argument("--unseen-frac", type=float, default=0.5,
+                        help="fraction of the tables held out as never seen in training")
+    parser.add_argument("--max-epochs", type=int, default=400)
+    parser.add_argument("--no-register", action="store_true", help="log the run but do not register a model")
+
+
+def main(args: argparse.Namespace) -> int:
+    res = run(args.costs, args.tables, args.out, seed=args.seed, alias=args.alias, unseen_frac=args.unseen_frac,
+              max_epochs=args.max_epochs, register=not args.no_register)
+    sp = res["splits"]
+    print(f"shards: train {sp['train']}, val {sp['val']}, heldout {sp['heldout']}, unseen {sp['unseen']}")
+    print(res["summary"])
+    if res["model_uri"]:
+        print(f"registered {res['model_uri']} (version {res['model_version']}, run {res['run_id']})")
+    print(f"files in {res['out']}")
+    return 0

@@ -19,7 +19,7 @@ TASKS_FILE = "tasks.parquet"
 
 def parse_range(text: str | int | tuple, field: str) -> tuple[int, int]:
     """'20' -> (20, 20); '20-60' or (20, 60) -> (20, 60)."""
-    from .errors import EmbshardError
+    from ..errors import EmbshardError
 
     if isinstance(text, (tuple, list)) and len(text) == 2:
         lo, hi = int(text[0]), int(text[1])
@@ -40,7 +40,7 @@ def parse_range(text: str | int | tuple, field: str) -> tuple[int, int]:
 
 def parse_list(text, field: str, cast=int) -> list:
     """'4,8' -> [4, 8]; an int/float or a list passes through. Values must be > 0."""
-    from .errors import EmbshardError
+    from ..errors import EmbshardError
 
     items = text if isinstance(text, (list, tuple)) else str(text).split(",")
     try:
@@ -65,13 +65,13 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
     """A validated tasks frame: `num_tasks` tasks from each pool (ids train-0000.., test-0000..)."""
     import pandas as pd
 
-    from . import schemas
-    from .errors import EmbshardError, InfeasiblePlacementError
+    from .. import schemas
+    from ..errors import EmbshardError, InfeasiblePlacementError
 
     if int(num_tasks) <= 0:
         raise EmbshardError("must be > 0", field="num_tasks", fix="ask for at least one task per split")
     lo, hi = parse_range(tables_per_task, "tables_per_task")
-    from . import checks
+    from .. import checks
 
     dev_choices = [checks.devices(d) for d in parse_list(devices, "devices", int)]
     mem_choices = [checks.memory_gb(m) for m in parse_list(memory_gb, "memory_gb", float)]
@@ -128,7 +128,7 @@ def run(tables: str, out: str, num_tasks: int, tables_per_task=20, devices=4, me
     tables_per_task: an int, "20-60" or (20, 60); devices: an int, "4,8" or a list to draw from per task;
     memory_gb: per-device memory in GiB (2**30 bytes), one value or a list to draw from.
     """
-    from . import schemas, storage
+    from .. import schemas, storage
 
     df = schemas.read(tables, "tables")
     tasks = sample_tasks(df, num_tasks, tables_per_task, devices, memory_gb, seed, where=os.fspath(tables))
@@ -148,7 +148,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from . import schemas
+    from .. import schemas
 
     path = run(args.tables, args.out, args.num_tasks, args.tables_per_task, args.devices, args.memory_gb,
                args.seed)

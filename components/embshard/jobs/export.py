@@ -18,6 +18,31 @@ import os
 log = logging.getLogger(__name__)
 
 
+def place_tasks(tables: str, tasks: str, planner, out: str, split: str = "test") -> str:
+    """Place every task of `split` (or 'all') with `planner`; writes the placements contract file."""
+    import pandas as pd
+
+    from .. import schemas
+    from ..errors import EmbshardError
+    from ..planners.scoring import placement_costs
+    from ..tableset import TableSet
+
+    table_set = TableSet.read(tables)
+    df = schemas.read(tasks, "tasks")
+    if split != "all":
+        df = df[df["split"] == split]
+    if df.empty:
+        raise EmbshardError(f"no tasks with split {split!r}", path=tasks, field="split", fix="use test, train or all")
+    frames = []
+    for t in df.itertuples():
+        sub = table_set.select(list(t.table_ids), f"{tasks}:{t.task_id}")
+        pl = planner.plan(sub, int(t.num_devices), int(t.memory_bytes_per_device), t.task_id)
+        costs = placement_costs(planner.cost_model, pl) if getattr(planner, "cost_model", None) else None
+        frames.append(pl.to_frame(costs))
+    schemas.write(pd.concat(frames, ignore_index=True), out, "placements")
+    return out
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placements", required=True, help="placements.parquet (one or more tasks)")
     parser.add_argument("--tables", required=True, help="tables.parquet")
@@ -50,8 +75,8 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     from .. import schemas, storage
     from ..errors import EmbshardError
     from ..tableset import TableSet
-    from .placements import device_costs_from_frame, placement_from_frame
-    from .plan_json import write_plan_json
+    from ..export.placements import device_costs_from_frame, placement_from_frame
+    from ..export.plan_json import write_plan_json
 
     where = os.fspath(placements)
     df = schemas.read(placements, "placements")
@@ -66,7 +91,7 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     note = None
     if torchrec:
         try:
-            from .torchrec_plan import require_torchrec
+            from ..export.torchrec_plan import require_torchrec
 
             require_torchrec()
         except EmbshardError as exc:
@@ -126,7 +151,7 @@ def _write_torchrec(placement, folder: str, module_path: str) -> dict[str, str]:
     import torch
 
     from .. import storage
-    from .torchrec_plan import plan_to_json, to_torchrec_plan
+    from ..export.torchrec_plan import plan_to_json, to_torchrec_plan
 
     plan = to_torchrec_plan(placement, module_path=module_path)
     json_path = storage.join(folder, "torchrec_plan.json")

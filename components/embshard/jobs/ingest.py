@@ -1,0 +1,172 @@
+"""The ingest stage (`embshard ingest`): DLRM traces, table-spec files or the synthetic generator ->
+DIR/tables.parquet. The readers are in embshard.ingest (dlrm, spec, synthetic); heavy work (torch, the samplers)
+is imported inside the functions.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+SOURCES = ("dlrm", "spec", "synthetic")
+TABLES_FILE = "tables.parquet"
+TRACES_FILE = "traces.pt"
+
+
+def run(source: str, out: str, input: str | None = None, seed: int = 0, num_tables: int | None = None,
+        **kw) -> str:
+    """Ingest tables from `source` into `<out>/tables.parquet`; returns that path.
+
+    source="synthetic": `num_tables` (default 856) seeded tables; kw `write_traces=True` also writes
+      `<out>/traces.pt` in the DLRM format (kw `trace_batch_size`, default 4096; `trace_layout`) and takes
+      the pooling factors and bins from those traces, so rows point at them; `bins_batch_size`,
+      `bytes_per_element`.
+    source="dlrm": `input` a .pt/.pt.gz trace; kw `dim` (int or "mixed"), `data_type` ("fp32"/"fp16"),
+      `rows_file`; `num_tables` reads only the first N tables.
+    source="spec": `input` a CSV/Parquet/YAML table spec; kw `bins_batch_size`.
+    kw `progress` (default True) shows a bar over tables. Writes are atomic: on error nothing is left behind.
+    """
+    from .. import schemas, storage
+    from ..errors import EmbshardError
+
+    progress = kw.pop("progress", True)
+    if source not in SOURCES:
+        raise EmbshardError(f"unknown source {source!r}", field="source", fix=f"use one of {', '.join(SOURCES)}")
+    if source in ("dlrm", "spec") and not input:
+        raise EmbshardError(f"--input is required for source {source!r}", field="input",
+                            fix="give the trace file (.pt/.pt.gz)" if source == "dlrm"
+                            else "give the spec file (.csv/.parquet/.yaml)")
+    out_path = storage.join(out, TABLES_FILE)
+    local_out = "://" not in os.fspath(out) or os.fspath(out).startswith("file://")
+    if source == "synthetic":
+        df = _synthetic(out, seed, 856 if num_tables is None else int(num_tables), progress, local_out, kw)
+    elif source == "dlrm":
+        from ..ingest.dlrm import TraceOptions, tables_from_trace
+
+        opts = TraceOptions(dim=kw.pop("dim", "mixed"), data_type=kw.pop("data_type", "fp32"),
+                            rows_file=kw.pop("rows_file", None), seed=seed, num_tables=num_tables,
+                            # a .pt.gz is decompressed beside the output (a big file; /tmp may be small)
+                            tmp_dir=kw.pop("tmp_dir", None) or (storage.existing_folder(
+                                os.fspath(out).removeprefix("file://")) if local_out else None))
+        _no_extra(kw)
+        df = tables_from_trace(input, opts, progress=progress)
+    else:
+        from ..ingest.spec import tables_from_spec
+
+        batch = kw.pop("bins_batch_size", None)
+        _no_extra(kw)
+        df = tables_from_spec(input, seed=seed, bins_batch_size=batch, progress=progress)
+    schemas.write(df, out_path, "tables")
+    _drop_stale_tasks(out)
+    return out_path
+
+
+def _drop_stale_tasks(out: str) -> None:
+    """Tasks sampled from the tables this ingest replaced name tables that may no longer exist: remove them."""
+    import logging
+
+    from .. import storage
+    from .tasks import TASKS_FILE
+
+    stale = storage.join(out, TASKS_FILE)
+    if storage.exists(stale):
+        fs, p = storage.resolve(stale)
+        fs.delete_file(p)
+        logging.getLogger(__name__).warning("removed %s: it was sampled from the tables this ingest replaced; "
+                                            "run `embshard tasks` again", stale)
+
+
+def _no_extra(kw: dict) -> None:
+    from ..errors import EmbshardError
+
+    if kw:
+        name = sorted(kw)[0]
+        raise EmbshardError("option does not apply to this source", field=name, fix=f"drop '{name}'")
+
+
+def _synthetic(out: str, seed: int, num_tables: int, progress: bool, local_out: bool, kw: dict):
+    from ..errors import EmbshardError
+    from ..ingest.synthetic import BINS_BATCH_SIZE, generate_tables, write_dlrm_traces
+
+    write_traces = bool(kw.pop("write_traces", False))
+    trace_batch = int(kw.pop("trace_batch_size", 4096))
+    layout = kw.pop("trace_layout", "flat")
+    bins_batch = int(kw.pop("bins_batch_size", None) or BINS_BATCH_SIZE)
+    bpe = int(kw.pop("bytes_per_element", 4))
+    _no_extra(kw)
+    df = generate_tables(num_tables, seed=seed, bytes_per_element=bpe,
+                         bins_batch_size=trace_batch if write_traces else bins_batch)
+    if not write_traces:
+        return df
+    if not local_out:
+        raise EmbshardError("traces can only be written to a local folder", field="out",
+                            fix="use a local --out, or drop --write-traces")
+    from ..ingest.dlrm import tables_from_trace
+
+    out_dir = os.fspath(out).removeprefix("file://")
+    trace_path = os.path.join(out_dir, TRACES_FILE)
+    existed = os.path.exists(trace_path)
+    write_dlrm_traces(df, trace_path, batch_size=trace_batch, seed=seed, layout=layout)
+    try:
+        # Features from the very indices the benchmark will replay; shapes stay the generator's.
+        traced = tables_from_trace(
+            trace_path, rows=df["rows"].to_numpy(), dims=df["dim"].to_numpy(), table_ids=list(df["table_id"]),
+            source=f"synthetic:seed={seed};traces={TRACES_FILE};batch={trace_batch};layout={layout}",
+            progress=progress)
+    except BaseException:
+        if not existed:
+            os.remove(trace_path)
+        raise
+    traced["bytes_per_element"] = bpe
+    traced["size_bytes"] = traced["rows"] * traced["dim"] * bpe
+    traced["zipf_alpha"] = df["zipf_alpha"].to_numpy()
+    return traced
+
+
+# --- `embshard ingest` --------------------------------------------------------------------------
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--source", required=True, choices=["dlrm", "spec", "synthetic"],
+                   help="dlrm: a .pt/.pt.gz trace (Meta's open format); spec: a CSV/Parquet/YAML table list "
+                        "with TorchRec's names; synthetic: a seeded DLRM-like population")
+    p.add_argument("--input", help="the trace or spec file (dlrm, spec)")
+    p.add_argument("--out", required=True, help="output folder; writes OUT/tables.parquet")
+    p.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
+    p.add_argument("--num-tables", type=int, default=None,
+                   help="synthetic: how many tables (default 856); dlrm: read only the first N")
+    g = p.add_argument_group("dlrm traces (they carry no dims or hash sizes)")
+    g.add_argument("--dim", default="mixed",
+                   help="embedding dim of every table, or 'mixed' = a seeded draw from the synthetic mix "
+                        "4..256 (default)")
+    g.add_argument("--data-type", default="fp32", choices=["fp32", "fp16"],
+                   help="weight type, dlrm and synthetic (default fp32)")
+    g.add_argument("--rows-file", help="hash sizes, one integer per table (default: max index + 1)")
+    g = p.add_argument_group("synthetic")
+    g.add_argument("--write-traces", action="store_true",
+                   help="also write OUT/traces.pt (DLRM format) and take pooling and bins from it, so the "
+                        "benchmark replays the same indices")
+    g.add_argument("--trace-batch-size", type=int, default=4096, help="samples per table in traces.pt")
+    g.add_argument("--trace-layout", default="flat", choices=["flat", "per_table", "per_table_cumulative"],
+                   help="offsets layout of traces.pt (default flat, as the open dataset)")
+    g.add_argument("--bins-batch-size", type=int, default=None,
+                   help="synthetic/spec: samples in the batch the access bins are computed on (default 65536)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    from .. import schemas
+
+    kw: dict = {"progress": not args.no_progress}
+    if args.source == "dlrm":
+        kw.update(dim=args.dim, data_type=args.data_type, rows_file=args.rows_file)
+    elif args.source == "synthetic":
+        kw.update(write_traces=args.write_traces, trace_batch_size=args.trace_batch_size,
+                  trace_layout=args.trace_layout, bins_batch_size=args.bins_batch_size,
+                  bytes_per_element=4 if args.data_type == "fp32" else 2)
+    else:
+        kw.update(bins_batch_size=args.bins_batch_size)
+    path = run(args.source, args.out, input=args.input, seed=args.seed, num_tables=args.num_tables, **kw)
+    df = schemas.read(path, "tables")
+    gib = df["size_bytes"].sum() / 2**30
+    print(f"wrote {path}: {len(df)} tables, {gib:,.1f} GiB, rows {df['rows'].min():,}..{df['rows'].max():,}, "
+          f"dims {df['dim'].min()}..{df['dim'].max()}, pooling {df['pooling_factor'].mean():.2f} mean "
+          f"(source {df['source'].iloc[0].split(';')[0]})")
+    return 0

@@ -1,0 +1,129 @@
+"""Training loops of the placement policy: REINFORCE on the estimated MDP (DreamShard: rewards from the cost
+model) or on measured rewards (AutoShard-style: real kernels), validation against the best greedy baseline, and
+the learning-curve plot. The update itself is policy.core.reinforce_step.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ..errors import EmbshardError
+from ..planners.baselines import GREEDY_BASELINES, make_baseline
+from ..tableset import TableSet
+from .core import PolicyNet, TaskContext, TrainConfig, reinforce_step, rollout
+
+
+def task_contexts(cost_model, tables: TableSet, tasks: pd.DataFrame, where: str) -> list[tuple[str, TableSet, TaskContext]]:
+    out = []
+    for t in tasks.itertuples():
+        sub = tables.select(list(t.table_ids), f"{where}:{t.task_id}")
+        out.append((t.task_id, sub, TaskContext.build(cost_model, sub.features(), sub.size_bytes,
+                                                      int(t.num_devices), int(t.memory_bytes_per_device))))
+    return out
+
+
+def best_baseline_cost(ctx: TaskContext, sub: TableSet) -> float:
+    """Predicted overall cost of the best greedy baseline on a task (the bar the policy must clear)."""
+    best = np.inf
+    for name in GREEDY_BASELINES:
+        try:
+            p = make_baseline(name).plan(sub, ctx.scorer.num_devices, ctx.memory)
+        except EmbshardError:
+            continue
+        best = min(best, float(ctx.scorer.device_costs(p.device_of_shards()).max()))
+    return best
+
+
+@torch.no_grad()
+def validation_ratio(policy: PolicyNet, contexts, baseline_costs: list[float]) -> float:
+    """Median over tasks of (greedy policy's predicted cost / best baseline's); infeasible counts as 2."""
+    ratios = []
+    for (_, _, ctx), base in zip(contexts, baseline_costs):
+        ro = rollout(policy, ctx, 1, "greedy")
+        ratios.append(ro.overall[0] / base if ro.feasible[0] else 2.0)
+    return float(np.median(ratios))
+
+
+def train_estimated(policy: PolicyNet, cost_model, train_ctx, val_ctx, cfg: TrainConfig, history: list,
+                    step0: int = 0, progress: bool = True) -> PolicyNet:
+    """REINFORCE on the estimated MDP; keeps the weights with the best validation ratio."""
+    from tqdm import tqdm
+
+    gen = torch.Generator().manual_seed(cfg.seed + step0)
+    rng = np.random.default_rng(cfg.seed + step0)
+    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+    val_base = [best_baseline_cost(ctx, sub) for _, sub, ctx in val_ctx]
+    best_ratio = validation_ratio(policy, val_ctx, val_base)
+    best_state = {k: v.clone() for k, v in policy.state_dict().items()}
+    eval_every = max(1, cfg.iterations // 20)
+    bar = tqdm(range(cfg.iterations), desc="policy (estimated MDP)", disable=not progress)
+    for it in bar:
+        _, _, ctx = train_ctx[int(rng.integers(len(train_ctx)))]
+        policy.train()
+        stats = reinforce_step(policy, opt, ctx, cfg, gen)
+        if (it + 1) % eval_every == 0 or it == cfg.iterations - 1:
+            policy.eval()
+            ratio = validation_ratio(policy, val_ctx, val_base)
+            stats["val_ratio_to_best_baseline"] = ratio
+            if ratio < best_ratio:
+                best_ratio, best_state = ratio, {k: v.clone() for k, v in policy.state_dict().items()}
+            bar.set_postfix(val_ratio=f"{ratio:.3f}", best=f"{best_ratio:.3f}", refresh=False)
+        history.append({"step": step0 + it, **stats})
+    policy.load_state_dict(best_state)
+    return policy.eval()
+
+
+def train_measured(policy: PolicyNet, train_ctx, cfg: TrainConfig, history: list, bench_kw: dict,
+                   progress: bool = True) -> PolicyNet:
+    """AutoShard-style: each rollout's reward is its measured overall cost (real kernels), relative to scale."""
+    from tqdm import tqdm
+
+    from ..bench import measure_placement
+    from ..placement import Placement
+
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+    for it in tqdm(range(cfg.iterations), desc="policy (measured rewards)", disable=not progress):
+        _, sub, ctx = train_ctx[int(rng.integers(len(train_ctx)))]
+
+        def measured(ro, sub=sub, ctx=ctx) -> np.ndarray:
+            out = np.full(len(ro.assignment), np.nan)
+            for b, a in enumerate(ro.assignment):
+                if ro.feasible[b]:
+                    pl = Placement.from_assignment(sub, a, ctx.scorer.num_devices, ctx.memory, planner="autoshard")
+                    out[b] = float(measure_placement(pl, **bench_kw)["total_ms"].max())
+            return out
+
+        policy.train()
+        stats = reinforce_step(policy, opt, ctx, cfg, gen, costs=measured)
+        history.append({"step": it, **stats})
+    return policy.eval()
+
+
+def plot_learning_curve(history: list[dict], path: str, reward: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    df = pd.DataFrame(history)
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    if "reward_mean" in df:
+        ax[0].plot(df["step"], df["reward_mean"].rolling(10, min_periods=1).mean(), label="mean reward (rolling)")
+    if "reward_best" in df:
+        ax[0].plot(df["step"], df["reward_best"].rolling(10, min_periods=1).mean(), label="best of group")
+    ax[0].set_xlabel("update")
+    ax[0].set_ylabel("reward (-cost / task scale)")
+    ax[0].legend()
+    if "val_ratio_to_best_baseline" in df:
+        v = df.dropna(subset=["val_ratio_to_best_baseline"])
+        ax[1].plot(v["step"], v["val_ratio_to_best_baseline"], marker="o")
+        ax[1].axhline(1.0, color="grey", ls="--", lw=1)
+    ax[1].set_xlabel("update")
+    ax[1].set_ylabel("greedy policy / best baseline (predicted)")
+    fig.suptitle(f"embshard policy training ({reward} rewards)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
