@@ -14,6 +14,18 @@ from typing import Any
 from .errors import ModelNotFoundError
 
 DEFAULT_EXPERIMENT = "embshard"
+# The registered models and their aliases: defined here only.
+COST_MODEL = "embshard-cost"
+POLICY_MODEL = "embshard-policy"
+CHAMPION, CHALLENGER = "champion", "challenger"
+
+
+def alias_uri(name: str, alias: str = CHAMPION) -> str:
+    return f"models:/{name}@{alias}"
+
+
+COST_CHAMPION_URI = alias_uri(COST_MODEL)      # models:/embshard-cost@champion
+POLICY_CHAMPION_URI = alias_uri(POLICY_MODEL)  # models:/embshard-policy@champion
 
 
 def tracking_uri(run_dir: str | os.PathLike | None = None) -> str:

@@ -91,6 +91,8 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("source", _STR),
         Column("trace_file", _STR, required=False, nullable=True),
         Column("trace_table_index", pa.int64(), required=False, nullable=True),
+        # embshard.pools: decided once at ingest; files without it get the same seeded rule on read.
+        Column("pool", _STR, required=False, check=lambda s: s.isin(["train", "test"]), rule="'train' or 'test'"),
     ],
     "tasks": [
         Column("task_id", _STR, check=_valid_id, rule=f"a unique id of {checks.ID_RULE}"),

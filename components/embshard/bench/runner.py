@@ -243,6 +243,29 @@ def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: i
     }
 
 
+@dataclass(frozen=True)
+class MeasureSettings:
+    """How a stage measures placements (evaluation, promotion, the outer loop): the same batch and the run's one
+    communication calibration (the comm_calibration.json in `calibration_dir`) for every measuring stage of a
+    run, so their costs stay comparable. `kwargs()` are measure_placement's arguments."""
+    backend: str = "auto"
+    device: str = "cpu"
+    batch_size: int | None = None
+    warmup: int | None = None
+    iterations: int | None = None
+    seed: int = 0
+    max_shard_gb: float | None = None
+    timer: str = "auto"
+    calibration_dir: str | None = None
+    comm_ranks: int | None = None
+    comm_bandwidth_gbps: float | None = None
+    comm_latency_us: float | None = None
+
+    def kwargs(self) -> dict:
+        kw = {k: v for k, v in self.__dict__.items() if k != "calibration_dir"}
+        return {**kw, "out": self.calibration_dir}
+
+
 def measure_placement(placement, *, backend: str = "auto", device: str = "cpu", batch_size: int | None = None,
                       warmup: int | None = None, iterations: int | None = None, seed: int = 0,
                       max_shard_gb: float | None = None, timer: str = "auto", out: str | None = None,

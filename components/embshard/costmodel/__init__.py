@@ -6,7 +6,7 @@ folder written by CostModel.save). The train_cost_model stage is embshard.jobs.t
 """
 from __future__ import annotations
 
-REGISTERED_NAME = "embshard-cost"
+from ..registry import COST_MODEL as REGISTERED_NAME
 
 __all__ = ["CostModel", "load", "REGISTERED_NAME"]
 

@@ -1,12 +1,12 @@
 """Measured costs -> training arrays, the seeded splits, and placements assembled from measured shards.
 
 Splits (seeded, reproducible):
-- the tables are divided into a *seen* pool and an *unseen* pool (`table_pools`: a seeded shuffle, the last
-  `unseen_frac` of it unseen, the DLRM protocol of ALGORITHMS.md). Shards made only of unseen tables form the
-  `unseen` test split; shards mixing both pools are dropped (their unseen tables would leak into training).
-- shards made only of seen tables are split at random into train / val (early stopping) / heldout.
-A benchmark sampler that wants a meaningful unseen split draws each shard inside one pool (`table_pools`
-with the same seed), and measures every table alone once (the single-table reference needs it).
+- the tables' pools (embshard.pools: the `pool` column of tables.parquet, decided at ingest) say which tables are
+  never seen in training: shards made only of test-pool tables form the `unseen` split (the accuracy on tables the
+  model never saw); shards mixing both pools are dropped (their test tables would leak into training).
+- shards made only of train-pool tables are split at random into train / val (early stopping) / heldout.
+The shard sampler (jobs.shards) draws each shard inside one pool and measures tables alone once (the
+single-table reference needs it).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .. import schemas
+from .. import pools, schemas
 from ..errors import EmbshardError
 from ..features import feature_matrix
 
@@ -25,15 +25,6 @@ log = logging.getLogger(__name__)
 
 TARGETS = ("fwd_compute_ms", "bwd_compute_ms", "comm_ms")
 SPLITS = ("train", "val", "heldout", "unseen")
-
-
-def table_pools(table_ids, seed: int = 0, unseen_frac: float = 0.5) -> tuple[set[str], set[str]]:
-    """(seen, unseen) table-id pools: a seeded shuffle of the sorted ids, the last `unseen_frac` unseen."""
-    ids = np.array(sorted(str(t) for t in table_ids), dtype=object)
-    perm = np.random.default_rng(seed).permutation(len(ids))
-    n_unseen = int(round(len(ids) * unseen_frac))
-    unseen = set(ids[perm[len(ids) - n_unseen:]]) if n_unseen else set()
-    return set(ids[perm[:len(ids) - n_unseen]]), unseen
 
 
 @dataclass
@@ -73,11 +64,14 @@ def dataset_hash(frame: pd.DataFrame) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def load(costs: str, tables: str, *, seed: int = 0, unseen_frac: float = 0.5, val_frac: float = 0.15,
+def load(costs: str | list[str], tables: str, *, seed: int = 0, val_frac: float = 0.15,
          heldout_frac: float = 0.15) -> CostData:
     """Read and check costs + tables, keep one batch size / hardware / backend (the most common), split."""
     tdf = schemas.read(tables, "tables")
-    cdf = schemas.read(costs, "costs")  # empty / corrupt / missing columns -> EmbshardError naming the file
+    # One costs folder, or several (the benchmark's, then each outer round's measured policy plans).
+    sources = [costs] if isinstance(costs, str) else list(costs)
+    cdf = pd.concat([schemas.read(c, "costs") for c in sources], ignore_index=True)  # errors name the file
+    costs = ", ".join(map(str, sources))
     dropped: dict[str, int] = {}
     for col in ("hardware", "backend", "batch_size"):
         keep = cdf[col].value_counts().index[0]
@@ -100,8 +94,7 @@ def load(costs: str, tables: str, *, seed: int = 0, unseen_frac: float = 0.5, va
     nd = (cdf["num_devices"].to_numpy(np.int64) if "num_devices" in cdf.columns
           else np.ones(len(cdf), dtype=np.int64))
 
-    _, unseen = table_pools(ids, seed=seed, unseen_frac=unseen_frac)
-    is_unseen = np.array([t in unseen for t in ids])
+    is_unseen = pools.of(tdf, seed) == "test"
     frac = np.array([is_unseen[s].mean() for s in shards])
     split = np.full(len(cdf), "", dtype=object)
     split[frac == 1.0] = "unseen"
@@ -113,10 +106,10 @@ def load(costs: str, tables: str, *, seed: int = 0, unseen_frac: float = 0.5, va
     if (split == "train").sum() < 4 or (split == "val").sum() < 1:
         raise EmbshardError(f"only {(split == 'train').sum()} training and {(split == 'val').sum()} validation "
                             f"shards after the splits ({len(cdf)} rows)", path=costs,
-                            fix="measure more shards (each inside one table pool, see costmodel.data.table_pools)")
+                            fix="measure more train-pool shards (jobs.shards draws each shard inside one table pool)")
     if (split == "unseen").sum() < 10:
-        log.warning("only %d unseen-table shards: the benchmark sampler should draw shards inside one table "
-                    "pool (embshard.costmodel.data.table_pools)", int((split == "unseen").sum()))
+        log.warning("only %d test-pool shards: the accuracy on unseen tables is uncertain (jobs.shards draws "
+                    "a third of its budget from the test pool)", int((split == "unseen").sum()))
     return CostData(features=feature_matrix(tdf), table_ids=ids, shards=shards, targets=targets,
                     num_devices=nd, frame=cdf, split=split, batch_size=int(cdf["batch_size"].iloc[0]),
                     hardware=str(cdf["hardware"].iloc[0]), backend=str(cdf["backend"].iloc[0]),

@@ -19,6 +19,8 @@ from .. import schemas, storage
 from ..errors import EmbshardError
 from ..placement import Placement
 from ..tableset import TableSet
+from ..types import load_tasks
+from ..bench.runner import MeasureSettings
 from ..planners.baselines import BASELINES, GREEDY_BASELINES
 
 log = logging.getLogger(__name__)
@@ -40,14 +42,14 @@ def configure(p: argparse.ArgumentParser) -> None:
 def main(args) -> int:
     res = run(args.tables, args.tasks, args.out, planners=[p for p in args.planners.split(",") if p],
               split=args.split, max_tasks=args.max_tasks, repeats=args.repeats,
-              bench_kw={"batch_size": args.batch_size} if args.batch_size else None)
+              settings=MeasureSettings(batch_size=args.batch_size or None))
     print(res["summary_text"])
     print(f"wrote {res['evaluation']} and {res['plot']}")
     return 0
 
 
 def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = "test",
-        max_tasks: int | None = None, repeats: int = 1, bench_kw: dict | None = None,
+        max_tasks: int | None = None, repeats: int = 1, settings: MeasureSettings | None = None,
         planner_kw: dict | None = None, progress: bool = True) -> dict:
     from tqdm import tqdm
 
@@ -56,38 +58,27 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
 
     if not planners:
         raise EmbshardError("no planners given", field="planners", fix="e.g. --planners learned,size_lookup_greedy")
-    table_set = TableSet.read(tables)
-    task_df = schemas.read(tasks, "tasks")
-    if split != "all":
-        task_df = task_df[task_df["split"] == split]
-    if max_tasks:
-        task_df = task_df.head(max_tasks)
-    if task_df.empty:
-        raise EmbshardError(f"no tasks with split {split!r}", path=tasks, field="split",
-                            fix="choose --split train/test/all or sample tasks with `embshard tasks`")
+    task_list = load_tasks(tables, tasks, split, limit=max_tasks)
     # A task that no planner can place is bad input, not a failed planner: refuse before measuring anything.
     from ..planners.base import check_feasible
 
-    subsets = {}
-    for t in task_df.itertuples():
-        where = f"{os.fspath(tasks)} (task {t.task_id})"
-        subsets[t.task_id] = table_set.select(list(t.table_ids), where)
-        check_feasible(subsets[t.task_id], int(t.num_devices), int(t.memory_bytes_per_device), where)
-    bench_kw = dict(bench_kw or {})
+    for t in task_list:
+        check_feasible(t.tables, t.num_devices, t.memory_bytes_per_device, f"{os.fspath(tasks)} (task {t.task_id})")
+    bench_kw = (settings or MeasureSettings()).kwargs()
     planner_objs = {name: get_planner(name, **(planner_kw or {}).get(name, {})) for name in planners}
     rows, placements = [], []
-    bar = tqdm(total=len(task_df) * (len(planners) + 1) * repeats, desc="evaluate (measured)",
+    bar = tqdm(total=len(task_list) * (len(planners) + 1) * repeats, desc="evaluate (measured)",
                disable=not progress)
-    for t in task_df.itertuples():
-        sub = subsets[t.task_id]
-        D, mem = int(t.num_devices), int(t.memory_bytes_per_device)
+    for t in task_list:
+        sub = t.tables
+        D, mem = t.num_devices, t.memory_bytes_per_device
         planned: dict[str, Placement] = {}
         for name, planner in planner_objs.items():
             row = {"task_id": t.task_id, "planner": name, "num_tables": len(sub), "num_devices": D,
                    "memory_bytes_per_device": mem, "feasible": False, "error": None}
             t0 = time.perf_counter()
             try:
-                planned[name] = planner.plan(sub, D, mem, t.task_id)
+                planned[name] = planner.plan_task(t)
                 row["feasible"] = True
             except EmbshardError as exc:
                 row["error"] = str(exc)

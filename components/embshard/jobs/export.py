@@ -23,20 +23,12 @@ def place_tasks(tables: str, tasks: str, planner, out: str, split: str = "test")
     import pandas as pd
 
     from .. import schemas
-    from ..errors import EmbshardError
     from ..planners.scoring import placement_costs
-    from ..tableset import TableSet
+    from ..types import load_tasks
 
-    table_set = TableSet.read(tables)
-    df = schemas.read(tasks, "tasks")
-    if split != "all":
-        df = df[df["split"] == split]
-    if df.empty:
-        raise EmbshardError(f"no tasks with split {split!r}", path=tasks, field="split", fix="use test, train or all")
     frames = []
-    for t in df.itertuples():
-        sub = table_set.select(list(t.table_ids), f"{tasks}:{t.task_id}")
-        pl = planner.plan(sub, int(t.num_devices), int(t.memory_bytes_per_device), t.task_id)
+    for t in load_tasks(tables, tasks, split):
+        pl = planner.plan_task(t)
         costs = placement_costs(planner.cost_model, pl) if getattr(planner, "cost_model", None) else None
         frames.append(pl.to_frame(costs))
     schemas.write(pd.concat(frames, ignore_index=True), out, "placements")

@@ -55,6 +55,9 @@ def run(source: str, out: str, input: str | None = None, seed: int = 0, num_tabl
         batch = kw.pop("bins_batch_size", None)
         _no_extra(kw)
         df = tables_from_spec(input, seed=seed, bins_batch_size=batch, progress=progress)
+    from .. import pools
+
+    df = df.assign(pool=pools.assign(df["table_id"], seed))  # decided once, here (see embshard.pools)
     schemas.write(df, out_path, "tables")
     _drop_stale_tasks(out)
     return out_path

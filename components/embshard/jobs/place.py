@@ -10,6 +10,7 @@ import numpy as np
 
 from .. import schemas, storage
 from ..errors import EmbshardError, ModelNotFoundError
+from ..registry import COST_CHAMPION_URI, POLICY_CHAMPION_URI
 from ..placement import Placement
 from ..tableset import TableSet
 from ..planners import get_planner
@@ -17,7 +18,7 @@ from ..placement_report import device_table, plot_device_costs
 from ..planners.scoring import checked_lower_bound, lower_bound, placement_costs
 
 log = logging.getLogger(__name__)
-DEFAULT_COST_MODEL = "models:/embshard-cost@champion"
+DEFAULT_COST_MODEL = COST_CHAMPION_URI
 
 
 def resolve_task(tables: str, tasks: str | None, task_id: str | None, devices: int | None,
@@ -81,7 +82,7 @@ def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | N
 
 
 def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: int | None = None,
-          planner: str = "learned", model_uri: str = "models:/embshard-policy@champion",
+          planner: str = "learned", model_uri: str = POLICY_CHAMPION_URI,
           cost_model_uri: str | None = None, tasks: str | None = None, task_id: str | None = None,
           time_budget_s: float | None = None, search_evaluations: int | None = None) -> dict:
     from ..export.plan_json import write_plan_json
@@ -113,7 +114,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--planner", default="learned", help="learned (default, from the registry) or a baseline: "
                    "random, round_robin, dim_greedy, size_greedy, lookup_greedy, size_lookup_greedy, "
                    "torchrec_table_wise, torchrec_full")
-    p.add_argument("--model", default="models:/embshard-policy@champion", help="learned planner's model URI")
+    p.add_argument("--model", default=POLICY_CHAMPION_URI, help="learned planner's model URI")
     p.add_argument("--cost-model", default=None,
                    help="cost model for predicted costs of non-learned planners (default: embshard-cost@champion "
                         "if registered)")

@@ -13,15 +13,16 @@ import logging
 import numpy as np
 
 from .. import registry, storage
+from ..bench.runner import MeasureSettings
 from ..policy.model import REGISTERED_NAME as POLICY
 
 log = logging.getLogger(__name__)
-COST = "embshard-cost"
+COST = registry.COST_MODEL
 
 
 def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version: str, cost_model_uri: str,
                          baselines: list[str], max_tasks: int | None = None, margin: float = 0.01,
-                         bench_kw: dict | None = None, split: str = "test") -> dict:
+                         settings: MeasureSettings | None = None, split: str = "test") -> dict:
     import mlflow
 
     from .evaluate import run as evaluate
@@ -36,7 +37,7 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
         planners.append(champ_name)
     planners += baselines
     with registry.start_run(run_name="evaluate-and-promote"):
-        res = evaluate(tables, tasks, out, planners=planners, split=split, max_tasks=max_tasks, bench_kw=bench_kw)
+        res = evaluate(tables, tasks, out, planners=planners, split=split, max_tasks=max_tasks, settings=settings)
         df = res["frame"]
         cand = df[df["planner"] == cand_name].set_index("task_id")["measured_cost_ms"]
         decision = {"candidate_version": str(candidate_version), "margin": margin,

@@ -1,7 +1,7 @@
-"""`embshard tasks`: split tables into a train pool and an unseen test pool, and sample placement tasks.
+"""The tasks stage (`embshard tasks`): sample train tasks from the train pool and test tasks from the test pool.
 
-ALGORITHMS.md protocol: shuffle the table ids with a fixed seed; the first half is the training pool, the
-second half the test pool (never seen in training). Each task draws T tables from one pool (T fixed or a
+The pools are the tables' `pool` column (embshard.pools, decided at ingest: the test pool is never seen in
+training; docs/method.md, "Data and splits"). Each task draws T tables from one pool (T fixed or a
 range), a device count D (one value or a list to draw from) and a per-device memory cap. A task that cannot
 fit (total bytes over D x memory, or one table over the per-device memory) is an error that says which task
 and how much memory would make every task fit; no task is silently dropped.
@@ -52,14 +52,6 @@ def parse_list(text, field: str, cast=int) -> list:
     return vals
 
 
-def split_pools(table_ids, seed: int) -> tuple[list[str], list[str]]:
-    """(train pool, test pool): a seeded shuffle, first half train (the larger half when odd), rest test."""
-    ids = np.array(sorted(map(str, table_ids)), dtype=object)  # independent of the file's row order
-    order = np.random.default_rng([seed, 11]).permutation(len(ids))
-    cut = (len(ids) + 1) // 2
-    return list(ids[order[:cut]]), list(ids[order[cut:]])
-
-
 def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb, seed: int,
                  where: str = "<tables>"):
     """A validated tasks frame: `num_tasks` tasks from each pool (ids train-0000.., test-0000..)."""
@@ -71,14 +63,14 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
     if int(num_tasks) <= 0:
         raise EmbshardError("must be > 0", field="num_tasks", fix="ask for at least one task per split")
     lo, hi = parse_range(tables_per_task, "tables_per_task")
-    from .. import checks
+    from .. import checks, pools
 
     dev_choices = [checks.devices(d) for d in parse_list(devices, "devices", int)]
     mem_choices = [checks.memory_gb(m) for m in parse_list(memory_gb, "memory_gb", float)]
     if len(tables_df) < 2:
         raise EmbshardError(f"only {len(tables_df)} table: cannot split into train and test pools", path=where,
                             field="table_id", fix="ingest at least 2 tables")
-    train, test = split_pools(tables_df["table_id"], seed)
+    train, test = (pools.members(tables_df, p, seed) for p in pools.POOLS)
     size = dict(zip(tables_df["table_id"].astype(str), tables_df["size_bytes"].astype(np.int64)))
     rng = np.random.default_rng([seed, 12])
     rows = []

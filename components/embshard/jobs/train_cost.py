@@ -169,11 +169,11 @@ def _plots(model: CostModel, data: CostData, hist: History, folder: str) -> dict
 
 
 def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias: str | None = None,
-        unseen_frac: float = 0.5, max_epochs: int = 400, patience: int = 60, register: bool = True,
+        max_epochs: int = 400, patience: int = 60, register: bool = True,
         experiment: str = registry.DEFAULT_EXPERIMENT, refit_all: bool = True) -> dict:
     """Train, evaluate, log and register the cost model.
 
-    `refit_all`: after the report, refit on all measured shards (the held-out and unseen ones too) and register
+    `refit_all`: after the report, refit on all measured train-pool shards (the held-out ones too) and register
     that model (the report then describes the training procedure, not the registered weights' own test set).
     `out`: folder for the model files, plots and report.json (and the default MLflow sqlite store);
     a temporary folder when None. `alias` (e.g. "challenger") is set on the new registered version.
@@ -185,7 +185,7 @@ def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias
     from ..costmodel.pyfunc import CostModelPyfunc, example_input, predict_frame
 
     t0 = time.perf_counter()
-    data = load(costs, tables, seed=seed, unseen_frac=unseen_frac)
+    data = load(costs, tables, seed=seed)
     params = TrainParams(seed=seed, max_epochs=max_epochs, patience=patience)
     model, hist = fit(data, params)
     analytic = AnalyticEstimator().fit(data, data.index("train"))
@@ -193,13 +193,12 @@ def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias
     eval_model = model
     if refit_all:
         # The report above measures the procedure honestly; the model that gets registered then learns from
-        # every measured shard (held-out and unseen-table ones too): planners need all the data there is.
+        # every measured train-pool shard (the held-out ones too). Test-pool shards stay out: the held-out
+        # tasks that evaluate the planner are made of those tables (embshard.pools).
         import dataclasses
 
         split = data.split.copy()
-        # "" marks shards mixing both table pools: left out of the honest report, but real measurements
-        # (e.g. the policy's own placements in the outer loop) that the planner's model should learn from.
-        split[np.isin(split, ["heldout", "unseen", ""])] = "train"
+        split[split == "heldout"] = "train"
         model, _ = fit(dataclasses.replace(data, split=split), params)
     flat = _flat_metrics(report)
     summary = summary_table(report)
@@ -220,7 +219,7 @@ def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias
     # Nested when called inside another run (the policy's outer loop refits the cost model).
     with registry.start_run(run_name="train-cost", nested=mlflow.active_run() is not None) as active:
         mlflow.set_tags({f"embshard.{k}": v for k, v in tags.items()})
-        mlflow.log_params({"seed": seed, "unseen_frac": unseen_frac, "refit_all": refit_all, "max_epochs": max_epochs,
+        mlflow.log_params({"seed": seed, "refit_all": refit_all, "max_epochs": max_epochs,
                            "patience": patience, "lr": params.lr, "hidden": params.hidden, "embed": params.embed,
                            "head_hidden": params.head_hidden, "batch_shards": params.batch_shards,
                            "costs": costs, "tables": tables, "batch_size": data.batch_size,
@@ -264,14 +263,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                                     "default MLflow store (default: a temporary folder)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--alias", default=None, help="alias to set on the new version, e.g. challenger")
-    parser.add_argument("--unseen-frac", type=float, default=0.5,
-                        help="fraction of the tables held out as never seen in training")
     parser.add_argument("--max-epochs", type=int, default=400)
     parser.add_argument("--no-register", action="store_true", help="log the run but do not register a model")
 
 
 def main(args: argparse.Namespace) -> int:
-    res = run(args.costs, args.tables, args.out, seed=args.seed, alias=args.alias, unseen_frac=args.unseen_frac,
+    res = run(args.costs, args.tables, args.out, seed=args.seed, alias=args.alias,
               max_epochs=args.max_epochs, register=not args.no_register)
     sp = res["splits"]
     print(f"shards: train {sp['train']}, val {sp['val']}, heldout {sp['heldout']}, unseen {sp['unseen']}")

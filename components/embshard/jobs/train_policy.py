@@ -20,6 +20,7 @@ import torch
 
 from .. import schemas, storage
 from ..errors import EmbshardError
+from ..registry import COST_CHAMPION_URI
 from ..tableset import TableSet
 from ..policy.core import PolicyNet, TaskContext, TrainConfig, rollout
 from ..policy.train import (best_baseline_cost, plot_learning_curve, task_contexts, train_estimated,
@@ -29,7 +30,7 @@ from ..planners.scoring import single_threaded
 log = logging.getLogger(__name__)
 
 
-def run(tables: str, tasks: str, out: str, *, cost_model_uri: str = "models:/embshard-cost@champion",
+def run(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST_CHAMPION_URI,
         iterations: int = 300, rounds: int = 1, measure_tasks: int = 4, reward: str = "estimated",
         rollouts_per_task: int = 16, seed: int = 0, alias: str | None = None, costs: str | None = None,
         bench_kw: dict | None = None, register: bool = True, progress: bool = True) -> dict:
@@ -192,7 +193,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", required=True, help="tables.parquet")
     p.add_argument("--tasks", required=True, help="tasks.parquet (its 'train' tasks are used)")
     p.add_argument("--out", required=True, help="run folder (MLflow store defaults to OUT/mlflow.db)")
-    p.add_argument("--cost-model", default="models:/embshard-cost@champion", help="cost model URI")
+    p.add_argument("--cost-model", default=COST_CHAMPION_URI, help="cost model URI")
     p.add_argument("--iterations", type=int, default=300, help="REINFORCE updates (all rounds together)")
     p.add_argument("--rounds", type=int, default=1,
                    help="outer-loop rounds: measure the policy's placements, refit the cost model, retrain")

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from ..errors import EmbshardError
+from ..registry import POLICY_CHAMPION_URI, POLICY_MODEL
 from .base import Planner
 
 LEARNED = "learned"
 POLICY_ONLY = "policy_only"
-POLICY_MODEL = "embshard-policy"
 
 
 def learned_uri(name: str, default: str | None = None) -> str:
@@ -18,7 +18,7 @@ def learned_uri(name: str, default: str | None = None) -> str:
                 return f"models:/{POLICY_MODEL}@{rest[1:]}"
             if rest.startswith("/"):
                 return f"models:/{POLICY_MODEL}/{rest[1:]}"
-    return default or f"models:/{POLICY_MODEL}@champion"
+    return default or POLICY_CHAMPION_URI
 
 
 def available_planners() -> list[str]:
@@ -32,7 +32,7 @@ def get_planner(name: str, **kw) -> Planner:
     from .baselines import make_baseline
 
     if name.startswith(LEARNED) or name.startswith(POLICY_ONLY):
-        from .learned import load_planner
+        from ..policy.model import load_planner
 
         uri = learned_uri(name, kw.get("model_uri"))
         opts = {k: v for k, v in kw.items()

@@ -7,12 +7,16 @@ device that cannot hold it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import EmbshardError, InfeasiblePlacementError
 from ..placement import Placement
 from ..tableset import TableSet
+
+if TYPE_CHECKING:
+    from ..types import Task
 
 GiB = 2**30
 
@@ -39,6 +43,10 @@ class Planner(ABC):
         placement.task_id = task_id
         placement.check()
         return placement
+
+    def plan_task(self, task: "Task") -> Placement:
+        """`plan` for a Task (embshard.types): its tables, device count and memory per device."""
+        return self.plan(task.tables, task.devices.count, task.devices.memory_bytes, task.task_id)
 
     @abstractmethod
     def _plan(self, tables: TableSet, num_devices: int, memory_bytes_per_device: int,

@@ -153,17 +153,3 @@ def cost_greedy(ctx: TaskContext) -> np.ndarray | None:
         counts[d] += 1
         free[d] -= ctx.sizes[i]
     return assignment
-
-
-def load_planner(model_uri: str = "models:/embshard-policy@champion", **kw) -> LearnedPlanner:
-    """The learned planner registered in MLflow (policy + the cost model it was trained against).
-
-    Plans are reproducible: the same tables, devices, memory, model version and `seed` give the same placement
-    on every machine and under any load (every rank of a training job may call `plan(...)` and get the same
-    plan). The search stops on a work budget (`search_evaluations`, scored moves and swaps), not on a clock;
-    `time_budget_s` is only a safety cap, and a plan that hit it says so in `placement.meta["time_cap_hit"]`.
-    """
-    from ..policy.model import load_policy_bundle
-
-    policy, cost_model, info = load_policy_bundle(model_uri)
-    return LearnedPlanner(policy, cost_model, model_uri=model_uri, **kw)

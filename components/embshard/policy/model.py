@@ -13,9 +13,16 @@ import mlflow.pyfunc
 import pandas as pd
 import torch
 
+from typing import TYPE_CHECKING
+
 from .core import PolicyNet
 
-REGISTERED_NAME = "embshard-policy"
+from ..registry import POLICY_CHAMPION_URI, POLICY_MODEL
+
+REGISTERED_NAME = POLICY_MODEL
+
+if TYPE_CHECKING:
+    from ..planners.learned import LearnedPlanner
 
 
 def save_policy(policy: PolicyNet, folder: str, extra: dict | None = None) -> dict[str, str]:
@@ -75,3 +82,17 @@ def policy_artifacts(policy: PolicyNet, cost_model, folder: str, extra: dict | N
     cost = cost_model.save(os.path.join(folder, "cost_model"))
     arts.update({"cost_weights": cost["weights"], "cost_config": cost["config"]})
     return arts
+
+
+def load_planner(model_uri: str = POLICY_CHAMPION_URI, **kw) -> "LearnedPlanner":
+    """The learned planner registered in MLflow (policy + the cost model it was trained against).
+
+    Plans are reproducible: the same tables, devices, memory, model version and `seed` give the same placement
+    on every machine and under any load (every rank of a training job may call `plan(...)` and get the same
+    plan). The search stops on a work budget (`search_evaluations`, scored moves and swaps), not on a clock;
+    `time_budget_s` is only a safety cap, and a plan that hit it says so in `placement.meta["time_cap_hit"]`.
+    """
+    from ..planners.learned import LearnedPlanner
+
+    policy, cost_model, _ = load_policy_bundle(model_uri)
+    return LearnedPlanner(policy, cost_model, model_uri=model_uri, **kw)

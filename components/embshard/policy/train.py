@@ -74,7 +74,7 @@ def train_estimated(policy: PolicyNet, cost_model, train_ctx, val_ctx, cfg: Trai
     return policy.eval()
 
 
-def train_measured(policy: PolicyNet, train_ctx, cfg: TrainConfig, history: list, bench_kw: dict,
+def train_measured(policy: PolicyNet, train_ctx, cfg: TrainConfig, history: list, settings,
                    progress: bool = True) -> PolicyNet:
     """AutoShard-style: each rollout's reward is its measured overall cost (real kernels), relative to scale."""
     from tqdm import tqdm
@@ -93,7 +93,7 @@ def train_measured(policy: PolicyNet, train_ctx, cfg: TrainConfig, history: list
             for b, a in enumerate(ro.assignment):
                 if ro.feasible[b]:
                     pl = Placement.from_assignment(sub, a, ctx.scorer.num_devices, ctx.memory, planner="autoshard")
-                    out[b] = float(measure_placement(pl, **bench_kw)["total_ms"].max())
+                    out[b] = float(measure_placement(pl, **settings.kwargs())["total_ms"].max())
             return out
 
         policy.train()
