@@ -1,7 +1,9 @@
 """embshard_pipeline: learn to place embedding tables, then export the champion's placements.
 
-    ingest -> benchmark (mapped over chunks) -> train_cost_model -> train_policy -> evaluate_and_promote
-           -> export_placements
+    ingest -> sample_shards -> benchmark (mapped over chunks) -> train_cost_model -> train_policy
+      -> outer loop, round r = 2..3: measure_policy_plans_r<r> -> refit_cost_model_r<r> -> train_policy_r<r>
+         (rounds beyond the `policy_rounds` param are skipped)
+      -> evaluate_and_promote -> export_placements
 
 This file only wires stages (embshard.stages). Runner, chosen at parse time by EMBSHARD_RUNNER:
   local (default)  each stage runs in-process in its Airflow task;
@@ -60,8 +62,9 @@ PARAMS = {
                               description="Benchmark batch size (0 = the benchmark's default for the device)."),
     "policy_iterations": Param(D["policy_iterations"], type="integer", minimum=1, maximum=1_000_000,
                                description="REINFORCE updates of the policy."),
-    "policy_rounds": Param(D["policy_rounds"], type="integer", minimum=1, maximum=20,
-                           description="Outer rounds: measure the policy's plans, refit the cost model, retrain."),
+    "policy_rounds": Param(D["policy_rounds"], type="integer", minimum=1, maximum=stages.MAX_POLICY_ROUNDS,
+                           description="Outer rounds: measure the policy's plans, refit the cost model, retrain "
+                                       "(the tasks of rounds beyond this are skipped)."),
     "eval_tasks": Param(D["eval_tasks"], type="integer", minimum=1, description="Held-out tasks measured."),
     "eval_planners": Param(D["eval_planners"], type="string", pattern=r"^[a-z_@/0-9]+(,[a-z_@/0-9]+)*$",
                            description="Baselines measured beside the candidate and the champion."),
@@ -75,21 +78,38 @@ DEFAULT_ARGS = {"owner": "embshard", "retries": 0}
 
 # Shown on each task's page in the Airflow UI.
 TASK_DOCS = {
-    "ingest": "**Ingest** the tables (synthetic generator, table-spec file or DLRM trace), compute their features "
-              "and sample train/test tasks. Writes `tables.parquet`, `tasks.parquet` under the run root; returns "
-              "the benchmark chunks to map over.",
+    "ingest": "**Ingest** the tables (synthetic generator, table-spec file or DLRM trace), compute their features, "
+              "decide the train/test table pools, and sample train/test tasks. Writes `tables.parquet`, "
+              "`tasks.parquet` under the run root.",
+    "sample_shards": "**Sample the shards** the benchmark measures (random shards inside each table pool, single "
+                     "tables, the baselines' device shards): `shards.parquet`, read by every benchmark chunk; "
+                     "returns the chunks to map over.",
     "benchmark": "**Benchmark** one chunk of device shards: a fused FBGEMM table-batched-embedding op per shard "
                  "(forward and backward) plus the all-to-all. Writes `costs/part-<chunk>.parquet`; reruns resume.",
     "train_cost_model": "**Train the cost model** on the measured costs and register a new `embshard-cost` "
                         "version in MLflow (accuracy report against two reference estimators as artifacts).",
-    "train_policy": "**Train the placement policy** with REINFORCE on the cost model, with the outer loop "
-                    "(measure the policy's plans, refit the cost model); registers an `embshard-policy` version.",
+    "train_policy": "**Train the placement policy** (round 1) with REINFORCE on the cost model; the last round "
+                    "registers an `embshard-policy` version.",
+    "measure_policy_plans": "**Outer loop, measure**: the last round's policy plans some training tasks; their device "
+                            "shards are measured into `policy/measured-round-<r>/costs`. Skipped beyond "
+                            "`policy_rounds`.",
+    "refit_cost_model": "**Outer loop, refit**: the cost model retrained on the benchmark's costs and every measured "
+                        "round, so it learns where the policy places tables (a new `embshard-cost` version).",
+    "train_policy_round": "**Outer loop, retrain**: the policy trains on from the last round's weights against the "
+                          "refitted cost model; the last round registers the candidate.",
     "evaluate_and_promote": "**Evaluate and promote**: measure the candidate, the champion and the baselines on "
                             "held-out tasks; `champion` moves only if the candidate wins by the margin. Returns "
                             "the decision and the measured ratios; the plot is `evaluation/evaluation.png`.",
     "export_placements": "**Export** the champion's placements of the target tasks: `export/placements.parquet`, "
                          "`plan.json` and TorchRec plans per task.",
 }
+# The outer loop, unrolled: (task id, stage, round, doc) after round 1's train_cost_model -> train_policy.
+OUTER_LOOP = [(task_id, stage, r, doc) for r in range(2, stages.MAX_POLICY_ROUNDS + 1) for task_id, stage, doc in (
+    (f"measure_policy_plans_r{r}", "measure_policy_plans", "measure_policy_plans"),
+    (f"refit_cost_model_r{r}", "train_cost_model", "refit_cost_model"),
+    (f"train_policy_r{r}", "train_policy", "train_policy_round"))]
+# After the loop: runs when every round ran or was skipped (none failed).
+AFTER_LOOP = "none_failed"
 
 with DAG(
     dag_id="embshard_pipeline",
@@ -108,30 +128,40 @@ with DAG(
     doc_md=__doc__,
 ) as dag:
     if RUNNER == "local":
+        from airflow.sdk.exceptions import AirflowSkipException
 
-        def run_stage(name: str, params, run_id, ti, chunk: int | None = None):
-            return stages.run_in_task(name, DATA_ROOT, MLFLOW_URI, dict(params), run_id=run_id, dag_id=dag.dag_id,
-                                      try_number=ti.try_number, chunk=chunk)
+        def run_stage(name: str, params, run_id, ti, chunk: int | None = None, round_index: int | None = None):
+            try:
+                return stages.run_in_task(name, DATA_ROOT, MLFLOW_URI, dict(params), run_id=run_id,
+                                          dag_id=dag.dag_id, task_id=ti.task_id, try_number=ti.try_number,
+                                          chunk=chunk, round_index=round_index)
+            except stages.StageSkipped as exc:
+                raise AirflowSkipException(str(exc)) from None
 
-        @task(task_id="ingest", doc_md=TASK_DOCS["ingest"])
-        def ingest(params=None, run_id=None, ti=None) -> list[int]:
-            run_stage("ingest", params, run_id, ti)
-            return list(range(int(params["bench_chunks"])))
+        def stage_task(task_id: str, stage: str, doc: str, round_index: int | None = None, **task_kw):
+            @task(task_id=task_id, doc_md=TASK_DOCS[doc], **task_kw)
+            def _run(params=None, run_id=None, ti=None) -> dict:
+                return run_stage(stage, params, run_id, ti, round_index=round_index)
+            return _run()
+
+        @task(task_id="sample_shards", doc_md=TASK_DOCS["sample_shards"])
+        def sample_shards(params=None, run_id=None, ti=None) -> list[int]:
+            return run_stage("sample_shards", params, run_id, ti)["chunks"]
 
         @task(task_id="benchmark", retries=2, retry_delay=timedelta(seconds=5), doc_md=TASK_DOCS["benchmark"])
         def benchmark(chunk: int, params=None, run_id=None, ti=None) -> dict:
             return run_stage("benchmark", params, run_id, ti, chunk=chunk)
 
-        def stage_task(name: str, retries: int = 0):
-            @task(task_id=name, retries=retries, doc_md=TASK_DOCS[name])
-            def _run(params=None, run_id=None, ti=None) -> dict:
-                return run_stage(name, params, run_id, ti)
-            return _run()
-
-        chunks = ingest()
-        measured = benchmark.expand(chunk=chunks)
-        measured >> stage_task("train_cost_model") >> stage_task("train_policy") \
-            >> stage_task("evaluate_and_promote") >> stage_task("export_placements", retries=1)
+        chunks = sample_shards()
+        stage_task("ingest", "ingest", "ingest") >> chunks
+        last = benchmark.expand(chunk=chunks) >> stage_task("train_cost_model", "train_cost_model",
+                                                            "train_cost_model", 1)
+        last = last >> stage_task("train_policy", "train_policy", "train_policy", 1)
+        for task_id, stage, r, doc in OUTER_LOOP:
+            last = last >> stage_task(task_id, stage, doc, r)
+        last >> stage_task("evaluate_and_promote", "evaluate_and_promote", "evaluate_and_promote",
+                           trigger_rule=AFTER_LOOP) \
+            >> stage_task("export_placements", "export_placements", "export_placements", retries=1)
 
     elif RUNNER == "kubernetes":
         from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
@@ -141,19 +171,27 @@ with DAG(
         pod_config = k8s.load_pod_config()
         root = stages.RUN_ROOT_TEMPLATE.format(data_root=k8s.data_root(pod_config))
 
-        def stage_args(name: str) -> list[str]:
-            return ["stage", name, "--root", root, "--params", stages.PARAMS_TEMPLATE]
+        def stage_args(stage: str, round_index: int | None = None) -> list[str]:
+            extra = ["--round", str(round_index)] if round_index is not None else []
+            return ["stage", stage, "--root", root, "--params", stages.PARAMS_TEMPLATE, *extra]
 
-        ingest = KubernetesPodOperator(task_id="ingest", doc_md=TASK_DOCS["ingest"], **{
-            **k8s.pod_operator_kwargs("ingest", stage_args("ingest"), pod_config), "do_xcom_push": True})
+        def pod(task_id: str, stage: str, doc: str, round_index: int | None = None, **kw):
+            return KubernetesPodOperator(task_id=task_id, doc_md=TASK_DOCS[doc], **{
+                **k8s.pod_operator_kwargs(stage, stage_args(stage, round_index), pod_config), **kw})
+
+        ingest = pod("ingest", "ingest", "ingest")
+        sample_shards = pod("sample_shards", "sample_shards", "sample_shards", do_xcom_push=True)
         benchmark = KubernetesPodOperator.partial(
             task_id="benchmark", retries=2, retry_delay=timedelta(seconds=30), doc_md=TASK_DOCS["benchmark"],
             **{k: v for k, v in k8s.pod_operator_kwargs("benchmark", [], pod_config).items() if k != "arguments"},
-        ).expand(arguments=ingest.output.map(lambda chunk: [*stage_args("benchmark"), "--chunk", str(chunk)]))
-        rest = [KubernetesPodOperator(task_id=name, doc_md=TASK_DOCS[name],
-                                      **k8s.pod_operator_kwargs(name, stage_args(name), pod_config))
-                for name in ("train_cost_model", "train_policy", "evaluate_and_promote", "export_placements")]
-        benchmark >> rest[0] >> rest[1] >> rest[2] >> rest[3]
+        ).expand(arguments=sample_shards.output.map(lambda chunk: [*stage_args("benchmark"), "--chunk", str(chunk)]))
+        last = ingest >> sample_shards >> benchmark >> pod("train_cost_model", "train_cost_model", "train_cost_model", 1)
+        last = last >> pod("train_policy", "train_policy", "train_policy", 1)
+        for task_id, stage, r, doc in OUTER_LOOP:
+            last = last >> pod(task_id, stage, doc, r, skip_on_exit_code=stages.SKIP_EXIT_CODE)
+        last >> pod("evaluate_and_promote", "evaluate_and_promote", "evaluate_and_promote",
+                    trigger_rule=AFTER_LOOP) \
+            >> pod("export_placements", "export_placements", "export_placements")
     else:
         raise ValueError(f"EMBSHARD_RUNNER={RUNNER!r}: use 'local' or 'kubernetes'")
 

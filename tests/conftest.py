@@ -50,6 +50,7 @@ def measured_world(tmp_path_factory):
     import pandas as pd
 
     from embshard import schemas
+    from embshard.bench.runner import MeasureSettings
     from embshard.jobs import bench
     from embshard.jobs import tasks
     from embshard.bench.sampler import placement_shards, random_shards
@@ -77,7 +78,7 @@ def measured_world(tmp_path_factory):
     bench_kw = {"batch_size": 256, "iterations": 10, "warmup": 2, "max_shard_gb": 0.05}
     bench.run(tables, shards_path, str(root), progress=False, **bench_kw)
     return {"root": str(root), "tables": tables, "tasks": tasks_path, "costs": str(root / "costs"),
-            "bench_kw": bench_kw}
+            "bench_kw": bench_kw, "settings": MeasureSettings(**bench_kw)}
 
 
 @pytest.fixture(scope="session")

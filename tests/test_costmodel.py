@@ -24,13 +24,15 @@ def measured(tmp_path_factory, small_tables_df):
     about 20 held-out ones."""
     from embshard.jobs.bench import run as bench_run
     from embshard.bench.sampler import random_shards
-    from embshard.costmodel.data import table_pools
+    from embshard import pools
 
     root = tmp_path_factory.mktemp("measured")
     tables = root / "tables.parquet"
     schemas.write(small_tables_df, tables, "tables")
     ids = list(small_tables_df["table_id"])
-    seen, unseen = table_pools(ids, seed=0, unseen_frac=0.5)
+    pool = pools.of(small_tables_df, seed=0)
+    seen = [t for t, p in zip(ids, pool) if p == "train"]
+    unseen = [t for t, p in zip(ids, pool) if p == "test"]
     shards = pd.concat([
         pd.DataFrame({"sample_id": [f"single-{t}" for t in ids], "table_ids": [[t] for t in ids],
                       "num_devices": 4, "origin": "single"}),

@@ -20,7 +20,15 @@ DAG_FILE = Path(__file__).resolve().parents[1] / "dags" / "embshard_pipeline.py"
 DAG_ID = "embshard_pipeline"
 KUBE_VERSION = "1.33.0"
 GPU = "nvidia.com/gpu"
-CHAIN = ["ingest", "benchmark", "train_cost_model", "train_policy", "evaluate_and_promote", "export_placements"]
+# The DAG's line of tasks, the outer loop unrolled (round r: measure, refit, retrain), with the stage each runs.
+LOOP = [(f"{step}_r{r}", stage, r) for r in range(2, stages.MAX_POLICY_ROUNDS + 1) for step, stage in (
+    ("measure_policy_plans", "measure_policy_plans"), ("refit_cost_model", "train_cost_model"),
+    ("train_policy", "train_policy"))]
+STAGE_OF = {"ingest": ("ingest", None), "sample_shards": ("sample_shards", None), "benchmark": ("benchmark", None),
+            "train_cost_model": ("train_cost_model", 1), "train_policy": ("train_policy", 1),
+            **{t: (s, r) for t, s, r in LOOP},
+            "evaluate_and_promote": ("evaluate_and_promote", None), "export_placements": ("export_placements", None)}
+CHAIN = list(STAGE_OF)
 RUN_ID = "scheduled__2026-01-05T03:00:00+00:00"
 
 
@@ -79,6 +87,18 @@ def test_same_tasks_and_dependencies_in_both_runners(monkeypatch):
         shapes[runner] = {t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks}
     assert shapes["local"] == shapes["kubernetes"]
     assert shapes["local"] == {a: ([b] if b else []) for a, b in zip(CHAIN, CHAIN[1:] + [None])}
+
+
+def test_outer_loop_rounds_beyond_the_param_are_skipped_and_evaluation_still_runs(dag_by_runner):
+    """Every step of the outer loop is a task; a round beyond `policy_rounds` is skipped (local: the stage raises
+    StageSkipped; pods: its exit code), and evaluation runs after skipped rounds but not after failed ones."""
+    runner, dag = dag_by_runner
+    assert dag.get_task("evaluate_and_promote").trigger_rule == "none_failed"
+    with pytest.raises(stages.StageSkipped):
+        stages.train_policy("/nonexistent", {"policy_rounds": 1}, round_index=2)
+    if runner == "kubernetes":
+        for task_id, _, _ in LOOP:
+            assert stages.SKIP_EXIT_CODE in dag.get_task(task_id).skip_on_exit_code
 
 
 def test_schedule_is_weekly_or_new_tables(k8s_dag):
@@ -157,7 +177,7 @@ def test_params_reject_bad_values(k8s_dag, key, value):
 
 def concrete_operator(dag, task_id: str, chunk: int = 1):
     """The operator Airflow would run: the benchmark task unmapped with the arguments the DAG's own map()
-    makes of one chunk index (what ingest's XCom holds), the others as they are."""
+    makes of one chunk index (what sample_shards' XCom holds), the others as they are."""
     task = dag.get_task(task_id)
     if not task.is_mapped:
         return copy.deepcopy(task)
@@ -191,14 +211,15 @@ def test_stage_pods_are_valid_and_run_the_stage_on_the_run_root(k8s_dag, task_id
     assert container["image"] == k8s.POD_DEFAULTS["image"] and container["command"] == ["embshard"]
     root = stages.run_root(k8s.data_root(), RUN_ID)
     assert root == "file:///data/embshard/scheduled__2026-01-05T03-00-00-00-00"
-    assert container["args"][:4] == ["stage", task_id, "--root", root]
+    stage, round_index = STAGE_OF[task_id]
+    assert container["args"][:4] == ["stage", stage, "--root", root]
     # The arguments are a valid `embshard stage` command line whose params the stages accept.
     args = build_parser().parse_args(container["args"])
-    assert (args.command, args.name, args.root) == ("stage", task_id, root)
+    assert (args.command, args.name, args.root, args.round_index) == ("stage", stage, root, round_index)
     assert stages.merged(json.loads(args.params)) == stages.DEFAULT_PARAMS
     assert args.chunk == (1 if task_id == "benchmark" else 0)
     env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env["EMBSHARD_STAGE"] == task_id
+    assert env["EMBSHARD_STAGE"] == stage
     # Lineage for the MLflow tags of whatever the pod logs.
     assert (env["EMBSHARD_AIRFLOW_DAG_ID"], env["EMBSHARD_AIRFLOW_RUN_ID"], env["EMBSHARD_AIRFLOW_TASK_ID"]) == \
         (DAG_ID, RUN_ID, task_id)
@@ -208,7 +229,7 @@ def test_stage_pods_are_valid_and_run_the_stage_on_the_run_root(k8s_dag, task_id
 def test_measuring_pods_get_a_gpu_on_gpu_nodes(k8s_dag, task_id):
     pod = render_pod(k8s_dag, task_id)
     resources = pod["spec"]["containers"][0]["resources"]
-    if task_id in ("benchmark", "evaluate_and_promote"):
+    if STAGE_OF[task_id][0] in ("benchmark", "measure_policy_plans", "evaluate_and_promote"):
         assert resources["requests"][GPU] == resources["limits"][GPU] == "1"
         assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
         assert pod["spec"]["tolerations"] == [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
@@ -217,10 +238,10 @@ def test_measuring_pods_get_a_gpu_on_gpu_nodes(k8s_dag, task_id):
         assert not pod["spec"].get("nodeSelector") and not pod["spec"].get("tolerations")
 
 
-def test_ingest_pod_pushes_the_chunks_for_the_benchmark_map(k8s_dag):
-    pod = render_pod(k8s_dag, "ingest")
+def test_sample_shards_pod_pushes_the_chunks_for_the_benchmark_map(k8s_dag):
+    pod = render_pod(k8s_dag, "sample_shards")
     assert [c["name"] for c in pod["spec"]["containers"]] == ["base", "airflow-xcom-sidecar"]
-    # One benchmark pod per chunk that ingest's XCom lists, each told its own chunk.
+    # One benchmark pod per chunk that sample_shards' XCom lists, each told its own chunk.
     chunks = list(range(stages.DEFAULT_PARAMS["bench_chunks"]))
     args = [render_pod(k8s_dag, "benchmark", chunk=c)["spec"]["containers"][0]["args"] for c in chunks]
     assert [a[-2:] for a in args] == [["--chunk", str(c)] for c in chunks]

@@ -23,14 +23,16 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "embshard"
 KUBE_VERSION = "1.33.0"
 GPU = "nvidia.com/gpu"
-GPU_STAGES = {"benchmark", "evaluate_and_promote"}
+GPU_STAGES = {"benchmark", "measure_policy_plans", "evaluate_and_promote"}
 
 # What the DAG passes: the image's entrypoint is `embshard`, so arguments start with the command.
 ARGS = {
     "ingest": ["ingest", "--source", "synthetic", "--out", "file:///data/embshard/run-1"],
+    "sample_shards": ["stage", "sample_shards", "--root", "file:///data/embshard/run-1"],
     "benchmark": ["bench", "--tables", "file:///data/embshard/run-1/tables.parquet", "--chunk", "0"],
     "train_cost_model": ["train-cost", "--costs", "file:///data/embshard/run-1/costs"],
     "train_policy": ["train-policy", "--tables", "file:///data/embshard/run-1/tables.parquet"],
+    "measure_policy_plans": ["stage", "measure_policy_plans", "--root", "file:///data/embshard/run-1", "--round", "2"],
     "evaluate_and_promote": ["evaluate", "--tasks", "file:///data/embshard/run-1/tasks.parquet"],
     "export_placements": ["export", "--out", "file:///data/embshard/run-1/placements"],
 }

@@ -100,19 +100,21 @@ def test_first_run_writes_every_output_and_each_validates(two_runs):
     files = os.listdir(os.path.join(root, "costs"))
     parts = sorted(p for p in files if p.startswith("part-"))
     assert parts == [f"part-{i:05d}-of-{TINY['bench_chunks']:05d}.parquet" for i in range(TINY["bench_chunks"])]
-    # The policy's outer loop adds its measured placements (one file per extra round).
-    rounds = {p.split("-")[1] for p in files if p.startswith("policy-")}
-    assert rounds == {f"r{r}" for r in range(stages.DEFAULT_PARAMS["policy_rounds"] - 1)}
+    # The outer loop measures the policy's plans into folders of its own (never into the benchmark's costs).
+    assert not [p for p in files if p.startswith("policy-")]
+    rounds = stages.DEFAULT_PARAMS["policy_rounds"]
+    for r in range(2, rounds + 1):
+        measured = schemas.read(os.path.join(root, "policy", f"measured-round-{r}", "costs"), "costs")
+        assert (measured["origin"] == "placement:learned").all() and len(measured) > 0
+    assert stages._state(root, "policy")["round"] == rounds
     costs = schemas.read(os.path.join(root, "costs"), "costs")
     assert len(costs) >= TINY["bench_shards"] and (costs["fwd_compute_ms"] > 0).all()
     assert (costs["batch_size"] == TINY["bench_batch_size"]).all()
-    # Every shard the benchmark stage chose lies inside one of the cost model's table pools (it drops mixed ones).
-    from embshard.costmodel.data import table_pools
-
-    seen, unseen = table_pools(tables["table_id"], seed=0)
-    bench_rows = costs[~costs["sample_id"].str.startswith("policy-")]
-    assert len(bench_rows) >= TINY["bench_shards"]
-    assert all(set(ids) <= seen or set(ids) <= unseen for ids in bench_rows["table_ids"])
+    # Every shard the benchmark stage chose lies inside one table pool (the cost model drops mixed ones), and the
+    # pools are the ones stored with the tables, which the tasks follow too.
+    pool_of = dict(zip(tables["table_id"], tables["pool"]))
+    assert all(len({pool_of[t] for t in ids}) == 1 for ids in costs["table_ids"])
+    assert all({pool_of[t] for t in ids} == {split} for ids, split in zip(tasks["table_ids"], tasks["split"]))
 
     # Evaluation: candidate + every baseline, measured on the held-out task.
     import pandas as pd

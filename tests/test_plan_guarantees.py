@@ -14,6 +14,7 @@ from embshard.features import FeatureScaler
 from embshard.ingest.synthetic import generate_tables
 from embshard.planners.baselines import BASELINES, make_baseline
 from embshard.planners.learned import LearnedPlanner
+from embshard.bench.runner import MeasureSettings
 from embshard.jobs.place import predicted
 from embshard.policy.core import PolicyNet
 from embshard.tableset import TableSet
@@ -90,8 +91,8 @@ def test_measured_costs_are_not_below_the_measured_bound(tmp_path):
                                 "memory_bytes_per_device": [int(df["size_bytes"].sum())],
                                 "table_ids": [list(df["table_id"])]}), tasks, "tasks")
     res = evaluate.run(tables, tasks, str(tmp_path / "eval"), planners=["size_greedy", "dim_greedy", "round_robin"],
-                       bench_kw={"batch_size": 256, "iterations": 10, "warmup": 2, "comm_bandwidth_gbps": 10.0,
-                                 "comm_latency_us": 20.0}, progress=False)
+                       settings=MeasureSettings(batch_size=256, iterations=10, warmup=2, comm_bandwidth_gbps=10.0,
+                                                comm_latency_us=20.0), progress=False)
     frame = res["frame"]
     assert frame["feasible"].all()
     # Measured numbers carry timer noise (a few percent on a shared CPU): the bound must hold beyond it.

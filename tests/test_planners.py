@@ -196,6 +196,7 @@ def test_place_without_a_registered_model_says_how_to_train(small_tables_path, t
 
 def test_autoshard_variant_learns_from_measured_rewards(measured_world, cost_model):
     """The AutoShard-style policy: every rollout's reward is the measured cost of its placement (real kernels)."""
+    from embshard.bench.runner import MeasureSettings
     from embshard.policy.train import train_measured
 
     tables = TableSet.read(measured_world["tables"])
@@ -205,7 +206,8 @@ def test_autoshard_variant_learns_from_measured_rewards(measured_world, cost_mod
     policy = PolicyNet()
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     train_measured(policy, [("t", sub, ctx)], TrainConfig(iterations=2, rollouts_per_task=3, seed=0), history,
-                   bench_kw=measured_world["bench_kw"] | {"out": measured_world["root"]}, progress=False)
+                   MeasureSettings(**measured_world["bench_kw"], calibration_dir=str(measured_world["root"])),
+                   progress=False)
     assert len(history) == 2
     assert all(np.isfinite(h["measured_best_ms"]) and h["measured_best_ms"] > 0 for h in history)
     assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())  # it did update

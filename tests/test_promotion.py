@@ -91,7 +91,7 @@ def aliases(name: str) -> dict[str, str]:
 def promote(world, tmp_path, candidate: str, margin: float = 0.01) -> dict:
     return evaluate_and_promote(world["tables"], world["tasks"], str(tmp_path / "evaluation"),
                                 candidate_version=candidate, cost_model_uri=f"models:/{COST}/1",
-                                baselines=BASELINES, max_tasks=2, margin=margin, bench_kw=world["bench_kw"])
+                                baselines=BASELINES, max_tasks=2, margin=margin, settings=world["settings"])
 
 
 def promote_run(candidate: str):

@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from embshard import schemas
+from embshard import pools, schemas
 from embshard.jobs import tasks
 from embshard.cli import main as cli
 from embshard.errors import EmbshardError
@@ -30,13 +30,30 @@ def tables_path(tmp_path):
     return path
 
 
+def split(ids, seed):
+    pool = pools.assign(ids, seed)
+    return ({t for t, p in zip(ids, pool) if p == "train"}, {t for t, p in zip(ids, pool) if p == "test"})
+
+
 def test_split_is_seeded_disjoint_and_covers_all():
     ids = [f"t{i}" for i in range(41)]
-    train, test = tasks.split_pools(ids, seed=0)
-    assert len(train) == 21 and len(test) == 20 and set(train) | set(test) == set(ids)
-    assert not set(train) & set(test)
-    assert tasks.split_pools(list(reversed(ids)), seed=0) == (train, test)  # row order does not matter
-    assert tasks.split_pools(ids, seed=1) != (train, test)
+    train, test = split(ids, seed=0)
+    assert len(train) == 21 and len(test) == 20 and train | test == set(ids)
+    assert not train & test
+    assert split(list(reversed(ids)), seed=0) == (train, test)  # row order does not matter
+    assert split(ids, seed=1) != (train, test)
+
+
+def test_tasks_follow_the_pool_column_of_the_tables(tmp_path):
+    """The pools stored with the tables decide, not a second shuffle: flip them and the tasks follow."""
+    df = _tables(np.ones(41))
+    df["pool"] = np.where(pools.assign(df["table_id"], 0) == "train", "test", "train")
+    path = tmp_path / "tables.parquet"
+    schemas.write(df, path, "tables")
+    out = schemas.read(tasks.run(str(path), str(tmp_path), 3, "3-5", 2, 4, seed=0), "tasks")
+    pool_of = dict(zip(df["table_id"], df["pool"]))
+    for r in out.itertuples():
+        assert {pool_of[t] for t in r.table_ids} == {r.split}
 
 
 def test_tasks_cli(tmp_path, tables_path):
@@ -44,7 +61,7 @@ def test_tasks_cli(tmp_path, tables_path):
     assert cli(["tasks", "--tables", str(tables_path), "--out", str(out), "--num-tasks", "6",
                 "--tables-per-task", "3-8", "--devices", "2,4", "--memory-gb", "4", "--seed", "7"]) == 0
     df = schemas.read(out / "tasks.parquet", "tasks")
-    train, test = tasks.split_pools(_tables(np.ones(41))["table_id"], seed=7)
+    train, test = split(list(_tables(np.ones(41))["table_id"]), seed=7)
     assert df["task_id"].tolist() == [f"train-{k:04d}" for k in range(6)] + [f"test-{k:04d}" for k in range(6)]
     for r in df.itertuples():
         pool = set(train) if r.split == "train" else set(test)

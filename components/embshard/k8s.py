@@ -20,9 +20,10 @@ from .errors import EmbshardError
 
 CONFIG_ENV = "EMBSHARD_K8S_CONFIG"
 
-# Stage names = the DAG's task ids (same ids for the local and the kubernetes runner).
-STAGES = ("ingest", "benchmark", "train_cost_model", "train_policy", "evaluate_and_promote",
-          "export_placements")
+# Stage names (`embshard stage NAME`; the outer loop's tasks run train_cost_model, train_policy and
+# measure_policy_plans with --round, under their own task ids).
+STAGES = ("ingest", "sample_shards", "benchmark", "train_cost_model", "train_policy", "measure_policy_plans",
+          "evaluate_and_promote", "export_placements")
 
 # camelCase keys, as in the chart's values (`stagePods`), so the ConfigMap is this dict verbatim.
 POD_DEFAULTS: dict[str, Any] = {
@@ -64,16 +65,21 @@ POD_DEFAULTS: dict[str, Any] = {
     "startupTimeoutSeconds": 900,  # GPU nodes may scale up from zero and pull a multi-GB image
     "onFinishAction": "delete_succeeded_pod",  # failed pods stay for `kubectl logs/describe`
     # Per stage: resources and whether the pod needs a GPU. Measuring stages run on the GPU type whose costs
-    # they learn from: benchmark measures shards, evaluate_and_promote measures whole placements.
+    # they learn from: benchmark measures shards, measure_policy_plans the policy's plans, evaluate_and_promote
+    # whole placements.
     "stages": {
         "ingest": {"gpu": False, "resources": {"requests": {"cpu": "1", "memory": "4Gi"},
                                                "limits": {"cpu": "2", "memory": "8Gi"}}},
+        "sample_shards": {"gpu": False, "resources": {"requests": {"cpu": "1", "memory": "2Gi"},
+                                                      "limits": {"cpu": "2", "memory": "4Gi"}}},
         "benchmark": {"gpu": True, "resources": {"requests": {"cpu": "4", "memory": "16Gi"},
                                                  "limits": {"cpu": "8", "memory": "32Gi"}}},
         "train_cost_model": {"gpu": False, "resources": {"requests": {"cpu": "4", "memory": "8Gi"},
                                                          "limits": {"cpu": "8", "memory": "16Gi"}}},
         "train_policy": {"gpu": False, "resources": {"requests": {"cpu": "4", "memory": "8Gi"},
                                                      "limits": {"cpu": "8", "memory": "16Gi"}}},
+        "measure_policy_plans": {"gpu": True, "resources": {"requests": {"cpu": "4", "memory": "16Gi"},
+                                                            "limits": {"cpu": "8", "memory": "32Gi"}}},
         "evaluate_and_promote": {"gpu": True, "resources": {"requests": {"cpu": "4", "memory": "16Gi"},
                                                             "limits": {"cpu": "8", "memory": "32Gi"}}},
         "export_placements": {"gpu": False, "resources": {"requests": {"cpu": "1", "memory": "2Gi"},

@@ -36,8 +36,9 @@ DEFAULT_PARAMS: dict = {
     "export_tasks": "test",       # which tasks get exported placements
 }
 
-# Train tasks whose greedy-baseline placements are measured too (the cost model must know balanced shards).
-PLACEMENT_SHARD_TASKS = 8
+# Outer loop: at most this many rounds (the DAG has a task per step of each); tasks measured per round.
+MAX_POLICY_ROUNDS = 3
+MEASURED_PLAN_TASKS = 4
 
 PATHS = {"tables": "tables.parquet", "tasks": "tasks.parquet", "costs": "costs", "cost_model": "cost_model",
          "policy": "policy", "evaluation": "evaluation", "export": "export", "state": "state"}
@@ -86,126 +87,111 @@ def _state(root: str, name: str, value: dict | None = None) -> dict:
     return json.loads(storage.read_text(target))
 
 
+class StageSkipped(Exception):
+    """A stage with nothing to do in this run (an outer-loop round beyond `policy_rounds`): the local runner
+    marks the task skipped, a pod exits with SKIP_EXIT_CODE (KubernetesPodOperator's skip_on_exit_code)."""
+
+
+SKIP_EXIT_CODE = 99
+
+
 def ingest(root: str, params: dict) -> dict:
     from .jobs.ingest import run as ingest_run
     from .jobs.tasks import run as tasks_run
 
     p = merged(params)
-    kw = {}
     tables = ingest_run(p["source"], root, input=p["input"] or None, seed=int(p["seed"]),
-                        num_tables=int(p["num_tables"]) if p["source"] == "synthetic" else None, **kw)
+                        num_tables=int(p["num_tables"]) if p["source"] == "synthetic" else None)
     tasks = tasks_run(tables, root, num_tasks=int(p["num_tasks"]), tables_per_task=p["tables_per_task"],
                       devices=p["devices"], memory_gb=p["memory_gb"], seed=int(p["seed"]))
     return _state(root, "ingest", {"tables": tables, "tasks": tasks})
 
 
-def bench_shards(root: str, params: dict) -> str:
-    """The shard list of the benchmark stage: random train-pool shards, plus every baseline placement's shards.
-
-    Every shard lies inside one of the cost model's table pools (costmodel.data.table_pools, same seed): the cost
-    model drops shards that mix seen and unseen tables, so mixed shards would be measured for nothing.
-    """
-    import math
-
-    import pandas as pd
-
-    from . import schemas
-    from .bench.sampler import placement_shards, random_shards
-    from .costmodel.data import table_pools
-    from .planners.baselines import GREEDY_BASELINES, make_baseline
-    from .tableset import TableSet
-
-    from . import storage
+def sample_shards(root: str, params: dict) -> dict:
+    from .jobs.shards import run as shards_run
 
     p = merged(params)
-    target = _join(root, "shards.parquet")
-    if storage.exists(target):  # deterministic: every mapped chunk sees the same list
-        return target
-    tables = TableSet.read(path(root, "tables"))
-    tasks = schemas.read(path(root, "tasks"), "tasks")
-    train = tasks[tasks["split"] == "train"]
-    pool = sorted({t for ids in train["table_ids"] for t in ids})
-    seed, D = int(p["seed"]), int(train["num_devices"].iloc[0])
-    seen, unseen = table_pools(tables.table_ids, seed=seed)
-    # Most of the budget where the cost model trains (seen pool); a third measures generalization (unseen).
-    n_unseen = int(p["bench_shards"]) // 3
-    budget = {"seen": int(p["bench_shards"]) - n_unseen, "unseen": n_unseen}
-    frames = []
-    for name, ids in (("seen", seen), ("unseen", unseen)):
-        members = [t for t in pool if t in ids]
-        if members and budget[name] > 0:
-            df = random_shards(members, budget[name], seed=seed, num_devices=D)
-            frames.append(df.assign(sample_id=f"{name}-" + df["sample_id"]))
-    # Every train-pool table alone (cheap to measure): what each table costs by itself, and what the cost model's
-    # sum-of-singles reference needs.
-    frames.append(pd.DataFrame({"sample_id": [f"single-{t}" for t in pool], "table_ids": [[t] for t in pool],
-                                "num_devices": D, "origin": "single"}))
-    # Baselines' device shards: the cost model must know the region where placements live. Each train task's
-    # tables of one pool are placed on half its devices, so these shards are as large as a real placement's.
-    rows = []
-    for t in train.head(PLACEMENT_SHARD_TASKS).itertuples():
-        for name, ids in (("seen", seen), ("unseen", unseen)):
-            members = [x for x in t.table_ids if x in ids]
-            if not members:
-                continue
-            sub = tables.select(members)
-            for b in GREEDY_BASELINES:
-                try:
-                    pl = make_baseline(b, seed=seed).plan(sub, max(1, math.ceil(int(t.num_devices) / 2)),
-                                                          int(t.memory_bytes_per_device), f"{t.task_id}-{name}")
-                except EmbshardError:
-                    continue
-                rows.append(pl.to_frame())
-    if rows:
-        frames.append(placement_shards(pd.concat(rows, ignore_index=True), D))
-    shards = pd.concat(frames, ignore_index=True).drop_duplicates("sample_id")
-    # The same table set from several baselines is measured once.
-    shards = shards[~shards["table_ids"].map(lambda v: tuple(sorted(v))).duplicated()].reset_index(drop=True)
-    schemas.write(shards, target, "shards")
-    return target
+    shards = shards_run(path(root, "tables"), path(root, "tasks"), root, num_shards=int(p["bench_shards"]),
+                        seed=int(p["seed"]))
+    return _state(root, "shards", {"shards": shards, "chunks": list(range(int(p["bench_chunks"])))})
 
 
 def benchmark(root: str, params: dict, chunk: int) -> dict:
     from .jobs.bench import run as bench_run
 
     p = merged(params)
-    shards = bench_shards(root, p)
+    shards = _state(root, "shards")["shards"]  # sampled once by sample_shards; every chunk reads the same list
     kw = {"batch_size": int(p["bench_batch_size"])} if int(p["bench_batch_size"]) > 0 else {}
     parts = bench_run(path(root, "tables"), shards, root, chunk=int(chunk), num_chunks=int(p["bench_chunks"]),
                       **kw)
     return {"chunk": int(chunk), "parts": parts}
 
 
-def train_cost_model(root: str, params: dict) -> dict:
+def measure_settings(root: str, p: dict):
+    """How every measuring stage of a run measures: the same batch, and the run's one communication calibration
+    (written under the run root by the benchmark), so costs stay comparable across stages."""
+    from .bench.runner import MeasureSettings
+
+    batch = int(p["bench_batch_size"])
+    return MeasureSettings(batch_size=batch if batch > 0 else None, calibration_dir=root)
+
+
+def _costs_of_rounds(root: str, last_round: int) -> list[str]:
+    """The benchmark's costs, then the measured policy plans of rounds 2..last_round."""
+    return [path(root, "costs"), *(_join(path(root, "policy"), f"measured-round-{r}", "costs")
+                                   for r in range(2, last_round + 1))]
+
+
+def _check_round(p: dict, round_index: int) -> None:
+    if round_index > int(p["policy_rounds"]):
+        raise StageSkipped(f"round {round_index} of {p['policy_rounds']}: nothing to do")
+
+
+def train_cost_model(root: str, params: dict, round_index: int = 1) -> dict:
+    """Round 1: the cost model from the benchmark's costs. Round r > 1 (the outer loop's refit): from the
+    benchmark's costs and the measured plans of every round so far."""
     from .jobs.train_cost import run as train_cost
 
     p = merged(params)
-    res = train_cost(path(root, "costs"), path(root, "tables"), path(root, "cost_model"), seed=int(p["seed"]))
+    _check_round(p, round_index)
+    out = path(root, "cost_model") if round_index == 1 else _join(path(root, "cost_model"), f"round-{round_index}")
+    res = train_cost(_costs_of_rounds(root, round_index), path(root, "tables"), out, seed=int(p["seed"]) + round_index - 1)
     return _state(root, "cost_model", {"model_uri": res["model_uri"], "version": str(res["model_version"]),
-                                       "summary": res.get("summary", "")})
+                                       "round": round_index, "summary": res.get("summary", "")})
 
 
-def train_policy(root: str, params: dict) -> dict:
-    from .jobs.train_policy import run as train_run
+def train_policy(root: str, params: dict, round_index: int = 1) -> dict:
+    """One round of the policy, from the previous round's weights, against the latest cost model; the last
+    round (`policy_rounds`) registers the candidate that evaluation measures."""
+    from .jobs.train_policy import train_round
 
     p = merged(params)
+    _check_round(p, round_index)
+    rounds = int(p["policy_rounds"])
     cm = _state(root, "cost_model")
-    kw = _bench_kw(root, p)
-    res = train_run(path(root, "tables"), path(root, "tasks"), path(root, "policy"), cost_model_uri=cm["model_uri"],
-                    iterations=int(p["policy_iterations"]), rounds=int(p["policy_rounds"]),
-                    costs=path(root, "costs"), seed=int(p["seed"]), bench_kw=kw)
-    return _state(root, "policy", {"model_uri": res["model_uri"], "version": res["version"],
-                                   "cost_model_uri": res["cost_model_uri"],
-                                   "val_ratio": res["final_val_ratio"]})
+    prev = _state(root, "policy")["policy_dir"] if round_index > 1 else None
+    res = train_round(path(root, "tables"), path(root, "tasks"), path(root, "policy"),
+                      cost_model_uri=cm["model_uri"], iterations=max(1, int(p["policy_iterations"]) // rounds),
+                      round_index=round_index, init_policy=prev, seed=int(p["seed"]),
+                      register=round_index == rounds, settings=measure_settings(root, p),
+                      description=f" of {rounds}")
+    return _state(root, "policy", {"policy_dir": res["policy_dir"], "round": round_index,
+                                   "model_uri": res.get("model_uri"), "version": res.get("version"),
+                                   "cost_model_uri": res["cost_model_uri"], "val_ratio": res["final_val_ratio"]})
 
 
-def _bench_kw(root: str, p: dict) -> dict:
-    """Benchmark settings shared by every measuring stage of a run: the same batch, and `out=root` so that
-    all of them use the run's one communication calibration (costs stay comparable across stages)."""
-    kw: dict = {"out": root}
-    if int(p["bench_batch_size"]) > 0:
-        kw["batch_size"] = int(p["bench_batch_size"])
-    return kw
+def measure_policy_plans(root: str, params: dict, round_index: int = 2) -> dict:
+    """The outer loop's measuring step before round `round_index`: the last policy's plans, measured."""
+    from .jobs.measure_plans import run as measure_plans
+
+    p = merged(params)
+    _check_round(p, round_index)
+    pol = _state(root, "policy")
+    costs = measure_plans(path(root, "tables"), path(root, "tasks"), pol["policy_dir"], pol["cost_model_uri"],
+                          _join(path(root, "policy"), f"measured-round-{round_index}"),
+                          num_tasks=MEASURED_PLAN_TASKS, round_index=round_index,
+                          settings=measure_settings(root, p), seed=int(p["seed"]))
+    return {"round": round_index, "costs": costs}
 
 
 def evaluate_and_promote(root: str, params: dict) -> dict:
@@ -213,18 +199,18 @@ def evaluate_and_promote(root: str, params: dict) -> dict:
 
     p = merged(params)
     pol = _state(root, "policy")
-    kw = _bench_kw(root, p)
     decision = promote(path(root, "tables"), path(root, "tasks"), path(root, "evaluation"),
                        candidate_version=pol["version"], cost_model_uri=pol["cost_model_uri"],
                        baselines=[b for b in str(p["eval_planners"]).split(",") if b],
-                       max_tasks=int(p["eval_tasks"]), margin=float(p["promotion_margin"]), bench_kw=kw)
+                       max_tasks=int(p["eval_tasks"]), margin=float(p["promotion_margin"]),
+                       settings=measure_settings(root, p))
     return _state(root, "promotion", decision)
 
 
 def export_placements(root: str, params: dict) -> dict:
+    from .jobs.export import place_tasks
     from .jobs.export import run as export_run
     from .planners import get_planner
-    from .jobs.export import place_tasks
 
     p = merged(params)
     placements = place_tasks(path(root, "tables"), path(root, "tasks"), get_planner("learned@champion"),
@@ -234,25 +220,38 @@ def export_placements(root: str, params: dict) -> dict:
                                                                   if isinstance(v, (str, int, float))}})
 
 
-def run(name: str, root: str, params: dict, chunk: int | None = None) -> dict:
-    """Run one stage on a run root; returns its small JSON-able result."""
+STAGES = {"ingest": ingest, "sample_shards": sample_shards, "benchmark": benchmark,
+          "train_cost_model": train_cost_model, "train_policy": train_policy,
+          "measure_policy_plans": measure_policy_plans, "evaluate_and_promote": evaluate_and_promote,
+          "export_placements": export_placements}
+ROUND_STAGES = ("train_cost_model", "train_policy", "measure_policy_plans")
+
+
+def run(name: str, root: str, params: dict, chunk: int | None = None, round_index: int | None = None) -> dict:
+    """Run one stage on a run root; returns its small JSON-able result. Raises StageSkipped when an outer-loop
+    round has nothing to do."""
     if name not in STAGES:
         raise EmbshardError(f"unknown stage {name!r}", field="stage", fix=f"use one of {', '.join(STAGES)}")
     fn = STAGES[name]
-    return fn(root, params, int(chunk or 0)) if name == "benchmark" else fn(root, params)
+    if name == "benchmark":
+        return fn(root, params, int(chunk or 0))
+    if name in ROUND_STAGES and round_index is not None:
+        return fn(root, params, int(round_index))
+    return fn(root, params)
 
 
 def run_in_task(name: str, data_root: str, mlflow_uri: str, params: dict, *, run_id: str, dag_id: str,
-                try_number: int | None = None, chunk: int | None = None) -> dict:
+                task_id: str | None = None, try_number: int | None = None, chunk: int | None = None,
+                round_index: int | None = None) -> dict:
     """A stage inside an Airflow task of the local runner: the run's one data root and MLflow store, lineage
     tags for MLflow, progress on stdout, a readable block in the task log; returns the result (the XCom)."""
     from . import run_context
 
     root = run_root(data_root, run_id)
-    env = {**run_context.lineage_env(dag_id, run_id, name, root, try_number),
+    env = {**run_context.lineage_env(dag_id, run_id, task_id or name, root, try_number),
            "EMBSHARD_DATA_ROOT": data_root, "MLFLOW_TRACKING_URI": mlflow_uri}
     with run_context.stage_output(env):
-        result = run(name, root, params, chunk)
+        result = run(name, root, params, chunk, round_index)
     print(report(name, result, root), flush=True)
     return json.loads(json.dumps(result, default=str))
 
@@ -304,16 +303,13 @@ def speed_words(ratio: float) -> str:
     return f"{100 * (1 - ratio):.1f}% faster" if ratio < 1 else f"{100 * (ratio - 1):.1f}% slower"
 
 
-STAGES = {"ingest": ingest, "benchmark": benchmark, "train_cost_model": train_cost_model,
-          "train_policy": train_policy, "evaluate_and_promote": evaluate_and_promote,
-          "export_placements": export_placements}
-
-
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", choices=list(STAGES), help="the stage to run")
     p.add_argument("--root", required=True, help="run root (folder, file:// or s3:// URI)")
     p.add_argument("--params", default="{}", help="pipeline parameters as JSON (see embshard.stages.DEFAULT_PARAMS)")
     p.add_argument("--chunk", type=int, default=0, help="benchmark chunk index (benchmark stage only)")
+    p.add_argument("--round", type=int, default=None, dest="round_index",
+                   help=f"outer-loop round of {', '.join(ROUND_STAGES)} (default: 1; measure_policy_plans: 2)")
 
 
 def main(args) -> int:
@@ -321,10 +317,14 @@ def main(args) -> int:
         params = json.loads(args.params)
     except json.JSONDecodeError as exc:
         raise EmbshardError(f"not valid JSON ({exc.msg})", field="params", fix="pass a JSON object") from None
-    res = run(args.name, args.root, params, args.chunk)
+    try:
+        res = run(args.name, args.root, params, args.chunk, args.round_index)
+    except StageSkipped as exc:
+        print(f"embshard stage {args.name}: skipped ({exc})")
+        return SKIP_EXIT_CODE
     print(report(args.name, res, args.root))
     print(json.dumps(res, indent=1, default=str))
-    if args.name == "ingest" and os.path.isdir(XCOM_DIR):
+    if args.name == "sample_shards" and os.path.isdir(XCOM_DIR):
         # KubernetesPodOperator(do_xcom_push=True) reads this: the benchmark chunks to map over.
         with open(os.path.join(XCOM_DIR, "return.json"), "w", encoding="utf-8") as f:
             json.dump(list(range(int(merged(params)["bench_chunks"]))), f)

@@ -48,7 +48,8 @@ def load_tasks(tables: str | os.PathLike | TableSet, tasks: str | os.PathLike, s
     from .errors import EmbshardError
 
     if split not in SPLITS:
-        raise EmbshardError(f"unknown split {split!r}", field="split", fix=f"use one of {', '.join(SPLITS)}")
+        raise EmbshardError(f"unknown split {split!r}", path=os.fspath(tasks), field="split",
+                            fix=f"use one of {', '.join(SPLITS)}")
     table_set = tables if isinstance(tables, TableSet) else TableSet.read(tables)
     df = schemas.read(tasks, "tasks")
     if split != "all":

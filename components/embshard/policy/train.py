@@ -11,16 +11,14 @@ import torch
 from ..errors import EmbshardError
 from ..planners.baselines import GREEDY_BASELINES, make_baseline
 from ..tableset import TableSet
+from ..types import Task
 from .core import PolicyNet, TaskContext, TrainConfig, reinforce_step, rollout
 
 
-def task_contexts(cost_model, tables: TableSet, tasks: pd.DataFrame, where: str) -> list[tuple[str, TableSet, TaskContext]]:
-    out = []
-    for t in tasks.itertuples():
-        sub = tables.select(list(t.table_ids), f"{where}:{t.task_id}")
-        out.append((t.task_id, sub, TaskContext.build(cost_model, sub.features(), sub.size_bytes,
-                                                      int(t.num_devices), int(t.memory_bytes_per_device))))
-    return out
+def task_contexts(cost_model, tasks: list[Task]) -> list[tuple[str, TableSet, TaskContext]]:
+    """(task id, tables, rollout context) of each task, under `cost_model`."""
+    return [(t.task_id, t.tables, TaskContext.build(cost_model, t.tables.features(), t.tables.size_bytes,
+                                                    t.num_devices, t.memory_bytes_per_device)) for t in tasks]
 
 
 def best_baseline_cost(ctx: TaskContext, sub: TableSet) -> float:

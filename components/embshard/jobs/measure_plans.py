@@ -1,0 +1,56 @@
+"""The outer loop's measuring step (measure_policy_plans): the policy's own placements, measured.
+
+The policy of the last round plans the first `num_tasks` training tasks (one greedy rollout each, under the
+cost model it was trained against); every device shard of those placements is measured like the benchmark's
+shards (jobs.bench, with the run's communication calibration) into OUT/costs, a folder of its own. The refit of
+the cost model then reads the benchmark's costs and every round's measured plans, so it learns where the policy
+places tables.
+"""
+from __future__ import annotations
+
+import os
+
+import pandas as pd
+
+from .. import schemas, storage
+from ..bench.runner import MeasureSettings
+
+
+def run(tables: str, tasks: str, policy_dir: str, cost_model_uri: str, out: str, *, num_tasks: int = 4,
+        round_index: int = 2, settings: MeasureSettings | None = None, seed: int = 0) -> str:
+    """Measure the plans of round `round_index - 1`'s policy; returns OUT/costs (costs contract parts)."""
+    from ..bench.comm import CALIBRATION_FILE
+    from ..costmodel import load as load_cost_model
+    from ..placement import Placement
+    from ..policy.core import TaskContext, rollout
+    from ..policy.model import load_policy_files
+    from .bench import run as bench_run
+    from .train_policy import split_train_tasks
+
+    settings = settings or MeasureSettings()
+    policy, _ = load_policy_files(os.path.join(policy_dir, "policy.pt"), os.path.join(policy_dir, "policy.json"))
+    cost_model = load_cost_model(cost_model_uri)
+    fit_tasks, _ = split_train_tasks(tables, tasks)
+    rows = []
+    for t in fit_tasks[:max(1, int(num_tasks))]:
+        ctx = TaskContext.build(cost_model, t.tables.features(), t.tables.size_bytes, t.num_devices,
+                                t.memory_bytes_per_device)
+        ro = rollout(policy, ctx, 1, "greedy")
+        pl = Placement.from_assignment(t.tables, ro.assignment[0], t.num_devices, t.memory_bytes_per_device)
+        for d, shard in enumerate(pl.device_shards()):
+            if shard:
+                rows.append({"sample_id": f"policy-r{round_index}-{t.task_id}-d{d}",
+                             "table_ids": [t.tables.table_ids[s.table] for s in shard],
+                             "num_devices": t.num_devices, "origin": "placement:learned"})
+    shards_path = storage.join(out, "shards.parquet")
+    schemas.write(pd.DataFrame(rows), shards_path, "shards")
+    # The run's communication calibration, so these costs match the benchmark's.
+    if settings.calibration_dir is not None:
+        calib = storage.join(settings.calibration_dir, CALIBRATION_FILE)
+        if storage.exists(calib):
+            storage.write_text(storage.join(out, CALIBRATION_FILE), storage.read_text(calib))
+    kw = {k: v for k, v in settings.kwargs().items() if k in (
+        "backend", "device", "batch_size", "warmup", "iterations", "max_shard_gb", "timer", "comm_ranks",
+        "comm_bandwidth_gbps", "comm_latency_us")}
+    bench_run(tables, shards_path, out, seed=seed, progress=False, **kw)
+    return storage.join(out, "costs")
