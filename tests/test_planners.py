@@ -211,3 +211,25 @@ def test_autoshard_variant_learns_from_measured_rewards(measured_world, cost_mod
     assert len(history) == 2
     assert all(np.isfinite(h["measured_best_ms"]) and h["measured_best_ms"] > 0 for h in history)
     assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())  # it did update
+
+
+def test_outer_loop_measures_the_policys_plans_and_refits_the_cost_model(measured_world, cost_model_uri, tmp_path):
+    """Two rounds in one call (what the DAG runs as tasks): round 1 trains, its plans are measured into a folder
+    of their own, the cost model is refitted on the benchmark's and those costs, round 2 registers."""
+    import mlflow
+
+    from embshard.bench.runner import MeasureSettings
+    from embshard.jobs.train_policy import run as train_policy
+
+    costs = os.path.join(measured_world["root"], "costs")
+    before = sorted(os.listdir(costs))
+    res = train_policy(measured_world["tables"], measured_world["tasks"], str(tmp_path / "policy"),
+                       cost_model_uri=cost_model_uri, iterations=10, rounds=2, measure_tasks=1, costs=costs,
+                       rollouts_per_task=4, settings=MeasureSettings(**measured_world["bench_kw"]), progress=False)
+    measured = schemas.read(str(tmp_path / "policy" / "measured-round-2" / "costs"), "costs")
+    assert len(measured) > 0 and (measured["origin"] == "placement:learned").all()
+    assert sorted(os.listdir(costs)) == before  # the benchmark's folder is not written to
+    refit = res["cost_model_uri"]
+    assert refit != cost_model_uri and refit.startswith("models:/embshard-cost/")
+    mv = mlflow.MlflowClient().get_model_version("embshard-policy", res["version"])
+    assert mv.tags["cost_model_uri"] == refit and mv.tags["rounds"] == "2"
