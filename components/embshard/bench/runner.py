@@ -161,13 +161,48 @@ def _table_inputs(tables: TableSet, members: np.ndarray, col_sizes) -> list[inp.
     return out
 
 
-def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: int, col_sizes=None,
-                  where: str = "shard") -> dict:
-    """Measure one device shard (positions `members` into `tables`); returns the measured numbers."""
-    import torch
+@dataclass
+class ShardInputs:
+    """Everything a shard's timing needs, made on the host (numpy only: a worker process can build it).
 
-    from . import backends
+    batches: one (indices, lengths) pair per rotated batch, both concatenated table-major (FBGEMM's layout:
+    lengths has T*B entries). rows: the measured (possibly capped) rows per table."""
 
+    rows: list
+    dims: list
+    row_scale: float
+    batch_size: int
+    batches: list
+
+    def per_table(self, j: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Batch j split back into one (indices, lengths) pair per table."""
+        idx, lens = self.batches[j]
+        B, T = self.batch_size, len(self.dims)
+        per = [lens[t * B:(t + 1) * B] for t in range(T)]
+        cut = np.concatenate([[0], np.cumsum([int(x.sum()) for x in per])])
+        return [(idx[cut[t]:cut[t + 1]], per[t]) for t in range(T)]
+
+    def save(self, path: str) -> str:
+        """One .npz file (uncompressed): hands large inputs from a worker process to the timing process."""
+        arrays = {"rows": np.asarray(self.rows, np.int64), "dims": np.asarray(self.dims, np.int64),
+                  "meta": np.asarray([self.row_scale, self.batch_size, len(self.batches)], np.float64)}
+        for j, (i, ln) in enumerate(self.batches):
+            arrays[f"i{j}"], arrays[f"l{j}"] = i, ln
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+        return path
+
+    @classmethod
+    def load(cls, path: str) -> "ShardInputs":
+        with np.load(path) as z:
+            row_scale, b, n = z["meta"]
+            return cls(rows=[int(x) for x in z["rows"]], dims=[int(x) for x in z["dims"]],
+                       row_scale=float(row_scale), batch_size=int(b),
+                       batches=[(z[f"i{j}"], z[f"l{j}"]) for j in range(int(n))])
+
+
+def shard_inputs(tables: TableSet, members, cfg: BenchConfig, col_sizes=None, where: str = "shard") -> ShardInputs:
+    """The rotated batches of one device shard and its row scaling (host work only; deterministic per shard)."""
     members = np.asarray(members, dtype=np.int64)
     specs = _table_inputs(tables, members, col_sizes)
     key = ",".join(f"{s.table_id}:{s.dim}" for s in specs)
@@ -200,10 +235,29 @@ def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: i
     for t, s in enumerate(specs):
         for j, pair in enumerate(inp.table_batches(s, lengths[t], rng)):
             per_batch[j][t] = pair
+    batches = []
+    for pb in per_batch:
+        idx = np.concatenate([i for i, _ in pb]).astype(np.int64, copy=False)
+        lens = np.concatenate([ln for _, ln in pb]).astype(np.int64, copy=False)
+        batches.append((idx, lens))
+    return ShardInputs(rows=[int(r) for r in scaled], dims=[int(d) for d in dims], row_scale=row_scale,
+                       batch_size=B, batches=batches)
+
+
+def time_inputs(inputs: ShardInputs, cfg: BenchConfig, where: str = "shard") -> dict:
+    """Build the fused op of a shard from its inputs and time it: fwd/bwd compute medians, spread, row_scale."""
+    import torch
+
+    from . import backends
+
+    op = batches = grad = None
     try:
-        op = backends.build(cfg.backend, [int(r) for r in scaled], [int(d) for d in dims], cfg.device)
-        batches = [op.prepare(pb, cfg.device) for pb in per_batch]
-        grad = torch.ones(B, int(dims.sum()), dtype=torch.float32, device=cfg.device)
+        op = backends.build(cfg.backend, inputs.rows, inputs.dims, cfg.device)
+        if hasattr(op, "prepare_concat"):
+            batches = [op.prepare_concat(i, ln, cfg.device) for i, ln in inputs.batches]
+        else:
+            batches = [op.prepare(inputs.per_table(j), cfg.device) for j in range(len(inputs.batches))]
+        grad = torch.ones(inputs.batch_size, int(sum(inputs.dims)), dtype=torch.float32, device=cfg.device)
         fwd, bwd = backends.time_iterations(op, batches, grad, cfg.warmup, cfg.iterations, cfg.timer,
                                             min_time_ms=DEFAULT_MIN_TIME_MS[_kind(cfg.device)])
     except (torch.OutOfMemoryError, MemoryError) as exc:
@@ -215,7 +269,13 @@ def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: i
             torch.cuda.empty_cache()
     total = fwd + bwd
     q75, q25 = np.percentile(total, [75, 25])
-    sum_dims = int(dims.sum())
+    return {"iterations": int(len(fwd)), "fwd_compute_ms": float(np.median(fwd)),
+            "bwd_compute_ms": float(np.median(bwd)), "row_scale": inputs.row_scale,
+            "spread": float((q75 - q25) / max(np.median(total), 1e-9))}
+
+
+def _comm(cfg: BenchConfig, sum_dims: int, num_devices: int) -> dict:
+    B = cfg.batch_size
     if cfg.comm_group is not None:
         nd = cfg.comm_group.world
         f_comm = float(np.median(cfg.comm_group.all_to_all_ms(B * sum_dims)))
@@ -223,12 +283,108 @@ def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: i
     else:
         nd = int(num_devices)
         f_comm = b_comm = cfg.comm.time_ms(B, sum_dims, nd)
-    return {
-        "iterations": int(len(fwd)),
-        "fwd_compute_ms": float(np.median(fwd)), "bwd_compute_ms": float(np.median(bwd)),
-        "fwd_comm_ms": f_comm, "bwd_comm_ms": b_comm, "num_devices": nd, "row_scale": row_scale,
-        "spread": float((q75 - q25) / max(np.median(total), 1e-9)),
-    }
+    return {"fwd_comm_ms": f_comm, "bwd_comm_ms": b_comm, "num_devices": nd}
+
+
+def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: int, col_sizes=None,
+                  where: str = "shard", inputs: ShardInputs | None = None) -> dict:
+    """Measure one device shard (positions `members` into `tables`); returns the measured numbers.
+    `inputs`: the shard's inputs made beforehand (e.g. by a worker process), else made here."""
+    if inputs is None:
+        inputs = shard_inputs(tables, members, cfg, col_sizes, where)
+    m = time_inputs(inputs, cfg, where)
+    m.update(_comm(cfg, int(sum(inputs.dims)), num_devices))
+    return m
+
+
+# Input workers: on a GPU the host work of making a shard's batches (numpy, seconds at batch 65,536) dominates
+# the timing itself, so worker processes make the next shards' inputs while the main process times the current
+# one. CPU timing keeps them off by default (they would compete for the cores being measured).
+def input_workers(device: str) -> int:
+    raw = os.environ.get("EMBSHARD_BENCH_WORKERS")
+    if raw is not None:
+        try:
+            n = int(raw)
+        except ValueError:
+            raise EmbshardError(f"EMBSHARD_BENCH_WORKERS={raw!r}", field="EMBSHARD_BENCH_WORKERS",
+                                fix="set it to an integer >= 0") from None
+        return max(n, 0)
+    if device == "cpu":
+        return 0
+    return max(1, min(12, (os.cpu_count() or 2) - 2))
+
+
+_WORKER_STATE: dict = {}
+
+
+def _worker_init(tables: TableSet, cfg_fields: dict) -> None:
+    _WORKER_STATE["tables"] = tables
+    _WORKER_STATE["cfg"] = BenchConfig(**cfg_fields)
+
+
+def _worker_make(members, col_sizes, where: str, path: str) -> str:
+    return shard_inputs(_WORKER_STATE["tables"], members, _WORKER_STATE["cfg"], col_sizes, where).save(path)
+
+
+class InputPrefetcher:
+    """Makes shard inputs ahead in `workers` spawned processes; `get(k)` returns job k's ShardInputs in order.
+    With 0 workers it makes them in-process on demand. Inputs travel through uncompressed .npz files in a
+    temporary folder (deleted on close)."""
+
+    def __init__(self, tables: TableSet, cfg: BenchConfig, jobs: list, workers: int, ahead: int | None = None):
+        self.tables, self.cfg, self.jobs, self.workers = tables, cfg, jobs, workers
+        self.futures: dict = {}
+        self.pool = None
+        self.next = 0
+        if workers > 0 and len(jobs) > 1:
+            import multiprocessing as mp
+            import tempfile
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.tmp = tempfile.mkdtemp(prefix="embshard-inputs-")
+            fields = {k: getattr(cfg, k) for k in ("backend", "device", "batch_size", "warmup", "iterations",
+                                                     "num_batches", "budget_bytes", "timer", "threads", "seed",
+                                                     "hardware")}
+            self.pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+                                            initargs=(tables, fields))
+            self.ahead = ahead or 2 * workers
+            self._fill()
+
+    def _fill(self) -> None:
+        while self.next < len(self.jobs) and len(self.futures) < self.ahead:
+            k = self.next
+            members, cols, where = self.jobs[k]
+            path = os.path.join(self.tmp, f"{k:06d}.npz")
+            self.futures[k] = self.pool.submit(_worker_make, members, cols, where, path)
+            self.next += 1
+
+    def get(self, k: int) -> ShardInputs:
+        members, cols, where = self.jobs[k]
+        if self.pool is None:
+            return shard_inputs(self.tables, members, self.cfg, cols, where)
+        fut = self.futures.pop(k)
+        path = fut.result()
+        try:
+            return ShardInputs.load(path)
+        finally:
+            os.remove(path)
+            self._fill()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            for f in self.futures.values():
+                f.cancel()
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            import shutil
+
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.pool = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 def _row(sample_id, table_ids, m: dict, cfg: BenchConfig, origin, chunk) -> dict:
@@ -308,26 +464,39 @@ def run(tables, shards, out: str, *, backend: str = "auto", device: str = "cpu",
     written = list(done_parts)
     fail_after = int(os.environ.get("EMBSHARD_BENCH_FAIL_AFTER", "-1"))  # test hook: simulate a crash
     measured = 0
+    # The measuring order, fixed before anything is measured (input workers make the inputs in this order).
+    # A seeded shuffle per chunk: load drifting over a long chunk then spreads over all kinds of shards instead
+    # of biasing the ones listed last (e.g. one table pool).
+    order: list[tuple[int, int]] = []  # (position in plan, shard index)
+    for pi, (c, part, partial, idx, finished) in enumerate(plan):
+        perm = np.random.default_rng(seed + c).permutation(len(idx))
+        order += [(pi, idx[k]) for k in perm if idx[k] not in finished]
+    jobs = []
+    for _, i in order:
+        cols = shard_df.iloc[i]["col_sizes"] if has_cols else None
+        jobs.append((members[i], None if cols is None else list(cols), str(shard_df.iloc[i]["sample_id"])))
+    workers = input_workers(cfg.device) if len(jobs) > 1 else 0
+    if workers:
+        log.info("bench: %d input worker processes", workers)
     try:
-        with tqdm(total=todo, unit="shard", desc="bench", disable=not progress, dynamic_ncols=True) as bar:
-            for c, part, partial, idx, finished in plan:
-                # A seeded shuffle of the measuring order: load drifting over a long chunk then spreads over all
-                # kinds of shards instead of biasing the ones listed last (e.g. one table pool).
-                order = np.random.default_rng(seed + c).permutation(len(idx))
-                for i in (idx[k] for k in order):
-                    if i in finished:
-                        continue
+        with tqdm(total=todo, unit="shard", desc="bench", disable=not progress, dynamic_ncols=True) as bar, \
+                InputPrefetcher(ts, cfg, jobs, workers) as pre:
+            k = 0
+            for pi, (c, part, partial, idx, finished) in enumerate(plan):
+                while k < len(order) and order[k][0] == pi:
+                    i = order[k][1]
                     if measured == fail_after:
                         raise RuntimeError(f"EMBSHARD_BENCH_FAIL_AFTER={fail_after}: simulated crash")
                     s = shard_df.iloc[i]
-                    cols = s["col_sizes"] if has_cols else None
-                    m = measure_shard(ts, members[i], cfg, num_devices=int(s["num_devices"]),
-                                      col_sizes=None if cols is None else list(cols), where=str(s["sample_id"]))
+                    cols = jobs[k][1]
+                    m = measure_shard(ts, members[i], cfg, num_devices=int(s["num_devices"]), col_sizes=cols,
+                                      where=str(s["sample_id"]), inputs=pre.get(k))
                     row = _row(s["sample_id"], s["table_ids"], m, cfg, s["origin"], c)
                     if has_cols:
                         row["col_sizes"] = None if cols is None else [int(x) for x in cols]
                     schemas.write(pd.DataFrame([row]), storage.join(partial, f"{i:06d}.parquet"), "costs")
                     measured += 1
+                    k += 1
                     bar.update(1)
                     bar.set_postfix_str(f"{len(s['table_ids'])} tables {m['fwd_compute_ms'] + m['bwd_compute_ms']:.1f} ms")
                 written.append(_finish_part(part, partial, idx))
@@ -375,21 +544,26 @@ def measure_placement(placement, *, backend: str = "auto", device: str = "cpu", 
                       max_shard_gb=max_shard_gb, timer=timer, seed=seed, out=out, comm_ranks=comm_ranks,
                       comm_bandwidth_gbps=comm_bandwidth_gbps, comm_latency_us=comm_latency_us)
     rows = []
+    device_shards = placement.device_shards()
+    busy = [d for d, shards in enumerate(device_shards) if shards]
+    jobs = [([s.table for s in device_shards[d]], [s.col_size for s in device_shards[d]],
+             f"{placement.task_id}/device {d}") for d in busy]
     try:
-        for d, shards in enumerate(placement.device_shards()):
-            ids = [str(placement.tables.table_ids[s.table]) for s in shards]
-            if not shards:
-                m = {k: 0.0 for k in ("fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")}
-                m.update(row_scale=1.0, spread=0.0)
-            else:
-                m = measure_shard(placement.tables, [s.table for s in shards], cfg,
-                                  num_devices=placement.num_devices, col_sizes=[s.col_size for s in shards],
-                                  where=f"{placement.task_id}/device {d}")
-            rows.append({"device": d, "table_ids": ids, **{k: m[k] for k in (
-                "fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")},
-                "total_ms": m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"],
-                "hardware": cfg.hardware, "backend": cfg.backend, "comm_source": cfg.comm_source,
-                "row_scale": m["row_scale"], "spread": m["spread"]})
+        with InputPrefetcher(placement.tables, cfg, jobs, input_workers(cfg.device) if len(jobs) > 1 else 0) as pre:
+            for d, shards in enumerate(device_shards):
+                ids = [str(placement.tables.table_ids[s.table]) for s in shards]
+                if not shards:
+                    m = {k: 0.0 for k in ("fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")}
+                    m.update(row_scale=1.0, spread=0.0)
+                else:
+                    k = busy.index(d)
+                    m = measure_shard(placement.tables, jobs[k][0], cfg, num_devices=placement.num_devices,
+                                      col_sizes=jobs[k][1], where=jobs[k][2], inputs=pre.get(k))
+                rows.append({"device": d, "table_ids": ids, **{k: m[k] for k in (
+                    "fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")},
+                    "total_ms": m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"],
+                    "hardware": cfg.hardware, "backend": cfg.backend, "comm_source": cfg.comm_source,
+                    "row_scale": m["row_scale"], "spread": m["spread"]})
     finally:
         close_config(cfg)
     return pd.DataFrame(rows)
