@@ -2,13 +2,14 @@
 # Device-side driver for the GPU measurements of issue 17 (run from the repo root of the device copy, with the
 # repo's components/benchmarks/data copied under .gpu/). Phases: setup (unpack the reduced fbgemm-gpu), test,
 # costs, aa. Every step logs under $OUT; each bench step has a deadline so the call ends inside its limit.
-# usage: gpu_device_run.sh SECONDS PHASE...
+# usage: gpu_device_run.sh SECONDS PHASE[:CAP_SECONDS]...
 set -u
 T0=$(date +%s); LIMIT=$1; shift
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/.gpu/components:$PWD/.gpu EMBSHARD_NUM_THREADS=1
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 G=.gpu/data
-for phase in "$@"; do
+for arg in "$@"; do
+  phase=${arg%%:*}; CAP=${arg#*:}; [ "$CAP" = "$arg" ] && CAP=100000   # PHASE:SECONDS caps a bench phase
   echo "=== phase $phase at +$(( $(date +%s) - T0 ))s" | tee -a $OUT/driver.log
   case $phase in
   setup)
@@ -34,7 +35,7 @@ PY
   costs|aa)
     if [ $phase = costs ]; then S=$G/shards.parquet; R=/tmp/run_costs; else S=$G/aa_shards.parquet; R=/tmp/run_aa; fi
     BK=fbgemm; python3 -c "from embshard.bench import backends; import sys; sys.exit(backends.fbgemm_status('cuda') is not None)" || BK=torch
-    T=$(( $(left) - 25 )); echo "bench $phase backend $BK for at most ${T}s" | tee -a $OUT/driver.log
+    T=$(( $(left) - 25 )); [ $T -gt $CAP ] && T=$CAP; echo "bench $phase backend $BK for at most ${T}s" | tee -a $OUT/driver.log
     [ $T -gt 20 ] && timeout $T python3 -m embshard bench --tables $G/tables.parquet --tasks $G/tasks.parquet \
         --shards $S --out $R --device cuda --backend $BK --num-chunks 4 --no-progress 2>&1 | tee -a $OUT/bench_$phase.log
     python3 - $R $OUT/${phase}_gpu.parquet <<'PY' 2>&1 | tee -a $OUT/driver.log
