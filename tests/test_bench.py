@@ -232,3 +232,29 @@ def test_cli_errors_are_one_line(tables_path, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "CUDA is not available" in err and len(err.splitlines()) == 1
     assert main(["bench", "--tables", tables_path, "--shards", "bogus:2", "--out", str(tmp_path)]) == 2
+
+
+def test_input_workers_make_the_same_inputs_as_in_process(ts, tmp_path, monkeypatch):
+    """The GPU path makes shard inputs in helper processes (`python -m embshard.bench.input_worker`, never a
+    re-import of the entry script): they must equal the in-process ones."""
+    cfg = runner.make_config(device="cpu", backend="torch", batch_size=512, comm_bandwidth_gbps=10.0,
+                             comm_latency_us=20.0)
+    jobs = [([0, 3, 5], None, "a"), ([1, 2], None, "b"), (_heavy(ts, 3), None, "c")]
+    with runner.InputPrefetcher(ts, cfg, jobs, workers=2) as pre:
+        assert len(pre.procs) == 2 and all("embshard.bench.input_worker" in p.args for p in pre.procs)
+        got = [pre.get(k) for k in range(len(jobs))]
+    assert all(p.poll() is not None for p in pre.procs) or not pre.procs  # closed with the context
+    for (members, cols, where), g in zip(jobs, got):
+        want = runner.shard_inputs(ts, members, cfg, cols, where)
+        assert g.rows == want.rows and g.dims == want.dims and g.row_scale == want.row_scale
+        for (gi, gl), (wi, wl) in zip(g.batches, want.batches):
+            np.testing.assert_array_equal(gi, wi)
+            np.testing.assert_array_equal(gl, wl)
+        # split back per table, the layout the torch backend needs
+        per = g.per_table(0)
+        assert len(per) == len(members) and all(len(ln) == 512 for _, ln in per)
+        assert sum(len(i) for i, _ in per) == len(g.batches[0][0])
+    monkeypatch.setenv("EMBSHARD_BENCH_WORKERS", "0")
+    assert runner.input_workers("cuda") == 0
+    monkeypatch.delenv("EMBSHARD_BENCH_WORKERS")
+    assert runner.input_workers("cpu") == 0 and runner.input_workers("cuda") >= 1

@@ -170,6 +170,16 @@ class FbgemmShard:
         return (torch.from_numpy(indices.astype(np.int64)).to(device),
                 torch.from_numpy(offsets.astype(np.int64)).to(device))
 
+    @staticmethod
+    def prepare_concat(indices: np.ndarray, lengths: np.ndarray, device: str):
+        """The same inputs as `prepare`, from indices and lengths already concatenated table-major."""
+        import torch
+
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        return (torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64)).to(device),
+                torch.from_numpy(offsets).to(device))
+
     def forward(self, batch):
         return self.op(batch[0], batch[1])
 

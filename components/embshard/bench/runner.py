@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import zlib
 from dataclasses import dataclass
 
@@ -173,13 +174,48 @@ def _table_inputs(tables: TableSet, members: np.ndarray, col_sizes) -> list[inp.
     return out
 
 
-def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: int, col_sizes=None,
-                  where: str = "shard") -> dict:
-    """Measure one device shard (positions `members` into `tables`); returns the measured numbers."""
-    import torch
+@dataclass
+class ShardInputs:
+    """Everything a shard's timing needs, made on the host (numpy only: a worker process can build it).
 
-    from . import backends
+    batches: one (indices, lengths) pair per rotated batch, both concatenated table-major (FBGEMM's layout:
+    lengths has T*B entries). rows: the measured (possibly capped) rows per table."""
 
+    rows: list
+    dims: list
+    row_scale: float
+    batch_size: int
+    batches: list
+
+    def per_table(self, j: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Batch j split back into one (indices, lengths) pair per table."""
+        idx, lens = self.batches[j]
+        B, T = self.batch_size, len(self.dims)
+        per = [lens[t * B:(t + 1) * B] for t in range(T)]
+        cut = np.concatenate([[0], np.cumsum([int(x.sum()) for x in per])])
+        return [(idx[cut[t]:cut[t + 1]], per[t]) for t in range(T)]
+
+    def save(self, path: str) -> str:
+        """One .npz file (uncompressed): hands large inputs from a worker process to the timing process."""
+        arrays = {"rows": np.asarray(self.rows, np.int64), "dims": np.asarray(self.dims, np.int64),
+                  "meta": np.asarray([self.row_scale, self.batch_size, len(self.batches)], np.float64)}
+        for j, (i, ln) in enumerate(self.batches):
+            arrays[f"i{j}"], arrays[f"l{j}"] = i, ln
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+        return path
+
+    @classmethod
+    def load(cls, path: str) -> "ShardInputs":
+        with np.load(path) as z:
+            row_scale, b, n = z["meta"]
+            return cls(rows=[int(x) for x in z["rows"]], dims=[int(x) for x in z["dims"]],
+                       row_scale=float(row_scale), batch_size=int(b),
+                       batches=[(z[f"i{j}"], z[f"l{j}"]) for j in range(int(n))])
+
+
+def shard_inputs(tables: TableSet, members, cfg: BenchConfig, col_sizes=None, where: str = "shard") -> ShardInputs:
+    """The rotated batches of one device shard and its row scaling (host work only; deterministic per shard)."""
     members = np.asarray(members, dtype=np.int64)
     specs = _table_inputs(tables, members, col_sizes)
     key = ",".join(f"{s.table_id}:{s.dim}" for s in specs)
@@ -212,10 +248,29 @@ def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: i
     for t, s in enumerate(specs):
         for j, pair in enumerate(inp.table_batches(s, lengths[t], rng)):
             per_batch[j][t] = pair
+    batches = []
+    for pb in per_batch:
+        idx = np.concatenate([i for i, _ in pb]).astype(np.int64, copy=False)
+        lens = np.concatenate([ln for _, ln in pb]).astype(np.int64, copy=False)
+        batches.append((idx, lens))
+    return ShardInputs(rows=[int(r) for r in scaled], dims=[int(d) for d in dims], row_scale=row_scale,
+                       batch_size=B, batches=batches)
+
+
+def time_inputs(inputs: ShardInputs, cfg: BenchConfig, where: str = "shard") -> dict:
+    """Build the fused op of a shard from its inputs and time it: fwd/bwd compute medians, spread, row_scale."""
+    import torch
+
+    from . import backends
+
+    op = batches = grad = None
     try:
-        op = backends.build(cfg.backend, [int(r) for r in scaled], [int(d) for d in dims], cfg.device)
-        batches = [op.prepare(pb, cfg.device) for pb in per_batch]
-        grad = torch.ones(B, int(dims.sum()), dtype=torch.float32, device=cfg.device)
+        op = backends.build(cfg.backend, inputs.rows, inputs.dims, cfg.device)
+        if hasattr(op, "prepare_concat"):
+            batches = [op.prepare_concat(i, ln, cfg.device) for i, ln in inputs.batches]
+        else:
+            batches = [op.prepare(inputs.per_table(j), cfg.device) for j in range(len(inputs.batches))]
+        grad = torch.ones(inputs.batch_size, int(sum(inputs.dims)), dtype=torch.float32, device=cfg.device)
         fwd, bwd = backends.time_iterations(op, batches, grad, cfg.warmup, cfg.iterations, cfg.timer,
                                             min_time_ms=DEFAULT_MIN_TIME_MS[_kind(cfg.device)])
     except (torch.OutOfMemoryError, MemoryError) as exc:
@@ -227,7 +282,13 @@ def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: i
             torch.cuda.empty_cache()
     total = fwd + bwd
     q75, q25 = np.percentile(total, [75, 25])
-    sum_dims = int(dims.sum())
+    return {"iterations": int(len(fwd)), "fwd_compute_ms": float(np.median(fwd)),
+            "bwd_compute_ms": float(np.median(bwd)), "row_scale": inputs.row_scale,
+            "spread": float((q75 - q25) / max(np.median(total), 1e-9))}
+
+
+def _comm(cfg: BenchConfig, sum_dims: int, num_devices: int) -> dict:
+    B = cfg.batch_size
     if cfg.comm_group is not None:
         nd = cfg.comm_group.world
         f_comm = float(np.median(cfg.comm_group.all_to_all_ms(B * sum_dims)))
@@ -235,12 +296,122 @@ def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: i
     else:
         nd = int(num_devices)
         f_comm = b_comm = cfg.comm.time_ms(B, sum_dims, nd)
-    return {
-        "iterations": int(len(fwd)),
-        "fwd_compute_ms": float(np.median(fwd)), "bwd_compute_ms": float(np.median(bwd)),
-        "fwd_comm_ms": f_comm, "bwd_comm_ms": b_comm, "num_devices": nd, "row_scale": row_scale,
-        "spread": float((q75 - q25) / max(np.median(total), 1e-9)),
-    }
+    return {"fwd_comm_ms": f_comm, "bwd_comm_ms": b_comm, "num_devices": nd}
+
+
+def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: int, col_sizes=None,
+                  where: str = "shard", inputs: ShardInputs | None = None) -> dict:
+    """Measure one device shard (positions `members` into `tables`); returns the measured numbers.
+    `inputs`: the shard's inputs made beforehand (e.g. by a worker process), else made here."""
+    if inputs is None:
+        inputs = shard_inputs(tables, members, cfg, col_sizes, where)
+    m = time_inputs(inputs, cfg, where)
+    m.update(_comm(cfg, int(sum(inputs.dims)), num_devices))
+    return m
+
+
+# Input workers: on a GPU the host work of making a shard's batches (numpy, seconds at batch 65,536) dominates
+# the timing itself, so worker processes make the next shards' inputs while the main process times the current
+# one. CPU timing keeps them off by default (they would compete for the cores being measured).
+def input_workers(device: str) -> int:
+    raw = os.environ.get("EMBSHARD_BENCH_WORKERS")
+    if raw is not None:
+        try:
+            n = int(raw)
+        except ValueError:
+            raise EmbshardError(f"EMBSHARD_BENCH_WORKERS={raw!r}", field="EMBSHARD_BENCH_WORKERS",
+                                fix="set it to an integer >= 0") from None
+        return max(n, 0)
+    if device == "cpu":
+        return 0
+    return max(1, min(12, (os.cpu_count() or 2) - 2))
+
+
+WORKER_CONFIG_FIELDS = ("backend", "device", "batch_size", "warmup", "iterations", "num_batches", "budget_bytes",
+                        "timer", "threads", "seed", "hardware")
+
+
+class InputPrefetcher:
+    """Makes shard inputs ahead in `workers` helper processes; `get(k)` returns job k's ShardInputs, in order.
+    With 0 workers it makes them in-process on demand.
+
+    The helpers are fresh interpreters running `python -m embshard.bench.input_worker` (not multiprocessing: its
+    spawn re-imports the parent's entry script, which under an Airflow task is `airflow` itself). Job k goes to
+    helper k % workers as one JSON line; each helper answers its jobs in order with the path of an uncompressed
+    .npz in a temporary folder (deleted on close)."""
+
+    def __init__(self, tables: TableSet, cfg: BenchConfig, jobs: list, workers: int, ahead: int | None = None):
+        self.tables, self.cfg, self.jobs = tables, cfg, jobs
+        self.procs: list = []
+        self.next = 0
+        self.workers = workers if workers > 0 and len(jobs) > 1 else 0
+        if self.workers:
+            import pickle
+            import subprocess
+            import sys
+            import tempfile
+
+            self.tmp = tempfile.mkdtemp(prefix="embshard-inputs-")
+            state = os.path.join(self.tmp, "state.pkl")
+            with open(state, "wb") as f:
+                pickle.dump({"tables": tables, "cfg": {k: getattr(cfg, k) for k in WORKER_CONFIG_FIELDS}}, f)
+            self.procs = [subprocess.Popen([sys.executable, "-m", "embshard.bench.input_worker", state],
+                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+                          for _ in range(self.workers)]
+            self.ahead = ahead or 2 * self.workers
+            self._fill()
+
+    def _fill(self, done: int = 0) -> None:
+        import json
+
+        while self.next < len(self.jobs) and self.next - done < self.ahead:
+            k = self.next
+            members, cols, where = self.jobs[k]
+            job = {"members": [int(m) for m in members], "cols": None if cols is None else [
+                None if c is None else int(c) for c in cols], "where": where,
+                "path": os.path.join(self.tmp, f"{k:06d}.npz")}
+            self.procs[k % self.workers].stdin.write(json.dumps(job) + "\n")
+            self.procs[k % self.workers].stdin.flush()
+            self.next += 1
+
+    def get(self, k: int) -> ShardInputs:
+        members, cols, where = self.jobs[k]
+        if not self.workers:
+            return shard_inputs(self.tables, members, self.cfg, cols, where)
+        answer = self.procs[k % self.workers].stdout.readline().strip()
+        if not answer.startswith("ok "):
+            raise EmbshardError(f"an input worker failed on {where}: {answer or 'it exited'}", field="shards",
+                                fix="rerun with EMBSHARD_BENCH_WORKERS=0 to see the error in-process")
+        path = answer[3:]
+        try:
+            return ShardInputs.load(path)
+        finally:
+            os.remove(path)
+            self._fill(done=k + 1)
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except Exception:
+                p.kill()
+                p.wait()
+        if self.procs:
+            import shutil
+
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        self.procs = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 @dataclass(frozen=True)
@@ -278,21 +449,26 @@ def measure_placement(placement, *, backend: str = "auto", device: str = "cpu", 
                       max_shard_gb=max_shard_gb, timer=timer, seed=seed, out=out, comm_ranks=comm_ranks,
                       comm_bandwidth_gbps=comm_bandwidth_gbps, comm_latency_us=comm_latency_us)
     rows = []
+    device_shards = placement.device_shards()
+    busy = [d for d, shards in enumerate(device_shards) if shards]
+    jobs = [([s.table for s in device_shards[d]], [s.col_size for s in device_shards[d]],
+             f"{placement.task_id}/device {d}") for d in busy]
     try:
-        for d, shards in enumerate(placement.device_shards()):
-            ids = [str(placement.tables.table_ids[s.table]) for s in shards]
-            if not shards:
-                m = {k: 0.0 for k in ("fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")}
-                m.update(row_scale=1.0, spread=0.0)
-            else:
-                m = measure_shard(placement.tables, [s.table for s in shards], cfg,
-                                  num_devices=placement.num_devices, col_sizes=[s.col_size for s in shards],
-                                  where=f"{placement.task_id}/device {d}")
-            rows.append({"device": d, "table_ids": ids, **{k: m[k] for k in (
-                "fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")},
-                "total_ms": m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"],
-                "hardware": cfg.hardware, "backend": cfg.backend, "comm_source": cfg.comm_source,
-                "row_scale": m["row_scale"], "spread": m["spread"]})
+        with InputPrefetcher(placement.tables, cfg, jobs, input_workers(cfg.device) if len(jobs) > 1 else 0) as pre:
+            for d, shards in enumerate(device_shards):
+                ids = [str(placement.tables.table_ids[s.table]) for s in shards]
+                if not shards:
+                    m = {k: 0.0 for k in ("fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")}
+                    m.update(row_scale=1.0, spread=0.0)
+                else:
+                    k = busy.index(d)
+                    m = measure_shard(placement.tables, jobs[k][0], cfg, num_devices=placement.num_devices,
+                                      col_sizes=jobs[k][1], where=jobs[k][2], inputs=pre.get(k))
+                rows.append({"device": d, "table_ids": ids, **{k: m[k] for k in (
+                    "fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")},
+                    "total_ms": m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"],
+                    "hardware": cfg.hardware, "backend": cfg.backend, "comm_source": cfg.comm_source,
+                    "row_scale": m["row_scale"], "spread": m["spread"]})
     finally:
         close_config(cfg)
     return pd.DataFrame(rows)

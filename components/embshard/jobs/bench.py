@@ -20,8 +20,8 @@ import pandas as pd
 
 from .. import schemas, storage
 from ..bench import fingerprint
-from ..bench.runner import (DEFAULT_ROTATIONS, BenchConfig, close_config, make_config, measure_shard,
-                            resolve_settings)
+from ..bench.runner import (DEFAULT_ROTATIONS, BenchConfig, InputPrefetcher, close_config, input_workers,
+                            make_config, measure_shard, resolve_settings)
 from ..bench.sampler import load_shards
 from ..errors import EmbshardError
 from ..tableset import TableSet
@@ -116,21 +116,33 @@ def run(tables, shards, out: str, *, backend: str = "auto", device: str = "cpu",
     written = list(done_parts)
     fail_after = int(os.environ.get("EMBSHARD_BENCH_FAIL_AFTER", "-1"))  # test hook: simulate a crash
     measured = 0
+    # The measuring order, fixed before anything is measured (input workers make the inputs in this order).
+    # A seeded shuffle per chunk: load drifting over a long chunk then spreads over all kinds of shards instead
+    # of biasing the ones listed last (e.g. one table pool).
+    order: list[tuple[int, int]] = []  # (position in plan, shard index)
+    for pi, (c, part, partial, idx, finished) in enumerate(plan):
+        perm = np.random.default_rng(seed + c).permutation(len(idx))
+        order += [(pi, idx[k]) for k in perm if idx[k] not in finished]
+    jobs = []
+    for _, i in order:
+        cols = shard_df.iloc[i]["col_sizes"] if has_cols else None
+        jobs.append((members[i], None if cols is None else list(cols), str(shard_df.iloc[i]["sample_id"])))
+    workers = input_workers(cfg.device) if len(jobs) > 1 else 0
+    if workers:
+        log.info("bench: %d input worker processes", workers)
     try:
-        with tqdm(total=todo, unit="shard", desc="bench", disable=not progress, dynamic_ncols=True) as bar:
-            for c, part, partial, idx, finished in plan:
-                # A seeded shuffle of the measuring order: load drifting over a long chunk then spreads over all
-                # kinds of shards instead of biasing the ones listed last (e.g. one table pool).
-                order = np.random.default_rng(seed + c).permutation(len(idx))
-                for i in (idx[k] for k in order):
-                    if i in finished:
-                        continue
+        with tqdm(total=todo, unit="shard", desc="bench", disable=not progress, dynamic_ncols=True) as bar, \
+                InputPrefetcher(ts, cfg, jobs, workers) as pre:
+            k = 0
+            for pi, (c, part, partial, idx, finished) in enumerate(plan):
+                while k < len(order) and order[k][0] == pi:
+                    i = order[k][1]
                     if measured == fail_after:
                         raise RuntimeError(f"EMBSHARD_BENCH_FAIL_AFTER={fail_after}: simulated crash")
                     s = shard_df.iloc[i]
-                    cols = s["col_sizes"] if has_cols else None
-                    m = measure_shard(ts, members[i], cfg, num_devices=int(s["num_devices"]),
-                                      col_sizes=None if cols is None else list(cols), where=str(s["sample_id"]))
+                    cols = jobs[k][1]
+                    m = measure_shard(ts, members[i], cfg, num_devices=int(s["num_devices"]), col_sizes=cols,
+                                      where=str(s["sample_id"]), inputs=pre.get(k))
                     row = _row(s["sample_id"], s["table_ids"], m, cfg, s["origin"], c)
                     if has_cols:
                         row["col_sizes"] = None if cols is None else [int(x) for x in cols]
@@ -139,6 +151,7 @@ def run(tables, shards, out: str, *, backend: str = "auto", device: str = "cpu",
                         fp_pending = False
                     schemas.write(pd.DataFrame([row]), storage.join(partial, f"{i:06d}.parquet"), "costs")
                     measured += 1
+                    k += 1
                     bar.update(1)
                     bar.set_postfix_str(f"{len(s['table_ids'])} tables "
                                         f"{m['fwd_compute_ms'] + m['bwd_compute_ms']:.1f} ms", refresh=False)

@@ -22,7 +22,8 @@ PLACEMENT_SHARD_TASKS = 8  # train tasks whose greedy-baseline placements are me
 MAX_RANDOM_TABLES = 15     # largest random shard
 
 
-def run(tables: str, tasks: str, out: str, *, num_shards: int, seed: int = 0) -> str:
+def run(tables: str, tasks: str, out: str, *, num_shards: int, seed: int = 0,
+        max_tables: int = MAX_RANDOM_TABLES) -> str:
     """Write OUT/shards.parquet (shards contract) and return its path; an existing list is kept (the list is a
     pure function of the inputs, so a rerun or a retried task sees the same one)."""
     from ..bench.sampler import placement_shards, random_shards
@@ -42,7 +43,7 @@ def run(tables: str, tasks: str, out: str, *, num_shards: int, seed: int = 0) ->
     for pool, n in (("train", int(num_shards) - n_test), ("test", n_test)):
         members = pools.members(tdf, pool, seed)
         if members and n > 0:
-            df = random_shards(members, n, max_tables=MAX_RANDOM_TABLES, seed=seed, num_devices=num_devices)
+            df = random_shards(members, n, max_tables=max_tables, seed=seed, num_devices=num_devices)
             frames.append(df.assign(sample_id=f"{pool}-" + df["sample_id"]))
     alone = set(pools.members(tdf, "train", seed))
     for df in frames[1:]:

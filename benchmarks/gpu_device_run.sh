@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Device-side driver for the GPU measurements of issue 17 (run from the repo root of the device copy, with the
+# repo's components/benchmarks/data copied under .gpu/). Phases: setup (unpack the reduced fbgemm-gpu), test,
+# costs, aa. Every step logs under $OUT; each bench step has a deadline so the call ends inside its limit.
+# usage: gpu_device_run.sh SECONDS PHASE[:CAP_SECONDS]...
+set -u
+T0=$(date +%s); LIMIT=$1; shift
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/.gpu/components:$PWD/.gpu EMBSHARD_NUM_THREADS=1
+left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
+G=.gpu/data
+for arg in "$@"; do
+  phase=${arg%%:*}; CAP=${arg#*:}; [ "$CAP" = "$arg" ] && CAP=100000   # PHASE:SECONDS caps a bench phase
+  echo "=== phase $phase at +$(( $(date +%s) - T0 ))s" | tee -a $OUT/driver.log
+  case $phase in
+  setup)
+    mkdir -p /tmp/site
+    if [ ! -f /tmp/site/.ok ]; then
+      # The device image has no zstd binary: the archive is xz, unpacked with Python's lzma.
+      echo "$(cat .gpu/fbgemm.sha256)  .gpu/fbgemm-red.tar.xz" | sha256sum -c - 2>&1 | tee -a $OUT/driver.log || exit 3
+      python3 -c "import tarfile; tarfile.open('.gpu/fbgemm-red.tar.xz', 'r:xz').extractall('/tmp/site', filter='tar')" \
+        && touch /tmp/site/.ok
+    fi
+    { nvidia-smi; python3 -c "import torch, sys; print(sys.version); print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))";
+      python3 -m pip show numpy pandas pyarrow 2>/dev/null | grep -E '^(Name|Version)'; nproc; free -g; df -h /tmp; } > $OUT/env.txt 2>&1
+    python3 - <<'PY' 2>&1 | tee -a $OUT/driver.log
+import time; t=time.time()
+import fbgemm_gpu, torch
+print("fbgemm_gpu", fbgemm_gpu.__version__, "import", round(time.time()-t,1), "s")
+from embshard.bench import backends
+print("fbgemm cuda status:", backends.fbgemm_status("cuda"))
+PY
+    ;;
+  test)
+    timeout $(( $(left) - 10 )) python3 -m pytest -q -p no:cacheprovider .gpu/tests/test_bench_cuda.py 2>&1 | tee $OUT/pytest_cuda.txt ;;
+  costs|aa)
+    if [ $phase = costs ]; then S=$G/shards.parquet; R=/tmp/run_costs; else S=$G/aa_shards.parquet; R=/tmp/run_aa; fi
+    BK=fbgemm; python3 -c "from embshard.bench import backends; import sys; sys.exit(backends.fbgemm_status('cuda') is not None)" || BK=torch
+    T=$(( $(left) - 25 )); [ $T -gt $CAP ] && T=$CAP; echo "bench $phase backend $BK for at most ${T}s" | tee -a $OUT/driver.log
+    [ $T -gt 20 ] && timeout $T python3 -m embshard bench --tables $G/tables.parquet --tasks $G/tasks.parquet \
+        --shards $S --out $R --device cuda --backend $BK --num-chunks 4 --no-progress 2>&1 | tee -a $OUT/bench_$phase.log
+    python3 - $R $OUT/${phase}_gpu.parquet <<'PY' 2>&1 | tee -a $OUT/driver.log
+import glob, sys, pandas as pd
+fs = glob.glob(sys.argv[1] + "/costs/*.parquet") + glob.glob(sys.argv[1] + "/costs/.partial/*/*.parquet")
+if fs:
+    df = pd.concat([pd.read_parquet(f) for f in fs], ignore_index=True).drop_duplicates("sample_id")
+    df.to_parquet(sys.argv[2], index=False); print(sys.argv[2], len(df), "rows from", len(fs), "files")
+PY
+    ;;
+  esac
+done
+echo "=== done at +$(( $(date +%s) - T0 ))s" | tee -a $OUT/driver.log
