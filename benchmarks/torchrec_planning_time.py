@@ -3,7 +3,7 @@
 Synthetic tables (seeded), memory per device = 1.3 x an even share (at least the largest table + 5%).
 Prints one row per (mode, T, D): wall seconds of TorchRecPlanner.plan, TorchRec's proposals, its own predicted
 max-rank cost, whether its timeout stopped the search, and column splits used; plus the full/table-wise time
-ratio. ALGORITHMS.md quotes ~100 s for TorchRec's full search at 200 tables.
+ratio. The published comparison (docs/method.md) quotes ~100 s for TorchRec's full search at 200 tables.
 
     python benchmarks/torchrec_planning_time.py                 # the whole grid (minutes on a small CPU)
     python benchmarks/torchrec_planning_time.py --quick         # T = 10, 50 only

@@ -1,4 +1,4 @@
-"""The 21 features of ALGORITHMS.md: the 17 access bins checked against hand-computed examples."""
+"""The 21 features (docs/method.md): the 17 access bins checked against hand-computed examples."""
 from __future__ import annotations
 
 import numpy as np

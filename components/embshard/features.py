@@ -1,4 +1,4 @@
-"""The 21 table features of ALGORITHMS.md and their normalisation.
+"""The 21 table features (docs/method.md, "Features") and their normalisation.
 
 Features per table: dim, rows (hash size), pooling_factor (mean lookups per sample), size_bytes, and 17
 access-distribution bins: bin k is the fraction of unique indices whose access count in a batch falls in

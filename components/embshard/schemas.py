@@ -1,4 +1,4 @@
-"""The Parquet data contracts (DESIGN.md), checked on every read and write.
+"""The Parquet data contracts (docs/contracts.md), checked on every read and write.
 
 One module owns the columns of tables, tasks, costs, placements and evaluation files. `read(path, kind)` and
 `write(df, path, kind)` validate types and value ranges and raise EmbshardError naming the file, the column

@@ -15,7 +15,7 @@ Fields (all required; `null` where unknown):
 - `cost`: predicted costs, `unit` "ms" per training iteration:
   - `device_costs_ms`: D numbers, predicted cost of each device (by the cost model), or null.
   - `overall_ms`: the placement's cost = the largest device cost, or null.
-  - `lower_bound_ms`: a lower bound on any placement's cost for this task (ALGORITHMS.md), or null.
+  - `lower_bound_ms`: a lower bound on any placement's cost for this task (docs/method.md, "Lower bound"), or null.
   - `gap`: overall_ms / lower_bound_ms - 1 (0.1 = 10% above the bound), or null.
 - `devices`: D entries in device order: `device` (index), `memory_bytes` (bytes of the shards it holds),
   `memory_used_fraction` (memory_bytes / memory_bytes_per_device), `predicted_cost_ms` (or null), and `tables`

@@ -1,4 +1,4 @@
-"""Meta's open DLRM trace format (`fbgemm_t856_bs65536.pt`, ALGORITHMS.md), read table by table.
+"""Meta's open DLRM trace format (`fbgemm_t856_bs65536.pt`, docs/contracts.md), read table by table.
 
 A file holds `torch.save((indices, offsets, lengths))` (a dict with those keys is accepted too):
 indices (all tables concatenated, table by table), lengths [T, B], and offsets in one of three layouts:

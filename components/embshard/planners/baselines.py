@@ -1,4 +1,4 @@
-"""The baseline planners every result is compared with (ALGORITHMS.md, "Baselines").
+"""The baseline planners every result is compared with (docs/method.md, "Baselines").
 
 random and round-robin ignore costs; each greedy sorts the tables by its proxy, largest first, and puts each on
 the device with room whose running proxy sum is smallest. All of them respect memory: a table that fits on no

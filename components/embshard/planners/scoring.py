@@ -80,7 +80,7 @@ def lower_bound(cost_model, tables: TableSet, num_devices: int, column_splits: b
     """Lower bound under the model: the average device cost can't be lower than, per cost head, the smaller of
     (all tables fused on one device) and (the sum of single-table costs), divided by D.
 
-    ALGORITHMS.md's all-on-one / D holds for a sub-additive fused cost; the sum of singles / D holds for a
+    The all-on-one / D bound (docs/method.md) holds for a sub-additive fused cost; the sum of singles / D holds for a
     super-additive one. Measured CPU costs are both (forward shares work as tables fuse, backward grows faster
     than linearly, the all-to-all pays its latency once per device), so each head takes the smaller of its two.
     A device holding the most expensive table costs at least that table alone (table-wise plans; column-wise
