@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-
 from pathlib import Path
 
 from airflow.sdk import DAG, Asset, AssetOrTimeSchedule, CronTriggerTimetable, Param, task
@@ -185,7 +184,8 @@ with DAG(
             task_id="benchmark", retries=2, retry_delay=timedelta(seconds=30), doc_md=TASK_DOCS["benchmark"],
             **{k: v for k, v in k8s.pod_operator_kwargs("benchmark", [], pod_config).items() if k != "arguments"},
         ).expand(arguments=sample_shards.output.map(lambda chunk: [*stage_args("benchmark"), "--chunk", str(chunk)]))
-        last = ingest >> sample_shards >> benchmark >> pod("train_cost_model", "train_cost_model", "train_cost_model", 1)
+        last = ingest >> sample_shards >> benchmark \
+            >> pod("train_cost_model", "train_cost_model", "train_cost_model", 1)
         last = last >> pod("train_policy", "train_policy", "train_policy", 1)
         for task_id, stage, r, doc in OUTER_LOOP:
             last = last >> pod(task_id, stage, doc, r, skip_on_exit_code=stages.SKIP_EXIT_CODE)

@@ -155,7 +155,8 @@ def train_cost_model(root: str, params: dict, round_index: int = 1) -> dict:
     p = merged(params)
     _check_round(p, round_index)
     out = path(root, "cost_model") if round_index == 1 else _join(path(root, "cost_model"), f"round-{round_index}")
-    res = train_cost(_costs_of_rounds(root, round_index), path(root, "tables"), out, seed=int(p["seed"]) + round_index - 1)
+    res = train_cost(_costs_of_rounds(root, round_index), path(root, "tables"), out,
+                     seed=int(p["seed"]) + round_index - 1)
     return _state(root, "cost_model", {"model_uri": res["model_uri"], "version": str(res["model_version"]),
                                        "round": round_index, "summary": res.get("summary", "")})
 

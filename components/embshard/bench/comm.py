@@ -5,7 +5,8 @@ A device with S = sum of its tables' dims sends, per step, B x S x 4 bytes x (D-
 (each sample's pooled vectors go to the device that owns the sample); the backward all-to-all moves the same
 bytes back as gradients.
 
-- measured (comm_source='measured'): `CommGroup(n)` starts n-1 helper processes (`python -m embshard.bench.comm_rank`); with the main process they form
+- measured (comm_source='measured'): `CommGroup(n)` starts n-1 helper processes
+  (`python -m embshard.bench.comm_rank`); with the main process they form
   a torch.distributed group (gloo on CPU, NCCL on GPUs) and time real `all_to_all_single` calls of that size.
   Every rank exchanges a tensor of the measured shard's size (the symmetric case).
 - model (comm_source='model'): time = latency + bytes / bandwidth. Latency and bandwidth come from
@@ -17,8 +18,8 @@ bytes back as gradients.
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import os
 import socket
 import subprocess

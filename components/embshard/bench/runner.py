@@ -33,7 +33,8 @@ DEFAULT_WARMUP = 5
 # Cheap shards are timed for more iterations until this much timed work (ms) has accumulated (max 200).
 DEFAULT_MIN_TIME_MS = {"cpu": 300.0, "cuda": 50.0}
 DEFAULT_ROTATIONS = 4
-DEFAULT_MAX_SHARD_GB_CPU = 0.25  # CPU caches are far smaller: 0.25 GiB of weights measures like 2 GiB (checked), 3x faster
+# CPU caches are far smaller: 0.25 GiB of weights measures like 2 GiB (checked), 3x faster.
+DEFAULT_MAX_SHARD_GB_CPU = 0.25
 GiB = 2**30
 
 

@@ -86,7 +86,8 @@ def load_shards(spec, *, table_ids: Sequence[str], tasks: str | None = None, pla
         try:
             n = int(spec.split(":", 1)[1])
         except ValueError:
-            raise EmbshardError(f"bad shard spec {spec!r}", field="shards", fix="write random:N, e.g. random:200") from None
+            raise EmbshardError(f"bad shard spec {spec!r}", field="shards",
+                                fix="write random:N, e.g. random:200") from None
         pool = list(table_ids)
         if tasks is not None:
             t = schemas.read(tasks, "tasks")

@@ -169,7 +169,8 @@ def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
         bad = za.notna() & (~np.isfinite(za) | (za < 0))
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])
-            raise EmbshardError(f"value {checks.number(za.iloc[i])} of {_name(df, i)} is not a finite number >= 0", path=path,
+            raise EmbshardError(f"value {checks.number(za.iloc[i])} of {_name(df, i)} is not a finite number >= 0",
+                                path=path,
                                 field="zipf_alpha",
                                 fix="give a skew >= 0 (0 = uniform, ~1 = typical) or leave it empty")
         out["zipf_alpha"] = za

@@ -20,8 +20,16 @@ import pandas as pd
 
 from .. import schemas, storage
 from ..bench import fingerprint
-from ..bench.runner import (DEFAULT_ROTATIONS, BenchConfig, InputPrefetcher, close_config, input_workers,
-                            make_config, measure_shard, resolve_settings)
+from ..bench.runner import (
+    DEFAULT_ROTATIONS,
+    BenchConfig,
+    InputPrefetcher,
+    close_config,
+    input_workers,
+    make_config,
+    measure_shard,
+    resolve_settings,
+)
 from ..bench.sampler import load_shards
 from ..errors import EmbshardError
 from ..tableset import TableSet
@@ -194,12 +202,14 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="a shards Parquet file (sample_id, table_ids, num_devices, origin) or random:N "
                         "(N random shards of 1..15 tables from the train pool)")
     p.add_argument("--placements", default=None, help="placements.parquet: add every device shard of these placements")
-    p.add_argument("--tasks", default=None, help="tasks.parquet: the train pool for random:N, device counts for --placements")
+    p.add_argument("--tasks", default=None,
+                   help="tasks.parquet: the train pool for random:N, device counts for --placements")
     p.add_argument("--out", required=True, help="run folder; parts go to OUT/costs/")
     p.add_argument("--backend", default="auto", choices=["auto", "fbgemm", "torch"],
                    help="fused operator: FBGEMM TBE, or torch embedding_bag (auto: FBGEMM when it runs)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--batch-size", type=int, default=None, help="samples per batch (default: 2048 on CPU, 65536 on GPU)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="samples per batch (default: 2048 on CPU, 65536 on GPU)")
     p.add_argument("--chunk", type=int, default=None, help="measure only this chunk (a pod runs one); default: all")
     p.add_argument("--num-chunks", type=int, default=1, help="shard i belongs to chunk i %% num-chunks")
     p.add_argument("--num-devices", type=int, default=4, help="devices of random shards' tasks (comm model)")
@@ -214,7 +224,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="CPU clock (auto: thread CPU time at 1 thread, else wall)")
     p.add_argument("--comm-ranks", type=int, default=None,
                    help="measure the all-to-all for real among N local ranks (gloo on CPU, NCCL on GPUs)")
-    p.add_argument("--comm-bandwidth-gbps", type=float, default=None, help="comm model bandwidth (GB/s), skips calibration")
+    p.add_argument("--comm-bandwidth-gbps", type=float, default=None,
+                   help="comm model bandwidth (GB/s), skips calibration")
     p.add_argument("--comm-latency-us", type=float, default=None, help="comm model latency (us), with the bandwidth")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 

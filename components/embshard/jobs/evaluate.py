@@ -16,12 +16,12 @@ import numpy as np
 import pandas as pd
 
 from .. import schemas, storage
+from ..bench.runner import MeasureSettings
 from ..errors import EmbshardError
 from ..placement import Placement
+from ..planners.baselines import BASELINES, GREEDY_BASELINES
 from ..tableset import TableSet
 from ..types import load_tasks
-from ..bench.runner import MeasureSettings
-from ..planners.baselines import BASELINES, GREEDY_BASELINES
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,8 @@ def measured_lower_bound(tables: TableSet, num_devices: int, singles: np.ndarray
     """Sum over heads of min(all tables fused on one device, sum of singles) / D: the bound of any plan, column
     splits included (a table-wise plan also owes its largest single table; the caller adds that term).
 
-    All-on-one / D (docs/method.md, "Lower bound") bounds a sub-additive fused cost, the sum of singles / D a super-additive one;
+    All-on-one / D (docs/method.md, "Lower bound") bounds a sub-additive fused cost, the sum of singles / D a
+    super-additive one;
     measured CPU heads are of both kinds (forward shares work, backward grows faster than linearly, the
     all-to-all pays its latency once per device), so each head takes the smaller of the two.
     """

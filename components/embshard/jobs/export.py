@@ -66,9 +66,9 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     under `out` only when every one was written; on any error nothing is left behind."""
     from .. import schemas, storage
     from ..errors import EmbshardError
-    from ..tableset import TableSet
     from ..export.placements import device_costs_from_frame, placement_from_frame
     from ..export.plan_json import write_plan_json
+    from ..tableset import TableSet
 
     where = os.fspath(placements)
     df = schemas.read(placements, "placements")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-
 import logging
 import os
 
@@ -10,12 +9,12 @@ import numpy as np
 
 from .. import schemas, storage
 from ..errors import EmbshardError, ModelNotFoundError
-from ..registry import COST_CHAMPION_URI, POLICY_CHAMPION_URI
 from ..placement import Placement
-from ..tableset import TableSet
-from ..planners import get_planner
 from ..placement_report import device_table, plot_device_costs
+from ..planners import get_planner
 from ..planners.scoring import checked_lower_bound, lower_bound, placement_costs
+from ..registry import COST_CHAMPION_URI, POLICY_CHAMPION_URI
+from ..tableset import TableSet
 
 log = logging.getLogger(__name__)
 DEFAULT_COST_MODEL = COST_CHAMPION_URI

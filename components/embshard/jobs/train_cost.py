@@ -18,14 +18,14 @@ import time
 import numpy as np
 
 from .. import registry
-from ..features import FEATURE_NAMES
-from ..schemas import FEATURE_VERSION
-from ..tableset import TableSet
 from ..costmodel import REGISTERED_NAME
 from ..costmodel.data import CostData, assemble_placements, load
 from ..costmodel.model import HEADS, CostModel
 from ..costmodel.reference import AnalyticEstimator, metrics, sum_of_singles, with_totals
 from ..costmodel.train import History, TrainParams, fit
+from ..features import FEATURE_NAMES
+from ..schemas import FEATURE_VERSION
+from ..tableset import TableSet
 
 log = logging.getLogger(__name__)
 

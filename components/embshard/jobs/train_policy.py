@@ -3,7 +3,8 @@
 Estimated MDP (DreamShard): rewards come from the cost model, so thousands of episodes cost no hardware time.
 Outer loop (rounds; the DAG shows each step as a task): after a round the policy's placements of some training
 tasks are measured (jobs.measure_plans), the cost model is refitted on all measurements (jobs.train_cost: it
-learns where the policy goes), and the next round trains on from the last weights against the refitted model. The AutoShard-style variant (`reward="measured"`) instead rewards each rollout with
+learns where the policy goes), and the next round trains on from the last weights against the refitted model.
+The AutoShard-style variant (`reward="measured"`) instead rewards each rollout with
 the measured cost of its placement: slow, but free of cost-model error; comparing both shows what the estimated
 MDP gains or loses.
 """
@@ -18,14 +19,20 @@ import time
 import torch
 
 from .. import schemas
+from ..bench.runner import MeasureSettings
 from ..errors import EmbshardError
+from ..planners.scoring import single_threaded
+from ..policy.core import PolicyNet, TrainConfig
+from ..policy.train import (
+    best_baseline_cost,
+    plot_learning_curve,
+    task_contexts,
+    train_estimated,
+    train_measured,
+    validation_ratio,
+)
 from ..registry import COST_CHAMPION_URI
 from ..types import Task, load_tasks
-from ..bench.runner import MeasureSettings
-from ..policy.core import PolicyNet, TrainConfig
-from ..policy.train import (best_baseline_cost, plot_learning_curve, task_contexts, train_estimated,
-                            train_measured, validation_ratio)
-from ..planners.scoring import single_threaded
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ import torch
 
 from ..errors import EmbshardError
 from ..placement import Placement, Shard
+from ..policy.core import PolicyNet, TaskContext, rollout
 from .base import Planner, no_room_error
 from .baselines import BASELINES, make_baseline
-from ..policy.core import PolicyNet, TaskContext, rollout
 from .scoring import single_threaded
 from .search import Budget, SearchState, local_search, try_column_splits
 

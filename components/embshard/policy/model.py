@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import mlflow.pyfunc
 import pandas as pd
 import torch
 
-from typing import TYPE_CHECKING
-
-from .core import PolicyNet
-
 from ..registry import POLICY_CHAMPION_URI, POLICY_MODEL
+from .core import PolicyNet
 
 REGISTERED_NAME = POLICY_MODEL
 
@@ -54,8 +52,8 @@ class PolicyPythonModel(mlflow.pyfunc.PythonModel):
 
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         from .. import schemas
-        from ..tableset import TableSet
         from ..planners.learned import LearnedPlanner
+        from ..tableset import TableSet
 
         params = params or {}
         tables = TableSet.from_frame(schemas.validate(model_input, "tables", "<model input>"))
