@@ -33,7 +33,12 @@ MLFLOW_PORT ?= 5000
 mlflow-ui: install
 	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath $(RUN_DIR))/mlflow.db --host 127.0.0.1 --port $(MLFLOW_PORT)
 
-test: install
+# Static checks (pinned in the dev extra): ruff, then mypy over the package and the DAGs.
+lint: install
+	$(BIN)/ruff check components dags
+	$(BIN)/mypy components/embshard dags
+
+test: install lint
 	$(BIN)/python -m pytest -q
 
 bench: install

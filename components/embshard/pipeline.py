@@ -7,9 +7,11 @@ runner, XComs and dynamic mapping included), not a re-implementation of the DAG.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -71,24 +73,58 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
     # Airflow reads its DAGs folder once, at import; when it was imported before this call (a test session, a
     # notebook), dag.test() would serialize the DAG from the stale folder and find nothing to run.
     settings.DAGS_FOLDER = env["AIRFLOW__CORE__DAGS_FOLDER"]
-    initdb()
-    dag = load_dag()
+    log_path = os.path.join(os.path.abspath(out), "logs", f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}.log")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    print(f"embshard pipeline: Airflow's, MLflow's and the stages' own logs go to {log_path}", flush=True)
     start = time.perf_counter()
-    dag_run = dag.test(run_conf=params or {})
+    with _logs_to(log_path):
+        initdb()
+        dag = load_dag()
+        dag_run = dag.test(run_conf=params or {})
     elapsed = time.perf_counter() - start
     root = stages.run_root(env["EMBSHARD_DATA_ROOT"], dag_run.run_id)
     state = str(dag_run.state)
-    result = {"run_id": dag_run.run_id, "state": state, "root": root, "seconds": elapsed, "env": env, "out": out}
+    result = {"run_id": dag_run.run_id, "state": state, "root": root, "seconds": elapsed, "env": env, "out": out,
+              "log": log_path}
     if state != "success":
         failed = [ti.task_id for ti in dag_run.get_task_instances() if str(ti.state) not in ("success", "skipped")]
         raise EmbshardError(f"the DAG run ended {state} (tasks not successful: {', '.join(failed)})",
-                            path=root, fix="read the task logs printed above")
+                            path=root, fix=f"read the task logs in {log_path}")
     for name in ("promotion", "export", "policy", "cost_model"):
         p = os.path.join(root, "state", f"{name}.json")
         if os.path.exists(p):
             with open(p, encoding="utf-8") as f:
                 result[name] = json.load(f)
     return result
+
+
+@contextlib.contextmanager
+def _logs_to(path: str):
+    """Everything written to stdout/stderr (Airflow's task runner, MLflow, progress bars) goes to `path`; the
+    stages' one-line progress (run_context.progress) goes to the terminal."""
+    from .run_context import PROGRESS_FD
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved_out, saved_err = os.dup(1), os.dup(2)
+    old_fd = os.environ.get(PROGRESS_FD)
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    os.environ[PROGRESS_FD] = str(saved_out)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved_out, 1)
+        os.dup2(saved_err, 2)
+        os.close(saved_out)
+        os.close(saved_err)
+        if old_fd is None:
+            os.environ.pop(PROGRESS_FD, None)
+        else:
+            os.environ[PROGRESS_FD] = old_fd
 
 
 def _parse_params(items: list[str]) -> dict:
@@ -121,6 +157,8 @@ def summary_text(res: dict) -> str:
     env, root = res["env"], res["root"]
     lines = ["", "=" * 78, f"embshard pipeline: {res['state']} in {res['seconds']:.0f} s   (run {res['run_id']})",
              f"run data: {root}"]
+    if res.get("log"):
+        lines.append(f"logs: {res['log']}")
     promo = res.get("promotion") or {}
     if promo:
         from .stages import promotion_lines

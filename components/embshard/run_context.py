@@ -37,6 +37,20 @@ def mlflow_tags() -> dict[str, str]:
     return {tag: os.environ[var] for var, tag in LINEAGE.items() if os.environ.get(var)}
 
 
+PROGRESS_FD = "EMBSHARD_PROGRESS_FD"
+
+
+def progress(line: str) -> None:
+    """One line for the person who started `embshard pipeline` (its terminal, while the libraries' logs go to a
+    file); a no-op in any other process (a real scheduler's tasks log to Airflow instead)."""
+    fd = os.environ.get(PROGRESS_FD)
+    if fd:
+        try:
+            os.write(int(fd), (line + "\n").encode())
+        except OSError:
+            pass
+
+
 class _Lines:
     """A text stream that turns a progress bar's carriage-return redraws into log lines."""
 

@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import os
+import time
 
 from .errors import EmbshardError
 
@@ -249,10 +250,21 @@ def run_in_task(name: str, data_root: str, mlflow_uri: str, params: dict, *, run
     from . import run_context
 
     root = run_root(data_root, run_id)
+    label = (task_id or name) + (f"[{chunk}]" if chunk is not None else "")
     env = {**run_context.lineage_env(dag_id, run_id, task_id or name, root, try_number),
            "EMBSHARD_DATA_ROOT": data_root, "MLFLOW_TRACKING_URI": mlflow_uri}
-    with run_context.stage_output(env):
-        result = run(name, root, params, chunk, round_index)
+    start = time.perf_counter()
+    try:
+        with run_context.stage_output(env):
+            result = run(name, root, params, chunk, round_index)
+    except StageSkipped:
+        run_context.progress(f"  {label:<28} skipped")
+        raise
+    except BaseException as exc:
+        run_context.progress(f"  {label:<28} FAILED after {time.perf_counter() - start:6.1f} s: "
+                             f"{str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}")
+        raise
+    run_context.progress(f"  {label:<28} done in {time.perf_counter() - start:6.1f} s")
     print(report(name, result, root), flush=True)
     return json.loads(json.dumps(result, default=str))
 
