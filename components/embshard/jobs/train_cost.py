@@ -169,7 +169,7 @@ def _plots(model: CostModel, data: CostData, hist: History, folder: str) -> dict
     return paths
 
 
-def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias: str | None = None,
+def run(costs: str | list[str], tables: str, out: str | None = None, *, seed: int = 0, alias: str | None = None,
         max_epochs: int = 400, patience: int = 60, register: bool = True,
         experiment: str = registry.DEFAULT_EXPERIMENT, refit_all: bool = True) -> dict:
     """Train, evaluate, log and register the cost model.
