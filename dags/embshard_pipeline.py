@@ -179,12 +179,14 @@ with DAG(
                 **k8s.pod_operator_kwargs(stage, stage_args(stage, round_index), pod_config), **kw})
 
         ingest = pod("ingest", "ingest", "ingest")
-        sample_shards = pod("sample_shards", "sample_shards", "sample_shards", do_xcom_push=True)
-        benchmark = KubernetesPodOperator.partial(
+        # (names apart from the local branch's @task functions: different types, the same task ids)
+        sample_shards_pod = pod("sample_shards", "sample_shards", "sample_shards", do_xcom_push=True)
+        benchmark_pods = KubernetesPodOperator.partial(
             task_id="benchmark", retries=2, retry_delay=timedelta(seconds=30), doc_md=TASK_DOCS["benchmark"],
             **{k: v for k, v in k8s.pod_operator_kwargs("benchmark", [], pod_config).items() if k != "arguments"},
-        ).expand(arguments=sample_shards.output.map(lambda chunk: [*stage_args("benchmark"), "--chunk", str(chunk)]))
-        last = ingest >> sample_shards >> benchmark \
+        ).expand(arguments=sample_shards_pod.output.map(
+            lambda chunk: [*stage_args("benchmark"), "--chunk", str(chunk)]))
+        last = ingest >> sample_shards_pod >> benchmark_pods \
             >> pod("train_cost_model", "train_cost_model", "train_cost_model", 1)
         last = last >> pod("train_policy", "train_policy", "train_policy", 1)
         for task_id, stage, r, doc in OUTER_LOOP:

@@ -18,7 +18,7 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
     if device_costs is not None:
         head += f" {'pred. ms':>9} {'vs mean':>8}"
     lines.append(head)
-    mean = float(np.mean(device_costs)) if device_costs is not None else None
+    mean = float(np.mean(device_costs)) if device_costs is not None else 0.0
     for d in range(placement.num_devices):
         row = (f"{d:>6} {len(shards[d]):>6} {sum(s.col_size is not None for s in shards[d]):>6} "
                f"{mem[d] / GiB:>11.3f} {100 * mem[d] / placement.memory_bytes_per_device:>5.1f}%")

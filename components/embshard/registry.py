@@ -129,8 +129,10 @@ def log_and_register(python_model, artifacts: dict[str, str], registered_name: s
         lineage = mlflow_tags()
         origin = (f"Airflow {lineage['airflow.dag_id']} run {lineage['airflow.run_id']}, task "
                   f"{lineage['airflow.task_id']}" if "airflow.run_id" in lineage else "a command-line run")
+        run = mlflow.active_run()
+        assert run is not None, "log_and_register starts a run when none is active"
         client.update_model_version(registered_name, version, description=(
-            f"{description} Made by {origin}, MLflow run {mlflow.active_run().info.run_id}.").strip())
+            f"{description} Made by {origin}, MLflow run {run.info.run_id}.").strip())
         return client.get_model_version(registered_name, version)
     finally:
         if started:

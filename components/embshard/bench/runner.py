@@ -17,6 +17,7 @@ import math
 import os
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -24,6 +25,9 @@ import pandas as pd
 from ..errors import EmbshardError
 from ..tableset import TableSet
 from . import inputs as inp
+
+if TYPE_CHECKING:
+    from .comm import CommGroup, CommModel
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +55,8 @@ class BenchConfig:
     threads: int
     seed: int
     hardware: str
-    comm: object | None = None        # comm.CommModel when modelled
-    comm_group: object | None = None  # comm.CommGroup when measured
+    comm: CommModel | None = None        # when modelled
+    comm_group: CommGroup | None = None  # when measured
 
     @property
     def comm_source(self) -> str:
@@ -62,6 +66,7 @@ class BenchConfig:
     def comm_detail(self) -> str:
         if self.comm_group is not None:
             return f"{self.comm_group.backend}:{self.comm_group.world}ranks"
+        assert self.comm is not None  # make_config sets comm or comm_group
         return self.comm.source
 
 
@@ -203,7 +208,7 @@ class ShardInputs:
         for j, (i, ln) in enumerate(self.batches):
             arrays[f"i{j}"], arrays[f"l{j}"] = i, ln
         with open(path, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub takes any **kwds for allow_pickle
         return path
 
     @classmethod
@@ -245,14 +250,12 @@ def shard_inputs(tables: TableSet, members, cfg: BenchConfig, col_sizes=None, wh
     for s, r in zip(specs, scaled):
         s.scaled_rows = int(r)
     row_scale = float((scaled * dims).sum() / (rows * dims).sum())
-    per_batch = [[None] * len(specs) for _ in range(cfg.num_batches)]
-    for t, s in enumerate(specs):
-        for j, pair in enumerate(inp.table_batches(s, lengths[t], rng)):
-            per_batch[j][t] = pair
+    # one (indices, lengths) pair per rotated batch for each table, drawn table by table (the rng's order)
+    per_table = [inp.table_batches(s, lengths[t], rng) for t, s in enumerate(specs)]
     batches = []
-    for pb in per_batch:
-        idx = np.concatenate([i for i, _ in pb]).astype(np.int64, copy=False)
-        lens = np.concatenate([ln for _, ln in pb]).astype(np.int64, copy=False)
+    for j in range(cfg.num_batches):
+        idx = np.concatenate([pt[j][0] for pt in per_table]).astype(np.int64, copy=False)
+        lens = np.concatenate([pt[j][1] for pt in per_table]).astype(np.int64, copy=False)
         batches.append((idx, lens))
     return ShardInputs(rows=[int(r) for r in scaled], dims=[int(d) for d in dims], row_scale=row_scale,
                        batch_size=B, batches=batches)
@@ -296,6 +299,7 @@ def _comm(cfg: BenchConfig, sum_dims: int, num_devices: int) -> dict:
         b_comm = float(np.median(cfg.comm_group.all_to_all_ms(B * sum_dims)))
     else:
         nd = int(num_devices)
+        assert cfg.comm is not None  # make_config sets comm or comm_group
         f_comm = b_comm = cfg.comm.time_ms(B, sum_dims, nd)
     return {"fwd_comm_ms": f_comm, "bwd_comm_ms": b_comm, "num_devices": nd}
 

@@ -121,7 +121,7 @@ def assemble_placements(data: CostData, idx: np.ndarray, count: int, seed: int) 
     without repeating a table; overall = max of their measured totals. Returns (shard indices, overall ms)."""
     rng = np.random.default_rng(seed)
     totals = data.targets.sum(1)
-    out = []
+    out: list[tuple[np.ndarray, float]] = []
     by_d = {int(d): idx[data.num_devices[idx] == d] for d in np.unique(data.num_devices[idx])}
     by_d = {d: v for d, v in by_d.items() if d > 1 and len(v) >= d}
     if not by_d:
@@ -132,7 +132,8 @@ def assemble_placements(data: CostData, idx: np.ndarray, count: int, seed: int) 
             break
         d = keys[rng.integers(len(keys))]
         pool = rng.permutation(by_d[d])
-        chosen, used = [], set()
+        chosen: list[int] = []
+        used: set[int] = set()
         for s in pool:
             t = set(data.shards[s].tolist())
             if t & used:

@@ -71,6 +71,11 @@ class _Head(nn.Module):
 
 
 class CostNet(nn.Module):
+    # buffers (register_buffer): declared so that mypy does not type them as Module.__getattr__'s Tensor | Module
+    target_scale: torch.Tensor
+    scaler_mean: torch.Tensor
+    scaler_std: torch.Tensor
+
     def __init__(self, cfg: CostModelConfig):
         super().__init__()
         e = cfg.embed

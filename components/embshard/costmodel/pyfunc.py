@@ -7,11 +7,11 @@ fwd_compute_ms, bwd_compute_ms, comm_ms, total_ms. Python callers use `.model` (
 """
 from __future__ import annotations
 
-import mlflow.pyfunc
 import pandas as pd
+from mlflow.pyfunc import PythonModel  # mypy does not see mlflow.pyfunc.PythonModel (mlflow.pyfunc is lazy)
 
 
-class CostModelPyfunc(mlflow.pyfunc.PythonModel):
+class CostModelPyfunc(PythonModel):
     def __init__(self):
         self.model = None
 

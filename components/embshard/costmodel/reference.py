@@ -25,8 +25,9 @@ def sum_of_singles(data: CostData, idx: np.ndarray) -> np.ndarray:
     for j, s in enumerate(idx):
         d = int(data.num_devices[s])
         parts = [singles.get((int(t), d)) for t in data.shards[s]]
-        if all(p is not None for p in parts):
-            out[j] = np.sum(parts, axis=0)
+        known = [p for p in parts if p is not None]
+        if len(known) == len(parts):
+            out[j] = np.sum(known, axis=0)
     return out
 
 

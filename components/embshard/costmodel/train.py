@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..errors import EmbshardError
 from ..features import FeatureScaler
 from .data import CostData, assemble_placements
 from .model import CostModel, CostModelConfig
@@ -145,6 +146,9 @@ def fit(data: CostData, params: TrainParams) -> tuple[CostModel, History]:
             bad += 1
             if bad >= params.patience and epoch >= params.min_epochs:
                 break
+    if best_state is None:  # no finite validation loss in any epoch (or max_epochs = 0)
+        raise EmbshardError("the cost heads' validation loss was never finite: no weights to keep",
+                            fix="check the measured costs for NaN/inf, or raise max_epochs")
     net.load_state_dict(best_state)
     log.info("cost heads: best val loss %.4f at epoch %d of %d", best, hist.best_epoch, len(hist.val_loss))
     _fit_overall(model, data, params, hist, x, raw)
@@ -230,4 +234,7 @@ def _fit_overall(model: CostModel, data: CostData, params: TrainParams, hist: Hi
             bad += 1
             if bad >= params.patience:
                 break
+    if best_state is None:  # no finite validation loss in any epoch (or max_epochs = 0)
+        raise EmbshardError("the overall head's validation loss was never finite: no weights to keep",
+                            fix="check the measured costs for NaN/inf, or raise max_epochs")
     net.overall.load_state_dict(best_state)

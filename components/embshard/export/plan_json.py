@@ -160,7 +160,7 @@ def _schema_check(plan: Any, schema: dict, where: str) -> None:
                             fix=f"follow the {SCHEMA_VERSION} schema (embshard/export/{SCHEMA_FILE})")
 
 
-_TYPES = {"object": dict, "array": list, "string": str, "null": type(None), "boolean": bool}
+_TYPES: dict[str, type] = {"object": dict, "array": list, "string": str, "null": type(None), "boolean": bool}
 
 
 def _is_type(value: Any, name: str) -> bool:

@@ -342,18 +342,19 @@ def plan_from_json(data: Mapping | str):
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
     from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
 
+    doc: Mapping
     if isinstance(data, str):
         from .. import storage
 
         where = data
-        data = json.loads(storage.read_text(data))
+        doc = json.loads(storage.read_text(data))
     else:
-        where = "<torchrec plan>"
-    if data.get("schema") != PLAN_JSON_VERSION:
-        raise EmbshardError(f"schema {data.get('schema')!r} is not {PLAN_JSON_VERSION}", path=where,
+        where, doc = "<torchrec plan>", data
+    if doc.get("schema") != PLAN_JSON_VERSION:
+        raise EmbshardError(f"schema {doc.get('schema')!r} is not {PLAN_JSON_VERSION}", path=where,
                             field="schema", fix="re-export the plan with this embshard version")
     plan = {}
-    for path, params in data["modules"].items():
+    for path, params in doc["modules"].items():
         module_plan = EmbeddingModuleShardingPlan()
         for name, p in params.items():
             spec = EnumerableShardingSpec([ShardMetadata(shard_offsets=s["offsets"], shard_sizes=s["sizes"],

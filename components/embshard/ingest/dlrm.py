@@ -40,6 +40,12 @@ _FIX_FORMAT = "give a torch.save((indices, offsets, lengths)) file (.pt or .pt.g
 class TraceFile:
     """A lazily read DLRM trace file: `table(t)` gives one table's (indices, lengths) as numpy int64."""
 
+    # all None after close(); offsets or lengths also when the file does not hold them
+    _indices: np.ndarray | None
+    _offsets: np.ndarray | None
+    _lengths: np.ndarray | None
+    _keep: tuple | None
+
     def __init__(self, path: str | os.PathLike, tmp_dir: str | None = None):
         self.path = os.fspath(path)
         self._tmp: str | None = None
@@ -113,6 +119,7 @@ class TraceFile:
     def _index(self) -> None:
         """Find T, B and where every table starts in `indices` (reads only T+1 offsets, or the lengths)."""
         ind, off, lens = self._indices, self._offsets, self._lengths
+        assert ind is not None  # set by __init__ just before
         where = self.path
         if ind.ndim != 1:
             raise EmbshardError(f"has shape {tuple(ind.shape)}, expected 1-D", path=where, field="indices",
@@ -147,6 +154,7 @@ class TraceFile:
                 raise EmbshardError(f"has shape {tuple(off.shape)}; expected {T * B + 1} (flat) or "
                                     f"[{T}, {B + 1}] (per table)", path=where, field="offsets", fix=_FIX_FORMAT)
         else:
+            assert lens is not None  # no offsets: the check above found lengths of shape [T, B]
             bounds = np.concatenate([[0], np.cumsum(lens.reshape(T, B).sum(axis=1, dtype=np.int64))])
         if lens is not None:
             self._lengths = lens.reshape(T, B)
@@ -167,12 +175,16 @@ class TraceFile:
                                 field="trace_table_index", fix="re-ingest the tables from this trace file")
         B = self.batch_size
         lo, hi = int(self.bounds[t]), int(self.bounds[t + 1])
+        assert self._indices is not None, "the trace file is closed"
         if self._layout == "flat":
+            assert self._offsets is not None  # _index chose this layout from the offsets
             o = self._offsets[t * B:(t + 1) * B + 1].astype(np.int64)
             lengths = np.diff(o)
         elif self._layout == "per_table":
+            assert self._offsets is not None  # _index chose this layout from the offsets
             lengths = np.diff(self._offsets[t].astype(np.int64))
         else:
+            assert self._lengths is not None  # no layout: _index found no offsets, so the lengths are there
             lengths = self._lengths[t].astype(np.int64)
         if self._lengths is not None and self._layout is not None:
             if not np.array_equal(lengths, self._lengths[t]):

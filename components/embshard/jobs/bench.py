@@ -97,7 +97,7 @@ def run(tables, shards, out: str, *, backend: str = "auto", device: str = "cpu",
     has_cols = "col_sizes" in shard_df.columns
 
     # What is left to do, before any heavy setup.
-    plan: list[tuple[int, str, str, list[int], set[str]]] = []
+    plan: list[tuple[int, str, str, list[int], set[int]]] = []
     done_parts: list[str] = []
     for c in chunks:
         part = storage.join(costs_dir, part_name(c, num_chunks))

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import time
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -74,7 +75,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
         D, mem = t.num_devices, t.memory_bytes_per_device
         planned: dict[str, Placement] = {}
         for name, planner in planner_objs.items():
-            row = {"task_id": t.task_id, "planner": name, "num_tables": len(sub), "num_devices": D,
+            row: dict[str, Any] = {"task_id": t.task_id, "planner": name, "num_tables": len(sub), "num_devices": D,
                    "memory_bytes_per_device": mem, "feasible": False, "error": None}
             t0 = time.perf_counter()
             try:
@@ -85,7 +86,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
             row["planning_time_s"] = time.perf_counter() - t0
             rows.append(row)
         # Interleaved measurement: every repeat measures each planner's placement once, in turn.
-        measured = {name: [] for name in planned}
+        measured: dict[str, list[pd.DataFrame]] = {name: [] for name in planned}
         lb_samples = []
         singles = measured_singles(sub, D, bench_kw)
         for _ in range(repeats):

@@ -48,12 +48,14 @@ def run(source: str, out: str, input: str | None = None, seed: int = 0, num_tabl
                             tmp_dir=kw.pop("tmp_dir", None) or (storage.existing_folder(
                                 os.fspath(out).removeprefix("file://")) if local_out else None))
         _no_extra(kw)
+        assert input is not None  # required for dlrm, checked above
         df = tables_from_trace(input, opts, progress=progress)
     else:
         from ..ingest.spec import tables_from_spec
 
         batch = kw.pop("bins_batch_size", None)
         _no_extra(kw)
+        assert input is not None  # required for spec, checked above
         df = tables_from_spec(input, seed=seed, bins_batch_size=batch, progress=progress)
     from .. import pools
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,9 @@ def resolve_task(tables: str, tasks: str | None, task_id: str | None, devices: i
     """(tables, devices, memory per device, task id, where): `where` names the input file in errors."""
     table_set = TableSet.read(tables)
     if task_id is None:
+        if devices is None or memory_bytes is None:
+            raise EmbshardError("devices and memory per device are required without a task id", field="devices",
+                                fix="give devices and memory_bytes, or tasks and task_id")
         return table_set, int(devices), int(memory_bytes), "task", os.fspath(tables)
     if tasks is None:
         raise EmbshardError("--task-id needs --tasks", field="tasks", fix="pass --tasks tasks.parquet")
@@ -53,7 +57,7 @@ def load_cost_model_or_none(uri: str | None):
 
 
 def planner_for(name: str, model_uri: str, time_budget_s: float | None, search_evaluations: int | None = None):
-    kw = {"model_uri": model_uri}
+    kw: dict[str, Any] = {"model_uri": model_uri}
     if time_budget_s is not None:
         kw["time_budget_s"] = time_budget_s
     if search_evaluations is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +41,7 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
         res = evaluate(tables, tasks, out, planners=planners, split=split, max_tasks=max_tasks, settings=settings)
         df = res["frame"]
         cand = df[df["planner"] == cand_name].set_index("task_id")["measured_cost_ms"]
-        decision = {"candidate_version": str(candidate_version), "margin": margin,
+        decision: dict[str, Any] = {"candidate_version": str(candidate_version), "margin": margin,
                     "champion_version_before": None if champion is None else str(champion.version),
                     "candidate_median_ratio_best_baseline": float(
                         df[df["planner"] == cand_name]["ratio_to_best_baseline"].median())}

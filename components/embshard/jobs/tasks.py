@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 import numpy as np
 
@@ -73,7 +74,7 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
     train, test = (pools.members(tables_df, p, seed) for p in pools.POOLS)
     size = dict(zip(tables_df["table_id"].astype(str), tables_df["size_bytes"].astype(np.int64)))
     rng = np.random.default_rng([seed, 12])
-    rows = []
+    rows: list[dict[str, Any]] = []
     for split, pool in (("train", train), ("test", test)):
         if hi > len(pool):
             raise EmbshardError(f"a task of {hi} tables cannot be drawn from the {len(pool)} tables of the "
@@ -96,13 +97,13 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
     if over:
         i = over[0]
         r = rows[i]
-        sizes = {t: size[t] for t in r["table_ids"]}
-        big = max(sizes, key=sizes.get)
+        task_sizes = {t: size[t] for t in r["table_ids"]}
+        big = max(task_sizes, key=lambda t: task_sizes[t])
         cap = r["memory_bytes_per_device"]
-        if sizes[big] > cap:
-            why = f"table {big} needs {sizes[big] / GIB:.2f} GiB > {cap / GIB:.2f} GiB per device"
+        if task_sizes[big] > cap:
+            why = f"table {big} needs {task_sizes[big] / GIB:.2f} GiB > {cap / GIB:.2f} GiB per device"
         else:
-            why = (f"its {len(sizes)} tables need {sum(sizes.values()) / GIB:.2f} GiB > {r['num_devices']} "
+            why = (f"its {len(task_sizes)} tables need {sum(task_sizes.values()) / GIB:.2f} GiB > {r['num_devices']} "
                    f"devices x {cap / GIB:.2f} GiB")
         enough = max(need) / GIB
         raise InfeasiblePlacementError(

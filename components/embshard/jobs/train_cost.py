@@ -14,6 +14,7 @@ import logging
 import os
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,7 @@ def evaluate(model: CostModel, data: CostData, analytic: AnalyticEstimator, seed
         multi = np.array([len(data.shards[s]) >= 2 for s in idx]) & np.isfinite(singles).all(1)
         preds = {"learned": learned, "sum_singles": singles, "analytic": analytic.predict(data, idx)}
         several = np.array([len(data.shards[s]) >= 2 for s in idx])
-        rep = {"n_shards": int(len(idx)), "n_compared": int(multi.sum()),
+        rep: dict[str, Any] = {"n_shards": int(len(idx)), "n_compared": int(multi.sum()),
                "coverage_singles": float(np.isfinite(singles).all(1)[several].mean()) if several.any() else 0.0}
         for est, p in preds.items():
             pt = with_totals(p)
@@ -168,7 +169,7 @@ def _plots(model: CostModel, data: CostData, hist: History, folder: str) -> dict
     return paths
 
 
-def run(costs: str, tables: str, out: str | None = None, *, seed: int = 0, alias: str | None = None,
+def run(costs: str | list[str], tables: str, out: str | None = None, *, seed: int = 0, alias: str | None = None,
         max_epochs: int = 400, patience: int = 60, register: bool = True,
         experiment: str = registry.DEFAULT_EXPERIMENT, refit_all: bool = True) -> dict:
     """Train, evaluate, log and register the cost model.

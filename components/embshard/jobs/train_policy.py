@@ -145,6 +145,7 @@ def run(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST_CHAMPIO
             measured.append(measure_plans(tables, tasks, res["policy_dir"], cost_model_uri,
                                           os.path.join(out, f"measured-round-{r + 1}"), num_tasks=measure_tasks,
                                           round_index=r + 1, settings=settings, seed=seed))
+            assert costs is not None  # rounds > 1 needs it, checked above
             refit = train_cost([costs, *measured], tables, os.path.join(out, f"cost_model_round{r + 1}"),
                                seed=seed + r)
             cost_model_uri = refit["model_uri"]

@@ -132,7 +132,7 @@ class TorchRecPlanner(Planner):
         }
         enumerator = EmbeddingEnumerator(topology=topo, batch_size=self.batch_size, constraints=constraints,
                                          estimator=storage_estimators(topo, constraints, self.memory_model))
-        kw = {} if self.verbose else {"stats": []}
+        kw: dict[str, list] = {} if self.verbose else {"stats": []}
         planner = EmbeddingShardingPlanner(
             topology=topo, batch_size=self.batch_size, enumerator=enumerator, constraints=constraints,
             storage_reservation=FixedPercentageStorageReservation(0.0), debug=self.verbose,

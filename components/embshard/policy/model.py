@@ -10,9 +10,9 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-import mlflow.pyfunc
 import pandas as pd
 import torch
+from mlflow.pyfunc import PythonModel  # mypy does not see mlflow.pyfunc.PythonModel (mlflow.pyfunc is lazy)
 
 from ..registry import POLICY_CHAMPION_URI, POLICY_MODEL
 from .core import PolicyNet
@@ -40,7 +40,7 @@ def load_policy_files(weights: str, config: str) -> tuple[PolicyNet, dict]:
     return policy.eval(), cfg
 
 
-class PolicyPythonModel(mlflow.pyfunc.PythonModel):
+class PolicyPythonModel(PythonModel):
     """pyfunc wrapper: load_context restores the policy and its cost model from the logged artifacts."""
 
     def load_context(self, context):
