@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -203,10 +204,10 @@ class LocalAirflow:
         return run["dag_run_id"]
 
     def run_state(self, run_id: str, dag_id: str = DAG_ID) -> str:
-        return self._request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id, safe='')}")["state"]
+        return self._request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id, safe='')}")["state"]
 
     def task_states(self, run_id: str, dag_id: str = DAG_ID) -> dict[str, str]:
-        res = self._request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id, safe='')}"
+        res = self._request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id, safe='')}"
                                    "/taskInstances?limit=100")
         out: dict[str, str] = {}
         for ti in res.get("task_instances", []):

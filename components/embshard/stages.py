@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from .errors import EmbshardError
 
@@ -122,9 +123,9 @@ def benchmark(root: str, params: dict, chunk: int) -> dict:
 
     p = merged(params)
     shards = _state(root, "shards")["shards"]  # sampled once by sample_shards; every chunk reads the same list
-    kw = {"batch_size": int(p["bench_batch_size"])} if int(p["bench_batch_size"]) > 0 else {}
+    batch = int(p["bench_batch_size"])
     parts = bench_run(path(root, "tables"), shards, root, chunk=int(chunk), num_chunks=int(p["bench_chunks"]),
-                      **kw)
+                      batch_size=batch if batch > 0 else None)
     return {"chunk": int(chunk), "parts": parts}
 
 
@@ -222,7 +223,7 @@ def export_placements(root: str, params: dict) -> dict:
                                                                   if isinstance(v, (str, int, float))}})
 
 
-STAGES = {"ingest": ingest, "sample_shards": sample_shards, "benchmark": benchmark,
+STAGES: dict[str, Callable[..., dict]] = {"ingest": ingest, "sample_shards": sample_shards, "benchmark": benchmark,
           "train_cost_model": train_cost_model, "train_policy": train_policy,
           "measure_policy_plans": measure_policy_plans, "evaluate_and_promote": evaluate_and_promote,
           "export_placements": export_placements}
