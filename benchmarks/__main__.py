@@ -64,10 +64,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, jobs: list[str], out: str, work: str) -> int:
+    import torch
+
     from . import costmodel_accuracy, pipeline_stages, planning_time, quality, report
     from .common import git_commit, hardware, progress, write_text
-
-    import torch
 
     # One intra-op thread for everything, planning included: the planners' small tensor ops get slower, not
     # faster, with more threads on a shared 2-core machine (measured: 0.8 s -> 15 s for one plan under load).

@@ -33,7 +33,8 @@ class Hardware:
 def hardware() -> Hardware:
     from importlib import metadata
 
-    from embshard.bench.backends import hardware as hw_name, num_threads
+    from embshard.bench.backends import hardware as hw_name
+    from embshard.bench.backends import num_threads
 
     versions = {}
     for pkg in ("torch", "fbgemm-gpu-cpu", "torchrec", "mlflow", "apache-airflow"):

@@ -34,7 +34,7 @@ class Suite:
     tables: int | str | None     # T or a range "lo-hi" (None: every table of the spec)
     devices: list[int]           # synthetic: one D; spec: one task per D
     tasks: int = 3               # synthetic: tasks sampled from the held-out pool
-    repeats: int = 1             # measurements of each placement (median)
+    rounds: int = 5              # measuring rounds (the ruler: paired per-round ratios with intervals)
     planners: list[str] = field(default_factory=lambda: list(ALL_PLANNERS))
 
 
@@ -66,8 +66,10 @@ def full_config() -> QualityConfig:
 
 def quick_config() -> QualityConfig:
     planners = ["learned", "policy_only", "dim_greedy", "torchrec_table_wise"]
-    return QualityConfig(suites=[Suite("synthetic T=10 D=2", "synthetic", 10, [2], tasks=1, planners=planners),
-                                 Suite("Criteo-like (26 tables)", "criteo_26.csv", None, [2], planners=planners)],
+    return QualityConfig(suites=[Suite("synthetic T=10 D=2", "synthetic", 10, [2], tasks=1, planners=planners,
+                                       rounds=2),
+                                 Suite("Criteo-like (26 tables)", "criteo_26.csv", None, [2], planners=planners,
+                                       rounds=2)],
                          population=60, bins_batch_size=2048, torchrec_timeout_s=10.0, max_shard_gb=0.05)
 
 
@@ -102,17 +104,15 @@ def _suite_files(suite: Suite, cfg: QualityConfig, folder: str, synthetic: pd.Da
 def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int,
         comm_root: str | None = None) -> pd.DataFrame:
     """Measure every suite; one row per (suite, task, planner) with evaluate.run's columns plus suite facts."""
+    from embshard.bench.runner import MeasureSettings
     from embshard.ingest.synthetic import generate_tables
     from embshard.jobs import evaluate
 
     kw = {"bins_batch_size": cfg.bins_batch_size} if cfg.bins_batch_size else {}
     synthetic = generate_tables(cfg.population, seed=HELDOUT_SEED, **kw)
     # The run's batch size and communication calibration, so the cost model sees what it was trained on.
-    bench_kw = {"batch_size": int(batch_size)}
-    if comm_root:
-        bench_kw["out"] = comm_root
-    if cfg.max_shard_gb:
-        bench_kw["max_shard_gb"] = cfg.max_shard_gb
+    settings = MeasureSettings(batch_size=int(batch_size), calibration_dir=comm_root or None,
+                               max_shard_gb=cfg.max_shard_gb or None)
     frames = []
     for k, suite in enumerate(cfg.suites):
         t0 = time.perf_counter()
@@ -122,13 +122,13 @@ def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int,
         planner_kw.update({p: {"timeout_s": cfg.torchrec_timeout_s} for p in suite.planners
                            if p.startswith("torchrec_")})
         progress(f"quality {k + 1}/{len(cfg.suites)}: {suite.name}, {len(suite.planners)} planners, "
-                 f"repeats {suite.repeats}")
+                 f"{suite.rounds} rounds")
         res = evaluate.run(tables_path, tasks_path, os.path.join(folder, "eval"), planners=suite.planners,
-                           split="test", repeats=suite.repeats, bench_kw=bench_kw, planner_kw=planner_kw,
+                           split="test", rounds=suite.rounds, settings=settings, planner_kw=planner_kw,
                            progress=False)
         df = res["frame"].copy()
         df.insert(0, "suite", suite.name)
-        df["repeats"] = suite.repeats
+        df["wall_s"] = res["wall_s"]
         frames.append(df)
         s = summarize(df)
         learned = s[s["planner"] == "learned"]
@@ -147,9 +147,15 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     for (suite, planner), g in df.groupby(["suite", "planner"], sort=False):
         rb, rt = g["ratio_to_best_baseline"].dropna(), g["ratio_to_torchrec"].dropna()
         gap = g["gap_to_lower_bound"].dropna()
+        from embshard import stats
+
+        per_task = [np.asarray(v, dtype=float) for v in g.get("ratios_to_best_baseline", pd.Series(dtype=object))
+                    if isinstance(v, (list, np.ndarray)) and len(v)]
+        _, lo, hi = stats.suite_ci(per_task) if per_task else (np.nan, np.nan, np.nan)
         rows.append({
             "suite": suite, "planner": planner, "tasks": len(g), "failed": int((~g["feasible"].astype(bool)).sum()),
             "ratio_best_median": rb.median() if len(rb) else np.nan,
+            "ratio_best_ci_low": lo, "ratio_best_ci_high": hi, "wilcoxon_p": stats.wilcoxon_p(rb),
             "ratio_best_min": rb.min() if len(rb) else np.nan,
             "ratio_best_worst": rb.max() if len(rb) else np.nan,
             "ratio_torchrec_median": rt.median() if len(rt) else np.nan,
@@ -260,6 +266,6 @@ def markdown(frame: pd.DataFrame, cfg: QualityConfig, hw_line: str, policy_uri: 
               md_table(pd.DataFrame([{"suite": s.name, "source": s.source, "tables": s.tables or "all",
                                       "devices": ",".join(map(str, s.devices)),
                                       "tasks": s.tasks if s.source == "synthetic" else len(s.devices),
-                                      "repeats": s.repeats, "planners": ", ".join(s.planners)}
+                                      "rounds": s.rounds, "planners": ", ".join(s.planners)}
                                      for s in cfg.suites]))]
     return "\n".join(lines)

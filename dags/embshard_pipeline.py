@@ -65,6 +65,9 @@ PARAMS = {
                            description="Outer rounds: measure the policy's plans, refit the cost model, retrain "
                                        "(the tasks of rounds beyond this are skipped)."),
     "eval_tasks": Param(D["eval_tasks"], type="integer", minimum=1, description="Held-out tasks measured."),
+    "eval_rounds": Param(D["eval_rounds"], type="integer", minimum=1, maximum=100,
+                         description="Measuring rounds of the evaluation (each measures every distinct device shard "
+                                     "once, in a fresh random order); intervals need 5 or more."),
     "eval_planners": Param(D["eval_planners"], type="string", pattern=r"^[a-z_@/0-9]+(,[a-z_@/0-9]+)*$",
                            description="Baselines measured beside the candidate and the champion."),
     "promotion_margin": Param(D["promotion_margin"], type="number", minimum=0, maximum=0.9,

@@ -261,6 +261,12 @@ CASES = {
                                             ["tasks.parquet", "split"]),
     "evaluate-unknown-planner": lambda w, d: (_evaluate(w, w["tasks"], planners="best"), ["planner"]),
     "evaluate-no-planners": lambda w, d: (_evaluate(w, w["tasks"], planners=","), ["planners"]),
+    "evaluate-zero-rounds": lambda w, d: (_evaluate(w, w["tasks"], "--rounds", "0"), ["rounds"]),
+    "evaluate-negative-rounds": lambda w, d: (_evaluate(w, w["tasks"], "--rounds", "-3"), ["rounds"]),
+    "evaluate-baselines-is-not-a-planner": lambda w, d: (_evaluate(w, w["tasks"], planners="baselines"),
+                                                         ["planners", "baselines"]),
+    "evaluate-no-test-tasks": lambda w, d: (_evaluate(w, tasks_with(w, d, split="train")),
+                                            ["tasks.parquet", "split"]),
     # bench
     "bench-max-shard-nan": lambda w, d: (_bench(w, d, "--max-shard-gb", "nan"), ["max_shard_gb"]),
     "bench-max-shard-zero": lambda w, d: (_bench(w, d, "--max-shard-gb", "0"), ["max_shard_gb"]),

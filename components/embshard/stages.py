@@ -33,7 +33,8 @@ DEFAULT_PARAMS: dict = {
     "policy_iterations": 200,
     "policy_rounds": 2,           # outer loop: measure the policy's plans, refit the cost model, train again
     "eval_tasks": 6,
-    "eval_planners": "dim_greedy,size_greedy,lookup_greedy,size_lookup_greedy,random,round_robin",
+    "eval_rounds": 5,             # measuring rounds of the evaluation (the ruler: paired per-round ratios)
+    "eval_planners": "dim_greedy,size_greedy,lookup_greedy,size_lookup_greedy",
     "promotion_margin": 0.01,     # the candidate must beat the champion's measured cost by this fraction
     "export_tasks": "test",       # which tasks get exported placements
 }
@@ -206,7 +207,7 @@ def evaluate_and_promote(root: str, params: dict) -> dict:
                        candidate_version=pol["version"], cost_model_uri=pol["cost_model_uri"],
                        baselines=[b for b in str(p["eval_planners"]).split(",") if b],
                        max_tasks=int(p["eval_tasks"]), margin=float(p["promotion_margin"]),
-                       settings=measure_settings(root, p))
+                       settings=measure_settings(root, p), rounds=int(p["eval_rounds"]))
     return _state(root, "promotion", decision)
 
 
@@ -289,16 +290,26 @@ def report(name: str, result: dict, root: str) -> str:
 
 
 def promotion_lines(decision: dict, root: str) -> list[str]:
-    """The promotion decision in words: ratios with the right sign, the verdict, the reason, the plot."""
+    """The promotion decision in words: ratios with their intervals and the right sign, the verdict, the reason."""
     lines = []
+
+    def interval(comp: dict | None) -> str:
+        if not comp or comp.get("ci_low") is None or comp["ci_low"] != comp["ci_low"]:
+            return ""
+        return f" [95%: {comp['ci_low']:.3f}, {comp['ci_high']:.3f}]"
+
     ratio = decision.get("candidate_median_ratio_best_baseline")
     if ratio is not None:
-        lines.append(f"  learned planner vs the best baseline (median measured cost ratio over held-out tasks): "
-                     f"{ratio:.3f}x  ({speed_words(ratio)})")
+        lines.append(f"  learned planner vs the best baseline (median measured cost ratio over "
+                     f"{decision.get('tasks', '?')} held-out tasks, {decision.get('rounds', '?')} rounds): "
+                     f"{ratio:.3f}x{interval(decision.get('candidate_vs_best_baseline'))}  ({speed_words(ratio)})")
     champ = decision.get("candidate_over_champion_median")
     if champ is not None:
-        lines.append(f"  candidate vs the champion: {champ:.3f}x  ({speed_words(champ)})")
-    verdict = "PROMOTED to champion" if decision.get("promoted") else "not promoted (challenger); champion kept"
+        lines.append(f"  candidate vs the champion: {champ:.3f}x{interval(decision.get('candidate_vs_champion'))}  "
+                     f"({speed_words(champ)})")
+    verdict = {"promoted": "PROMOTED to champion", "undecided": "UNDECIDED (challenger); champion kept"}.get(
+        decision.get("verdict", "promoted" if decision.get("promoted") else ""),
+        "not promoted (challenger); champion kept")
     lines.append(f"  decision: {verdict}  (candidate v{decision.get('candidate_version')}, "
                  f"champion before v{decision.get('champion_version_before')}, after "
                  f"v{decision.get('champion_version_after')}): {decision.get('reason')}")

@@ -57,6 +57,8 @@ class BenchConfig:
     hardware: str
     comm: CommModel | None = None        # when modelled
     comm_group: CommGroup | None = None  # when measured
+    min_time_ms: float | None = None     # timed work per measurement (None: DEFAULT_MIN_TIME_MS of the device)
+    statistic: str = "median"            # of the timed iterations: "median" or "min" (min-of-k)
 
     @property
     def comm_source(self) -> str:
@@ -139,7 +141,8 @@ def make_config(*, backend: str = "auto", device: str = "cpu", batch_size: int |
                 warmup: int | None = None, iterations: int | None = None, num_batches: int = DEFAULT_ROTATIONS,
                 max_shard_gb: float | None = None, timer: str = "auto", seed: int = 0, out: str | None = None,
                 comm_ranks: int | None = None, comm_bandwidth_gbps: float | None = None,
-                comm_latency_us: float | None = None) -> BenchConfig:
+                comm_latency_us: float | None = None, min_time_ms: float | None = None,
+                statistic: str = "median") -> BenchConfig:
     import torch
 
     from . import comm
@@ -150,7 +153,10 @@ def make_config(*, backend: str = "auto", device: str = "cpu", batch_size: int |
     cfg = BenchConfig(backend=st["backend"], device=device, batch_size=st["batch_size"], warmup=st["warmup"],
                       iterations=st["iterations"], num_batches=st["num_batches"],
                       budget_bytes=memory_budget(device, st["max_shard_gb"]), timer=st["timer"],
-                      threads=st["num_threads"], seed=int(seed), hardware=st["hardware"])
+                      threads=st["num_threads"], seed=int(seed), hardware=st["hardware"],
+                      min_time_ms=min_time_ms, statistic=statistic)
+    if statistic not in ("median", "min"):
+        raise EmbshardError(f"unknown statistic {statistic!r}", field="statistic", fix="use median or min")
     if comm_ranks is not None and comm_ranks >= 2:
         cfg.comm_group = comm.CommGroup(int(comm_ranks), device)
     else:
@@ -276,7 +282,8 @@ def time_inputs(inputs: ShardInputs, cfg: BenchConfig, where: str = "shard") -> 
             batches = [op.prepare(inputs.per_table(j), cfg.device) for j in range(len(inputs.batches))]
         grad = torch.ones(inputs.batch_size, int(sum(inputs.dims)), dtype=torch.float32, device=cfg.device)
         fwd, bwd = backends.time_iterations(op, batches, grad, cfg.warmup, cfg.iterations, cfg.timer,
-                                            min_time_ms=DEFAULT_MIN_TIME_MS[_kind(cfg.device)])
+                                            min_time_ms=(cfg.min_time_ms if cfg.min_time_ms is not None
+                                                         else DEFAULT_MIN_TIME_MS[_kind(cfg.device)]))
     except (torch.OutOfMemoryError, MemoryError) as exc:
         raise EmbshardError(f"out of memory while measuring ({str(exc).splitlines()[0][:100]})", path=where,
                             fix="lower --max-shard-gb (rows are scaled to fit it) or --batch-size") from None
@@ -286,8 +293,9 @@ def time_inputs(inputs: ShardInputs, cfg: BenchConfig, where: str = "shard") -> 
             torch.cuda.empty_cache()
     total = fwd + bwd
     q75, q25 = np.percentile(total, [75, 25])
-    return {"iterations": int(len(fwd)), "fwd_compute_ms": float(np.median(fwd)),
-            "bwd_compute_ms": float(np.median(bwd)), "row_scale": inputs.row_scale,
+    stat = np.min if cfg.statistic == "min" else np.median
+    return {"iterations": int(len(fwd)), "fwd_compute_ms": float(stat(fwd)),
+            "bwd_compute_ms": float(stat(bwd)), "row_scale": inputs.row_scale,
             "spread": float((q75 - q25) / max(np.median(total), 1e-9))}
 
 
@@ -436,6 +444,12 @@ class MeasureSettings:
     comm_ranks: int | None = None
     comm_bandwidth_gbps: float | None = None
     comm_latency_us: float | None = None
+    min_time_ms: float | None = None
+    statistic: str = "median"
+
+    def config(self):
+        """The BenchConfig these settings make (close it with close_config)."""
+        return make_config(**self.kwargs())
 
     def kwargs(self) -> dict:
         kw = {k: v for k, v in self.__dict__.items() if k != "calibration_dir"}
@@ -446,13 +460,15 @@ def measure_placement(placement, *, backend: str = "auto", device: str = "cpu", 
                       warmup: int | None = None, iterations: int | None = None, seed: int = 0,
                       max_shard_gb: float | None = None, timer: str = "auto", out: str | None = None,
                       comm_ranks: int | None = None, comm_bandwidth_gbps: float | None = None,
-                      comm_latency_us: float | None = None) -> pd.DataFrame:
+                      comm_latency_us: float | None = None, min_time_ms: float | None = None,
+                      statistic: str = "median") -> pd.DataFrame:
     """Measure every device of `placement` (one fused op per device shard; a column slice is measured as a
     table of dim=col_size). One row per device: device, table_ids, fwd/bwd compute and comm ms, total_ms (an
     empty device costs 0), plus hardware, backend, comm_source, row_scale."""
     cfg = make_config(backend=backend, device=device, batch_size=batch_size, warmup=warmup, iterations=iterations,
                       max_shard_gb=max_shard_gb, timer=timer, seed=seed, out=out, comm_ranks=comm_ranks,
-                      comm_bandwidth_gbps=comm_bandwidth_gbps, comm_latency_us=comm_latency_us)
+                      comm_bandwidth_gbps=comm_bandwidth_gbps, comm_latency_us=comm_latency_us,
+                      min_time_ms=min_time_ms, statistic=statistic)
     rows = []
     device_shards = placement.device_shards()
     busy = [d for d, shards in enumerate(device_shards) if shards]

@@ -1,9 +1,16 @@
-"""`embshard evaluate`: several planners on the same tasks, measured side by side with real kernels.
+"""`embshard evaluate`: several planners on the same tasks, measured side by side with real kernels: the ruler.
 
-Per task, every planner plans; then the placements are measured in an interleaved order (planner A, B, C, then
-again) so that machine noise hits all of them alike. A planner that cannot place a task is recorded as failed and
-counted as such in the summary (never dropped from the average). The lower bound is measured too: all of a
-task's tables as one fused shard and each table alone: per cost head the smaller of the two, over the device count.
+Per task every planner plans; the placements are then measured in R rounds (embshard.ruler: each distinct device
+shard once per round, in a fresh random order, with a freshly built operator; a placement's cost in a round is
+its slowest device). Planners are compared by paired per-round ratios (embshard.stats):
+- per task: the median ratio over rounds with a 95% bootstrap interval, against the best greedy baseline (chosen
+  on the rounds not used for the ratio: no winner's curse), against each other baseline, and against TorchRec;
+- per planner over the tasks: the median of task ratios with an interval (bootstrap over tasks and rounds) and a
+  Wilcoxon signed-rank p-value against 1.
+A planner named twice ("lookup_greedy,lookup_greedy") is measured as two entries whose shards are built and
+timed separately (an A/A test of the ruler: its ratio should be 1 within the noise floor). A planner that cannot
+place a task is recorded as failed and counted as such. The lower bound is measured too: all of a task's tables
+as one fused shard and each table alone: per cost head the smaller of the two, over the device count.
 """
 from __future__ import annotations
 
@@ -11,125 +18,251 @@ import argparse
 import logging
 import os
 import time
-from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from .. import schemas, storage
+from .. import schemas, stats, storage
 from ..bench.runner import MeasureSettings
 from ..errors import EmbshardError
 from ..placement import Placement
 from ..planners.baselines import BASELINES, GREEDY_BASELINES
+from ..ruler import DEFAULT_ROUNDS, Entry, distinct_shards, measure_rounds
 from ..tableset import TableSet
 from ..types import load_tasks
 
 log = logging.getLogger(__name__)
+PLANNER_NAMES = "learned, learned@ALIAS, learned/VERSION, policy_only, " + ", ".join(BASELINES) + \
+    ", torchrec_table_wise, torchrec_full"
 
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", required=True, help="tables.parquet")
     p.add_argument("--tasks", required=True, help="tasks.parquet")
     p.add_argument("--planners", default=",".join(["learned", *BASELINES]),
-                   help="comma-separated planner names (learned, learned@ALIAS, policy_only, baselines, "
-                        "torchrec_table_wise, torchrec_full)")
+                   help=f"comma-separated planner names, each one of: {PLANNER_NAMES}. A name given twice is "
+                        "measured as two separate entries (an A/A test of the ruler)")
     p.add_argument("--split", default="test", help="which tasks: test (default), train or all")
     p.add_argument("--max-tasks", type=int, default=None, help="evaluate at most this many tasks")
-    p.add_argument("--repeats", type=int, default=1, help="measure every placement this many times (median)")
+    p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                   help=f"measuring rounds (default {DEFAULT_ROUNDS}): each measures every distinct device shard "
+                        "once, in a fresh random order")
     p.add_argument("--batch-size", type=int, default=None, help="benchmark batch size (default: the bench's)")
-    p.add_argument("--out", required=True, help="output folder: evaluation.parquet, placements, plot")
+    p.add_argument("--timer", default="auto", choices=["auto", "wall", "thread_cpu"],
+                   help="CPU clock (auto: thread CPU time at 1 thread)")
+    p.add_argument("--statistic", default="median", choices=["median", "min"],
+                   help="of a shard's timed iterations within a round (median, or min-of-k)")
+    p.add_argument("--out", required=True, help="output folder: evaluation.parquet, ratios.parquet, plot")
 
 
 def main(args) -> int:
     res = run(args.tables, args.tasks, args.out, planners=[p for p in args.planners.split(",") if p],
-              split=args.split, max_tasks=args.max_tasks, repeats=args.repeats,
-              settings=MeasureSettings(batch_size=args.batch_size or None))
+              split=args.split, max_tasks=args.max_tasks, rounds=args.rounds,
+              settings=MeasureSettings(batch_size=args.batch_size or None, timer=args.timer,
+                                       statistic=args.statistic))
     print(res["summary_text"])
-    print(f"wrote {res['evaluation']} and {res['plot']}")
+    print(f"wrote {res['evaluation']}, {res['ratios']} and {res['plot']}")
     return 0
 
 
+def entry_labels(planners: list[str]) -> list[tuple[str, str, str]]:
+    """(label, planner name, namespace) per requested entry: repeats of a name become "name#2", "name#3", ... in a
+    namespace of their own (their shards are never shared with the first)."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in planners:
+        seen[name] = seen.get(name, 0) + 1
+        k = seen[name]
+        out.append((name if k == 1 else f"{name}#{k}", name, "" if k == 1 else f"#{k}"))
+    return out
+
+
+def check_planner_names(planners: list[str]) -> None:
+    from ..planners import LEARNED, POLICY_ONLY
+
+    known = set(BASELINES) | {"torchrec_table_wise", "torchrec_full"}
+    for name in planners:
+        if name in known or name.startswith(LEARNED) or name.startswith(POLICY_ONLY):
+            continue
+        raise EmbshardError(f"unknown planner {name!r}", field="planners", fix=f"use names from: {PLANNER_NAMES}")
+
+
 def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = "test",
-        max_tasks: int | None = None, repeats: int = 1, settings: MeasureSettings | None = None,
-        planner_kw: dict | None = None, progress: bool = True) -> dict:
+        max_tasks: int | None = None, rounds: int = DEFAULT_ROUNDS, settings: MeasureSettings | None = None,
+        planner_kw: dict | None = None, progress: bool = True, seed: int = 0) -> dict:
     from tqdm import tqdm
 
-    from ..bench import measure_placement
     from ..planners import get_planner
+    from ..planners.base import check_feasible
 
     if not planners:
         raise EmbshardError("no planners given", field="planners", fix="e.g. --planners learned,size_lookup_greedy")
+    if int(rounds) < 1:
+        raise EmbshardError(f"{rounds} rounds", field="rounds", fix="measure at least 1 round (5 or more to compare)")
+    check_planner_names(planners)
     task_list = load_tasks(tables, tasks, split, limit=max_tasks)
     # A task that no planner can place is bad input, not a failed planner: refuse before measuring anything.
-    from ..planners.base import check_feasible
-
     for t in task_list:
         check_feasible(t.tables, t.num_devices, t.memory_bytes_per_device, f"{os.fspath(tasks)} (task {t.task_id})")
-    bench_kw = (settings or MeasureSettings()).kwargs()
-    planner_objs = {name: get_planner(name, **(planner_kw or {}).get(name, {})) for name in planners}
-    rows, placements = [], []
-    bar = tqdm(total=len(task_list) * (len(planners) + 1) * repeats, desc="evaluate (measured)",
-               disable=not progress)
+    settings = settings or MeasureSettings()
+    bench_kw = settings.kwargs()
+    labels = entry_labels(planners)
+    planner_objs = {name: get_planner(name, **(planner_kw or {}).get(name, {})) for name in dict.fromkeys(planners)}
+    rows, placements, ratio_rows = [], [], []
+    round_costs: dict[str, dict[str, list[float]]] = {}
+    t_start = time.perf_counter()
+    shard_measurements = 0
+    bar = tqdm(total=len(task_list), desc="evaluate (measured rounds)", unit="task", disable=not progress)
     for t in task_list:
-        sub = t.tables
-        D, mem = t.num_devices, t.memory_bytes_per_device
+        sub, D, mem = t.tables, t.num_devices, t.memory_bytes_per_device
         planned: dict[str, Placement] = {}
-        for name, planner in planner_objs.items():
-            row: dict[str, Any] = {"task_id": t.task_id, "planner": name, "num_tables": len(sub), "num_devices": D,
-                   "memory_bytes_per_device": mem, "feasible": False, "error": None}
+        task_rows = []
+        for label, name, ns in labels:
+            row = {"task_id": t.task_id, "planner": label, "num_tables": len(sub), "num_devices": D,
+                   "memory_bytes_per_device": mem, "feasible": False, "error": None, "rounds": int(rounds)}
             t0 = time.perf_counter()
             try:
-                planned[name] = planner.plan_task(t)
+                planned[label] = planner_objs[name].plan_task(t)
                 row["feasible"] = True
             except EmbshardError as exc:
                 row["error"] = str(exc)
             row["planning_time_s"] = time.perf_counter() - t0
-            rows.append(row)
-        # Interleaved measurement: every repeat measures each planner's placement once, in turn.
-        measured: dict[str, list[pd.DataFrame]] = {name: [] for name in planned}
-        lb_samples = []
+            task_rows.append(row)
+        entries = [Entry(label, planned[label], ns) for label, _, ns in labels if label in planned]
+        costs, device_costs = measure_rounds(entries, int(rounds), settings, seed=seed) if entries else (
+            np.zeros((0, int(rounds))), np.zeros((0, D, int(rounds))))
+        shard_measurements += distinct_shards(entries) * int(rounds) if entries else 0
+        by_label = {e.label: costs[j] for j, e in enumerate(entries)}
+        round_costs[t.task_id] = {k: [float(x) for x in v] for k, v in by_label.items()}
+        # The lower bound (once per task): each table alone, and all tables fused on one device.
         singles = measured_singles(sub, D, bench_kw)
-        for _ in range(repeats):
-            lb_samples.append(measured_lower_bound(sub, D, singles, bench_kw, t.task_id))
-            bar.update(1)
-            for name, pl in planned.items():
-                measured[name].append(measure_placement(pl, **bench_kw))
-                bar.update(1)
-        # Table-wise plans also owe the largest single table; column-wise splits can go below it.
-        lb_split = float(np.median(lb_samples))
+        lb_split = measured_lower_bound(sub, D, singles, bench_kw, t.task_id)
         lb_table = max(lb_split, float(singles.sum(1).max()))
-        for row in rows[-len(planner_objs):]:
-            name = row["planner"]
-            splits = name in planned and any(s.col_size is not None for s in planned[name].shards)
-            row["lower_bound_ms"] = lb_split if splits else lb_table
-            if name not in planned:
-                row["measured_cost_ms"] = np.nan
-                continue
-            per_dev = _median_device_totals(measured[name], D)
-            row["measured_cost_ms"] = float(per_dev.max())
+        # Comparators: the greedy baselines measured here (first entries of their names) and TorchRec's plans.
+        greedy = {lbl: by_label[lbl] for lbl, name, ns in labels if name in GREEDY_BASELINES and not ns
+                  and lbl in by_label}
+        torchrec = {lbl: by_label[lbl] for lbl, name, ns in labels if name.startswith("torchrec") and not ns
+                    and lbl in by_label}
+        best_cost, best_names = stats.held_out_best(greedy) if greedy else (None, [])
+        tr_cost = stats.held_out_best(torchrec)[0] if torchrec else None
+        for j, e in enumerate(entries):
+            row = next(r for r in task_rows if r["planner"] == e.label)
+            c = costs[j]
+            med, lo, hi = stats.median_ci(c)
+            row.update(measured_cost_ms=med, cost_ci_low=lo, cost_ci_high=hi, round_costs_ms=[float(x) for x in c])
+            per_dev = np.median(device_costs[j, :e.placement.num_devices], axis=1)
             row["measured_imbalance"] = float(per_dev.max() / max(per_dev.mean(), 1e-12))
-            pl = planned[name]
-            row["column_splits"] = int(sum(s.col_size is not None for s in pl.shards))
-            pred = _predicted(planner_objs[name], pl)
+            splits = any(s.col_size is not None for s in e.placement.shards)
+            row["column_splits"] = int(sum(s.col_size is not None for s in e.placement.shards))
+            bound = lb_split if splits else lb_table
+            row["lower_bound_ms"] = bound
+            row["gap_to_lower_bound"] = med / bound - 1.0
+            pred = _predicted(planner_objs[e.label.split("#")[0]], e.placement)
             row["predicted_cost_ms"] = float(pred.max()) if pred is not None else np.nan
-            frame = pl.to_frame(pred)
+            if best_cost is not None:
+                r_med, r_lo, r_hi = stats.median_ci(c / best_cost)
+                row.update(best_baseline=max(set(best_names), key=best_names.count), ratio_to_best_baseline=r_med,
+                           ratio_ci_low=r_lo, ratio_ci_high=r_hi, ratios_to_best_baseline=[float(x) for x in
+                                                                                          c / best_cost])
+            if tr_cost is not None:
+                row["ratio_to_torchrec"] = stats.median_ci(c / tr_cost)[0]
+            # Paired ratios to every other entry that is a baseline (and to the first of a repeated name: A/A).
+            for k, other in enumerate(entries):
+                base = other.label.split("#")[0]
+                if other.label == e.label or not (base in BASELINES or base.startswith("torchrec") or
+                                                  e.label.split("#")[0] == base):
+                    continue
+                m, lo2, hi2 = stats.median_ci(c / costs[k])
+                ratio_rows.append({"task_id": t.task_id, "planner": e.label, "versus": other.label,
+                                   "median_ratio": m, "ci_low": lo2, "ci_high": hi2, "rounds": int(rounds),
+                                   "round_ratios": [float(x) for x in c / costs[k]]})
+            frame = e.placement.to_frame(pred)
             frame["measured_cost_ms"] = [float(per_dev[d]) for d in frame["device"]]
             placements.append(frame)
+        rows += task_rows
+        bar.update(1)
     bar.close()
+    wall = time.perf_counter() - t_start
     df = pd.DataFrame(rows)
-    df = add_ratios(df)
+    for col in ("measured_cost_ms", "ratio_to_best_baseline", "ratio_ci_low", "ratio_ci_high", "ratio_to_torchrec",
+                "best_baseline", "gap_to_lower_bound"):
+        if col not in df.columns:
+            df[col] = np.nan
+    ratios = pd.DataFrame(ratio_rows, columns=["task_id", "planner", "versus", "median_ratio", "ci_low", "ci_high",
+                                               "rounds", "round_ratios"])
+    summary = summarize(df, ratios)
     with storage.staged_dir(out) as stage:  # every output or none
         _write_parquet(df, os.path.join(stage, "evaluation.parquet"))
+        _write_parquet(ratios, os.path.join(stage, "ratios.parquet"))
         if placements:
             schemas.write(pd.concat(placements, ignore_index=True), os.path.join(stage, "placements.parquet"),
                           "placements")
         plot_evaluation(df, os.path.join(stage, "evaluation.png"))
     eval_path = storage.join(out, "evaluation.parquet")
     plot_path = storage.join(out, "evaluation.png")
-    summary = summarize(df)
     _log_to_mlflow(df, summary, plot_path)
-    return {"evaluation": eval_path, "plot": plot_path, "frame": df, "summary": summary,
-            "summary_text": format_summary(summary)}
+    return {"evaluation": eval_path, "ratios": storage.join(out, "ratios.parquet"), "plot": plot_path, "frame": df,
+            "ratio_frame": ratios, "summary": summary, "summary_text": format_summary(summary, int(rounds)),
+            "round_costs": round_costs, "rounds": int(rounds), "wall_s": wall,
+            "shard_measurements": shard_measurements}
+
+
+def summarize(df: pd.DataFrame, ratios: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Per planner: tasks, failures, the median over tasks of the ratio to the best baseline with its interval
+    (bootstrap over tasks and rounds) and Wilcoxon p, the worst task, the ratio to TorchRec, the median gap."""
+    out = []
+    for name, g in df.groupby("planner", sort=False):
+        per_task = [np.asarray(v, dtype=float) for v in g.get("ratios_to_best_baseline", pd.Series(dtype=object))
+                    if isinstance(v, (list, np.ndarray)) and len(v)]
+        med, lo, hi = stats.suite_ci(per_task) if per_task else (np.nan, np.nan, np.nan)
+        out.append({"planner": name, "tasks": len(g), "failed": int((~g["feasible"].astype(bool)).sum()),
+                    "median_ms": g["measured_cost_ms"].median(),
+                    "median_ratio_best_baseline": med, "ci_low": lo, "ci_high": hi,
+                    "wilcoxon_p": stats.wilcoxon_p(g["ratio_to_best_baseline"].dropna()),
+                    "worst_ratio_best_baseline": g["ratio_to_best_baseline"].max(),
+                    "median_ratio_torchrec": g["ratio_to_torchrec"].median(),
+                    "median_gap_lower_bound": g["gap_to_lower_bound"].median(),
+                    "median_planning_s": g["planning_time_s"].median()})
+    return pd.DataFrame(out).set_index("planner")
+
+
+def format_summary(summary: pd.DataFrame, rounds: int = 1) -> str:
+    with pd.option_context("display.width", 180, "display.max_columns", 20, "display.float_format", "{:.3f}".format):
+        return (f"measured cost per planner over {rounds} round(s) (ratios: lower is better; [ci_low, ci_high] is "
+                "the 95% interval of the median; failed = tasks it could not place)\n" + summary.to_string())
+
+
+def plot_evaluation(df: pd.DataFrame, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    planners = list(dict.fromkeys(df["planner"]))
+    tasks = list(dict.fromkeys(df["task_id"]))
+    fig, ax = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [3, 1]})
+    width = 0.8 / max(len(planners), 1)
+    for k, name in enumerate(planners):
+        sub = df[df["planner"] == name].set_index("task_id").reindex(tasks)
+        mid = sub["ratio_to_best_baseline"].to_numpy(dtype=float)
+        err = np.vstack([mid - sub["ratio_ci_low"].to_numpy(dtype=float),
+                         sub["ratio_ci_high"].to_numpy(dtype=float) - mid])
+        ax[0].bar(np.arange(len(tasks)) + k * width, np.nan_to_num(mid), width, label=name,
+                  yerr=np.nan_to_num(np.clip(err, 0, None)), capsize=2, error_kw={"lw": 0.8})
+    ax[0].axhline(1.0, color="black", lw=0.8, ls="--")
+    ax[0].set_xticks(np.arange(len(tasks)) + 0.4 - width / 2)
+    ax[0].set_xticklabels(tasks, rotation=60, fontsize=7)
+    ax[0].set_ylabel("measured cost / best greedy baseline\n(median over rounds, 95% interval)")
+    ax[0].legend(fontsize=7, ncol=3)
+    data = [df[df["planner"] == n]["gap_to_lower_bound"].dropna() * 100 for n in planners]
+    ax[1].boxplot(data, tick_labels=planners, vert=True)
+    ax[1].tick_params(axis="x", rotation=70, labelsize=7)
+    ax[1].set_ylabel("gap to lower bound (%)")
+    fig.suptitle("embshard evaluation: measured with real kernels, side by side, in rounds")
+    fig.tight_layout()
+    with storage.atomic_write(path) as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)
 
 
 HEAD_COLUMNS = (["fwd_compute_ms"], ["bwd_compute_ms"], ["fwd_comm_ms", "bwd_comm_ms"])
@@ -167,13 +300,6 @@ def measured_lower_bound(tables: TableSet, num_devices: int, singles: np.ndarray
     return float(np.minimum(fused_heads, singles.sum(0)).sum()) / num_devices
 
 
-def _median_device_totals(frames: list[pd.DataFrame], D: int) -> np.ndarray:
-    stack = np.zeros((len(frames), D))
-    for k, f in enumerate(frames):
-        stack[k, f["device"].to_numpy(dtype=int)] = f["total_ms"].to_numpy(dtype=float)
-    return np.median(stack, axis=0)
-
-
 def _predicted(planner, placement: Placement):
     model = getattr(planner, "cost_model", None)
     if model is None:
@@ -181,69 +307,6 @@ def _predicted(planner, placement: Placement):
     from ..planners.scoring import placement_costs
 
     return placement_costs(model, placement)
-
-
-def add_ratios(df: pd.DataFrame) -> pd.DataFrame:
-    """Per task: ratio of each planner's measured cost to the best greedy baseline's and to TorchRec's."""
-    df = df.copy()
-    best = (df[df["planner"].isin(GREEDY_BASELINES)].groupby("task_id")["measured_cost_ms"].min())
-    df["best_baseline_ms"] = df["task_id"].map(best)
-    df["ratio_to_best_baseline"] = df["measured_cost_ms"] / df["best_baseline_ms"]
-    tr = df[df["planner"].str.startswith("torchrec")].groupby("task_id")["measured_cost_ms"].min()
-    df["ratio_to_torchrec"] = df["measured_cost_ms"] / df["task_id"].map(tr)
-    df["gap_to_lower_bound"] = df["measured_cost_ms"] / df["lower_bound_ms"] - 1.0
-    return df
-
-
-def summarize(df: pd.DataFrame) -> pd.DataFrame:
-    """Per planner: tasks, failures, median/worst ratio to the best baseline and to TorchRec, median gap."""
-    g = df.groupby("planner", sort=False)
-    out = pd.DataFrame({
-        "tasks": g.size(),
-        "failed": g["feasible"].apply(lambda s: int((~s.astype(bool)).sum())),
-        "median_ms": g["measured_cost_ms"].median(),
-        "median_ratio_best_baseline": g["ratio_to_best_baseline"].median(),
-        "worst_ratio_best_baseline": g["ratio_to_best_baseline"].max(),
-        "median_ratio_torchrec": g["ratio_to_torchrec"].median(),
-        "median_gap_lower_bound": g["gap_to_lower_bound"].median(),
-        "median_planning_s": g["planning_time_s"].median(),
-    })
-    return out
-
-
-def format_summary(summary: pd.DataFrame) -> str:
-    with pd.option_context("display.width", 160, "display.max_columns", 20, "display.float_format", "{:.3f}".format):
-        return "measured cost per planner (ratios: lower is better; failed = tasks it could not place)\n" + \
-            summary.to_string()
-
-
-def plot_evaluation(df: pd.DataFrame, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    planners = list(dict.fromkeys(df["planner"]))
-    tasks = list(dict.fromkeys(df["task_id"]))
-    fig, ax = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [3, 1]})
-    width = 0.8 / max(len(planners), 1)
-    for k, name in enumerate(planners):
-        sub = df[df["planner"] == name].set_index("task_id").reindex(tasks)
-        ax[0].bar(np.arange(len(tasks)) + k * width, sub["ratio_to_best_baseline"].fillna(0), width, label=name)
-    ax[0].axhline(1.0, color="black", lw=0.8, ls="--")
-    ax[0].set_xticks(np.arange(len(tasks)) + 0.4 - width / 2)
-    ax[0].set_xticklabels(tasks, rotation=60, fontsize=7)
-    ax[0].set_ylabel("measured cost / best greedy baseline")
-    ax[0].legend(fontsize=7, ncol=3)
-    data = [df[df["planner"] == n]["gap_to_lower_bound"].dropna() * 100 for n in planners]
-    ax[1].boxplot(data, tick_labels=planners, vert=True)
-    ax[1].tick_params(axis="x", rotation=70, labelsize=7)
-    ax[1].set_ylabel("gap to lower bound (%)")
-    fig.suptitle("embshard evaluation: measured with real kernels, side by side")
-    fig.tight_layout()
-    with storage.atomic_write(path) as f:
-        fig.savefig(f, format="png", dpi=110)
-    plt.close(fig)
 
 
 def _write_parquet(df: pd.DataFrame, path: str) -> None:

@@ -1,9 +1,16 @@
-"""Promotion in the MLflow registry: the candidate planner against the champion and the baselines, measured.
+"""Promotion in the MLflow registry: the candidate planner against the champion and the baselines, measured with
+the ruler (jobs.evaluate: R rounds, paired per-round ratios, intervals).
 
-The alias `champion` of embshard-policy moves to the candidate only when its measured cost on held-out tasks
-beats the champion's by the configured margin (median over tasks of candidate / champion <= 1 - margin), or
-when there is no champion yet. Otherwise the candidate gets `challenger` and the champion stays. The cost
-model the candidate was trained against follows it. The decision and its numbers are logged in MLflow.
+The gate, on the median over held-out tasks of the per-task ratios (95% interval: bootstrap over tasks and rounds):
+- a candidate that failed to place a task, or that is measurably slower than the best greedy baseline (the whole
+  interval of candidate / best baseline above 1), is never promoted: it becomes `challenger`, with or without a
+  champion;
+- with a champion: `champion` moves to the candidate only when the whole interval of candidate / champion lies
+  below 1 - margin; when it lies above, the candidate is not better (challenger); when it straddles, the decision is
+  "undecided" (challenger: the measurement cannot tell, and a guess would move the champion by noise);
+- without a champion, a candidate that is not measurably slower than the best baseline becomes the first champion.
+The cost model the candidate was trained against follows it. decision.json records the intervals, p-values, rounds
+and tasks; the decision and its numbers are logged in MLflow.
 """
 from __future__ import annotations
 
@@ -13,17 +20,65 @@ from typing import Any
 
 import numpy as np
 
-from .. import registry, storage
+from .. import registry, stats, storage
 from ..bench.runner import MeasureSettings
 from ..policy.model import REGISTERED_NAME as POLICY
+from ..ruler import DEFAULT_ROUNDS
 
 log = logging.getLogger(__name__)
 COST = registry.COST_MODEL
 
 
+def _compare(round_costs: dict, a: str, b: str | None, best_baseline: bool = False) -> dict:
+    """Suite comparison of entry `a` against entry `b` (or, with best_baseline, against each task's best greedy
+    baseline chosen on held-out rounds): median, interval, Wilcoxon p, tasks."""
+    from ..planners.baselines import GREEDY_BASELINES
+
+    per_task = []
+    for task, costs in round_costs.items():
+        if a not in costs:
+            continue
+        if best_baseline:
+            greedy = {k: np.asarray(v) for k, v in costs.items() if k in GREEDY_BASELINES}
+            if not greedy:
+                continue
+            ref = stats.held_out_best(greedy)[0]
+        elif b in costs:
+            ref = np.asarray(costs[b])
+        else:
+            continue
+        per_task.append(np.asarray(costs[a]) / ref)
+    med, lo, hi = stats.suite_ci(per_task)
+    task_medians = [float(np.exp(np.median(np.log(r)))) for r in per_task]
+    return {"median": med, "ci_low": lo, "ci_high": hi, "wilcoxon_p": stats.wilcoxon_p(task_medians),
+            "tasks": len(per_task), "task_medians": task_medians}
+
+
+def decide(vs_champion: dict | None, vs_baseline: dict, margin: float, failed: bool) -> tuple[str, str]:
+    """(verdict, reason): verdict "promoted", "challenger" or "undecided"."""
+    def fmt(c: dict) -> str:
+        return f"{c['median']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}] over {c['tasks']} tasks"
+
+    if failed:
+        return "challenger", "the candidate failed to place some tasks"
+    if np.isfinite(vs_baseline["ci_low"]) and vs_baseline["ci_low"] > 1.0:
+        return "challenger", f"measurably slower than the best baseline: {fmt(vs_baseline)}"
+    if vs_champion is None:
+        return "promoted", f"no champion yet, and not measurably slower than the best baseline ({fmt(vs_baseline)})"
+    if not (np.isfinite(vs_champion["ci_low"]) and np.isfinite(vs_champion["ci_high"])):
+        return "undecided", f"too few tasks or rounds for an interval against the champion ({fmt(vs_champion)})"
+    if vs_champion["ci_high"] < 1.0 - margin:
+        return "promoted", f"faster than the champion by more than {margin:.1%}: {fmt(vs_champion)}"
+    if vs_champion["ci_low"] > 1.0 - margin:
+        return "challenger", f"not faster than the champion by {margin:.1%}: {fmt(vs_champion)}"
+    return "undecided", (f"the interval against the champion straddles {1 - margin:.3f}: {fmt(vs_champion)}; "
+                         "measure more tasks or rounds to decide")
+
+
 def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version: str, cost_model_uri: str,
                          baselines: list[str], max_tasks: int | None = None, margin: float = 0.01,
-                         settings: MeasureSettings | None = None, split: str = "test") -> dict:
+                         settings: MeasureSettings | None = None, split: str = "test",
+                         rounds: int = DEFAULT_ROUNDS) -> dict:
     import mlflow
 
     from .evaluate import run as evaluate
@@ -38,44 +93,44 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
         planners.append(champ_name)
     planners += baselines
     with registry.start_run(run_name="evaluate-and-promote"):
-        res = evaluate(tables, tasks, out, planners=planners, split=split, max_tasks=max_tasks, settings=settings)
+        res = evaluate(tables, tasks, out, planners=planners, split=split, max_tasks=max_tasks, settings=settings,
+                       rounds=rounds)
         df = res["frame"]
-        cand = df[df["planner"] == cand_name].set_index("task_id")["measured_cost_ms"]
-        decision: dict[str, Any] = {"candidate_version": str(candidate_version), "margin": margin,
-                    "champion_version_before": None if champion is None else str(champion.version),
-                    "candidate_median_ratio_best_baseline": float(
-                        df[df["planner"] == cand_name]["ratio_to_best_baseline"].median())}
-        if champ_name is not None:
-            champ = df[df["planner"] == champ_name].set_index("task_id")["measured_cost_ms"]
-            rel = (cand / champ).dropna()
-            decision["candidate_over_champion_median"] = float(rel.median()) if len(rel) else float("nan")
-            promote = bool(len(rel)) and rel.median() <= 1.0 - margin and cand.notna().all()
-        else:
-            promote = bool(cand.notna().all())
-            decision["candidate_over_champion_median"] = None
-        if not cand.notna().all():
-            decision["reason"] = "the candidate failed to place some tasks"
-        decision["promoted"] = bool(promote)
+        cand = df[df["planner"] == cand_name]
+        failed = not cand["feasible"].astype(bool).all()
+        vs_baseline = _compare(res["round_costs"], cand_name, None, best_baseline=True)
+        vs_champion = _compare(res["round_costs"], cand_name, champ_name) if champ_name else None
+        verdict, reason = decide(vs_champion, vs_baseline, margin, failed)
+        promote = verdict == "promoted"
+        decision: dict[str, Any] = {
+            "candidate_version": str(candidate_version), "margin": margin, "verdict": verdict, "reason": reason,
+            "promoted": promote, "rounds": res["rounds"], "tasks": int(df["task_id"].nunique()),
+            "champion_version_before": None if champion is None else str(champion.version),
+            "candidate_median_ratio_best_baseline": vs_baseline["median"],
+            "candidate_vs_best_baseline": vs_baseline,
+            "candidate_over_champion_median": None if vs_champion is None else vs_champion["median"],
+            "candidate_vs_champion": vs_champion}
         if promote:
             registry.set_alias(POLICY, "champion", candidate_version)
             _follow_cost_model(candidate_version, "champion")
-            decision.setdefault("reason", "no champion yet" if champ_name is None and champion is None
-                                else f"beats the champion by >= {margin:.1%}")
         else:
             registry.set_alias(POLICY, "challenger", candidate_version)
             _follow_cost_model(candidate_version, "challenger")
-            decision.setdefault("reason", f"not better than the champion by {margin:.1%}")
-        decision["champion_version_after"] = str(registry.version_for_alias(POLICY, "champion").version) \
-            if registry.version_for_alias(POLICY, "champion") is not None else None
-        mlflow.log_params({"candidate_version": candidate_version, "margin": margin,
+        after = registry.version_for_alias(POLICY, "champion")
+        decision["champion_version_after"] = str(after.version) if after is not None else None
+        mlflow.log_params({"candidate_version": candidate_version, "margin": margin, "rounds": res["rounds"],
                            "champion_before": decision["champion_version_before"]})
-        mlflow.log_metrics({k: v for k, v in decision.items() if isinstance(v, float) and np.isfinite(v)})
-        mlflow.log_metric("promoted", float(decision["promoted"]))
-        mlflow.set_tags({"decision": "promoted" if promote else "challenger", "reason": decision["reason"]})
-        mlflow.log_artifact(res["evaluation"]) if "://" not in res["evaluation"] else None
-        storage.write_text(storage.join(out, "decision.json"), json.dumps(decision, indent=1))
+        for key, comp in (("vs_best_baseline", vs_baseline), ("vs_champion", vs_champion)):
+            for k in ("median", "ci_low", "ci_high", "wilcoxon_p"):
+                if comp is not None and np.isfinite(comp[k]):
+                    mlflow.log_metric(f"candidate_{key}_{k}", float(comp[k]))
+        mlflow.log_metric("promoted", float(promote))
+        mlflow.set_tags({"decision": verdict, "reason": reason[:250]})
+        if "://" not in res["evaluation"]:
+            mlflow.log_artifact(res["evaluation"])
+        storage.write_text(storage.join(out, "decision.json"), json.dumps(decision, indent=1, default=float))
         decision["summary"] = res["summary_text"]
-    log.info("promotion: %s", decision)
+    log.info("promotion: %s (%s)", verdict, reason)
     return decision
 
 

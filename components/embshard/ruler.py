@@ -1,0 +1,94 @@
+"""The ruler: measuring several placements of one task side by side, in rounds, so that their ratios can be trusted.
+
+- A placement is split into device shards. A shard's key is its tables with their column slices and the device
+  count (the all-to-all it pays); the batch and every other setting are the run's. Entries whose shards have the
+  same key share one measurement per round, except the repeats of one planner (an A/A test: "x" and "x#2"),
+  which live in their own namespace so that their shards are built and timed separately.
+- R rounds. Each round measures every distinct shard once, in a fresh seeded random order (drift over a round
+  then spreads over all entries instead of biasing the ones measured last), each time with a freshly built
+  operator and freshly made inputs.
+- Per round, an entry's cost is the max over its devices of compute + communication; entries are then compared
+  by paired per-round ratios (stats.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .bench.runner import MeasureSettings, close_config, measure_shard
+from .placement import Placement
+
+DEFAULT_ROUNDS = 5
+# Timed work per shard and round on a CPU: the 300 ms of a single measurement spread over the rounds (each round
+# rebuilds the operator, so its timing is as independent as the rounds are).
+ROUND_MIN_TIME_MS = {"cpu": 60.0, "cuda": 20.0}
+
+
+@dataclass
+class Entry:
+    """A labelled placement to measure. `namespace` separates repeats of one planner (A/A)."""
+    label: str
+    placement: Placement
+    namespace: str = ""
+
+
+def shard_keys(entry: Entry) -> list[tuple | None]:
+    """One key per device (None for an empty device)."""
+    pl = entry.placement
+    keys: list[tuple | None] = []
+    for shards in pl.device_shards():
+        if not shards:
+            keys.append(None)
+            continue
+        tables = tuple(sorted((str(pl.tables.table_ids[s.table]), s.col_offset or 0, s.col_size or -1)
+                              for s in shards))
+        keys.append((entry.namespace, pl.num_devices, tables))
+    return keys
+
+
+def measure_rounds(entries: list[Entry], rounds: int, settings: MeasureSettings | None = None, seed: int = 0,
+                   on_shard=None) -> tuple[np.ndarray, np.ndarray]:
+    """Measure `entries` (placements of one task) in `rounds` rounds. Returns (costs (E, R): each entry's max
+    device cost per round, device_costs (E, D, R)). `on_shard()` is called after each shard (progress)."""
+    settings = settings or MeasureSettings()
+    if settings.min_time_ms is None:
+        kind = "cpu" if settings.device == "cpu" else "cuda"
+        settings = MeasureSettings(**{**settings.__dict__, "min_time_ms": ROUND_MIN_TIME_MS[kind]})
+    per_entry = [shard_keys(e) for e in entries]
+    # One representative (placement, device) per distinct key, measured once per round.
+    where: dict[tuple, tuple[Placement, int]] = {}
+    for e, keys in zip(entries, per_entry):
+        for d, k in enumerate(keys):
+            if k is not None and k not in where:
+                where[k] = (e.placement, d)
+    distinct = list(where)
+    D = max(e.placement.num_devices for e in entries)
+    costs = np.zeros((len(entries), rounds))
+    device_costs = np.zeros((len(entries), D, rounds))
+    cfg = settings.config()
+    try:
+        for r in range(rounds):
+            order = np.random.default_rng([seed, r]).permutation(len(distinct))
+            total: dict[tuple, float] = {}
+            for i in order:
+                key = distinct[i]
+                pl, d = where[key]
+                shards = pl.device_shards()[d]
+                m = measure_shard(pl.tables, [s.table for s in shards], cfg, num_devices=pl.num_devices,
+                                  col_sizes=[s.col_size for s in shards], where=f"{pl.task_id}/device {d}")
+                total[key] = m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"]
+                if on_shard is not None:
+                    on_shard()
+            for j, keys in enumerate(per_entry):
+                for d, k in enumerate(keys):
+                    device_costs[j, d, r] = 0.0 if k is None else total[k]
+                costs[j, r] = device_costs[j, :, r].max()
+    finally:
+        close_config(cfg)
+    return costs, device_costs
+
+
+def distinct_shards(entries: list[Entry]) -> int:
+    """How many shard measurements one round takes (the cost of a round)."""
+    return len({k for e in entries for k in shard_keys(e) if k is not None})

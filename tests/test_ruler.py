@@ -1,0 +1,84 @@
+"""The ruler (embshard.ruler, jobs.evaluate with rounds): what is shared, what is measured apart, the statistics,
+and the A/A test (a planner named twice) on real FBGEMM measurements."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from embshard import stats
+from embshard.bench.runner import MeasureSettings
+from embshard.planners.baselines import make_baseline
+from embshard.ruler import Entry, distinct_shards, measure_rounds
+from embshard.tableset import TableSet
+
+SETTINGS = MeasureSettings(batch_size=256, iterations=10, warmup=2, comm_bandwidth_gbps=10.0, comm_latency_us=20.0,
+                           max_shard_gb=0.05)
+
+
+@pytest.fixture(scope="module")
+def tables(small_tables_df):
+    return TableSet.from_frame(small_tables_df).subset(np.arange(12))
+
+
+def test_identical_shards_are_measured_once_per_round_except_for_an_a_a_repeat(tables):
+    pl = make_baseline("lookup_greedy").plan(tables, 3, 2**40, "t")
+    same = make_baseline("lookup_greedy").plan(tables, 3, 2**40, "t")
+    other = make_baseline("round_robin").plan(tables, 3, 2**40, "t")
+    assert distinct_shards([Entry("a", pl), Entry("b", same)]) == 3  # two planners, same shards: shared
+    assert distinct_shards([Entry("a", pl), Entry("a#2", same, "#2")]) == 6  # A/A: built and timed apart
+    assert distinct_shards([Entry("a", pl), Entry("c", other)]) > 3
+
+
+def test_rounds_give_one_cost_per_entry_and_round_the_max_over_devices(tables):
+    pl = make_baseline("lookup_greedy").plan(tables, 3, 2**40, "t")
+    rr = make_baseline("round_robin").plan(tables, 3, 2**40, "t")
+    costs, dev = measure_rounds([Entry("a", pl), Entry("b", rr), Entry("a#2", pl, "#2")], 3, SETTINGS, seed=1)
+    assert costs.shape == (3, 3) and dev.shape == (3, 3, 3)
+    assert (costs > 0).all() and np.allclose(costs, dev.max(axis=1))
+    assert not np.allclose(costs[0], costs[2])  # the A/A copy was measured, not copied
+
+
+def test_statistics():
+    med, lo, hi = stats.median_ci([1.0, 1.02, 0.98, 1.01, 0.99])
+    assert lo <= med <= hi and lo < 1 < hi
+    med, lo, hi = stats.median_ci([1.2, 1.25, 1.22, 1.21, 1.3])
+    assert lo > 1.0
+    s_med, s_lo, s_hi = stats.suite_ci([np.full(5, 0.9), np.full(5, 0.95), np.full(5, 0.92)])
+    assert s_lo <= s_med <= s_hi < 1.0
+    assert stats.wilcoxon_p([0.9, 0.92, 0.95, 0.91, 0.93, 0.94]) < 0.05
+    assert np.isnan(stats.wilcoxon_p([1.0]))
+    # The comparator of round k is chosen on the other rounds: a baseline that is best only by a lucky round k
+    # is not the comparator of round k (no winner's curse).
+    cost, names = stats.held_out_best({"x": np.array([1.0, 10.0, 10.0]), "y": np.array([5.0, 5.0, 5.0])})
+    assert names == ["y", "y", "y"] and list(cost) == [5.0, 5.0, 5.0]
+
+
+def test_a_planner_named_twice_is_an_a_a_test(measured_world, tmp_path, capsys):
+    """`embshard evaluate --planners lookup_greedy,lookup_greedy`: two labelled entries, measured apart; their
+    ratio is reported per task with its interval, and the evaluation file carries the rounds."""
+    from embshard.cli import main
+
+    out = tmp_path / "aa"
+    assert main(["evaluate", "--tables", measured_world["tables"], "--tasks", measured_world["tasks"],
+                 "--planners", "lookup_greedy,lookup_greedy", "--rounds", "3", "--batch-size", "256",
+                 "--max-tasks", "1", "--out", str(out)]) == 0
+    ev = pd.read_parquet(out / "evaluation.parquet")
+    assert list(ev["planner"]) == ["lookup_greedy", "lookup_greedy#2"]
+    assert (ev["rounds"] == 3).all() and ev["round_costs_ms"].map(len).eq(3).all()
+    ratios = pd.read_parquet(out / "ratios.parquet")
+    aa = ratios[(ratios["planner"] == "lookup_greedy#2") & (ratios["versus"] == "lookup_greedy")].iloc[0]
+    assert aa["ci_low"] <= aa["median_ratio"] <= aa["ci_high"]
+    assert 0.8 < aa["median_ratio"] < 1.25  # the same plan: only noise between the two
+    assert (out / "evaluation.png").exists()
+
+
+def test_evaluate_help_lists_only_names_it_accepts(capsys):
+    from embshard.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["evaluate", "--help"])
+    text = capsys.readouterr().out
+    assert "baselines" not in text.replace("greedy baselines", "")
+    for name in ("learned@ALIAS", "policy_only", "lookup_greedy", "torchrec_full"):
+        assert name in text
