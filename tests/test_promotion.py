@@ -93,7 +93,7 @@ ROUNDS = 3
 
 def promote(world, tmp_path, candidate: str, margin: float = 0.01) -> dict:
     return evaluate_and_promote(world["tables"], world["tasks"], str(tmp_path / "evaluation"),
-                                candidate_version=candidate, cost_model_uri=f"models:/{COST}/1",
+                                candidate_version=candidate,
                                 baselines=BASELINES, max_tasks=2, margin=margin, settings=world["settings"],
                                 rounds=ROUNDS)
 

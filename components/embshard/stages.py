@@ -204,7 +204,7 @@ def evaluate_and_promote(root: str, params: dict) -> dict:
     p = merged(params)
     pol = _state(root, "policy")
     decision = promote(path(root, "tables"), path(root, "tasks"), path(root, "evaluation"),
-                       candidate_version=pol["version"], cost_model_uri=pol["cost_model_uri"],
+                       candidate_version=pol["version"],
                        baselines=[b for b in str(p["eval_planners"]).split(",") if b],
                        max_tasks=int(p["eval_tasks"]), margin=float(p["promotion_margin"]),
                        settings=measure_settings(root, p), rounds=int(p["eval_rounds"]))

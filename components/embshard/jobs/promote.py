@@ -75,7 +75,7 @@ def decide(vs_champion: dict | None, vs_baseline: dict, margin: float, failed: b
                          "measure more tasks or rounds to decide")
 
 
-def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version: str, cost_model_uri: str,
+def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version: str,
                          baselines: list[str], max_tasks: int | None = None, margin: float = 0.01,
                          settings: MeasureSettings | None = None, split: str = "test",
                          rounds: int = DEFAULT_ROUNDS) -> dict:
