@@ -7,8 +7,6 @@ from a registry without aliases and sets the one it needs.
 """
 from __future__ import annotations
 
-import os
-
 import pandas as pd
 import pytest
 
