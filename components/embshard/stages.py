@@ -212,11 +212,16 @@ def evaluate_and_promote(root: str, params: dict) -> dict:
 
 
 def export_placements(root: str, params: dict) -> dict:
+    from . import registry
     from .jobs.export import place_tasks
     from .jobs.export import run as export_run
     from .planners import get_planner
 
     p = merged(params)
+    registry.use(path(root, "export"))
+    if registry.version_for_alias(registry.POLICY_MODEL, registry.CHAMPION) is None:
+        # The gate kept every candidate so far from being champion: nothing a training job should load yet.
+        raise StageSkipped("no embshard-policy@champion yet (the candidate was not promoted: see the decision)")
     placements = place_tasks(path(root, "tables"), path(root, "tasks"), get_planner("learned@champion"),
                              _join(path(root, "export"), "planned.parquet"), split=p["export_tasks"])
     res = export_run(placements, path(root, "tables"), path(root, "export"), tasks=path(root, "tasks"))
@@ -268,7 +273,23 @@ def run_in_task(name: str, data_root: str, mlflow_uri: str, params: dict, *, run
         raise
     run_context.progress(f"  {label:<28} done in {time.perf_counter() - start:6.1f} s")
     print(report(name, result, root), flush=True)
-    return json.loads(json.dumps(result, default=str))
+    return _jsonable(result)
+
+
+def _jsonable(value):
+    """A stage result as an XCom: JSON values only (NaN and infinities, which JSON cannot hold, become null)."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    try:
+        return _jsonable(float(value))  # numpy scalars
+    except (TypeError, ValueError):
+        return str(value)
 
 
 def report(name: str, result: dict, root: str) -> str:
