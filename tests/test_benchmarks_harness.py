@@ -14,7 +14,10 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGES = ["ingest", "benchmark", "train_cost_model", "train_policy", "evaluate_and_promote", "export_placements"]
+STAGES = ["ingest", "sample_shards", "benchmark", "train_cost_model", "train_policy",
+          *[f"{step}_r{r}" for r in (2, 3) for step in ("measure_policy_plans", "refit_cost_model", "train_policy")],
+          "evaluate_and_promote", "export_placements"]
+SKIPPED_ROUND = [f"{step}_r3" for step in ("measure_policy_plans", "refit_cost_model", "train_policy")]  # rounds=2
 
 
 def _env() -> dict:
@@ -76,8 +79,11 @@ def test_quality_rows_are_real_measurements_of_every_planner(quick):
     assert (dg["ratio_to_best_baseline"] - 1.0).abs().max() < 1e-9
     tr = ok[ok["planner"] == "torchrec_table_wise"]
     assert (tr["ratio_to_torchrec"] - 1.0).abs().max() < 1e-9
+    # The ratio is the median of paired per-round ratios, inside its interval, and close to the ratio of medians.
+    assert (ok["ratio_ci_low"] <= ok["ratio_to_best_baseline"] + 1e-9).all()
+    assert (ok["ratio_to_best_baseline"] <= ok["ratio_ci_high"] + 1e-9).all()
     ratios = ok["measured_cost_ms"] / ok["best_baseline_ms"]
-    assert (ratios - ok["ratio_to_best_baseline"]).abs().max() < 1e-9
+    assert (ratios / ok["ratio_to_best_baseline"] - 1).abs().max() < 0.15
     text = (quick["out"] / "quality.md").read_text()
     assert "| learned |" in text and "torchrec_table_wise" in text
 
@@ -98,8 +104,9 @@ def test_planning_times_and_cost_model_pages(quick):
 def test_pipeline_stage_times_from_airflow(quick):
     st = pd.read_csv(quick["out"] / "raw" / "pipeline_stages.csv")
     assert list(st["stage"]) == STAGES
-    assert (st["state"] == "success").all()
-    assert (st["wall_s"] > 0).all()
+    skipped = st["stage"].isin(SKIPPED_ROUND)
+    assert (st.loc[~skipped, "state"] == "success").all() and (st.loc[skipped, "state"] == "skipped").all()
+    assert (st.loc[~skipped, "wall_s"] > 0).all()
     assert abs(st["share"].sum() - 1.0) < 1e-6
 
 
