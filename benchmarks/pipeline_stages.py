@@ -15,8 +15,9 @@ import pandas as pd
 
 from .common import md_table, progress
 
+OUTER_LOOP_STEPS = ("measure_policy_plans", "refit_cost_model", "train_policy")
 STAGE_ORDER = ["ingest", "sample_shards", "benchmark", "train_cost_model", "train_policy",
-               *[f"{step}_r{r}" for r in (2, 3) for step in ("measure_policy_plans", "refit_cost_model", "train_policy")],
+               *[f"{step}_r{r}" for r in (2, 3) for step in OUTER_LOOP_STEPS],
                "evaluate_and_promote", "export_placements"]
 # The embedded pipeline as the full harness runs it: the defaults, sized to leave the harness time for the rest.
 FULL_PARAMS = {"num_tables": 240, "num_tasks": 8, "tables_per_task": "20-60", "devices": 4, "memory_gb": 128.0,
