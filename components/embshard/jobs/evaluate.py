@@ -110,6 +110,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     planner_objs = {name: get_planner(name, **(planner_kw or {}).get(name, {})) for name in dict.fromkeys(planners)}
     rows, placements, ratio_rows = [], [], []
     round_costs: dict[str, dict[str, list[float]]] = {}
+    singles_cache: dict = {}
     t_start = time.perf_counter()
     shard_measurements = 0
     bar = tqdm(total=len(task_list), desc="evaluate (measured rounds)", unit="task", disable=not progress)
@@ -135,7 +136,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
         by_label = {e.label: costs[j] for j, e in enumerate(entries)}
         round_costs[t.task_id] = {k: [float(x) for x in v] for k, v in by_label.items()}
         # The lower bound (once per task): each table alone, and all tables fused on one device.
-        singles = measured_singles(sub, D, bench_kw)
+        singles = measured_singles(sub, D, bench_kw, singles_cache)
         lb_split = measured_lower_bound(sub, D, singles, bench_kw, t.task_id)
         lb_table = max(lb_split, float(singles.sum(1).max()))
         # Comparators: the greedy baselines measured here (first entries of their names) and TorchRec's plans.
@@ -269,16 +270,21 @@ def plot_evaluation(df: pd.DataFrame, path: str) -> None:
 HEAD_COLUMNS = (["fwd_compute_ms"], ["bwd_compute_ms"], ["fwd_comm_ms", "bwd_comm_ms"])
 
 
-def measured_singles(tables: TableSet, num_devices: int, bench_kw: dict) -> np.ndarray:
-    """(N, 3) measured fwd compute, bwd compute and comm of every table alone on one of D devices."""
+def measured_singles(tables: TableSet, num_devices: int, bench_kw: dict, cache: dict | None = None) -> np.ndarray:
+    """(N, 3) measured fwd compute, bwd compute and comm of every table alone on one of D devices. `cache`
+    ((table id, D) -> heads) lets the tasks of one evaluation, which share tables, measure each table once."""
     from ..bench import measure_placement
 
+    cache = {} if cache is None else cache
     out = np.zeros((len(tables), len(HEAD_COLUMNS)))
     for i in range(len(tables)):
-        one = Placement.from_assignment(tables.subset([i]), np.zeros(1, dtype=np.int64), num_devices, 2**62,
-                                        planner="single")
-        row = measure_placement(one, **bench_kw).iloc[0]
-        out[i] = [sum(float(row[c]) for c in cols) for cols in HEAD_COLUMNS]
+        key = (str(tables.table_ids[i]), int(num_devices))
+        if key not in cache:
+            one = Placement.from_assignment(tables.subset([i]), np.zeros(1, dtype=np.int64), num_devices, 2**62,
+                                            planner="single")
+            row = measure_placement(one, **bench_kw).iloc[0]
+            cache[key] = [sum(float(row[c]) for c in cols) for cols in HEAD_COLUMNS]
+        out[i] = cache[key]
     return out
 
 
