@@ -31,16 +31,12 @@ DAG_ID = "embshard_pipeline"
 
 def environment(out: str, port: int) -> dict[str, str]:
     """The environment of every Airflow component and every task of a local installation rooted at `out`."""
-    from .pipeline import dags_folder
+    from .pipeline import local_environment
 
-    out = os.path.abspath(out)
-    home = os.environ.get("AIRFLOW_HOME") or os.path.join(out, "airflow")
     base_url = f"http://127.0.0.1:{port}"
     bin_dir = os.path.dirname(sys.executable)
     return {
-        "AIRFLOW_HOME": home,
-        "AIRFLOW__CORE__DAGS_FOLDER": dags_folder(),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        **local_environment(out),
         "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin",
         "AIRFLOW__API__HOST": "127.0.0.1",
@@ -49,9 +45,6 @@ def environment(out: str, port: int) -> dict[str, str]:
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base_url}/execution/",
         # A fresh DAG file is seen within seconds, not after the default 5 minutes.
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
-        "EMBSHARD_DATA_ROOT": os.environ.get("EMBSHARD_DATA_ROOT") or os.path.join(out, "data"),
-        "MLFLOW_TRACKING_URI": os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.join(out, 'mlflow.db')}",
-        "EMBSHARD_RUNNER": "local",
         "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
         "PYTHONUNBUFFERED": "1",
     }

@@ -36,11 +36,11 @@ QUICK_PARAMS = {"num_tables": 80, "num_tasks": 4, "tables_per_task": "10-20", "b
                 "eval_planners": "size_greedy,lookup_greedy,size_lookup_greedy,dim_greedy"}
 
 
-def setup_environment(out: str) -> dict[str, str]:
-    """Environment of an embedded run; call before importing airflow (it reads its config at import)."""
+def local_environment(out: str) -> dict[str, str]:
+    """The folders of a local installation rooted at `out` (Airflow home, DAGs, run data, MLflow store), as
+    environment variables; already-set ones win. Shared by `embshard pipeline` and `embshard ui`."""
     out = os.path.abspath(out)
-    os.makedirs(out, exist_ok=True)
-    env = {
+    return {
         "AIRFLOW_HOME": os.environ.get("AIRFLOW_HOME") or os.path.join(out, "airflow"),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__DAGS_FOLDER": dags_folder(),
@@ -48,6 +48,12 @@ def setup_environment(out: str) -> dict[str, str]:
         "MLFLOW_TRACKING_URI": os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.join(out, 'mlflow.db')}",
         "EMBSHARD_RUNNER": "local",
     }
+
+
+def setup_environment(out: str) -> dict[str, str]:
+    """Environment of an embedded run; call before importing airflow (it reads its config at import)."""
+    os.makedirs(os.path.abspath(out), exist_ok=True)
+    env = local_environment(out)
     os.environ.update(env)
     return env
 

@@ -47,21 +47,22 @@ def shard_keys(entry: Entry) -> list[tuple | None]:
     return keys
 
 
-def measure_rounds(entries: list[Entry], rounds: int, settings: MeasureSettings | None = None, seed: int = 0,
-                   on_shard=None) -> tuple[np.ndarray, np.ndarray]:
+def measure_rounds(entries: list[Entry], rounds: int, settings: MeasureSettings | None = None,
+                   seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Measure `entries` (placements of one task) in `rounds` rounds. Returns (costs (E, R): each entry's max
-    device cost per round, device_costs (E, D, R)). `on_shard()` is called after each shard (progress)."""
+    device cost per round, device_costs (E, D, R))."""
     settings = settings or MeasureSettings()
     if settings.min_time_ms is None:
         kind = "cpu" if settings.device == "cpu" else "cuda"
         settings = MeasureSettings(**{**settings.__dict__, "min_time_ms": ROUND_MIN_TIME_MS[kind]})
     per_entry = [shard_keys(e) for e in entries]
-    # One representative (placement, device) per distinct key, measured once per round.
-    where: dict[tuple, tuple[Placement, int]] = {}
+    # One representative (placement, device, its shards) per distinct key, measured once per round.
+    where: dict[tuple, tuple[Placement, int, list]] = {}
     for e, keys in zip(entries, per_entry):
+        device_shards = e.placement.device_shards()
         for d, k in enumerate(keys):
             if k is not None and k not in where:
-                where[k] = (e.placement, d)
+                where[k] = (e.placement, d, device_shards[d])
     distinct = list(where)
     D = max(e.placement.num_devices for e in entries)
     costs = np.zeros((len(entries), rounds))
@@ -73,13 +74,10 @@ def measure_rounds(entries: list[Entry], rounds: int, settings: MeasureSettings 
             total: dict[tuple, float] = {}
             for i in order:
                 key = distinct[i]
-                pl, d = where[key]
-                shards = pl.device_shards()[d]
+                pl, d, shards = where[key]
                 m = measure_shard(pl.tables, [s.table for s in shards], cfg, num_devices=pl.num_devices,
                                   col_sizes=[s.col_size for s in shards], where=f"{pl.task_id}/device {d}")
                 total[key] = m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"]
-                if on_shard is not None:
-                    on_shard()
             for j, keys in enumerate(per_entry):
                 for d, k in enumerate(keys):
                     device_costs[j, d, r] = 0.0 if k is None else total[k]

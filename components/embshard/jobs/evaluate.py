@@ -192,7 +192,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
             df[col] = np.nan
     ratios = pd.DataFrame(ratio_rows, columns=["task_id", "planner", "versus", "median_ratio", "ci_low", "ci_high",
                                                "rounds", "round_ratios"])
-    summary = summarize(df, ratios)
+    summary = summarize(df)
     with storage.staged_dir(out) as stage:  # every output or none
         _write_parquet(df, os.path.join(stage, "evaluation.parquet"))
         _write_parquet(ratios, os.path.join(stage, "ratios.parquet"))
@@ -209,7 +209,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
             "shard_measurements": shard_measurements}
 
 
-def summarize(df: pd.DataFrame, ratios: pd.DataFrame | None = None) -> pd.DataFrame:
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
     """Per planner: tasks, failures, the median over tasks of the ratio to the best baseline with its interval
     (bootstrap over tasks and rounds) and Wilcoxon p, the worst task, the ratio to TorchRec, the median gap."""
     out = []
