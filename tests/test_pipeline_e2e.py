@@ -193,8 +193,12 @@ def test_second_run_moves_champion_exactly_as_its_decision_says(two_runs):
     old_cost, new_cost = first["aliases"][COST]["champion"], trained_against(second["root"])
     assert promo["candidate_version"] == new != old
     assert promo["champion_version_before"] == old
-    ratio = promo["candidate_over_champion_median"]
-    assert promo["promoted"] == (ratio <= 1.0 - promo["margin"])
+    # The gate decides on the interval of candidate / champion, not on its median alone.
+    vs = promo["candidate_vs_champion"]
+    assert vs["ci_low"] <= promo["candidate_over_champion_median"] <= vs["ci_high"]
+    assert promo["promoted"] == (promo["verdict"] == "promoted")
+    assert promo["promoted"] == (vs["ci_high"] < 1.0 - promo["margin"]
+                                 and not promo["candidate_vs_best_baseline"]["ci_low"] > 1.0)
     if promo["promoted"]:
         assert second["aliases"][POLICY]["champion"] == promo["champion_version_after"] == new
         assert second["aliases"][COST]["champion"] == new_cost
