@@ -16,7 +16,8 @@ import pandas as pd
 from .common import md_table
 
 ESTIMATORS = ("learned", "sum_singles", "analytic")
-HEADS = ("fwd_compute", "bwd_compute", "comm", "total_compute", "total")
+# No total over compute and comm: comm is a fitted formula (near exact) and would make a total look small.
+HEADS = ("fwd_compute", "bwd_compute", "comm", "total_compute")
 
 
 def load(root: str) -> dict | None:
@@ -82,9 +83,25 @@ def markdown(full: dict | None, root: str, out_dir: str, hw_line: str, model_uri
     if len(ov):
         lines += ["Whole placements assembled from measured shards (max over devices):", "",
                   md_table(ov, {"placements": 0}), ""]
+    cal_rows = []
+    for split, rep in full.get("report", {}).items():
+        cal = (rep.get("calibration") or {}).get("total_compute") or {}
+        cap = rep.get("rows_capped") or {}
+        if cal:
+            cal_rows.append({"split": split, "interval target %": 100 * rep["calibration"]["level"],
+                             "measured compute inside %": 100 * cal["coverage"],
+                             "median half-width %": 100 * cal["half_width"],
+                             "compute MAPE %, capped rows": (cap.get("capped") or {}).get("mape"),
+                             "capped shards": (cap.get("capped") or {}).get("n"),
+                             "compute MAPE %, uncapped": (cap.get("uncapped") or {}).get("mape"),
+                             "uncapped shards": (cap.get("uncapped") or {}).get("n")})
+    if cal_rows:
+        lines += ["The ensemble's interval (calibrated on the validation shards) and the error on shards whose rows "
+                  "were capped to fit this machine's memory:", "",
+                  md_table(pd.DataFrame(cal_rows), {"capped shards": 0, "uncapped shards": 0}), ""]
     head = {}
     for split in ("unseen", "heldout"):
-        sub = tab[(tab["split"] == split) & (tab["head"] == "total")]
+        sub = tab[(tab["split"] == split) & (tab["head"] == "total_compute")]
         if len(sub):
             r = sub.iloc[0]
             head[split] = {e: {"mape": r[f"{e} MAPE %"], "spearman": r[f"{e} Spearman"]} for e in ESTIMATORS}

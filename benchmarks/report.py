@@ -53,10 +53,14 @@ def readme(pages: dict, info, hw_line: str, started: dt.datetime, seconds: float
         head = q["headline"]
         headline["quality"] = head.to_dict(orient="records")
         lines += ["## 1. Placement quality (measured, held-out suites)", "",
-                  "Ratios of measured cost (lower is better, < 1 = faster): the learned planner against the best "
-                  "greedy baseline of each task and against TorchRec's planner (the better of its table-wise and "
-                  "full-search plans); gap to the lower bound (all tables fused on one device / D). Median over the "
-                  "suite's tasks, worst task in its own column.", "",
+                  "Ratios of measured cost (lower is better, < 1 = faster), measured by the ruler: every placement "
+                  "of a task in the same rounds, paired per round. The learned planner against the best greedy "
+                  "baseline of each task (chosen on other rounds) and against TorchRec's planner (the better of its "
+                  "table-wise and full-search plans); gap to the lower bound (all tables fused on one device / D). "
+                  "Median over the suite's tasks with its 95% interval (bootstrap over tasks and rounds); the worst "
+                  "task in its own column. Beside it, the suite's A/A noise floor: the same baseline measured twice "
+                  "as separate entries in the same rounds. The verdict says faster or slower only when the interval "
+                  "clears both 1 and the floor's interval; otherwise it is no difference.", "",
                   md_table(head, {"tasks": 0}), "",
                   "Every planner, every suite, and the setup: [quality.md](quality.md). "
                   "Plot: [quality.png](quality.png).", "", "![quality](quality.png)", ""]
@@ -82,8 +86,10 @@ def readme(pages: dict, info, hw_line: str, started: dt.datetime, seconds: float
                          **{f"{e} Spearman": h[e]["spearman"] for e in ("learned", "sum_singles", "analytic")},
                          "learned MAPE % (all shards)": h.get("learned_all_shards_mape")})
         if rows:
-            lines += ["Total cost of a device shard (compute + communication), learned model vs the references "
-                      "(sum of single-table costs; analytic bytes model):", "",
+            lines += ["Compute cost of a device shard (forward + backward; communication is a fitted formula and is "
+                      "left out so that it cannot flatter the number), learned model vs the references (sum of "
+                      "single-table costs; analytic bytes model). How well the measurements themselves reproduce "
+                      "(the floor under any model's error): [label_noise.md](label_noise.md).", "",
                       md_table(pd.DataFrame(rows), {"compared shards": 0, "all shards": 0,
                                                    **{c: 1 for c in rows[0] if "MAPE" in c}}), ""]
         lines += ["Per head (forward, backward, communication) and the parity plot: [costmodel.md](costmodel.md).",

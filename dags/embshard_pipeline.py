@@ -59,6 +59,12 @@ PARAMS = {
                           description="Benchmark chunks: mapped tasks (pods) that measure in parallel."),
     "bench_batch_size": Param(D["bench_batch_size"], type="integer", minimum=0,
                               description="Benchmark batch size (0 = the benchmark's default for the device)."),
+    "recalibrate_comm": Param(D["recalibrate_comm"], type="boolean",
+                              description="Calibrate the all-to-all formula again (otherwise the one stored for "
+                                          "this hardware is reused, so that runs and models agree)."),
+    "cost_members": Param(D["cost_members"], type="integer", minimum=1, maximum=32,
+                          description="Cost-model ensemble members: the mean is the prediction, their "
+                                      "disagreement the uncertainty the search respects."),
     "policy_iterations": Param(D["policy_iterations"], type="integer", minimum=1, maximum=1_000_000,
                                description="REINFORCE updates of the policy."),
     "policy_rounds": Param(D["policy_rounds"], type="integer", minimum=1, maximum=stages.MAX_POLICY_ROUNDS,

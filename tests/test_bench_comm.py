@@ -5,6 +5,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from embshard import schemas
 from embshard.bench import comm, inputs, runner
@@ -67,3 +68,35 @@ def test_trace_replay_uses_the_real_indices(tmp_path, small_tables_df):
     cfg = runner.make_config(batch_size=128, warmup=1, iterations=10, comm_bandwidth_gbps=10, comm_latency_us=5)
     m = runner.measure_shard(ts, [0, 1, 2, 3], cfg, num_devices=4)
     assert m["fwd_compute_ms"] > 0 and m["bwd_compute_ms"] > 0
+
+
+def test_one_calibration_per_hardware_is_shared_by_runs_and_redone_only_when_asked(tmp_path, monkeypatch):
+    """Runs adopt the stored calibration of their hardware (so a model and later measurements agree on comm);
+    only `recalibrate` measures again, and the spread over the calibration's repeats is kept."""
+    import json
+
+    from embshard.bench import comm
+
+    calls = []
+
+    def fake_calibrate(world_size=2, repeats=3):
+        calls.append(world_size)
+        return comm.CommModel(1e-5 * len(calls), 2e9, "calibrated:test", spread=0.05 * len(calls))
+
+    monkeypatch.setattr(comm, "calibrate", fake_calibrate)
+    monkeypatch.delenv("EMBSHARD_CALIBRATION_DIR", raising=False)
+    assert comm.adopt_calibration(str(tmp_path / "run0"), "cpu:x") is None  # no shared folder: each run its own
+    monkeypatch.setenv("EMBSHARD_CALIBRATION_DIR", str(tmp_path / "shared"))
+    first = comm.adopt_calibration(str(tmp_path / "run1"), "cpu:x")
+    second = comm.adopt_calibration(str(tmp_path / "run2"), "cpu:x")
+    assert len(calls) == 1 and first == second and second.spread == 0.05
+    for run in ("run1", "run2"):
+        stored = json.loads((tmp_path / run / comm.CALIBRATION_FILE).read_text())["cpu:x"]
+        assert stored["latency_s"] == 1e-5 and comm.run_calibration(str(tmp_path / run), "cpu:x") == stored
+        # every measuring stage of the run reads that file
+        assert comm.comm_model("cpu:x", "cpu", out=str(tmp_path / run)) == first
+    third = comm.adopt_calibration(str(tmp_path / "run3"), "cpu:x", recalibrate=True)
+    assert len(calls) == 2 and third.latency_s == 2e-5
+    assert comm.adopt_calibration(str(tmp_path / "run4"), "cpu:x") == third  # the new one is kept
+    other = comm.adopt_calibration(str(tmp_path / "run5"), "cpu:y")  # another machine: its own
+    assert len(calls) == 3 and other.latency_s == pytest.approx(3e-5)

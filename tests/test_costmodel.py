@@ -56,7 +56,7 @@ def trained(measured, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{out}/mlflow.db")
         res = run(measured["costs"], measured["tables"], str(out / "model-out"), seed=0, alias="champion",
-                  max_epochs=250)
+                  max_epochs=250, members=3)
     return res
 
 
@@ -146,7 +146,7 @@ def test_comm_extrapolates_to_device_counts_never_measured(trained, measured):
 def test_save_register_load_by_alias_gives_identical_predictions(trained, measured, monkeypatch):
     from embshard import registry
     from embshard.costmodel import load
-    from embshard.costmodel.model import CostModel
+    from embshard.costmodel.ensemble import CostEnsemble
     from embshard.costmodel.pyfunc import CostModelPyfunc
     from embshard.schemas import FEATURE_VERSION
 
@@ -156,7 +156,7 @@ def test_save_register_load_by_alias_gives_identical_predictions(trained, measur
     shards = [rng.choice(len(feats), rng.integers(1, 12), replace=False) for _ in range(50)]
     want = trained["model"].predict_shards(feats, shards, 4)
     from_alias = load("models:/embshard-cost@champion")
-    from_dir = CostModel.load_dir(f"{trained['out']}/model")
+    from_dir = CostEnsemble.load_dir(f"{trained['out']}/model")
     assert np.array_equal(from_alias.predict_shards(feats, shards, 4), want)
     assert np.array_equal(from_dir.predict_shards(feats, shards, 4), want)
 
@@ -175,6 +175,7 @@ def test_save_register_load_by_alias_gives_identical_predictions(trained, measur
     df["num_devices"] = 4
     out = wrapper.predict(None, df)
     np.testing.assert_allclose(out["total_ms"], want[:3].sum(1), rtol=1e-5)
+    assert (out["total_ms_low"] <= out["total_ms"]).all() and (out["total_ms"] <= out["total_ms_high"]).all()
 
 
 def test_mlflow_run_has_curves_metrics_and_plots(trained):

@@ -134,7 +134,9 @@ def test_rollouts_only_use_devices_with_room(tables, cost_model):
     for a, ok in zip(ro.assignment, ro.feasible):
         used = np.bincount(a, weights=sub.size_bytes, minlength=4)
         assert ok == bool((used <= mem).all())
-    assert ro.feasible.mean() > 0.9  # the lookahead mask avoids dead ends
+    # The lookahead mask avoids most dead ends of an untrained policy at 15% slack: 0.84-1.0 of the rollouts
+    # were feasible over 6 random cost models (measured); a mask that stopped looking ahead drops far below.
+    assert ro.feasible.mean() > 0.8
 
 
 def test_policy_learns_to_beat_random_on_the_estimated_mdp(tables, cost_model):

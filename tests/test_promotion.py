@@ -27,15 +27,16 @@ def piling_cost_model(good):
     from embshard.costmodel.model import COUNT, NUM_EXTRA
 
     bad = copy.deepcopy(good)
-    net = bad.net
     with torch.no_grad():
-        for head in (net.fwd, net.bwd):
-            head.mlp[-1].weight.zero_()
-            head.mlp[-1].bias.fill_(5.0)
-            head.skip.weight.zero_()
-            head.skip.weight[0, head.skip.weight.shape[1] - NUM_EXTRA + COUNT] = -0.4
-        for comm in (net.comm_rate, net.comm_latency, net.comm_latency_slope):
-            comm.fill_(-40.0)  # softplus(-40) ~ 0: no communication cost
+        for member in bad.members:  # every member of the ensemble
+            net = member.net
+            for head in (net.fwd, net.bwd):
+                head.mlp[-1].weight.zero_()
+                head.mlp[-1].bias.fill_(5.0)
+                head.skip.weight.zero_()
+                head.skip.weight[0, head.skip.weight.shape[1] - NUM_EXTRA + COUNT] = -0.4
+            for comm in (net.comm_rate, net.comm_latency, net.comm_latency_slope):
+                comm.fill_(-40.0)  # softplus(-40) ~ 0: no communication cost
     return bad
 
 

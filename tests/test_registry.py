@@ -22,12 +22,13 @@ def test_tracking_uri_env_wins_else_sqlite_in_the_run_dir(tmp_path, monkeypatch)
 @pytest.fixture()
 def tiny_artifacts(tmp_path):
     """A real (untrained) cost model's artifacts: the package's own importable pyfunc class wraps it."""
+    from embshard.costmodel.ensemble import CostEnsemble
     from embshard.costmodel.model import CostModel, CostModelConfig
     from embshard.features import FeatureScaler, feature_matrix
     from embshard.ingest.synthetic import generate_tables
 
     feats = feature_matrix(generate_tables(6, seed=1, bins_batch_size=256))
-    model = CostModel.create(CostModelConfig(), FeatureScaler.fit(feats))
+    model = CostEnsemble([CostModel.create(CostModelConfig(), FeatureScaler.fit(feats))])
     return model, feats, model.save(str(tmp_path / "m"))
 
 

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("embshard.jobs.bench", "measure fused device-shard costs into costs/part-*.parquet"),
     "train-cost": ("embshard.jobs.train_cost", "train the cost model and register embshard-cost"),
     "train-policy": ("embshard.jobs.train_policy", "train the placement policy and register embshard-policy"),
+    "predict": ("embshard.jobs.predict", "predict device-shard costs (with intervals) with the cost model"),
     "place": ("embshard.jobs.place", "place tables on devices with a planner"),
     "evaluate": ("embshard.jobs.evaluate", "measure several planners' placements side by side"),
     "export": ("embshard.jobs.export", "export placements (plan.json, Parquet, TorchRec plan)"),

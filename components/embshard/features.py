@@ -13,6 +13,10 @@ import numpy as np
 from .schemas import BIN_COLUMNS, NUM_BINS
 
 FEATURE_NAMES = ["dim", "rows", "pooling_factor", "size_bytes", *BIN_COLUMNS]
+# Representative access count of each bin: 1, 2, 3, then the geometric middle 2**(k-0.5) of (2**(k-1), 2**k].
+REP_COUNTS = np.array([1.0, 2.0, 3.0] + [2.0 ** (k - 0.5) for k in range(3, NUM_BINS)])
+# Weights as measured: every fused op is built in FP32 (embshard.bench).
+MEASURED_WEIGHT_BYTES = 4
 NUM_FEATURES = len(FEATURE_NAMES)  # 21
 # The numeric features span orders of magnitude: they enter the networks as log1p, then z-scored.
 _LOG_FEATURES = 4
@@ -56,6 +60,23 @@ def feature_matrix(tables) -> np.ndarray:
     cols = [np.asarray(c, dtype=np.float64) for c in cols]
     bins = np.asarray(bins, dtype=np.float64)
     return np.column_stack([*cols, bins])
+
+
+def working_set_rows(raw: np.ndarray, batch_size: int) -> np.ndarray:
+    """(N,) unique rows a batch of `batch_size` samples touches per table, from raw features: B x pooling / the
+    mean access count of a unique row (from the bins), capped at the table's rows. This is the rule the
+    benchmark's inputs are drawn with (embshard.bench.inputs), so it is the working set each measurement had."""
+    raw = np.asarray(raw, dtype=np.float64)
+    bins = raw[:, 4:]
+    total = bins.sum(1)
+    mean_count = np.where(total > 0, (bins * REP_COUNTS).sum(1) / np.where(total > 0, total, 1.0), 1.0)
+    lookups = float(batch_size) * raw[:, 2]
+    return np.minimum(np.maximum(lookups / mean_count, np.minimum(lookups, 1.0)), raw[:, 1])
+
+
+def working_set_bytes(raw: np.ndarray, batch_size: int) -> np.ndarray:
+    """(N,) bytes of weights a measured batch touches per table (unique rows x dim x FP32)."""
+    return working_set_rows(raw, batch_size) * np.asarray(raw, dtype=np.float64)[:, 0] * MEASURED_WEIGHT_BYTES
 
 
 @dataclass

@@ -191,7 +191,9 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
                        for t in gpu.get("tolerations", [])]
 
     storage = config["storage"]
-    env = {"EMBSHARD_STAGE": stage, "EMBSHARD_DATA_ROOT": storage["dataRoot"]}
+    # The communication calibration is kept once per hardware beside the runs (bench.comm.adopt_calibration).
+    env = {"EMBSHARD_STAGE": stage, "EMBSHARD_DATA_ROOT": storage["dataRoot"],
+           "EMBSHARD_CALIBRATION_DIR": storage["dataRoot"].rstrip("/") + "/calibration"}
     if config.get("mlflowTrackingUri"):
         env["MLFLOW_TRACKING_URI"] = config["mlflowTrackingUri"]
     if storage["type"] == "bucket" and storage.get("s3Endpoint"):

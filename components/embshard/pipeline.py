@@ -32,7 +32,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 QUICK_PARAMS = {"num_tables": 80, "num_tasks": 4, "tables_per_task": "10-20", "bench_shards": 40,
-                "bench_chunks": 2, "policy_iterations": 30, "eval_tasks": 2,
+                "bench_chunks": 2, "policy_iterations": 30, "eval_tasks": 2, "cost_members": 2,
                 "eval_planners": "size_greedy,lookup_greedy,size_lookup_greedy,dim_greedy"}
 
 
@@ -47,6 +47,8 @@ def local_environment(out: str) -> dict[str, str]:
         "EMBSHARD_DATA_ROOT": os.environ.get("EMBSHARD_DATA_ROOT") or os.path.join(out, "data"),
         "MLFLOW_TRACKING_URI": os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.join(out, 'mlflow.db')}",
         "EMBSHARD_RUNNER": "local",
+        # One communication calibration per hardware, kept for every local run (bench.comm.adopt_calibration).
+        "EMBSHARD_CALIBRATION_DIR": os.environ.get("EMBSHARD_CALIBRATION_DIR") or os.path.join(out, "calibration"),
     }
 
 

@@ -47,14 +47,20 @@ def shard_keys(entry: Entry) -> list[tuple | None]:
     return keys
 
 
-def measure_rounds(entries: list[Entry], rounds: int, settings: MeasureSettings | None = None,
-                   seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Measure `entries` (placements of one task) in `rounds` rounds. Returns (costs (E, R): each entry's max
-    device cost per round, device_costs (E, D, R))."""
+def round_settings(settings: MeasureSettings | None) -> MeasureSettings:
+    """The settings of one measurement in a round: ROUND_MIN_TIME_MS of timed work unless set explicitly."""
     settings = settings or MeasureSettings()
     if settings.min_time_ms is None:
         kind = "cpu" if settings.device == "cpu" else "cuda"
         settings = MeasureSettings(**{**settings.__dict__, "min_time_ms": ROUND_MIN_TIME_MS[kind]})
+    return settings
+
+
+def measure_rounds(entries: list[Entry], rounds: int, settings: MeasureSettings | None = None,
+                   seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Measure `entries` (placements of one task) in `rounds` rounds. Returns (costs (E, R): each entry's max
+    device cost per round, device_costs (E, D, R))."""
+    settings = round_settings(settings)
     per_entry = [shard_keys(e) for e in entries]
     # One representative (placement, device, its shards) per distinct key, measured once per round.
     where: dict[tuple, tuple[Placement, int, list]] = {}

@@ -22,7 +22,7 @@ from .errors import EmbshardError
 NUM_BINS = 17
 BIN_COLUMNS = [f"bin_{k:02d}" for k in range(NUM_BINS)]
 # Version of the feature definition (features.py); models are tagged with it.
-FEATURE_VERSION = "v1-21"
+FEATURE_VERSION = "v2-21+ws"  # v2: the model derives working-set inputs (batch, cache)
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,7 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("num_devices", pa.int32(), required=False, check=_positive, rule="an integer > 0"),
         Column("comm_source", _STR, required=False, nullable=True),  # 'measured' | 'model'
         Column("row_scale", _F64, required=False, nullable=True),    # rows scaled to fit memory (1.0 = none)
+        Column("cache_bytes", pa.int64(), required=False, nullable=True),  # last-level cache of the hardware
         Column("spread", _F64, required=False, nullable=True),       # IQR / median of compute timings
         Column("origin", _STR, required=False, nullable=True),       # 'random' | 'placement:<planner>' | ...
         Column("chunk", pa.int32(), required=False, nullable=True),

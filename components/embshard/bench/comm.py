@@ -47,6 +47,7 @@ class CommModel:
     latency_s: float
     bandwidth_Bps: float
     source: str  # how the constants were obtained
+    spread: float = 0.0  # largest relative range of either constant over the calibration's repeats
 
     def time_ms(self, batch_size: int, sum_dims: int, num_devices: int) -> float:
         if num_devices <= 1 or sum_dims <= 0:
@@ -148,19 +149,66 @@ class CommGroup:
         self.close()
 
 
-def calibrate(world_size: int = 2) -> CommModel:
+def calibrate(world_size: int = 2, repeats: int = 3) -> CommModel:
     """Latency = the smallest all-to-all's median time; bandwidth = the slope between the smallest and the
-    largest (gloo all-to-alls between local processes, medians of 7)."""
+    largest (gloo all-to-alls between local processes, medians of 7). Done `repeats` times: the constants are
+    the medians, `spread` the largest relative range (how far a single calibration can be trusted)."""
+    lat, bw = [], []
     with CommGroup(world_size, "cpu") as group:
-        xs, ys = [], []
-        for numel in _CALIBRATION_SIZES:
-            ms = float(np.median(group.all_to_all_ms(numel, warmup=2, iterations=7)))
-            xs.append(numel * 4.0 * (world_size - 1) / world_size)
-            ys.append(ms / 1e3)
-    dt = ys[-1] - ys[0]
-    bandwidth = (xs[-1] - xs[0]) / dt if dt > 0 else xs[-1] / ys[-1]
-    return CommModel(latency_s=float(max(ys[0], 1e-6)), bandwidth_Bps=float(bandwidth),
-                     source=f"calibrated:gloo-{world_size}proc")
+        for _ in range(max(1, repeats)):
+            xs, ys = [], []
+            for numel in _CALIBRATION_SIZES:
+                ms = float(np.median(group.all_to_all_ms(numel, warmup=2, iterations=7)))
+                xs.append(numel * 4.0 * (world_size - 1) / world_size)
+                ys.append(ms / 1e3)
+            dt = ys[-1] - ys[0]
+            bw.append((xs[-1] - xs[0]) / dt if dt > 0 else xs[-1] / ys[-1])
+            lat.append(max(ys[0], 1e-6))
+    spread = max((max(v) - min(v)) / float(np.median(v)) for v in (lat, bw))
+    return CommModel(latency_s=float(np.median(lat)), bandwidth_Bps=float(np.median(bw)),
+                     source=f"calibrated:gloo-{world_size}proc", spread=float(spread))
+
+
+def _from_dict(c: dict) -> CommModel:
+    return CommModel(float(c["latency_s"]), float(c["bandwidth_Bps"]), str(c["source"]), float(c.get("spread", 0.0)))
+
+
+def shared_calibration_dir() -> str | None:
+    """EMBSHARD_CALIBRATION_DIR: where one calibration per hardware is kept for every run (None: per run)."""
+    return os.environ.get("EMBSHARD_CALIBRATION_DIR") or None
+
+
+def adopt_calibration(run_root: str, hardware: str, *, recalibrate: bool = False) -> CommModel | None:
+    """Give a run the shared calibration of this hardware (EMBSHARD_CALIBRATION_DIR): copied into the run root,
+    where every measuring stage of the run reads it; calibrated (and stored for later runs) when there is none
+    yet or when `recalibrate` is asked. The cost model trained on the run records it, so model and measurements
+    agree on communication across runs. Without a shared folder each run calibrates its own (None)."""
+    shared = shared_calibration_dir()
+    if shared is None:
+        return None
+    src, dst = storage.join(shared, CALIBRATION_FILE), storage.join(run_root, CALIBRATION_FILE)
+    table: dict = json.loads(storage.read_text(src)) if storage.exists(src) else {}
+    if recalibrate or hardware not in table:
+        log.info("calibrating the communication model for %s (%s)", hardware,
+                 "asked for" if recalibrate else "none stored yet")
+        model = calibrate(2)
+        table[hardware] = asdict(model)
+        storage.write_text(src, json.dumps(table, indent=2))
+    model = _from_dict(table[hardware])
+    run_table = json.loads(storage.read_text(dst)) if storage.exists(dst) else {}
+    run_table[hardware] = asdict(model)
+    storage.write_text(dst, json.dumps(run_table, indent=2))
+    log.info("comm model %s: latency %.1f us, bandwidth %.2f GB/s, spread over repeats %.0f%%", model.source,
+             model.latency_s * 1e6, model.bandwidth_Bps / 1e9, 100 * model.spread)
+    return model
+
+
+def run_calibration(run_root: str, hardware: str) -> dict | None:
+    """The calibration entry a run measured with (its comm_calibration.json), None when it has none."""
+    path = storage.join(run_root, CALIBRATION_FILE)
+    if not storage.exists(path):
+        return None
+    return json.loads(storage.read_text(path)).get(hardware)
 
 
 def comm_model(hardware: str, device: str, *, out: str | None = None, bandwidth_gbps: float | None = None,
@@ -187,8 +235,7 @@ def comm_model(hardware: str, device: str, *, out: str | None = None, bandwidth_
         except (ValueError, OSError):
             cached = {}
         if hardware in cached:
-            c = cached[hardware]
-            return CommModel(float(c["latency_s"]), float(c["bandwidth_Bps"]), str(c["source"]))
+            return _from_dict(cached[hardware])
     if device != "cpu":
         model = CommModel(NVLINK_DEFAULT["latency_s"], NVLINK_DEFAULT["bandwidth_Bps"], "constants:nvlink")
     else:

@@ -28,10 +28,10 @@ import numpy as np
 
 from .. import schemas
 from ..errors import EmbshardError
+from ..features import MEASURED_WEIGHT_BYTES, REP_COUNTS
 from ..ingest.synthetic import bag_lengths
 
-WEIGHT_BYTES = 4  # FP32 weights (the fused op is built in FP32 for every shard)
-REP_COUNTS = np.array([1.0, 2.0, 3.0] + [2.0 ** (k - 0.5) for k in range(3, schemas.NUM_BINS)])
+WEIGHT_BYTES = MEASURED_WEIGHT_BYTES  # FP32 weights (the fused op is built in FP32 for every shard)
 
 
 @dataclass

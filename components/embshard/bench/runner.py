@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import EmbshardError
+from ..hardware import device_cache_bytes
 from ..tableset import TableSet
 from . import inputs as inp
 
@@ -55,6 +56,7 @@ class BenchConfig:
     threads: int
     seed: int
     hardware: str
+    cache_bytes: int = 0                 # last-level cache of the device (embshard.hardware), recorded per row
     comm: CommModel | None = None        # when modelled
     comm_group: CommGroup | None = None  # when measured
     min_time_ms: float | None = None     # timed work per measurement (None: DEFAULT_MIN_TIME_MS of the device)
@@ -154,7 +156,8 @@ def make_config(*, backend: str = "auto", device: str = "cpu", batch_size: int |
                       iterations=st["iterations"], num_batches=st["num_batches"],
                       budget_bytes=memory_budget(device, st["max_shard_gb"]), timer=st["timer"],
                       threads=st["num_threads"], seed=int(seed), hardware=st["hardware"],
-                      min_time_ms=min_time_ms, statistic=statistic)
+                      min_time_ms=min_time_ms, statistic=statistic,
+                      cache_bytes=device_cache_bytes(device))
     if statistic not in ("median", "min"):
         raise EmbshardError(f"unknown statistic {statistic!r}", field="statistic", fix="use median or min")
     if comm_ranks is not None and comm_ranks >= 2:
@@ -488,7 +491,8 @@ def measure_placement(placement, *, backend: str = "auto", device: str = "cpu", 
                 rows.append({"device": d, "table_ids": ids, **{k: m[k] for k in (
                     "fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")},
                     "total_ms": m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"],
-                    "hardware": cfg.hardware, "backend": cfg.backend, "comm_source": cfg.comm_source,
+                    "hardware": cfg.hardware, "cache_bytes": cfg.cache_bytes, "backend": cfg.backend,
+                    "comm_source": cfg.comm_source,
                     "row_scale": m["row_scale"], "spread": m["spread"]})
     finally:
         close_config(cfg)

@@ -20,19 +20,19 @@ def __getattr__(name):
 
 
 def load(uri: str):
-    """A CostModel from `models:/embshard-cost@<alias>` (or any MLflow model URI) or a local model folder."""
+    """A CostEnsemble from `models:/embshard-cost@<alias>` (or any MLflow model URI) or a local model folder."""
     import os
 
-    from .model import CostModel
+    from .ensemble import CostEnsemble
 
     if "://" not in uri and ":/" not in uri and os.path.isdir(uri):
-        return CostModel.load_dir(uri)
+        return CostEnsemble.load_dir(uri)
     from .. import registry
 
     registry.connect()
     wrapper = registry.load_python_model(uri)
     model = getattr(wrapper, "model", None)
-    if not isinstance(model, CostModel):
+    if not isinstance(model, CostEnsemble):
         from ..errors import EmbshardError
 
         raise EmbshardError("this registry entry is not a cost model", path=uri,

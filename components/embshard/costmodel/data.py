@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .. import pools, schemas
+from .. import hardware, pools, schemas
 from ..errors import EmbshardError
 from ..features import feature_matrix
 
@@ -39,6 +39,7 @@ class CostData:
     frame: pd.DataFrame        # the costs rows used (same order)
     split: np.ndarray          # (S,) one of SPLITS, or "" (dropped: mixes pools)
     batch_size: int
+    cache_bytes: int           # last-level cache of the measured hardware (rows' cache_bytes, else by name)
     hardware: str
     backend: str
     dataset_hash: str
@@ -110,8 +111,12 @@ def load(costs: str | list[str], tables: str, *, seed: int = 0, val_frac: float 
     if (split == "unseen").sum() < 10:
         log.warning("only %d test-pool shards: the accuracy on unseen tables is uncertain (jobs.shards draws "
                     "a third of its budget from the test pool)", int((split == "unseen").sum()))
+    hw = str(cdf["hardware"].iloc[0])
+    known = cdf["cache_bytes"].dropna() if "cache_bytes" in cdf.columns else pd.Series(dtype="int64")
+    cache = int(known.mode().iloc[0]) if len(known) else hardware.cache_bytes_of(hw)
     return CostData(features=feature_matrix(tdf), table_ids=ids, shards=shards, targets=targets,
                     num_devices=nd, frame=cdf, split=split, batch_size=int(cdf["batch_size"].iloc[0]),
+                    cache_bytes=cache,
                     hardware=str(cdf["hardware"].iloc[0]), backend=str(cdf["backend"].iloc[0]),
                     dataset_hash=dataset_hash(cdf), dropped=dropped)
 

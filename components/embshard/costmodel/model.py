@@ -5,10 +5,14 @@ device shard d: s_d = SUM_t e_t  (works for any number of tables)
 heads on s_d: forward compute ms, backward compute ms, communication ms (fwd + bwd all-to-all)
 overall head on the element-wise MAX over device vectors (trained on placements assembled from measured shards)
 
-Each encoding ends with three raw, additive channels so that the SUM carries exact shard totals that the
+Each encoding ends with four raw, additive channels so that the SUM carries exact shard totals that the
 heads need: a count (1 per table: an empty device has count 0 and costs 0), dim / DIM_SCALE (the dim sum
-drives the all-to-all) and pooling * dim / LOOKUP_SCALE (the bytes a lookup reads drive compute, and let the
-compute heads extrapolate roughly linearly to shards larger than those measured).
+drives the all-to-all), pooling * dim / LOOKUP_SCALE (the bytes a lookup reads drive compute, and let the
+compute heads extrapolate roughly linearly to shards larger than those measured) and the working set / the
+last-level cache (the weight bytes a measured batch touches, features.working_set_bytes, over the cache of the
+hardware the model was measured on: summed over a shard it says whether the shard's hot rows fit in cache).
+The encoder also sees each table's own working set (log bytes, and log of its share of the cache). Batch size
+and cache size are the model's (CostModelConfig): the hardware enters the model.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import EmbshardError
-from ..features import NUM_FEATURES, FeatureScaler
+from ..features import NUM_FEATURES, FeatureScaler, working_set_bytes
 from ..schemas import FEATURE_VERSION
 
 HEADS = ("fwd_compute", "bwd_compute", "comm")
@@ -30,8 +34,12 @@ DIM_SCALE = 128.0
 LOOKUP_SCALE = 1024.0
 BIN_STD_FLOOR = 0.1
 Z_CLIP = 6.0
-NUM_EXTRA = 3  # count, dim sum, lookup-bytes sum
-COUNT, DIMSUM, LOOKUPS = 0, 1, 2  # positions of the extra channels after the learned part
+NUM_EXTRA = 4  # count, dim sum, lookup-bytes sum, working set / cache
+COUNT, DIMSUM, LOOKUPS, WORKING_SET = 0, 1, 2, 3  # positions of the extra channels after the learned part
+NUM_DERIVED = 2  # encoder inputs derived from the raw features: log working-set bytes, log working set / cache
+DEFAULT_CACHE_BYTES = 32 * 2**20
+LOG_CACHE_SHARE_SCALE = 3.0  # log(working set / cache) spans about -15..+3: divided by this, not z-scored
+DEFAULT_BATCH_SIZE = 1024
 
 
 @dataclass
@@ -44,6 +52,9 @@ class CostModelConfig:
     target_scale: list[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
     scaler: dict | None = None
     batch_size: int | None = None
+    cache_bytes: int = DEFAULT_CACHE_BYTES  # last-level cache of the measured hardware (embshard.hardware)
+    derived_scaler: dict | None = None      # mean/std of the NUM_DERIVED encoder inputs on the training tables
+    comm_calibration: dict | None = None    # the all-to-all constants the measurements used (bench.comm)
     hardware: str = ""
     backend: str = ""
     feature_version: str = FEATURE_VERSION
@@ -75,11 +86,15 @@ class CostNet(nn.Module):
     target_scale: torch.Tensor
     scaler_mean: torch.Tensor
     scaler_std: torch.Tensor
+    derived_mean: torch.Tensor
+    derived_std: torch.Tensor
 
     def __init__(self, cfg: CostModelConfig):
         super().__init__()
         e = cfg.embed
-        self.encoder = nn.Sequential(nn.Linear(NUM_FEATURES, cfg.hidden), nn.ReLU(),
+        self.batch_size = int(cfg.batch_size or DEFAULT_BATCH_SIZE)
+        self.cache_bytes = float(cfg.cache_bytes or DEFAULT_CACHE_BYTES)
+        self.encoder = nn.Sequential(nn.Linear(NUM_FEATURES + NUM_DERIVED, cfg.hidden), nn.ReLU(),
                                      nn.Linear(cfg.hidden, e), nn.ReLU())
         h_in = e + NUM_EXTRA
         self.fwd = _Head(h_in, cfg.head_hidden)
@@ -99,12 +114,26 @@ class CostNet(nn.Module):
         self.register_buffer("target_scale", torch.tensor(cfg.target_scale, dtype=torch.float32))
         self.register_buffer("scaler_mean", torch.zeros(NUM_FEATURES))
         self.register_buffer("scaler_std", torch.ones(NUM_FEATURES))
+        self.register_buffer("derived_mean", torch.zeros(NUM_DERIVED))
+        self.register_buffer("derived_std", torch.ones(NUM_DERIVED))
+
+    def working_set(self, raw: torch.Tensor) -> torch.Tensor:
+        """(N,) weight bytes a measured batch touches per table (features.working_set_bytes at the model's batch)."""
+        ws = working_set_bytes(raw.detach().cpu().numpy(), self.batch_size)
+        return torch.as_tensor(ws, dtype=raw.dtype, device=raw.device)
+
+    def derived(self, ws: torch.Tensor) -> torch.Tensor:
+        """(N, NUM_DERIVED) unscaled, from working sets (N,): log1p(bytes), log of the working set's cache share."""
+        return torch.stack([torch.log1p(ws), torch.log((ws + 1.0) / self.cache_bytes)], dim=-1)
 
     def encode_scaled(self, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
-        """(N, H) encodings from scaled features x and raw features (for the additive channels)."""
+        """(N, H) encodings from scaled features x and raw features (for the derived inputs and the additive
+        channels)."""
+        ws = self.working_set(raw)
+        d = ((self.derived(ws) - self.derived_mean) / self.derived_std).clamp(-Z_CLIP, Z_CLIP)
         extra = torch.stack([torch.ones_like(raw[:, 0]), raw[:, 0] / DIM_SCALE,
-                             raw[:, 0] * raw[:, 2] / LOOKUP_SCALE], dim=-1)
-        return torch.cat([self.encoder(x), extra.to(x.dtype)], dim=-1)
+                             raw[:, 0] * raw[:, 2] / LOOKUP_SCALE, ws / self.cache_bytes], dim=-1)
+        return torch.cat([self.encoder(torch.cat([x, d.to(x.dtype)], dim=-1)), extra.to(x.dtype)], dim=-1)
 
     def heads(self, sums: torch.Tensor, num_devices: torch.Tensor) -> torch.Tensor:
         """(..., 3) ms for fwd compute, bwd compute, comm from device sums (..., H); 0 for empty devices."""
@@ -142,8 +171,22 @@ class CostModel:
 
     # -- construction and persistence --------------------------------------------------------------------------
     @classmethod
-    def create(cls, config: CostModelConfig, scaler: FeatureScaler) -> "CostModel":
+    def create(cls, config: CostModelConfig, scaler: FeatureScaler, train_raw: np.ndarray | None = None
+               ) -> "CostModel":
+        """A fresh model; `train_raw` (raw features of the training tables) fits the derived inputs' scaling."""
         net = CostNet(config)
+        if train_raw is not None and len(train_raw):
+            with torch.no_grad():
+                d = net.derived(net.working_set(torch.as_tensor(np.asarray(train_raw, dtype=np.float32))))
+            d_std = d.std(0) if len(d) > 1 else torch.ones(NUM_DERIVED)
+            d_std = torch.where(d_std < 1e-3, torch.ones_like(d_std), d_std)
+            net.derived_mean.copy_(d.mean(0))
+            net.derived_std.copy_(d_std)
+            # The cache share keeps a fixed scale (not centred on this training set): with measurements from
+            # several machines in one model, the same table on a smaller cache must look different.
+            net.derived_mean[1] = 0.0
+            net.derived_std[1] = LOG_CACHE_SHARE_SCALE
+        config.derived_scaler = {"mean": net.derived_mean.tolist(), "std": net.derived_std.tolist()}
         # Access bins are fractions: a bin that is rare in the training pool has a tiny std, and an unseen
         # table using it would get a z-score in the hundreds. Floor their std; clip all z-scores (_scaled).
         std = np.asarray(scaler.std, dtype=np.float64).copy()

@@ -1,9 +1,11 @@
 """The MLflow pyfunc wrapper of the cost model (importable class: no pickled lambdas, nothing in __main__).
 
-Artifacts: `weights` (state_dict .pt) and `config` (JSON with the architecture and the feature scaler).
+Artifacts: `ensemble` (JSON: members, interval z) and per member k `member<k>_weights` (state_dict .pt) and
+`member<k>_config` (JSON with the architecture, the feature scaler, batch size and cache size).
 `predict` takes a DataFrame with one row per (shard, table): the 21 raw feature columns
 (embshard.features.FEATURE_NAMES), `shard` (int id) and `num_devices`; it returns one row per shard with
-fwd_compute_ms, bwd_compute_ms, comm_ms, total_ms. Python callers use `.model` (a CostModel) directly.
+fwd_compute_ms, bwd_compute_ms, comm_ms, total_ms and, per head, the ensemble's interval (`*_low`, `*_high`,
+fitted to hold 90% of measured validation costs). Python callers use `.model` (a CostEnsemble) directly.
 """
 from __future__ import annotations
 
@@ -16,19 +18,20 @@ class CostModelPyfunc(PythonModel):
         self.model = None
 
     def load_context(self, context) -> None:
-        from .model import CostModel
+        from .ensemble import CostEnsemble
 
-        self.model = CostModel.from_files(context.artifacts["weights"], context.artifacts["config"])
+        self.model = CostEnsemble.from_files(context.artifacts)
 
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         return predict_frame(self.model, model_input)
 
 
 def predict_frame(model, model_input: pd.DataFrame) -> pd.DataFrame:
-    """The pyfunc's output for `model_input` (one row per (shard, table)), from a CostModel."""
+    """The pyfunc's output for `model_input` (one row per (shard, table)), from a CostEnsemble."""
     import numpy as np
 
     from ..features import FEATURE_NAMES
+    from .ensemble import interval
 
     df = pd.DataFrame(model_input)
     out = []
@@ -37,10 +40,14 @@ def predict_frame(model, model_input: pd.DataFrame) -> pd.DataFrame:
         order = np.argsort(codes, kind="stable")
         bounds = np.cumsum(np.bincount(codes, minlength=len(ids)))[:-1]
         shards = np.split(order, bounds)
-        pred = model.predict_shards(part[FEATURE_NAMES].to_numpy(np.float32), shards, int(nd))
-        out.append(pd.DataFrame({"shard": ids, "num_devices": int(nd), "fwd_compute_ms": pred[:, 0],
-                                 "bwd_compute_ms": pred[:, 1], "comm_ms": pred[:, 2],
-                                 "total_ms": pred.sum(1)}))
+        per = model.member_predict_shards(part[FEATURE_NAMES].to_numpy(np.float32), shards, int(nd))
+        per = np.concatenate([per, per.sum(-1, keepdims=True)], axis=-1)  # (K, S, 4): the heads and the total
+        low, high = interval(per, model.interval_z)
+        cols = {"shard": ids, "num_devices": int(nd)}
+        for h, name in enumerate(("fwd_compute", "bwd_compute", "comm", "total")):
+            cols.update({f"{name}_ms": per[:, :, h].mean(0), f"{name}_ms_low": low[:, h],
+                         f"{name}_ms_high": high[:, h]})
+        out.append(pd.DataFrame(cols))
     return pd.concat(out, ignore_index=True)
 
 

@@ -1,8 +1,11 @@
 """Seeded training of the cost network with a validation split and early stopping.
 
-Loss: squared log-ratio log((pred + eps) / (true + eps)) per head, i.e. relative error, so that small and large
-shards count alike (MAPE and rank order are what the planners need); eps = 2% of the head's median keeps
-near-zero measurements from dominating. Stage 1 trains encoder + three heads on measured shards; stage 2
+Loss: squared log-ratio log((pred + eps) / (true + eps)) per head, i.e. relative error (MAPE and rank order are
+what the planners need); eps = 2% of the head's median keeps near-zero measurements from dominating. Two terms
+serve ranking: each shard is weighted by (its compute / the median)^expensive_weight, because the slowest
+device decides a placement and expensive shards are the ones that end up slowest; and a pairwise logistic loss
+(rank_weight) over pairs of shards in a batch whose measured compute differs by more than RANK_MIN_RATIO asks
+the model to order them as measured. Stage 1 trains encoder + three heads on measured shards; stage 2
 trains the overall head alone on placements assembled from measured shards (overall = max device total).
 """
 from __future__ import annotations
@@ -23,6 +26,9 @@ from .model import CostModel, CostModelConfig
 log = logging.getLogger(__name__)
 
 
+DEFAULT_MEMBERS = 3  # ensemble members (their disagreement is the model's uncertainty)
+
+
 @dataclass
 class TrainParams:
     seed: int = 0
@@ -33,6 +39,8 @@ class TrainParams:
     weight_decay: float = 1e-2
     batch_shards: int = 64
     overall_placements: int = 2000
+    expensive_weight: float = 0.5  # shard weight = (compute / median compute) ** this, clipped to [1/4, 4]
+    rank_weight: float = 0.1       # weight of the pairwise ranking loss (0: off)
     hidden: int = 128
     embed: int = 32
     head_hidden: int = 64
@@ -71,6 +79,20 @@ def _log_ratio(pred, true, eps, mask):
     return (err * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+RANK_MIN_RATIO = 1.15  # pairs closer than this are inside the measurement noise (benchmarks/results/label_noise.md)
+
+
+def _pairwise_rank(pred: torch.Tensor, true: torch.Tensor, nd: torch.Tensor) -> torch.Tensor:
+    """Logistic loss on the order of pairs (same device count, measured ratio > RANK_MIN_RATIO) by log cost."""
+    lp, lt = torch.log(pred.clamp(min=1e-9)), torch.log(true.clamp(min=1e-9))
+    dt = lt.unsqueeze(0) - lt.unsqueeze(1)
+    keep = (dt.abs() > float(np.log(RANK_MIN_RATIO))) & (nd.unsqueeze(0) == nd.unsqueeze(1))
+    if not keep.any():
+        return pred.sum() * 0.0
+    dp = lp.unsqueeze(0) - lp.unsqueeze(1)
+    return torch.nn.functional.softplus(-torch.sign(dt[keep]) * dp[keep] * 4.0).mean()
+
+
 def fit(data: CostData, params: TrainParams) -> tuple[CostModel, History]:
     torch.manual_seed(params.seed)
     rng = np.random.default_rng(params.seed)
@@ -83,10 +105,11 @@ def fit(data: CostData, params: TrainParams) -> tuple[CostModel, History]:
     y_tr = data.targets[tr]
     scale = [float(np.median(y_tr[y_tr[:, h] > 0, h])) if (y_tr[:, h] > 0).any() else 1.0 for h in range(3)]
     cfg = CostModelConfig(hidden=params.hidden, embed=params.embed, head_hidden=params.head_hidden,
-                          target_scale=scale, batch_size=data.batch_size, hardware=data.hardware,
+                          target_scale=scale, batch_size=data.batch_size, cache_bytes=data.cache_bytes,
+                          hardware=data.hardware,
                           backend=data.backend, dataset_hash=data.dataset_hash,
                           num_devices_seen=sorted(int(d) for d in np.unique(data.num_devices[tr])))
-    model = CostModel.create(cfg, scaler)
+    model = CostModel.create(cfg, scaler, data.features[used])
     net = model.net.train()
     _init_comm(net, data, tr, scale[2])
     raw = torch.from_numpy(data.features.astype(np.float32))
@@ -99,12 +122,21 @@ def fit(data: CostData, params: TrainParams) -> tuple[CostModel, History]:
     mask_all[:, 2] = (nd_all > 1).float()
     batch = _Batcher(data)
 
+    compute_all = y_all[:, :2].sum(1)
+    median_compute = float(compute_all[torch.from_numpy(tr)].median()) if len(tr) else 1.0
+    weight_all = (compute_all / max(median_compute, 1e-9)).clamp(min=1e-9) ** params.expensive_weight
+    weight_all = weight_all.clamp(0.25, 4.0)
+
     def loss_of(idx: np.ndarray) -> torch.Tensor:
         flat, seg = batch(idx)
         sums = _sums(net, x, raw, flat, seg, len(idx))
         t = torch.from_numpy(idx)
         pred = net.heads(sums, nd_all[t])
-        return _log_ratio(pred, y_all[t], eps, mask_all[t])
+        w = weight_all[t] / weight_all[t].mean()
+        loss = _log_ratio(pred, y_all[t], eps, mask_all[t] * w.unsqueeze(1))
+        if params.rank_weight > 0:
+            loss = loss + params.rank_weight * _pairwise_rank(pred[:, :2].sum(1), compute_all[t], nd_all[t])
+        return loss
 
     # Weight decay on the nonlinear parts only: the linear skips (the analytic, additive trend) stay free, the
     # MLPs must earn their corrections; this is what keeps unseen tables sane when few tables were measured.
@@ -238,3 +270,37 @@ def _fit_overall(model: CostModel, data: CostData, params: TrainParams, hist: Hi
         raise EmbshardError("the overall head's validation loss was never finite: no weights to keep",
                             fix="check the measured costs for NaN/inf, or raise max_epochs")
     net.overall.load_state_dict(best_state)
+
+
+def fit_ensemble(data: CostData, params: TrainParams, members: int = DEFAULT_MEMBERS, subsample: float = 0.85):
+    """(CostEnsemble, History of the first member): `members` networks, each with its own seed and its own random
+    `subsample` of the training shards (validation stays shared), so that they disagree where data is thin.
+    The interval's z is fitted on the validation shards (costmodel.ensemble.fit_interval_z)."""
+    import dataclasses
+
+    from .ensemble import CostEnsemble, fit_interval_z
+
+    if members < 1:
+        raise EmbshardError(f"{members} ensemble members", field="members",
+                            fix=f"use 1 or more (default {DEFAULT_MEMBERS})")
+    models, first = [], None
+    tr = data.index("train")
+    for k in range(members):
+        split = data.split
+        if members > 1:
+            rng = np.random.default_rng(params.seed * 1000 + k)
+            split = split.copy()
+            split[tr[rng.random(len(tr)) > subsample]] = ""  # left out of this member's training
+        model, hist = fit(dataclasses.replace(data, split=split), dataclasses.replace(params, seed=params.seed + k))
+        models.append(model)
+        first = first or hist
+        log.info("cost model: member %d of %d trained", k + 1, members)
+    ens = CostEnsemble(models)
+    va = data.index("val")
+    if members > 1 and len(va):
+        from .ensemble import member_predictions
+
+        per = member_predictions(ens, data, va).sum(-1)  # (K, V) totals
+        ens.interval_z = fit_interval_z(per, data.targets[va].sum(1))
+    assert first is not None
+    return ens, first

@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 def _row(sample_id, table_ids, m: dict, cfg: BenchConfig, origin, chunk) -> dict:
     return {"sample_id": sample_id, "table_ids": list(table_ids), **{k: m[k] for k in (
         "fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")},
-        "hardware": cfg.hardware, "backend": cfg.backend, "batch_size": cfg.batch_size,
+        "hardware": cfg.hardware, "cache_bytes": cfg.cache_bytes, "backend": cfg.backend,
+        "batch_size": cfg.batch_size,
         "iterations": m["iterations"], "measured_at": pd.Timestamp.now(tz="UTC"),
         "num_devices": m["num_devices"], "comm_source": cfg.comm_source, "row_scale": m["row_scale"],
         "spread": m["spread"], "origin": origin, "chunk": chunk,

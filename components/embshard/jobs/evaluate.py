@@ -27,7 +27,7 @@ from ..bench.runner import MeasureSettings
 from ..errors import EmbshardError
 from ..placement import Placement
 from ..planners.baselines import BASELINES, GREEDY_BASELINES
-from ..ruler import DEFAULT_ROUNDS, Entry, distinct_shards, measure_rounds
+from ..ruler import DEFAULT_ROUNDS, Entry, distinct_shards, measure_rounds, round_settings
 from ..tableset import TableSet
 from ..types import load_tasks
 
@@ -61,6 +61,10 @@ def main(args) -> int:
               settings=MeasureSettings(batch_size=args.batch_size or None, timer=args.timer,
                                        statistic=args.statistic))
     print(res["summary_text"])
+    rk = res["ranking"]
+    if rk["pairs"]:
+        print(f"cost model ranking: it orders {rk['correct']} of the {rk['pairs']} placement pairs the ruler tells "
+              f"apart the same way ({100 * rk['accuracy']:.0f}%)")
     print(f"wrote {res['evaluation']}, {res['ratios']} and {res['plot']}")
     return 0
 
@@ -105,12 +109,18 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     for t in task_list:
         check_feasible(t.tables, t.num_devices, t.memory_bytes_per_device, f"{os.fspath(tasks)} (task {t.task_id})")
     settings = settings or MeasureSettings()
-    bench_kw = settings.kwargs()
+    # The lower bound's measurements (each table alone, all tables fused) take a round's timed work, not a full
+    # single measurement's: the bound is a reference, and the singles were most of an evaluation's time.
+    bench_kw = round_settings(settings).kwargs()
     labels = entry_labels(planners)
     planner_objs = {name: get_planner(name, **(planner_kw or {}).get(name, {})) for name in dict.fromkeys(planners)}
     rows, placements, ratio_rows = [], [], []
     round_costs: dict[str, dict[str, list[float]]] = {}
     singles_cache: dict = {}
+    ranking = {"pairs": 0, "correct": 0}
+    # The cost model that judges placements (the learned planner's): how often it orders two placements of a
+    # task the way the ruler does, on the pairs the ruler tells apart (paired interval clear of 1).
+    judge = next((m for m in (getattr(p, "cost_model", None) for p in planner_objs.values()) if m is not None), None)
     t_start = time.perf_counter()
     shard_measurements = 0
     bar = tqdm(total=len(task_list), desc="evaluate (measured rounds)", unit="task", disable=not progress)
@@ -134,6 +144,10 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
             np.zeros((0, int(rounds))), np.zeros((0, D, int(rounds))))
         shard_measurements += distinct_shards(entries) * int(rounds) if entries else 0
         by_label = {e.label: costs[j] for j, e in enumerate(entries)}
+        if judge is not None:
+            pairs, correct = ranking_agreement(judge, entries, costs)
+            ranking["pairs"] += pairs
+            ranking["correct"] += correct
         round_costs[t.task_id] = {k: [float(x) for x in v] for k, v in by_label.items()}
         # The lower bound (once per task): each table alone, and all tables fused on one device.
         singles = measured_singles(sub, D, bench_kw, singles_cache)
@@ -206,7 +220,31 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     return {"evaluation": eval_path, "ratios": storage.join(out, "ratios.parquet"), "plot": plot_path, "frame": df,
             "ratio_frame": ratios, "summary": summary, "summary_text": format_summary(summary, int(rounds)),
             "round_costs": round_costs, "rounds": int(rounds), "wall_s": wall,
+            "ranking": {**ranking, "accuracy": ranking["correct"] / ranking["pairs"] if ranking["pairs"] else
+                        float("nan")},
             "shard_measurements": shard_measurements}
+
+
+def ranking_agreement(model, entries: list[Entry], costs: np.ndarray) -> tuple[int, int]:
+    """(pairs the ruler tells apart, pairs the cost model orders the same way) among one task's placements.
+
+    A pair counts when the 95% interval of its paired per-round ratio excludes 1 (a difference beyond the noise);
+    repeated entries of one planner (A/A) are left out. The model's order is that of its predicted slowest device.
+    """
+    from ..planners.scoring import placement_costs
+
+    keep = [j for j, e in enumerate(entries) if "#" not in e.label]
+    pred = {j: float(placement_costs(model, entries[j].placement).max()) for j in keep}
+    pairs = correct = 0
+    for a in range(len(keep)):
+        for b in range(a + 1, len(keep)):
+            i, j = keep[a], keep[b]
+            med, lo, hi = stats.median_ci(costs[i] / costs[j])
+            if not (lo > 1.0 or hi < 1.0) or pred[i] == pred[j]:
+                continue
+            pairs += 1
+            correct += int((pred[i] > pred[j]) == (med > 1.0))
+    return pairs, correct
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:

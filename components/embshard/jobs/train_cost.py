@@ -1,10 +1,14 @@
 """The train_cost_model stage: costs + tables -> trained model, honest accuracy report, MLflow run + registry.
 
 Accuracy is reported on the `heldout` split (unseen shards of seen tables) and the `unseen` split (shards made
-only of tables never seen in training), per head (fwd_compute, bwd_compute, comm, total_compute, total),
-for the learned model and the two references side by side. The comparison set of a split is its shards of
->= 2 tables whose tables were all measured alone (the single-table reference needs that; on a single-table
-shard it would be exact by definition); the learned model is also reported on every shard of the split.
+only of tables never seen in training), per head (fwd_compute, bwd_compute, comm) and for compute alone
+(fwd + bwd: where placements differ), for the learned model and the two references side by side. No total over
+compute and comm is reported: comm is a fitted formula, near exact, and would make any total look small.
+Also per split: the calibration of the ensemble's interval (the share of measured costs inside it), and the
+compute error on shards whose rows were capped to fit the measuring machine against those that were not.
+The registered model is the ensemble that was evaluated (no refit after the report). The comparison set of a
+split is its shards of >= 2 tables whose tables were all measured alone (the single-table reference needs that;
+on a single-table shard it would be exact by definition); the learned model is also reported on every shard.
 """
 from __future__ import annotations
 
@@ -21,29 +25,55 @@ import numpy as np
 from .. import registry
 from ..costmodel import REGISTERED_NAME
 from ..costmodel.data import CostData, assemble_placements, load
-from ..costmodel.model import HEADS, CostModel
+from ..costmodel.ensemble import INTERVAL_LEVEL, coverage, interval, member_predictions
 from ..costmodel.reference import AnalyticEstimator, metrics, sum_of_singles, with_totals
-from ..costmodel.train import History, TrainParams, fit
+from ..costmodel.train import DEFAULT_MEMBERS, History, TrainParams, fit_ensemble
 from ..features import FEATURE_NAMES
 from ..schemas import FEATURE_VERSION
 from ..tableset import TableSet
 
 log = logging.getLogger(__name__)
 
-EVAL_HEADS = ("fwd_compute", "bwd_compute", "comm", "total_compute", "total")
+EVAL_HEADS = ("fwd_compute", "bwd_compute", "comm", "total_compute")
 ESTIMATORS = ("learned", "sum_singles", "analytic")
 
 
-def predict_rows(model: CostModel, data: CostData, idx: np.ndarray) -> np.ndarray:
-    """(len(idx), 3) predictions of measured shards, one batched call per device count."""
-    out = np.zeros((len(idx), len(HEADS)))
-    for d in np.unique(data.num_devices[idx]):
-        sel = np.flatnonzero(data.num_devices[idx] == d)
-        out[sel] = model.predict_shards(data.features, [data.shards[s] for s in idx[sel]], int(d))
+def predict_rows(model, data: CostData, idx: np.ndarray) -> np.ndarray:
+    """(len(idx), 3) predictions (the ensemble's mean) of measured shards."""
+    return member_predictions(model, data, idx).mean(0)
+
+
+def calibration(model, data: CostData, idx: np.ndarray) -> dict:
+    """Share of measured costs inside the ensemble's interval, per head and for compute, with the interval's
+    median relative half-width (how wide it had to be)."""
+    per = member_predictions(model, data, idx)
+    z = float(getattr(model, "interval_z", 0.0))
+    heads = {"fwd_compute": per[..., 0], "bwd_compute": per[..., 1], "total_compute": per[..., :2].sum(-1)}
+    truth = {"fwd_compute": data.targets[idx, 0], "bwd_compute": data.targets[idx, 1],
+             "total_compute": data.targets[idx, :2].sum(1)}
+    out: dict = {"level": INTERVAL_LEVEL, "z": z}
+    for h, p in heads.items():
+        lo, hi = interval(p, z)
+        mean = p.mean(0)
+        width = np.median((hi - lo) / 2 / np.maximum(mean, 1e-12)) if len(mean) else float("nan")
+        out[h] = {"coverage": coverage(p, truth[h], z), "half_width": float(width)}
     return out
 
 
-def evaluate(model: CostModel, data: CostData, analytic: AnalyticEstimator, seed: int = 0) -> dict:
+def capped_breakdown(model, data: CostData, idx: np.ndarray) -> dict:
+    """Compute MAPE on shards measured with rows capped (row_scale < 1) and on the others."""
+    if "row_scale" not in data.frame.columns:
+        return {}
+    scale = data.frame["row_scale"].to_numpy(float)[idx]
+    pred = predict_rows(model, data, idx)[:, :2].sum(1)
+    true = data.targets[idx, :2].sum(1)
+    out = {}
+    for name, sel in (("capped", scale < 0.999), ("uncapped", ~(scale < 0.999))):
+        out[name] = metrics(pred[sel], true[sel]) if sel.any() else {"n": 0}
+    return out
+
+
+def evaluate(model, data: CostData, analytic: AnalyticEstimator, seed: int = 0) -> dict:
     """Nested report: report[split][estimator][head] = {mape, rmse, spearman, n}, plus coverage and overall."""
     report: dict = {}
     for split in ("heldout", "unseen"):
@@ -64,6 +94,8 @@ def evaluate(model: CostModel, data: CostData, analytic: AnalyticEstimator, seed
         lt = with_totals(learned)
         rep["learned_all_shards"] = {h: metrics(lt[h], true[h]) for h in EVAL_HEADS}
         rep["overall"] = _evaluate_overall(model, data, idx, seed)
+        rep["calibration"] = calibration(model, data, idx)
+        rep["rows_capped"] = capped_breakdown(model, data, idx)
         if "spread" in data.frame.columns:
             sp = data.frame["spread"].to_numpy(float)[idx]
             rep["noise_spread_median"] = float(np.nanmedian(sp)) if np.isfinite(sp).any() else float("nan")
@@ -71,7 +103,7 @@ def evaluate(model: CostModel, data: CostData, analytic: AnalyticEstimator, seed
     return report
 
 
-def _evaluate_overall(model: CostModel, data: CostData, idx: np.ndarray, seed: int) -> dict:
+def _evaluate_overall(model, data: CostData, idx: np.ndarray, seed: int) -> dict:
     import torch
 
     pls = assemble_placements(data, idx, 300, seed + 7)
@@ -88,17 +120,15 @@ def _evaluate_overall(model: CostModel, data: CostData, idx: np.ndarray, seed: i
             "max_of_device_totals": metrics(np.array(max_pred), np.array(true))}
 
 
-def _flat_metrics(report: dict) -> dict[str, float]:
-    out = {}
-    for split, rep in report.items():
-        for key, val in rep.items():
-            if isinstance(val, dict):
-                for head, m in val.items():
-                    for name, x in m.items():
-                        if name != "n" and x == x:  # skip NaN
-                            out[f"{split}.{key}.{head}.{name}"] = float(x)
-            elif isinstance(val, (int, float)) and val == val:
-                out[f"{split}.{key}"] = float(val)
+def _flat_metrics(report: dict, prefix: str = "") -> dict[str, float]:
+    """MLflow metrics from the nested report: dotted keys, finite numbers only (counts `n` left out)."""
+    out: dict[str, float] = {}
+    for key, val in report.items():
+        name = f"{prefix}{key}"
+        if isinstance(val, dict):
+            out.update(_flat_metrics(val, name + "."))
+        elif isinstance(val, (int, float)) and key != "n" and np.isfinite(val):
+            out[name] = float(val)
     return out
 
 
@@ -120,10 +150,21 @@ def summary_table(report: dict) -> str:
         if ov:
             lines.append(f"  overall (assembled placements): head MAPE {ov['overall_head']['mape']:.1f}%, "
                          f"max-of-device-totals MAPE {ov['max_of_device_totals']['mape']:.1f}%")
+        cal = rep.get("calibration") or {}
+        if "total_compute" in cal:
+            c = cal["total_compute"]
+            lines.append(f"  interval ({100 * cal['level']:.0f}% target, z={cal['z']:.2f}): holds "
+                         f"{100 * c['coverage']:.0f}% of measured compute costs, median half-width "
+                         f"{100 * c['half_width']:.0f}%")
+        cap = rep.get("rows_capped") or {}
+        if cap.get("capped", {}).get("n") and cap.get("uncapped", {}).get("n"):
+            lines.append(f"  compute MAPE on shards with capped rows {cap['capped']['mape']:.1f}% "
+                         f"(n={cap['capped']['n']}), uncapped {cap['uncapped']['mape']:.1f}% "
+                         f"(n={cap['uncapped']['n']})")
     return "\n".join(lines)
 
 
-def _plots(model: CostModel, data: CostData, hist: History, folder: str) -> dict[str, str]:
+def _plots(model, data: CostData, hist: History, folder: str) -> dict[str, str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,14 +212,16 @@ def _plots(model: CostModel, data: CostData, hist: History, folder: str) -> dict
 
 def run(costs: str | list[str], tables: str, out: str | None = None, *, seed: int = 0, alias: str | None = None,
         max_epochs: int = 400, patience: int = 60, register: bool = True,
-        experiment: str = registry.DEFAULT_EXPERIMENT, refit_all: bool = True) -> dict:
+        experiment: str = registry.DEFAULT_EXPERIMENT, members: int = DEFAULT_MEMBERS,
+        calibration_dir: str | None = None) -> dict:
     """Train, evaluate, log and register the cost model.
 
-    `refit_all`: after the report, refit on all measured train-pool shards (the held-out ones too) and register
-    that model (the report then describes the training procedure, not the registered weights' own test set).
+    `members`: networks in the ensemble (costmodel.train.fit_ensemble); the evaluated ensemble is registered.
+    `calibration_dir`: where the costs' communication calibration is (comm_calibration.json, by hardware); the
+    model records the entry of its hardware, so whoever uses the model knows which all-to-all it learned.
     `out`: folder for the model files, plots and report.json (and the default MLflow sqlite store);
     a temporary folder when None. `alias` (e.g. "challenger") is set on the new registered version.
-    Returns {"model" (the trained CostModel), "report", "metrics", "model_uri", "model_version", "run_id",
+    Returns {"model" (the trained CostEnsemble), "report", "metrics", "model_uri", "model_version", "run_id",
     "out", "summary", "splits", "history", "tracking_uri"}.
     """
     import mlflow
@@ -188,26 +231,22 @@ def run(costs: str | list[str], tables: str, out: str | None = None, *, seed: in
     t0 = time.perf_counter()
     data = load(costs, tables, seed=seed)
     params = TrainParams(seed=seed, max_epochs=max_epochs, patience=patience)
-    model, hist = fit(data, params)
+    model, hist = fit_ensemble(data, params, members)
+    if calibration_dir is not None:
+        from ..bench.comm import run_calibration
+
+        calibration = run_calibration(calibration_dir, data.hardware)
+        for m in model.members:
+            m.config.comm_calibration = calibration
     analytic = AnalyticEstimator().fit(data, data.index("train"))
     report = evaluate(model, data, analytic, seed=seed)
-    eval_model = model
-    if refit_all:
-        # The report above measures the procedure honestly; the model that gets registered then learns from
-        # every measured train-pool shard (the held-out ones too). Test-pool shards stay out: the held-out
-        # tasks that evaluate the planner are made of those tables (embshard.pools).
-        import dataclasses
-
-        split = data.split.copy()
-        split[split == "heldout"] = "train"
-        model, _ = fit(dataclasses.replace(data, split=split), params)
     flat = _flat_metrics(report)
     summary = summary_table(report)
 
     out = os.path.abspath(out) if out else tempfile.mkdtemp(prefix="embshard-cost-")
     os.makedirs(out, exist_ok=True)
     artifacts = model.save(os.path.join(out, "model"))
-    plots = _plots(eval_model, data, hist, out)  # parity of the honestly evaluated model
+    plots = _plots(model, data, hist, out)
     counts = {s: int((data.split == s).sum()) for s in ("train", "val", "heldout", "unseen")}
     full = {"report": report, "splits": counts, "dropped": data.dropped, "analytic": analytic.to_dict(),
             "best_epoch": hist.best_epoch, "epochs": len(hist.val_loss)}
@@ -220,7 +259,7 @@ def run(costs: str | list[str], tables: str, out: str | None = None, *, seed: in
     # Nested when called inside another run (the policy's outer loop refits the cost model).
     with registry.start_run(run_name="train-cost", nested=mlflow.active_run() is not None) as active:
         mlflow.set_tags({f"embshard.{k}": v for k, v in tags.items()})
-        mlflow.log_params({"seed": seed, "refit_all": refit_all, "max_epochs": max_epochs,
+        mlflow.log_params({"seed": seed, "members": members, "max_epochs": max_epochs,
                            "patience": patience, "lr": params.lr, "hidden": params.hidden, "embed": params.embed,
                            "head_hidden": params.head_hidden, "batch_shards": params.batch_shards,
                            "costs": costs, "tables": tables, "batch_size": data.batch_size,
@@ -263,6 +302,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="folder for model files, plots, report.json and the "
                                                     "default MLflow store (default: a temporary folder)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--members", type=int, default=DEFAULT_MEMBERS,
+                        help=f"ensemble members (default {DEFAULT_MEMBERS}; their disagreement is the uncertainty)")
     parser.add_argument("--alias", default=None, help="alias to set on the new version, e.g. challenger")
     parser.add_argument("--max-epochs", type=int, default=400)
     parser.add_argument("--no-register", action="store_true", help="log the run but do not register a model")
@@ -270,7 +311,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     res = run(args.costs, args.tables, args.out, seed=args.seed, alias=args.alias,
-              max_epochs=args.max_epochs, register=not args.no_register)
+              max_epochs=args.max_epochs, register=not args.no_register, members=args.members)
     sp = res["splits"]
     print(f"shards: train {sp['train']}, val {sp['val']}, heldout {sp['heldout']}, unseen {sp['unseen']}")
     print(res["summary"])

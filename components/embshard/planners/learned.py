@@ -126,7 +126,7 @@ class LearnedPlanner(Planner):
             "planning_time_s": time.perf_counter() - start,
             "column_splits": sum(s.col_size is not None for s in shards),
             "search_evaluations": budget.used, "search_budget": budget.evaluations,
-            "time_cap_hit": budget.cap_hit,
+            "time_cap_hit": budget.cap_hit, "search_guard_stops": budget.guard_stops,
         })
         if budget.cap_hit:
             log.warning("%s: the search hit its %.1f s safety cap after %d of %d evaluations; this plan depends "

@@ -37,6 +37,20 @@ class TaskScorer:
             self.enc = cost_model.encode(np.asarray(features, dtype=np.float64)).float()  # (N, H)
         self.dim = self.enc.shape[1]
 
+    @property
+    def has_members(self) -> bool:
+        """Whether the cost model is an ensemble with more than one member (then it has an uncertainty)."""
+        return len(getattr(self.cost_model, "members", ())) > 1
+
+    @torch.no_grad()
+    def member_totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """(K, ...) device totals per ensemble member (K = 1 for a single model); empty devices cost 0."""
+        if self.has_members:
+            out = self.cost_model.member_totals_from_sums(sums, self.num_devices)
+        else:
+            out = self.cost_model.totals_from_sums(sums, self.num_devices).unsqueeze(0)
+        return torch.where(counts > 0, out, torch.zeros_like(out))
+
     @torch.no_grad()
     def totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Device totals (ms) from summed encodings (..., H) and table counts (...); empty devices cost 0."""

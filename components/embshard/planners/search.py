@@ -5,6 +5,10 @@ Local search repeatedly takes the slowest device and tries every move of one of 
 every swap with a piece elsewhere, all scored in one batched call; it applies the best one that lowers the
 slowest device's cost (or, at equal maximum, the spread), within memory. Column-wise splits (NeuroShard) halve
 a dominant table on the slowest device when that lowers the predicted cost.
+
+The search does not exploit the model's errors: with an ensemble cost model (costmodel.ensemble) a move that
+claims to lower the slowest device is taken only when its predicted gain (the members' mean) exceeds
+GUARD_Z x the members' disagreement about that gain; otherwise the search stops there (`Budget.guard_stops`).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from .scoring import TaskScorer, piece_features
 
 _REL_TOL = 1e-6
 MIN_SPLIT_DIM = 4  # FBGEMM wants dims that are multiples of 4
+GUARD_Z = 1.0      # a move's mean predicted gain must exceed this many standard deviations of the members' gains
 
 
 @dataclass
@@ -66,6 +71,7 @@ class Budget:
     deadline: float = float("inf")
     used: int = 0
     cap_hit: bool = False
+    guard_stops: int = 0  # searches stopped because the best move's gain was inside the model's uncertainty
 
     def spend(self, n: int) -> None:
         self.used += int(n)
@@ -85,6 +91,7 @@ class Budget:
     def absorb(self, sub: "Budget") -> None:
         self.used += sub.used
         self.cap_hit |= sub.cap_hit
+        self.guard_stops += sub.guard_stops
 
 
 def local_search(state: SearchState, budget: Budget, max_rounds: int = 10_000) -> SearchState:
@@ -108,6 +115,9 @@ def local_search(state: SearchState, budget: Budget, max_rounds: int = 10_000) -
         if best is None:
             break
         kind, p, q = best
+        if not _trusted(state, kind, p, q):
+            budget.guard_stops += 1
+            break
         if kind == "move":
             state.apply_move(p, q)
         else:
@@ -115,6 +125,30 @@ def local_search(state: SearchState, budget: Budget, max_rounds: int = 10_000) -
             state.apply_move(p, d)
             state.apply_move(q, b)
     return state
+
+
+def _trusted(state: SearchState, kind: str, p: int, q: int) -> bool:
+    """Whether the ensemble's members agree that this move lowers the slowest device beyond their disagreement.
+    Moves that only even out the other devices (no predicted gain in the maximum) are always allowed."""
+    sc = state.scorer
+    if not sc.has_members:
+        return True
+    sums = state.sums.clone()
+    counts = state.counts.clone()
+    moves = [(p, q)] if kind == "move" else [(p, int(state.assignment[q])), (q, int(state.assignment[p]))]
+    for piece, dst in moves:
+        src = int(state.assignment[piece])
+        sums[src] -= sc.enc[piece]
+        sums[dst] += sc.enc[piece]
+        counts[src] -= 1
+        counts[dst] += 1
+    before = sc.member_totals(state.sums, state.counts).amax(-1)  # (K,)
+    after = sc.member_totals(sums, counts).amax(-1)
+    gain = (before - after).double()
+    mean = float(gain.mean())
+    if mean <= _REL_TOL * max(float(before.mean()), 1e-9):
+        return True  # a spread move: the maximum does not change
+    return mean > GUARD_Z * float(gain.std(correction=0))
 
 
 def _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq):

@@ -44,11 +44,12 @@ class PolicyPythonModel(PythonModel):
     """pyfunc wrapper: load_context restores the policy and its cost model from the logged artifacts."""
 
     def load_context(self, context):
-        from ..costmodel.model import CostModel
+        from ..costmodel.ensemble import CostEnsemble
 
         a = context.artifacts
         self.policy, self.config = load_policy_files(a["policy_weights"], a["policy_config"])
-        self.cost_model = CostModel.from_files(a["cost_weights"], a["cost_config"])
+        self.cost_model = CostEnsemble.from_files({k[len("cost_"):]: v for k, v in a.items()
+                                                   if k.startswith("cost_")})
 
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
         from .. import schemas
@@ -78,7 +79,7 @@ def policy_artifacts(policy: PolicyNet, cost_model, folder: str, extra: dict | N
     """Artifacts of the bundle: the policy's files and the cost model's weights/config."""
     arts = save_policy(policy, os.path.join(folder, "policy"), extra)
     cost = cost_model.save(os.path.join(folder, "cost_model"))
-    arts.update({"cost_weights": cost["weights"], "cost_config": cost["config"]})
+    arts.update({f"cost_{k}": v for k, v in cost.items()})
     return arts
 
 

@@ -1,0 +1,70 @@
+"""The memory hierarchy of the machine a measurement ran on: what the cost model compares working sets with.
+
+A device shard's kernels are memory-bound: whether the rows a batch touches fit in the last-level cache (CPU
+L3, GPU L2) decides much of their cost. The benchmark records `cache_bytes` with every measured row; models
+trained on those rows carry it (embshard.costmodel), so the hardware enters the model.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+# L2 of GPUs by name (bytes), for measurements recorded before `cache_bytes` existed (no device to ask then).
+KNOWN_GPU_L2 = {"H100": 50 * 2**20, "H200": 50 * 2**20, "A100": 40 * 2**20, "L4": 48 * 2**20,
+                "V100": 6 * 2**20, "T4": 4 * 2**20}
+FALLBACK_CACHE_BYTES = 32 * 2**20
+
+
+def _parse_size(text: str) -> int | None:
+    text = text.strip().upper()
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        return None
+
+
+def cpu_last_level_cache() -> int | None:
+    """Bytes of the largest cache level of CPU 0 (sysfs), None where the kernel does not say."""
+    best: tuple[int, int] | None = None
+    for folder in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            with open(os.path.join(folder, "level"), encoding="utf-8") as f:
+                level = int(f.read())
+            with open(os.path.join(folder, "size"), encoding="utf-8") as f:
+                size = _parse_size(f.read())
+        except (OSError, ValueError):
+            continue
+        if size and (best is None or level > best[0]):
+            best = (level, size)
+    return best[1] if best else None
+
+
+def device_cache_bytes(device: str) -> int:
+    """The last-level cache of the device measurements run on: GPU L2 from the driver, CPU L3 from sysfs."""
+    if device.startswith("cuda"):
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.device(device))
+        size = int(getattr(props, "L2_cache_size", 0) or 0)
+        if size > 0:
+            return size
+        return cache_bytes_of(f"cuda:{props.name}")
+    return cpu_last_level_cache() or FALLBACK_CACHE_BYTES
+
+
+def cache_bytes_of(hardware: str) -> int:
+    """Best guess from a recorded hardware name ('cpu:<model>' or 'cuda:<name>') for rows without cache_bytes:
+    a known GPU's L2; for CPUs this machine's cache (the rows were most likely measured here)."""
+    if hardware.startswith("cuda"):
+        for name, size in KNOWN_GPU_L2.items():
+            if name in hardware:
+                return size
+        log.warning("unknown GPU %r: assuming a %d MiB L2", hardware, FALLBACK_CACHE_BYTES >> 20)
+        return FALLBACK_CACHE_BYTES
+    return cpu_last_level_cache() or FALLBACK_CACHE_BYTES

@@ -1,0 +1,103 @@
+"""`embshard predict`: what will a device shard cost? The cost model's answer per shard, with its interval.
+
+Input: a tables file (tables contract) and a shards file (shards contract: sample_id, table_ids, num_devices,
+origin; Parquet, or CSV with table_ids separated by spaces or semicolons). Output (Parquet, or CSV by the
+extension): one row per shard with the predicted forward and backward compute, communication and total ms,
+each with the ensemble's interval (`*_low`, `*_high`: calibrated to hold 90% of measured validation costs), the
+shard's working set (bytes of weights a measured batch touches, and its share of the model's cache), and the
+model, its hardware and batch size. Predictions are for the hardware the model was measured on.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+import pandas as pd
+
+from .. import schemas, storage
+from ..errors import EmbshardError
+from ..registry import COST_CHAMPION_URI
+
+
+def read_shards(path: str) -> pd.DataFrame:
+    """A shards file: Parquet (contract), or CSV with `table_ids` as space/semicolon-separated ids."""
+    if path.lower().endswith(".csv"):
+        try:
+            df = pd.read_csv(path, dtype={"sample_id": str, "table_ids": str})
+        except (OSError, ValueError) as exc:
+            raise EmbshardError(f"cannot read the shards CSV ({str(exc).splitlines()[0][:100]})", path=path,
+                                fix="give a CSV with columns sample_id, table_ids, num_devices") from None
+        if "table_ids" not in df.columns:
+            raise EmbshardError("no table_ids column", path=path, field="table_ids",
+                                fix="list each shard's table ids, separated by spaces or semicolons")
+        df["table_ids"] = [str(v).replace(";", " ").split() if isinstance(v, str) else [] for v in df["table_ids"]]
+        df["origin"] = df.get("origin", "user")
+        return schemas.validate(df, "shards", path)
+    return schemas.read(path, "shards")
+
+
+def run(tables: str, shards: str, out: str, model_uri: str = COST_CHAMPION_URI) -> pd.DataFrame:
+    from .. import costmodel
+    from ..costmodel.ensemble import interval
+    from ..features import working_set_bytes
+    from ..tableset import TableSet
+
+    ts = TableSet.read(tables)
+    sdf = read_shards(shards)
+    if len(sdf) == 0:
+        raise EmbshardError("no shards", path=shards, fix="list at least one shard")
+    row_of = {str(t): i for i, t in enumerate(ts.table_ids)}
+    missing = sorted({t for ids in sdf["table_ids"] for t in ids if t not in row_of})
+    if missing:
+        raise EmbshardError(f"{len(missing)} table ids are not in the tables file, e.g. {missing[:3]}", path=shards,
+                            field="table_ids", fix=f"use ids of {os.fspath(tables)}")
+    model = costmodel.load(model_uri)
+    feats = ts.features()
+    cfg = model.config
+    ws = working_set_bytes(feats, int(cfg.batch_size or 1024))
+    rows = [np.array([row_of[t] for t in ids], dtype=np.int64) for ids in sdf["table_ids"]]
+    out_df = pd.DataFrame({"sample_id": sdf["sample_id"].astype(str), "num_tables": [len(r) for r in rows],
+                           "num_devices": sdf["num_devices"].astype(int)})
+    cols: dict[str, np.ndarray] = {}
+    for d in sorted(out_df["num_devices"].unique()):
+        sel = np.flatnonzero(out_df["num_devices"].to_numpy() == d)
+        per = model.member_predict_shards(feats, [rows[i] for i in sel], int(d))
+        per = np.concatenate([per, per.sum(-1, keepdims=True)], axis=-1)  # heads and the total
+        low, high = interval(per, model.interval_z)
+        for h, name in enumerate(("fwd_compute", "bwd_compute", "comm", "total")):
+            for suffix, val in (("", per[:, :, h].mean(0)), ("_low", low[:, h]), ("_high", high[:, h])):
+                cols.setdefault(f"{name}_ms{suffix}", np.full(len(out_df), np.nan))[sel] = val
+    for k, v in cols.items():
+        out_df[k] = v
+    out_df["working_set_bytes"] = [float(ws[r].sum()) for r in rows]
+    out_df["working_set_over_cache"] = out_df["working_set_bytes"] / float(cfg.cache_bytes)
+    out_df["model"] = model_uri
+    out_df["hardware"] = cfg.hardware
+    out_df["batch_size"] = int(cfg.batch_size or 0)
+    with storage.atomic_write(out) as f:
+        if out.lower().endswith(".csv"):
+            f.write(out_df.to_csv(index=False).encode())
+        else:
+            out_df.to_parquet(f, index=False)
+    return out_df
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tables", required=True, help="tables.parquet (or a spec the ingest stage wrote)")
+    p.add_argument("--shards", required=True, help="shards file: Parquet (shards contract) or CSV "
+                                                   "(sample_id, table_ids separated by spaces, num_devices)")
+    p.add_argument("--model", default=COST_CHAMPION_URI, help=f"cost model URI or folder (default {COST_CHAMPION_URI})")
+    p.add_argument("--out", required=True, help="output file (.parquet, or .csv)")
+
+
+def main(args: argparse.Namespace) -> int:
+    df = run(args.tables, args.shards, args.out, args.model)
+    show = df[["sample_id", "num_tables", "num_devices", "total_ms", "total_ms_low", "total_ms_high"]].head(10)
+    with pd.option_context("display.width", 160, "display.float_format", "{:.3f}".format):
+        print(show.to_string(index=False))
+    if len(df) > 10:
+        print(f"... {len(df) - 10} more")
+    print(f"wrote {len(df)} shards to {args.out} (model {args.model}, {df['hardware'].iloc[0]}, "
+          f"batch {df['batch_size'].iloc[0]})")
+    return 0
