@@ -104,7 +104,7 @@ def _run(args, jobs: list[str], out: str, work: str) -> int:
         write_text(os.path.join(out, "costmodel.md"), text)
         pages["costmodel"] = {"md": "costmodel.md", "headline": head}
         progress("cost model: " + "; ".join(
-            f"{s} total MAPE learned {h['learned']['mape']:.1f}% vs sum-of-singles {h['sum_singles']['mape']:.1f}% "
+            f"{s} compute MAPE learned {h['learned']['mape']:.1f}% vs sum-of-singles {h['sum_singles']['mape']:.1f}% "
             f"vs analytic {h['analytic']['mape']:.1f}%" for s, h in head.items()))
 
     # 3. Placement quality, measured.
