@@ -135,8 +135,11 @@ def test_trigger_form_submits_with_defaults(airflow):
             page.get_by_label("Username").fill("admin")
             page.get_by_label("Password").fill(airflow.password())
             page.get_by_role("button", name="Sign in").click()
+            # Wait for the login to finish (its redirect sets the session); under load, going on at once raced it
+            # and landed back on the login page.
+            page.wait_for_url(lambda url: "login" not in url, timeout=60_000)
             page.goto(f"{airflow.url}/dags/embshard_pipeline")
-            page.get_by_role("button", name="Trigger").first.click()
+            page.get_by_role("button", name="Trigger").first.click(timeout=60_000)
             dialog = page.get_by_role("dialog")
             dialog.wait_for(timeout=30_000)
             time.sleep(2)  # the form validates its fields after it renders
