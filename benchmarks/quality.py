@@ -213,14 +213,14 @@ def headline(summary: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.Dat
         for suite, g in task.groupby("suite", sort=False):
             ok = (g["best_baseline_ms"] * 0.9 >= g["lower_bound_ms"]).sum()
             reach[suite] = f"{int(ok)}/{len(g)}"
-    floors = {}
+    floors: dict = {}  # suite -> its A/A floor row
     if frame is not None and "aa_floor" in frame.columns:
-        floors = frame.drop_duplicates("suite").set_index("suite")[["aa_floor", "aa_ci_low", "aa_ci_high"]]
+        floors = {r["suite"]: r for _, r in frame.drop_duplicates("suite").iterrows()}
     out = []
     for suite, g in summary.groupby("suite", sort=False):
         g = g.set_index("planner")
         row = {"suite": suite, "tasks": int(g["tasks"].max())}
-        aa = floors.loc[suite] if suite in getattr(floors, "index", ()) else None
+        aa = floors.get(suite)
         for p, key in (("learned", "learned"), ("policy_only", "policy_only")):
             if p in g.index:
                 r = g.loc[p]

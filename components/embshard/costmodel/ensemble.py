@@ -84,6 +84,18 @@ class CostEnsemble:
         per = self.member_predict_shards(features, shards, num_devices)
         return (per.mean(0), *interval(per, self.interval_z))
 
+    def predict_columns(self, features, shards: Sequence[np.ndarray], num_devices: int) -> dict[str, np.ndarray]:
+        """Per head and the total: `<head>_ms`, `<head>_ms_low`, `<head>_ms_high` (S,) each: what
+        `embshard predict` and the registered pyfunc return."""
+        per = self.member_predict_shards(features, shards, num_devices)
+        per = np.concatenate([per, per.sum(-1, keepdims=True)], axis=-1)  # (K, S, 4): the heads and the total
+        low, high = interval(per, self.interval_z)
+        cols: dict[str, np.ndarray] = {}
+        for h, name in enumerate(("fwd_compute", "bwd_compute", "comm", "total")):
+            cols.update({f"{name}_ms": per[:, :, h].mean(0), f"{name}_ms_low": low[:, h],
+                         f"{name}_ms_high": high[:, h]})
+        return cols
+
     def predict_placement(self, features, assignment, num_devices: int) -> tuple[np.ndarray, float]:
         totals = np.mean([m.predict_placement(features, assignment, num_devices)[0] for m in self.members], axis=0)
         return totals, float(totals.max()) if len(totals) else 0.0

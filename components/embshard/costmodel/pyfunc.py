@@ -31,7 +31,6 @@ def predict_frame(model, model_input: pd.DataFrame) -> pd.DataFrame:
     import numpy as np
 
     from ..features import FEATURE_NAMES
-    from .ensemble import interval
 
     df = pd.DataFrame(model_input)
     out = []
@@ -40,14 +39,8 @@ def predict_frame(model, model_input: pd.DataFrame) -> pd.DataFrame:
         order = np.argsort(codes, kind="stable")
         bounds = np.cumsum(np.bincount(codes, minlength=len(ids)))[:-1]
         shards = np.split(order, bounds)
-        per = model.member_predict_shards(part[FEATURE_NAMES].to_numpy(np.float32), shards, int(nd))
-        per = np.concatenate([per, per.sum(-1, keepdims=True)], axis=-1)  # (K, S, 4): the heads and the total
-        low, high = interval(per, model.interval_z)
-        cols = {"shard": ids, "num_devices": int(nd)}
-        for h, name in enumerate(("fwd_compute", "bwd_compute", "comm", "total")):
-            cols.update({f"{name}_ms": per[:, :, h].mean(0), f"{name}_ms_low": low[:, h],
-                         f"{name}_ms_high": high[:, h]})
-        out.append(pd.DataFrame(cols))
+        cols = model.predict_columns(part[FEATURE_NAMES].to_numpy(np.float32), shards, int(nd))
+        out.append(pd.DataFrame({"shard": ids, "num_devices": int(nd), **cols}))
     return pd.concat(out, ignore_index=True)
 
 

@@ -39,7 +39,6 @@ def read_shards(path: str) -> pd.DataFrame:
 
 def run(tables: str, shards: str, out: str, model_uri: str = COST_CHAMPION_URI) -> pd.DataFrame:
     from .. import costmodel
-    from ..costmodel.ensemble import interval
     from ..features import working_set_bytes
     from ..tableset import TableSet
 
@@ -62,12 +61,8 @@ def run(tables: str, shards: str, out: str, model_uri: str = COST_CHAMPION_URI) 
     cols: dict[str, np.ndarray] = {}
     for d in sorted(out_df["num_devices"].unique()):
         sel = np.flatnonzero(out_df["num_devices"].to_numpy() == d)
-        per = model.member_predict_shards(feats, [rows[i] for i in sel], int(d))
-        per = np.concatenate([per, per.sum(-1, keepdims=True)], axis=-1)  # heads and the total
-        low, high = interval(per, model.interval_z)
-        for h, name in enumerate(("fwd_compute", "bwd_compute", "comm", "total")):
-            for suffix, val in (("", per[:, :, h].mean(0)), ("_low", low[:, h]), ("_high", high[:, h])):
-                cols.setdefault(f"{name}_ms{suffix}", np.full(len(out_df), np.nan))[sel] = val
+        for name, val in model.predict_columns(feats, [rows[i] for i in sel], int(d)).items():
+            cols.setdefault(name, np.full(len(out_df), np.nan))[sel] = val
     for k, v in cols.items():
         out_df[k] = v
     out_df["working_set_bytes"] = [float(ws[r].sum()) for r in rows]
