@@ -12,11 +12,14 @@ export PIP_DISABLE_PIP_VERSION_CHECK = 1
 # The virtual environment, rebuilt when the dependency pins change.
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e ".[fbgemm-cpu,airflow,torchrec,dev]"
+	# uv (pinned) downloads and installs in parallel: ~1 minute instead of pip's ~4. torch goes first through pip,
+	# which takes a local CPU wheel where the machine has one (uv would download the multi-GB CUDA build).
+	$(BIN)/pip install -q -c constraints.txt uv torch
+	$(BIN)/uv pip install --python $(BIN)/python -q -c constraints.txt -e ".[fbgemm-cpu,airflow,torchrec,dev]"
 	# Consistent, except torchrec's metadata asking for the CUDA fbgemm-gpu (on a reinstall torchrec is present).
 	$(BIN)/pip check > $(VENV)/pip-check.txt || ! grep -v "^torchrec [0-9.]* requires fbgemm-gpu," $(VENV)/pip-check.txt
 	# torchrec without its metadata dependencies (they would pull the CUDA fbgemm-gpu); ours are in [torchrec].
-	$(BIN)/pip install -q --no-deps -c constraints.txt torchrec==1.8.0
+	$(BIN)/uv pip install --python $(BIN)/python -q --no-deps -c constraints.txt torchrec==1.8.0
 	@touch $(STAMP)
 
 install: $(STAMP)
