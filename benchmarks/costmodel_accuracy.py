@@ -99,6 +99,15 @@ def markdown(full: dict | None, root: str, out_dir: str, hw_line: str, model_uri
         lines += ["The ensemble's interval (calibrated on the validation shards) and the error on shards whose rows "
                   "were capped to fit this machine's memory:", "",
                   md_table(pd.DataFrame(cal_rows), {"capped shards": 0, "uncapped shards": 0}), ""]
+    origin_rows = [{"split": split, "shards": kind, "n": v["n"], "compute MAPE %": v["mape"],
+                    "compute Spearman": v["spearman"]}
+                   for split, rep in full.get("report", {}).items()
+                   for kind, v in (rep.get("by_origin") or {}).items() if v.get("n")]
+    if origin_rows:
+        lines += ["Compute error by where the shards come from: `random` (1-15 random tables), `plan` (devices of "
+                  "greedy plans of 20-200-table tasks on 2-16 devices, half one search step away: the shards "
+                  "planners compare), `placement` (the learned planner's own measured plans):", "",
+                  md_table(pd.DataFrame(origin_rows), {"n": 0}), ""]
     head = {}
     for split in ("unseen", "heldout"):
         sub = tab[(tab["split"] == split) & (tab["head"] == "total_compute")]

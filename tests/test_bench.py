@@ -15,7 +15,7 @@ from embshard import schemas
 from embshard.bench import inputs, measure_placement
 from embshard.jobs.bench import run
 from embshard.bench import backends, runner
-from embshard.bench.sampler import placement_shards, random_shards
+from embshard.bench.sampler import plan_shards, placement_shards, random_shards
 from embshard.errors import BackendUnavailableError, EmbshardError
 from embshard.features import access_bins
 from embshard.placement import Placement
@@ -70,6 +70,28 @@ def test_placement_shards_one_per_non_empty_device(ts):
     assert (df["origin"] == "placement:size_greedy").all() and (df["num_devices"] == 4).all()
     with pytest.raises(EmbshardError, match="device 2 of only 2"):
         placement_shards(pl.to_frame(), 2)
+
+
+def test_plan_shards_are_devices_of_real_plans_and_their_neighbours():
+    from embshard.ingest.synthetic import generate_tables
+
+    big = TableSet.from_frame(generate_tables(220, seed=5, bins_batch_size=2048))
+    a = plan_shards(big, 60, memory_bytes_per_device=2**40, seed=4)
+    b = plan_shards(big, 60, memory_bytes_per_device=2**40, seed=4)
+    assert a["table_ids"].map(tuple).tolist() == b["table_ids"].map(tuple).tolist()  # a pure function of the seed
+    assert len(a) == 60 and a["sample_id"].is_unique
+    assert not a["table_ids"].map(tuple).duplicated().any()
+    sizes = a["table_ids"].map(len)
+    # Crowded devices as in 100-200-table tasks, never more than the cap, never empty.
+    assert sizes.min() >= 1 and sizes.max() <= 60 and sizes.max() > 15
+    assert set(a["num_devices"]) <= {2, 4, 8, 16} and a["num_devices"].nunique() >= 3
+    origins = a["origin"].str.removeprefix("plan:")
+    assert origins.str.endswith("+move").any() and (~origins.str.endswith("+move")).any()
+    assert set(origins.str.removesuffix("+move")) <= {"dim_greedy", "size_greedy", "lookup_greedy",
+                                                      "size_lookup_greedy"}
+    # Tables that fit no device give no plan: one clear error, not an empty list.
+    with pytest.raises(EmbshardError, match="memory"):
+        plan_shards(big, 5, memory_bytes_per_device=1, seed=0)
 
 
 def test_bin_sampling_reproduces_the_access_distribution(ts):
@@ -258,3 +280,28 @@ def test_input_workers_make_the_same_inputs_as_in_process(ts, tmp_path, monkeypa
     assert runner.input_workers("cuda") == 0
     monkeypatch.delenv("EMBSHARD_BENCH_WORKERS")
     assert runner.input_workers("cpu") == 0 and runner.input_workers("cuda") >= 1
+
+
+def test_sample_shards_splits_the_budget_between_random_and_plan_shards_inside_each_pool(tmp_path):
+    from embshard import pools
+    from embshard.ingest.synthetic import generate_tables
+    from embshard.jobs import shards as shards_job
+    from embshard.jobs import tasks
+
+    tables = str(tmp_path / "tables.parquet")
+    tdf = generate_tables(120, seed=2, bins_batch_size=2048)
+    schemas.write(tdf, tables, "tables")
+    tasks_path = tasks.run(tables, str(tmp_path), num_tasks=3, tables_per_task="10-20", devices=4, memory_gb=64,
+                           seed=0)
+    tdf = schemas.read(tables, "tables")
+    df = schemas.read(shards_job.run(tables, tasks_path, str(tmp_path), num_shards=60, seed=0), "shards")
+    kind = df["origin"].str.split(":").str[0]
+    for pool, n in (("train", 40), ("test", 20)):
+        members = set(pools.members(tdf, pool, 0))
+        mine = df[df["sample_id"].str.startswith(f"{pool}-")]
+        assert all(set(ids) <= members for ids in mine["table_ids"])  # a shard never mixes pools
+        assert (kind[mine.index] == "random").sum() == n - n // 2
+        assert (kind[mine.index] == "plan").sum() == n // 2
+    assert df[kind == "plan"]["table_ids"].map(len).max() > 15   # larger than any random shard
+    assert (kind == "single").sum() >= len(pools.members(tdf, "train", 0))
+    assert not df["table_ids"].map(lambda v: tuple(sorted(v))).duplicated().any()

@@ -5,7 +5,8 @@ only of tables never seen in training), per head (fwd_compute, bwd_compute, comm
 (fwd + bwd: where placements differ), for the learned model and the two references side by side. No total over
 compute and comm is reported: comm is a fitted formula, near exact, and would make any total look small.
 Also per split: the calibration of the ensemble's interval (the share of measured costs inside it), and the
-compute error on shards whose rows were capped to fit the measuring machine against those that were not.
+compute error on shards whose rows were capped to fit the measuring machine against those that were not, and by
+shard origin (random shards, devices of greedy plans and their search neighbours, measured planner plans).
 The registered model is the ensemble that was evaluated (no refit after the report). The comparison set of a
 split is its shards of >= 2 tables whose tables were all measured alone (the single-table reference needs that;
 on a single-table shard it would be exact by definition); the learned model is also reported on every shard.
@@ -60,17 +61,29 @@ def calibration(model, data: CostData, idx: np.ndarray) -> dict:
     return out
 
 
+def _compute_mape_by(model, data: CostData, idx: np.ndarray, groups: dict[str, np.ndarray]) -> dict:
+    """Compute (forward + backward) metrics of the shards `idx` in each boolean group."""
+    pred = predict_rows(model, data, idx)[:, :2].sum(1)
+    true = data.targets[idx, :2].sum(1)
+    return {name: metrics(pred[sel], true[sel]) if sel.any() else {"n": 0} for name, sel in groups.items()}
+
+
 def capped_breakdown(model, data: CostData, idx: np.ndarray) -> dict:
     """Compute MAPE on shards measured with rows capped (row_scale < 1) and on the others."""
     if "row_scale" not in data.frame.columns:
         return {}
-    scale = data.frame["row_scale"].to_numpy(float)[idx]
-    pred = predict_rows(model, data, idx)[:, :2].sum(1)
-    true = data.targets[idx, :2].sum(1)
-    out = {}
-    for name, sel in (("capped", scale < 0.999), ("uncapped", ~(scale < 0.999))):
-        out[name] = metrics(pred[sel], true[sel]) if sel.any() else {"n": 0}
-    return out
+    capped = data.frame["row_scale"].to_numpy(float)[idx] < 0.999
+    return _compute_mape_by(model, data, idx, {"capped": capped, "uncapped": ~capped})
+
+
+def origin_breakdown(model, data: CostData, idx: np.ndarray) -> dict:
+    """Compute metrics by where a shard came from: random (1-15 tables), plan (devices of greedy plans of 20-200
+    tables and their search neighbours: what the planners compare), placement (a planner's measured plans)."""
+    if "origin" not in data.frame.columns:
+        return {}
+    kind = np.array([str(o).split(":")[0] for o in data.frame["origin"].to_numpy()[idx]])
+    return _compute_mape_by(model, data, idx, {k: kind == k for k in ("random", "plan", "placement")
+                                               if (kind == k).any()})
 
 
 def evaluate(model, data: CostData, analytic: AnalyticEstimator, seed: int = 0) -> dict:
@@ -96,6 +109,7 @@ def evaluate(model, data: CostData, analytic: AnalyticEstimator, seed: int = 0) 
         rep["overall"] = _evaluate_overall(model, data, idx, seed)
         rep["calibration"] = calibration(model, data, idx)
         rep["rows_capped"] = capped_breakdown(model, data, idx)
+        rep["by_origin"] = origin_breakdown(model, data, idx)
         if "spread" in data.frame.columns:
             sp = data.frame["spread"].to_numpy(float)[idx]
             rep["noise_spread_median"] = float(np.nanmedian(sp)) if np.isfinite(sp).any() else float("nan")
@@ -161,6 +175,10 @@ def summary_table(report: dict) -> str:
             lines.append(f"  compute MAPE on shards with capped rows {cap['capped']['mape']:.1f}% "
                          f"(n={cap['capped']['n']}), uncapped {cap['uncapped']['mape']:.1f}% "
                          f"(n={cap['uncapped']['n']})")
+        by = {k: v for k, v in (rep.get("by_origin") or {}).items() if v.get("n")}
+        if by:
+            lines.append("  compute by shard origin: " + ", ".join(
+                f"{k} MAPE {v['mape']:.1f}% Spearman {v['spearman']:.3f} (n={v['n']})" for k, v in by.items()))
     return "\n".join(lines)
 
 
