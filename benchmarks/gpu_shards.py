@@ -3,9 +3,9 @@
 `python -m benchmarks.gpu_shards --root DIR --random 450 --aa-shards 32 --aa-rounds 5`
 (DIR holds tables.parquet and tasks.parquet from `embshard ingest` / `embshard tasks`)
 
-- DIR/shards.parquet: the sample_shards stage's list (embshard.jobs.shards: random shards inside each table pool,
-  two thirds train pool and one third test pool, tables alone, the greedy baselines' device shards of train
-  tasks), with `--random` shards of 1..`--max-tables` tables.
+- DIR/shards.parquet: the sample_shards stage's list (embshard.jobs.shards: inside each table pool, two thirds
+  train pool and one third test pool, half random shards of 1..`--max-tables` tables and half device shards of
+  greedy plans and their search neighbours; tables alone), `--random` shards in all.
 - DIR/aa_shards.parquet: `--aa-shards` other random train-pool shards, each listed `--aa-rounds` times (sample ids
   aa-r<round>-<k>): `embshard bench` measures every copy from scratch (op built, weights filled, inputs made)
   in its seeded shuffled order, so the copies are an A/A test of the ruler.
