@@ -137,6 +137,8 @@ def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int,
         df = df[df["planner"] != AA_LABEL].copy()
         df["aa_floor"], df["aa_ci_low"], df["aa_ci_high"] = aa_floor(res["ratio_frame"])
         df["rank_pairs"], df["rank_correct"] = res["ranking"]["pairs"], res["ranking"]["correct"]
+        df["placement_mape"] = res["ranking"].get("placement_mape", np.nan)
+        df["within_task_spearman"] = res["ranking"].get("within_task_spearman", np.nan)
         df.insert(0, "suite", suite.name)
         df["wall_s"] = res["wall_s"]
         frames.append(df)
@@ -251,6 +253,9 @@ def headline(summary: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.Dat
             first = frame[frame["suite"] == suite].iloc[0]
             n, ok = int(first["rank_pairs"]), int(first["rank_correct"])
             row["cost model orders placements right"] = f"{ok}/{n} ({100 * ok / n:.0f}%)" if n else "n/a"
+            if "placement_mape" in frame.columns and np.isfinite(first["placement_mape"]):
+                row["cost model placement MAPE %"] = float(first["placement_mape"])
+                row["cost model Spearman within a task"] = float(first["within_task_spearman"])
         out.append(row)
     return pd.DataFrame(out)
 

@@ -131,7 +131,7 @@ def test_search_refuses_moves_inside_the_uncertainty():
 
 
 def test_ranking_agreement_counts_only_pairs_the_ruler_tells_apart():
-    from embshard.jobs.evaluate import ranking_agreement
+    from embshard.jobs.evaluate import judged_costs, ranking_agreement
     from embshard.placement import Placement
     from embshard.ruler import Entry
     from embshard.tableset import TableSet
@@ -148,10 +148,27 @@ def test_ranking_agreement_counts_only_pairs_the_ruler_tells_apart():
     a_dearer = placement_costs(model, spread).max() > placement_costs(model, piled).max()
     low, high = [1.0, 1.02, 0.98, 1.01, 0.99], [3.0, 3.1, 2.9, 3.05, 2.95]
     agree = np.array([high if a_dearer else low, low if a_dearer else high, [1.0] * 5])
-    assert ranking_agreement(model, entries, agree) == (1, 1)  # the A/A twin never counts
+    pred = judged_costs(model, entries)
+    assert sorted(pred) == [0, 1]  # the A/A twin is not judged
+    assert ranking_agreement(pred, entries, agree) == (1, 1)
     same = np.array([[1.0, 1.2, 0.8, 1.1, 0.9], [1.0, 0.8, 1.2, 0.9, 1.1], [1.0] * 5])
-    assert ranking_agreement(model, entries, same) == (0, 0)  # inside the noise: no pair
-    assert ranking_agreement(model, entries, agree[[1, 0, 2]]) == (1, 0)
+    assert ranking_agreement(pred, entries, same) == (0, 0)  # inside the noise: no pair
+    assert ranking_agreement(pred, entries, agree[[1, 0, 2]]) == (1, 0)
+
+
+def test_placement_accuracy_is_per_placement_mape_and_within_task_spearman():
+    from embshard.jobs.evaluate import placement_accuracy
+
+    # Task 1 ranked right, task 2 ranked backwards: the mean within-task Spearman is 0, not the ~1 a pooled
+    # Spearman would show because the second task's placements are ten times dearer.
+    t1 = [(1.1, 1.0), (2.2, 2.0), (3.3, 3.0)]
+    t2 = [(33.0, 10.0), (22.0, 20.0), (11.0, 30.0)]
+    acc = placement_accuracy([t1, t2, [(5.0, 4.0)]])
+    assert acc["spearman_tasks"] == 2 and acc["within_task_spearman"] == pytest.approx(0.0)
+    assert acc["placements"] == 7
+    mape = np.mean([10, 10, 10, 230, 10, 63.333333, 25])
+    assert acc["placement_mape"] == pytest.approx(mape, rel=1e-6)
+    assert np.isnan(placement_accuracy([])["placement_mape"])
 
 
 @pytest.fixture(scope="module")

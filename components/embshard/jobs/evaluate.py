@@ -65,6 +65,10 @@ def main(args) -> int:
     if rk["pairs"]:
         print(f"cost model ranking: it orders {rk['correct']} of the {rk['pairs']} placement pairs the ruler tells "
               f"apart the same way ({100 * rk['accuracy']:.0f}%)")
+    if rk.get("placements"):
+        print(f"cost model on whole placements: slowest device {rk['placement_mape']:.1f}% MAPE over "
+              f"{rk['placements']} placements; Spearman within a task {rk['within_task_spearman']:.2f} "
+              f"(mean over {rk['spearman_tasks']} tasks)")
     print(f"wrote {res['evaluation']}, {res['ratios']} and {res['plot']}")
     return 0
 
@@ -117,7 +121,8 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     rows, placements, ratio_rows = [], [], []
     round_costs: dict[str, dict[str, list[float]]] = {}
     singles_cache: dict = {}
-    ranking = {"pairs": 0, "correct": 0}
+    ranking: dict = {"pairs": 0, "correct": 0}
+    judged_tasks: list[list[tuple[float, float]]] = []  # per task: (predicted, measured) cost of each placement
     # The cost model that judges placements (the learned planner's): how often it orders two placements of a
     # task the way the ruler does, on the pairs the ruler tells apart (paired interval clear of 1).
     judge = next((m for m in (getattr(p, "cost_model", None) for p in planner_objs.values()) if m is not None), None)
@@ -145,9 +150,11 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
         shard_measurements += distinct_shards(entries) * int(rounds) if entries else 0
         by_label = {e.label: costs[j] for j, e in enumerate(entries)}
         if judge is not None:
-            pairs, correct = ranking_agreement(judge, entries, costs)
+            judged = judged_costs(judge, entries)
+            pairs, correct = ranking_agreement(judged, entries, costs)
             ranking["pairs"] += pairs
             ranking["correct"] += correct
+            judged_tasks.append([(p, float(np.median(costs[j]))) for j, p in judged.items()])
         round_costs[t.task_id] = {k: [float(x) for x in v] for k, v in by_label.items()}
         # The lower bound (once per task): each table alone, and all tables fused on one device.
         singles = measured_singles(sub, D, bench_kw, singles_cache)
@@ -221,20 +228,24 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
             "ratio_frame": ratios, "summary": summary, "summary_text": format_summary(summary, int(rounds)),
             "round_costs": round_costs, "rounds": int(rounds), "wall_s": wall,
             "ranking": {**ranking, "accuracy": ranking["correct"] / ranking["pairs"] if ranking["pairs"] else
-                        float("nan")},
+                        float("nan"), **placement_accuracy(judged_tasks)},
             "shard_measurements": shard_measurements}
 
 
-def ranking_agreement(model, entries: list[Entry], costs: np.ndarray) -> tuple[int, int]:
-    """(pairs the ruler tells apart, pairs the cost model orders the same way) among one task's placements.
-
-    A pair counts when the 95% interval of its paired per-round ratio excludes 1 (a difference beyond the noise);
-    repeated entries of one planner (A/A) are left out. The model's order is that of its predicted slowest device.
-    """
+def judged_costs(model, entries: list[Entry]) -> dict[int, float]:
+    """The cost model's predicted slowest device of each placement (repeated A/A entries left out), by entry."""
     from ..planners.scoring import placement_costs
 
-    keep = [j for j, e in enumerate(entries) if "#" not in e.label]
-    pred = {j: float(placement_costs(model, entries[j].placement).max()) for j in keep}
+    return {j: float(placement_costs(model, e.placement).max()) for j, e in enumerate(entries) if "#" not in e.label}
+
+
+def ranking_agreement(pred: dict[int, float], entries: list[Entry], costs: np.ndarray) -> tuple[int, int]:
+    """(pairs the ruler tells apart, pairs the cost model orders the same way) among one task's placements.
+
+    A pair counts when the 95% interval of its paired per-round ratio excludes 1 (a difference beyond the noise).
+    `pred`: judged_costs, the model's predicted slowest device per entry (A/A repeats are not in it).
+    """
+    keep = sorted(pred)
     pairs = correct = 0
     for a in range(len(keep)):
         for b in range(a + 1, len(keep)):
@@ -245,6 +256,24 @@ def ranking_agreement(model, entries: list[Entry], costs: np.ndarray) -> tuple[i
             pairs += 1
             correct += int((pred[i] > pred[j]) == (med > 1.0))
     return pairs, correct
+
+
+def placement_accuracy(judged_tasks: list[list[tuple[float, float]]]) -> dict:
+    """The cost model on whole placements: MAPE of the predicted slowest device against the measured cost (median
+    over rounds), and the Spearman of predicted against measured among one task's placements, averaged over the
+    tasks with >= 3 placements (across tasks it would mostly rank task sizes, which says nothing about planning)."""
+    from scipy.stats import spearmanr
+
+    flat = np.array([pm for task in judged_tasks for pm in task], dtype=float).reshape(-1, 2)
+    ok = np.isfinite(flat).all(1) & (flat[:, 1] > 0)
+    mape = float(np.mean(np.abs(flat[ok, 0] - flat[ok, 1]) / flat[ok, 1]) * 100) if ok.any() else float("nan")
+    rhos = []
+    for task in judged_tasks:
+        a = np.array(task, dtype=float).reshape(-1, 2)
+        if len(a) >= 3 and np.ptp(a[:, 0]) > 0 and np.ptp(a[:, 1]) > 0:
+            rhos.append(float(spearmanr(a[:, 0], a[:, 1]).statistic))
+    return {"placement_mape": mape, "placements": int(ok.sum()),
+            "within_task_spearman": float(np.mean(rhos)) if rhos else float("nan"), "spearman_tasks": len(rhos)}
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
