@@ -129,6 +129,29 @@ def test_fused_costs_positive_and_two_tables_cost_more(ts):
     assert total["ab"] > max(total["a"], total["b"]), total
 
 
+def test_cpu_builds_recycle_freed_memory_in_the_heap():
+    import platform
+    import subprocess
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    # Process-wide, so in fresh interpreters: is a 64 MiB block served from the heap (recycled) or by mmap?
+    code = ("import sys, torch; from embshard.bench import backends\n"
+            "if sys.argv[1] == 'build': backends.build('fbgemm', [1000, 50], [8, 16], 'cpu')\n"
+            "t = torch.empty(64 * 2**20, dtype=torch.uint8)\n"
+            "lo, hi = 0, 0\n"
+            "for line in open('/proc/self/maps'):\n"
+            "    if line.rstrip().endswith('[heap]'):\n"
+            "        lo, hi = (int(x, 16) for x in line.split()[0].split('-'))\n"
+            "print(lo <= t.data_ptr() < hi)\n")
+
+    def in_heap(mode):
+        return subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True,
+                              check=True).stdout.split()[-1] == "True"
+    assert not in_heap("none")   # glibc's default: large blocks are mmap'd and unmapped when freed
+    assert in_heap("build")      # after a CPU build: from the heap, whose freed pages stay mapped for the next
+
+
 def test_torch_backend_runs_on_cpu_with_mixed_dims(ts):
     cfg = runner.make_config(backend="torch", **FAST)
     members = _heavy(ts, 4)
