@@ -225,3 +225,19 @@ def test_empty_corrupt_or_mismatched_costs_give_a_clear_error(measured, tmp_path
         run(measured["costs"], str(other))
     # the CLI prints one line and exits 2
     assert cli_main(["train-cost", "--costs", str(bad.parent), "--tables", measured["tables"]]) == 2
+
+
+def test_sum_of_singles_takes_compute_from_any_device_count_and_comm_only_from_the_same():
+    from embshard.costmodel.data import CostData
+    from embshard.costmodel.reference import sum_of_singles
+
+    shards = [np.array([0]), np.array([1]), np.array([0, 1]), np.array([0, 1]), np.array([0, 2])]
+    targets = np.array([[1.0, 2.0, 0.5], [3.0, 4.0, 0.7], [0, 0, 0], [0, 0, 0], [0, 0, 0]])
+    data = CostData(features=np.zeros((3, 21)), table_ids=np.array(["a", "b", "c"]), shards=shards,
+                    targets=targets, num_devices=np.array([4, 4, 4, 8, 4]), frame=pd.DataFrame(),
+                    split=np.array(["train"] * 5), batch_size=1, cache_bytes=1, hardware="cpu", backend="fbgemm",
+                    dataset_hash="x", dropped={})
+    out = sum_of_singles(data, np.array([2, 3, 4]))
+    assert out[0] == pytest.approx([4.0, 6.0, 1.2])           # singles at the shard's own D: every head
+    assert out[1, :2] == pytest.approx([4.0, 6.0]) and np.isnan(out[1, 2])  # D=8 shard: compute only
+    assert np.isnan(out[2]).all()                               # table c never measured alone

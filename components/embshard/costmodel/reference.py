@@ -1,6 +1,7 @@
 """The two reference estimators the learned model is compared with, and the accuracy metrics.
 
-- `sum_of_singles`: a shard's cost = the sum of its tables' measured single-table costs (same num_devices).
+- `sum_of_singles`: a shard's cost = the sum of its tables' measured single-table costs (compute from a single
+  measured at any device count, since D only sets the all-to-all; comm only from singles at the shard's D).
   Defined only where every table of the shard was measured alone; elsewhere NaN (the report says coverage).
 - `AnalyticEstimator`: TorchRec-style bandwidth formulas. Bytes per head:
   fwd/bwd compute ~ B * sum_t (pooling_t * dim_t * bpe_t + dim_t * bpe_t)  (lookups read + pooled output),
@@ -20,14 +21,21 @@ TOTAL_COMPUTE = "total_compute"
 
 
 def sum_of_singles(data: CostData, idx: np.ndarray) -> np.ndarray:
+    """(len(idx), 3) summed single-table costs; a row is NaN where a table was never measured alone, and its comm
+    is NaN where no single was measured at the shard's device count (plan shards span 2-16 devices)."""
     singles = data.singles()
+    compute: dict[int, np.ndarray] = {}
+    for (t, _d), v in sorted(singles.items()):
+        compute.setdefault(t, v[:2])  # compute does not depend on D: any device count's single will do
     out = np.full((len(idx), 3), np.nan)
     for j, s in enumerate(idx):
         d = int(data.num_devices[s])
-        parts = [singles.get((int(t), d)) for t in data.shards[s]]
-        known = [p for p in parts if p is not None]
-        if len(known) == len(parts):
-            out[j] = np.sum(known, axis=0)
+        tables = [int(t) for t in data.shards[s]]
+        if all(t in compute for t in tables):
+            out[j, :2] = np.sum([compute[t] for t in tables], axis=0)
+            comm = [singles.get((t, d)) for t in tables]
+            if all(c is not None for c in comm):
+                out[j, 2] = float(np.sum([c[2] for c in comm]))
     return out
 
 

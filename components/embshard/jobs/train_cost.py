@@ -96,11 +96,12 @@ def evaluate(model, data: CostData, analytic: AnalyticEstimator, seed: int = 0) 
         true = with_totals(data.targets[idx])
         learned = predict_rows(model, data, idx)
         singles = sum_of_singles(data, idx)
-        multi = np.array([len(data.shards[s]) >= 2 for s in idx]) & np.isfinite(singles).all(1)
+        multi = np.array([len(data.shards[s]) >= 2 for s in idx]) & np.isfinite(singles[:, :2]).all(1)
         preds = {"learned": learned, "sum_singles": singles, "analytic": analytic.predict(data, idx)}
         several = np.array([len(data.shards[s]) >= 2 for s in idx])
         rep: dict[str, Any] = {"n_shards": int(len(idx)), "n_compared": int(multi.sum()),
-               "coverage_singles": float(np.isfinite(singles).all(1)[several].mean()) if several.any() else 0.0}
+               "coverage_singles": float(np.isfinite(singles[:, :2]).all(1)[several].mean()) if several.any()
+               else 0.0}
         for est, p in preds.items():
             pt = with_totals(p)
             rep[est] = {h: metrics(pt[h][multi], true[h][multi]) for h in EVAL_HEADS}
