@@ -54,7 +54,9 @@ PARAMS = {
     "memory_gb": Param(D["memory_gb"], type="number", exclusiveMinimum=0, maximum=100_000,
                        description="Memory per device in GiB (a hard constraint)."),
     "bench_shards": Param(D["bench_shards"], type="integer", minimum=10, maximum=1_000_000,
-                          description="Benchmark budget: random training shards to measure."),
+                          description="Benchmark budget: shards to measure (2/3 train pool, 1/3 test pool; half "
+                                      "random, half devices of greedy plans and their search neighbours), besides "
+                                      "every table alone."),
     "bench_chunks": Param(D["bench_chunks"], type="integer", minimum=1, maximum=1024,
                           description="Benchmark chunks: mapped tasks (pods) that measure in parallel."),
     "bench_batch_size": Param(D["bench_batch_size"], type="integer", minimum=0,
