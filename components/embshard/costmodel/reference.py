@@ -33,9 +33,9 @@ def sum_of_singles(data: CostData, idx: np.ndarray) -> np.ndarray:
         tables = [int(t) for t in data.shards[s]]
         if all(t in compute for t in tables):
             out[j, :2] = np.sum([compute[t] for t in tables], axis=0)
-            comm = [singles.get((t, d)) for t in tables]
-            if all(c is not None for c in comm):
-                out[j, 2] = float(np.sum([c[2] for c in comm]))
+            comm = [singles[(t, d)][2] for t in tables if (t, d) in singles]
+            if len(comm) == len(tables):
+                out[j, 2] = float(np.sum(comm))
     return out
 
 
