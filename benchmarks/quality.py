@@ -215,14 +215,14 @@ def headline(summary: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.Dat
         for suite, g in task.groupby("suite", sort=False):
             ok = (g["best_baseline_ms"] * 0.9 >= g["lower_bound_ms"]).sum()
             reach[suite] = f"{int(ok)}/{len(g)}"
-    floors: dict = {}  # suite -> its A/A floor row
-    if frame is not None and "aa_floor" in frame.columns:
-        floors = {r["suite"]: r for _, r in frame.drop_duplicates("suite").iterrows()}
+    # suite -> its first per-task row, which carries the suite-wide columns (A/A floor, cost-model ranking)
+    suite_rows = {r["suite"]: r for _, r in frame.drop_duplicates("suite").iterrows()} if frame is not None else {}
     out = []
     for suite, g in summary.groupby("suite", sort=False):
         g = g.set_index("planner")
         row = {"suite": suite, "tasks": int(g["tasks"].max())}
-        aa = floors.get(suite)
+        first = suite_rows.get(suite)
+        aa = first if first is not None and "aa_floor" in first.index else None
         for p, key in (("learned", "learned"), ("policy_only", "policy_only")):
             if p in g.index:
                 r = g.loc[p]
@@ -249,11 +249,10 @@ def headline(summary: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.Dat
             row["best baseline gap to LB"] = min(g.loc[p, "gap_lb_median"] for p in base)
         if suite in reach:
             row["tasks where 0.90 is reachable"] = reach[suite]
-        if frame is not None and "rank_pairs" in frame.columns:
-            first = frame[frame["suite"] == suite].iloc[0]
+        if first is not None and "rank_pairs" in first.index:
             n, ok = int(first["rank_pairs"]), int(first["rank_correct"])
             row["cost model orders placements right"] = f"{ok}/{n} ({100 * ok / n:.0f}%)" if n else "n/a"
-            if "placement_mape" in frame.columns and np.isfinite(first["placement_mape"]):
+            if "placement_mape" in first.index and np.isfinite(first["placement_mape"]):
                 row["cost model placement MAPE %"] = float(first["placement_mape"])
                 row["cost model Spearman within a task"] = float(first["within_task_spearman"])
         out.append(row)

@@ -34,10 +34,10 @@ def run(tables: str, tasks: str, out: str, *, num_shards: int, seed: int = 0,
     if int(num_shards) < 3:
         raise EmbshardError(f"{num_shards} shards", field="bench_shards", fix="measure at least 3 shards")
     tdf = schemas.read(tables, "tables")
-    train_tasks = load_tasks(tables, tasks, "train")
+    table_set = TableSet.from_frame(tdf)
+    train_tasks = load_tasks(table_set, tasks, "train")
     num_devices = train_tasks[0].num_devices
     n_test = int(num_shards) // 3
-    table_set = TableSet.from_frame(tdf)
     frames = []
     for pool, n in (("train", int(num_shards) - n_test), ("test", n_test)):
         members = pools.members(tdf, pool, seed)

@@ -61,29 +61,30 @@ def calibration(model, data: CostData, idx: np.ndarray) -> dict:
     return out
 
 
-def _compute_mape_by(model, data: CostData, idx: np.ndarray, groups: dict[str, np.ndarray]) -> dict:
-    """Compute (forward + backward) metrics of the shards `idx` in each boolean group."""
-    pred = predict_rows(model, data, idx)[:, :2].sum(1)
+def _compute_metrics_by(learned: np.ndarray, data: CostData, idx: np.ndarray, groups: dict[str, np.ndarray]) -> dict:
+    """Compute (forward + backward) metrics of the shards `idx` in each boolean group; `learned`: the model's
+    (len(idx), 3) predictions of those shards."""
+    pred = learned[:, :2].sum(1)
     true = data.targets[idx, :2].sum(1)
     return {name: metrics(pred[sel], true[sel]) if sel.any() else {"n": 0} for name, sel in groups.items()}
 
 
-def capped_breakdown(model, data: CostData, idx: np.ndarray) -> dict:
+def capped_breakdown(learned: np.ndarray, data: CostData, idx: np.ndarray) -> dict:
     """Compute MAPE on shards measured with rows capped (row_scale < 1) and on the others."""
     if "row_scale" not in data.frame.columns:
         return {}
     capped = data.frame["row_scale"].to_numpy(float)[idx] < 0.999
-    return _compute_mape_by(model, data, idx, {"capped": capped, "uncapped": ~capped})
+    return _compute_metrics_by(learned, data, idx, {"capped": capped, "uncapped": ~capped})
 
 
-def origin_breakdown(model, data: CostData, idx: np.ndarray) -> dict:
+def origin_breakdown(learned: np.ndarray, data: CostData, idx: np.ndarray) -> dict:
     """Compute metrics by where a shard came from: random (1-15 tables), plan (devices of greedy plans of 20-200
     tables and their search neighbours: what the planners compare), placement (a planner's measured plans)."""
     if "origin" not in data.frame.columns:
         return {}
     kind = np.array([str(o).split(":")[0] for o in data.frame["origin"].to_numpy()[idx]])
-    return _compute_mape_by(model, data, idx, {k: kind == k for k in ("random", "plan", "placement")
-                                               if (kind == k).any()})
+    return _compute_metrics_by(learned, data, idx, {k: kind == k for k in ("random", "plan", "placement")
+                                                    if (kind == k).any()})
 
 
 def evaluate(model, data: CostData, analytic: AnalyticEstimator, seed: int = 0) -> dict:
@@ -96,9 +97,9 @@ def evaluate(model, data: CostData, analytic: AnalyticEstimator, seed: int = 0) 
         true = with_totals(data.targets[idx])
         learned = predict_rows(model, data, idx)
         singles = sum_of_singles(data, idx)
-        multi = np.array([len(data.shards[s]) >= 2 for s in idx]) & np.isfinite(singles[:, :2]).all(1)
-        preds = {"learned": learned, "sum_singles": singles, "analytic": analytic.predict(data, idx)}
         several = np.array([len(data.shards[s]) >= 2 for s in idx])
+        multi = several & np.isfinite(singles[:, :2]).all(1)
+        preds = {"learned": learned, "sum_singles": singles, "analytic": analytic.predict(data, idx)}
         rep: dict[str, Any] = {"n_shards": int(len(idx)), "n_compared": int(multi.sum()),
                "coverage_singles": float(np.isfinite(singles[:, :2]).all(1)[several].mean()) if several.any()
                else 0.0}
@@ -109,8 +110,8 @@ def evaluate(model, data: CostData, analytic: AnalyticEstimator, seed: int = 0) 
         rep["learned_all_shards"] = {h: metrics(lt[h], true[h]) for h in EVAL_HEADS}
         rep["overall"] = _evaluate_overall(model, data, idx, seed)
         rep["calibration"] = calibration(model, data, idx)
-        rep["rows_capped"] = capped_breakdown(model, data, idx)
-        rep["by_origin"] = origin_breakdown(model, data, idx)
+        rep["rows_capped"] = capped_breakdown(learned, data, idx)
+        rep["by_origin"] = origin_breakdown(learned, data, idx)
         if "spread" in data.frame.columns:
             sp = data.frame["spread"].to_numpy(float)[idx]
             rep["noise_spread_median"] = float(np.nanmedian(sp)) if np.isfinite(sp).any() else float("nan")
