@@ -10,7 +10,6 @@ absent.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import time
@@ -43,7 +42,7 @@ def listening(port: int) -> bool:
 
 @pytest.fixture(scope="module")
 def airflow(tmp_path_factory):
-    from embshard.airflow_local import LocalAirflow
+    from embshard.airflow_local import LocalAirflow, living_members
 
     out = tmp_path_factory.mktemp("airflow-real")
     with pytest.MonkeyPatch.context() as mp:
@@ -56,10 +55,9 @@ def airflow(tmp_path_factory):
         finally:
             pids = [p.pid for p in af.procs.values()]
             af.stop()
-            # Stopped by PID: no component (nor anything in its process group) outlives the test.
+            # Stopped by process group: no component (nor anything in its group) still runs after stop().
             for pid in pids:
-                with pytest.raises(ProcessLookupError):
-                    os.killpg(pid, 0)
+                assert living_members(pid) == [], f"process group {pid} outlived stop()"
             assert not listening(af.port)
 
 

@@ -29,6 +29,21 @@ USER = "admin"
 DAG_ID = "embshard_pipeline"
 
 
+def living_members(pgid: int) -> list[int]:
+    """PIDs of process group `pgid` that still run. Zombies don't count: an orphaned worker's exit status
+    waits for whoever adopted it (init, or a container's PID 1) to reap it, and it holds nothing but a PID."""
+    import psutil
+
+    pids = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) == pgid:
+                pids.append(proc.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return pids
+
+
 def environment(out: str, port: int) -> dict[str, str]:
     """The environment of every Airflow component and every task of a local installation rooted at `out`."""
     from .pipeline import local_environment
@@ -153,6 +168,11 @@ class LocalAirflow:
             except ProcessLookupError:
                 pass
             p.wait()
+        # SIGKILL lands asynchronously (a worker in a disk wait dies a moment later): stop() returns once no
+        # member of any group is still running, so a caller that checks right after sees them gone.
+        deadline = time.monotonic() + 30
+        while any(living_members(p.pid) for p in self.procs.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
         self.procs.clear()
 
     def __enter__(self) -> "LocalAirflow":
