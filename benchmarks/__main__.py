@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the harness's own pipeline run and suite files go (default runs/bench, or a "
                         "temporary folder with --quick)")
     p.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated subset of {', '.join(JOBS)}")
+    p.add_argument("--tasks-scale", type=int, default=1, metavar="K",
+                   help="quality: K times the tasks of every suite (default 1: 3 per suite, 2 at 100-200 tables; "
+                        "K=2 doubles the run's time and narrows the intervals)")
     return p.parse_args(argv)
 
 
@@ -45,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [j for j in jobs if j not in JOBS]
     if bad:
         print(f"error: unknown job {bad[0]!r} (choose from {', '.join(JOBS)})", file=sys.stderr)
+        return 2
+    if not 1 <= args.tasks_scale <= 3:
+        print(f"error: --tasks-scale must be 1, 2 or 3, got {args.tasks_scale}", file=sys.stderr)
         return 2
     out = os.path.abspath(args.out or (tempfile.mkdtemp(prefix="embshard-bench-quick-") if args.quick else RESULTS))
     work = os.path.abspath(args.workdir or (tempfile.mkdtemp(prefix="embshard-bench-work-") if args.quick
@@ -109,7 +115,7 @@ def _run(args, jobs: list[str], out: str, work: str) -> int:
 
     # 3. Placement quality, measured.
     if "quality" in jobs:
-        cfg = quality.quick_config() if args.quick else quality.full_config()
+        cfg = quality.quick_config() if args.quick else quality.full_config(args.tasks_scale)
         t0 = time.perf_counter()
         frame = quality.run(info.policy_uri, cfg, os.path.join(work, "quality"), info.batch_size,
                             comm_root=info.root)

@@ -138,3 +138,18 @@ def test_eval_noise_remeasures_the_saved_placements(quick, tmp_path):
     assert {"learned", "dim_greedy"} <= set(df["planner"]) and (df["measured_cost_ms"] > 0).all()
     assert df.groupby("pass").size().nunique() == 1  # every placement measured once per pass
     assert "moves by a median" in (out / "eval_noise.md").read_text()
+
+
+def test_tasks_scale_multiplies_every_suites_tasks_with_distinct_device_counts():
+    from benchmarks import __main__ as harness
+    from benchmarks import quality
+
+    base, double = quality.full_config(), quality.full_config(2)
+    for one, two in zip(base.suites, double.suites):
+        if one.source == "synthetic":
+            assert two.tasks == 2 * one.tasks
+        else:  # a table list's tasks are its device counts: the default ones kept, new ones added
+            assert len(set(two.devices)) == 2 * len(one.devices) and set(one.devices) <= set(two.devices)
+    with pytest.raises(ValueError, match="tasks_scale"):
+        quality.full_config(0)
+    assert harness.main(["--tasks-scale", "0", "--jobs", "quality"]) == 2
