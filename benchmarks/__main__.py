@@ -49,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: unknown job {bad[0]!r} (choose from {', '.join(JOBS)})", file=sys.stderr)
         return 2
-    if not 1 <= args.tasks_scale <= 3:
-        print(f"error: --tasks-scale must be 1, 2 or 3, got {args.tasks_scale}", file=sys.stderr)
+    from .quality import MAX_TASKS_SCALE
+
+    if not 1 <= args.tasks_scale <= MAX_TASKS_SCALE:
+        print(f"error: --tasks-scale must be 1-{MAX_TASKS_SCALE}, got {args.tasks_scale}", file=sys.stderr)
         return 2
     out = os.path.abspath(args.out or (tempfile.mkdtemp(prefix="embshard-bench-quick-") if args.quick else RESULTS))
     work = os.path.abspath(args.workdir or (tempfile.mkdtemp(prefix="embshard-bench-work-") if args.quick

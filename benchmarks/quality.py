@@ -55,6 +55,7 @@ class QualityConfig:
 
 # A table list's tasks are device counts: the first 3 by default, more with a larger tasks_scale.
 SPEC_DEVICES = [2, 8, 16, 4, 12, 6, 24, 3, 32]
+MAX_TASKS_SCALE = len(SPEC_DEVICES) // 3
 
 
 def full_config(tasks_scale: int = 1) -> QualityConfig:
@@ -63,8 +64,8 @@ def full_config(tasks_scale: int = 1) -> QualityConfig:
     about 3x a single pass: 3 tasks per synthetic suite (2 at 100-200 tables) and 3 device counts per table list
     keep the run near half an hour on 2 cores; the intervals say how much that leaves undecided. `tasks_scale`
     multiplies every suite's tasks (and the run's time) where a verdict needs more of them."""
-    if tasks_scale < 1 or 3 * tasks_scale > len(SPEC_DEVICES):
-        raise ValueError(f"tasks_scale must be 1-{len(SPEC_DEVICES) // 3}, got {tasks_scale}")
+    if not 1 <= tasks_scale <= MAX_TASKS_SCALE:
+        raise ValueError(f"tasks_scale must be 1-{MAX_TASKS_SCALE}, got {tasks_scale}")
     k = tasks_scale
     spec_devices = sorted(SPEC_DEVICES[:3 * k])
     suites = [
