@@ -120,6 +120,7 @@ def _suite_files(suite: Suite, cfg: QualityConfig, folder: str, synthetic: pd.Da
 def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int,
         comm_root: str | None = None) -> pd.DataFrame:
     """Measure every suite; one row per (suite, task, planner) with evaluate.run's columns plus suite facts."""
+    from embshard import stats
     from embshard.bench.runner import MeasureSettings
     from embshard.ingest.synthetic import generate_tables
     from embshard.jobs import evaluate
@@ -145,7 +146,7 @@ def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int,
                            progress=False)
         df = res["frame"].copy()
         df = df[df["planner"] != AA_LABEL].copy()
-        df["aa_floor"], df["aa_ci_low"], df["aa_ci_high"] = aa_floor(res["ratio_frame"])
+        df["aa_floor"], df["aa_ci_low"], df["aa_ci_high"] = stats.aa_floor(res["ratio_frame"], AA_PLANNER)
         df["rank_pairs"], df["rank_correct"] = res["ranking"]["pairs"], res["ranking"]["correct"]
         df["placement_mape"] = res["ranking"].get("placement_mape", np.nan)
         df["within_task_spearman"] = res["ranking"].get("within_task_spearman", np.nan)
@@ -161,29 +162,6 @@ def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int,
                    f"vs TorchRec {r['ratio_torchrec_median']:.3f}")
         progress(f"quality {k + 1}/{len(cfg.suites)}: done in {time.perf_counter() - t0:.0f} s{msg}")
     return pd.concat(frames, ignore_index=True)
-
-
-def aa_floor(ratios: pd.DataFrame) -> tuple[float, float, float]:
-    """The suite's A/A floor: median over tasks of the second copy's per-round ratios to the first, with the
-    interval (bootstrap over tasks and rounds) that an A/B ratio has to clear to count as a difference."""
-    from embshard import stats
-
-    aa = ratios[(ratios["planner"] == AA_LABEL) & (ratios["versus"] == AA_PLANNER)]
-    per_task = [np.asarray(v, dtype=float) for v in aa["round_ratios"]]
-    return stats.suite_ci(per_task) if per_task else (np.nan, np.nan, np.nan)
-
-
-def verdict(lo: float, hi: float, aa_lo: float, aa_hi: float) -> str:
-    """'faster' / 'slower' only when the interval clears 1 and the A/A floor's interval; else no difference."""
-    if not np.isfinite(lo) or not np.isfinite(hi):
-        return "not measured"
-    floor_lo = min(1.0, aa_lo) if np.isfinite(aa_lo) else 1.0
-    floor_hi = max(1.0, aa_hi) if np.isfinite(aa_hi) else 1.0
-    if hi < floor_lo:
-        return "faster"
-    if lo > floor_hi:
-        return "slower"
-    return "no difference"
 
 
 def summarize(df: pd.DataFrame) -> pd.DataFrame:
@@ -219,6 +197,8 @@ def headline(summary: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.Dat
     With the per-task `frame`: how many tasks could reach 0.90 x the best baseline at all, i.e. whose best
     baseline is >= LB / 0.9 (where the best baseline already sits within 11% of the lower bound, no planner can).
     """
+    from embshard import stats
+
     reach = {}
     if frame is not None:
         task = frame.drop_duplicates(["suite", "task_id"])
@@ -239,7 +219,7 @@ def headline(summary: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.Dat
                 row[f"{key} / best baseline, median [95% CI]"] = _ci_text(r["ratio_best_median"],
                                                                          r["ratio_best_ci_low"],
                                                                          r["ratio_best_ci_high"])
-                row[f"{key} verdict"] = verdict(r["ratio_best_ci_low"], r["ratio_best_ci_high"],
+                row[f"{key} verdict"] = stats.floor_verdict(r["ratio_best_ci_low"], r["ratio_best_ci_high"],
                                                 aa["aa_ci_low"] if aa is not None else np.nan,
                                                 aa["aa_ci_high"] if aa is not None else np.nan)
                 if p == "learned":

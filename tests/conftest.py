@@ -14,6 +14,13 @@ os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{_SESSION_HOME}/mlflow.
 os.environ.setdefault("EMBSHARD_NUM_THREADS", "1")
 
 
+@pytest.fixture(autouse=True)
+def _no_stray_registry_uri(monkeypatch):
+    """mlflow.set_registry_uri() also exports MLFLOW_REGISTRY_URI (for subprocesses) and never unsets it, so one
+    test's registry would become the next one's default (a client, a spawned Airflow): each test starts without."""
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+
+
 @pytest.fixture(scope="session")
 def small_tables_df():
     """40 synthetic tables (validated tables frame), bins from a 4,096-sample batch to stay fast."""

@@ -59,6 +59,7 @@ def two_runs(tmp_path_factory):
         for key in ENV_KEYS:
             mp.setenv(key, os.environ.get(key, ""))
         mp.delenv("EMBSHARD_DATA_ROOT")
+        mp.delenv("MLFLOW_REGISTRY_URI", raising=False)  # restored on exit: registry.use() exports it
         mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{out}/mlflow.db")
         try:
             first = pipeline.run(str(out), dict(TINY))
@@ -116,7 +117,7 @@ def test_first_run_writes_every_output_and_each_validates(two_runs):
     assert all(len({pool_of[t] for t in ids}) == 1 for ids in costs["table_ids"])
     assert all({pool_of[t] for t in ids} == {split} for ids, split in zip(tasks["table_ids"], tasks["split"]))
 
-    # Evaluation: candidate + every baseline, measured on the held-out task.
+    # Evaluation: candidate + every baseline (the first twice: the A/A floor), measured on the held-out task.
     import pandas as pd
 
     ev = pd.read_parquet(os.path.join(root, "evaluation", "evaluation.parquet"))
@@ -124,7 +125,8 @@ def test_first_run_writes_every_output_and_each_validates(two_runs):
                 "planning_time_s", "predicted_cost_ms"):
         assert col in ev.columns, col
     policy = stages._state(root, "policy")
-    assert sorted(ev["planner"]) == sorted([f"learned/{policy['version']}", "dim_greedy", "size_lookup_greedy"])
+    assert sorted(ev["planner"]) == sorted([f"learned/{policy['version']}", "dim_greedy", "size_lookup_greedy",
+                                            "dim_greedy#2"])
     assert ev["feasible"].all() and np.isfinite(ev["measured_cost_ms"]).all() and (ev["measured_cost_ms"] > 0).all()
     assert set(ev["task_id"]) <= set(tasks.loc[tasks["split"] == "test", "task_id"])
     schemas.read(os.path.join(root, "evaluation", "placements.parquet"), "placements")

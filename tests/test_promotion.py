@@ -121,6 +121,30 @@ def comp(median, lo, hi, tasks=10):
     return {"median": median, "ci_low": lo, "ci_high": hi, "wilcoxon_p": 0.01, "tasks": tasks}
 
 
+FLOOR = {"median": 1.0, "ci_low": 0.95, "ci_high": 1.06}  # a noisy ruler's A/A floor
+
+
+def slower_than_baselines(decision: dict) -> bool:
+    """The gate's own reading of 'measurably slower': the interval clears 1 and the A/A floor's interval."""
+    vs, floor = decision["candidate_vs_best_baseline"], decision["aa_floor"]
+    return vs["ci_low"] > max(1.0, floor["ci_high"])
+
+
+@pytest.mark.parametrize("vs_champion, vs_baseline, failed, floor, verdict, reason", [
+    (None, comp(1.03, 1.01, 1.05), False, FLOOR, "promoted", "no champion yet"),
+    (None, comp(1.10, 1.07, 1.12), False, FLOOR, "challenger", "measurably slower than the best baseline"),
+    (comp(0.95, 0.92, 0.98), comp(0.95, 0.90, 0.99), False, FLOOR, "undecided", "not beyond the ruler's noise"),
+    (comp(0.90, 0.88, 0.94), comp(0.95, 0.90, 0.99), False, FLOOR, "promoted", "faster than the champion"),
+    (comp(1.02, 1.00, 1.05), comp(0.95, 0.90, 0.99), False, FLOOR, "challenger", "not faster than the champion"),
+])
+def test_a_difference_inside_the_rulers_a_a_floor_is_no_difference(vs_champion, vs_baseline, failed, floor,
+                                                                    verdict, reason):
+    from embshard.jobs.promote import decide
+
+    got, why = decide(vs_champion, vs_baseline, margin=0.01, failed=failed, floor=floor)
+    assert got == verdict and reason in why
+
+
 @pytest.mark.parametrize("vs_champion, vs_baseline, failed, verdict, reason", [
     (None, comp(0.95, 0.90, 0.99), False, "promoted", "no champion yet"),
     (None, comp(1.00, 0.97, 1.03), False, "promoted", "no champion yet"),
@@ -149,7 +173,9 @@ def test_without_a_champion_a_candidate_not_slower_than_the_baselines_becomes_ch
     assert decision["rounds"] == ROUNDS and decision["tasks"] == 2 and vs["tasks"] == 2
     assert vs["ci_low"] <= vs["median"] <= vs["ci_high"]
     assert decision["champion_version_before"] is None
-    if vs["ci_low"] > 1.0:  # the tiny test policy can lose to the greedy heuristics: then it is never promoted
+    floor = decision["aa_floor"]
+    assert floor["planner"] == BASELINES[0] and floor["ci_low"] <= floor["median"] <= floor["ci_high"]
+    if slower_than_baselines(decision):  # the tiny test policy can lose to the heuristics: then never promoted
         assert decision["verdict"] == "challenger" and aliases(POLICY) == {"challenger": GOOD}
     else:
         assert decision["verdict"] == "promoted" and decision["reason"].startswith("no champion yet")
@@ -159,7 +185,7 @@ def test_without_a_champion_a_candidate_not_slower_than_the_baselines_becomes_ch
     assert run["metrics.promoted"] == float(decision["promoted"]) and run["tags.decision"] == decision["verdict"]
     # Evaluated against the baselines only (there was no champion to compare with), the files are written.
     ev = pd.read_parquet(tmp_path / "evaluation" / "evaluation.parquet")
-    assert set(ev["planner"]) == {f"learned/{GOOD}", *BASELINES}
+    assert set(ev["planner"]) == {f"learned/{GOOD}", *BASELINES, f"{BASELINES[0]}#2"}  # and the A/A repeat
     assert (ev["rounds"] == ROUNDS).all() and ev["round_costs_ms"].map(len).eq(ROUNDS).all()
     saved = json.loads((tmp_path / "evaluation" / "decision.json").read_text())
     assert saved["verdict"] == decision["verdict"] and saved["candidate_vs_best_baseline"]["tasks"] == 2
@@ -170,7 +196,7 @@ def test_a_candidate_slower_than_the_baselines_is_never_promoted_even_without_a_
     decision = promote(fresh, tmp_path, BAD)
     assert decision["verdict"] == "challenger" and decision["promoted"] is False
     assert decision["reason"].startswith("measurably slower than the best baseline")
-    assert decision["candidate_vs_best_baseline"]["ci_low"] > 1.0
+    assert slower_than_baselines(decision)
     assert decision["champion_version_after"] is None
     assert aliases(POLICY) == {"challenger": BAD}
 
@@ -200,8 +226,9 @@ def test_a_better_candidate_replaces_a_worse_champion(fresh, tmp_path):
     registry.set_alias(COST, "champion", "2")
     decision = promote(fresh, tmp_path, GOOD)
     assert decision["candidate_over_champion_median"] < 0.9
-    assert decision["candidate_vs_champion"]["ci_high"] < 0.99
-    if decision["candidate_vs_best_baseline"]["ci_low"] > 1.0:
+    # Clear of the margin and of the ruler's A/A floor: a difference, not noise.
+    assert decision["candidate_vs_champion"]["ci_high"] < min(0.99, decision["aa_floor"]["ci_low"])
+    if slower_than_baselines(decision):
         assert decision["verdict"] == "challenger"  # never promoted while measurably slower than a heuristic
         return
     assert decision["promoted"] is True and decision["reason"].startswith("faster than the champion")
@@ -222,5 +249,5 @@ def test_a_candidate_not_better_by_the_margin_gets_challenger(fresh, tmp_path):
     assert aliases(POLICY) == {"champion": GOOD, "challenger": GOOD_TOO}
     assert aliases(COST) == {"champion": "1", "challenger": "1"}
     ev = pd.read_parquet(tmp_path / "evaluation" / "evaluation.parquet")
-    assert set(ev["planner"]) == {f"learned/{GOOD_TOO}", f"learned/{GOOD}", *BASELINES}
+    assert set(ev["planner"]) == {f"learned/{GOOD_TOO}", f"learned/{GOOD}", *BASELINES, f"{BASELINES[0]}#2"}
     assert promote_run(GOOD_TOO)["metrics.promoted"] == 0.0

@@ -54,6 +54,20 @@ def test_statistics():
     assert names == ["y", "y", "y"] and list(cost) == [5.0, 5.0, 5.0]
 
 
+@pytest.mark.parametrize("lo, hi, floor, at, want", [
+    (0.90, 0.97, (np.nan, np.nan), 1.0, "faster"),            # no floor measured: only 1 to clear
+    (0.90, 0.97, (0.95, 1.05), 1.0, "no difference"),         # below 1, but inside a noisy ruler's floor
+    (0.88, 0.94, (0.95, 1.05), 1.0, "faster"),
+    (1.03, 1.08, (0.95, 1.05), 1.0, "no difference"),
+    (1.06, 1.10, (0.95, 1.05), 1.0, "slower"),
+    (1.01, 1.03, (0.99, 1.005), 1.0, "slower"),               # a tight floor: a small difference is real
+    (0.94, 0.985, (0.995, 1.01), 0.99, "faster"),             # judged against 1 - margin
+    (np.nan, np.nan, (0.95, 1.05), 1.0, "not measured"),
+])
+def test_a_difference_counts_only_when_it_clears_the_a_a_floor(lo, hi, floor, at, want):
+    assert stats.floor_verdict(lo, hi, *floor, at=at) == want
+
+
 def test_a_planner_named_twice_is_an_a_a_test(measured_world, tmp_path, capsys):
     """`embshard evaluate --planners lookup_greedy,lookup_greedy`: two labelled entries, measured apart; their
     ratio is reported per task with its interval, and the evaluation file carries the rounds."""
@@ -71,6 +85,10 @@ def test_a_planner_named_twice_is_an_a_a_test(measured_world, tmp_path, capsys):
     assert aa["ci_low"] <= aa["median_ratio"] <= aa["ci_high"]
     assert 0.8 < aa["median_ratio"] < 1.25  # the same plan: only noise between the two
     assert (out / "evaluation.png").exists()
+    # The floor the promotion gate and the quality suites judge against is this very ratio.
+    f_med, f_lo, f_hi = stats.aa_floor(ratios, "lookup_greedy")
+    assert f_med == pytest.approx(aa["median_ratio"]) and f_lo <= f_med <= f_hi
+    assert all(np.isnan(stats.aa_floor(ratios, "dim_greedy")))  # no repeat measured: no floor
 
 
 def test_evaluate_help_lists_only_names_it_accepts(capsys):

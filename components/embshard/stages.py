@@ -272,8 +272,8 @@ def run_in_task(name: str, data_root: str, mlflow_uri: str, params: dict, *, run
     try:
         with run_context.stage_output(env):
             result = run(name, root, params, chunk, round_index)
-    except StageSkipped:
-        run_context.progress(f"  {label:<28} skipped")
+    except StageSkipped as exc:
+        run_context.progress(f"  {label:<28} skipped: {exc}")
         raise
     except BaseException as exc:
         run_context.progress(f"  {label:<28} FAILED after {time.perf_counter() - start:6.1f} s: "
@@ -336,6 +336,10 @@ def promotion_lines(decision: dict, root: str) -> list[str]:
     if champ is not None:
         lines.append(f"  candidate vs the champion: {champ:.3f}x{interval(decision.get('candidate_vs_champion'))}  "
                      f"({speed_words(champ)})")
+    floor = decision.get("aa_floor")
+    if floor and floor.get("median") == floor.get("median") and floor.get("median") is not None:
+        lines.append(f"  the ruler's A/A floor ({floor['planner']} measured twice): {floor['median']:.3f}x"
+                     f"{interval(floor)}  (a ratio inside this interval is no difference)")
     verdict = {"promoted": "PROMOTED to champion", "undecided": "UNDECIDED (challenger); champion kept"}.get(
         decision.get("verdict", "promoted" if decision.get("promoted") else ""),
         "not promoted (challenger); champion kept")

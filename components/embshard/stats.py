@@ -77,3 +77,26 @@ def held_out_best(costs: dict[str, np.ndarray]) -> tuple[np.ndarray, list[str]]:
         best_cost[k] = mat[c, k]
         best_name.append(names[c])
     return best_cost, best_name
+
+
+def aa_floor(ratios, planner: str) -> tuple[float, float, float]:
+    """The ruler's A/A floor in an evaluation's ratio frame: `planner`'s second entry ("x#2", measured separately)
+    against its first, median over tasks of the per-round ratios with the suite interval; NaNs without a repeat.
+    An A/B ratio has to clear this interval to count as a difference."""
+    aa = ratios[(ratios["planner"] == f"{planner}#2") & (ratios["versus"] == planner)]
+    per_task = [np.asarray(v, dtype=float) for v in aa["round_ratios"]]
+    return suite_ci(per_task) if per_task else (np.nan, np.nan, np.nan)
+
+
+def floor_verdict(lo: float, hi: float, aa_lo: float, aa_hi: float, at: float = 1.0) -> str:
+    """'faster' / 'slower' than `at` only when the interval [lo, hi] clears `at` and the A/A floor's interval
+    (NaN: no floor measured); else 'no difference'. 'not measured' without an interval."""
+    if not np.isfinite(lo) or not np.isfinite(hi):
+        return "not measured"
+    floor_lo = min(at, aa_lo) if np.isfinite(aa_lo) else at
+    floor_hi = max(at, aa_hi) if np.isfinite(aa_hi) else at
+    if hi < floor_lo:
+        return "faster"
+    if lo > floor_hi:
+        return "slower"
+    return "no difference"

@@ -397,7 +397,8 @@ def _log_to_mlflow(df: pd.DataFrame, summary: pd.DataFrame, plot_path: str) -> N
     if mlflow.active_run() is None:
         return
     for name, r in summary.iterrows():
-        key = name.replace("@", "_at_").replace("/", "_v")
+        # MLflow metric names allow neither "@" nor "#" (an A/A repeat "x#2" becomes "x_copy2")
+        key = name.replace("@", "_at_").replace("/", "_v").replace("#", "_copy")
         for col in ("median_ratio_best_baseline", "worst_ratio_best_baseline", "median_gap_lower_bound"):
             if np.isfinite(r[col]):
                 mlflow.log_metric(f"{key}.{col}", float(r[col]))

@@ -1,16 +1,19 @@
 """Promotion in the MLflow registry: the candidate planner against the champion and the baselines, measured with
 the ruler (jobs.evaluate: R rounds, paired per-round ratios, intervals).
 
+The first baseline is measured a second time as its own entry (an A/A test): its ratio to itself is the ruler's
+noise floor in this very evaluation, and a difference whose interval does not clear that floor is no difference.
 The gate, on the median over held-out tasks of the per-task ratios (95% interval: bootstrap over tasks and rounds):
 - a candidate that failed to place a task, or that is measurably slower than the best greedy baseline (the whole
-  interval of candidate / best baseline above 1), is never promoted: it becomes `challenger`, with or without a
-  champion;
+  interval of candidate / best baseline above 1 and above the A/A floor's interval), is never promoted: it becomes
+  `challenger`, with or without a champion;
 - with a champion: `champion` moves to the candidate only when the whole interval of candidate / champion lies
-  below 1 - margin; when it lies above, the candidate is not better (challenger); when it straddles, the decision is
-  "undecided" (challenger: the measurement cannot tell, and a guess would move the champion by noise);
+  below 1 - margin and below the A/A floor's interval; when it lies above 1 - margin, the candidate is not better
+  (challenger); otherwise the decision is "undecided" (challenger: the measurement cannot tell, and a guess would
+  move the champion by noise);
 - without a champion, a candidate that is not measurably slower than the best baseline becomes the first champion.
-The cost model the candidate was trained against follows it. decision.json records the intervals, p-values, rounds
-and tasks; the decision and its numbers are logged in MLflow.
+The cost model the candidate was trained against follows it. decision.json records the intervals, the A/A floor,
+p-values, rounds and tasks; the decision and its numbers are logged in MLflow.
 """
 from __future__ import annotations
 
@@ -54,23 +57,31 @@ def _compare(round_costs: dict, a: str, b: str | None, best_baseline: bool = Fal
             "tasks": len(per_task), "task_medians": task_medians}
 
 
-def decide(vs_champion: dict | None, vs_baseline: dict, margin: float, failed: bool) -> tuple[str, str]:
-    """(verdict, reason): verdict "promoted", "challenger" or "undecided"."""
+def decide(vs_champion: dict | None, vs_baseline: dict, margin: float, failed: bool,
+           floor: dict | None = None) -> tuple[str, str]:
+    """(verdict, reason): verdict "promoted", "challenger" or "undecided". `floor`: the A/A floor (median, ci_low,
+    ci_high; None or NaNs when not measured), whose interval a ratio has to clear to count as a difference."""
     def fmt(c: dict) -> str:
         return f"{c['median']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}] over {c['tasks']} tasks"
 
+    aa_lo, aa_hi = (floor["ci_low"], floor["ci_high"]) if floor else (np.nan, np.nan)
+    aa = f"; A/A floor [{aa_lo:.3f}, {aa_hi:.3f}]" if np.isfinite(aa_lo) and np.isfinite(aa_hi) else ""
     if failed:
         return "challenger", "the candidate failed to place some tasks"
-    if np.isfinite(vs_baseline["ci_low"]) and vs_baseline["ci_low"] > 1.0:
-        return "challenger", f"measurably slower than the best baseline: {fmt(vs_baseline)}"
+    if stats.floor_verdict(vs_baseline["ci_low"], vs_baseline["ci_high"], aa_lo, aa_hi) == "slower":
+        return "challenger", f"measurably slower than the best baseline: {fmt(vs_baseline)}{aa}"
     if vs_champion is None:
-        return "promoted", f"no champion yet, and not measurably slower than the best baseline ({fmt(vs_baseline)})"
+        return "promoted", (f"no champion yet, and not measurably slower than the best baseline "
+                            f"({fmt(vs_baseline)}{aa})")
     if not (np.isfinite(vs_champion["ci_low"]) and np.isfinite(vs_champion["ci_high"])):
         return "undecided", f"too few tasks or rounds for an interval against the champion ({fmt(vs_champion)})"
-    if vs_champion["ci_high"] < 1.0 - margin:
-        return "promoted", f"faster than the champion by more than {margin:.1%}: {fmt(vs_champion)}"
+    if stats.floor_verdict(vs_champion["ci_low"], vs_champion["ci_high"], aa_lo, aa_hi, at=1.0 - margin) == "faster":
+        return "promoted", f"faster than the champion by more than {margin:.1%}: {fmt(vs_champion)}{aa}"
     if vs_champion["ci_low"] > 1.0 - margin:
         return "challenger", f"not faster than the champion by {margin:.1%}: {fmt(vs_champion)}"
+    if vs_champion["ci_high"] < 1.0 - margin:
+        return "undecided", (f"faster than the champion, but not beyond the ruler's noise: {fmt(vs_champion)}{aa}; "
+                             "measure more tasks or rounds to decide")
     return "undecided", (f"the interval against the champion straddles {1 - margin:.3f}: {fmt(vs_champion)}; "
                          "measure more tasks or rounds to decide")
 
@@ -92,6 +103,10 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
         champ_name = f"learned/{champion.version}"
         planners.append(champ_name)
     planners += baselines
+    # The first baseline once more, as its own entry: the A/A floor of this evaluation.
+    aa_planner = baselines[0] if baselines else None
+    if aa_planner is not None:
+        planners.append(aa_planner)
     with registry.start_run(run_name="evaluate-and-promote"):
         res = evaluate(tables, tasks, out, planners=planners, split=split, max_tasks=max_tasks, settings=settings,
                        rounds=rounds)
@@ -100,7 +115,11 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
         failed = not cand["feasible"].astype(bool).all()
         vs_baseline = _compare(res["round_costs"], cand_name, None, best_baseline=True)
         vs_champion = _compare(res["round_costs"], cand_name, champ_name) if champ_name else None
-        verdict, reason = decide(vs_champion, vs_baseline, margin, failed)
+        floor = None
+        if aa_planner is not None:
+            med, lo, hi = stats.aa_floor(res["ratio_frame"], aa_planner)
+            floor = {"planner": aa_planner, "median": med, "ci_low": lo, "ci_high": hi}
+        verdict, reason = decide(vs_champion, vs_baseline, margin, failed, floor)
         promote = verdict == "promoted"
         decision: dict[str, Any] = {
             "candidate_version": str(candidate_version), "margin": margin, "verdict": verdict, "reason": reason,
@@ -109,7 +128,7 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
             "candidate_median_ratio_best_baseline": vs_baseline["median"],
             "candidate_vs_best_baseline": vs_baseline,
             "candidate_over_champion_median": None if vs_champion is None else vs_champion["median"],
-            "candidate_vs_champion": vs_champion}
+            "candidate_vs_champion": vs_champion, "aa_floor": floor}
         if promote:
             registry.set_alias(POLICY, "champion", candidate_version)
             _follow_cost_model(candidate_version, "champion")
@@ -120,10 +139,13 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
         decision["champion_version_after"] = str(after.version) if after is not None else None
         mlflow.log_params({"candidate_version": candidate_version, "margin": margin, "rounds": res["rounds"],
                            "champion_before": decision["champion_version_before"]})
-        for key, comp in (("vs_best_baseline", vs_baseline), ("vs_champion", vs_champion)):
+        comparisons: tuple[tuple[str, dict | None], ...] = (
+            ("candidate_vs_best_baseline", vs_baseline), ("candidate_vs_champion", vs_champion), ("aa_floor", floor))
+        for key, comp in comparisons:
             for k in ("median", "ci_low", "ci_high", "wilcoxon_p"):
-                if comp is not None and np.isfinite(comp[k]):
-                    mlflow.log_metric(f"candidate_{key}_{k}", float(comp[k]))
+                value = None if comp is None else comp.get(k)
+                if isinstance(value, float) and np.isfinite(value):
+                    mlflow.log_metric(f"{key}_{k}", value)
         mlflow.log_metric("promoted", float(promote))
         mlflow.set_tags({"decision": verdict, "reason": reason[:250]})
         if "://" not in res["evaluation"]:
