@@ -336,9 +336,10 @@ def promotion_lines(decision: dict, root: str) -> list[str]:
     if champ is not None:
         lines.append(f"  candidate vs the champion: {champ:.3f}x{interval(decision.get('candidate_vs_champion'))}  "
                      f"({speed_words(champ)})")
-    floor = decision.get("aa_floor")
-    if floor and floor.get("median") == floor.get("median") and floor.get("median") is not None:
-        lines.append(f"  the ruler's A/A floor ({floor['planner']} measured twice): {floor['median']:.3f}x"
+    floor = decision.get("aa_floor") or {}
+    aa = floor.get("median")
+    if aa is not None and aa == aa:  # NaN: no repeat was measured
+        lines.append(f"  the ruler's A/A floor ({floor['planner']} measured twice): {aa:.3f}x"
                      f"{interval(floor)}  (a ratio inside this interval is no difference)")
     verdict = {"promoted": "PROMOTED to champion", "undecided": "UNDECIDED (challenger); champion kept"}.get(
         decision.get("verdict", "promoted" if decision.get("promoted") else ""),
