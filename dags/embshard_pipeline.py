@@ -59,8 +59,15 @@ PARAMS = {
                                       "every table alone."),
     "bench_chunks": Param(D["bench_chunks"], type="integer", minimum=1, maximum=1024,
                           description="Benchmark chunks: mapped tasks (pods) that measure in parallel."),
+    "device": Param(D["device"], enum=["auto", "cpu", "cuda"],
+                    description="Where the measuring stages (sample_shards' all-to-all calibration, benchmark, "
+                                "measure_policy_plans, evaluate_and_promote) measure: auto = the pod's GPU when "
+                                "it has one, else the CPU; cuda fails at once where no GPU is visible. A pod with "
+                                "several GPUs measures the all-to-all with NCCL among them; one GPU uses the "
+                                "NVLink formula. The models are tagged with the hardware measured."),
     "bench_batch_size": Param(D["bench_batch_size"], type="integer", minimum=0,
-                              description="Benchmark batch size (0 = the benchmark's default for the device)."),
+                              description="Benchmark batch size (0 = the device's default: 2,048 on the CPU, "
+                                          "65,536 on a GPU)."),
     "recalibrate_comm": Param(D["recalibrate_comm"], type="boolean",
                               description="Calibrate the all-to-all formula again (otherwise the one stored for "
                                           "this hardware is reused, so that runs and models agree)."),

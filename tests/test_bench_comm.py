@@ -29,7 +29,11 @@ def test_measured_comm_and_calibration_with_gloo(tmp_path, small_tables_df, monk
     parts = run(tables, [["t0000", "t0001"], ["t0002"]], out, batch_size=256, warmup=1, iterations=10,
                 comm_ranks=2, progress=False)
     costs = schemas.read(parts[0], "costs")
-    assert (costs["comm_source"] == "measured").all() and (costs["num_devices"] == 2).all()
+    # The shards belong to 4-device tasks (run's default): measured among the 2 ranks there are, each rank sending
+    # what a device of a 4-device task sends (comm.group_numel), and recorded as 4-device shards.
+    assert (costs["comm_source"] == "measured").all() and (costs["num_devices"] == 4).all()
+    assert comm.group_numel(256, 100, 4, 2) == 256 * 100 * 3 // 4 * 2
+    assert comm.group_numel(256, 100, 1, 2) == 0  # one device: no all-to-all
     assert (costs["fwd_comm_ms"] > 0).all() and (costs["bwd_comm_ms"] > 0).all()
     assert (costs["comm_model"] == "gloo:2ranks").all()
     # The calibrated model: fitted once, cached in the run folder for every later chunk.

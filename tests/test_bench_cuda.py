@@ -86,3 +86,24 @@ def test_torch_backend_on_cuda(tmp_path, tables_df):
                 progress=False)
     df = schemas.read(parts[0], "costs")
     assert len(df) == 3 and (df["backend"] == "torch").all() and (df["fwd_compute_ms"] > 0).all()
+
+
+def test_pipeline_stages_measure_on_the_gpu(tmp_path, monkeypatch):
+    """The DAG's stage path with device=cuda: ingest, sample_shards (the calibration of the GPU's hardware) and
+    one benchmark chunk write GPU costs (the `device` param reaching the stages, not only `embshard bench`)."""
+    _fbgemm_cuda_or_skip()
+    from embshard import stages
+
+    monkeypatch.setenv("EMBSHARD_CALIBRATION_DIR", str(tmp_path / "calibration"))
+    root = str(tmp_path / "run")
+    params = {"device": "cuda", "num_tables": 30, "num_tasks": 2, "tables_per_task": "6-10", "devices": 2,
+              "memory_gb": 64, "bench_shards": 12, "bench_chunks": 2, "bench_batch_size": 4096}
+    stages.run("ingest", root, params)
+    stages.run("sample_shards", root, params)
+    res = stages.run("benchmark", root, params, chunk=0)
+    assert res["device"] == "cuda"
+    df = schemas.read(res["parts"][0], "costs")
+    assert df["hardware"].iloc[0].startswith("cuda:") and (df["timer"] == "cuda_events").all()
+    assert (df["batch_size"] == 4096).all()
+    expected = "measured" if torch.cuda.device_count() >= 2 else "model"
+    assert (df["comm_source"] == expected).all()

@@ -216,3 +216,41 @@ def test_predict_bad_input_is_one_line_exit_2_and_writes_nothing(saved_ensemble)
     res = _predict("--tables", str(root / "tables.parquet"), "--shards", str(root / "bad.csv"),
                    "--model", str(root / "no-model"), "--out", str(out))
     assert res.returncode == 2 and not out.exists()
+
+
+def test_predict_warns_in_one_line_when_the_model_is_for_other_hardware(saved_ensemble, tmp_path):
+    """A model measured on an H100 asked about this CPU machine (or --hardware naming other hardware) warns once;
+    naming the model's own hardware (a short name is enough) does not."""
+    from embshard.costmodel.ensemble import CostEnsemble
+
+    root, ids = saved_ensemble
+    members = [_model(s)[0] for s in range(2)]
+    for m in members:
+        m.config.hardware = "cuda:NVIDIA H100 80GB HBM3"
+    CostEnsemble(members, interval_z=1.5).save(str(tmp_path / "gpu-model"))
+    pd.DataFrame({"sample_id": ["s1"], "table_ids": [" ".join(ids[:2])], "num_devices": [4]}).to_csv(
+        tmp_path / "shards.csv", index=False)
+    base = ["--tables", str(root / "tables.parquet"), "--shards", str(tmp_path / "shards.csv"),
+            "--model", str(tmp_path / "gpu-model")]
+    res = _predict(*base, "--out", str(tmp_path / "a.csv"))
+    assert res.returncode == 0, res.stderr
+    warnings = [ln for ln in res.stderr.splitlines() if "measured on cuda:NVIDIA H100" in ln]
+    if torch.cuda.is_available() and "H100" in torch.cuda.get_device_name():
+        assert not warnings
+    else:
+        assert len(warnings) == 1 and "this machine" in warnings[0], res.stderr
+    res = _predict(*base, "--hardware", "cuda:NVIDIA H100", "--out", str(tmp_path / "b.csv"))
+    assert res.returncode == 0 and "measured on" not in res.stderr, res.stderr
+    res = _predict(*base, "--hardware", "cuda:NVIDIA L4", "--out", str(tmp_path / "c.csv"))
+    assert res.returncode == 0 and "--hardware is cuda:NVIDIA L4" in res.stderr, res.stderr
+
+
+def test_hardware_names_match_by_prefix_and_case():
+    from embshard.hardware import mismatch_warning, same_hardware
+
+    assert same_hardware("cuda:NVIDIA H100 80GB HBM3", "cuda:nvidia h100")
+    assert not same_hardware("cuda:NVIDIA H100 80GB HBM3", "cuda:NVIDIA H200")
+    assert not same_hardware("", "cpu:x")
+    assert mismatch_warning("", "cpu:x", asked=False) is None  # a model that does not say: nothing to warn about
+    line = mismatch_warning("cpu:AMD EPYC", "cuda:NVIDIA H200", asked=True)
+    assert line is not None and "\n" not in line and "fix:" in line

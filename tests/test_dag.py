@@ -29,6 +29,7 @@ STAGE_OF = {"ingest": ("ingest", None), "sample_shards": ("sample_shards", None)
             **{t: (s, r) for t, s, r in LOOP},
             "evaluate_and_promote": ("evaluate_and_promote", None), "export_placements": ("export_placements", None)}
 CHAIN = list(STAGE_OF)
+MEASURING_STAGES = ("sample_shards", "benchmark", "measure_policy_plans", "evaluate_and_promote")
 RUN_ID = "scheduled__2026-01-05T03:00:00+00:00"
 
 
@@ -229,13 +230,34 @@ def test_stage_pods_are_valid_and_run_the_stage_on_the_run_root(k8s_dag, task_id
 def test_measuring_pods_get_a_gpu_on_gpu_nodes(k8s_dag, task_id):
     pod = render_pod(k8s_dag, task_id)
     resources = pod["spec"]["containers"][0]["resources"]
-    if STAGE_OF[task_id][0] in ("benchmark", "measure_policy_plans", "evaluate_and_promote"):
+    if STAGE_OF[task_id][0] in MEASURING_STAGES:
         assert resources["requests"][GPU] == resources["limits"][GPU] == "1"
         assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
         assert pod["spec"]["tolerations"] == [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
     else:
         assert GPU not in resources["requests"] and GPU not in resources["limits"]
         assert not pod["spec"].get("nodeSelector") and not pod["spec"].get("tolerations")
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu", "auto"])
+def test_measuring_pods_carry_the_device_param(k8s_dag, device):
+    """The `device` param of a run reaches every measuring stage's pod (in its --params), and those pods are the
+    ones with a GPU; the stage reads it from there (tests/test_stages_device.py)."""
+    for task_id in CHAIN:
+        pod = render_pod(k8s_dag, task_id, params={"device": device})
+        args = pod["spec"]["containers"][0]["args"]
+        assert json.loads(args[args.index("--params") + 1])["device"] == device
+        if STAGE_OF[task_id][0] in MEASURING_STAGES:
+            assert pod["spec"]["containers"][0]["resources"]["limits"][GPU] == "1"
+
+
+def test_device_param_is_a_choice(k8s_dag):
+    from airflow.sdk.exceptions import ParamValidationError
+
+    assert k8s_dag.params.get_param("device").schema["enum"] == ["auto", "cpu", "cuda"]
+    params = copy.deepcopy(k8s_dag.params)
+    with pytest.raises(ParamValidationError, match="device"):
+        params["device"] = "tpu"
 
 
 def test_sample_shards_pod_pushes_the_chunks_for_the_benchmark_map(k8s_dag):

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "embshard"
 KUBE_VERSION = "1.33.0"
 GPU = "nvidia.com/gpu"
-GPU_STAGES = {"benchmark", "measure_policy_plans", "evaluate_and_promote"}
+GPU_STAGES = {"sample_shards", "benchmark", "measure_policy_plans", "evaluate_and_promote"}
 
 # What the DAG passes: the image's entrypoint is `embshard`, so arguments start with the command.
 ARGS = {

@@ -68,3 +68,22 @@ def cache_bytes_of(hardware: str) -> int:
         log.warning("unknown GPU %r: assuming a %d MiB L2", hardware, FALLBACK_CACHE_BYTES >> 20)
         return FALLBACK_CACHE_BYTES
     return cpu_last_level_cache() or FALLBACK_CACHE_BYTES
+
+
+def same_hardware(a: str, b: str) -> bool:
+    """Whether two hardware tags name the same kind of device ('cuda:NVIDIA H100' matches 'cuda:NVIDIA H100 80GB
+    HBM3': a user may give the short name)."""
+    a, b = " ".join(a.lower().split()), " ".join(b.lower().split())
+    return bool(a and b) and (a.startswith(b) or b.startswith(a))
+
+
+def mismatch_warning(model_hardware: str, target: str, *, asked: bool) -> str | None:
+    """One line when a model measured on one hardware is asked to plan or predict for another (None when they
+    agree or the model does not say). `asked`: the target came from --hardware, else from this machine."""
+    if not model_hardware or not target or same_hardware(model_hardware, target):
+        return None
+    source = "--hardware" if asked else "this machine"
+    return (f"warning: the model was measured on {model_hardware} but {source} is {target}: its predicted costs "
+            f"are for {model_hardware} (fix: use a model trained on the target hardware, e.g. a pipeline run "
+            f"with device=cuda there, or pass --hardware to name the target)")
+

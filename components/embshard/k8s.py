@@ -65,12 +65,13 @@ POD_DEFAULTS: dict[str, Any] = {
     "startupTimeoutSeconds": 900,  # GPU nodes may scale up from zero and pull a multi-GB image
     "onFinishAction": "delete_succeeded_pod",  # failed pods stay for `kubectl logs/describe`
     # Per stage: resources and whether the pod needs a GPU. Measuring stages run on the GPU type whose costs
-    # they learn from: benchmark measures shards, measure_policy_plans the policy's plans, evaluate_and_promote
-    # whole placements.
+    # they learn from: sample_shards calibrates the all-to-all of that hardware, benchmark measures shards,
+    # measure_policy_plans the policy's plans, evaluate_and_promote whole placements. Where they measure is the
+    # run's `device` param (auto: the pod's GPU); a CPU-only cluster sets these to false and device=cpu.
     "stages": {
         "ingest": {"gpu": False, "resources": {"requests": {"cpu": "1", "memory": "4Gi"},
                                                "limits": {"cpu": "2", "memory": "8Gi"}}},
-        "sample_shards": {"gpu": False, "resources": {"requests": {"cpu": "1", "memory": "2Gi"},
+        "sample_shards": {"gpu": True, "resources": {"requests": {"cpu": "1", "memory": "2Gi"},
                                                       "limits": {"cpu": "2", "memory": "4Gi"}}},
         "benchmark": {"gpu": True, "resources": {"requests": {"cpu": "4", "memory": "16Gi"},
                                                  "limits": {"cpu": "8", "memory": "32Gi"}}},

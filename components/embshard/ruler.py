@@ -51,7 +51,9 @@ def round_settings(settings: MeasureSettings | None) -> MeasureSettings:
     """The settings of one measurement in a round: ROUND_MIN_TIME_MS of timed work unless set explicitly."""
     settings = settings or MeasureSettings()
     if settings.min_time_ms is None:
-        kind = "cpu" if settings.device == "cpu" else "cuda"
+        from .bench.backends import resolve_device
+
+        kind = "cpu" if resolve_device(settings.device) == "cpu" else "cuda"
         settings = MeasureSettings(**{**settings.__dict__, "min_time_ms": ROUND_MIN_TIME_MS[kind]})
     return settings
 

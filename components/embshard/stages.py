@@ -30,6 +30,9 @@ DEFAULT_PARAMS: dict = {
     # Random training shards measured for the cost model; with 160 its unseen compute MAPE was 35%, with 240 23%.
     "bench_shards": 240,
     "bench_chunks": 3,            # mapped benchmark tasks (pods)
+    # Where every measuring stage measures (sample_shards' calibration, benchmark chunks, measured policy plans,
+    # the promotion's evaluation): auto = the pod's GPU when it has one, else the CPU; cuda without a GPU fails.
+    "device": "auto",
     "bench_batch_size": 0,        # 0 = the benchmark's CPU/GPU default
     "recalibrate_comm": False,    # measure the all-to-all formula again (else the stored one of this hardware)
     "cost_members": 3,            # cost-model ensemble members (their disagreement is the uncertainty)
@@ -114,14 +117,25 @@ def ingest(root: str, params: dict) -> dict:
     return _state(root, "ingest", {"tables": tables, "tasks": tasks})
 
 
+def measuring_device(p: dict) -> str:
+    """The device this stage measures on (the `device` param; auto: this process's GPU, else the CPU), checked
+    before any work: device=cuda where no GPU is visible is a one-line error, never a CPU measurement."""
+    from .bench.backends import resolve_device
+
+    device = resolve_device(str(p["device"]))
+    log.info("measuring on %s (device param %r)", device, p["device"])
+    return device
+
+
 def sample_shards(root: str, params: dict) -> dict:
     from .bench import backends, comm
     from .jobs.shards import run as shards_run
 
     p = merged(params)
-    # Before any chunk measures: the run takes the shared communication calibration of this hardware (one per
-    # hardware, reused by every run, recalibrated only when asked), so runs and their models agree on comm.
-    comm.adopt_calibration(root, backends.hardware("cpu"), recalibrate=bool(p["recalibrate_comm"]))
+    device = measuring_device(p)
+    # Before any chunk measures: the run takes the shared communication calibration of the hardware it measures
+    # on (one per hardware, reused by every run, recalibrated only when asked), so runs and models agree on comm.
+    comm.adopt_calibration(root, backends.hardware(device), device=device, recalibrate=bool(p["recalibrate_comm"]))
     shards = shards_run(path(root, "tables"), path(root, "tasks"), root, num_shards=int(p["bench_shards"]),
                         seed=int(p["seed"]))
     return _state(root, "shards", {"shards": shards, "chunks": list(range(int(p["bench_chunks"])))})
@@ -131,20 +145,25 @@ def benchmark(root: str, params: dict, chunk: int) -> dict:
     from .jobs.bench import run as bench_run
 
     p = merged(params)
+    st = measure_settings(root, p)
     shards = _state(root, "shards")["shards"]  # sampled once by sample_shards; every chunk reads the same list
-    batch = int(p["bench_batch_size"])
     parts = bench_run(path(root, "tables"), shards, root, chunk=int(chunk), num_chunks=int(p["bench_chunks"]),
-                      batch_size=batch if batch > 0 else None)
-    return {"chunk": int(chunk), "parts": parts}
+                      device=st.device, batch_size=st.batch_size, comm_ranks=st.comm_ranks)
+    return {"chunk": int(chunk), "parts": parts, "device": st.device}
 
 
 def measure_settings(root: str, p: dict):
-    """How every measuring stage of a run measures: the same batch, and the run's one communication calibration
-    (written under the run root by the benchmark), so costs stay comparable across stages."""
+    """How every measuring stage of a run measures: on the run's device (checked here, before any work), with
+    the same batch (0: the device's default), the all-to-all measured among the host's GPUs when it has several,
+    and the run's one communication calibration (written under the run root by sample_shards), so costs stay
+    comparable across stages."""
+    from .bench.comm import measured_ranks
     from .bench.runner import MeasureSettings
 
+    device = measuring_device(p)
     batch = int(p["bench_batch_size"])
-    return MeasureSettings(batch_size=batch if batch > 0 else None, calibration_dir=root)
+    return MeasureSettings(device=device, batch_size=batch if batch > 0 else None, calibration_dir=root,
+                           comm_ranks=measured_ranks(device))
 
 
 def _costs_of_rounds(root: str, last_round: int) -> list[str]:
@@ -185,8 +204,7 @@ def train_policy(root: str, params: dict, round_index: int = 1) -> dict:
     res = train_round(path(root, "tables"), path(root, "tasks"), path(root, "policy"),
                       cost_model_uri=cm["model_uri"], iterations=max(1, int(p["policy_iterations"]) // rounds),
                       round_index=round_index, init_policy=prev, seed=int(p["seed"]),
-                      register=round_index == rounds, settings=measure_settings(root, p),
-                      description=f" of {rounds}")
+                      register=round_index == rounds, description=f" of {rounds}")
     return _state(root, "policy", {"policy_dir": res["policy_dir"], "round": round_index,
                                    "model_uri": res.get("model_uri"), "version": res.get("version"),
                                    "cost_model_uri": res["cost_model_uri"], "val_ratio": res["final_val_ratio"]})

@@ -45,18 +45,64 @@ def num_threads() -> int:
     return n
 
 
+DEVICES = ("auto", "cpu", "cuda")  # what a user or a DAG param may ask for (and cuda:N)
+
+
 def check_device(device: str) -> str:
-    """'cpu' or 'cuda[:N]'; a clear error when CUDA is asked for and absent."""
+    """'cpu' or 'cuda[:N]'; a clear error when CUDA is asked for and absent (never a silent CPU measurement)."""
     import torch
 
     if device == "cpu":
         return device
     if device == "cuda" or device.startswith("cuda:"):
         if not torch.cuda.is_available():
-            raise BackendUnavailableError("CUDA is not available on this machine", field="device",
-                                          fix="use --device cpu, or run on a GPU host with a CUDA build of torch")
+            raise BackendUnavailableError(f"device {device!r} was asked for but CUDA is not available on this "
+                                          f"machine ({_cuda_absence()})", field="device",
+                                          fix="use device cpu (or auto), or run on a GPU host with a CUDA build "
+                                              "of torch")
+        index = device.split(":", 1)[1] if ":" in device else "0"
+        if not index.isdigit() or int(index) >= torch.cuda.device_count():
+            raise EmbshardError(f"device {device!r}: this machine has {torch.cuda.device_count()} GPU(s)",
+                                field="device", fix="use cuda, or cuda:N with N below the GPU count")
         return device
-    raise EmbshardError(f"unknown device {device!r}", field="device", fix="use cpu or cuda")
+    raise EmbshardError(f"unknown device {device!r}", field="device", fix="use auto, cpu, cuda or cuda:N")
+
+
+def _cuda_absence() -> str:
+    import torch
+
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU build"
+    return "no GPU is visible to this process"
+
+
+def resolve_device(device: str = "auto") -> str:
+    """The device a measurement runs on: 'auto' is the first GPU when this machine has one, else the CPU;
+    'cpu' and 'cuda[:N]' are checked (cuda without a GPU is an error, never the CPU in disguise)."""
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return check_device(device)
+
+
+def check_target(model_hardware: str, target: str | None) -> str | None:
+    """The one-line warning when a model measured on `model_hardware` is used for `target` (a --hardware value;
+    None: this machine, its GPU if it has one, else its CPU); None when they agree."""
+    from ..hardware import mismatch_warning
+
+    if target is None:
+        return mismatch_warning(model_hardware, hardware(resolve_device("auto")), asked=False)
+    return mismatch_warning(model_hardware, target, asked=True)
+
+
+def gpu_count(device: str) -> int:
+    """GPUs this process sees when measuring on `device` (0 on the CPU)."""
+    if device == "cpu":
+        return 0
+    import torch
+
+    return int(torch.cuda.device_count())
 
 
 def _load_tbe():

@@ -149,12 +149,31 @@ class CommGroup:
         self.close()
 
 
-def calibrate(world_size: int = 2, repeats: int = 3) -> CommModel:
+def measured_ranks(device: str) -> int | None:
+    """Ranks among which a measurement on `device` times the all-to-all for real: every GPU of a multi-GPU host
+    (NCCL), None on one GPU or the CPU (the formula: NVLink constants, or the calibrated gloo model)."""
+    from .backends import gpu_count
+
+    n = gpu_count(device)
+    return n if n >= 2 else None
+
+
+def group_numel(batch_size: int, sum_dims: int, num_devices: int, world: int) -> int:
+    """Floats per rank of an all-to-all among `world` ranks in which each rank sends off-rank the bytes that a
+    device of a `num_devices`-device task sends (exchanged_bytes): the shard's own traffic, whatever the pod's
+    GPU count. 0 when the task has one device (no all-to-all)."""
+    if num_devices <= 1 or sum_dims <= 0:
+        return 0
+    return int(math.ceil(batch_size * sum_dims * (num_devices - 1) / num_devices * world / (world - 1)))
+
+
+def calibrate(world_size: int = 2, repeats: int = 3, device: str = "cpu") -> CommModel:
     """Latency = the smallest all-to-all's median time; bandwidth = the slope between the smallest and the
-    largest (gloo all-to-alls between local processes, medians of 7). Done `repeats` times: the constants are
-    the medians, `spread` the largest relative range (how far a single calibration can be trusted)."""
+    largest (all-to-alls between local processes, gloo on the CPU or NCCL among GPUs, medians of 7). Done
+    `repeats` times: the constants are the medians, `spread` the largest relative range (how far a single
+    calibration can be trusted)."""
     lat, bw = [], []
-    with CommGroup(world_size, "cpu") as group:
+    with CommGroup(world_size, device) as group:
         for _ in range(max(1, repeats)):
             xs, ys = [], []
             for numel in _CALIBRATION_SIZES:
@@ -166,7 +185,7 @@ def calibrate(world_size: int = 2, repeats: int = 3) -> CommModel:
             lat.append(max(ys[0], 1e-6))
     spread = max((max(v) - min(v)) / float(np.median(v)) for v in (lat, bw))
     return CommModel(latency_s=float(np.median(lat)), bandwidth_Bps=float(np.median(bw)),
-                     source=f"calibrated:gloo-{world_size}proc", spread=float(spread))
+                     source=f"calibrated:{group.backend}-{world_size}proc", spread=float(spread))
 
 
 def _from_dict(c: dict) -> CommModel:
@@ -178,11 +197,34 @@ def shared_calibration_dir() -> str | None:
     return os.environ.get("EMBSHARD_CALIBRATION_DIR") or None
 
 
-def adopt_calibration(run_root: str, hardware: str, *, recalibrate: bool = False) -> CommModel | None:
+def describe(device: str) -> str:
+    """How a measurement on `device` gets its all-to-all, in words (the stage logs say it)."""
+    ranks = measured_ranks(device)
+    if ranks is not None:
+        return f"the all-to-all is measured with NCCL among this host's {ranks} GPUs"
+    if device != "cpu":
+        return ("one GPU on this host: the all-to-all cannot be measured, it is the formula with documented "
+                "NVLink constants (latency + bytes / bandwidth)")
+    return "CPU: the all-to-all is the formula calibrated on a gloo all-to-all between 2 local processes"
+
+
+def _calibrate_for(device: str) -> CommModel:
+    if device == "cpu":
+        return calibrate(2)
+    if measured_ranks(device) is not None:
+        return calibrate(2, device=device)  # NCCL between 2 of the host's GPUs: the formula's constants
+    return CommModel(NVLINK_DEFAULT["latency_s"], NVLINK_DEFAULT["bandwidth_Bps"], "constants:nvlink")
+
+
+def adopt_calibration(run_root: str, hardware: str, *, device: str = "cpu",
+                      recalibrate: bool = False) -> CommModel | None:
     """Give a run the shared calibration of this hardware (EMBSHARD_CALIBRATION_DIR): copied into the run root,
-    where every measuring stage of the run reads it; calibrated (and stored for later runs) when there is none
-    yet or when `recalibrate` is asked. The cost model trained on the run records it, so model and measurements
-    agree on communication across runs. Without a shared folder each run calibrates its own (None)."""
+    where every measuring stage of the run reads it; calibrated on `device` (and stored for later runs) when
+    there is none yet or when `recalibrate` is asked. The cost model trained on the run records it, so model and
+    measurements agree on communication across runs. Without a shared folder each run calibrates its own (None).
+    On a multi-GPU host the shards' all-to-alls are measured with NCCL; the calibration is then only the record
+    (and the formula for the cost model's report)."""
+    log.info("communication on %s: %s", hardware, describe(device))
     shared = shared_calibration_dir()
     if shared is None:
         return None
@@ -191,7 +233,7 @@ def adopt_calibration(run_root: str, hardware: str, *, recalibrate: bool = False
     if recalibrate or hardware not in table:
         log.info("calibrating the communication model for %s (%s)", hardware,
                  "asked for" if recalibrate else "none stored yet")
-        model = calibrate(2)
+        model = _calibrate_for(device)
         table[hardware] = asdict(model)
         storage.write_text(src, json.dumps(table, indent=2))
     model = _from_dict(table[hardware])

@@ -115,6 +115,7 @@ def resolve_settings(*, backend: str = "auto", device: str = "cpu", batch_size: 
     """The measurement settings with defaults filled in and checked (what the fingerprint records)."""
     from . import backends
 
+    device = backends.resolve_device(device)  # "auto": the GPU when there is one
     chosen = backends.select_backend(backend, device)
     kind = _kind(device)
     batch_size = DEFAULT_BATCH[kind] if batch_size is None else int(batch_size)
@@ -151,6 +152,7 @@ def make_config(*, backend: str = "auto", device: str = "cpu", batch_size: int |
 
     st = resolve_settings(backend=backend, device=device, batch_size=batch_size, warmup=warmup,
                           iterations=iterations, num_batches=num_batches, max_shard_gb=max_shard_gb, timer=timer)
+    device = st["device"]
     torch.set_num_threads(st["num_threads"])
     cfg = BenchConfig(backend=st["backend"], device=device, batch_size=st["batch_size"], warmup=st["warmup"],
                       iterations=st["iterations"], num_batches=st["num_batches"],
@@ -303,13 +305,16 @@ def time_inputs(inputs: ShardInputs, cfg: BenchConfig, where: str = "shard") -> 
 
 
 def _comm(cfg: BenchConfig, sum_dims: int, num_devices: int) -> dict:
+    from .comm import group_numel
+
     B = cfg.batch_size
+    nd = int(num_devices)
     if cfg.comm_group is not None:
-        nd = cfg.comm_group.world
-        f_comm = float(np.median(cfg.comm_group.all_to_all_ms(B * sum_dims)))
-        b_comm = float(np.median(cfg.comm_group.all_to_all_ms(B * sum_dims)))
+        # Among the group's ranks, each sending what a device of the shard's nd-device task sends.
+        numel = group_numel(B, sum_dims, nd, cfg.comm_group.world)
+        f_comm = float(np.median(cfg.comm_group.all_to_all_ms(numel))) if numel else 0.0
+        b_comm = float(np.median(cfg.comm_group.all_to_all_ms(numel))) if numel else 0.0
     else:
-        nd = int(num_devices)
         assert cfg.comm is not None  # make_config sets comm or comm_group
         f_comm = b_comm = cfg.comm.time_ms(B, sum_dims, nd)
     return {"fwd_comm_ms": f_comm, "bwd_comm_ms": b_comm, "num_devices": nd}

@@ -84,10 +84,22 @@ def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | N
     return costs, checked
 
 
+def _warn_hardware(model, hardware: str | None) -> None:
+    from ..bench.backends import check_target
+
+    line = check_target(str(getattr(getattr(model, "config", None), "hardware", "") or ""), hardware) \
+        if model is not None else None
+    if line:
+        log.warning(line)
+
+
 def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: int | None = None,
           planner: str = "learned", model_uri: str = POLICY_CHAMPION_URI,
           cost_model_uri: str | None = None, tasks: str | None = None, task_id: str | None = None,
-          time_budget_s: float | None = None, search_evaluations: int | None = None) -> dict:
+          time_budget_s: float | None = None, search_evaluations: int | None = None,
+          hardware: str | None = None) -> dict:
+    """`hardware`: what the plan is for (default: this machine); a model measured on other hardware is warned
+    about in one line, since its predicted costs are for its own hardware."""
     from ..export.plan_json import write_plan_json
 
     table_set, D, mem, tid, where = resolve_task(tables, tasks, task_id, devices, memory_bytes)
@@ -97,6 +109,7 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     except EmbshardError as exc:  # name the user's file, not the internal task name
         raise exc.at(where) from None
     cost_model = None if getattr(p, "cost_model", None) is not None else load_cost_model_or_none(cost_model_uri)
+    _warn_hardware(getattr(p, "cost_model", None) or cost_model, hardware)
     costs, lb = predicted(placement, p, cost_model)
     with storage.staged_dir(out) as stage:  # all three files or none
         write_plan_json(placement, os.path.join(stage, "plan.json"), device_costs=costs, lower_bound=lb)
@@ -127,6 +140,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="safety cap on the learned planner's search time (default 60 s); a plan that hits it "
                         "depends on the machine's speed, and the report says so")
+    p.add_argument("--hardware", default=None,
+                   help="the hardware the plan is for, e.g. 'cuda:NVIDIA H100' (default: this machine's GPU, else "
+                        "its CPU); a warning when the model was measured on other hardware")
     p.add_argument("--out", required=True, help="output folder")
 
 
@@ -148,7 +164,7 @@ def main(args) -> int:
     result = place(args.tables, args.out, devices=devices, memory_bytes=memory,
                    planner=args.planner, model_uri=args.model, cost_model_uri=args.cost_model,
                    tasks=args.tasks, task_id=args.task_id, time_budget_s=args.time_budget_s,
-                   search_evaluations=args.search_evaluations)
+                   search_evaluations=args.search_evaluations, hardware=args.hardware)
     print(result["report"])
     print(f"wrote {result['plan_json']}, {result['placements']} and {result['plot']}")
     return 0

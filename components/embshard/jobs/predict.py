@@ -37,8 +37,14 @@ def read_shards(path: str) -> pd.DataFrame:
     return schemas.read(path, "shards")
 
 
-def run(tables: str, shards: str, out: str, model_uri: str = COST_CHAMPION_URI) -> pd.DataFrame:
+def run(tables: str, shards: str, out: str, model_uri: str = COST_CHAMPION_URI,
+        hardware: str | None = None) -> pd.DataFrame:
+    """`hardware`: what the prediction is for (default: this machine); one warning line when the model was
+    measured on other hardware (its predictions are for its own)."""
+    import logging
+
     from .. import costmodel
+    from ..bench.backends import check_target
     from ..features import working_set_bytes
     from ..tableset import TableSet
 
@@ -54,6 +60,9 @@ def run(tables: str, shards: str, out: str, model_uri: str = COST_CHAMPION_URI) 
     model = costmodel.load(model_uri)
     feats = ts.features()
     cfg = model.config
+    warning = check_target(str(cfg.hardware or ""), hardware)
+    if warning:
+        logging.getLogger(__name__).warning(warning)
     ws = working_set_bytes(feats, int(cfg.batch_size or 1024))
     rows = [np.array([row_of[t] for t in ids], dtype=np.int64) for ids in sdf["table_ids"]]
     out_df = pd.DataFrame({"sample_id": sdf["sample_id"].astype(str), "num_tables": [len(r) for r in rows],
@@ -83,11 +92,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", required=True, help="shards file: Parquet (shards contract) or CSV "
                                                    "(sample_id, table_ids separated by spaces, num_devices)")
     p.add_argument("--model", default=COST_CHAMPION_URI, help=f"cost model URI or folder (default {COST_CHAMPION_URI})")
+    p.add_argument("--hardware", default=None,
+                   help="the hardware the prediction is for (default: this machine's GPU, else its CPU); a "
+                        "warning when the model was measured on other hardware")
     p.add_argument("--out", required=True, help="output file (.parquet, or .csv)")
 
 
 def main(args: argparse.Namespace) -> int:
-    df = run(args.tables, args.shards, args.out, args.model)
+    df = run(args.tables, args.shards, args.out, args.model, hardware=args.hardware)
     show = df[["sample_id", "num_tables", "num_devices", "total_ms", "total_ms_low", "total_ms_high"]].head(10)
     with pd.option_context("display.width", 160, "display.float_format", "{:.3f}".format):
         print(show.to_string(index=False))

@@ -1,0 +1,127 @@
+"""The `device` pipeline param reaches every stage that measures or calibrates (issue: the GPU pods measured the
+CPU whatever hardware they ran on), and device=cuda where no GPU is visible is a one-line error before any work.
+
+The jobs below the stages are replaced by recorders: these tests are about what each stage passes down, so they
+fail if any measuring stage drops the device (or the all-to-all ranks that go with it). The measuring itself is
+covered by tests/test_bench*.py (and on a GPU host by tests/test_bench_cuda.py, which also runs the stage path).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from embshard import stages
+from embshard.errors import EmbshardError
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture()
+def fake_gpu_host(monkeypatch):
+    """As if this process saw 4 GPUs: `auto` resolves to cuda and the all-to-all is measured among the 4."""
+    from embshard.bench import backends
+
+    monkeypatch.setattr(backends, "resolve_device", lambda d="auto": "cuda" if d in ("auto", "cuda") else d)
+    monkeypatch.setattr(backends, "gpu_count", lambda d: 4 if d.startswith("cuda") else 0)
+    monkeypatch.setattr(backends, "hardware", lambda d: "cuda:NVIDIA H100 80GB HBM3" if d != "cpu" else "cpu:x")
+
+
+@pytest.fixture()
+def recorders(monkeypatch):
+    """Replace the jobs the measuring stages call; each call's keyword arguments are recorded by stage."""
+    from embshard.bench import comm
+    from embshard.bench.runner import MeasureSettings
+    from embshard.jobs import bench, measure_plans, promote, shards
+
+    calls: dict[str, dict] = {}
+
+    def settings_of(kw: dict) -> dict:
+        st = kw.get("settings")
+        assert isinstance(st, MeasureSettings)
+        return {"device": st.device, "comm_ranks": st.comm_ranks, "calibration_dir": st.calibration_dir}
+
+    monkeypatch.setattr(comm, "adopt_calibration",
+                        lambda root, hardware, **kw: calls.__setitem__("sample_shards", {"hardware": hardware, **kw}))
+    monkeypatch.setattr(shards, "run", lambda *a, **kw: "shards.parquet")
+    monkeypatch.setattr(bench, "run", lambda *a, **kw: calls.__setitem__("benchmark", kw) or ["part"])
+    monkeypatch.setattr(measure_plans, "run",
+                        lambda *a, **kw: calls.__setitem__("measure_policy_plans", settings_of(kw)) or "costs")
+    monkeypatch.setattr(promote, "evaluate_and_promote",
+                        lambda *a, **kw: calls.__setitem__("evaluate_and_promote", settings_of(kw)) or {"ok": 1})
+    return calls
+
+
+def _run_measuring_stages(root: str, params: dict) -> None:
+    stages._state(root, "shards", {"shards": "shards.parquet", "chunks": [0]})
+    stages._state(root, "policy", {"policy_dir": "p", "cost_model_uri": "c", "version": "1"})
+    stages.run("sample_shards", root, params)
+    stages.run("benchmark", root, params, chunk=0)
+    stages.run("measure_policy_plans", root, {**params, "policy_rounds": 2}, round_index=2)
+    stages.run("evaluate_and_promote", root, params)
+
+
+MEASURING = ("sample_shards", "benchmark", "measure_policy_plans", "evaluate_and_promote")
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_every_measuring_stage_measures_on_the_gpu_of_a_gpu_pod(tmp_path, fake_gpu_host, recorders, device):
+    _run_measuring_stages(str(tmp_path), {"device": device})
+    assert set(recorders) == set(MEASURING)
+    for stage in MEASURING:
+        assert recorders[stage]["device"] == "cuda", stage
+    # the calibration is of the GPU's hardware, and the all-to-all is measured among the pod's 4 GPUs
+    assert recorders["sample_shards"]["hardware"].startswith("cuda:")
+    for stage in ("benchmark", "measure_policy_plans", "evaluate_and_promote"):
+        assert recorders[stage]["comm_ranks"] == 4, stage
+    assert recorders["measure_policy_plans"]["calibration_dir"] == str(tmp_path)
+
+
+def test_device_cpu_on_a_gpu_pod_measures_the_cpu(tmp_path, fake_gpu_host, recorders):
+    _run_measuring_stages(str(tmp_path), {"device": "cpu"})
+    for stage in MEASURING:
+        assert recorders[stage]["device"] == "cpu", stage
+    assert recorders["benchmark"]["comm_ranks"] is None  # the calibrated formula on the CPU
+    assert recorders["sample_shards"]["hardware"] == "cpu:x"
+
+
+def test_auto_without_a_gpu_is_the_cpu(tmp_path, recorders):
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU: auto resolves to it")
+    _run_measuring_stages(str(tmp_path), {})
+    for stage in MEASURING:
+        assert recorders[stage]["device"] == "cpu", stage
+
+
+@pytest.mark.parametrize("stage", MEASURING)
+def test_device_cuda_without_a_gpu_is_one_line_before_any_work(tmp_path, recorders, stage):
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    stages._state(str(tmp_path), "shards", {"shards": "shards.parquet", "chunks": [0]})
+    stages._state(str(tmp_path), "policy", {"policy_dir": "p", "cost_model_uri": "c", "version": "1"})
+    with pytest.raises(EmbshardError, match="CUDA is not available") as exc:
+        stages.run(stage, str(tmp_path), {"device": "cuda", "policy_rounds": 2},
+                   round_index=2 if stage == "measure_policy_plans" else None)
+    assert exc.value.field == "device" and "\n" not in str(exc.value)
+    assert recorders == {}  # nothing measured, nothing calibrated
+
+
+def test_stage_command_with_cuda_and_no_gpu_exits_2_with_one_line(tmp_path):
+    """What a pod scheduled without a GPU prints: one line, exit 2 (never a CPU measurement in disguise)."""
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    proc = subprocess.run([sys.executable, "-m", "embshard.cli", "stage", "sample_shards", "--root", str(tmp_path),
+                           "--params", '{"device": "cuda"}'], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "device" in lines[0] and "CUDA is not available" in lines[0], proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_unknown_device_is_refused():
+    from embshard.bench.backends import resolve_device
+
+    with pytest.raises(EmbshardError, match="unknown device") as exc:
+        resolve_device("tpu")
+    assert exc.value.field == "device"
