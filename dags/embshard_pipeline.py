@@ -24,7 +24,7 @@ from pathlib import Path
 
 from airflow.sdk import DAG, Asset, AssetOrTimeSchedule, CronTriggerTimetable, Param, task
 
-from embshard import stages
+from embshard import params, stages
 
 RUNNER = os.environ.get("EMBSHARD_RUNNER", "local")
 # Local runner: one data root and one MLflow store for every stage, wherever Airflow was started from.
@@ -34,67 +34,28 @@ MLFLOW_URI = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{LOCAL_HOME / 
 SCHEDULE_CRON = os.environ.get("EMBSHARD_SCHEDULE", "0 3 * * 1")  # Mondays 03:00 UTC
 TABLES_ASSET = Asset(name="embshard_tables", uri=os.environ.get("EMBSHARD_TABLES_ASSET_URI",
                                                                 "file:///embshard/tables"))
-D = stages.DEFAULT_PARAMS
-
-PARAMS = {
-    "source": Param(D["source"], enum=["synthetic", "spec", "dlrm"],
-                    description="Where the tables come from: the synthetic generator, a table-spec file "
-                                "(CSV/Parquet/YAML, TorchRec names) or a DLRM trace (.pt/.pt.gz)."),
-    # Optional (null allowed): the synthetic source needs no file, and the UI form must submit with the defaults.
-    "input": Param(D["input"], type=["null", "string"],
-                   description="Spec or trace file for source spec/dlrm (a path or URI); empty for synthetic."),
-    "num_tables": Param(D["num_tables"], type="integer", minimum=2, maximum=100_000,
-                        description="Synthetic source: how many tables to generate."),
-    "seed": Param(D["seed"], type="integer", minimum=0, description="Seed of every random choice of the run."),
-    "num_tasks": Param(D["num_tasks"], type="integer", minimum=1, maximum=10_000,
-                       description="Tasks sampled per split (train pool / unseen test pool)."),
-    "tables_per_task": Param(D["tables_per_task"], type="string", pattern=r"^\d+(-\d+)?$",
-                             description="Tables per task: a number or a range like 20-60."),
-    "devices": Param(D["devices"], type="integer", minimum=1, maximum=4096, description="Devices per task."),
-    "memory_gb": Param(D["memory_gb"], type="number", exclusiveMinimum=0, maximum=100_000,
-                       description="Memory per device in GiB (a hard constraint)."),
-    "bench_shards": Param(D["bench_shards"], type="integer", minimum=10, maximum=1_000_000,
-                          description="Benchmark budget: shards to measure (2/3 train pool, 1/3 test pool; half "
-                                      "random, half devices of greedy plans and their search neighbours), besides "
-                                      "every table alone."),
-    "bench_chunks": Param(D["bench_chunks"], type="integer", minimum=1, maximum=1024,
-                          description="Benchmark chunks: mapped tasks (pods) that measure in parallel."),
-    "device": Param(D["device"], enum=["auto", "cpu", "cuda"],
-                    description="Where the measuring stages (sample_shards' all-to-all calibration, benchmark, "
-                                "measure_policy_plans, evaluate_and_promote) measure: auto = the pod's GPU when "
-                                "it has one, else the CPU; cuda fails at once where no GPU is visible. A pod with "
-                                "several GPUs measures the all-to-all with NCCL among them; one GPU uses the "
-                                "NVLink formula. The models are tagged with the hardware measured."),
-    "bench_batch_size": Param(D["bench_batch_size"], type="integer", minimum=0,
-                              description="Benchmark batch size (0 = the device's default: 2,048 on the CPU, "
-                                          "65,536 on a GPU)."),
-    "recalibrate_comm": Param(D["recalibrate_comm"], type="boolean",
-                              description="Calibrate the all-to-all formula again (otherwise the one stored for "
-                                          "this hardware is reused, so that runs and models agree)."),
-    "cost_members": Param(D["cost_members"], type="integer", minimum=1, maximum=32,
-                          description="Cost-model ensemble members: the mean is the prediction, their "
-                                      "disagreement the uncertainty the search respects."),
-    "policy_iterations": Param(D["policy_iterations"], type="integer", minimum=1, maximum=1_000_000,
-                               description="REINFORCE updates of the policy."),
-    "policy_rounds": Param(D["policy_rounds"], type="integer", minimum=1, maximum=stages.MAX_POLICY_ROUNDS,
-                           description="Outer rounds: measure the policy's plans, refit the cost model, retrain "
-                                       "(the tasks of rounds beyond this are skipped)."),
-    "eval_tasks": Param(D["eval_tasks"], type="integer", minimum=1, description="Held-out tasks measured."),
-    "eval_rounds": Param(D["eval_rounds"], type="integer", minimum=1, maximum=100,
-                         description="Measuring rounds of the evaluation (each measures every distinct device shard "
-                                     "once, in a fresh random order); intervals need 5 or more."),
-    "eval_planners": Param(D["eval_planners"], type="string", pattern=r"^[a-z_@/0-9]+(,[a-z_@/0-9]+)*$",
-                           description="Baselines measured beside the candidate and the champion."),
-    "promotion_margin": Param(D["promotion_margin"], type="number", minimum=0, maximum=0.9,
-                              description="The candidate must beat the champion by this fraction to be promoted."),
-    "export_tasks": Param(D["export_tasks"], enum=["test", "train", "all"],
-                          description="Which tasks get exported placements."),
-}
+# The trigger form: one field per embshard.params spec, with its types and choices; ranges, patterns and the rules
+# between fields are checked by the first task, check_params, which names every bad field and its fix.
+PARAMS = {key: Param(spec.default, description=spec.description, **params.form_schema(key))
+          for key, spec in params.SPECS.items()}
 
 DEFAULT_ARGS = {"owner": "embshard", "retries": 0}
 
+
+def time_limit(stage: str):
+    """Each task's execution_timeout, sized when the task starts from this run's params (embshard.params:
+    measured stage times x the work asked x timeout_scale): a hung stage fails instead of holding the queue."""
+    def set_limit(context) -> None:
+        context["task"].execution_timeout = timedelta(seconds=params.stage_timeout_s(stage, context["params"]))
+    return {"pre_execute": set_limit,
+            "execution_timeout": timedelta(seconds=params.stage_timeout_s(stage, params.DEFAULT_PARAMS))}
+
+
 # Shown on each task's page in the Airflow UI.
 TASK_DOCS = {
+    "check_params": "**Check the parameters** of the run, all at once and before any work: unknown keys, types, "
+                    "ranges, the rules between fields (a spec source needs its file, ranges run low-high), the "
+                    "input file. A bad run fails here in seconds, naming each field and its fix.",
     "ingest": "**Ingest** the tables (synthetic generator, table-spec file or DLRM trace), compute their features, "
               "decide the train/test table pools, and sample train/test tasks. Writes `tables.parquet`, "
               "`tasks.parquet` under the run root.",
@@ -139,6 +100,7 @@ with DAG(
               if SCHEDULE_CRON.lower() != "none" else [TABLES_ASSET]),
     catchup=False,
     max_active_runs=1,
+    dagrun_timeout=timedelta(hours=params.run_timeout_h()),
     params=PARAMS,
     default_args=DEFAULT_ARGS,
     tags=["embshard"],
@@ -156,21 +118,23 @@ with DAG(
                 raise AirflowSkipException(str(exc)) from None
 
         def stage_task(task_id: str, stage: str, doc: str, round_index: int | None = None, **task_kw):
-            @task(task_id=task_id, doc_md=TASK_DOCS[doc], **task_kw)
+            @task(task_id=task_id, doc_md=TASK_DOCS[doc], **time_limit(stage), **task_kw)
             def _run(params=None, run_id=None, ti=None) -> dict:
                 return run_stage(stage, params, run_id, ti, round_index=round_index)
             return _run()
 
-        @task(task_id="sample_shards", doc_md=TASK_DOCS["sample_shards"])
+        @task(task_id="sample_shards", doc_md=TASK_DOCS["sample_shards"], **time_limit("sample_shards"))
         def sample_shards(params=None, run_id=None, ti=None) -> list[int]:
             return run_stage("sample_shards", params, run_id, ti)["chunks"]
 
-        @task(task_id="benchmark", retries=2, retry_delay=timedelta(seconds=5), doc_md=TASK_DOCS["benchmark"])
+        @task(task_id="benchmark", retries=2, retry_delay=timedelta(seconds=5), doc_md=TASK_DOCS["benchmark"],
+              **time_limit("benchmark"))
         def benchmark(chunk: int, params=None, run_id=None, ti=None) -> dict:
             return run_stage("benchmark", params, run_id, ti, chunk=chunk)
 
         chunks = sample_shards()
-        stage_task("ingest", "ingest", "ingest") >> chunks
+        stage_task("check_params", "check_params", "check_params") >> stage_task("ingest", "ingest", "ingest") \
+            >> chunks
         last = benchmark.expand(chunk=chunks) >> stage_task("train_cost_model", "train_cost_model",
                                                             "train_cost_model", 1)
         last = last >> stage_task("train_policy", "train_policy", "train_policy", 1)
@@ -194,13 +158,20 @@ with DAG(
 
         def pod(task_id: str, stage: str, doc: str, round_index: int | None = None, **kw):
             return KubernetesPodOperator(task_id=task_id, doc_md=TASK_DOCS[doc], **{
-                **k8s.pod_operator_kwargs(stage, stage_args(stage, round_index), pod_config), **kw})
+                **k8s.pod_operator_kwargs(stage, stage_args(stage, round_index), pod_config), **time_limit(stage),
+                **kw})
 
-        ingest = pod("ingest", "ingest", "ingest")
+        # Checked on the Airflow worker (no pod: seconds, and embshard.params imports nothing heavy).
+        @task(task_id="check_params", doc_md=TASK_DOCS["check_params"], **time_limit("check_params"))
+        def check_params_task(params=None) -> dict:
+            return stages.check_params("", dict(params))
+
+        ingest = check_params_task() >> pod("ingest", "ingest", "ingest")
         # (names apart from the local branch's @task functions: different types, the same task ids)
         sample_shards_pod = pod("sample_shards", "sample_shards", "sample_shards", do_xcom_push=True)
         benchmark_pods = KubernetesPodOperator.partial(
             task_id="benchmark", retries=2, retry_delay=timedelta(seconds=30), doc_md=TASK_DOCS["benchmark"],
+            **time_limit("benchmark"),
             **{k: v for k, v in k8s.pod_operator_kwargs("benchmark", [], pod_config).items() if k != "arguments"},
         ).expand(arguments=sample_shards_pod.output.map(
             lambda chunk: [*stage_args("benchmark"), "--chunk", str(chunk)]))

@@ -25,7 +25,7 @@ pytest.importorskip("airflow", reason="airflow extra")
 # A tiny run: 2 devices, 6-10 tables per task, one evaluated task, one outer round.
 TINY = {"num_tables": 40, "num_tasks": 2, "tables_per_task": "6-10", "devices": 2, "memory_gb": 256,
         "bench_shards": 16, "bench_chunks": 2, "bench_batch_size": 256, "policy_iterations": 10, "policy_rounds": 1,
-        "eval_tasks": 1, "eval_planners": "dim_greedy,size_lookup_greedy"}
+        "eval_tasks": 1, "eval_planners": ["dim_greedy", "size_lookup_greedy"]}
 ENV = ("AIRFLOW_HOME", "EMBSHARD_DATA_ROOT", "MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "AIRFLOW__CORE__DAGS_FOLDER")
 
 
@@ -129,6 +129,22 @@ def test_triggered_run_succeeds_end_to_end(airflow):
         for line in path.read_text().splitlines():
             entry = json.loads(line)
             assert entry.get("level") not in ("error", "critical"), f"{path}: {entry.get('event')}"
+
+
+def test_bad_conf_over_rest_fails_in_check_params(airflow):
+    """A conf that Airflow's own schema lets through (an unknown key, a backwards range, a spec source without
+    its file) fails in the run's first task, in seconds, naming every field and its fix; nothing else runs."""
+    run_id = airflow.trigger({"nosuch": 1, "tables_per_task": "60-20", "source": "spec"})
+    state = airflow.wait_run(run_id, timeout_s=300)
+    states = airflow.task_states(run_id)
+    assert state == "failed" and states["check_params"] == "failed", states
+    assert states["ingest"] == "upstream_failed"
+    assert not Path(stages.run_root(airflow.env["EMBSHARD_DATA_ROOT"], run_id)).exists()
+    log = (Path(airflow.log_dir) / "dag_id=embshard_pipeline" / f"run_id={run_id}" / "task_id=check_params"
+           / "attempt=1.log").read_text()
+    for words in ("nosuch: unknown parameter", "tables_per_task: the range 60-20 runs backwards",
+                  "input: source spec needs an input file"):
+        assert words in log, log[-2000:]
 
 
 def test_trigger_form_submits_with_defaults(airflow):

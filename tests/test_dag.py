@@ -70,6 +70,9 @@ def test_each_runner_builds_its_own_kind_of_task(dag_by_runner):
     runner, dag = dag_by_runner
     for task in dag.tasks:
         cls = getattr(task, "operator_class", type(task))  # the mapped benchmark task names its class
+        if task.task_id == "check_params":  # seconds of light Python on the worker in both runners, no pod
+            assert not issubclass(cls, KubernetesPodOperator)
+            continue
         assert issubclass(cls, KubernetesPodOperator) == (runner == "kubernetes"), task.task_id
     assert dag.get_task("benchmark").is_mapped
 
@@ -87,7 +90,26 @@ def test_same_tasks_and_dependencies_in_both_runners(monkeypatch):
         dag = load_bag(monkeypatch, runner).dags[DAG_ID]
         shapes[runner] = {t.task_id: sorted(t.downstream_task_ids) for t in dag.tasks}
     assert shapes["local"] == shapes["kubernetes"]
-    assert shapes["local"] == {a: ([b] if b else []) for a, b in zip(CHAIN, CHAIN[1:] + [None])}
+    tasks = ["check_params", *CHAIN]
+    assert shapes["local"] == {a: ([b] if b else []) for a, b in zip(tasks, tasks[1:] + [None])}
+
+
+def test_every_task_has_a_time_limit_sized_from_the_run_params(dag_by_runner):
+    """execution_timeout on every task (a static one for the UI, re-sized at start from the run's params by its
+    pre_execute hook) and a dagrun_timeout: a hung stage cannot hold the one-run-at-a-time queue."""
+    from embshard import params
+
+    runner, dag = dag_by_runner
+    assert dag.dagrun_timeout.total_seconds() == params.run_timeout_h() * 3600
+    for task in dag.tasks:
+        timeout = task.partial_kwargs["execution_timeout"] if task.is_mapped else task.execution_timeout
+        assert timeout is not None and timeout.total_seconds() > 0, task.task_id
+        stage = STAGE_OF.get(task.task_id, ("check_params",))[0]
+        hook = task.partial_kwargs["pre_execute"] if task.is_mapped else task._pre_execute_hook
+        op = types.SimpleNamespace(execution_timeout=None)
+        hook({"task": op, "params": {**params.DEFAULT_PARAMS, "timeout_scale": 3.0}})
+        assert op.execution_timeout.total_seconds() == pytest.approx(
+            params.stage_timeout_s(stage, {"timeout_scale": 3.0})), task.task_id
 
 
 def test_outer_loop_rounds_beyond_the_param_are_skipped_and_evaluation_still_runs(dag_by_runner):
@@ -134,36 +156,45 @@ def test_params_accept_a_small_valid_run(k8s_dag):
     params = copy.deepcopy(k8s_dag.params)
     params.update({"num_tables": 40, "num_tasks": 2, "tables_per_task": "6-10", "devices": 2, "memory_gb": 256,
                    "bench_shards": 16, "bench_chunks": 2, "bench_batch_size": 256, "policy_iterations": 10,
-                   "eval_tasks": 1, "eval_planners": "dim_greedy,size_lookup_greedy", "source": "spec",
+                   "eval_tasks": 1, "eval_planners": ["dim_greedy", "size_lookup_greedy"], "source": "spec",
                    "input": "s3://bucket/tables.csv", "export_tasks": "all", "promotion_margin": 0})
     values = params.validate()
     assert values["devices"] == 2 and values["tables_per_task"] == "6-10"
     assert stages.merged(values)["source"] == "spec"
 
 
-@pytest.mark.parametrize("key, value", [
-    ("devices", -1),
-    ("devices", 0),
-    ("devices", 2.5),
-    ("source", "csv"),
-    ("tables_per_task", "20..60"),
-    ("tables_per_task", "-5"),
-    ("tables_per_task", "a-b"),
-    ("num_tables", "many"),
-    ("num_tables", 1),
-    ("memory_gb", 0),
-    ("memory_gb", -8.0),
-    ("bench_shards", 5),
-    ("bench_chunks", 0),
-    ("promotion_margin", 1.5),
-    ("eval_planners", "Dim Greedy"),
-    ("eval_planners", "dim_greedy,,random"),
-    ("export_tasks", "everything"),
-    ("seed", -1),
+@pytest.mark.parametrize("key, value, by_form", [
+    ("devices", -1, False),
+    ("devices", 0, False),
+    ("devices", 2.5, True),
+    ("source", "csv", True),
+    ("tables_per_task", "20..60", False),
+    ("tables_per_task", "-5", False),
+    ("tables_per_task", "a-b", False),
+    ("num_tables", "many", True),
+    ("num_tables", 1, False),
+    ("memory_gb", 0, False),
+    ("memory_gb", -8.0, False),
+    ("bench_shards", 5, False),
+    ("bench_chunks", 0, False),
+    ("promotion_margin", 1.5, False),
+    ("eval_planners", ["Dim Greedy"], True),
+    ("eval_planners", ["dim_greedy", "nosuchplanner"], True),
+    ("export_tasks", "everything", True),
+    ("device", "tpu", True),
+    ("seed", -1, False),
 ])
-def test_params_reject_bad_values(k8s_dag, key, value):
+def test_params_reject_bad_values(k8s_dag, key, value, by_form):
+    """Every bad value is refused before any work: types and choices by the form / REST (Airflow's own check,
+    naming the param), and everything by check_params (the run's first task), with the field and its fix."""
     from airflow.sdk.exceptions import ParamValidationError
 
+    from embshard import params as run_params
+
+    assert [f for f, _, _ in run_params.problems({key: value})] == [key]
+    if not by_form:  # a range or pattern: the form lets it through to check_params, which names it
+        copy.deepcopy(k8s_dag.params)[key] = value
+        return
     params = copy.deepcopy(k8s_dag.params)
     with pytest.raises(ParamValidationError, match=key):
         params[key] = value
@@ -284,7 +315,7 @@ def test_pod_run_root_is_the_local_runner_run_root(k8s_dag, run_id):
 def test_params_from_the_trigger_form_reach_the_pods_intact(k8s_dag):
     """Quotes, HTML-ish characters and non-ASCII in a string param survive the JSON template."""
     conf = {"source": "spec", "input": "s3://bucket/it's \"my\" <spec> & ünïcode.csv", "devices": 8,
-            "memory_gb": 80.5, "eval_planners": "dim_greedy,size_greedy"}
+            "memory_gb": 80.5, "eval_planners": ["dim_greedy", "size_greedy"]}
     pod = render_pod(k8s_dag, "evaluate_and_promote", params=conf)
     kubernetes_validate.validate(pod, desired_version=KUBE_VERSION, strict=True)
     args = pod["spec"]["containers"][0]["args"]

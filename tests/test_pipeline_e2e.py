@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 # Smaller than pipeline.QUICK_PARAMS: 2 devices, 6-10 tables per task, one evaluated task.
 TINY = {"num_tables": 40, "num_tasks": 2, "tables_per_task": "6-10", "devices": 2, "memory_gb": 256,
         "bench_shards": 16, "bench_chunks": 2, "bench_batch_size": 256, "policy_iterations": 10, "eval_tasks": 1,
-        "eval_planners": "dim_greedy,size_lookup_greedy"}
+        "eval_planners": ["dim_greedy", "size_lookup_greedy"]}
 POLICY, COST = "embshard-policy", "embshard-cost"
 ENV_KEYS = ("AIRFLOW_HOME", "AIRFLOW__CORE__LOAD_EXAMPLES", "AIRFLOW__CORE__DAGS_FOLDER", "EMBSHARD_DATA_ROOT",
             "MLFLOW_TRACKING_URI", "EMBSHARD_RUNNER")

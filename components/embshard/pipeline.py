@@ -33,7 +33,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 QUICK_PARAMS = {"num_tables": 80, "num_tasks": 4, "tables_per_task": "10-20", "bench_shards": 40,
                 "bench_chunks": 2, "policy_iterations": 30, "eval_tasks": 2, "cost_members": 2,
-                "eval_planners": "size_greedy,lookup_greedy,size_lookup_greedy,dim_greedy"}
+                "eval_planners": ["size_greedy", "lookup_greedy", "size_lookup_greedy", "dim_greedy"]}
 
 
 def local_environment(out: str) -> dict[str, str]:
@@ -69,9 +69,12 @@ def load_dag():
 
 
 def run(out: str = "runs/local", params: dict | None = None) -> dict:
-    """Run the DAG once with `params`; returns the run's root, state and stage outputs."""
+    """Run the DAG once with `params`; returns the run's root, state and stage outputs. Bad params are one
+    EmbshardError naming each field before Airflow starts (the DAG's check_params task checks them again)."""
+    from . import params as params_mod
     from .errors import EmbshardError
 
+    params_mod.check(params)
     env = setup_environment(out)
     from airflow import settings
     from airflow.utils.db import initdb
@@ -146,6 +149,14 @@ def _parse_params(items: list[str]) -> dict:
             raise EmbshardError(f"bad --param {item!r}", field="param",
                                 fix=f"use KEY=VALUE with KEY one of {', '.join(DEFAULT_PARAMS)}")
         default = DEFAULT_PARAMS[key]
+        if isinstance(default, list):  # e.g. eval_planners=dim_greedy,size_greedy
+            out[key] = [v.strip() for v in value.split(",") if v.strip()]
+            continue
+        if isinstance(default, bool):
+            out[key] = value.strip().lower() in ("1", "true", "yes")
+            if value.strip().lower() not in ("0", "1", "true", "false", "yes", "no"):
+                raise EmbshardError(f"{key}={value!r} is not true or false", field=key, fix="use true or false")
+            continue
         try:
             out[key] = value if default is None or isinstance(default, str) else type(default)(value)
         except ValueError:

@@ -12,42 +12,17 @@ import os
 import time
 from collections.abc import Callable
 
+from . import params as params_mod
 from .errors import EmbshardError
 
 log = logging.getLogger(__name__)
 XCOM_DIR = "/airflow/xcom"  # the sidecar-shared folder of KubernetesPodOperator's XCom push
 
-# Defaults of the embedded pipeline: small enough for `make run` on 2 cores, large enough to learn from.
-DEFAULT_PARAMS: dict = {
-    "source": "synthetic",        # synthetic | spec | dlrm
-    "input": None,                # spec or trace file for source spec/dlrm (None for synthetic)
-    "num_tables": 240,
-    "seed": 0,
-    "num_tasks": 12,              # per split (train and test)
-    "tables_per_task": "20-60",
-    "devices": 4,
-    "memory_gb": 128.0,           # per device (an H200 has ~141 GB)
-    # Random training shards measured for the cost model; with 160 its unseen compute MAPE was 35%, with 240 23%.
-    "bench_shards": 240,
-    "bench_chunks": 3,            # mapped benchmark tasks (pods)
-    # Where every measuring stage measures (sample_shards' calibration, benchmark chunks, measured policy plans,
-    # the promotion's evaluation): auto = the pod's GPU when it has one, else the CPU; cuda without a GPU fails.
-    "device": "auto",
-    "bench_batch_size": 0,        # 0 = the benchmark's CPU/GPU default
-    "recalibrate_comm": False,    # measure the all-to-all formula again (else the stored one of this hardware)
-    "cost_members": 3,            # cost-model ensemble members (their disagreement is the uncertainty)
-    "policy_iterations": 200,
-    "policy_rounds": 2,           # outer loop: measure the policy's plans, refit the cost model, train again
-    "eval_tasks": 5,
-    "eval_rounds": 5,             # measuring rounds of the evaluation (the ruler: paired per-round ratios)
-    # size_greedy left out: never the best on the default population, it only lengthened the evaluation
-    "eval_planners": "dim_greedy,lookup_greedy,size_lookup_greedy",
-    "promotion_margin": 0.01,     # the candidate must beat the champion's measured cost by this fraction
-    "export_tasks": "test",       # which tasks get exported placements
-}
+# The run's parameters (defaults, schema, descriptions, checks, time limits) live in embshard.params.
+DEFAULT_PARAMS: dict = params_mod.DEFAULT_PARAMS
+MAX_POLICY_ROUNDS = params_mod.MAX_POLICY_ROUNDS
 
-# Outer loop: at most this many rounds (the DAG has a task per step of each); tasks measured per round.
-MAX_POLICY_ROUNDS = 3
+# Outer loop: tasks measured per round.
 MEASURED_PLAN_TASKS = 4
 
 PATHS = {"tables": "tables.parquet", "tasks": "tasks.parquet", "costs": "costs", "cost_model": "cost_model",
@@ -75,13 +50,8 @@ def path(root: str, key: str) -> str:
 
 
 def merged(params: dict | None) -> dict:
-    p = dict(DEFAULT_PARAMS)
-    p.update({k: v for k, v in (params or {}).items() if v is not None})
-    unknown = sorted(set(p) - set(DEFAULT_PARAMS))
-    if unknown:
-        raise EmbshardError(f"unknown pipeline parameter {unknown[0]!r}", field=unknown[0],
-                            fix=f"use only {', '.join(DEFAULT_PARAMS)}")
-    return p
+    """The run's params, defaults filled in, checked (every stage checks them again: a pod gets them as JSON)."""
+    return params_mod.check(params, check_files=False)
 
 
 def _state(root: str, name: str, value: dict | None = None) -> dict:
@@ -103,6 +73,13 @@ class StageSkipped(Exception):
 
 
 SKIP_EXIT_CODE = 99
+
+
+def check_params(root: str, params: dict) -> dict:
+    """The run's first task: every parameter checked at once (unknown keys, types, ranges, the rules between
+    fields, the input file), in seconds and before any work; a bad run fails here, naming each field and fix."""
+    p = params_mod.check(params)
+    return {"checked": len(p), "device": p["device"], "source": p["source"]}
 
 
 def ingest(root: str, params: dict) -> dict:
@@ -231,7 +208,7 @@ def evaluate_and_promote(root: str, params: dict) -> dict:
     pol = _state(root, "policy")
     decision = promote(path(root, "tables"), path(root, "tasks"), path(root, "evaluation"),
                        candidate_version=pol["version"],
-                       baselines=[b for b in str(p["eval_planners"]).split(",") if b],
+                       baselines=params_mod.planners_of(p["eval_planners"]),
                        max_tasks=int(p["eval_tasks"]), margin=float(p["promotion_margin"]),
                        settings=measure_settings(root, p), rounds=int(p["eval_rounds"]))
     return _state(root, "promotion", decision)
@@ -255,7 +232,8 @@ def export_placements(root: str, params: dict) -> dict:
                                                                   if isinstance(v, (str, int, float))}})
 
 
-STAGES: dict[str, Callable[..., dict]] = {"ingest": ingest, "sample_shards": sample_shards, "benchmark": benchmark,
+STAGES: dict[str, Callable[..., dict]] = {
+          "check_params": check_params, "ingest": ingest, "sample_shards": sample_shards, "benchmark": benchmark,
           "train_cost_model": train_cost_model, "train_policy": train_policy,
           "measure_policy_plans": measure_policy_plans, "evaluate_and_promote": evaluate_and_promote,
           "export_placements": export_placements}

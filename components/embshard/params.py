@@ -1,0 +1,252 @@
+"""The pipeline's parameters, defined once: default, JSON schema and description of each. The DAG builds its
+trigger form from them, and `check` refuses a bad run before any work: the DAG's first task (check_params),
+`embshard pipeline` before it starts Airflow, and every stage on its own (pods get the params as JSON).
+
+Light on purpose (the DAG imports it at parse time in any Airflow image): no torch, numpy or pyarrow.
+
+Why the form gets only types and choices: Airflow's form clamps a number below its minimum to the minimum
+without a word (num_tables -5 became 2) and answers a broken pattern with a toast naming neither field nor
+reason. Ranges, patterns and the rules between fields are checked here instead, all at once, each problem named
+with its field and fix, in the first seconds of the run.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from .errors import EmbshardError
+
+MAX_POLICY_ROUNDS = 3  # the DAG has a task per step of each outer-loop round
+# Baselines the promotion may measure beside the candidate and the champion (embshard.planners names; a test
+# checks that each is a planner there).
+EVAL_PLANNER_CHOICES = ("random", "round_robin", "dim_greedy", "size_greedy", "lookup_greedy",
+                        "size_lookup_greedy", "torchrec_table_wise", "torchrec_full")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+# What the trigger form enforces itself (types and choices); the rest of a schema is checked by `check`.
+FORM_KEYS = ("type", "enum", "items", "examples", "uniqueItems")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    default: object
+    description: str
+    schema: dict = field(default_factory=dict)
+    fix: str = ""  # how to correct a bad value, when the schema does not say it plainly
+
+
+def _int(lo: int, hi: int | None = None) -> dict:
+    return {"type": "integer", "minimum": lo, **({"maximum": hi} if hi is not None else {})}
+
+
+SPECS: dict[str, ParamSpec] = {
+    "source": ParamSpec("synthetic", "Where the tables come from: the synthetic generator, a table-spec file "
+                        "(CSV/Parquet/YAML, TorchRec names) or a DLRM trace (.pt/.pt.gz).",
+                        {"enum": ["synthetic", "spec", "dlrm"]}),
+    # Optional (null allowed): the synthetic source needs no file, and the UI form must submit with the defaults.
+    "input": ParamSpec(None, "Spec or trace file for source spec/dlrm (a path or URI); empty for synthetic.",
+                       {"type": ["null", "string"]}),
+    "num_tables": ParamSpec(240, "Synthetic source: how many tables to generate (2-100,000).", _int(2, 100_000)),
+    "seed": ParamSpec(0, "Seed of every random choice of the run (0-4,294,967,295).", _int(0, 2**32 - 1)),
+    "num_tasks": ParamSpec(12, "Tasks sampled per split (train pool / unseen test pool; 1-10,000).",
+                           _int(1, 10_000)),
+    "tables_per_task": ParamSpec("20-60", "Tables per task: a number or a range like 20-60.",
+                                 {"type": "string", "pattern": r"^[1-9]\d*(-[1-9]\d*)?$"},
+                                 fix="give a positive number or a range LOW-HIGH like 20-60"),
+    "devices": ParamSpec(4, "Devices per task (1-4,096).", _int(1, 4096)),
+    "memory_gb": ParamSpec(128.0, "Memory per device in GiB (a hard constraint; above 0, at most 100,000).",
+                           {"type": "number", "exclusiveMinimum": 0, "maximum": 100_000}),
+    # Random training shards measured for the cost model; with 160 its unseen compute MAPE was 35%, with 240 23%.
+    "bench_shards": ParamSpec(240, "Benchmark budget: shards to measure (2/3 train pool, 1/3 test pool; half random, "
+                              "half devices of greedy plans and their search neighbours), besides every table "
+                              "alone (10-1,000,000).", _int(10, 1_000_000)),
+    "bench_chunks": ParamSpec(3, "Benchmark chunks: mapped tasks (pods) that measure in parallel (1-1,024).",
+                              _int(1, 1024)),
+    # Where every measuring stage measures (sample_shards' calibration, benchmark chunks, measured policy plans,
+    # the promotion's evaluation): auto = the pod's GPU when it has one, else the CPU; cuda without a GPU fails.
+    "device": ParamSpec("auto", "Where the measuring stages (sample_shards' all-to-all calibration, benchmark, "
+                        "measure_policy_plans, evaluate_and_promote) measure: auto = the pod's GPU when it has one, "
+                        "else the CPU; cuda fails at once where no GPU is visible. A pod with several GPUs measures "
+                        "the all-to-all with NCCL among them; one GPU uses the NVLink formula. The models are "
+                        "tagged with the hardware measured.", {"enum": list(DEVICE_CHOICES)}),
+    "bench_batch_size": ParamSpec(0, "Benchmark batch size (0 = the device's default: 2,048 on the CPU, 65,536 on "
+                                  "a GPU; at most 4,194,304).", _int(0, 1 << 22)),
+    "recalibrate_comm": ParamSpec(False, "Calibrate the all-to-all formula again (otherwise the one stored for "
+                                  "this hardware is reused, so that runs and models agree).", {"type": "boolean"}),
+    "cost_members": ParamSpec(3, "Cost-model ensemble members: the mean is the prediction, their disagreement the "
+                              "uncertainty the search respects (1-32).", _int(1, 32)),
+    "policy_iterations": ParamSpec(200, "REINFORCE updates of the policy (1-1,000,000).", _int(1, 1_000_000)),
+    "policy_rounds": ParamSpec(2, f"Outer rounds: measure the policy's plans, refit the cost model, retrain (the "
+                               f"tasks of rounds beyond this are skipped; 1-{MAX_POLICY_ROUNDS}).",
+                               _int(1, MAX_POLICY_ROUNDS)),
+    "eval_tasks": ParamSpec(5, "Held-out tasks measured (1-1,000).", _int(1, 1000)),
+    "eval_rounds": ParamSpec(5, "Measuring rounds of the evaluation (each measures every distinct device shard "
+                             "once, in a fresh random order); intervals need 5 or more (1-100).", _int(1, 100)),
+    # size_greedy left out: never the best on the default population, it only lengthened the evaluation
+    "eval_planners": ParamSpec(["dim_greedy", "lookup_greedy", "size_lookup_greedy"],
+                               "Baselines measured beside the candidate and the champion (one or more; the first "
+                               "is also measured twice, the run's A/A noise floor).",
+                               {"type": "array", "items": {"type": "string", "enum": list(EVAL_PLANNER_CHOICES)},
+                                "examples": list(EVAL_PLANNER_CHOICES), "minItems": 1, "uniqueItems": True},
+                               fix=f"choose one or more of {', '.join(EVAL_PLANNER_CHOICES)}"),
+    "promotion_margin": ParamSpec(0.01, "The candidate must beat the champion by this fraction to be promoted "
+                                  "(0-0.9).", {"type": "number", "minimum": 0, "maximum": 0.9}),
+    "export_tasks": ParamSpec("test", "Which tasks get exported placements.", {"enum": ["test", "train", "all"]}),
+    "timeout_scale": ParamSpec(1.0, "Multiplies every task's time limit (sized from measured stage times and this "
+                               "run's parameters; see docs/method.md). Raise it for a slow or shared machine "
+                               "(0.001-1,000).", {"type": "number", "minimum": 0.001, "maximum": 1000}),
+}
+DEFAULT_PARAMS: dict = {k: s.default for k, s in SPECS.items()}
+
+
+def form_schema(key: str) -> dict:
+    """The part of a param's schema that the trigger form enforces (types and choices)."""
+    return {k: v for k, v in SPECS[key].schema.items() if k in FORM_KEYS}
+
+
+def planners_of(value) -> list[str]:
+    """eval_planners as a list: the form and REST give a list, `--param` and older confs a comma string."""
+    if isinstance(value, str):
+        return [b.strip() for b in value.split(",") if b.strip()]
+    return [str(b) for b in value or []]
+
+
+def _normalised(params: dict | None) -> dict:
+    p = dict(DEFAULT_PARAMS)
+    p.update({k: v for k, v in (params or {}).items() if v is not None})
+    if isinstance(p.get("eval_planners"), str):
+        p["eval_planners"] = planners_of(p["eval_planners"])
+    return p
+
+
+def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str, str, str]]:
+    """Every problem of a run's params as (field, what is wrong, fix); empty when the run may start."""
+    import jsonschema
+
+    p = _normalised(params)
+    found: list[tuple[str, str, str]] = []
+    for key in sorted(set(p) - set(SPECS)):
+        found.append((key, "unknown parameter", f"remove it; the parameters are {', '.join(SPECS)}"))
+    for key, spec in SPECS.items():
+        if key not in p:
+            continue
+        value = p[key]
+        if isinstance(value, float) and not math.isfinite(value):
+            found.append((key, f"{value} is not a finite number", "give a finite number"))
+            continue
+        for err in jsonschema.Draft7Validator(spec.schema).iter_errors(value):
+            found.append((key, _says(err.message), spec.fix or _fix_from(spec.schema)))
+            break
+    bad = {f for f, _, _ in found}
+    if "source" not in bad and "input" not in bad:
+        src, inp = p["source"], (p["input"] or "").strip()
+        if src in ("spec", "dlrm") and not inp:
+            found.append(("input", f"source {src} needs an input file", f"give the {src} file's path or URI"))
+        elif src == "synthetic" and inp:
+            found.append(("input", "the synthetic source reads no file",
+                          "leave input empty, or choose source spec or dlrm"))
+        elif inp and check_files and "://" not in inp.replace("file://", "", 1) and \
+                not os.path.isfile(inp.replace("file://", "", 1)):
+            found.append(("input", f"no file {inp!r} here", "give an existing file (a path on the machine that "
+                                                            "runs ingest, or an s3:// URI)"))
+    if "tables_per_task" not in bad:
+        lo, _, hi = str(p["tables_per_task"]).partition("-")
+        lo_n, hi_n = int(lo), int(hi or lo)
+        if hi_n < lo_n:
+            found.append(("tables_per_task", f"the range {p['tables_per_task']} runs backwards",
+                          f"write it LOW-HIGH, e.g. {hi_n}-{lo_n}"))
+        elif p["source"] == "synthetic" and "num_tables" not in bad and lo_n > int(p["num_tables"]):
+            found.append(("tables_per_task", f"tasks of {lo_n}+ tables from {p['num_tables']} tables",
+                          "lower tables_per_task or raise num_tables"))
+    if "eval_planners" not in bad and len(set(p["eval_planners"])) != len(p["eval_planners"]):
+        found.append(("eval_planners", "a planner is listed twice", "list each planner once"))
+    return found
+
+
+def _says(message: str) -> str:
+    # jsonschema's "'abc' is not of type 'integer'" is already plain; keep it short and on one line.
+    return " ".join(message.split())[:160]
+
+
+def _fix_from(schema: dict) -> str:
+    if "enum" in schema:
+        return f"choose one of {', '.join(map(str, schema['enum']))}"
+    lo = schema.get("minimum", schema.get("exclusiveMinimum"))
+    hi = schema.get("maximum")
+    kind = {"integer": "a whole number", "number": "a number", "boolean": "true or false",
+            "string": "a text"}.get(str(schema.get("type")), "a value")
+    if lo is not None and hi is not None:
+        return f"give {kind} from {lo} to {hi}"
+    if lo is not None:
+        return f"give {kind} of at least {lo}"
+    return f"give {kind}"
+
+
+def check(params: dict | None, *, check_files: bool = True) -> dict:
+    """The run's params with defaults filled in, or one EmbshardError naming every bad field and its fix."""
+    found = problems(params, check_files=check_files)
+    if found:
+        detail = "; ".join(f"{f}: {what} (fix: {fix})" for f, what, fix in found)
+        raise EmbshardError(f"{len(found)} invalid pipeline parameter(s): {detail}",
+                            field=",".join(dict.fromkeys(f for f, _, _ in found)))
+    return _normalised(params)
+
+
+# --- time limits ---------------------------------------------------------------------------------------------------
+# Sized from measured stage times (benchmarks/results/pipeline.md: the default run on a 2-core CPU) and the work a
+# run's params ask for: SAFETY times the measured rate, never below a floor that covers start-up (imports, MLflow,
+# the comm calibration). A GPU measures the same shards with batches 32x larger, whose inputs take seconds to make.
+SAFETY = 10.0
+FLOOR_S = {"check_params": 120, "ingest": 900, "sample_shards": 900, "benchmark": 900, "train_cost_model": 900,
+           "train_policy": 900, "measure_policy_plans": 900, "evaluate_and_promote": 1200, "export_placements": 900}
+# Measured seconds per unit of work, on the default run (units in the comments).
+RATE_S = {
+    "ingest": 9.3 / 240,               # per synthetic table
+    "benchmark": 155.6 / (240 + 240),  # per shard (random and plan shards, and every table alone)
+    "train_cost_model": 20.4 / 480,    # per measured shard
+    "train_policy": 18.0 / 100,        # per REINFORCE iteration at tasks of up to 60 tables
+    "measure_policy_plans": 8.4 / 4,   # per measured task of up to 60 tables
+    "evaluate_and_promote": 114.8 / (5 * 5 * 5),  # per task x round x entry, tasks of up to 60 tables
+    "export_placements": 6.5 / 12,     # per exported task
+}
+GPU_FACTOR = 4.0
+RUN_TIMEOUT_H = 24.0  # the whole run (dagrun_timeout): it must not hold the one-run-at-a-time queue forever
+
+
+def _max_tables(p: dict) -> int:
+    lo, _, hi = str(p["tables_per_task"]).partition("-")
+    return int(hi or lo)
+
+
+def stage_timeout_s(stage: str, params: dict | None) -> float:
+    """The time limit of one task of `stage` in a run with `params` (timeout_scale included)."""
+    p = _normalised(params)
+    size = max(1.0, _max_tables(p) / 60)
+    gpu = GPU_FACTOR if p["device"] != "cpu" else 1.0
+    shards = int(p["bench_shards"]) + int(p["num_tables"])
+    work = {
+        "ingest": RATE_S["ingest"] * int(p["num_tables"]) * (1 if p["source"] == "synthetic" else 20),
+        "benchmark": RATE_S["benchmark"] * shards / int(p["bench_chunks"]) * gpu,
+        "train_cost_model": RATE_S["train_cost_model"] * shards * int(p["cost_members"]) / 3,
+        "train_policy": RATE_S["train_policy"] * int(p["policy_iterations"]) * size,
+        "measure_policy_plans": RATE_S["measure_policy_plans"] * 4 * size * gpu,
+        "evaluate_and_promote": RATE_S["evaluate_and_promote"] * int(p["eval_tasks"]) * int(p["eval_rounds"])
+        * (len(planners_of(p["eval_planners"])) + 3) * size * gpu,
+        "export_placements": RATE_S["export_placements"] * int(p["num_tasks"]) * 2 * size,
+    }.get(stage, 0.0)
+    return float(p["timeout_scale"]) * max(FLOOR_S.get(stage, 900), SAFETY * work)
+
+
+def run_timeout_h() -> float:
+    """The whole run's limit in hours: EMBSHARD_RUN_TIMEOUT_H (read when the DAG is parsed), else RUN_TIMEOUT_H."""
+    raw = os.environ.get("EMBSHARD_RUN_TIMEOUT_H", "")
+    try:
+        value = float(raw) if raw else RUN_TIMEOUT_H
+    except ValueError:
+        raise EmbshardError(f"EMBSHARD_RUN_TIMEOUT_H={raw!r}", field="EMBSHARD_RUN_TIMEOUT_H",
+                            fix="set it to a number of hours") from None
+    if not math.isfinite(value) or value <= 0:
+        raise EmbshardError(f"EMBSHARD_RUN_TIMEOUT_H={raw!r}", field="EMBSHARD_RUN_TIMEOUT_H",
+                            fix="set it to a positive number of hours")
+    return value
+

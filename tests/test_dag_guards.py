@@ -1,0 +1,173 @@
+"""Runs refused before they start, and time limits (issue 26, items 1 and 4).
+
+- embshard.params checks every parameter at once: unknown keys, types, ranges, the rules between fields, the
+  input file; each problem named with its field and fix. The DAG's first task (check_params) applies it, and so
+  does `embshard pipeline` before it starts Airflow.
+- Every task's execution_timeout is sized when it starts from the run's params (measured stage times x work x
+  timeout_scale); the run has a dagrun_timeout. A stuck stage is timed out by Airflow's own task runner.
+
+The two DAG runs here are real dag.test() runs in a fresh interpreter (Airflow reads its config at import).
+The REST path (a bad conf triggered through the API fails in check_params) is in tests/test_airflow_real.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from embshard import params
+from embshard.errors import EmbshardError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("conf, field, words", [
+    ({"nosuch": 1}, "nosuch", "unknown parameter"),
+    ({"num_tables": -5}, "num_tables", "minimum of 2"),
+    ({"devices": -3}, "devices", "minimum of 1"),
+    ({"devices": 2.5}, "devices", "not of type 'integer'"),
+    ({"tables_per_task": "abc"}, "tables_per_task", "does not match"),
+    ({"tables_per_task": "60-20"}, "tables_per_task", "runs backwards"),
+    ({"tables_per_task": "0-5"}, "tables_per_task", "does not match"),
+    ({"num_tables": 10, "tables_per_task": "20-60"}, "tables_per_task", "from 10 tables"),
+    ({"eval_planners": ["dim_greedy", "nosuchplanner"]}, "eval_planners", "'nosuchplanner' is not one of"),
+    ({"eval_planners": "dim_greedy,nosuchplanner"}, "eval_planners", "'nosuchplanner' is not one of"),
+    ({"eval_planners": []}, "eval_planners", "should be non-empty"),
+    ({"eval_planners": ["dim_greedy", "dim_greedy"]}, "eval_planners", "non-unique"),
+    ({"source": "spec"}, "input", "needs an input file"),
+    ({"source": "dlrm", "input": "/no/such/trace.pt.gz"}, "input", "no file"),
+    ({"input": "/tmp/x.csv"}, "input", "reads no file"),
+    ({"memory_gb": 0}, "memory_gb", "less than or equal to the minimum of 0"),
+    ({"memory_gb": float("nan")}, "memory_gb", "not a finite number"),
+    ({"promotion_margin": 1.5}, "promotion_margin", "greater than the maximum"),
+    ({"device": "tpu"}, "device", "is not one of"),
+    ({"export_tasks": "everything"}, "export_tasks", "is not one of"),
+    ({"seed": -1}, "seed", "minimum of 0"),
+    ({"policy_rounds": 4}, "policy_rounds", "maximum of 3"),
+    ({"timeout_scale": 0}, "timeout_scale", "minimum of 0.001"),
+    ({"recalibrate_comm": "yes"}, "recalibrate_comm", "not of type 'boolean'"),
+])
+def test_each_bad_value_is_named_with_its_fix(conf, field, words):
+    found = params.problems(conf)
+    assert [f for f, _, _ in found] == [field], found
+    (_, what, fix), = found
+    assert words in what and fix
+
+
+def test_every_problem_at_once_in_one_line():
+    conf = {"nosuch": 1, "num_tables": -5, "tables_per_task": "abc", "eval_planners": ["nosuchplanner"]}
+    with pytest.raises(EmbshardError) as exc:
+        params.check(conf)
+    text = str(exc.value)
+    assert "\n" not in text and text.startswith("field 'nosuch,num_tables,tables_per_task,eval_planners'")
+    for f in ("nosuch:", "num_tables:", "tables_per_task:", "eval_planners:"):
+        assert f in text
+    assert text.count("(fix: ") == 4
+
+
+def test_defaults_pass_and_existing_files_and_uris_are_accepted(tmp_path):
+    assert params.check({}) == params.DEFAULT_PARAMS
+    spec = tmp_path / "t.csv"
+    spec.write_text("name,num_embeddings,embedding_dim,pooling_factor\nt,10,4,1\n")
+    assert params.check({"source": "spec", "input": str(spec)})["input"] == str(spec)
+    assert params.check({"source": "spec", "input": f"file://{spec}"})
+    assert params.check({"source": "dlrm", "input": "s3://bucket/trace.pt.gz"})  # checked by ingest, not here
+    # a comma string (embshard pipeline --param, older confs) is the same list
+    assert params.check({"eval_planners": "dim_greedy, size_greedy"})["eval_planners"] == ["dim_greedy",
+                                                                                             "size_greedy"]
+
+
+def test_eval_planner_choices_are_planners():
+    from embshard.planners import available_planners
+
+    assert set(params.EVAL_PLANNER_CHOICES) <= set(available_planners())
+
+
+def test_the_form_enforces_types_and_choices_only():
+    """Ranges and patterns stay out of the form: Airflow's form clamped -5 to the minimum silently and answered a
+    broken pattern with a toast naming nothing; check_params names them instead."""
+    for key in params.SPECS:
+        schema = params.form_schema(key)
+        assert not {"minimum", "maximum", "exclusiveMinimum", "pattern", "minItems"} & set(schema), key
+    assert params.form_schema("eval_planners")["items"]["enum"] == list(params.EVAL_PLANNER_CHOICES)
+    assert params.form_schema("device") == {"enum": ["auto", "cpu", "cuda"]}
+
+
+def test_time_limits_follow_the_work_and_the_scale():
+    base = params.stage_timeout_s("benchmark", {"device": "cpu"})
+    assert base >= params.FLOOR_S["benchmark"]
+    assert params.stage_timeout_s("benchmark", {"device": "cpu", "bench_shards": 100_000}) > 10 * base
+    assert params.stage_timeout_s("benchmark", {"device": "cpu", "timeout_scale": 2}) == pytest.approx(2 * base)
+    # at least SAFETY times the measured default run, for every stage
+    measured = {"ingest": 9.3, "sample_shards": 6.6, "benchmark": 155.6 / 3, "train_cost_model": 20.4,
+                "train_policy": 18.0, "measure_policy_plans": 8.4, "evaluate_and_promote": 114.8,
+                "export_placements": 6.5}
+    for stage, seconds in measured.items():
+        assert params.stage_timeout_s(stage, {"device": "cpu"}) >= params.SAFETY * seconds, stage
+
+
+def test_run_timeout_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("EMBSHARD_RUN_TIMEOUT_H", "6")
+    assert params.run_timeout_h() == 6
+    monkeypatch.setenv("EMBSHARD_RUN_TIMEOUT_H", "-1")
+    with pytest.raises(EmbshardError, match="EMBSHARD_RUN_TIMEOUT_H"):
+        params.run_timeout_h()
+
+
+# --- real DAG runs ---------------------------------------------------------------------------------------------
+RUNNER = textwrap.dedent("""
+    import json, sys, time
+    from embshard import pipeline, stages
+    env = pipeline.setup_environment(sys.argv[1])
+    from airflow import settings
+    from airflow.utils.db import initdb
+    settings.DAGS_FOLDER = env["AIRFLOW__CORE__DAGS_FOLDER"]
+    if sys.argv[3] == "stuck":
+        def stuck(root, params):
+            time.sleep(120)  # a hung stage
+        stages.STAGES["ingest"] = stuck
+    initdb()
+    dag = pipeline.load_dag()
+    dag_run = dag.test(run_conf=json.loads(sys.argv[2]))
+    states = {ti.task_id: str(ti.state) for ti in dag_run.get_task_instances()}
+    print("RESULT " + json.dumps({"state": str(dag_run.state), "tasks": states,
+                                  "data": stages.run_root(env["EMBSHARD_DATA_ROOT"], dag_run.run_id)}))
+""")
+
+
+def _dag_test(tmp_path, conf: dict, mode: str) -> tuple[dict, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW", "EMBSHARD_"))}
+    env.update(AIRFLOW__CORE__LOAD_EXAMPLES="False", EMBSHARD_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", RUNNER, str(tmp_path), json.dumps(conf), mode], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=str(REPO))
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("*.log")) \
+        if (tmp_path / "logs").exists() else ""
+    return json.loads(lines[0][len("RESULT "):]), proc.stdout + proc.stderr + logs
+
+
+@pytest.mark.slow
+def test_bad_conf_fails_in_check_params_before_any_work(tmp_path):
+    result, out = _dag_test(tmp_path, {"nosuch": 1, "tables_per_task": "60-20", "source": "spec"}, "normal")
+    assert result["state"] == "failed"
+    assert result["tasks"]["check_params"] == "failed"
+    assert result["tasks"]["ingest"] == "upstream_failed"
+    assert not Path(result["data"]).exists()  # nothing written for the run
+    for words in ("nosuch: unknown parameter", "tables_per_task: the range 60-20 runs backwards",
+                  "input: source spec needs an input file"):
+        assert words in out
+
+
+@pytest.mark.slow
+def test_a_stuck_stage_is_timed_out(tmp_path):
+    """ingest hangs; with timeout_scale 0.002 its limit is 1.8 s (900 s floor): Airflow's task runner ends it."""
+    result, out = _dag_test(tmp_path, {"timeout_scale": 0.002}, "stuck")
+    assert result["tasks"]["check_params"] == "success"
+    assert result["tasks"]["ingest"] == "failed" and result["state"] == "failed"
+    assert "Timeout" in out or "timed out" in out
