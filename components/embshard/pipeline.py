@@ -142,7 +142,7 @@ def _parse_params(items: list[str]) -> dict:
     from .errors import EmbshardError
     from .stages import DEFAULT_PARAMS
 
-    out = {}
+    out: dict[str, object] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in DEFAULT_PARAMS:
