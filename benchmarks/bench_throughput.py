@@ -28,7 +28,8 @@ def main() -> None:
     from embshard.tableset import TableSet
 
     ts = TableSet.from_frame(generate_tables(args.tables, seed=0, bins_batch_size=8192))
-    cfg = runner.make_config(batch_size=args.batch_size, comm_bandwidth_gbps=1.0, comm_latency_us=100.0)
+    cfg = runner.make_config(runner.MeasureSettings(batch_size=args.batch_size, comm_bandwidth_gbps=1.0,
+                                                   comm_latency_us=100.0))
     print(f"hardware {cfg.hardware}, backend {cfg.backend}, batch {cfg.batch_size}, threads {cfg.threads}, "
           f"timer {cfg.timer}, {cfg.warmup}+{cfg.iterations} iterations, budget {cfg.budget_bytes / 2**30:.1f} GiB")
     rng = np.random.default_rng(0)

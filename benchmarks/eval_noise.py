@@ -45,7 +45,8 @@ def load_placements(suite_dir: str):
     return out
 
 
-def run(suite_dir: str, bench_kw: dict, passes: int, planners: tuple[str, ...], seed: int = 0) -> pd.DataFrame:
+def run(suite_dir: str, settings, passes: int, planners: tuple[str, ...], seed: int = 0) -> pd.DataFrame:
+    """`settings`: the MeasureSettings every pass measures with."""
     from embshard.bench import measure_placement
 
     placements = {k: v for k, v in load_placements(suite_dir).items() if k[1] in planners}
@@ -56,7 +57,7 @@ def run(suite_dir: str, bench_kw: dict, passes: int, planners: tuple[str, ...], 
         keys = list(placements)
         for k in rng.permutation(len(keys)):
             task_id, planner = keys[k]
-            m = measure_placement(placements[keys[k]], **bench_kw)
+            m = measure_placement(placements[keys[k]], settings)
             rows.append({"pass": p, "task_id": task_id, "planner": planner,
                          "measured_cost_ms": float(m["total_ms"].max())})
         progress(f"eval noise: pass {p + 1}/{passes} in {time.perf_counter() - t0:.0f} s")
@@ -122,10 +123,11 @@ def main(argv=None) -> int:
     from .common import hardware
 
     roots = sorted(glob.glob(os.path.join(args.run, "data", "*", "comm_calibration.json")))
-    bench_kw = {"batch_size": args.batch_size}
-    if roots:
-        bench_kw["out"] = os.path.dirname(roots[-1])
-    df = run(args.suite, bench_kw, args.passes, ("learned",) + GREEDY)
+    from embshard.bench.runner import MeasureSettings
+
+    settings = MeasureSettings(batch_size=args.batch_size,
+                               calibration_dir=os.path.dirname(roots[-1]) if roots else None)
+    df = run(args.suite, settings, args.passes, ("learned",) + GREEDY)
     per, s = analyse(df)
     os.makedirs(os.path.join(args.out, "raw"), exist_ok=True)
     df.to_csv(os.path.join(args.out, "raw", "eval_noise.csv"), index=False)

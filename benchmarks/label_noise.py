@@ -30,6 +30,7 @@ def _mape(a: pd.Series, b: pd.Series) -> float:
 
 def measure(run_root: str, shards: int, passes: int, batch_size: int, work: str) -> pd.DataFrame:
     """(shards x passes) compute ms of `shards` shards of the run, measured in `passes` separate passes."""
+    from embshard.bench.runner import MeasureSettings
     from embshard.jobs import bench
 
     sh = pd.read_parquet(os.path.join(run_root, "shards.parquet"))
@@ -40,7 +41,8 @@ def measure(run_root: str, shards: int, passes: int, batch_size: int, work: str)
         path = os.path.join(work, f"shards-{k}.parquet")
         order.to_parquet(path)
         out = os.path.join(work, f"pass-{k}")
-        bench.run(os.path.join(run_root, "tables.parquet"), path, out, batch_size=batch_size, progress=False, seed=k)
+        bench.run(os.path.join(run_root, "tables.parquet"), path, out,
+                  MeasureSettings(batch_size=batch_size, seed=k), progress=False)
         c = pd.concat([pd.read_parquet(f) for f in glob.glob(os.path.join(out, "costs", "*.parquet"))])
         c = c.set_index("sample_id")
         cols[k] = (c["fwd_compute_ms"] + c["bwd_compute_ms"]).loc[sh["sample_id"]]

@@ -83,7 +83,7 @@ def measured_world(tmp_path_factory):
     shards_path = str(root / "shards.parquet")
     schemas.write(shards, shards_path, "shards")
     bench_kw = {"batch_size": 256, "iterations": 10, "warmup": 2, "max_shard_gb": 0.05}
-    bench.run(tables, shards_path, str(root), progress=False, **bench_kw)
+    bench.run(tables, shards_path, str(root), MeasureSettings(**bench_kw), progress=False)
     return {"root": str(root), "tables": tables, "tasks": tasks_path, "costs": str(root / "costs"),
             "bench_kw": bench_kw, "settings": MeasureSettings(**bench_kw)}
 

@@ -15,13 +15,16 @@ from embshard import schemas
 from embshard.bench import inputs, measure_placement
 from embshard.jobs.bench import run
 from embshard.bench import backends, runner
-from embshard.bench.sampler import plan_shards, placement_shards, random_shards
+from embshard.bench.runner import MeasureSettings
+from embshard.bench.sampler import placement_shards, random_shards
+from embshard.jobs.shards import plan_shards
 from embshard.errors import BackendUnavailableError, EmbshardError
 from embshard.features import access_bins
 from embshard.placement import Placement
 from embshard.tableset import TableSet
 
 FAST = dict(batch_size=256, warmup=2, iterations=10, comm_bandwidth_gbps=10.0, comm_latency_us=20.0)
+SETTINGS = MeasureSettings(**FAST)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +121,7 @@ def test_row_cap_keeps_small_tables_and_fits_budget():
 
 
 def test_fused_costs_positive_and_two_tables_cost_more(ts):
-    cfg = runner.make_config(backend="fbgemm", **FAST)
+    cfg = runner.make_config(SETTINGS.replace(backend="fbgemm"))
     assert cfg.backend == "fbgemm" and cfg.timer == "thread_cpu" and cfg.threads == 1
     a, b = _heavy(ts)
     total = {}
@@ -153,7 +156,7 @@ def test_cpu_builds_recycle_freed_memory_in_the_heap():
 
 
 def test_torch_backend_runs_on_cpu_with_mixed_dims(ts):
-    cfg = runner.make_config(backend="torch", **FAST)
+    cfg = runner.make_config(SETTINGS.replace(backend="torch"))
     members = _heavy(ts, 4)
     assert len({int(ts.dims[i]) for i in members}) >= 2  # exercises one fused call per dim
     m = runner.measure_shard(ts, members, cfg, num_devices=8)
@@ -185,10 +188,10 @@ def test_backend_selection_and_forced_backend_errors(monkeypatch):
 
 def test_oversized_shard_is_scaled_and_oversized_batch_refused(ts):
     big = int(np.argmax(ts.rows * ts.dims))
-    cfg = runner.make_config(backend="fbgemm", max_shard_gb=0.01, **FAST)
+    cfg = runner.make_config(SETTINGS.replace(backend="fbgemm", max_shard_gb=0.01))
     m = runner.measure_shard(ts, [big], cfg, num_devices=4)
     assert 0 < m["row_scale"] < 1 and m["fwd_compute_ms"] > 0
-    cfg = runner.make_config(backend="fbgemm", max_shard_gb=0.001, **{**FAST, "batch_size": 200_000})
+    cfg = runner.make_config(SETTINGS.replace(backend="fbgemm", max_shard_gb=0.001, batch_size=200_000))
     with pytest.raises(EmbshardError, match="lower --batch-size"):
         runner.measure_shard(ts, _heavy(ts, 3), cfg, num_devices=4)
 
@@ -197,7 +200,7 @@ def test_measure_placement_one_row_per_device(ts):
     sub = ts.subset(_heavy(ts, 4))
     pl = Placement.from_assignment(sub, [0, 0, 2, 2], 3, 2**40, task_id="t")
     pl.shards[3] = type(pl.shards[3])(3, 2, col_offset=0, col_size=4)  # a column slice: measured at dim 4
-    df = measure_placement(pl, **FAST)
+    df = measure_placement(pl, SETTINGS)
     assert df["device"].tolist() == [0, 1, 2]
     assert df.loc[1, "total_ms"] == 0 and df.loc[1, "table_ids"] == []
     assert (df.loc[[0, 2], ["fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "total_ms"]] > 0).all().all()
@@ -206,7 +209,7 @@ def test_measure_placement_one_row_per_device(ts):
 
 def test_run_writes_parts_and_rerun_skips_them(tables_path, tmp_path):
     out = str(tmp_path / "run")
-    parts = run(tables_path, "random:5", out, num_chunks=2, max_tables=4, progress=False, **FAST)
+    parts = run(tables_path, "random:5", out, SETTINGS, num_chunks=2, max_tables=4, progress=False)
     assert [os.path.basename(p) for p in parts] == ["part-00000-of-00002.parquet", "part-00001-of-00002.parquet"]
     costs = schemas.read(os.path.join(out, "costs"), "costs")
     assert len(costs) == 5 and costs["sample_id"].is_unique
@@ -215,17 +218,17 @@ def test_run_writes_parts_and_rerun_skips_them(tables_path, tmp_path):
     assert (costs["backend"] == "fbgemm").all() and costs["hardware"].str.startswith("cpu:").all()
     assert not os.path.exists(os.path.join(out, "costs", ".partial", "part-00000-of-00002"))
     before = costs.set_index("sample_id")["measured_at"]
-    again = run(tables_path, "random:5", out, num_chunks=2, max_tables=4, progress=False, **FAST)
+    again = run(tables_path, "random:5", out, SETTINGS, num_chunks=2, max_tables=4, progress=False)
     assert again == parts
     after = schemas.read(os.path.join(out, "costs"), "costs").set_index("sample_id")["measured_at"]
     assert after.equals(before)  # nothing re-measured
     with pytest.raises(EmbshardError, match="2-chunk run, not 3"):
-        run(tables_path, "random:5", out, num_chunks=3, chunk=0, progress=False, **FAST)
+        run(tables_path, "random:5", out, SETTINGS, num_chunks=3, chunk=0, progress=False)
 
 
 def test_crash_mid_chunk_loses_nothing_and_duplicates_nothing(tables_path, tmp_path, monkeypatch):
     out = str(tmp_path / "run")
-    kw = dict(num_chunks=1, chunk=0, max_tables=3, progress=False, **FAST)
+    kw = dict(settings=SETTINGS, num_chunks=1, chunk=0, max_tables=3, progress=False)
     monkeypatch.setenv("EMBSHARD_BENCH_FAIL_AFTER", "3")
     with pytest.raises(RuntimeError, match="simulated crash"):
         run(tables_path, "random:6", out, **kw)
@@ -282,8 +285,8 @@ def test_cli_errors_are_one_line(tables_path, tmp_path, capsys):
 def test_input_workers_make_the_same_inputs_as_in_process(ts, tmp_path, monkeypatch):
     """The GPU path makes shard inputs in helper processes (`python -m embshard.bench.input_worker`, never a
     re-import of the entry script): they must equal the in-process ones."""
-    cfg = runner.make_config(device="cpu", backend="torch", batch_size=512, comm_bandwidth_gbps=10.0,
-                             comm_latency_us=20.0)
+    cfg = runner.make_config(MeasureSettings(device="cpu", backend="torch", batch_size=512, comm_bandwidth_gbps=10.0,
+                                             comm_latency_us=20.0))
     jobs = [([0, 3, 5], None, "a"), ([1, 2], None, "b"), (_heavy(ts, 3), None, "c")]
     with runner.InputPrefetcher(ts, cfg, jobs, workers=2) as pre:
         assert len(pre.procs) == 2 and all("embshard.bench.input_worker" in p.args for p in pre.procs)

@@ -9,6 +9,7 @@ import pytest
 
 from embshard import schemas
 from embshard.bench import comm, inputs, runner
+from embshard.bench.runner import MeasureSettings
 from embshard.jobs.bench import run
 from embshard.tableset import TableSet
 
@@ -26,8 +27,8 @@ def test_measured_comm_and_calibration_with_gloo(tmp_path, small_tables_df, monk
     tables = str(tmp_path / "tables.parquet")
     schemas.write(small_tables_df, tables, "tables")
     out = str(tmp_path / "run")
-    parts = run(tables, [["t0000", "t0001"], ["t0002"]], out, batch_size=256, warmup=1, iterations=10,
-                comm_ranks=2, progress=False)
+    parts = run(tables, [["t0000", "t0001"], ["t0002"]], out,
+                MeasureSettings(batch_size=256, warmup=1, iterations=10, comm_ranks=2), progress=False)
     costs = schemas.read(parts[0], "costs")
     # The shards belong to 4-device tasks (run's default): measured among the 2 ranks there are, each rank sending
     # what a device of a 4-device task sends (comm.group_numel), and recorded as 4-device shards.
@@ -69,7 +70,8 @@ def test_trace_replay_uses_the_real_indices(tmp_path, small_tables_df):
     assert scaled[0][0].max() < spec.scaled_rows
     assert np.array_equal(np.unique(scaled[0][0], return_counts=True)[1].sum(), len(windows[0][0]))
     assert sorted(np.unique(scaled[0][0], return_counts=True)[1]) == sorted(np.unique(windows[0][0], return_counts=True)[1])
-    cfg = runner.make_config(batch_size=128, warmup=1, iterations=10, comm_bandwidth_gbps=10, comm_latency_us=5)
+    cfg = runner.make_config(MeasureSettings(batch_size=128, warmup=1, iterations=10, comm_bandwidth_gbps=10,
+                                             comm_latency_us=5))
     m = runner.measure_shard(ts, [0, 1, 2, 3], cfg, num_devices=4)
     assert m["fwd_compute_ms"] > 0 and m["bwd_compute_ms"] > 0
 

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 from embshard import schemas  # noqa: E402
 from embshard.bench import backends, measure_placement  # noqa: E402
+from embshard.bench.runner import MeasureSettings  # noqa: E402
 from embshard.jobs.bench import run  # noqa: E402
 from embshard.placement import Placement, Shard  # noqa: E402
 from embshard.tableset import TableSet  # noqa: E402
@@ -37,8 +38,8 @@ def test_fbgemm_cuda_bench_writes_costs(tmp_path, tables_df):
     _fbgemm_cuda_or_skip()
     p = tmp_path / "tables.parquet"
     schemas.write(tables_df, p, "tables")
-    parts = run(str(p), "random:6", str(tmp_path / "run"), backend="fbgemm", device="cuda", max_tables=12,
-                progress=False)
+    parts = run(str(p), "random:6", str(tmp_path / "run"), MeasureSettings(backend="fbgemm", device="cuda"),
+                max_tables=12, progress=False)
     df = schemas.read(parts[0], "costs")
     assert len(df) == 6
     assert (df["backend"] == "fbgemm").all() and (df["timer"] == "cuda_events").all()
@@ -73,7 +74,7 @@ def test_cuda_measure_placement_with_input_workers(tables_df, monkeypatch):
     ts = TableSet.from_frame(tables_df)
     shards = [Shard(i, i % 3) for i in range(9)]
     pl = Placement(ts, 4, 80 * 2**30, shards, planner="test", task_id="t")
-    df = measure_placement(pl, device="cuda", batch_size=4096)
+    df = measure_placement(pl, MeasureSettings(device="cuda", batch_size=4096))
     assert len(df) == 4 and df.loc[3, "total_ms"] == 0.0
     assert (df.loc[:2, "fwd_compute_ms"] > 0).all() and (df["backend"] == "fbgemm").all()
 
@@ -82,8 +83,8 @@ def test_torch_backend_on_cuda(tmp_path, tables_df):
     """The fallback backend (one fused embedding_bag per dim) also runs on the GPU."""
     p = tmp_path / "tables.parquet"
     schemas.write(tables_df, p, "tables")
-    parts = run(str(p), "random:3", str(tmp_path / "run"), backend="torch", device="cuda", batch_size=8192,
-                progress=False)
+    parts = run(str(p), "random:3", str(tmp_path / "run"),
+                MeasureSettings(backend="torch", device="cuda", batch_size=8192), progress=False)
     df = schemas.read(parts[0], "costs")
     assert len(df) == 3 and (df["backend"] == "torch").all() and (df["fwd_compute_ms"] > 0).all()
 

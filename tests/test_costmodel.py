@@ -22,6 +22,7 @@ def measured(tmp_path_factory, small_tables_df):
     (real FBGEMM CPU kernels, batch 512, 20 iterations; comm from given constants, no calibration). Sub-millisecond
     shards at batch 128 and ~10 held-out shards made the accuracy checks a coin toss; 160 seen-pool shards give
     about 20 held-out ones."""
+    from embshard.bench.runner import MeasureSettings
     from embshard.jobs.bench import run as bench_run
     from embshard.bench.sampler import random_shards
     from embshard import pools
@@ -42,8 +43,8 @@ def measured(tmp_path_factory, small_tables_df):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("EMBSHARD_COMM_BANDWIDTH_GBPS", "10")
         mp.setenv("EMBSHARD_COMM_LATENCY_US", "20")
-        bench_run(str(tables), shards, str(root), batch_size=BATCH, iterations=20, warmup=2, num_batches=2,
-                  max_shard_gb=0.05, progress=False)
+        bench_run(str(tables), shards, str(root), MeasureSettings(batch_size=BATCH, iterations=20, warmup=2,
+                                                                  num_batches=2, max_shard_gb=0.05), progress=False)
     return {"tables": str(tables), "costs": str(root / "costs"), "root": root}
 
 

@@ -163,7 +163,7 @@ def test_policy_learns_to_beat_random_on_the_estimated_mdp(tables, cost_model):
 
 def test_train_policy_registers_and_place_uses_the_registry(measured_world, cost_model_uri, tmp_path):
     from embshard import registry
-    from embshard.jobs.train_policy import run as train_policy
+    from embshard.outer_loop import run as train_policy
 
     res = train_policy(measured_world["tables"], measured_world["tasks"], str(tmp_path / "policy"),
                        cost_model_uri=cost_model_uri, iterations=20, rollouts_per_task=8, alias="champion",
@@ -221,7 +221,7 @@ def test_outer_loop_measures_the_policys_plans_and_refits_the_cost_model(measure
     import mlflow
 
     from embshard.bench.runner import MeasureSettings
-    from embshard.jobs.train_policy import run as train_policy
+    from embshard.outer_loop import run as train_policy
 
     costs = os.path.join(measured_world["root"], "costs")
     before = sorted(os.listdir(costs))

@@ -47,7 +47,7 @@ def store(measured_world, cost_model_uri, tmp_path_factory):
 
     from embshard.costmodel import load
     from embshard.costmodel.pyfunc import CostModelPyfunc
-    from embshard.jobs.train_policy import run as train_policy
+    from embshard.outer_loop import run as train_policy
 
     good = load(cost_model_uri)  # from the session store, before switching stores
     root = tmp_path_factory.mktemp("promotion")

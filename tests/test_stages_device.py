@@ -45,7 +45,7 @@ def recorders(monkeypatch):
     monkeypatch.setattr(comm, "adopt_calibration",
                         lambda root, hardware, **kw: calls.__setitem__("sample_shards", {"hardware": hardware, **kw}))
     monkeypatch.setattr(shards, "run", lambda *a, **kw: "shards.parquet")
-    monkeypatch.setattr(bench, "run", lambda *a, **kw: calls.__setitem__("benchmark", kw) or ["part"])
+    monkeypatch.setattr(bench, "run", lambda *a, **kw: calls.setdefault("benchmark", settings_of(kw)) and ["part"])
     monkeypatch.setattr(measure_plans, "run",
                         lambda *a, **kw: calls.__setitem__("measure_policy_plans", settings_of(kw)) or "costs")
     monkeypatch.setattr(promote, "evaluate_and_promote",

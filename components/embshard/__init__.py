@@ -1,9 +1,10 @@
 """embshard: learned embedding-table sharding (ingest, benchmark, cost model, policy, placement export)."""
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from .registry import POLICY_CHAMPION_URI  # light: no MLflow import
+from .version import __version__
 
-from .registry import POLICY_CHAMPION_URI  # noqa: E402  (light: no MLflow import)
+__all__ = ["POLICY_CHAMPION_URI", "__version__", "load_planner"]
 
 
 def load_planner(model_uri: str = POLICY_CHAMPION_URI):

@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tasks": ("embshard.jobs.tasks", "sample train/test placement tasks into tasks.parquet"),
     "bench": ("embshard.jobs.bench", "measure fused device-shard costs into costs/part-*.parquet"),
     "train-cost": ("embshard.jobs.train_cost", "train the cost model and register embshard-cost"),
-    "train-policy": ("embshard.jobs.train_policy", "train the placement policy and register embshard-policy"),
+    "train-policy": ("embshard.outer_loop", "train the placement policy and register embshard-policy"),
     "predict": ("embshard.jobs.predict", "predict device-shard costs (with intervals) with the cost model"),
     "place": ("embshard.jobs.place", "place tables on devices with a planner"),
     "evaluate": ("embshard.jobs.evaluate", "measure several planners' placements side by side"),
@@ -39,7 +39,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .version import __version__
 
     parser = _Parser(prog="embshard", description="Learned embedding-table sharding.")
     parser.add_argument("--version", action="version", version=f"embshard {__version__}")

@@ -180,7 +180,7 @@ def summary_text(res: dict) -> str:
         lines.append(f"logs: {res['log']}")
     promo = res.get("promotion") or {}
     if promo:
-        from .stages import promotion_lines
+        from .stage_report import promotion_lines
 
         lines += [line[2:] if line.startswith("  ") else line for line in promotion_lines(promo, root)
                   if not line.lstrip().startswith("plot:")]

@@ -36,3 +36,13 @@ def members(tables: pd.DataFrame, pool: str, seed: int = 0) -> list[str]:
     """The sorted table ids of one pool."""
     ids = tables["table_id"].astype(str).to_numpy(dtype=object)
     return sorted(ids[of(tables, seed) == pool])
+
+
+def split_train_tasks(tables, tasks):
+    """(fit, validation) train tasks: the first fifth validates (keeps the best weights), the rest trains. One
+    rule for the policy's training (jobs.train_policy) and the outer loop's measured plans (jobs.measure_plans)."""
+    from .types import load_tasks
+
+    train = load_tasks(tables, tasks, "train")
+    n_val = max(1, len(train) // 5) if len(train) > 1 else 0
+    return (train[n_val:], train[:n_val]) if n_val else (train, train)

@@ -54,7 +54,7 @@ def round_settings(settings: MeasureSettings | None) -> MeasureSettings:
         from .bench.backends import resolve_device
 
         kind = "cpu" if resolve_device(settings.device) == "cpu" else "cuda"
-        settings = MeasureSettings(**{**settings.__dict__, "min_time_ms": ROUND_MIN_TIME_MS[kind]})
+        settings = settings.replace(min_time_ms=ROUND_MIN_TIME_MS[kind])
     return settings
 
 

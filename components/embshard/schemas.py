@@ -23,6 +23,8 @@ NUM_BINS = 17
 BIN_COLUMNS = [f"bin_{k:02d}" for k in range(NUM_BINS)]
 # Version of the feature definition (features.py); models are tagged with it.
 FEATURE_VERSION = "v2-21+ws"  # v2: the model derives working-set inputs (batch, cache)
+# The tasks contract's file in a run folder (written by jobs.tasks; jobs.ingest removes a stale one).
+TASKS_FILE = "tasks.parquet"
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 
 from . import params as params_mod
 from .errors import EmbshardError
+from .run_layout import PATHS, _join, path  # noqa: F401  (PATHS: importable from here, as before)
+from .stage_report import promotion_lines, report, speed_words  # noqa: F401  (importable from here, as before)
 
 log = logging.getLogger(__name__)
 XCOM_DIR = "/airflow/xcom"  # the sidecar-shared folder of KubernetesPodOperator's XCom push
@@ -25,8 +27,6 @@ MAX_POLICY_ROUNDS = params_mod.MAX_POLICY_ROUNDS
 # Outer loop: tasks measured per round.
 MEASURED_PLAN_TASKS = 4
 
-PATHS = {"tables": "tables.parquet", "tasks": "tasks.parquet", "costs": "costs", "cost_model": "cost_model",
-         "policy": "policy", "evaluation": "evaluation", "export": "export", "state": "state"}
 
 
 # The run root of a DAG run, in Python (local runner) and as a Jinja template (pod arguments): same result.
@@ -36,17 +36,8 @@ PARAMS_TEMPLATE = ("{ {%- for k, v in params.items() %}{{ k | tojson }}: {{ v | 
                    "{%- if not loop.last %}, {% endif %}{%- endfor %} }")
 
 
-def _join(root: str, *parts: str) -> str:
-    # Plain string joining (no pyarrow): the DAG imports this module at parse time in any Airflow image.
-    return "/".join([str(root).rstrip("/"), *parts])
-
-
 def run_root(data_root: str, run_id: str) -> str:
     return _join(data_root, str(run_id).replace(":", "-").replace("+", "-"))
-
-
-def path(root: str, key: str) -> str:
-    return _join(root, PATHS[key])
 
 
 def merged(params: dict | None) -> dict:
@@ -124,8 +115,8 @@ def benchmark(root: str, params: dict, chunk: int) -> dict:
     p = merged(params)
     st = measure_settings(root, p)
     shards = _state(root, "shards")["shards"]  # sampled once by sample_shards; every chunk reads the same list
-    parts = bench_run(path(root, "tables"), shards, root, chunk=int(chunk), num_chunks=int(p["bench_chunks"]),
-                      device=st.device, batch_size=st.batch_size, comm_ranks=st.comm_ranks)
+    parts = bench_run(path(root, "tables"), shards, root, settings=st, chunk=int(chunk),
+                      num_chunks=int(p["bench_chunks"]))
     return {"chunk": int(chunk), "parts": parts, "device": st.device}
 
 
@@ -143,10 +134,11 @@ def measure_settings(root: str, p: dict):
                            comm_ranks=measured_ranks(device))
 
 
-def _costs_of_rounds(root: str, last_round: int) -> list[str]:
-    """The benchmark's costs, then the measured policy plans of rounds 2..last_round."""
-    return [path(root, "costs"), *(_join(path(root, "policy"), f"measured-round-{r}", "costs")
-                                   for r in range(2, last_round + 1))]
+def loop_layout(root: str):
+    """Where the outer loop's rounds write under a run root (embshard.outer_loop, shared with the CLI)."""
+    from .outer_loop import LoopLayout
+
+    return LoopLayout(policy=path(root, "policy"), cost_model=path(root, "cost_model"))
 
 
 def _check_round(p: dict, round_index: int) -> None:
@@ -157,13 +149,12 @@ def _check_round(p: dict, round_index: int) -> None:
 def train_cost_model(root: str, params: dict, round_index: int = 1) -> dict:
     """Round 1: the cost model from the benchmark's costs. Round r > 1 (the outer loop's refit): from the
     benchmark's costs and the measured plans of every round so far."""
-    from .jobs.train_cost import run as train_cost
+    from .outer_loop import fit_cost_model
 
     p = merged(params)
     _check_round(p, round_index)
-    out = path(root, "cost_model") if round_index == 1 else _join(path(root, "cost_model"), f"round-{round_index}")
-    res = train_cost(_costs_of_rounds(root, round_index), path(root, "tables"), out,
-                     seed=int(p["seed"]) + round_index - 1, members=int(p["cost_members"]), calibration_dir=root)
+    res = fit_cost_model(path(root, "tables"), path(root, "costs"), loop_layout(root), round_index=round_index,
+                         seed=int(p["seed"]), members=int(p["cost_members"]), calibration_dir=root)
     return _state(root, "cost_model", {"model_uri": res["model_uri"], "version": str(res["model_version"]),
                                        "round": round_index, "summary": res.get("summary", "")})
 
@@ -171,17 +162,16 @@ def train_cost_model(root: str, params: dict, round_index: int = 1) -> dict:
 def train_policy(root: str, params: dict, round_index: int = 1) -> dict:
     """One round of the policy, from the previous round's weights, against the latest cost model; the last
     round (`policy_rounds`) registers the candidate that evaluation measures."""
-    from .jobs.train_policy import train_round
+    from .outer_loop import train_policy_round
 
     p = merged(params)
     _check_round(p, round_index)
-    rounds = int(p["policy_rounds"])
     cm = _state(root, "cost_model")
     prev = _state(root, "policy")["policy_dir"] if round_index > 1 else None
-    res = train_round(path(root, "tables"), path(root, "tasks"), path(root, "policy"),
-                      cost_model_uri=cm["model_uri"], iterations=max(1, int(p["policy_iterations"]) // rounds),
-                      round_index=round_index, init_policy=prev, seed=int(p["seed"]),
-                      register=round_index == rounds, description=f" of {rounds}")
+    res = train_policy_round(path(root, "tables"), path(root, "tasks"), loop_layout(root),
+                             cost_model_uri=cm["model_uri"], iterations=int(p["policy_iterations"]),
+                             rounds=int(p["policy_rounds"]), round_index=round_index, init_policy=prev,
+                             seed=int(p["seed"]))
     return _state(root, "policy", {"policy_dir": res["policy_dir"], "round": round_index,
                                    "model_uri": res.get("model_uri"), "version": res.get("version"),
                                    "cost_model_uri": res["cost_model_uri"], "val_ratio": res["final_val_ratio"]})
@@ -189,14 +179,14 @@ def train_policy(root: str, params: dict, round_index: int = 1) -> dict:
 
 def measure_policy_plans(root: str, params: dict, round_index: int = 2) -> dict:
     """The outer loop's measuring step before round `round_index`: the last policy's plans, measured."""
-    from .jobs.measure_plans import run as measure_plans
+    from .outer_loop import measure_round
 
     p = merged(params)
     _check_round(p, round_index)
     pol = _state(root, "policy")
-    costs = measure_plans(path(root, "tables"), path(root, "tasks"), pol["policy_dir"], pol["cost_model_uri"],
-                          _join(path(root, "policy"), f"measured-round-{round_index}"),
-                          num_tasks=MEASURED_PLAN_TASKS, round_index=round_index,
+    costs = measure_round(path(root, "tables"), path(root, "tasks"), loop_layout(root),
+                          policy_dir=pol["policy_dir"], cost_model_uri=pol["cost_model_uri"],
+                          round_index=round_index, num_tasks=MEASURED_PLAN_TASKS,
                           settings=measure_settings(root, p), seed=int(p["seed"]))
     return {"round": round_index, "costs": costs}
 
@@ -294,68 +284,6 @@ def _jsonable(value):
         return _jsonable(float(value))  # numpy scalars
     except (TypeError, ValueError):
         return str(value)
-
-
-def report(name: str, result: dict, root: str) -> str:
-    """What a person reads at the end of a stage's log: the promotion decision in full, else the outputs."""
-    bar = "=" * 72
-    lines = [bar, f"embshard {name}: done   (run root {root})"]
-    if name == "evaluate_and_promote":
-        lines += promotion_lines(result, root)
-    else:
-        for k, v in result.items():
-            if k == "summary" and v:
-                lines.append(str(v))
-            elif isinstance(v, (str, int, float)) or v is None:
-                lines.append(f"  {k}: {v}")
-            elif isinstance(v, list):
-                lines.append(f"  {k}: {len(v)} item(s)")
-    lines.append(bar)
-    return "\n".join(lines)
-
-
-def promotion_lines(decision: dict, root: str) -> list[str]:
-    """The promotion decision in words: ratios with their intervals and the right sign, the verdict, the reason."""
-    lines = []
-
-    def interval(comp: dict | None) -> str:
-        if not comp or comp.get("ci_low") is None or comp["ci_low"] != comp["ci_low"]:
-            return ""
-        return f" [95%: {comp['ci_low']:.3f}, {comp['ci_high']:.3f}]"
-
-    ratio = decision.get("candidate_median_ratio_best_baseline")
-    if ratio is not None:
-        lines.append(f"  learned planner vs the best baseline (median measured cost ratio over "
-                     f"{decision.get('tasks', '?')} held-out tasks, {decision.get('rounds', '?')} rounds): "
-                     f"{ratio:.3f}x{interval(decision.get('candidate_vs_best_baseline'))}  ({speed_words(ratio)})")
-    champ = decision.get("candidate_over_champion_median")
-    if champ is not None:
-        lines.append(f"  candidate vs the champion: {champ:.3f}x{interval(decision.get('candidate_vs_champion'))}  "
-                     f"({speed_words(champ)})")
-    floor = decision.get("aa_floor") or {}
-    aa = floor.get("median")
-    if aa is not None and aa == aa:  # NaN: no repeat was measured
-        lines.append(f"  the ruler's A/A floor ({floor['planner']} measured twice): {aa:.3f}x"
-                     f"{interval(floor)}  (a ratio inside this interval is no difference)")
-    verdict = {"promoted": "PROMOTED to champion", "undecided": "UNDECIDED (challenger); champion kept"}.get(
-        decision.get("verdict", "promoted" if decision.get("promoted") else ""),
-        "not promoted (challenger); champion kept")
-    lines.append(f"  decision: {verdict}  (candidate v{decision.get('candidate_version')}, "
-                 f"champion before v{decision.get('champion_version_before')}, after "
-                 f"v{decision.get('champion_version_after')}): {decision.get('reason')}")
-    lines.append(f"  plot: {_join(path(root, 'evaluation'), 'evaluation.png')}")
-    if decision.get("summary"):
-        lines.append(str(decision["summary"]))
-    return lines
-
-
-def speed_words(ratio: float) -> str:
-    """'4.1% faster' for a cost ratio below 1, '2.9% slower' above it."""
-    if ratio != ratio:  # NaN
-        return "not measured"
-    if abs(ratio - 1.0) < 5e-4:
-        return "same cost"
-    return f"{100 * (1 - ratio):.1f}% faster" if ratio < 1 else f"{100 * (ratio - 1):.1f}% slower"
 
 
 def configure(p: argparse.ArgumentParser) -> None:

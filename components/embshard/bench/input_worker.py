@@ -12,12 +12,12 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .runner import BenchConfig, shard_inputs
+    from .runner import shard_inputs
 
     (state_path,) = sys.argv[1:] if argv is None else argv
     with open(state_path, "rb") as f:
         state = pickle.load(f)
-    tables, cfg = state["tables"], BenchConfig(**state["cfg"])
+    tables, cfg = state["tables"], state["cfg"]
     for line in sys.stdin:
         job = json.loads(line)
         try:

@@ -3,7 +3,7 @@
 The benchmark stage (jobs.bench) calls `measure_shard` for each shard of its chunk; evaluation calls
 `measure_placement`, which measures every device of a Placement in-process.
 
-`measure_placement` measures every device of a Placement in-process (evaluation).
+What is measured and how (device, batch, iterations, clocks, communication) is one MeasureSettings object.
 
 Defaults: CPU batch 2,048 samples, 5 warm-up and at least 15 timed iterations over 4 rotated batches (more, up
 to 200, until 300 ms of timed work: cheap shards get many samples), compute = median; GPU batch 65,536 (the
@@ -12,6 +12,7 @@ touching the weights (capped per measurement: 0.25 GiB by default on CPU).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -41,6 +42,42 @@ DEFAULT_ROTATIONS = 4
 # CPU caches are far smaller: 0.25 GiB of weights measures like 2 GiB (checked), 3x faster.
 DEFAULT_MAX_SHARD_GB_CPU = 0.25
 GiB = 2**30
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    """How a stage measures: the one settings object, built once per stage (from its CLI flags or the run's
+    params) and passed down to the benchmark (jobs.bench), measure_placement, the ruler and the outer loop. Every
+    measuring stage of a run uses the same batch and the run's one communication calibration (the
+    comm_calibration.json in `calibration_dir`), so their costs stay comparable. None: the device's default."""
+    backend: str = "auto"                      # auto | fbgemm | torch
+    device: str = "cpu"                        # cpu | cuda[:N] | auto
+    batch_size: int | None = None              # DEFAULT_BATCH of the device
+    warmup: int | None = None                  # DEFAULT_WARMUP
+    iterations: int | None = None              # DEFAULT_ITERATIONS of the device (>= 10)
+    num_batches: int = DEFAULT_ROTATIONS       # rotated batches
+    seed: int = 0                              # inputs (and, in the benchmark, the shard sampling and order)
+    max_shard_gb: float | None = None          # memory one measurement may use (memory_budget)
+    timer: str = "auto"                        # auto | wall | thread_cpu
+    calibration_dir: str | None = None         # where comm_calibration.json is (and is written when calibrated)
+    comm_ranks: int | None = None              # >= 2: the all-to-all measured among that many local ranks
+    comm_bandwidth_gbps: float | None = None   # the comm model's constants (both, or neither)
+    comm_latency_us: float | None = None
+    min_time_ms: float | None = None           # timed work per measurement (DEFAULT_MIN_TIME_MS of the device)
+    statistic: str = "median"                  # of the timed iterations: median or min
+
+    def replace(self, **changes) -> "MeasureSettings":
+        return dataclasses.replace(self, **changes)
+
+    def config(self) -> "BenchConfig":
+        """The BenchConfig these settings make (close it with close_config)."""
+        return make_config(self)
+
+    def kwargs(self) -> dict:
+        """measure_placement's keyword arguments. Kept only for callers that still spell
+        `measure_placement(pl, **settings.kwargs())` (policy/train.py, owned by another change); new code passes
+        the settings: measure_placement(pl, settings)."""
+        return {"settings": self}
 
 
 @dataclass
@@ -109,14 +146,14 @@ def memory_budget(device: str, max_shard_gb: float | None) -> int:
     return int(budget)
 
 
-def resolve_settings(*, backend: str = "auto", device: str = "cpu", batch_size: int | None = None,
-                     warmup: int | None = None, iterations: int | None = None, num_batches: int = DEFAULT_ROTATIONS,
-                     max_shard_gb: float | None = None, timer: str = "auto") -> dict:
+def resolve_settings(settings: MeasureSettings) -> dict:
     """The measurement settings with defaults filled in and checked (what the fingerprint records)."""
     from . import backends
 
-    device = backends.resolve_device(device)  # "auto": the GPU when there is one
-    chosen = backends.select_backend(backend, device)
+    device = backends.resolve_device(settings.device)  # "auto": the GPU when there is one
+    chosen = backends.select_backend(settings.backend, device)
+    batch_size, warmup, iterations = settings.batch_size, settings.warmup, settings.iterations
+    num_batches, max_shard_gb = settings.num_batches, settings.max_shard_gb
     kind = _kind(device)
     batch_size = DEFAULT_BATCH[kind] if batch_size is None else int(batch_size)
     warmup = DEFAULT_WARMUP if warmup is None else int(warmup)
@@ -136,37 +173,34 @@ def resolve_settings(*, backend: str = "auto", device: str = "cpu", batch_size: 
     threads = backends.num_threads()
     return {"backend": chosen, "device": device, "batch_size": batch_size, "warmup": warmup,
             "iterations": iterations, "num_batches": int(num_batches), "max_shard_gb": max_shard_gb,
-            "timer": backends.resolve_timer(timer, device, threads), "num_threads": threads,
+            "timer": backends.resolve_timer(settings.timer, device, threads), "num_threads": threads,
             "hardware": backends.hardware(device)}
 
 
-def make_config(*, backend: str = "auto", device: str = "cpu", batch_size: int | None = None,
-                warmup: int | None = None, iterations: int | None = None, num_batches: int = DEFAULT_ROTATIONS,
-                max_shard_gb: float | None = None, timer: str = "auto", seed: int = 0, out: str | None = None,
-                comm_ranks: int | None = None, comm_bandwidth_gbps: float | None = None,
-                comm_latency_us: float | None = None, min_time_ms: float | None = None,
-                statistic: str = "median") -> BenchConfig:
+def make_config(settings: MeasureSettings) -> BenchConfig:
+    """The BenchConfig of `settings`: defaults filled in and checked, the memory cap, the communication (measured
+    among comm_ranks, else the model: given constants, the calibration in calibration_dir, or calibrated)."""
     import torch
 
     from . import comm
 
-    st = resolve_settings(backend=backend, device=device, batch_size=batch_size, warmup=warmup,
-                          iterations=iterations, num_batches=num_batches, max_shard_gb=max_shard_gb, timer=timer)
+    st = resolve_settings(settings)
     device = st["device"]
+    statistic = settings.statistic
     torch.set_num_threads(st["num_threads"])
     cfg = BenchConfig(backend=st["backend"], device=device, batch_size=st["batch_size"], warmup=st["warmup"],
                       iterations=st["iterations"], num_batches=st["num_batches"],
                       budget_bytes=memory_budget(device, st["max_shard_gb"]), timer=st["timer"],
-                      threads=st["num_threads"], seed=int(seed), hardware=st["hardware"],
-                      min_time_ms=min_time_ms, statistic=statistic,
+                      threads=st["num_threads"], seed=int(settings.seed), hardware=st["hardware"],
+                      min_time_ms=settings.min_time_ms, statistic=statistic,
                       cache_bytes=device_cache_bytes(device))
     if statistic not in ("median", "min"):
         raise EmbshardError(f"unknown statistic {statistic!r}", field="statistic", fix="use median or min")
-    if comm_ranks is not None and comm_ranks >= 2:
-        cfg.comm_group = comm.CommGroup(int(comm_ranks), device)
+    if settings.comm_ranks is not None and settings.comm_ranks >= 2:
+        cfg.comm_group = comm.CommGroup(int(settings.comm_ranks), device)
     else:
-        cfg.comm = comm.comm_model(st["hardware"], device, out=out, bandwidth_gbps=comm_bandwidth_gbps,
-                                   latency_us=comm_latency_us)
+        cfg.comm = comm.comm_model(st["hardware"], device, out=settings.calibration_dir,
+                                   bandwidth_gbps=settings.comm_bandwidth_gbps, latency_us=settings.comm_latency_us)
     return cfg
 
 
@@ -348,10 +382,6 @@ def input_workers(device: str) -> int:
     return max(1, min(12, (os.cpu_count() or 2) - 2))
 
 
-WORKER_CONFIG_FIELDS = ("backend", "device", "batch_size", "warmup", "iterations", "num_batches", "budget_bytes",
-                        "timer", "threads", "seed", "hardware")
-
-
 class InputPrefetcher:
     """Makes shard inputs ahead in `workers` helper processes; `get(k)` returns job k's ShardInputs, in order.
     With 0 workers it makes them in-process on demand.
@@ -375,7 +405,8 @@ class InputPrefetcher:
             self.tmp = tempfile.mkdtemp(prefix="embshard-inputs-")
             state = os.path.join(self.tmp, "state.pkl")
             with open(state, "wb") as f:
-                pickle.dump({"tables": tables, "cfg": {k: getattr(cfg, k) for k in WORKER_CONFIG_FIELDS}}, f)
+                # The config itself, without the communication (a worker only makes inputs; a group holds processes).
+                pickle.dump({"tables": tables, "cfg": dataclasses.replace(cfg, comm=None, comm_group=None)}, f)
             self.procs = [subprocess.Popen([sys.executable, "-m", "embshard.bench.input_worker", state],
                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
                           for _ in range(self.workers)]
@@ -435,48 +466,11 @@ class InputPrefetcher:
         self.close()
 
 
-@dataclass(frozen=True)
-class MeasureSettings:
-    """How a stage measures placements (evaluation, promotion, the outer loop): the same batch and the run's one
-    communication calibration (the comm_calibration.json in `calibration_dir`) for every measuring stage of a
-    run, so their costs stay comparable. `kwargs()` are measure_placement's arguments."""
-    backend: str = "auto"
-    device: str = "cpu"
-    batch_size: int | None = None
-    warmup: int | None = None
-    iterations: int | None = None
-    seed: int = 0
-    max_shard_gb: float | None = None
-    timer: str = "auto"
-    calibration_dir: str | None = None
-    comm_ranks: int | None = None
-    comm_bandwidth_gbps: float | None = None
-    comm_latency_us: float | None = None
-    min_time_ms: float | None = None
-    statistic: str = "median"
-
-    def config(self):
-        """The BenchConfig these settings make (close it with close_config)."""
-        return make_config(**self.kwargs())
-
-    def kwargs(self) -> dict:
-        kw = {k: v for k, v in self.__dict__.items() if k != "calibration_dir"}
-        return {**kw, "out": self.calibration_dir}
-
-
-def measure_placement(placement, *, backend: str = "auto", device: str = "cpu", batch_size: int | None = None,
-                      warmup: int | None = None, iterations: int | None = None, seed: int = 0,
-                      max_shard_gb: float | None = None, timer: str = "auto", out: str | None = None,
-                      comm_ranks: int | None = None, comm_bandwidth_gbps: float | None = None,
-                      comm_latency_us: float | None = None, min_time_ms: float | None = None,
-                      statistic: str = "median") -> pd.DataFrame:
+def measure_placement(placement, settings: MeasureSettings | None = None) -> pd.DataFrame:
     """Measure every device of `placement` (one fused op per device shard; a column slice is measured as a
     table of dim=col_size). One row per device: device, table_ids, fwd/bwd compute and comm ms, total_ms (an
     empty device costs 0), plus hardware, backend, comm_source, row_scale."""
-    cfg = make_config(backend=backend, device=device, batch_size=batch_size, warmup=warmup, iterations=iterations,
-                      max_shard_gb=max_shard_gb, timer=timer, seed=seed, out=out, comm_ranks=comm_ranks,
-                      comm_bandwidth_gbps=comm_bandwidth_gbps, comm_latency_us=comm_latency_us,
-                      min_time_ms=min_time_ms, statistic=statistic)
+    cfg = make_config(settings or MeasureSettings())
     rows = []
     device_shards = placement.device_shards()
     busy = [d for d, shards in enumerate(device_shards) if shards]

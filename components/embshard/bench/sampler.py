@@ -1,5 +1,5 @@
-"""Which device shards to measure: random shards, shards of plans as planners make them (and one search step away),
-and every device shard of given placements.
+"""Which device shards to measure: random shards and every device shard of given placements. (Shards of plans as
+planners make them are made by the job that samples, jobs.shards.plan_shards: the measuring layer does not plan.)
 
 A shard is the set of tables one device holds. Shard lists are frames of the "shards" contract
 (sample_id, table_ids, num_devices, origin[, col_sizes]); `load_shards` builds one from the CLI's spec.
@@ -15,15 +15,6 @@ import pandas as pd
 
 from .. import schemas
 from ..errors import EmbshardError
-from ..tableset import TableSet
-
-# Plan shards: synthetic tasks the size of the quality suites', so the cost model trains on devices as crowded as
-# the ones it must rank (a 200-table task on 4 devices puts ~50 tables on each).
-PLAN_TASK_TABLES = (20, 200)
-PLAN_DEVICES = (2, 4, 8, 16)
-MAX_PLAN_SHARD_TABLES = 60
-SHARDS_PER_PLAN = 2       # device shards kept per plan: more plans, less of the same plan
-NEIGHBOUR_SHARE = 0.5     # plans moved one search step (1-3 tables off the most loaded device) before sampling
 
 
 def random_shards(table_ids: Sequence[str], n: int, min_tables: int = 1, max_tables: int = 15, seed: int = 0,
@@ -47,70 +38,6 @@ def random_shards(table_ids: Sequence[str], n: int, min_tables: int = 1, max_tab
         rows.append({"sample_id": f"random-s{seed}-{i:06d}", "table_ids": [str(t) for t in pool[picked]],
                      "num_devices": int(num_devices), "origin": "random"})
     return schemas.validate(pd.DataFrame(rows), "shards", "<random shards>")
-
-
-def plan_shards(tables: TableSet, n: int, *, memory_bytes_per_device: int, seed: int = 0,
-                task_tables: tuple[int, int] = PLAN_TASK_TABLES, devices: Sequence[int] = PLAN_DEVICES,
-                max_shard_tables: int = MAX_PLAN_SHARD_TABLES) -> pd.DataFrame:
-    """`n` device shards of placements as planners make them, drawn from `tables` (one pool).
-
-    Each plan: a task of `task_tables` random tables on one of `devices` (those that leave <= `max_shard_tables`
-    per device on average), placed by a random greedy baseline; with probability NEIGHBOUR_SHARE it is moved one
-    step the way local search moves (1-3 tables from the device with the largest proxy load to others, memory
-    kept). Up to SHARDS_PER_PLAN of its device shards are kept, moved devices first; a table set is kept once.
-    origin: 'plan:<planner>' or 'plan:<planner>+move'.
-    """
-    from ..planners.baselines import GREEDY_BASELINES, PROXIES, make_baseline
-
-    if len(tables) == 0:
-        raise EmbshardError("empty table pool", field="table_ids", fix="give at least one table to sample from")
-    if n <= 0:
-        raise EmbshardError(f"{n} plan shards asked", field="shards", fix="ask for at least one shard")
-    rng = np.random.default_rng(seed)
-    lo, hi = min(task_tables[0], len(tables)), min(task_tables[1], len(tables))
-    rows: list[dict] = []
-    seen: set[tuple[str, ...]] = set()
-    for attempt in range(50 * n):
-        if len(rows) >= n:
-            break
-        k = int(rng.integers(lo, hi + 1))
-        counts = [d for d in devices if d <= k and k <= d * max_shard_tables] or [min(max(devices), k)]
-        nd = int(rng.choice(counts))
-        sub = tables.subset(np.sort(rng.choice(len(tables), size=k, replace=False)))
-        name = GREEDY_BASELINES[int(rng.integers(len(GREEDY_BASELINES)))]
-        try:
-            plan = make_baseline(name, seed=seed).plan(sub, nd, memory_bytes_per_device, f"plan-{attempt}")
-        except EmbshardError:
-            continue  # these tables do not fit these devices: draw another task
-        assign = plan.device_of_shards()
-        origin, moved = f"plan:{name}", []
-        if nd > 1 and rng.random() < NEIGHBOUR_SHARE:
-            load = np.bincount(assign, weights=PROXIES[name.removesuffix("_greedy")](sub), minlength=nd)
-            src = int(np.argmax(load))
-            on_src = np.flatnonzero(assign == src)
-            trial = assign.copy()
-            for t in rng.choice(on_src, size=min(len(on_src), int(rng.integers(1, 4))), replace=False):
-                trial[t] = int(rng.choice([d for d in range(nd) if d != src]))
-            used = np.bincount(trial, weights=sub.size_bytes.astype(np.float64), minlength=nd)
-            if (used <= memory_bytes_per_device).all():
-                assign, origin = trial, origin + "+move"
-                moved = [src] + sorted(set(trial[on_src].tolist()) - {src})
-        order = moved + [int(d) for d in rng.permutation(nd) if int(d) not in moved]
-        kept = 0
-        for dev in order:
-            ids = sorted(str(t) for t in sub.table_ids[assign == dev])
-            if not ids or len(ids) > max_shard_tables or tuple(ids) in seen:
-                continue
-            seen.add(tuple(ids))
-            rows.append({"sample_id": f"plan-s{seed}-{len(rows):06d}", "table_ids": ids, "num_devices": nd,
-                         "origin": origin})
-            kept += 1
-            if kept >= SHARDS_PER_PLAN or len(rows) >= n:
-                break
-    if not rows:
-        raise EmbshardError("no plan fits the devices' memory", field="memory_gb",
-                            fix="give more memory per device or smaller tables")
-    return schemas.validate(pd.DataFrame(rows), "shards", "<plan shards>")
 
 
 def placement_shards(placements_df: pd.DataFrame, num_devices: int | Mapping[str, int] | None = None) -> pd.DataFrame:

@@ -54,7 +54,7 @@ def json_schema() -> dict:
 
 def plan_dict(placement: Placement, device_costs=None, lower_bound: float | None = None) -> dict:
     """The plan.json content of a placement (validated)."""
-    from .. import __version__
+    from ..version import __version__
 
     t = placement.tables
     d = placement.num_devices

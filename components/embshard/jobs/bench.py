@@ -21,9 +21,9 @@ import pandas as pd
 from .. import schemas, storage
 from ..bench import fingerprint
 from ..bench.runner import (
-    DEFAULT_ROTATIONS,
     BenchConfig,
     InputPrefetcher,
+    MeasureSettings,
     close_config,
     input_workers,
     make_config,
@@ -63,15 +63,19 @@ def _tableset(tables) -> TableSet:
     return TableSet.read(tables)
 
 
-def run(tables, shards, out: str, *, backend: str = "auto", device: str = "cpu", batch_size: int | None = None,
-        num_devices: int = 4, chunk: int | None = None, num_chunks: int = 1, tasks: str | None = None,
-        placements: str | None = None, seed: int = 0, warmup: int | None = None, iterations: int | None = None,
-        num_batches: int = DEFAULT_ROTATIONS, max_shard_gb: float | None = None, timer: str = "auto",
-        comm_ranks: int | None = None, comm_bandwidth_gbps: float | None = None,
-        comm_latency_us: float | None = None, max_tables: int = 15, progress: bool = True) -> list[str]:
+def run(tables, shards, out: str, settings: MeasureSettings | None = None, *, num_devices: int = 4,
+        chunk: int | None = None, num_chunks: int = 1, tasks: str | None = None, placements: str | None = None,
+        max_tables: int = 15, progress: bool = True) -> list[str]:
     """Measure the shards of chunk `chunk` (all chunks when None) into DIR/costs; returns the part files of the
-    chunks handled (written now or finished before). See the module doc for chunking and resuming."""
+    chunks handled (written now or finished before). See the module doc for chunking and resuming.
+    `settings`: how to measure (its seed also draws random shards and the measuring order); the communication
+    calibration is read from (or written to) settings.calibration_dir, by default OUT."""
     from tqdm.auto import tqdm
+
+    settings = settings or MeasureSettings()
+    if settings.calibration_dir is None:
+        settings = settings.replace(calibration_dir=out)
+    seed = settings.seed
 
     ts = _tableset(tables)
     shard_df = load_shards(shards, table_ids=list(ts.table_ids), tasks=tasks, placements=placements,
@@ -86,12 +90,11 @@ def run(tables, shards, out: str, *, backend: str = "auto", device: str = "cpu",
     costs_dir = storage.join(out, "costs")
     _check_chunking(costs_dir, num_chunks)
     # Same inputs and settings, or no resuming: the fingerprint decides before anything is measured or skipped.
-    settings = resolve_settings(backend=backend, device=device, batch_size=batch_size, warmup=warmup,
-                                iterations=iterations, num_batches=num_batches, max_shard_gb=max_shard_gb,
-                                timer=timer)
+    # The same keys as before the settings object (a folder measured then still resumes).
     fp = {"tables_sha256": fingerprint.tables_hash(ts), "shards_sha256": fingerprint.shards_hash(shard_df),
-          "num_shards": len(shard_df), **settings, "seed": int(seed),
-          "comm": {"ranks": comm_ranks, "bandwidth_gbps": comm_bandwidth_gbps, "latency_us": comm_latency_us}}
+          "num_shards": len(shard_df), **resolve_settings(settings), "seed": int(seed),
+          "comm": {"ranks": settings.comm_ranks, "bandwidth_gbps": settings.comm_bandwidth_gbps,
+                   "latency_us": settings.comm_latency_us}}
     has_results = bool(storage.list_files(costs_dir, ".parquet")) or storage.exists(storage.join(costs_dir, ".partial"))
     fp_pending = fingerprint.check_or_adopt(costs_dir, fp, has_results)
     chunks = [chunk] if chunk is not None else list(range(num_chunks))
@@ -116,10 +119,7 @@ def run(tables, shards, out: str, *, backend: str = "auto", device: str = "cpu",
     if not plan:
         return done_parts
 
-    cfg = make_config(backend=backend, device=device, batch_size=batch_size, warmup=warmup,
-                      iterations=iterations, num_batches=num_batches, max_shard_gb=max_shard_gb, timer=timer,
-                      seed=seed, out=out, comm_ranks=comm_ranks, comm_bandwidth_gbps=comm_bandwidth_gbps,
-                      comm_latency_us=comm_latency_us)
+    cfg = make_config(settings)
     log.info("bench: %d shards to measure on %s (%s, batch %d, %d threads, timer %s, comm %s)", todo,
              cfg.hardware, cfg.backend, cfg.batch_size, cfg.threads, cfg.timer, cfg.comm_detail)
     written = list(done_parts)
@@ -231,13 +231,19 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def settings_of(args: argparse.Namespace) -> MeasureSettings:
+    """The measuring settings of `embshard bench`'s flags (calibration: the run folder, --out)."""
+    return MeasureSettings(backend=args.backend, device=args.device, batch_size=args.batch_size,
+                           warmup=args.warmup, iterations=args.iterations, seed=args.seed,
+                           max_shard_gb=args.max_shard_gb, timer=args.timer, calibration_dir=args.out,
+                           comm_ranks=args.comm_ranks, comm_bandwidth_gbps=args.comm_bandwidth_gbps,
+                           comm_latency_us=args.comm_latency_us)
+
+
 def main(args: argparse.Namespace) -> int:
-    parts = run(args.tables, args.shards, args.out, backend=args.backend, device=args.device,
-                batch_size=args.batch_size, num_devices=args.num_devices, chunk=args.chunk,
-                num_chunks=args.num_chunks, tasks=args.tasks, placements=args.placements, seed=args.seed,
-                warmup=args.warmup, iterations=args.iterations, max_shard_gb=args.max_shard_gb, timer=args.timer,
-                comm_ranks=args.comm_ranks, comm_bandwidth_gbps=args.comm_bandwidth_gbps,
-                comm_latency_us=args.comm_latency_us, max_tables=args.max_tables, progress=not args.no_progress)
+    parts = run(args.tables, args.shards, args.out, settings_of(args), num_devices=args.num_devices,
+                chunk=args.chunk, num_chunks=args.num_chunks, tasks=args.tasks, placements=args.placements,
+                max_tables=args.max_tables, progress=not args.no_progress)
     if parts:
         import pandas as pd
 

@@ -69,10 +69,9 @@ def _drop_stale_tasks(out: str) -> None:
     """Tasks sampled from the tables this ingest replaced name tables that may no longer exist: remove them."""
     import logging
 
-    from .. import storage
-    from .tasks import TASKS_FILE
+    from .. import schemas, storage
 
-    stale = storage.join(out, TASKS_FILE)
+    stale = storage.join(out, schemas.TASKS_FILE)
     if storage.exists(stale):
         fs, p = storage.resolve(stale)
         fs.delete_file(p)

@@ -1,10 +1,11 @@
-"""The outer loop's measuring step (measure_policy_plans): the policy's own placements, measured.
+"""The outer loop's planning step (measure_policy_plans): the policy's own placements, as a shard list to measure.
 
 The policy of the last round plans the first `num_tasks` training tasks (one greedy rollout each, under the
-cost model it was trained against); every device shard of those placements is measured like the benchmark's
-shards (jobs.bench, with the run's communication calibration) into OUT/costs, a folder of its own. The refit of
-the cost model then reads the benchmark's costs and every round's measured plans, so it learns where the policy
-places tables.
+cost model it was trained against); every device shard of those placements goes into OUT/shards.parquet (the
+shards contract), with the run's communication calibration copied beside it. The outer loop
+(embshard.outer_loop) then measures that list like the benchmark's shards (jobs.bench) into OUT/costs, a folder
+of its own; the refit of the cost model reads the benchmark's costs and every round's measured plans, so it
+learns where the policy places tables.
 """
 from __future__ import annotations
 
@@ -17,15 +18,16 @@ from ..bench.runner import MeasureSettings
 
 
 def run(tables: str, tasks: str, policy_dir: str, cost_model_uri: str, out: str, *, num_tasks: int = 4,
-        round_index: int = 2, settings: MeasureSettings | None = None, seed: int = 0) -> str:
-    """Measure the plans of round `round_index - 1`'s policy; returns OUT/costs (costs contract parts)."""
+        round_index: int = 2, settings: MeasureSettings | None = None) -> str:
+    """Write the device shards of round `round_index - 1`'s policy's plans to OUT/shards.parquet; returns its
+    path. `settings.calibration_dir`: the run's communication calibration, copied to OUT so that measuring OUT
+    gives costs that match the benchmark's."""
     from ..bench.comm import CALIBRATION_FILE
     from ..costmodel import load as load_cost_model
     from ..placement import Placement
     from ..policy.core import TaskContext, rollout
     from ..policy.model import load_policy_files
-    from .bench import run as bench_run
-    from .train_policy import split_train_tasks
+    from ..pools import split_train_tasks
 
     settings = settings or MeasureSettings()
     policy, _ = load_policy_files(os.path.join(policy_dir, "policy.pt"), os.path.join(policy_dir, "policy.json"))
@@ -49,8 +51,4 @@ def run(tables: str, tasks: str, policy_dir: str, cost_model_uri: str, out: str,
         calib = storage.join(settings.calibration_dir, CALIBRATION_FILE)
         if storage.exists(calib):
             storage.write_text(storage.join(out, CALIBRATION_FILE), storage.read_text(calib))
-    kw = {k: v for k, v in settings.kwargs().items() if k in (
-        "backend", "device", "batch_size", "warmup", "iterations", "max_shard_gb", "timer", "comm_ranks",
-        "comm_bandwidth_gbps", "comm_latency_us")}
-    bench_run(tables, shards_path, out, seed=seed, progress=False, **kw)
-    return storage.join(out, "costs")
+    return shards_path

@@ -1,5 +1,5 @@
 """Promotion in the MLflow registry: the candidate planner against the champion and the baselines, measured with
-the ruler (jobs.evaluate: R rounds, paired per-round ratios, intervals).
+the ruler (embshard.evaluation: R rounds, paired per-round ratios, intervals).
 
 The first baseline is measured a second time as its own entry (an A/A test): its ratio to itself is the ruler's
 noise floor in this very evaluation, and a difference whose interval does not clear that floor is no difference.
@@ -92,7 +92,7 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
                          rounds: int = DEFAULT_ROUNDS) -> dict:
     import mlflow
 
-    from .evaluate import run as evaluate
+    from ..evaluation import run as evaluate
 
     registry.use(out)
     champion = registry.version_for_alias(POLICY, "champion")

@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 GIB = 2**30
-TASKS_FILE = "tasks.parquet"
 
 
 def parse_range(text: str | int | tuple, field: str) -> tuple[int, int]:
@@ -125,7 +124,7 @@ def run(tables: str, out: str, num_tasks: int, tables_per_task=20, devices=4, me
 
     df = schemas.read(tables, "tables")
     tasks = sample_tasks(df, num_tasks, tables_per_task, devices, memory_gb, seed, where=os.fspath(tables))
-    path = storage.join(out, TASKS_FILE)
+    path = storage.join(out, schemas.TASKS_FILE)
     schemas.write(tasks, path, "tasks")
     return path
 

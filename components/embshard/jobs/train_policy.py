@@ -1,16 +1,16 @@
-"""The train_policy stage (`embshard train-policy`): REINFORCE on the estimated MDP, one round at a time.
+"""The train_policy stage: REINFORCE on the estimated MDP, one round at a time (`train_round`).
 
 Estimated MDP (DreamShard): rewards come from the cost model, so thousands of episodes cost no hardware time.
-Outer loop (rounds; the DAG shows each step as a task): after a round the policy's placements of some training
-tasks are measured (jobs.measure_plans), the cost model is refitted on all measurements (jobs.train_cost: it
-learns where the policy goes), and the next round trains on from the last weights against the refitted model.
+Outer loop (rounds; the DAG shows each step as a task, `embshard train-policy` runs them in one process, both
+through embshard.outer_loop): after a round the policy's placements of some training tasks are measured
+(jobs.measure_plans, jobs.bench), the cost model is refitted on all measurements (jobs.train_cost: it learns
+where the policy goes), and the next round trains on from the last weights against the refitted model.
 The AutoShard-style variant (`reward="measured"`) instead rewards each rollout with
 the measured cost of its placement: slow, but free of cost-model error; comparing both shows what the estimated
 MDP gains or loses.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import tempfile
@@ -31,17 +31,11 @@ from ..policy.train import (
     train_measured,
     validation_ratio,
 )
+from ..pools import split_train_tasks
 from ..registry import COST_CHAMPION_URI
-from ..types import Task, load_tasks
+from ..types import Task
 
 log = logging.getLogger(__name__)
-
-
-def split_train_tasks(tables: str, tasks: str) -> tuple[list[Task], list[Task]]:
-    """(fit, validation) train tasks: the first fifth validates (keeps the best weights), the rest trains."""
-    train = load_tasks(tables, tasks, "train")
-    n_val = max(1, len(train) // 5) if len(train) > 1 else 0
-    return (train[n_val:], train[:n_val]) if n_val else (train, train)
 
 
 def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST_CHAMPION_URI,
@@ -118,40 +112,6 @@ def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST
     return result
 
 
-def run(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST_CHAMPION_URI, iterations: int = 300,
-        rounds: int = 1, measure_tasks: int = 4, reward: str = "estimated", rollouts_per_task: int = 16,
-        seed: int = 0, alias: str | None = None, costs: str | None = None,
-        settings: MeasureSettings | None = None, register: bool = True, progress: bool = True) -> dict:
-    """The whole outer loop in one process (`embshard train-policy`); the DAG runs the same steps as tasks:
-    for each round r: train_round (iterations // rounds updates, from round r-1's weights), then, unless it is
-    the last round, measure_plans (the policy's plans of `measure_tasks` train tasks, measured) and train_cost
-    (the cost model refitted on `costs` + every round's measurements). Only the last round registers."""
-    from .measure_plans import run as measure_plans
-    from .train_cost import run as train_cost
-
-    rounds = max(1, int(rounds))
-    if rounds > 1 and costs is None:
-        raise EmbshardError("the outer loop needs the costs folder", field="costs",
-                            fix="pass costs=<DIR/costs> (the benchmark stage's output) or use rounds=1")
-    per_round = max(1, int(iterations) // rounds)
-    measured: list[str] = []
-    res: dict = {}
-    for r in range(1, rounds + 1):
-        res = train_round(tables, tasks, out, cost_model_uri=cost_model_uri, iterations=per_round, round_index=r,
-                          init_policy=res.get("policy_dir"), reward=reward, rollouts_per_task=rollouts_per_task,
-                          seed=seed, register=register and r == rounds, alias=alias, settings=settings,
-                          description=f" of {rounds}", progress=progress)
-        if r < rounds:
-            measured.append(measure_plans(tables, tasks, res["policy_dir"], cost_model_uri,
-                                          os.path.join(out, f"measured-round-{r + 1}"), num_tasks=measure_tasks,
-                                          round_index=r + 1, settings=settings, seed=seed))
-            assert costs is not None  # rounds > 1 needs it, checked above
-            refit = train_cost([costs, *measured], tables, os.path.join(out, f"cost_model_round{r + 1}"),
-                               seed=seed + r)
-            cost_model_uri = refit["model_uri"]
-    return res
-
-
 def _signature(policy, cost_model, tables: str, task: Task):
     """The registered planner's signature, from planning one validation task: tables in (the tables contract;
     trace pointers and pool optional), placements out, devices and memory as params."""
@@ -177,32 +137,3 @@ def _cost_model_version(uri: str) -> str:
         mv = registry.version_for_alias(name, alias)
         return str(mv.version) if mv is not None else ""
     return uri.rsplit("/", 1)[-1]
-
-
-# --- `embshard train-policy` -------------------------------------------------------------------
-def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tables", required=True, help="tables.parquet")
-    p.add_argument("--tasks", required=True, help="tasks.parquet (its 'train' tasks are used)")
-    p.add_argument("--out", required=True, help="run folder (MLflow store defaults to OUT/mlflow.db)")
-    p.add_argument("--cost-model", default=COST_CHAMPION_URI, help="cost model URI")
-    p.add_argument("--iterations", type=int, default=300, help="REINFORCE updates (all rounds together)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="outer-loop rounds: measure the policy's placements, refit the cost model, retrain")
-    p.add_argument("--costs", help="costs folder to extend in the outer loop (needed when --rounds > 1)")
-    p.add_argument("--measure-tasks", type=int, default=4, help="tasks measured per outer round")
-    p.add_argument("--reward", choices=["estimated", "measured"], default="estimated",
-                   help="estimated: cost-model rewards (DreamShard); measured: real kernels (AutoShard-style)")
-    p.add_argument("--rollouts", type=int, default=16, help="rollouts per task and update (group baseline)")
-    p.add_argument("--alias", help="alias to set on the new version (e.g. challenger)")
-    p.add_argument("--seed", type=int, default=0)
-
-
-def main(args) -> int:
-    res = run(args.tables, args.tasks, args.out, cost_model_uri=args.cost_model, iterations=args.iterations,
-              rounds=args.rounds, measure_tasks=args.measure_tasks, reward=args.reward,
-              rollouts_per_task=args.rollouts, seed=args.seed, alias=args.alias, costs=args.costs)
-    print(f"policy trained: validation ratio to the best baseline (predicted) {res['final_val_ratio']:.3f}")
-    if "version" in res:
-        print(f"registered embshard-policy version {res['version']} ({res['model_uri']})"
-              + (f", alias {args.alias}" if args.alias else ""))
-    return 0

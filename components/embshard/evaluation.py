@@ -1,0 +1,404 @@
+"""Evaluating planners on tasks with the ruler: what `embshard evaluate` (jobs.evaluate) and the promotion
+(jobs.promote) both run, so neither job imports the other.
+
+`evaluate_task` evaluates one task: per task every planner plans; the placements are then measured in R rounds
+(embshard.ruler: each distinct device shard once per round, in a fresh random order, with a freshly built
+operator; a placement's cost in a round is its slowest device). `run` evaluates the tasks of a split one by one
+and writes the outputs. Planners are compared by paired per-round ratios (embshard.stats):
+- per task: the median ratio over rounds with a 95% bootstrap interval, against the best greedy baseline (chosen
+  on the rounds not used for the ratio: no winner's curse), against each other baseline, and against TorchRec;
+- per planner over the tasks: the median of task ratios with an interval (bootstrap over tasks and rounds) and a
+  Wilcoxon signed-rank p-value against 1.
+A planner named twice ("lookup_greedy,lookup_greedy") is measured as two entries whose shards are built and
+timed separately (an A/A test of the ruler: its ratio should be 1 within the noise floor). A planner that cannot
+place a task is recorded as failed and counted as such. The lower bound is measured too: all of a task's tables
+as one fused shard and each table alone: per cost head the smaller of the two, over the device count.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from . import schemas, stats, storage
+from .bench.runner import MeasureSettings, measure_placement
+from .errors import EmbshardError
+from .placement import Placement
+from .planners.baselines import BASELINES, GREEDY_BASELINES
+from .ruler import DEFAULT_ROUNDS, Entry, distinct_shards, measure_rounds, round_settings
+from .tableset import TableSet
+from .types import Task, load_tasks
+
+log = logging.getLogger(__name__)
+PLANNER_NAMES = "learned, learned@ALIAS, learned/VERSION, policy_only, " + ", ".join(BASELINES) + \
+    ", torchrec_table_wise, torchrec_full"
+
+
+@dataclass
+class TaskResult:
+    """What evaluate_task returns for one task: the rows of evaluation.parquet and ratios.parquet, the
+    placements with measured device costs, the per-round costs by entry, and the cost model's ranking."""
+    rows: list[dict] = field(default_factory=list)
+    ratio_rows: list[dict] = field(default_factory=list)
+    placements: list[pd.DataFrame] = field(default_factory=list)
+    round_costs: dict[str, list[float]] = field(default_factory=dict)
+    shard_measurements: int = 0
+    pairs: int = 0       # placement pairs the ruler tells apart
+    correct: int = 0     # ... that the judging cost model orders the same way
+    judged: list[tuple[float, float]] = field(default_factory=list)  # (predicted, measured) per placement
+
+
+def entry_labels(planners: list[str]) -> list[tuple[str, str, str]]:
+    """(label, planner name, namespace) per requested entry: repeats of a name become "name#2", "name#3", ... in a
+    namespace of their own (their shards are never shared with the first)."""
+    seen: dict[str, int] = {}
+    out = []
+    for name in planners:
+        seen[name] = seen.get(name, 0) + 1
+        k = seen[name]
+        out.append((name if k == 1 else f"{name}#{k}", name, "" if k == 1 else f"#{k}"))
+    return out
+
+
+def check_planner_names(planners: list[str]) -> None:
+    from .planners import LEARNED, POLICY_ONLY
+
+    known = set(BASELINES) | {"torchrec_table_wise", "torchrec_full"}
+    for name in planners:
+        if name in known or name.startswith(LEARNED) or name.startswith(POLICY_ONLY):
+            continue
+        raise EmbshardError(f"unknown planner {name!r}", field="planners", fix=f"use names from: {PLANNER_NAMES}")
+
+
+def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: dict, *, rounds: int,
+                  settings: MeasureSettings, single_settings: MeasureSettings, judge=None,
+                  singles_cache: dict | None = None, seed: int = 0) -> TaskResult:
+    """One task: every entry plans it, the placements are measured side by side in `rounds` ruler rounds, the
+    lower bound is measured (with `single_settings`: a round's timed work), and the rows are assembled: one per
+    entry (costs, intervals, ratios to the best greedy baseline and to TorchRec, the gap to the bound), paired
+    ratios to the baselines (and A/A), the placement frames with measured device costs. `judge`: the cost model
+    whose ranking of the placements is checked against the ruler."""
+    sub, D, mem = task.tables, task.num_devices, task.memory_bytes_per_device
+    res = TaskResult()
+    planned: dict[str, Placement] = {}
+    for label, name, ns in labels:
+        row = {"task_id": task.task_id, "planner": label, "num_tables": len(sub), "num_devices": D,
+               "memory_bytes_per_device": mem, "feasible": False, "error": None, "rounds": int(rounds)}
+        t0 = time.perf_counter()
+        try:
+            planned[label] = planner_objs[name].plan_task(task)
+            row["feasible"] = True
+        except EmbshardError as exc:
+            row["error"] = str(exc)
+        row["planning_time_s"] = time.perf_counter() - t0
+        res.rows.append(row)
+    entries = [Entry(label, planned[label], ns) for label, _, ns in labels if label in planned]
+    costs, device_costs = measure_rounds(entries, int(rounds), settings, seed=seed) if entries else (
+        np.zeros((0, int(rounds))), np.zeros((0, D, int(rounds))))
+    res.shard_measurements = distinct_shards(entries) * int(rounds) if entries else 0
+    by_label = {e.label: costs[j] for j, e in enumerate(entries)}
+    if judge is not None:
+        judged = judged_costs(judge, entries)
+        res.pairs, res.correct = ranking_agreement(judged, entries, costs)
+        res.judged = [(p, float(np.median(costs[j]))) for j, p in judged.items()]
+    res.round_costs = {k: [float(x) for x in v] for k, v in by_label.items()}
+    # The lower bound (once per task): each table alone, and all tables fused on one device.
+    singles = measured_singles(sub, D, single_settings, singles_cache)
+    lb_split = measured_lower_bound(sub, D, singles, single_settings, task.task_id)
+    lb_table = max(lb_split, float(singles.sum(1).max()))
+    # Comparators: the greedy baselines measured here (first entries of their names) and TorchRec's plans.
+    greedy = {lbl: by_label[lbl] for lbl, name, ns in labels if name in GREEDY_BASELINES and not ns
+              and lbl in by_label}
+    torchrec = {lbl: by_label[lbl] for lbl, name, ns in labels if name.startswith("torchrec") and not ns
+                and lbl in by_label}
+    best_cost, best_names = stats.held_out_best(greedy) if greedy else (None, [])
+    tr_cost = stats.held_out_best(torchrec)[0] if torchrec else None
+    for j, e in enumerate(entries):
+        row = next(r for r in res.rows if r["planner"] == e.label)
+        c = costs[j]
+        med, lo, hi = stats.median_ci(c)
+        row.update(measured_cost_ms=med, cost_ci_low=lo, cost_ci_high=hi, round_costs_ms=[float(x) for x in c])
+        per_dev = np.median(device_costs[j, :e.placement.num_devices], axis=1)
+        row["measured_imbalance"] = float(per_dev.max() / max(per_dev.mean(), 1e-12))
+        splits = any(s.col_size is not None for s in e.placement.shards)
+        row["column_splits"] = int(sum(s.col_size is not None for s in e.placement.shards))
+        bound = lb_split if splits else lb_table
+        row["lower_bound_ms"] = bound
+        row["gap_to_lower_bound"] = med / bound - 1.0
+        pred = _predicted(planner_objs[e.label.split("#")[0]], e.placement)
+        row["predicted_cost_ms"] = float(pred.max()) if pred is not None else np.nan
+        if best_cost is not None:
+            r_med, r_lo, r_hi = stats.median_ci(c / best_cost)
+            row.update(best_baseline=max(set(best_names), key=best_names.count),
+                       best_baseline_ms=float(np.median(best_cost)), ratio_to_best_baseline=r_med,
+                       ratio_ci_low=r_lo, ratio_ci_high=r_hi, ratios_to_best_baseline=[float(x) for x in
+                                                                                      c / best_cost])
+        if tr_cost is not None:
+            row["ratio_to_torchrec"] = stats.median_ci(c / tr_cost)[0]
+        # Paired ratios to every other entry that is a baseline (and to the first of a repeated name: A/A).
+        for k, other in enumerate(entries):
+            base = other.label.split("#")[0]
+            if other.label == e.label or not (base in BASELINES or base.startswith("torchrec") or
+                                              e.label.split("#")[0] == base):
+                continue
+            m, lo2, hi2 = stats.median_ci(c / costs[k])
+            res.ratio_rows.append({"task_id": task.task_id, "planner": e.label, "versus": other.label,
+                                   "median_ratio": m, "ci_low": lo2, "ci_high": hi2, "rounds": int(rounds),
+                                   "round_ratios": [float(x) for x in c / costs[k]]})
+        frame = e.placement.to_frame(pred)
+        frame["measured_cost_ms"] = [float(per_dev[d]) for d in frame["device"]]
+        res.placements.append(frame)
+    return res
+
+
+def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = "test",
+        max_tasks: int | None = None, rounds: int = DEFAULT_ROUNDS, settings: MeasureSettings | None = None,
+        planner_kw: dict | None = None, progress: bool = True, seed: int = 0) -> dict:
+    """Evaluate `planners` on the tasks of `split` (evaluate_task per task) and write OUT/evaluation.parquet,
+    ratios.parquet, placements.parquet and evaluation.png (all or none). Returns the frames, the summary, each
+    task's per-round costs and the cost model's ranking accuracy."""
+    from tqdm import tqdm
+
+    from .planners import get_planner
+    from .planners.base import check_feasible
+
+    if not planners:
+        raise EmbshardError("no planners given", field="planners", fix="e.g. --planners learned,size_lookup_greedy")
+    if int(rounds) < 1:
+        raise EmbshardError(f"{rounds} rounds", field="rounds", fix="measure at least 1 round (5 or more to compare)")
+    check_planner_names(planners)
+    task_list = load_tasks(tables, tasks, split, limit=max_tasks)
+    # A task that no planner can place is bad input, not a failed planner: refuse before measuring anything.
+    for t in task_list:
+        check_feasible(t.tables, t.num_devices, t.memory_bytes_per_device, f"{os.fspath(tasks)} (task {t.task_id})")
+    settings = settings or MeasureSettings()
+    # The lower bound's measurements (each table alone, all tables fused) take a round's timed work, not a full
+    # single measurement's: the bound is a reference, and the singles were most of an evaluation's time.
+    single_settings = round_settings(settings)
+    labels = entry_labels(planners)
+    planner_objs = {name: get_planner(name, **(planner_kw or {}).get(name, {})) for name in dict.fromkeys(planners)}
+    rows, placements, ratio_rows = [], [], []
+    round_costs: dict[str, dict[str, list[float]]] = {}
+    singles_cache: dict = {}
+    ranking: dict = {"pairs": 0, "correct": 0}
+    judged_tasks: list[list[tuple[float, float]]] = []  # per task: (predicted, measured) cost of each placement
+    # The cost model that judges placements (the learned planner's): how often it orders two placements of a
+    # task the way the ruler does, on the pairs the ruler tells apart (paired interval clear of 1).
+    judge = next((m for m in (getattr(p, "cost_model", None) for p in planner_objs.values()) if m is not None), None)
+    t_start = time.perf_counter()
+    shard_measurements = 0
+    bar = tqdm(total=len(task_list), desc="evaluate (measured rounds)", unit="task", disable=not progress)
+    for t in task_list:
+        one = evaluate_task(t, labels, planner_objs, rounds=int(rounds), settings=settings,
+                            single_settings=single_settings, judge=judge, singles_cache=singles_cache, seed=seed)
+        rows += one.rows
+        ratio_rows += one.ratio_rows
+        placements += one.placements
+        round_costs[t.task_id] = one.round_costs
+        shard_measurements += one.shard_measurements
+        if judge is not None:
+            ranking["pairs"] += one.pairs
+            ranking["correct"] += one.correct
+            judged_tasks.append(one.judged)
+        bar.update(1)
+    bar.close()
+    wall = time.perf_counter() - t_start
+    df = pd.DataFrame(rows)
+    for col in ("measured_cost_ms", "ratio_to_best_baseline", "ratio_ci_low", "ratio_ci_high", "ratio_to_torchrec",
+                "best_baseline", "best_baseline_ms", "gap_to_lower_bound"):
+        if col not in df.columns:
+            df[col] = np.nan
+    ratios = pd.DataFrame(ratio_rows, columns=["task_id", "planner", "versus", "median_ratio", "ci_low", "ci_high",
+                                               "rounds", "round_ratios"])
+    summary = summarize(df)
+    with storage.staged_dir(out) as stage:  # every output or none
+        _write_parquet(df, os.path.join(stage, "evaluation.parquet"))
+        _write_parquet(ratios, os.path.join(stage, "ratios.parquet"))
+        if placements:
+            schemas.write(pd.concat(placements, ignore_index=True), os.path.join(stage, "placements.parquet"),
+                          "placements")
+        plot_evaluation(df, os.path.join(stage, "evaluation.png"))
+    eval_path = storage.join(out, "evaluation.parquet")
+    plot_path = storage.join(out, "evaluation.png")
+    _log_to_mlflow(df, summary, plot_path)
+    return {"evaluation": eval_path, "ratios": storage.join(out, "ratios.parquet"), "plot": plot_path, "frame": df,
+            "ratio_frame": ratios, "summary": summary, "summary_text": format_summary(summary, int(rounds)),
+            "round_costs": round_costs, "rounds": int(rounds), "wall_s": wall,
+            "ranking": {**ranking, "accuracy": ranking["correct"] / ranking["pairs"] if ranking["pairs"] else
+                        float("nan"), **placement_accuracy(judged_tasks)},
+            "shard_measurements": shard_measurements}
+
+
+def judged_costs(model, entries: list[Entry]) -> dict[int, float]:
+    """The cost model's predicted slowest device of each placement (repeated A/A entries left out), by entry."""
+    from .planners.scoring import placement_costs
+
+    return {j: float(placement_costs(model, e.placement).max()) for j, e in enumerate(entries) if "#" not in e.label}
+
+
+def ranking_agreement(pred: dict[int, float], entries: list[Entry], costs: np.ndarray) -> tuple[int, int]:
+    """(pairs the ruler tells apart, pairs the cost model orders the same way) among one task's placements.
+
+    A pair counts when the 95% interval of its paired per-round ratio excludes 1 (a difference beyond the noise).
+    `pred`: judged_costs, the model's predicted slowest device per entry (A/A repeats are not in it).
+    """
+    keep = sorted(pred)
+    pairs = correct = 0
+    for a in range(len(keep)):
+        for b in range(a + 1, len(keep)):
+            i, j = keep[a], keep[b]
+            med, lo, hi = stats.median_ci(costs[i] / costs[j])
+            if not (lo > 1.0 or hi < 1.0) or pred[i] == pred[j]:
+                continue
+            pairs += 1
+            correct += int((pred[i] > pred[j]) == (med > 1.0))
+    return pairs, correct
+
+
+def placement_accuracy(judged_tasks: list[list[tuple[float, float]]]) -> dict:
+    """The cost model on whole placements: MAPE of the predicted slowest device against the measured cost (median
+    over rounds), and the Spearman of predicted against measured among one task's placements, averaged over the
+    tasks with >= 3 placements (across tasks it would mostly rank task sizes, which says nothing about planning)."""
+    from scipy.stats import spearmanr
+
+    flat = np.array([pm for task in judged_tasks for pm in task], dtype=float).reshape(-1, 2)
+    ok = np.isfinite(flat).all(1) & (flat[:, 1] > 0)
+    mape = float(np.mean(np.abs(flat[ok, 0] - flat[ok, 1]) / flat[ok, 1]) * 100) if ok.any() else float("nan")
+    rhos = []
+    for task in judged_tasks:
+        a = np.array(task, dtype=float).reshape(-1, 2)
+        if len(a) >= 3 and np.ptp(a[:, 0]) > 0 and np.ptp(a[:, 1]) > 0:
+            rhos.append(float(spearmanr(a[:, 0], a[:, 1]).statistic))
+    return {"placement_mape": mape, "placements": int(ok.sum()),
+            "within_task_spearman": float(np.mean(rhos)) if rhos else float("nan"), "spearman_tasks": len(rhos)}
+
+
+def summarize(df: pd.DataFrame) -> pd.DataFrame:
+    """Per planner: tasks, failures, the median over tasks of the ratio to the best baseline with its interval
+    (bootstrap over tasks and rounds) and Wilcoxon p, the worst task, the ratio to TorchRec, the median gap."""
+    out = []
+    for name, g in df.groupby("planner", sort=False):
+        per_task = [np.asarray(v, dtype=float) for v in g.get("ratios_to_best_baseline", pd.Series(dtype=object))
+                    if isinstance(v, (list, np.ndarray)) and len(v)]
+        med, lo, hi = stats.suite_ci(per_task) if per_task else (np.nan, np.nan, np.nan)
+        out.append({"planner": name, "tasks": len(g), "failed": int((~g["feasible"].astype(bool)).sum()),
+                    "median_ms": g["measured_cost_ms"].median(),
+                    "median_ratio_best_baseline": med, "ci_low": lo, "ci_high": hi,
+                    "wilcoxon_p": stats.wilcoxon_p(g["ratio_to_best_baseline"].dropna()),
+                    "worst_ratio_best_baseline": g["ratio_to_best_baseline"].max(),
+                    "median_ratio_torchrec": g["ratio_to_torchrec"].median(),
+                    "median_gap_lower_bound": g["gap_to_lower_bound"].median(),
+                    "median_planning_s": g["planning_time_s"].median()})
+    return pd.DataFrame(out).set_index("planner")
+
+
+def format_summary(summary: pd.DataFrame, rounds: int = 1) -> str:
+    with pd.option_context("display.width", 180, "display.max_columns", 20, "display.float_format", "{:.3f}".format):
+        return (f"measured cost per planner over {rounds} round(s) (ratios: lower is better; [ci_low, ci_high] is "
+                "the 95% interval of the median; failed = tasks it could not place)\n" + summary.to_string())
+
+
+def plot_evaluation(df: pd.DataFrame, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    planners = list(dict.fromkeys(df["planner"]))
+    tasks = list(dict.fromkeys(df["task_id"]))
+    fig, ax = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [3, 1]})
+    width = 0.8 / max(len(planners), 1)
+    for k, name in enumerate(planners):
+        sub = df[df["planner"] == name].set_index("task_id").reindex(tasks)
+        mid = sub["ratio_to_best_baseline"].to_numpy(dtype=float)
+        err = np.vstack([mid - sub["ratio_ci_low"].to_numpy(dtype=float),
+                         sub["ratio_ci_high"].to_numpy(dtype=float) - mid])
+        ax[0].bar(np.arange(len(tasks)) + k * width, np.nan_to_num(mid), width, label=name,
+                  yerr=np.nan_to_num(np.clip(err, 0, None)), capsize=2, error_kw={"lw": 0.8})
+    ax[0].axhline(1.0, color="black", lw=0.8, ls="--")
+    ax[0].set_xticks(np.arange(len(tasks)) + 0.4 - width / 2)
+    ax[0].set_xticklabels(tasks, rotation=60, fontsize=7)
+    ax[0].set_ylabel("measured cost / best greedy baseline\n(median over rounds, 95% interval)")
+    ax[0].legend(fontsize=7, ncol=3)
+    data = [df[df["planner"] == n]["gap_to_lower_bound"].dropna() * 100 for n in planners]
+    ax[1].boxplot(data, tick_labels=planners, vert=True)
+    ax[1].tick_params(axis="x", rotation=70, labelsize=7)
+    ax[1].set_ylabel("gap to lower bound (%)")
+    fig.suptitle("embshard evaluation: measured with real kernels, side by side, in rounds")
+    fig.tight_layout()
+    with storage.atomic_write(path) as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)
+
+
+HEAD_COLUMNS = (["fwd_compute_ms"], ["bwd_compute_ms"], ["fwd_comm_ms", "bwd_comm_ms"])
+
+
+def measured_singles(tables: TableSet, num_devices: int, settings: MeasureSettings,
+                     cache: dict | None = None) -> np.ndarray:
+    """(N, 3) measured fwd compute, bwd compute and comm of every table alone on one of D devices. `cache`
+    ((table id, D) -> heads) lets the tasks of one evaluation, which share tables, measure each table once."""
+    cache = {} if cache is None else cache
+    out = np.zeros((len(tables), len(HEAD_COLUMNS)))
+    for i in range(len(tables)):
+        key = (str(tables.table_ids[i]), int(num_devices))
+        if key not in cache:
+            one = Placement.from_assignment(tables.subset([i]), np.zeros(1, dtype=np.int64), num_devices, 2**62,
+                                            planner="single")
+            row = measure_placement(one, settings).iloc[0]
+            cache[key] = [sum(float(row[c]) for c in cols) for cols in HEAD_COLUMNS]
+        out[i] = cache[key]
+    return out
+
+
+def measured_lower_bound(tables: TableSet, num_devices: int, singles: np.ndarray, settings: MeasureSettings,
+                         task_id: str) -> float:
+    """Sum over heads of min(all tables fused on one device, sum of singles) / D: the bound of any plan, column
+    splits included (a table-wise plan also owes its largest single table; the caller adds that term).
+
+    All-on-one / D (docs/method.md, "Lower bound") bounds a sub-additive fused cost, the sum of singles / D a
+    super-additive one;
+    measured CPU heads are of both kinds (forward shares work, backward grows faster than linearly, the
+    all-to-all pays its latency once per device), so each head takes the smaller of the two.
+    """
+    fused = Placement.from_assignment(tables, np.zeros(len(tables), dtype=np.int64), num_devices, 2**62,
+                                      planner="lower_bound", task_id=task_id)
+    row = measure_placement(fused, settings).iloc[0]  # device 0 holds everything; its all-to-all is for D ranks
+    fused_heads = np.array([sum(float(row[c]) for c in cols) for cols in HEAD_COLUMNS])
+    return float(np.minimum(fused_heads, singles.sum(0)).sum()) / num_devices
+
+
+def _predicted(planner, placement: Placement):
+    model = getattr(planner, "cost_model", None)
+    if model is None:
+        return None
+    from .planners.scoring import placement_costs
+
+    return placement_costs(model, placement)
+
+
+def _write_parquet(df: pd.DataFrame, path: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with storage.atomic_write(path) as f:
+        pq.write_table(pa.Table.from_pandas(df, preserve_index=False), f)
+
+
+def _log_to_mlflow(df: pd.DataFrame, summary: pd.DataFrame, plot_path: str) -> None:
+    import mlflow
+
+    if mlflow.active_run() is None:
+        return
+    for name, r in summary.iterrows():
+        # MLflow metric names allow neither "@" nor "#" (an A/A repeat "x#2" becomes "x_copy2")
+        key = name.replace("@", "_at_").replace("/", "_v").replace("#", "_copy")
+        for col in ("median_ratio_best_baseline", "worst_ratio_best_baseline", "median_gap_lower_bound"):
+            if np.isfinite(r[col]):
+                mlflow.log_metric(f"{key}.{col}", float(r[col]))
+    if os.path.exists(plot_path):
+        mlflow.log_artifact(plot_path)

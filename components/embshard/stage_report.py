@@ -1,0 +1,68 @@
+"""What a person reads at the end of a stage's log (embshard.stages prints it; `embshard pipeline` reuses the
+promotion's lines): the promotion decision in full, else the stage's outputs.
+"""
+from __future__ import annotations
+
+from .run_layout import _join, path
+
+
+def report(name: str, result: dict, root: str) -> str:
+    """What a person reads at the end of a stage's log: the promotion decision in full, else the outputs."""
+    bar = "=" * 72
+    lines = [bar, f"embshard {name}: done   (run root {root})"]
+    if name == "evaluate_and_promote":
+        lines += promotion_lines(result, root)
+    else:
+        for k, v in result.items():
+            if k == "summary" and v:
+                lines.append(str(v))
+            elif isinstance(v, (str, int, float)) or v is None:
+                lines.append(f"  {k}: {v}")
+            elif isinstance(v, list):
+                lines.append(f"  {k}: {len(v)} item(s)")
+    lines.append(bar)
+    return "\n".join(lines)
+
+
+def promotion_lines(decision: dict, root: str) -> list[str]:
+    """The promotion decision in words: ratios with their intervals and the right sign, the verdict, the reason."""
+    lines = []
+
+    def interval(comp: dict | None) -> str:
+        if not comp or comp.get("ci_low") is None or comp["ci_low"] != comp["ci_low"]:
+            return ""
+        return f" [95%: {comp['ci_low']:.3f}, {comp['ci_high']:.3f}]"
+
+    ratio = decision.get("candidate_median_ratio_best_baseline")
+    if ratio is not None:
+        lines.append(f"  learned planner vs the best baseline (median measured cost ratio over "
+                     f"{decision.get('tasks', '?')} held-out tasks, {decision.get('rounds', '?')} rounds): "
+                     f"{ratio:.3f}x{interval(decision.get('candidate_vs_best_baseline'))}  ({speed_words(ratio)})")
+    champ = decision.get("candidate_over_champion_median")
+    if champ is not None:
+        lines.append(f"  candidate vs the champion: {champ:.3f}x{interval(decision.get('candidate_vs_champion'))}  "
+                     f"({speed_words(champ)})")
+    floor = decision.get("aa_floor") or {}
+    aa = floor.get("median")
+    if aa is not None and aa == aa:  # NaN: no repeat was measured
+        lines.append(f"  the ruler's A/A floor ({floor['planner']} measured twice): {aa:.3f}x"
+                     f"{interval(floor)}  (a ratio inside this interval is no difference)")
+    verdict = {"promoted": "PROMOTED to champion", "undecided": "UNDECIDED (challenger); champion kept"}.get(
+        decision.get("verdict", "promoted" if decision.get("promoted") else ""),
+        "not promoted (challenger); champion kept")
+    lines.append(f"  decision: {verdict}  (candidate v{decision.get('candidate_version')}, "
+                 f"champion before v{decision.get('champion_version_before')}, after "
+                 f"v{decision.get('champion_version_after')}): {decision.get('reason')}")
+    lines.append(f"  plot: {_join(path(root, 'evaluation'), 'evaluation.png')}")
+    if decision.get("summary"):
+        lines.append(str(decision["summary"]))
+    return lines
+
+
+def speed_words(ratio: float) -> str:
+    """'4.1% faster' for a cost ratio below 1, '2.9% slower' above it."""
+    if ratio != ratio:  # NaN
+        return "not measured"
+    if abs(ratio - 1.0) < 5e-4:
+        return "same cost"
+    return f"{100 * (1 - ratio):.1f}% faster" if ratio < 1 else f"{100 * (ratio - 1):.1f}% slower"
