@@ -125,3 +125,64 @@ def test_unknown_device_is_refused():
     with pytest.raises(EmbshardError, match="unknown device") as exc:
         resolve_device("tpu")
     assert exc.value.field == "device"
+
+
+@pytest.fixture()
+def loop_recorders(monkeypatch):
+    """The jobs of the outer loop replaced by recorders of what each step passes down."""
+    from embshard.jobs import bench, measure_plans, train_cost, train_policy
+
+    calls: list[tuple] = []
+
+    def train_round(tables, tasks, out, **kw):
+        calls.append(("train", {k: kw[k] for k in ("cost_model_uri", "iterations", "round_index", "init_policy",
+                                                   "seed", "register", "reward", "rollouts_per_task")}))
+        return {"policy_dir": f"{out}/round-{kw['round_index']}", "cost_model_uri": kw["cost_model_uri"],
+                "final_val_ratio": 1.0, "version": str(kw["round_index"]), "model_uri": "models:/p/1"}
+
+    def plans(tables, tasks, policy_dir, cost_model_uri, out, **kw):
+        calls.append(("plans", policy_dir, cost_model_uri, out, kw["num_tasks"], kw["round_index"],
+                      kw["settings"].calibration_dir))
+        return f"{out}/shards.parquet"
+
+    def measure(tables, shards, out, settings=None, **kw):
+        calls.append(("bench", shards, out, settings.calibration_dir, settings.seed))
+        return []
+
+    def refit(costs, tables, out, **kw):
+        calls.append(("refit", list(costs), out, kw["seed"], kw["members"], kw["calibration_dir"]))
+        return {"model_uri": f"models:/embshard-cost/{len(calls)}", "model_version": str(len(calls))}
+
+    monkeypatch.setattr(train_policy, "train_round", train_round)
+    monkeypatch.setattr(measure_plans, "run", plans)
+    monkeypatch.setattr(bench, "run", measure)
+    monkeypatch.setattr(train_cost, "run", refit)
+    return calls
+
+
+def test_the_train_policy_command_runs_the_dags_outer_loop(tmp_path, loop_recorders):
+    """`embshard train-policy --rounds 2` and the DAG's round tasks make the same calls: the same seeds,
+    iterations, measured tasks, the run's calibration (the folder above --costs) and the ensemble size."""
+    from embshard import outer_loop
+
+    root = str(tmp_path)
+    tables, tasks = stages.path(root, "tables"), stages.path(root, "tasks")
+    params = {"policy_rounds": 2, "policy_iterations": 10, "seed": 3, "device": "cpu"}
+    stages._state(root, "cost_model", {"model_uri": "models:/embshard-cost/1"})
+    for step, r in (("train_policy", 1), ("measure_policy_plans", 2), ("train_cost_model", 2),
+                    ("train_policy", 2)):
+        stages.run(step, root, params, round_index=r)
+    dag = list(loop_recorders)
+    loop_recorders.clear()
+    outer_loop.run(tables, tasks, stages.path(root, "policy"), cost_model_uri="models:/embshard-cost/1",
+                   iterations=10, rounds=2, costs=stages.path(root, "costs"), seed=3, progress=False)
+    cli = list(loop_recorders)
+    # One difference by design: the CLI writes its refits under its own OUT (OUT/cost_model/round-<r>).
+    dag_refit = next(c for c in dag if c[0] == "refit")
+    cli_refit = next(c for c in cli if c[0] == "refit")
+    assert dag_refit[2] == f"{root}/cost_model/round-2" and cli_refit[2] == f"{root}/policy/cost_model/round-2"
+    assert cli == [c if c[0] != "refit" else cli_refit for c in dag]
+    assert cli_refit[:2] + cli_refit[3:] == dag_refit[:2] + dag_refit[3:]
+    assert dag_refit[1] == [f"{root}/costs", f"{root}/policy/measured-round-2/costs"]
+    assert dag_refit[3:] == (4, 3, root)  # seed + round - 1, the pipeline's 3 members, the run's calibration
+    assert [c[0] for c in dag] == ["train", "plans", "bench", "refit", "train"]
