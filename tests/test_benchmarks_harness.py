@@ -26,7 +26,9 @@ def _env() -> dict:
     for key in ("AIRFLOW_HOME", "MLFLOW_TRACKING_URI", "EMBSHARD_DATA_ROOT"):
         env.pop(key, None)
     env.update(EMBSHARD_NUM_THREADS="1", EMBSHARD_COMM_BANDWIDTH_GBPS="1.0", EMBSHARD_COMM_LATENCY_US="100",
-               AIRFLOW__CORE__LOAD_EXAMPLES="False", PYTHONPATH=REPO)
+               AIRFLOW__CORE__LOAD_EXAMPLES="False",
+               # this checkout's embshard first (not whichever checkout the virtualenv installed)
+               PYTHONPATH=os.pathsep.join([os.path.join(REPO, "components"), REPO]))
     return env
 
 

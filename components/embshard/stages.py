@@ -25,9 +25,7 @@ DEFAULT_PARAMS: dict = params_mod.DEFAULT_PARAMS
 MAX_POLICY_ROUNDS = params_mod.MAX_POLICY_ROUNDS
 
 # Outer loop: tasks measured per round.
-MEASURED_PLAN_TASKS = 4
-
-
+MEASURED_PLAN_TASKS = 4  # the CLI's --measure-tasks default (outer_loop.run) is the same; a test holds them equal
 
 # The run root of a DAG run, in Python (local runner) and as a Jinja template (pod arguments): same result.
 RUN_ROOT_TEMPLATE = "{data_root}/{{{{ run_id | replace(':', '-') | replace('+', '-') }}}}"
