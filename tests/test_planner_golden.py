@@ -29,14 +29,15 @@ GOLDEN = Path(__file__).parent / "data" / "planner_golden.json"
 # the default budget)
 CASES = [("t40_d4", 40, 11, 4, 1.3, 1, None), ("t80_d8_ens", 80, 12, 8, 1.15, 2, None),
          ("t120_d2", 120, 13, 2, 1.6, 1, 6000)]
-# The learned planner's variants as the keyword flags of the code the golden file was recorded from.
+# The learned compositions (planners.compose.COMPOSITIONS) and extra settings. The golden file was recorded
+# from the former LearnedPlanner's flags: policy_only = num_samples=0, portfolio, column_splits and cost_greedy off,
+# search_evaluations=0; each no_X = that flag off.
 VARIANTS = {
     "learned": {},
-    "policy_only": {"num_samples": 0, "portfolio": False, "column_splits": False, "search_evaluations": 0,
-                    "cost_greedy": False},
-    "no_column_splits": {"column_splits": False},
-    "no_portfolio": {"portfolio": False},
-    "no_cost_greedy": {"cost_greedy": False, "search_evaluations": 5000},
+    "policy_only": {},
+    "no_column_splits": {},
+    "no_portfolio": {},
+    "no_cost_greedy": {"search_evaluations": 5000},
 }
 
 
@@ -56,11 +57,10 @@ def _pieces(p):
 
 
 def _cost_greedy(ts, model, devices, mem):
-    from embshard.planners.learned import cost_greedy
-    from embshard.policy.core import TaskContext
+    from embshard.planners.compose import CostGreedy, Problem
+    from embshard.types import DeviceTopology
 
-    ctx = TaskContext.build(model, ts.features(), ts.size_bytes, devices, mem)
-    a = cost_greedy(ctx)
+    a = CostGreedy().propose(Problem(ts, DeviceTopology(devices, mem), "t", model))
     return None if a is None else [int(d) for d in a]
 
 
@@ -71,7 +71,7 @@ def current_plans() -> dict:
         case: dict = {}
         for variant, kw in VARIANTS.items():
             kw = {"search_evaluations": work, **kw} if work is not None else kw
-            p = LearnedPlanner(policy, model, **kw).plan(ts, devices, mem, name)
+            p = LearnedPlanner(policy, model, composition_name=variant, **kw).plan(ts, devices, mem, name)
             case[variant] = {"pieces": _pieces(p), "start_candidate": p.meta["start_candidate"],
                              "search_evaluations": p.meta["search_evaluations"]}
         for b in BASELINES:

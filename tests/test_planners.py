@@ -198,6 +198,7 @@ def test_place_without_a_registered_model_says_how_to_train(small_tables_path, t
 
 def test_autoshard_variant_learns_from_measured_rewards(measured_world, cost_model):
     """The AutoShard-style policy: every rollout's reward is the measured cost of its placement (real kernels)."""
+    from embshard.bench import measure_placement
     from embshard.bench.runner import MeasureSettings
     from embshard.policy.train import train_measured
 
@@ -207,9 +208,16 @@ def test_autoshard_variant_learns_from_measured_rewards(measured_world, cost_mod
     history: list = []
     policy = PolicyNet()
     before = {k: v.clone() for k, v in policy.state_dict().items()}
+    settings = MeasureSettings(**measured_world["bench_kw"], calibration_dir=str(measured_world["root"]))
+    measured: list = []
+
+    def measure(placement):  # the job's reward: the benchmark's measured overall cost
+        measured.append(placement)
+        return float(measure_placement(placement, **settings.kwargs())["total_ms"].max())
+
     train_measured(policy, [("t", sub, ctx)], TrainConfig(iterations=2, rollouts_per_task=3, seed=0), history,
-                   MeasureSettings(**measured_world["bench_kw"], calibration_dir=str(measured_world["root"])),
-                   progress=False)
+                   measure, progress=False)
+    assert len(measured) >= 2 and all(p.num_devices == 2 for p in measured)
     assert len(history) == 2
     assert all(np.isfinite(h["measured_best_ms"]) and h["measured_best_ms"] > 0 for h in history)
     assert any(not torch.equal(before[k], v) for k, v in policy.state_dict().items())  # it did update

@@ -8,6 +8,6 @@ from .registry import POLICY_CHAMPION_URI  # noqa: E402  (light: no MLflow impor
 
 def load_planner(model_uri: str = POLICY_CHAMPION_URI):
     """Load the learned planner from the MLflow registry (see README, 'Using a registered planner')."""
-    from .policy.model import load_planner as _load
+    from .planners.registered import load_planner as _load
 
     return _load(model_uri)

@@ -57,7 +57,8 @@ def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST
 
     from .. import registry
     from ..costmodel import load as load_cost_model
-    from ..policy.model import REGISTERED_NAME, PolicyPythonModel, load_policy_files, policy_artifacts, save_policy
+    from ..planners.registered import PolicyPythonModel
+    from ..policy.model import REGISTERED_NAME, load_policy_files, policy_artifacts, save_policy
 
     if reward not in ("estimated", "measured"):
         raise EmbshardError(f"unknown reward {reward!r}", field="reward", fix="use 'estimated' or 'measured'")
@@ -83,7 +84,8 @@ def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST
             policy = train_estimated(policy, cost_model, train_ctx, val_ctx, cfg, history,
                                      step0=(round_index - 1) * cfg.iterations, progress=progress)
         else:
-            policy = train_measured(policy, train_ctx, cfg, history, settings or MeasureSettings(), progress)
+            measure = _measured_overall(settings or MeasureSettings())
+            policy = train_measured(policy, train_ctx, cfg, history, measure, progress)
         for h in history:
             mlflow.log_metrics({k: v for k, v in h.items() if k != "step"}, step=int(h["step"]))
         final_ratio = validation_ratio(policy, val_ctx, [best_baseline_cost(c, s) for _, s, c in val_ctx])
@@ -150,6 +152,13 @@ def run(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST_CHAMPIO
                                seed=seed + r)
             cost_model_uri = refit["model_uri"]
     return res
+
+
+def _measured_overall(settings: MeasureSettings):
+    """The measured overall cost (ms) of a placement under `settings`: the reward of measured training."""
+    from ..bench import measure_placement
+
+    return lambda placement: float(measure_placement(placement, **settings.kwargs())["total_ms"].max())
 
 
 def _signature(policy, cost_model, tables: str, task: Task):

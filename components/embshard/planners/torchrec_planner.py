@@ -39,6 +39,7 @@ import numpy as np
 from ..errors import InfeasiblePlacementError
 from ..placement import Placement
 from ..tableset import TableSet
+from ..types import DeviceTopology
 from .base import GiB, Planner
 
 SEARCHES = {
@@ -65,9 +66,9 @@ class TorchRecPlanner(Planner):
         self.memory_model = memory_model
         self.verbose = verbose
 
-    def _plan(self, tables: TableSet, num_devices: int, memory_bytes_per_device: int,
-              task_id: str) -> Placement:
-        from ..export.torchrec_plan import require_torchrec
+    def _plan(self, tables: TableSet, topology: DeviceTopology, task_id: str) -> Placement:
+        num_devices, memory_bytes_per_device = topology.count, topology.memory_bytes
+        from ..torchrec_compat import require_torchrec
 
         require_torchrec()
         from torchrec.distributed.planner.types import PlannerError
@@ -99,7 +100,7 @@ class TorchRecPlanner(Planner):
         meta["torchrec_timed_out"] = bool(self.timeout_s is not None and "torchrec_fallback" not in meta
                                           and info["torchrec_search_s"] >= _torchrec_timeout(self.timeout_s))
 
-        from ..export.torchrec_plan import placement_from_sharding_plan
+        from ..torchrec_compat import placement_from_sharding_plan
 
         placement = placement_from_sharding_plan(sharding_plan, tables, num_devices, memory_bytes_per_device,
                                                  names=_names(len(tables)), planner=self.name, task_id=task_id,
@@ -120,7 +121,7 @@ class TorchRecPlanner(Planner):
         from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
         from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 
-        from ..export.torchrec_plan import FUSED, build_module, storage_estimators, topology
+        from ..torchrec_compat import FUSED, build_module, storage_estimators, topology
 
         names = _names(len(tables))
         module = build_module(tables, names=names)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..planners.scoring import TaskScorer
+from ..costmodel.scoring import TaskScorer
 
 NUM_POLICY_FEATURES = 11
 INFEASIBLE_PENALTY = 3.0  # reward of a rollout that ran out of memory, in units of the task scale
