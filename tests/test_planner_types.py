@@ -123,3 +123,17 @@ def test_policy_imports_no_planners_or_bench_and_planners_import_no_export():
                                                                  for b in banned):
                         bad.append(f"{pkg}/{path.name}: from {node.module}")
     assert bad == []
+
+
+def test_torchrecs_plan_is_a_proposal_that_local_search_can_refine(world):
+    pytest.importorskip("torchrec")
+    from embshard.planners.compose import TorchRecProposal
+    from embshard.planners.scoring import placement_costs
+
+    ts, model, mem = world
+    sub = ts.subset(np.arange(12))
+    planner = ComposedPlanner(Composition([TorchRecProposal("full", timeout_s=20)], [], [LocalSearch(1)]), model,
+                              name="torchrec_searched", search_evaluations=3000)
+    p = planner.plan(sub, 4, int(sub.size_bytes.sum()), "t")
+    assert p.meta["start_candidate"] == "torchrec_full"
+    assert placement_costs(model, p).max() <= p.meta["candidate_costs"]["torchrec_full"] * (1 + 1e-6)

@@ -31,7 +31,7 @@ from ..tableset import TableSet
 from ..types import CostEstimator, DeviceTopology
 from .base import Planner, no_room_error
 from .baselines import BASELINES, make_baseline
-from .scoring import TaskScorer, single_threaded
+from .scoring import TaskScorer, piece_features, single_threaded
 from .search import Budget, SearchState, local_search, try_column_splits
 
 log = logging.getLogger(__name__)
@@ -78,8 +78,6 @@ class Draft:
     @classmethod
     def of_shards(cls, problem: Problem, name: str, shards: list[Shard]) -> "Draft":
         """Any pieces (column slices too): scored piece by piece."""
-        from .scoring import piece_features
-
         if all(s.col_size is None for s in shards) and [s.table for s in shards] == list(range(len(problem.tables))):
             return cls.table_wise(problem, name, np.array([s.device for s in shards], dtype=np.int64))
         feats = piece_features(problem.tables, shards)
@@ -249,9 +247,9 @@ class Composition:
     """What a composed planner is made of: proposers, fallbacks (asked only when no proposer has a plan) and
     refiners, applied in order."""
 
-    proposers: list = field(default_factory=list)
-    fallbacks: list = field(default_factory=list)
-    refiners: list = field(default_factory=list)
+    proposers: list[Proposer] = field(default_factory=list)
+    fallbacks: list[Proposer] = field(default_factory=list)
+    refiners: list[Refiner] = field(default_factory=list)
 
 
 class ComposedPlanner(Planner):
@@ -286,7 +284,7 @@ class ComposedPlanner(Planner):
         with single_threaded(), torch.no_grad():
             return self._compose(Problem(tables, topology, task_id, self.cost_model, self.seed))
 
-    def _propose(self, problem: Problem, proposers) -> list[Draft]:
+    def _propose(self, problem: Problem, proposers: list[Proposer]) -> list[Draft]:
         drafts = []
         for p in proposers:
             out = p.propose(problem)
@@ -334,17 +332,17 @@ class ComposedPlanner(Planner):
 # -- the named compositions --------------------------------------------------------------------------------------
 def _learned(policy, *, num_samples=8, refine_top=3, policy_proposers=True, cost_greedy=True, portfolio=True,
              column_splits=True, search=True, torchrec: str | None = None) -> Composition:
-    proposers: list = []
+    proposers: list[Proposer] = []
     if policy is not None and policy_proposers:
         proposers.append(PolicyGreedy(policy))
         if num_samples > 0:
             proposers.append(PolicySampled(policy, num_samples))
     if cost_greedy:
         proposers.append(CostGreedy())
-    heuristics = [Heuristic(b) for b in BASELINES]
+    heuristics: list[Proposer] = [Heuristic(b) for b in BASELINES]
     if torchrec:
         heuristics.append(TorchRecProposal(torchrec))
-    refiners: list = []
+    refiners: list[Refiner] = []
     if search:
         # Column splits get the last quarter of the work; the refined candidates share the rest equally.
         refiners.append(LocalSearch(refine_top, 0.75 if column_splits else 1.0))

@@ -77,8 +77,7 @@ class TorchRecPlanner(Planner):
         meta: dict = {"torchrec_search": self.search, "torchrec_batch_size": self.batch_size,
                       "torchrec_memory_model": self.memory_model}
         try:
-            sharding_plan, info = self._run(tables, num_devices, memory_bytes_per_device, SEARCHES[self.search],
-                                            self.timeout_s)
+            sharding_plan, info = self._run(tables, topology, SEARCHES[self.search], self.timeout_s)
         except PlannerError as exc:
             elapsed = time.perf_counter() - start
             timed_out = self.timeout_s is not None and elapsed >= _torchrec_timeout(self.timeout_s)
@@ -88,8 +87,7 @@ class TorchRecPlanner(Planner):
             meta["torchrec_fallback"] = (f"the {self.search} search found no plan in {self.timeout_s:g} s; "
                                          "this is TorchRec's table-wise plan")
             try:
-                sharding_plan, info = self._run(tables, num_devices, memory_bytes_per_device,
-                                                SEARCHES["table_wise"], None)
+                sharding_plan, info = self._run(tables, topology, SEARCHES["table_wise"], None)
             except PlannerError as exc2:
                 raise self._infeasible(exc2, tables, num_devices, memory_bytes_per_device, task_id) from None
         elapsed = time.perf_counter() - start
@@ -113,9 +111,8 @@ class TorchRecPlanner(Planner):
                                            fix="use memory_model='tables' or another planner") from None
         return placement
 
-    def _run(self, tables: TableSet, num_devices: int, memory: int, sharding_types: list[str],
-             timeout_s: float | None):
-        """One TorchRec planning run: (ShardingPlan, info dict)."""
+    def _run(self, tables: TableSet, devices: DeviceTopology, sharding_types: list[str], timeout_s: float | None):
+        """One TorchRec planning run: (ShardingPlan, info dict). TorchRec sees our devices per host."""
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
         from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
         from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
@@ -125,7 +122,8 @@ class TorchRecPlanner(Planner):
 
         names = _names(len(tables))
         module = build_module(tables, names=names)
-        topo = topology(num_devices, memory)
+        num_devices, memory = devices.count, devices.memory_bytes
+        topo = topology(num_devices, memory, local_world_size=devices.local_world_size)
         constraints = {
             n: ParameterConstraints(sharding_types=list(sharding_types), compute_kernels=[FUSED],
                                     pooling_factors=[max(float(pf), 1e-3)])
