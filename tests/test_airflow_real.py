@@ -119,7 +119,7 @@ def test_triggered_run_succeeds_end_to_end(airflow):
     else:
         # The tiny policy can lose to the heuristics beyond the ruler's noise: then nothing is champion, and
         # export skips with the reason rather than exporting a refused candidate or failing the run.
-        assert decision["verdict"] == "challenger" and decision["reason"].startswith("measurably slower")
+        assert decision["verdict"] == "measurably_slower" and decision["reason"].startswith("measurably slower")
         assert export == "skipped" and not (root / "export" / "placements.parquet").exists()
         export_log = (logs / "task_id=export_placements" / "attempt=1.log").read_text()
         assert "no embshard-policy@champion yet" in export_log

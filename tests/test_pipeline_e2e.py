@@ -204,10 +204,13 @@ def test_second_run_moves_champion_exactly_as_its_decision_says(two_runs):
     if promo["promoted"]:
         assert second["aliases"][POLICY]["champion"] == promo["champion_version_after"] == new
         assert second["aliases"][COST]["champion"] == new_cost
-    else:
+    elif promo["verdict"] == "undecided":
         assert second["aliases"][POLICY]["champion"] == promo["champion_version_after"] == old
         assert second["aliases"][POLICY]["challenger"] == new
         assert second["aliases"][COST] == {"champion": old_cost, "challenger": new_cost}
+    else:  # not better, or measurably slower: `challenger` is for undecided candidates only
+        assert promo["verdict"] in ("not_better", "measurably_slower", "infeasible")
+        assert second["aliases"][POLICY] == {"champion": old} and second["aliases"][COST] == {"champion": old_cost}
     # The champion was measured beside the candidate on the same held-out task.
     import pandas as pd
 

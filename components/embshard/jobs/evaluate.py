@@ -296,6 +296,9 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def format_summary(summary: pd.DataFrame, rounds: int = 1) -> str:
+    """The summary as text, without the columns nothing filled (e.g. the TorchRec ratio when no TorchRec planner
+    ran): a column of NaN tells a reader nothing."""
+    summary = summary.dropna(axis=1, how="all")
     with pd.option_context("display.width", 180, "display.max_columns", 20, "display.float_format", "{:.3f}".format):
         return (f"measured cost per planner over {rounds} round(s) (ratios: lower is better; [ci_low, ci_high] is "
                 "the 95% interval of the median; failed = tasks it could not place)\n" + summary.to_string())
