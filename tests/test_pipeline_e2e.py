@@ -121,7 +121,7 @@ def test_first_run_writes_every_output_and_each_validates(two_runs):
     import pandas as pd
 
     ev = pd.read_parquet(os.path.join(root, "evaluation", "evaluation.parquet"))
-    for col in ("task_id", "planner", "feasible", "measured_cost_ms", "lower_bound_ms", "ratio_to_best_baseline",
+    for col in ("task_id", "planner", "feasible", "measured_cost_ms", "balanced_estimate_ms", "ratio_to_best_baseline",
                 "planning_time_s", "predicted_cost_ms"):
         assert col in ev.columns, col
     policy = stages._state(root, "policy")
