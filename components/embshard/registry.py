@@ -8,6 +8,7 @@ versions are addressed by aliases (`champion`, `challenger`), never by the depre
 """
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from typing import Any
@@ -108,6 +109,16 @@ def signature(input_example, output_example, params: dict | None = None, require
     return sig
 
 
+class _DropMessage:
+    """A logging filter that drops records whose message starts with `prefix`."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
 def start_run(**kwargs):
     """mlflow.start_run with the Airflow lineage tags of this process (dag, run, task, run root)."""
     import mlflow
@@ -137,10 +148,17 @@ def log_and_register(python_model, artifacts: dict[str, str], registered_name: s
             if signature is not None:
                 warnings.filterwarnings("ignore", message=".*An input example was not provided",
                                         category=UserWarning)
-            info = mlflow.pyfunc.log_model(
-                name="model", python_model=python_model, artifacts=artifacts, input_example=input_example,
-                signature=signature, pip_requirements=pip_requirements or default_pip_requirements(),
-                registered_model_name=registered_name)
+            # MLflow warns on every PythonModel object (CloudPickle). Ours are classes of this package: the
+            # pickle names an importable class, and every stage's log carried the warning for nothing.
+            pickle_note = _DropMessage("Passing a Python object as `python_model`")
+            logging.getLogger("mlflow.pyfunc").addFilter(pickle_note)
+            try:
+                info = mlflow.pyfunc.log_model(
+                    name="model", python_model=python_model, artifacts=artifacts, input_example=input_example,
+                    signature=signature, pip_requirements=pip_requirements or default_pip_requirements(),
+                    registered_model_name=registered_name)
+            finally:
+                logging.getLogger("mlflow.pyfunc").removeFilter(pickle_note)
         client = mlflow.MlflowClient()
         version = str(info.registered_model_version)
         for k, v in {**tags, **mlflow_tags()}.items():

@@ -160,8 +160,10 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
 def record_verdict(candidate_version: str, verdict: str, reason: str) -> list[str]:
     """The gate's verdict in the registry: the candidate's `verdict` tag, the aliases (champion to a promoted
     candidate; challenger to an undecided one, removed on a promotion, else left where it was) and, inside an
-    Airflow run, `failed_run` on versions other runs left `pending` (runs queue one at a time, so those runs are
-    over: they failed before their gate). Returns the versions tagged failed_run."""
+    Airflow run, `failed_run` on versions other runs left `pending` (runs of the DAG queue one at a time, so those
+    runs are over: they failed before their gate; should one still be going, e.g. an `embshard pipeline` beside
+    `make ui` on the same store, its own gate overwrites the tag with its verdict). Returns the versions tagged
+    failed_run."""
     from ..run_context import mlflow_tags
 
     candidate_version = str(candidate_version)
