@@ -198,7 +198,7 @@ class LocalAirflow:
     def supervise_once(self) -> list[str]:
         """Restart every component that has exited; returns their names. A component restarted MAX_RESTARTS
         times within RESTART_WINDOW_S is given up on (`failed` says which, and the supervision ends)."""
-        restarted = []
+        restarted: list[str] = []
         for name, proc in list(self.procs.items()):
             code = proc.poll()
             if code is None or self._stopping.is_set():

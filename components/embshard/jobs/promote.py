@@ -180,7 +180,7 @@ def record_verdict(candidate_version: str, verdict: str, reason: str) -> list[st
         if current is not None and str(current.version) == candidate_version:  # re-judged: no longer undecided
             _drop_challenger()
     run_id = mlflow_tags().get("airflow.run_id")
-    failed = []
+    failed: list[str] = []
     if run_id:
         for mv in registry.versions_with_verdict(POLICY, registry.PENDING):
             made_by = mv.tags.get("airflow.run_id")
