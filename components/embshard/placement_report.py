@@ -9,7 +9,7 @@ GiB = 2**30
 
 
 def device_table(placement: Placement, device_costs: np.ndarray | None = None,
-                 lower_bound: float | None = None) -> str:
+                 balanced_estimate: float | None = None) -> str:
     mem = placement.memory_per_device()
     shards = placement.device_shards()
     lines = [f"task {placement.task_id}: {len(placement.tables)} tables on {placement.num_devices} devices, "
@@ -28,10 +28,12 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
     if device_costs is not None:
         overall = float(np.max(device_costs))
         summary = f"predicted step cost {overall:.3f} ms (slowest device), imbalance max/mean {overall / mean:.3f}"
-        if lower_bound:
-            summary += f", lower bound {lower_bound:.3f} ms, gap {100 * (overall / lower_bound - 1):.1f}%"
+        # An estimate of a perfectly balanced plan, not a bound: a plan can come in below it (docs/method.md).
+        if balanced_estimate:
+            summary += (f", balanced estimate {balanced_estimate:.3f} ms (not a bound), gap "
+                        f"{100 * (overall / balanced_estimate - 1):+.1f}%")
         else:
-            summary += ", lower bound n/a (the cost model is not monotone on these tables)"
+            summary += ", balanced estimate n/a (the cost model is not monotone on these tables)"
         lines.append(summary)
     if placement.meta.get("time_cap_hit"):
         lines.append(f"note: the search hit its time cap after {placement.meta.get('search_evaluations')} of "
@@ -41,7 +43,7 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
 
 
 def plot_device_costs(placement: Placement, device_costs: np.ndarray | None, path: str,
-                      lower_bound: float | None = None) -> None:
+                      balanced_estimate: float | None = None) -> None:
     """Bars of each device's predicted cost and memory use: imbalance at a glance (PNG)."""
     import matplotlib
 
@@ -55,8 +57,8 @@ def plot_device_costs(placement: Placement, device_costs: np.ndarray | None, pat
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.4))
     if device_costs is not None:
         ax[0].bar(devices, device_costs, color="tab:blue")
-        if lower_bound:
-            ax[0].axhline(lower_bound, color="black", ls="--", lw=1, label="lower bound")
+        if balanced_estimate:
+            ax[0].axhline(balanced_estimate, color="black", ls="--", lw=1, label="balanced estimate")
             ax[0].legend(fontsize=8)
         ax[0].set_ylabel("predicted cost (ms)")
     else:

@@ -2,7 +2,7 @@
 
 Writes, under OUT:
 - `placements.parquet`: the placements contract (validated copy of the input rows),
-- `<task_id>/plan.json`: schema embshard.plan/v1 (export/plan_json.py),
+- `<task_id>/plan.json`: schema embshard.plan/v2 (export/plan_json.py),
 - `<task_id>/torchrec_plan.json`: the TorchRec ShardingPlan in a pickle-free JSON form
   (`embshard.export.torchrec_plan.plan_from_json(path)` rebuilds it),
 - `<task_id>/torchrec_plan.pt`: the same ShardingPlan pickled by `torch.save` (load it with

@@ -1,4 +1,4 @@
-"""Placing one set of tables with any planner, with predicted costs, the lower bound and the outputs."""
+"""Placing one set of tables with any planner, with predicted costs, the balanced estimate and the outputs."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ from ..errors import EmbshardError, ModelNotFoundError
 from ..placement import Placement
 from ..placement_report import device_table, plot_device_costs
 from ..planners import get_planner
-from ..planners.scoring import checked_lower_bound, lower_bound, placement_costs
+from ..planners.scoring import balanced_estimate, checked_balanced_estimate, placement_costs
 from ..registry import COST_CHAMPION_URI, POLICY_CHAMPION_URI
 from ..tableset import TableSet
 
@@ -77,10 +77,11 @@ def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | N
         return None, None
     costs = placement_costs(model, placement)
     splits = any(s.col_size is not None for s in placement.shards)
-    bound = lower_bound(model, placement.tables, placement.num_devices, column_splits=splits)
-    checked = checked_lower_bound(model, placement, bound, costs)
+    estimate = balanced_estimate(model, placement.tables, placement.num_devices, column_splits=splits)
+    checked = checked_balanced_estimate(model, placement, estimate, costs)
     if checked is None:
-        log.info("lower bound %.3f ms withheld: the cost model predicts a placement below it on these tables", bound)
+        log.info("balanced estimate %.3f ms withheld: the cost model predicts a placement below it on these tables",
+                 estimate)
     return costs, checked
 
 
@@ -112,11 +113,11 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     _warn_hardware(getattr(p, "cost_model", None) or cost_model, hardware)
     costs, lb = predicted(placement, p, cost_model)
     with storage.staged_dir(out) as stage:  # all three files or none
-        write_plan_json(placement, os.path.join(stage, "plan.json"), device_costs=costs, lower_bound=lb)
+        write_plan_json(placement, os.path.join(stage, "plan.json"), device_costs=costs, balanced_estimate=lb)
         schemas.write(placement.to_frame(costs), os.path.join(stage, "placements.parquet"), "placements")
         plot_device_costs(placement, costs, os.path.join(stage, "devices.png"), lb)
     return {"plot": storage.join(out, "devices.png"), "placement": placement, "device_costs": costs,
-            "lower_bound": lb, "plan_json": storage.join(out, "plan.json"),
+            "balanced_estimate": lb, "plan_json": storage.join(out, "plan.json"),
             "placements": storage.join(out, "placements.parquet"), "report": device_table(placement, costs, lb)}
 
 

@@ -105,7 +105,9 @@ def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST
                         "feature_version": schemas.FEATURE_VERSION, "reward": reward, "rounds": round_index,
                         "hardware": getattr(cost_model.config, "hardware", ""),
                         "backend": getattr(cost_model.config, "backend", ""),
-                        "val_ratio_to_best_baseline": f"{final_ratio:.4f}"}
+                        "val_ratio_to_best_baseline": f"{final_ratio:.4f}",
+                        # Until the promotion gate judges it (jobs.promote.record_verdict).
+                        registry.VERDICT_TAG: registry.PENDING}
                 mv = registry.log_and_register(
                     PolicyPythonModel(), arts, REGISTERED_NAME, tags,
                     signature=_signature(policy, cost_model, tables, val_tasks[0]),

@@ -90,12 +90,14 @@ def placement_costs(cost_model, placement: Placement) -> np.ndarray:
     return scorer.device_costs(placement.device_of_shards())
 
 
-def lower_bound(cost_model, tables: TableSet, num_devices: int, column_splits: bool = False) -> float:
-    """Lower bound under the model: the average device cost can't be lower than, per cost head, the smaller of
-    (all tables fused on one device) and (the sum of single-table costs), divided by D.
+def balanced_estimate(cost_model, tables: TableSet, num_devices: int, column_splits: bool = False) -> float:
+    """The balanced estimate under the model (docs/method.md, "Balanced estimate"): per cost head, the smaller of
+    (all tables fused on one device) and (the sum of single-table costs), divided by D: what a device would cost if
+    the task's work were spread evenly. An estimate, not a bound: measured plans can fall below it (fused,
+    sub-additive compute of the tables a device really holds measured in its own context, and timer noise).
 
-    The all-on-one / D bound (docs/method.md) holds for a sub-additive fused cost; the sum of singles / D holds for a
-    super-additive one. Measured CPU costs are both (forward shares work as tables fuse, backward grows faster
+    All-on-one / D would bound the mean device cost if fused costs were sub-additive, the sum of singles / D if they
+    were super-additive. Measured CPU costs are both (forward shares work as tables fuse, backward grows faster
     than linearly, the all-to-all pays its latency once per device), so each head takes the smaller of its two.
     A device holding the most expensive table costs at least that table alone (table-wise plans; column-wise
     splits can go below it, so they get the first term alone).
@@ -104,21 +106,22 @@ def lower_bound(cost_model, tables: TableSet, num_devices: int, column_splits: b
     with torch.no_grad():
         fused = cost_model.heads_from_sums(scorer.enc.sum(0, keepdim=True), num_devices)[0]
         singles = cost_model.heads_from_sums(scorer.enc, num_devices)
-    bound = float(torch.minimum(fused, singles.sum(0)).sum()) / num_devices
+    estimate = float(torch.minimum(fused, singles.sum(0)).sum()) / num_devices
     if not column_splits:
-        bound = max(bound, float(singles.sum(1).max()))
-    return float(bound)
+        estimate = max(estimate, float(singles.sum(1).max()))
+    return float(estimate)
 
 
-def checked_lower_bound(cost_model, placement: Placement, bound: float, device_costs: np.ndarray) -> float | None:
-    """`bound` if no placement we can cheaply predict falls below it, else None.
+def checked_balanced_estimate(cost_model, placement: Placement, estimate: float,
+                              device_costs: np.ndarray) -> float | None:
+    """`estimate` if no placement we can cheaply predict falls below it, else None.
 
-    The bound's terms hold for costs that never drop when a table is added and that are sub- or super-additive
-    per head: real kernels are. A learned network is only nearly so: with its fused (sub-additive) correction it
-    can predict a device holding the most expensive table plus a few small ones below that table alone. That is
-    why `place` once printed a bound of 12.666 ms above its own predicted 12.402 ms. Such a number is not a bound
-    of the model's predictions, so it is withheld (None) whenever this placement or a baseline's placement of the
-    same task is predicted below it.
+    Its terms would bound costs that never drop when a table is added and that are sub- or super-additive per
+    head. A learned network is only nearly so: with its fused (sub-additive) correction it can predict a device
+    holding the most expensive table plus a few small ones below that table alone (`place` once printed 12.666 ms
+    above its own predicted 12.402 ms). A number the model's own predictions contradict says nothing about
+    balance, so it is withheld (None) whenever this placement or a baseline's placement of the same task is
+    predicted below it.
     """
     from ..errors import EmbshardError
     from .baselines import BASELINES, make_baseline
@@ -131,4 +134,4 @@ def checked_lower_bound(cost_model, placement: Placement, bound: float, device_c
         except EmbshardError:
             continue
         witnesses.append(float(placement_costs(cost_model, other).max()))
-    return None if min(witnesses) < bound * (1 - 1e-9) else bound
+    return None if min(witnesses) < estimate * (1 - 1e-9) else estimate
