@@ -71,11 +71,37 @@ def test_components_listen_on_localhost_only(airflow):
     assert {a.ip for a in ports} == {"127.0.0.1"}, ports
 
 
+def kill_scheduler_while_a_task_runs(airflow, run_id: str):
+    """`make ui` supervises its components: the scheduler killed (-9) while a task runs is restarted (a line in
+    its log) and the api-server stays up; the caller checks that the run still succeeds. Returns the api-server
+    process seen before the kill."""
+    import os
+    import signal
+
+    deadline = time.monotonic() + 600
+    while "running" not in airflow.task_states(run_id).values():
+        assert time.monotonic() < deadline, f"no task started: {airflow.task_states(run_id)}"
+        time.sleep(1)
+    killed = airflow.procs["scheduler"]
+    api = airflow.procs["api-server"]
+    os.kill(killed.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while airflow.procs["scheduler"] is killed:
+        assert time.monotonic() < deadline, "the scheduler was not restarted"
+        time.sleep(0.5)
+    assert "airflow scheduler exited with code -9; restarting it" in (airflow.log_dir / "scheduler.log").read_text()
+    return api
+
+
 def test_triggered_run_succeeds_end_to_end(airflow):
     import mlflow
 
     run_id = airflow.trigger(dict(TINY))
-    state = airflow.wait_run(run_id, timeout_s=900)
+    # The same run survives a crashed scheduler (one run serves both checks: each real run costs minutes).
+    api = kill_scheduler_while_a_task_runs(airflow, run_id)
+    state = airflow.wait_run(run_id, timeout_s=1200)
+    assert airflow.procs["api-server"] is api and api.poll() is None  # the UI never went down
+    assert airflow.failed is None
     logs = Path(airflow.log_dir) / "dag_id=embshard_pipeline" / f"run_id={run_id}"
     if state != "success":
         tails = "\n".join(f"--- {p}\n" + p.read_text()[-3000:] for p in sorted(logs.rglob("*.log")))
@@ -174,29 +200,3 @@ def test_trigger_form_submits_with_defaults(airflow):
             assert button.is_enabled()
         finally:
             browser.close()
-
-
-def test_a_killed_scheduler_is_restarted_and_the_run_succeeds(airflow):
-    """`make ui` supervises its components: the scheduler killed (-9) while a task runs is restarted (a line in
-    its log), the api-server stays up the whole time, and the run still succeeds."""
-    import os
-    import signal
-
-    run_id = airflow.trigger(dict(TINY))
-    deadline = time.monotonic() + 600
-    while "running" not in airflow.task_states(run_id).values():
-        assert time.monotonic() < deadline, f"no task started: {airflow.task_states(run_id)}"
-        time.sleep(1)
-    killed = airflow.procs["scheduler"]
-    api = airflow.procs["api-server"]
-    os.kill(killed.pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while airflow.procs["scheduler"] is killed:
-        assert time.monotonic() < deadline, "the scheduler was not restarted"
-        time.sleep(0.5)
-    assert "airflow scheduler exited with code -9; restarting it" in (airflow.log_dir / "scheduler.log").read_text()
-    state = airflow.wait_run(run_id, timeout_s=1200)
-    if state != "success":
-        pytest.fail(f"run {run_id} ended {state} after the scheduler was killed: {airflow.task_states(run_id)}")
-    assert airflow.procs["api-server"] is api and api.poll() is None  # the UI never went down
-    assert airflow.failed is None
