@@ -14,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGES = ["ingest", "sample_shards", "benchmark", "train_cost_model", "train_policy",
+STAGES = ["check_params", "ingest", "sample_shards", "benchmark", "train_cost_model", "train_policy",
           *[f"{step}_r{r}" for r in (2, 3) for step in ("measure_policy_plans", "refit_cost_model", "train_policy")],
           "evaluate_and_promote", "export_placements"]
 SKIPPED_ROUND = [f"{step}_r3" for step in ("measure_policy_plans", "refit_cost_model", "train_policy")]  # rounds=2
