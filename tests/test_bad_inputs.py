@@ -479,3 +479,116 @@ def test_export_is_complete(world, tmp_path):
 
     plan = json.loads((out / world["task_id"] / "plan.json").read_text())
     assert sorted(t["table_id"] for t in plan["tables"]) == sorted(first_ids(world, 3))
+
+
+# -- issue 26 battery: outputs, export, plans, training --------------------------------------------------------
+import json  # noqa: E402
+
+needs_torchrec = pytest.mark.skipif(
+    __import__("importlib.util").util.find_spec("torchrec") is None, reason="torchrec not installed")
+
+
+@pytest.fixture(scope="module")
+def torchrec_plan_doc(world, tmp_path_factory):
+    """The torchrec_plan.json `embshard export` writes for the world's test task (3 tables, 2 devices)."""
+    out = tmp_path_factory.mktemp("trplan") / "exp"
+    assert cli(["export", "--placements", world["placements"], "--tables", world["tables"], "--tasks",
+                world["tasks"], "--out", str(out)]) == 0
+    return json.loads((out / world["task_id"] / "torchrec_plan.json").read_text())
+
+
+def _first_table(doc):
+    return next(iter(doc["modules"][""]))
+
+
+def _edit_param(key, value):
+    def edit(doc):
+        doc["modules"][""][_first_table(doc)][key] = value
+        return doc
+    return edit
+
+
+def _rank99(doc):
+    p = doc["modules"][""][_first_table(doc)]
+    p["ranks"] = [99] * len(p["shards"])
+    for s in p["shards"]:
+        s["placement"] = "rank:99/cuda:99"
+    return doc
+
+
+def _drop_table(doc):
+    del doc["modules"][""][_first_table(doc)]
+    return doc
+
+
+def _ranks_disagree(doc):
+    p = doc["modules"][""][_first_table(doc)]
+    p["ranks"] = [1 - r for r in p["ranks"]]
+    return doc
+
+
+def _slice_gap(doc):
+    p = doc["modules"][""][_first_table(doc)]
+    p["shards"][0]["offsets"] = [0, 4]
+    return doc
+
+
+PLAN_CASES = {
+    # (edit of the exported document or raw text, words the one-line error must contain)
+    "plan-table-missing": (_drop_table, ["modules", "no sharding"]),
+    "plan-rank-99-on-2-devices": (_rank99, ["ranks", "rank 99", "2 devices"]),
+    "plan-ranks-disagree-with-shards": (_ranks_disagree, ["ranks", "disagree"]),
+    "plan-sharding-type-bogus": (_edit_param("sharding_type", "bogus"), ["sharding_type", "bogus"]),
+    "plan-compute-kernel-bogus": (_edit_param("compute_kernel", "gpu_magic"), ["compute_kernel"]),
+    "plan-no-shards": (_edit_param("shards", []), ["shards"]),
+    "plan-column-gap": (_slice_gap, ["shards", "column"]),
+    "plan-no-modules": (lambda doc: {k: v for k, v in doc.items() if k != "modules"}, ["modules"]),
+    "plan-wrong-schema": (lambda doc: {**doc, "schema": "other/v9"}, ["schema"]),
+    "plan-not-an-object": (lambda doc: [doc], ["schema"]),
+    "plan-invalid-json": ("{\"schema\": ", ["json", "not valid JSON"]),
+    "plan-empty-file": ("", ["json"]),
+}
+
+
+@needs_torchrec
+@pytest.mark.parametrize("case", sorted(PLAN_CASES))
+def test_bad_torchrec_plan_is_refused_before_training(case, torchrec_plan_doc, tmp_path):
+    """What a training job loads: one EmbshardError naming the file and the field, never a plan TorchRec would
+    shard wrongly (or a bare JSONDecodeError / KeyError)."""
+    import copy
+
+    from embshard.errors import EmbshardError
+    from embshard.export.torchrec_plan import plan_from_json
+
+    edit, words = PLAN_CASES[case]
+    path = tmp_path / "torchrec_plan.json"
+    path.write_text(edit if isinstance(edit, str) else json.dumps(edit(copy.deepcopy(torchrec_plan_doc))))
+    with pytest.raises(EmbshardError) as err:
+        plan_from_json(str(path))
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(str(path)), line
+    for word in words:
+        assert word in line, f"{word!r} not in: {line}"
+
+
+@needs_torchrec
+def test_torchrec_plan_checked_against_the_callers_tables_and_world(world, torchrec_plan_doc, tmp_path):
+    from embshard.errors import EmbshardError
+    from embshard.export.torchrec_plan import plan_from_json, rank_layout
+    from embshard.tableset import TableSet
+
+    path = tmp_path / "torchrec_plan.json"
+    path.write_text(json.dumps(torchrec_plan_doc))
+    ts = TableSet.read(world["tables"])
+    task_tables = ts.select(first_ids(world, 3))
+    plan = plan_from_json(str(path), tables=task_tables, world_size=2)  # the right ones load
+    assert sorted(rank_layout(plan)) == sorted(first_ids(world, 3))
+    with pytest.raises(EmbshardError, match="field 'modules'.*9 table"):
+        plan_from_json(str(path), tables=ts)  # the model has 12 tables, the plan places 3
+    with pytest.raises(EmbshardError, match="field 'world_size'"):
+        plan_from_json(str(path), world_size=4)
+    # An older file without world_size/tables is still checked against what the caller gives.
+    old = {k: v for k, v in torchrec_plan_doc.items() if k not in ("world_size", "tables")}
+    path.write_text(json.dumps(_rank99(old)))
+    with pytest.raises(EmbshardError, match="rank 99 on a plan of 2 devices"):
+        plan_from_json(str(path), world_size=2)

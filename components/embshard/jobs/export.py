@@ -143,11 +143,15 @@ def _write_torchrec(placement, folder: str, module_path: str) -> dict[str, str]:
     import torch
 
     from .. import storage
-    from ..export.torchrec_plan import plan_to_json, to_torchrec_plan
+    from ..export.torchrec_plan import check_plan_doc, plan_to_json, to_torchrec_plan
 
     plan = to_torchrec_plan(placement, module_path=module_path)
+    t = placement.tables
+    doc = plan_to_json(plan, world_size=placement.num_devices,
+                       tables={str(n): (int(r), int(d)) for n, r, d in zip(t.table_ids, t.rows, t.dims)})
+    check_plan_doc(doc, "torchrec_plan.json")  # what a training job's plan_from_json will check
     json_path = storage.join(folder, "torchrec_plan.json")
-    storage.write_text(json_path, json.dumps(plan_to_json(plan), indent=2) + "\n")
+    storage.write_text(json_path, json.dumps(doc, indent=2) + "\n")
     pt_path = storage.join(folder, "torchrec_plan.pt")
     buf = io.BytesIO()
     torch.save(plan, buf)
