@@ -483,6 +483,7 @@ def test_export_is_complete(world, tmp_path):
 
 # -- issue 26 battery: outputs, export, plans, training --------------------------------------------------------
 import json  # noqa: E402
+import shutil  # noqa: E402
 
 needs_torchrec = pytest.mark.skipif(
     __import__("importlib.util").util.find_spec("torchrec") is None, reason="torchrec not installed")
@@ -592,3 +593,194 @@ def test_torchrec_plan_checked_against_the_callers_tables_and_world(world, torch
     path.write_text(json.dumps(_rank99(old)))
     with pytest.raises(EmbshardError, match="rank 99 on a plan of 2 devices"):
         plan_from_json(str(path), world_size=2)
+
+
+# Outputs: an output that is (or would overwrite) one of the command's inputs, an existing file given as a folder,
+# a folder where a file is written, an unreachable store. Refused before any work (the command's main is never
+# reached), one line, nothing written, the inputs untouched.
+def _copy(w, d, key, name):
+    path = os.path.join(d, name)
+    shutil.copy(w[key], path)
+    return path
+
+
+def _shards_csv(w, d, name="shards.csv"):
+    return spec(d, f"sample_id,table_ids,num_devices\ns0,{' '.join(first_ids(w, 2))},2\n", name)
+
+
+def _costs_dir(d):
+    os.makedirs(os.path.join(d, "costs"))
+    return os.path.join(d, "costs")
+
+
+OUTPUT_CASES = {
+    "predict-out-is-its-tables": lambda w, d: (
+        ["predict", "--tables", _copy(w, d, "tables", "t.parquet"), "--shards", _shards_csv(w, d), "--out",
+         os.path.join(d, "t.parquet")], ["t.parquet", "field 'out'", "--tables input"]),
+    "predict-out-is-its-shards": lambda w, d: (
+        ["predict", "--tables", w["tables"], "--shards", _shards_csv(w, d), "--out", os.path.join(d, "shards.csv")],
+        ["shards.csv", "--shards input"]),
+    "predict-out-is-a-folder": lambda w, d: (
+        ["predict", "--tables", w["tables"], "--shards", _shards_csv(w, d), "--out", d], ["out", "is a folder"]),
+    "place-out-is-its-tables": lambda w, d: (
+        ["place", "--tables", _copy(w, d, "tables", "t.parquet"), "--planner", "size_greedy", "--devices", "2",
+         "--memory-gb", "8", "--out", os.path.join(d, "t.parquet")], ["t.parquet", "--tables input"]),
+    "place-out-overwrites-its-tasks": lambda w, d: (
+        _place(w, "--tasks", _copy(w, d, "tasks", "placements.parquet"), "--task-id", w["task_id"], "--out", d),
+        ["out", "would overwrite the --tasks input"]),
+    "place-out-existing-file": lambda w, d: (
+        _place(w, "--devices", "2", "--memory-gb", "8", "--out", spec(d, "x", "afile")), ["afile", "is a file"]),
+    "place-out-under-a-file": lambda w, d: (
+        _place(w, "--devices", "2", "--memory-gb", "8", "--out", os.path.join(spec(d, "x", "afile"), "sub")),
+        ["afile", "is a file"]),
+    "place-out-plan-json-is-a-folder": lambda w, d: (
+        _place(w, "--devices", "2", "--memory-gb", "8", "--out", os.path.dirname(
+            _mkdir(d, "o", "plan.json"))), ["plan.json", "is a folder"]),
+    "tasks-out-is-its-tables": lambda w, d: (
+        ["tasks", "--tables", _copy(w, d, "tables", "t.parquet"), "--num-tasks", "1", "--out",
+         os.path.join(d, "t.parquet")], ["t.parquet", "--tables input"]),
+    "tasks-out-overwrites-its-tables": lambda w, d: (
+        ["tasks", "--tables", _copy(w, d, "tables", "tasks.parquet"), "--num-tasks", "1", "--out", d],
+        ["would overwrite the --tables input"]),
+    "tasks-out-existing-file": lambda w, d: (
+        ["tasks", "--tables", w["tables"], "--num-tasks", "1", "--out", spec(d, "x", "afile")], ["afile", "is a file"]),
+    "evaluate-out-existing-file": lambda w, d: (
+        _evaluate(w, w["tasks"], "--out", spec(d, "x", "afile")), ["afile", "is a file"]),
+    "evaluate-out-is-its-tasks": lambda w, d: (
+        _evaluate(w, _copy(w, d, "tasks", "tasks.parquet"), "--out", os.path.join(d, "tasks.parquet")),
+        ["--tasks input"]),
+    "export-out-holds-its-placements": lambda w, d: (
+        _export(w, _copy(w, d, "placements", "placements.parquet")) + ["--out", d],
+        ["--placements input"]),
+    "bench-out-overwrites-its-tables": lambda w, d: (
+        _bench(w, d, "--out", d, tables=shutil.copy(w["tables"], _costs_dir(d))),
+        ["would overwrite the --tables input"]),
+    "ingest-out-is-its-input": lambda w, d: (
+        ["ingest", "--source", "spec", "--input", spec(d, spec_row("a,10,4,1")), "--out", os.path.join(d, "spec.csv")],
+        ["spec.csv", "--input input"]),
+    "ingest-out-tables-parquet-is-a-folder": lambda w, d: (
+        ["ingest", "--source", "synthetic", "--num-tables", "4", "--out", os.path.dirname(
+            _mkdir(d, "o", "tables.parquet"))], ["tables.parquet", "is a folder"]),
+    "train-cost-out-is-its-costs": lambda w, d: (
+        ["train-cost", "--costs", _costs_dir(d), "--tables", w["tables"], "--out", os.path.join(d, "costs")],
+        ["costs", "--costs input"]),
+    "train-policy-out-is-its-tables": lambda w, d: (
+        ["train-policy", "--tables", _copy(w, d, "tables", "t.parquet"), "--tasks", w["tasks"], "--out",
+         os.path.join(d, "t.parquet")], ["--tables input"]),
+}
+
+
+def _mkdir(d, *parts):
+    path = os.path.join(d, *parts)
+    os.makedirs(path)
+    return path
+
+
+def _run_refused(argv, words, before_dirs, capsys, monkeypatch):
+    """One CLI call that must be refused by the output check, before the command's main runs."""
+    import importlib
+
+    from embshard.cli import COMMANDS
+
+    def no_work(args):
+        raise AssertionError("the command started its work before its --out was checked")
+
+    monkeypatch.setattr(importlib.import_module(COMMANDS[argv[0]][0]), "main", no_work)
+    before = snapshot(*before_dirs)
+    capsys.readouterr()
+    try:
+        rc = cli(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.strip() and not LOG_LINE.match(line)]
+    assert rc == 2, f"exit {rc}: {err[-1500:]}"
+    assert len(lines) == 1 and lines[0].startswith(f"embshard {argv[0]}: error:"), err[-1500:]
+    for word in words:
+        assert word in lines[0], f"{word!r} not in: {lines[0]}"
+    assert snapshot(*before_dirs) == before, "inputs changed or files were written"
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", sorted(OUTPUT_CASES))
+def test_bad_output(case, world, tmp_path, capsys, monkeypatch):
+    d = tmp_path / "in"
+    d.mkdir()
+    argv, words = OUTPUT_CASES[case](world, str(d))
+    _run_refused(argv, words, [str(d), world["root"]], capsys, monkeypatch)
+
+
+def test_out_in_a_read_only_folder(world, tmp_path, capsys, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anyway: the folder is shown as read-only to the check instead
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: (os.path.realpath(p) != str(ro.resolve())
+                                                                 and real_access(p, mode, **kw)))
+    try:
+        for argv in (_place(world, "--devices", "2", "--memory-gb", "8", "--out", str(ro / "plan")),
+                     ["tasks", "--tables", world["tables"], "--num-tasks", "1", "--out", str(ro)],
+                     _evaluate(world, world["tasks"], "--out", str(ro / "ev"))):
+            _run_refused(argv, ["not writable", str(ro)], [str(tmp_path), world["root"]], capsys, monkeypatch)
+    finally:
+        ro.chmod(0o755)
+
+
+def test_unreachable_s3_out_is_one_line(world, tmp_path, capsys, monkeypatch):
+    # A store that refuses connections at once (hermetic: no network needed).
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    t0 = time.time()
+    line = _run_refused(_place(world, "--devices", "2", "--memory-gb", "8", "--out", "s3://embshard-nosuch/x"),
+                        ["s3://embshard-nosuch/x", "field 'out'", "cannot reach"], [world["root"]], capsys,
+                        monkeypatch)
+    assert time.time() - t0 < 30, line
+
+
+def test_place_with_a_cost_model_as_policy_is_one_line(world, tmp_path, capsys, monkeypatch):
+    """`place --model models:/embshard-cost@...`: the registry hands back a cost model, not a policy."""
+    from embshard import registry
+    from embshard.costmodel.pyfunc import CostModelPyfunc
+
+    monkeypatch.setattr(registry, "load_python_model", lambda uri: CostModelPyfunc())
+    out = tmp_path / "out"
+    capsys.readouterr()
+    rc = cli(_place(world, "--devices", "2", "--memory-gb", "8", "--model", "models:/embshard-cost@champion",
+                    "--out", str(out), planner="learned"))
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.strip() and not LOG_LINE.match(line)]
+    assert rc == 2 and len(lines) == 1, err[-1500:]
+    assert "cost model" in lines[0] and "embshard-policy" in lines[0] and "field 'model'" in lines[0], lines[0]
+    assert not out.exists()
+
+
+# Side effects: nothing is written outside --out.
+@pytest.mark.parametrize("planner", ["size_greedy", "learned"])
+def test_place_writes_nothing_outside_out(planner, world, tmp_path, monkeypatch, capsys):
+    """Without MLFLOW_TRACKING_URI, a heuristic planner does not create mlflow.db (or anything) in the working
+    folder; a learned one with no store says so in one line, and creates nothing either."""
+    import mlflow
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    mlflow.set_tracking_uri(None)
+    mlflow.set_registry_uri(None)
+    try:
+        rc = cli(_place(world, "--devices", "2", "--memory-gb", "64", "--out", str(tmp_path / "out"),
+                        planner=planner))
+    finally:
+        mlflow.set_tracking_uri(None)
+        mlflow.set_registry_uri(None)
+    err = capsys.readouterr().err
+    assert os.listdir(cwd) == []
+    if planner == "learned":
+        assert rc == 2 and "no MLflow store" in err, err[-1500:]
+        assert not (tmp_path / "out").exists()
+    else:
+        assert rc == 0, err[-1500:]
+        assert sorted(os.listdir(tmp_path / "out")) == ["devices.png", "placements.parquet", "plan.json"]

@@ -118,6 +118,86 @@ def staged_dir(out: str | os.PathLike) -> Iterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _local(text: str) -> str | None:
+    """The local path of a local path or file:// URI, else None."""
+    if text.startswith("file://"):
+        return text[len("file://"):]
+    return None if "://" in text else text
+
+
+def check_output(out: str | os.PathLike, *, kind: str = "folder", writes: tuple[str, ...] = (),
+                 inputs: dict[str, object] | None = None, owns_folder: bool = False, field: str = "out") -> None:
+    """Refuse, before any work, an output a command could not write or that would destroy one of its inputs.
+
+    `kind` "folder" (the command writes `writes` under it) or "file"; `inputs` maps option names (e.g.
+    "--tables") to the paths the command reads (None, a path, or a list of paths); `owns_folder`: the command
+    replaces the whole folder (export), so no input may lie inside it. Checks, each one line naming the path, the
+    option and the fix: the output is none of the inputs (nor is any file it writes), an existing file is not given
+    as a folder nor a folder as a file, a folder the command writes is not a file and a file is not a folder,
+    the nearest existing folder is writable, and a remote store (s3://) answers.
+    """
+    from .errors import EmbshardError
+
+    text = os.fspath(out)
+    flag = "--" + field.replace("_", "-")
+    if not text.strip():
+        raise EmbshardError("empty path", field=field, fix=f"give {flag} a path")
+    local = _local(text)
+    if local is None:  # a remote store: reachable now, not after minutes of work
+        try:
+            fs, path = resolve(text)
+            info = fs.get_file_info(path)
+        except (OSError, ValueError) as exc:
+            raise EmbshardError(f"cannot reach it ({str(exc).splitlines()[0][:140]})", path=text, field=field,
+                                fix="check the bucket, the credentials (AWS_*) and the endpoint, or write to a "
+                                    "local folder") from None
+        if kind == "folder" and info.type == pafs.FileType.File:
+            raise EmbshardError("is a file, not a folder", path=text, field=field, fix=f"give {flag} a folder")
+        return
+    path = os.path.realpath(os.path.abspath(local))
+    targets = [path] + [os.path.realpath(os.path.join(path, w)) for w in writes]
+    for option, given in (inputs or {}).items():
+        for inp in given if isinstance(given, (list, tuple)) else [given]:
+            inp_local = None if inp is None else _local(os.fspath(inp))  # type: ignore[arg-type]
+            if not inp_local:
+                continue
+            real = os.path.realpath(os.path.abspath(inp_local))
+            inside = [t for t in targets[1:] if real.startswith(t.rstrip(os.sep) + os.sep)]
+            if real == path:
+                why = f"is the {option} input"
+            elif real in targets:
+                why = f"would overwrite the {option} input {inp_local}"
+            elif inside:
+                why = f"would overwrite the {option} input {inp_local} (inside {inside[0]})"
+            elif owns_folder and real.startswith(path.rstrip(os.sep) + os.sep):
+                why = f"is replaced as a whole but holds the {option} input {inp_local}"
+            else:
+                continue
+            raise EmbshardError(why, path=text, field=field,
+                                fix=f"write {flag} somewhere else; inputs are never overwritten")
+    if kind == "file" and os.path.isdir(path):
+        raise EmbshardError("is a folder, not a file", path=text, field=field,
+                            fix=f"give {flag} a file name (e.g. {os.path.join(text, 'out.parquet')})")
+    if kind == "folder":
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise EmbshardError("is a file, not a folder", path=text, field=field,
+                                fix=f"give {flag} a folder (it is created), or remove the file")
+        for w in writes:
+            target = os.path.join(path, w)
+            if os.path.isdir(target) and "." in os.path.basename(w):
+                raise EmbshardError(f"{w} there is a folder, where a file is written", path=text, field=field,
+                                    fix=f"remove or rename {target}, or write {flag} elsewhere")
+    existing = path if kind == "folder" else os.path.dirname(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise EmbshardError(f"{existing} is a file, so it cannot be created", path=text, field=field,
+                            fix=f"give {flag} a path under a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise EmbshardError(f"folder {existing} is not writable", path=text, field=field,
+                            fix=f"write {flag} to a folder you can write to, or change its permissions")
+
+
 def write_text(uri: str | os.PathLike, text: str) -> None:
     with atomic_write(uri, "w") as f:
         f.write(text)

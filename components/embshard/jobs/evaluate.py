@@ -36,6 +36,11 @@ PLANNER_NAMES = "learned, learned@ALIAS, learned/VERSION, policy_only, " + ", ".
     ", torchrec_table_wise, torchrec_full"
 
 
+# What `embshard evaluate` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "inputs": ("tables", "tasks"),
+          "writes": ("evaluation.parquet", "ratios.parquet", "placements.parquet", "evaluation.png")}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", required=True, help="tables.parquet")
     p.add_argument("--tasks", required=True, help="tasks.parquet")

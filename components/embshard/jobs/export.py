@@ -35,6 +35,11 @@ def place_tasks(tables: str, tasks: str, planner, out: str, split: str = "test")
     return out
 
 
+# What `embshard export` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "owns_folder": True, "inputs": ("placements", "tables", "tasks"),
+          "writes": ("placements.parquet",)}
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placements", required=True, help="placements.parquet (one or more tasks)")
     parser.add_argument("--tables", required=True, help="tables.parquet")

@@ -66,7 +66,7 @@ def planner_for(name: str, model_uri: str, time_budget_s: float | None, search_e
         return get_planner(name, **kw)
     except ModelNotFoundError as exc:
         raise ModelNotFoundError(
-            f"no registered learned planner at {model_uri}", path=model_uri,
+            f"no registered learned planner ({exc.message})", path=model_uri,
             fix="train one with `make run` or `embshard train-policy ...`, or pick a baseline with "
                 "--planner size_lookup_greedy") from exc
 
@@ -108,6 +108,11 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
 
 
 # --- `embshard place` ---------------------------------------------------------------------------
+# What `embshard place` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "writes": ("plan.json", "placements.parquet", "devices.png"),
+          "inputs": ("tables", "tasks", "model", "cost_model")}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", required=True, help="tables.parquet (all its tables are placed unless --task-id)")
     p.add_argument("--tasks", help="tasks.parquet, with --task-id: place that task's tables")

@@ -316,6 +316,10 @@ def run(costs: str | list[str], tables: str, out: str | None = None, *, seed: in
 
 
 # --- `embshard train-cost` ---------------------------------------------------------------------
+# What `embshard train-cost` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "writes": ("model", "report.json"), "inputs": ("costs", "tables")}
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--costs", required=True, help="costs folder (part-*.parquet) or file")
     parser.add_argument("--tables", required=True, help="tables.parquet the costs were measured on")

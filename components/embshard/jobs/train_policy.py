@@ -180,6 +180,10 @@ def _cost_model_version(uri: str) -> str:
 
 
 # --- `embshard train-policy` -------------------------------------------------------------------
+# What `embshard train-policy` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "inputs": ("tables", "tasks", "costs")}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", required=True, help="tables.parquet")
     p.add_argument("--tasks", required=True, help="tasks.parquet (its 'train' tasks are used)")
