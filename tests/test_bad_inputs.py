@@ -784,3 +784,63 @@ def test_place_writes_nothing_outside_out(planner, world, tmp_path, monkeypatch,
     else:
         assert rc == 0, err[-1500:]
         assert sorted(os.listdir(tmp_path / "out")) == ["devices.png", "placements.parquet", "plan.json"]
+
+
+# Export: the module path, stale files of an earlier export, what a killed export left.
+CASES_26 = {
+    "export-module-path-parent": lambda w, d: (
+        _export(w, w["placements"])[:-1] + ["--module-path", "../x"], ["module_path", "../x"]),
+    "export-module-path-empty-part": lambda w, d: (
+        _export(w, w["placements"])[:-1] + ["--module-path", "model..ebc"], ["module_path", "model..ebc"]),
+    "export-module-path-space": lambda w, d: (
+        _export(w, w["placements"])[:-1] + ["--module-path", "sparse arch"], ["module_path"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES_26))
+def test_bad_input_26(case, world, tmp_path, capsys, monkeypatch):
+    """The issue 26 rows that fit the first battery's form: one CLI call on one bad input, --out appended."""
+    monkeypatch.setitem(CASES, case, CASES_26[case])
+    test_bad_input(case, world, tmp_path, capsys)
+
+
+def test_export_accepts_a_dotted_module_path(world, tmp_path):
+    out = tmp_path / "exp"
+    assert cli(_export(world, world["placements"])[:-1] + ["--module-path", "sparse_arch.ebc", "--out",
+                                                             str(out)]) == 0
+    if (out / world["task_id"] / "torchrec_plan.json").exists():
+        doc = json.loads((out / world["task_id"] / "torchrec_plan.json").read_text())
+        assert list(doc["modules"]) == ["sparse_arch.ebc"]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_rerun_export_leaves_only_its_own_files(world, tmp_path):
+    """A re-export into the same folder: no TorchRec plan of the earlier export contradicts the new plan.json,
+    no folder of a task no longer exported stays; files that are not the export's are kept. A stage folder a
+    killed export into this folder left (named after it, its process gone) is removed at the start; another
+    output's stage folder is not."""
+    from embshard import storage
+
+    out = tmp_path / "exp"
+    tid = world["task_id"]
+    assert cli(["export", "--placements", world["placements"], "--tables", world["tables"], "--out", str(out)]) == 0
+    (out / "old-task").mkdir()
+    (out / "old-task" / "plan.json").write_text("{}")
+    (out / "old-task" / "torchrec_plan.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    (out / "planned.parquet").write_bytes(b"not the export's")
+    key = storage._target_key(str(out))
+    killed = out / f"{storage.STAGE_PREFIX}{key}-{_dead_pid()}-abcd1234"
+    (killed / tid).mkdir(parents=True)
+    (killed / tid / "plan.json").write_text("{\"partial")
+    other = out / f"{storage.STAGE_PREFIX}{storage._target_key(str(tmp_path / 'other'))}-{_dead_pid()}-x"
+    other.mkdir()
+    assert cli(_export(world, world["placements"]) + ["--out", str(out)]) == 0  # --no-torchrec now
+    assert sorted(os.listdir(out)) == sorted(["placements.parquet", tid, "notes.txt", "planned.parquet", other.name])
+    assert os.listdir(out / tid) == ["plan.json"], "a TorchRec plan of the earlier export was kept"
+    assert (out / "notes.txt").read_text() == "mine"

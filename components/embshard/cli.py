@@ -73,8 +73,8 @@ def quiet_third_party() -> None:
 
 def check_output(args: argparse.Namespace) -> None:
     """The one place every command's --out is checked before any work (storage.check_output): a module's
-    OUTPUT = {"kind": "folder" | "file", "writes": names under the folder, "inputs": option names it reads,
-    "owns_folder": bool} says what it writes and reads."""
+    OUTPUT = {"kind": "folder" | "file", "writes": names under the folder, "inputs": option names it reads}
+    says what it writes and reads."""
     spec = getattr(args, "_output", None)
     if not spec or getattr(args, "out", None) is None:
         return
@@ -82,7 +82,7 @@ def check_output(args: argparse.Namespace) -> None:
 
     inputs = {"--" + name.replace("_", "-"): getattr(args, name, None) for name in spec.get("inputs", ())}
     storage.check_output(args.out, kind=spec.get("kind", "folder"), writes=tuple(spec.get("writes", ())),
-                         inputs=inputs, owns_folder=bool(spec.get("owns_folder")))
+                         inputs=inputs)
 
 
 def main(argv: list[str] | None = None) -> int:

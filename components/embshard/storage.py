@@ -90,17 +90,62 @@ def existing_folder(path: str) -> str:
     return path
 
 
+STAGE_PREFIX = ".embshard-stage-"
+
+
+def _target_key(out: str | os.PathLike) -> str:
+    """A short key of the output a stage folder is for: its name says whose it is (`<prefix><key>-<pid>-...`)."""
+    import hashlib
+
+    text = os.fspath(out)
+    text = os.path.abspath(text) if "://" not in text else text
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # ours would not exist yet: a process before us (a restarted pod) had this pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def remove_abandoned_stages(parent: str, out: str | os.PathLike) -> list[str]:
+    """Delete the stage folders a killed earlier run for the same `out` left in `parent` (its process is gone);
+    returns them. Stage folders of other outputs, or of a run still going, are left alone."""
+    prefix = f"{STAGE_PREFIX}{_target_key(out)}-"
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            if not name.startswith(prefix):
+                continue
+            pid = name[len(prefix):].split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+                removed.append(name)
+    return removed
+
+
 @contextlib.contextmanager
 def staged_dir(out: str | os.PathLike) -> Iterator[str]:
     """A local temporary folder for a command's outputs, published under `out` only if the block succeeds.
 
-    A failed command leaves nothing: not a half-set of files, not an empty `out`. Each file is published with
+    A failed command leaves nothing: not a half-set of files, not an empty `out`. A killed one leaves its stage
+    folder, named after `out` and its process id (`.embshard-stage-<key of out>-<pid>-...`), which the next run
+    into the same `out` removes at its start. Each file is published with
     atomic_write (a reader never sees half a file); the window in which only some files are published is the
     copy of small files at the very end.
     """
     local = "://" not in os.fspath(out)
-    tmp = tempfile.mkdtemp(prefix=".embshard-stage-",
-                           dir=existing_folder(os.fspath(out)) if local else None)
+    parent = existing_folder(os.fspath(out)) if local else None
+    prefix = f"{STAGE_PREFIX}{_target_key(out)}-{os.getpid()}-"
+    if parent is not None:
+        remove_abandoned_stages(parent, out)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
     try:
         yield tmp
         for root, _, files in os.walk(tmp):
@@ -126,14 +171,14 @@ def _local(text: str) -> str | None:
 
 
 def check_output(out: str | os.PathLike, *, kind: str = "folder", writes: tuple[str, ...] = (),
-                 inputs: dict[str, object] | None = None, owns_folder: bool = False, field: str = "out") -> None:
+                 inputs: dict[str, object] | None = None, field: str = "out") -> None:
     """Refuse, before any work, an output a command could not write or that would destroy one of its inputs.
 
     `kind` "folder" (the command writes `writes` under it) or "file"; `inputs` maps option names (e.g.
-    "--tables") to the paths the command reads (None, a path, or a list of paths); `owns_folder`: the command
-    replaces the whole folder (export), so no input may lie inside it. Checks, each one line naming the path, the
-    option and the fix: the output is none of the inputs (nor is any file it writes), an existing file is not given
-    as a folder nor a folder as a file, a folder the command writes is not a file and a file is not a folder,
+    "--tables") to the paths the command reads (None, a path, or a list of paths). Checks, each one line naming
+    the path, the option and the fix: the output is none of the inputs (nor is any file it writes), an existing
+    file is not given as a folder nor a folder as a file, a folder the command writes is not a file and a file
+    is not a folder,
     the nearest existing folder is writable, and a remote store (s3://) answers.
     """
     from .errors import EmbshardError
@@ -169,8 +214,6 @@ def check_output(out: str | os.PathLike, *, kind: str = "folder", writes: tuple[
                 why = f"would overwrite the {option} input {inp_local}"
             elif inside:
                 why = f"would overwrite the {option} input {inp_local} (inside {inside[0]})"
-            elif owns_folder and real.startswith(path.rstrip(os.sep) + os.sep):
-                why = f"is replaced as a whole but holds the {option} input {inp_local}"
             else:
                 continue
             raise EmbshardError(why, path=text, field=field,

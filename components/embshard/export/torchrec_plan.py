@@ -127,6 +127,18 @@ def topology(num_devices: int, memory_bytes_per_device: int, local_world_size: i
                     compute_device=compute_device, hbm_cap=int(memory_bytes_per_device))
 
 
+_MODULE_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def check_module_path(module_path: str) -> None:
+    """"" (the model is the EBC) or a dotted Python attribute path of identifiers (`sparse_arch.ebc`): TorchRec
+    looks the module up by this name, so `../x` or `model..ebc` would be a plan no model can load."""
+    if module_path and (not isinstance(module_path, str) or not _MODULE_PATH.match(module_path)):
+        raise EmbshardError(f"module path {str(module_path)[:60]!r} is not a dotted attribute path",
+                            field="module_path", fix="give names of Python identifiers joined by '.', e.g. "
+                            "sparse_arch.embedding_bag_collection, or nothing when the model is the EBC")
+
+
 def to_torchrec_plan(plan_or_placement, *, module=None, module_path: str = "", compute_device: str = "cuda",
                      local_world_size: int | None = None):
     """A torchrec `ShardingPlan` with our ranks and column slices, built with torchrec's API.
@@ -139,6 +151,7 @@ def to_torchrec_plan(plan_or_placement, *, module=None, module_path: str = "", c
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingPlan
 
+    check_module_path(module_path)
     plan = _as_plan(plan_or_placement)
     world = int(plan["num_devices"])
     local = int(local_world_size or world)
