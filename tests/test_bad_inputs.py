@@ -844,3 +844,69 @@ def test_rerun_export_leaves_only_its_own_files(world, tmp_path):
     assert sorted(os.listdir(out)) == sorted(["placements.parquet", tid, "notes.txt", "planned.parquet", other.name])
     assert os.listdir(out / tid) == ["plan.json"], "a TorchRec plan of the earlier export was kept"
     assert (out / "notes.txt").read_text() == "mine"
+
+
+# Output size and progress of `place`.
+def test_place_on_many_devices_prints_a_summary(world, tmp_path, capsys):
+    """Beyond a screenful of devices: the first, last and busiest devices, and a line saying how many were left
+    out and where the full table is (not one line per device: 65,536 devices printed 65,540 lines)."""
+    out = tmp_path / "out"
+    assert cli(_place(world, "--devices", "600", "--memory-gb", "64", "--out", str(out))) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) <= 45, len(printed)
+    assert any("devices not shown" in line and "plan.json" in line for line in printed), printed[-3:]
+    assert any(line.split()[:1] == ["599"] for line in printed)  # the last device is shown
+    plan = json.loads((out / "plan.json").read_text())
+    assert len(plan["devices"]) == 600  # the full table
+
+
+def test_place_at_the_device_limit_summarises(world):
+    from embshard.placement_report import device_table
+    from embshard.planners.baselines import make_baseline
+    from embshard.tableset import TableSet
+
+    ts = TableSet.read(world["tables"])
+    p = make_baseline("size_greedy").plan(ts, 65_536, 64 * 2**30, "t")
+    text = device_table(p, full_table="out/plan.json")
+    assert len(text.splitlines()) < 45 and "65,516 of 65,536 devices not shown" in text and "out/plan.json" in text
+
+
+def test_long_planning_prints_progress(world, tmp_path, capsys, monkeypatch):
+    """A plan that takes long prints progress lines on stderr (periodic, with the planner's phase)."""
+    from embshard.jobs import place
+    from embshard.planners.baselines import make_baseline
+
+    class SlowPlanner:
+        cost_model = None
+        on_phase = None
+
+        def plan(self, *args):
+            self.on_phase("search from size_greedy")
+            time.sleep(0.5)
+            return make_baseline("size_greedy").plan(*args)
+
+    monkeypatch.setattr(place, "planner_for", lambda *a, **k: SlowPlanner())
+    monkeypatch.setattr(place, "PROGRESS_AFTER_S", 0.1)
+    monkeypatch.setattr(place, "PROGRESS_EVERY_S", 0.1)
+    assert cli(_place(world, "--devices", "2", "--memory-gb", "64", "--out", str(tmp_path / "out"))) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("place: planning 12 tables on 2 devices")]
+    assert len(lines) >= 2 and "search from size_greedy" in lines[-1], err[-1500:]
+
+
+def test_learned_planner_reports_its_phases(world):
+    from embshard.costmodel.ensemble import CostEnsemble
+    from embshard.costmodel.model import CostModel, CostModelConfig
+    from embshard.features import FeatureScaler
+    from embshard.planners.learned import LearnedPlanner
+    from embshard.policy.core import PolicyNet
+    from embshard.tableset import TableSet
+
+    ts = TableSet.read(world["tables"])
+    model = CostEnsemble([CostModel.create(CostModelConfig(), FeatureScaler.fit(ts.features()))])
+    planner = LearnedPlanner(PolicyNet(), model, search_evaluations=500)
+    phases: list[str] = []
+    planner.on_phase = phases.append
+    planner.plan(ts, 2, 64 * 2**30, "t")
+    assert phases[0].startswith("encoding") and "policy rollouts" in phases
+    assert any(p.startswith("search from") for p in phases), phases
