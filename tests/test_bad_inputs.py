@@ -910,3 +910,85 @@ def test_learned_planner_reports_its_phases(world):
     planner.plan(ts, 2, 64 * 2**30, "t")
     assert phases[0].startswith("encoding") and "policy rollouts" in phases
     assert any(p.startswith("search from") for p in phases), phases
+
+
+# Training and evaluation inputs, the pipeline's params, the UI's port.
+CASES_26_TRAINING = {
+    "train-policy-zero-iterations": lambda w, d: (
+        ["train-policy", "--tables", w["tables"], "--tasks", w["tasks"], "--iterations", "0"], ["iterations", ">= 1"]),
+    "train-policy-fewer-iterations-than-rounds": lambda w, d: (
+        ["train-policy", "--tables", w["tables"], "--tasks", w["tasks"], "--iterations", "2", "--rounds", "3",
+         "--costs", w["root"]], ["iterations", ">= 3"]),
+    "train-policy-zero-rounds": lambda w, d: (
+        ["train-policy", "--tables", w["tables"], "--tasks", w["tasks"], "--rounds", "0"], ["rounds"]),
+    "train-policy-zero-rollouts": lambda w, d: (
+        ["train-policy", "--tables", w["tables"], "--tasks", w["tasks"], "--rollouts", "0"], ["rollouts", ">= 2"]),
+    "train-policy-one-rollout": lambda w, d: (
+        ["train-policy", "--tables", w["tables"], "--tasks", w["tasks"], "--rollouts", "1"], ["rollouts", ">= 2"]),
+    "evaluate-zero-max-tasks": lambda w, d: (_evaluate(w, w["tasks"], "--max-tasks", "0"), ["max_tasks", "at least 1"]),
+    "evaluate-negative-max-tasks": lambda w, d: (_evaluate(w, w["tasks"], "--max-tasks", "-2"), ["max_tasks"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES_26_TRAINING))
+def test_bad_training_input(case, world, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(CASES, case, CASES_26_TRAINING[case])
+    test_bad_input(case, world, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("port", ["70000", "0", "-1", "http"])
+def test_ui_port_out_of_range_is_one_line(port, tmp_path, capsys):
+    """`embshard ui --port 70000` was an OverflowError traceback and `--port 0` never came up: 1..65535 only,
+    refused before anything starts."""
+    out = tmp_path / "ui"
+    with pytest.raises(SystemExit) as exc:
+        cli(["ui", "--out", str(out), "--port", port])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "--port" in err[0] and "Traceback" not in err[0], err
+    assert not out.exists()
+
+
+def test_pipeline_bad_param_value_is_one_line(tmp_path, capsys, monkeypatch):
+    """`embshard pipeline --param devices=-3` was Airflow's ParamValidationError traceback: one line naming the
+    param, before the Airflow database is set up or a run is created."""
+    from embshard import pipeline
+
+    out = tmp_path / "pl"
+    for key, value in pipeline.local_environment(str(out)).items():  # restored after the test
+        monkeypatch.setenv(key, value)
+    capsys.readouterr()
+    rc = cli(["pipeline", "--out", str(out), "--param", "devices=-3"])
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("embshard pipeline: error:") and "field 'devices'" in err[0] and "-3" in err[0], err
+    assert "minimum" in err[0] and "--param devices=" in err[0]
+    assert not (out / "airflow" / "airflow.db").exists(), "the database was set up for a run that cannot start"
+
+
+def test_train_cost_publishes_its_model_folder_only_when_registered(measured_world, mlflow_uri, tmp_path,
+                                                                    monkeypatch):
+    """A train-cost that dies before its version is registered (killed with -9 left a model folder with no
+    version) leaves no model folder; the stage folder a killed run left is removed by the next run into the
+    same folder, which publishes its files with its version."""
+    from embshard import registry, storage
+    from embshard.jobs import train_cost
+
+    out = tmp_path / "cm"
+    kw = {"seed": 0, "max_epochs": 2, "patience": 2, "members": 1}
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # what a kill during registration looks like to the files: the run stops there
+
+    monkeypatch.setattr(registry, "log_and_register", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train_cost.run(measured_world["costs"], measured_world["tables"], str(out), **kw)
+    assert not (out / "model").exists() and not (out / "report.json").exists()
+    assert not [n for n in os.listdir(out) if n.startswith(storage.STAGE_PREFIX)]
+    monkeypatch.undo()
+
+    left = out / f"{storage.STAGE_PREFIX}{storage._target_key(str(out))}-{_dead_pid()}-x"
+    (left / "model" / "member-0").mkdir(parents=True)  # what a SIGKILL in the middle leaves
+    res = train_cost.run(measured_world["costs"], measured_world["tables"], str(out), **kw)
+    assert res["model_version"] is not None
+    assert (out / "model" / "ensemble.json").exists() and (out / "report.json").exists()
+    assert not left.exists()
