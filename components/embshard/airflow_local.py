@@ -364,7 +364,18 @@ def _port_busy(port: int) -> bool:
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/local", help="installation folder: airflow/, data/, mlflow.db")
-    p.add_argument("--port", type=int, default=8080, help="port of the Airflow UI and API on 127.0.0.1")
+    p.add_argument("--port", type=port, default=8080, help="port of the Airflow UI and API on 127.0.0.1 (1-65535)")
+
+
+def port(text: str) -> int:
+    """A TCP port the UI can listen on and be reached at: 1..65535 (0 would be a random port nobody knows)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port from 1 to 65535")
+    return value
 
 
 def _interrupt(signum, frame):

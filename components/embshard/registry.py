@@ -226,6 +226,16 @@ def load_python_model(uri: str):
     import mlflow
     from mlflow.exceptions import MlflowException
 
+    if uri.startswith(("models:/", "runs:/")):
+        # A missing local store is "no model", not a reason to create an empty mlflow.db where the command runs:
+        # a command writes nothing outside its --out.
+        store = mlflow.get_registry_uri() if uri.startswith("models:/") else mlflow.get_tracking_uri()
+        db = store[len("sqlite:///"):] if store.startswith("sqlite:///") else None
+        if db and db != ":memory:" and not os.path.exists(db):
+            name = uri.split("/")[1].split("@")[0] if uri.startswith("models:/") else uri
+            raise ModelNotFoundError(f"no model at {uri}: there is no MLflow store at {db}", path=uri,
+                                     fix=f"set MLFLOW_TRACKING_URI to the store where '{name}' is registered, or "
+                                         "train and register it first")
     try:
         return mlflow.pyfunc.load_model(uri).unwrap_python_model()
     except MlflowException as exc:

@@ -197,6 +197,10 @@ def _check_chunking(costs_dir: str, num_chunks: int) -> None:
                                 fix="rerun with the same --num-chunks, or write to a new --out")
 
 
+# What `embshard bench` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "writes": ("costs",), "inputs": ("tables", "shards", "placements", "tasks")}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", required=True, help="tables.parquet")
     p.add_argument("--shards", default=None,

@@ -37,6 +37,11 @@ PLANNER_NAMES = "learned, learned@ALIAS, learned/VERSION, policy_only, " + ", ".
     ", torchrec_table_wise, torchrec_full"
 
 
+# What `embshard evaluate` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "inputs": ("tables", "tasks"),
+          "writes": ("evaluation.parquet", "ratios.parquet", "placements.parquet", "evaluation.png")}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", required=True, help="tables.parquet")
     p.add_argument("--tasks", required=True, help="tasks.parquet")
@@ -108,6 +113,9 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
         raise EmbshardError("no planners given", field="planners", fix="e.g. --planners learned,size_lookup_greedy")
     if int(rounds) < 1:
         raise EmbshardError(f"{rounds} rounds", field="rounds", fix="measure at least 1 round (5 or more to compare)")
+    if max_tasks is not None and int(max_tasks) < 1:  # 0 used to mean "all" silently
+        raise EmbshardError(f"invalid value {max_tasks}", field="max_tasks",
+                            fix="give at least 1, or leave it out to evaluate every task of the split")
     check_planner_names(planners)
     task_list = load_tasks(tables, tasks, split, limit=max_tasks)
     # A task that no planner can place is bad input, not a failed planner: refuse before measuring anything.

@@ -128,6 +128,11 @@ def _synthetic(out: str, seed: int, num_tables: int, progress: bool, local_out: 
 
 
 # --- `embshard ingest` --------------------------------------------------------------------------
+# What `embshard ingest` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "writes": ("tables.parquet", "tasks.parquet", "traces.pt"),
+          "inputs": ("input", "rows_file")}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", required=True, choices=["dlrm", "spec", "synthetic"],
                    help="dlrm: a .pt/.pt.gz trace (Meta's open format); spec: a CSV/Parquet/YAML table list "

@@ -66,7 +66,7 @@ def planner_for(name: str, model_uri: str, time_budget_s: float | None, search_e
         return get_planner(name, **kw)
     except ModelNotFoundError as exc:
         raise ModelNotFoundError(
-            f"no registered learned planner at {model_uri}", path=model_uri,
+            f"no registered learned planner ({exc.message})", path=model_uri,
             fix="train one with `make run` or `embshard train-policy ...`, or pick a baseline with "
                 "--planner size_lookup_greedy") from exc
 
@@ -94,6 +94,49 @@ def _warn_hardware(model, hardware: str | None) -> None:
         log.warning(line)
 
 
+# Long plans (thousands of tables with the learned planner take tens of seconds) say that they are going on:
+# a line on stderr after PROGRESS_AFTER_S, then every PROGRESS_EVERY_S, with the planner's current phase.
+PROGRESS_AFTER_S = 5.0
+PROGRESS_EVERY_S = 10.0
+
+
+class PlanningProgress:
+    """`with PlanningProgress("planning ...") as progress:` prints progress lines on stderr while the block runs
+    longer than PROGRESS_AFTER_S; `progress.phase(text)` (a planner's `on_phase` hook) names what it is doing."""
+
+    def __init__(self, what: str, stream=None):
+        import threading
+
+        self.what, self.stream, self.current = what, stream, "starting"
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="embshard-place-progress", daemon=True)
+        self.lines = 0
+
+    def phase(self, text: str) -> None:
+        self.current = text
+
+    def _run(self) -> None:
+        import sys
+        import time
+
+        start = time.perf_counter()
+        wait = PROGRESS_AFTER_S
+        while not self._done.wait(wait):
+            stream = self.stream or sys.stderr
+            print(f"place: {self.what}: {time.perf_counter() - start:.0f} s, {self.current}", file=stream,
+                  flush=True)
+            self.lines += 1
+            wait = PROGRESS_EVERY_S
+
+    def __enter__(self) -> "PlanningProgress":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: int | None = None,
           planner: str = "learned", model_uri: str = POLICY_CHAMPION_URI,
           cost_model_uri: str | None = None, tasks: str | None = None, task_id: str | None = None,
@@ -106,7 +149,10 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     table_set, D, mem, tid, where = resolve_task(tables, tasks, task_id, devices, memory_bytes)
     p = planner_for(planner, model_uri, time_budget_s, search_evaluations)
     try:
-        placement = p.plan(table_set, D, mem, tid)
+        with PlanningProgress(f"planning {len(table_set):,} tables on {D:,} devices ({planner})") as progress:
+            if hasattr(p, "on_phase"):
+                p.on_phase = progress.phase
+            placement = p.plan(table_set, D, mem, tid)
     except EmbshardError as exc:  # name the user's file, not the internal task name
         raise exc.at(where) from None
     cost_model = None if getattr(p, "cost_model", None) is not None else load_cost_model_or_none(cost_model_uri)
@@ -118,10 +164,16 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
         plot_device_costs(placement, costs, os.path.join(stage, "devices.png"), lb)
     return {"plot": storage.join(out, "devices.png"), "placement": placement, "device_costs": costs,
             "balanced_estimate": lb, "plan_json": storage.join(out, "plan.json"),
-            "placements": storage.join(out, "placements.parquet"), "report": device_table(placement, costs, lb)}
+            "placements": storage.join(out, "placements.parquet"),
+            "report": device_table(placement, costs, lb, full_table=storage.join(out, "plan.json"))}
 
 
 # --- `embshard place` ---------------------------------------------------------------------------
+# What `embshard place` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "writes": ("plan.json", "placements.parquet", "devices.png"),
+          "inputs": ("tables", "tasks", "model", "cost_model")}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", required=True, help="tables.parquet (all its tables are placed unless --task-id)")
     p.add_argument("--tasks", help="tasks.parquet, with --task-id: place that task's tables")

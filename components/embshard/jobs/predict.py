@@ -87,6 +87,10 @@ def run(tables: str, shards: str, out: str, model_uri: str = COST_CHAMPION_URI,
     return out_df
 
 
+# What `embshard predict` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "file", "inputs": ("tables", "shards", "model")}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", required=True, help="tables.parquet (or a spec the ingest stage wrote)")
     p.add_argument("--shards", required=True, help="shards file: Parquet (shards contract) or CSV "

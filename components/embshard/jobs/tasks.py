@@ -130,6 +130,10 @@ def run(tables: str, out: str, num_tasks: int, tables_per_task=20, devices=4, me
     return path
 
 
+# What `embshard tasks` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "writes": ("tasks.parquet",), "inputs": ("tables",)}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", required=True, help="tables.parquet (from embshard ingest)")
     p.add_argument("--out", required=True, help="output folder; writes OUT/tasks.parquet")

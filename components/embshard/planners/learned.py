@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -46,6 +47,12 @@ class LearnedPlanner(Planner):
         self.seed = seed
         self.model_uri = model_uri
         self.use_cost_greedy = cost_greedy
+        # Called with a short phase name as planning goes on (`embshard place` shows it on long plans).
+        self.on_phase: Callable[[str], None] | None = None
+
+    def _phase(self, text: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(text)
 
     def _plan(self, tables, num_devices, memory_bytes_per_device, task_id):
         with single_threaded(), torch.no_grad():
@@ -69,10 +76,12 @@ class LearnedPlanner(Planner):
         start = time.perf_counter()
         cap = self.time_cap_for(len(tables))
         budget = Budget(self.evaluations_for(len(tables)), deadline=start + cap)
+        self._phase("encoding the tables with the cost model")
         ctx = TaskContext.build(self.cost_model, tables.features(), tables.size_bytes, num_devices,
                                 memory_bytes_per_device)
         cands: dict[str, np.ndarray] = {}
         if self.policy is not None:
+            self._phase("policy rollouts")
             self.policy.eval()
             gen = torch.Generator().manual_seed(self.seed)
             greedy = rollout(self.policy, ctx, 1, "greedy")
@@ -84,6 +93,7 @@ class LearnedPlanner(Planner):
                 if len(ok):
                     best = ok[np.argmin(sampled.overall[ok])]
                     cands["policy_sampled"] = sampled.assignment[best]
+        self._phase("heuristic starting points")
         lpt = cost_greedy(ctx) if self.use_cost_greedy else None
         if lpt is not None:
             cands["cost_greedy"] = lpt
@@ -104,6 +114,8 @@ class LearnedPlanner(Planner):
         # Column splits get the last quarter of the work; the refined candidates share the rest equally.
         search_total = int(budget.evaluations * (0.75 if self.column_splits else 1.0))
         for k, (_, name, a) in enumerate(top):
+            self._phase(f"search from {name} ({k + 1} of {len(top)}; {budget.used:,} of {budget.evaluations:,} "
+                        "evaluations)")
             sub = budget.share((search_total - budget.used) // (len(top) - k))
             st = SearchState(ctx.scorer, ctx.sizes, memory_bytes_per_device, a)
             if sub.evaluations > 0:
@@ -115,6 +127,7 @@ class LearnedPlanner(Planner):
         shards = [Shard(i, int(d)) for i, d in enumerate(best_state.assignment)]
         assignment = best_state.assignment
         if self.column_splits and not budget.exhausted():
+            self._phase(f"column splits ({budget.used:,} of {budget.evaluations:,} evaluations)")
             shards, assignment, _ = try_column_splits(tables, shards, assignment, self.cost_model, num_devices,
                                                       memory_bytes_per_device, budget)
         shards = [Shard(s.table, int(d), s.col_offset, s.col_size) for s, d in zip(shards, assignment)]
