@@ -11,7 +11,7 @@ become a plan entry or a folder name).
 
 Dims are multiples of 4: FBGEMM's fused kernels (and TorchRec's column-wise splits) require it; a table of dim 3
 or 6 is refused where it enters (spec, trace ingest, any tables file) rather than failing inside the benchmark.
-Seeds are integers from 0 to 2^32 - 1 (numpy's seed sequences take no negative entries).
+Seeds are integers from 0 to 2^63 - 1 (numpy's seed sequences take no negative entries).
 
 Shape limits catch unit mistakes (bytes typed as dims, a size typed in bytes as GiB) before they become
 overflows or hours of measuring: dims up to 65,536 (production models use 4..2,048; FBGEMM's fused kernels are
@@ -34,7 +34,7 @@ _ID = re.compile(ID_PATTERN)
 MAX_DIM = 65_536
 DIM_MULTIPLE = 4  # FBGEMM's TBE kernels need dims that are multiples of 4
 DIM_RULE = f"a multiple of {DIM_MULTIPLE} from {DIM_MULTIPLE} to {MAX_DIM:,}"
-MAX_SEED = 2**32 - 1
+MAX_SEED = 2**63 - 1  # int64: fits every seeded library (numpy, torch) and the files that record it
 MAX_TASKS = 10_000  # tasks per split (the DAG's num_tasks maximum): a typo of 10^8 would run for minutes
 MAX_POOLING_FACTOR = 4096.0
 MAX_TABLE_BYTES = 2**62
