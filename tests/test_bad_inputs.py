@@ -582,6 +582,8 @@ CASES_26 = {
         ["spec.csv", "permission"]),
     "i26-bench-tasks-unknown-table": lambda w, d: (
         _bench(w, d, "--tasks", _train_tasks_with_unknown_table(w, d)), ["tasks.parquet", "table_ids", "t_unknown"]),
+    "i26-evaluate-task-unknown-table": lambda w, d: (_evaluate(w, tasks_with(w, d, table_ids=["t_unknown"])),
+                                                     ["tasks.parquet", "table_ids", "t_unknown"]),
     "i26-bench-placements-unknown-table": lambda w, d: (
         _bench(w, d, "--placements", placements_with(w, d, lambda df: df.assign(
             table_id=["t_unknown"] + list(df["table_id"][1:])))), ["placements.parquet", "table_ids", "t_unknown"]),
