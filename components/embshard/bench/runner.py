@@ -494,7 +494,7 @@ def measure_placement(placement, *, backend: str = "auto", device: str = "cpu", 
             for d, shards in enumerate(device_shards):
                 ids = [str(placement.tables.table_ids[s.table]) for s in shards]
                 if not shards:
-                    m = {k: 0.0 for k in ("fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")}
+                    m: dict = {k: 0.0 for k in ("fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")}
                     m.update(row_scale=1.0, spread=0.0, weights_precision="")
                 else:
                     k = busy.index(d)

@@ -261,7 +261,7 @@ def remove_stale_temps(tmp_dir: str, tag: str) -> list[str]:
     """Remove what an earlier, killed ingest into the same output left in `tmp_dir`: decompressed traces named
     `.embshard-trace-<tag>-<pid>-*.pt` whose process is gone (a live one, e.g. a concurrent run, is left alone).
     Returns the removed paths."""
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(tmp_dir)
     except OSError:

@@ -52,7 +52,7 @@ def run(source: str, out: str, input: str | None = None, seed: int = 0, num_tabl
                                 os.fspath(out).removeprefix("file://")) if local_out else None),
                             tmp_tag=temp_tag(out_path))
         _no_extra(kw)
-        if opts.tmp_dir:  # a killed earlier ingest into this output may have left its decompressed copy
+        if opts.tmp_dir and opts.tmp_tag:  # a killed ingest into this output may have left its decompressed copy
             remove_stale_temps(opts.tmp_dir, opts.tmp_tag)
         assert input is not None  # required for dlrm, checked above
         df = tables_from_trace(input, opts, progress=progress)
