@@ -787,7 +787,7 @@ def test_place_writes_nothing_outside_out(planner, world, tmp_path, monkeypatch,
 
 
 # Export: the module path, stale files of an earlier export, what a killed export left.
-CASES_26 = {
+CASES_26_EXPORT = {
     "export-module-path-parent": lambda w, d: (
         _export(w, w["placements"])[:-1] + ["--module-path", "../x"], ["module_path", "../x"]),
     "export-module-path-empty-part": lambda w, d: (
@@ -795,6 +795,135 @@ CASES_26 = {
     "export-module-path-space": lambda w, d: (
         _export(w, w["placements"])[:-1] + ["--module-path", "sparse arch"], ["module_path"]),
 }
+
+
+# -- issue 26 battery: tables, specs, traces, measurement --------------------------------------------------------
+# Each row goes through test_bad_input's checks (exit 2, one line naming the input and the field, nothing written).
+def _root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def _fifo(d, name) -> str:
+    path = os.path.join(d, name)
+    os.mkfifo(path)
+    return path
+
+
+def _unreadable(d, name, data: bytes) -> str:
+    if _root():
+        pytest.skip("runs as root: chmod 000 does not stop root from reading, so permission denied cannot happen")
+    path = _write_bytes(d, name, data)
+    os.chmod(path, 0)
+    return path
+
+
+def _bool_trace(d, name="trace.pt") -> str:
+    import torch
+
+    path = os.path.join(d, name)
+    torch.save((torch.ones(8, dtype=torch.bool), torch.arange(9, dtype=torch.int64),
+                torch.ones(2, 4, dtype=torch.int64)), path)
+    return path
+
+
+def _train_tasks_with_unknown_table(w, d) -> str:
+    df = w["tasks_df"].copy()
+    df["table_ids"] = [["t_unknown"] if s == "train" else list(ids) for s, ids in zip(df["split"], df["table_ids"])]
+    return raw_parquet(df, os.path.join(d, "tasks.parquet"))
+
+
+def _predict(w, d, csv_text):
+    return ["predict", "--tables", w["tables"], "--shards", spec(d, csv_text, "shards.csv"), "--model",
+            os.path.join(d, "no-model")]
+
+
+def _tables_with_width(w, d, width: int) -> str:
+    """Table 0 with `width`-byte weights and a consistent size_bytes (only the width is wrong)."""
+    df = w["tables_df"]
+    return tables_with(w, d, bytes_per_element=(0, width), size_bytes=(0, int(df["rows"][0] * df["dim"][0] * width)))
+
+
+CASES_26_DATA = {
+    # measurement: only fp32 (4) and fp16 (2) weights exist; other widths were measured as fp32
+    "i26-bench-table-8-byte-weights": lambda w, d: (
+        _bench(w, d, tables=_tables_with_width(w, d, 8)), ["tables.parquet", "bytes_per_element", "fp32"]),
+    "i26-tasks-table-1-byte-weights": lambda w, d: (_tasks(_tables_with_width(w, d, 1)),
+                                                    ["tables.parquet", "bytes_per_element", "fp16"]),
+    "i26-spec-data-type-fp64": ingest_spec(spec_row("a,10,4,1,fp64", ",data_type", ",fp32")),
+    # dims FBGEMM cannot measure: refused at ingest, not an AssertionError in bench
+    "i26-spec-dim-3": lambda w, d: (ingest_spec(spec_row("a,10,3,1"))(w, d)[0],
+                                    ["spec.csv", "embedding_dim", "'a'", "row 1", "multiple of 4"]),
+    "i26-dlrm-dim-6": lambda w, d: (["ingest", "--source", "dlrm", "--input", trace(d), "--dim", "6"],
+                                    ["dim", "multiple of 4"]),
+    "i26-bench-table-dim-6": lambda w, d: (_bench(w, d, tables=tables_with(w, d, dim=(0, 6))),
+                                           ["tables.parquet", "dim", "multiple of 4"]),
+    # ids match the whole string: a trailing newline is not allowed
+    "i26-tasks-table-id-newline": lambda w, d: (_tasks(tables_with(w, d, table_id=(0, "t0000\n"))),
+                                                ["tables.parquet", "table_id"]),
+    "i26-evaluate-task-id-newline": lambda w, d: (_evaluate(w, tasks_with(w, d, task_id="evil\n")),
+                                                  ["tasks.parquet", "task_id"]),
+    # spec columns: twice, unknown (a typo), bins batch size
+    "i26-spec-column-twice": lambda w, d: (ingest_spec(f"{HEAD},embedding_dim\na,10,4,1,8\n")(w, d)[0],
+                                           ["spec.csv", "embedding_dim", "twice"]),
+    "i26-spec-yaml-key-twice": lambda w, d: (ingest_spec(
+        "tables:\n  - {name: a, num_embeddings: 10, embedding_dim: 4, embedding_dim: 8, pooling_factor: 1}\n",
+        "spec.yaml")(w, d)[0], ["spec.yaml", "embedding_dim", "twice"]),
+    "i26-spec-unknown-column-dtype": lambda w, d: (ingest_spec(spec_row("a,10,4,1,fp16", ",dtype", ",fp16"))(w, d)[0],
+                                                   ["spec.csv", "'dtype'", "unknown column", "data_type"]),
+    "i26-spec-unknown-column-zipf_alfa": lambda w, d: (
+        ingest_spec(spec_row("a,10,4,1,0.5", ",zipf_alfa", ",0.5"))(w, d)[0],
+        ["spec.csv", "'zipf_alfa'", "did you mean 'zipf_alpha'"]),
+    "i26-spec-parquet-unknown-column": lambda w, d: (
+        ["ingest", "--source", "spec", "--input", raw_parquet(pd.DataFrame(
+            {"name": ["a"], "num_embeddings": [10], "embedding_dim": [4], "pooling_factor": [1.0], "dtype": ["fp16"]}),
+            os.path.join(d, "spec.parquet"))], ["spec.parquet", "'dtype'"]),
+    "i26-spec-bins-batch-zero": lambda w, d: (ingest_spec(spec_row("a,10,4,1"))(w, d)[0] + ["--bins-batch-size", "0"],
+                                              ["bins_batch_size"]),
+    "i26-spec-bins-batch-negative": lambda w, d: (
+        ingest_spec(spec_row("a,10,4,1"))(w, d)[0] + ["--bins-batch-size", "-5"], ["bins_batch_size"]),
+    "i26-synthetic-bins-batch-zero": lambda w, d: (
+        ["ingest", "--source", "synthetic", "--num-tables", "4", "--bins-batch-size", "0"], ["bins_batch_size"]),
+    # traces: boolean indices are not ids
+    "i26-dlrm-bool-indices": lambda w, d: (["ingest", "--source", "dlrm", "--input", _bool_trace(d)],
+                                           ["trace.pt", "indices"]),
+    # clear messages: the field count, the name, permission denied, the tasks file
+    "i26-spec-extra-field": lambda w, d: (ingest_spec(spec_row("a,10,4,1,9"))(w, d)[0],
+                                          ["spec.csv", "line 3 has 5 values", "4 columns"]),
+    "i26-spec-hash-in-name": lambda w, d: (ingest_spec(spec_row("a#b,10,4,1"))(w, d)[0],
+                                           ["spec.csv", "field 'name'", "a#b"]),
+    "i26-tasks-tables-unreadable": lambda w, d: (
+        _tasks(_unreadable(d, "tables.parquet", open(w["tables"], "rb").read())), ["tables.parquet", "permission"]),
+    "i26-spec-unreadable": lambda w, d: (
+        ["ingest", "--source", "spec", "--input", _unreadable(d, "spec.csv", spec_row("a,10,4,1").encode())],
+        ["spec.csv", "permission"]),
+    "i26-bench-tasks-unknown-table": lambda w, d: (
+        _bench(w, d, "--tasks", _train_tasks_with_unknown_table(w, d)), ["tasks.parquet", "table_ids", "t_unknown"]),
+    "i26-evaluate-task-unknown-table": lambda w, d: (_evaluate(w, tasks_with(w, d, table_ids=["t_unknown"])),
+                                                     ["tasks.parquet", "table_ids", "t_unknown"]),
+    "i26-bench-placements-unknown-table": lambda w, d: (
+        _bench(w, d, "--placements", placements_with(w, d, lambda df: df.assign(
+            table_id=["t_unknown"] + list(df["table_id"][1:])))), ["placements.parquet", "table_ids", "t_unknown"]),
+    # non-regular files are refused at once (a FIFO used to block forever)
+    "i26-tasks-tables-fifo": lambda w, d: (_tasks(_fifo(d, "tables.parquet")), ["tables.parquet", "FIFO"]),
+    "i26-spec-fifo": lambda w, d: (["ingest", "--source", "spec", "--input", _fifo(d, "spec.csv")],
+                                   ["spec.csv", "FIFO"]),
+    "i26-dlrm-fifo": lambda w, d: (["ingest", "--source", "dlrm", "--input", _fifo(d, "t.pt")], ["t.pt", "FIFO"]),
+    "i26-dlrm-rows-file-fifo": lambda w, d: (
+        ["ingest", "--source", "dlrm", "--input", trace(d), "--rows-file", _fifo(d, "rows.txt")],
+        ["rows.txt", "FIFO"]),
+    "i26-predict-shards-fifo": lambda w, d: (["predict", "--tables", w["tables"], "--shards", _fifo(d, "s.csv"),
+                                              "--model", os.path.join(d, "m")], ["s.csv", "FIFO"]),
+    # seeds, a bound on tasks, a table listed three times in one shard
+    "i26-ingest-seed-negative": lambda w, d: (["ingest", "--source", "synthetic", "--num-tables", "4", "--seed", "-1"],
+                                              ["seed", "0 to"]),
+    "i26-tasks-seed-negative": lambda w, d: (_tasks(w["tables"], "--seed", "-1"), ["seed"]),
+    "i26-tasks-num-tasks-huge": lambda w, d: (_tasks(w["tables"], "--num-tasks", "100000000"),
+                                              ["num_tasks", "10,000"]),
+    "i26-predict-table-thrice": lambda w, d: (
+        _predict(w, d, f"sample_id,table_ids,num_devices\ns0,{' '.join([first_ids(w, 1)[0]] * 3)},2\n"),
+        ["shards.csv", "table_ids", "3 times"]),
+}
+CASES_26 = {**CASES_26_EXPORT, **CASES_26_DATA}
 
 
 @pytest.mark.parametrize("case", sorted(CASES_26))
@@ -992,3 +1121,80 @@ def test_train_cost_publishes_its_model_folder_only_when_registered(measured_wor
     assert res["model_version"] is not None
     assert (out / "model" / "ensemble.json").exists() and (out / "report.json").exists()
     assert not left.exists()
+
+
+def test_id_rule_matches_the_whole_string():
+    from embshard import checks
+
+    assert checks.bad_id("t0000\n") and checks.bad_id("evil\n") and checks.bad_id("a\nb")
+    assert not checks.bad_id("t0000")
+
+
+def test_no_ingest_source_makes_dims_fbgemm_cannot_measure():
+    import numpy as np
+
+    from embshard.ingest import dlrm, synthetic
+
+    assert (synthetic.DIMS % 4 == 0).all()
+    assert (synthetic.generate_tables(200, seed=3, bins_batch_size=256)["dim"] % 4 == 0).all()
+    assert (dlrm.choose_dims("mixed", 500, seed=1) % 4 == 0).all()
+    assert np.array_equal(dlrm.choose_dims(8, 2, seed=0), [8, 8])
+
+
+def test_fp16_tables_are_measured_with_fp16_weights(world, monkeypatch):
+    """A table's bytes_per_element is the precision of the op that measures it (FBGEMM's and torch's), a mixed
+    shard runs one FBGEMM op per precision, and the precision is recorded with the measurement."""
+    import torch
+
+    from embshard.bench import backends, runner
+    from embshard.tableset import TableSet
+
+    df = world["tables_df"].copy()
+    df["bytes_per_element"] = [2 if i % 2 == 0 else 4 for i in range(len(df))]
+    df["size_bytes"] = df["rows"] * df["dim"] * df["bytes_per_element"]
+    ts = TableSet.from_frame(schemas.validate(df, "tables"))
+    built = []
+    real_build = backends.build
+    monkeypatch.setattr(backends, "build", lambda *a, **k: built.append(real_build(*a, **k)) or built[-1])
+    for backend in ("fbgemm", "torch"):
+        cfg = runner.make_config(backend=backend, batch_size=32, warmup=0, iterations=10, min_time_ms=0.0,
+                                 comm_bandwidth_gbps=10, comm_latency_us=20)
+        for members, want, dtypes in (([0, 2], "fp16", {torch.float16}), ([1, 3], "fp32", {torch.float32}),
+                                      ([0, 1], "fp16+fp32", {torch.float16, torch.float32})):
+            m = runner.measure_shard(ts, members, cfg, num_devices=2)
+            op = built[-1]
+            weights = [o.weights_host for o in op.ops] if backend == "fbgemm" else op.weights
+            assert {w.dtype for w in weights} == dtypes and m["weights_precision"] == want, (backend, members)
+            if backend == "fbgemm":
+                assert len(op.ops) == len(dtypes)  # one TBE op per precision
+            assert m["fwd_compute_ms"] > 0 and m["bwd_compute_ms"] > 0
+
+
+def test_rerun_removes_the_decompressed_trace_its_killed_run_left(tmp_path):
+    """A dlrm ingest killed while decompressing leaves `.embshard-trace-<tag>-<pid>-*.pt` beside its output; the
+    next ingest into the same output removes it (the other output's temp and a live process's temp stay)."""
+    import torch
+
+    from embshard.ingest import dlrm
+
+    src = tmp_path / "trace.pt"
+    torch.save((torch.arange(8, dtype=torch.int64) % 3, torch.arange(9, dtype=torch.int64),
+                torch.ones(2, 4, dtype=torch.int64)), str(src))
+    gz = tmp_path / "trace.pt.gz"
+    gz.write_bytes(gzip.compress(src.read_bytes()))
+    out = tmp_path / "run"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    tag = dlrm.temp_tag(str(out / "tables.parquet"))
+    left = out / f".embshard-trace-{tag}-{dead.pid}-abc123.pt"
+    left.write_bytes(b"\0" * 4096)
+    live = out / f".embshard-trace-{tag}-{os.getppid()}-def456.pt"
+    live.write_bytes(b"\0")
+    other = out / f".embshard-trace-{dlrm.temp_tag(str(tmp_path / 'x' / 'tables.parquet'))}-{dead.pid}-x.pt"
+    other.write_bytes(b"\0")
+    assert cli(["ingest", "--source", "dlrm", "--input", str(gz), "--dim", "8", "--out", str(out),
+                "--no-progress"]) == 0
+    assert not left.exists() and live.exists() and other.exists()
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["tables.parquet"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == sorted([live.name, other.name])

@@ -44,7 +44,7 @@ def _row(sample_id, table_ids, m: dict, cfg: BenchConfig, origin, chunk) -> dict
         "batch_size": cfg.batch_size,
         "iterations": m["iterations"], "measured_at": pd.Timestamp.now(tz="UTC"),
         "num_devices": m["num_devices"], "comm_source": cfg.comm_source, "row_scale": m["row_scale"],
-        "spread": m["spread"], "origin": origin, "chunk": chunk,
+        "spread": m["spread"], "origin": origin, "chunk": chunk, "weights_precision": m.get("weights_precision"),
         "timer": cfg.timer, "num_threads": cfg.threads, "comm_model": cfg.comm_detail}
 
 
