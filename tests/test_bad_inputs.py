@@ -1090,7 +1090,7 @@ def test_pipeline_bad_param_value_is_one_line(tmp_path, capsys, monkeypatch):
     err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith("embshard pipeline: error:") and "field 'devices'" in err[0] and "-3" in err[0], err
-    assert "minimum" in err[0] and "--param devices=" in err[0]
+    assert "minimum" in err[0] and "fix: " in err[0]
     assert not (out / "airflow" / "airflow.db").exists(), "the database was set up for a run that cannot start"
 
 

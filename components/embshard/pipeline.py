@@ -75,6 +75,8 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
     from .errors import EmbshardError
 
     params_mod.check(params)
+    if params and isinstance(params.get("eval_planners"), str):  # the DAG's form takes a list
+        params = {**params, "eval_planners": params_mod.planners_of(params["eval_planners"])}
     env = setup_environment(out)
     from airflow import settings
     from airflow.utils.db import initdb
