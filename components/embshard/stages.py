@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -276,7 +277,7 @@ def run_in_task(name: str, data_root: str, mlflow_uri: str, params: dict, *, run
                              f"{str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}")
         raise
     run_context.progress(f"  {label:<28} done in {time.perf_counter() - start:6.1f} s")
-    print(report(name, result, root), flush=True)
+    log_report(name, result, root)
     return _jsonable(result)
 
 
@@ -314,6 +315,15 @@ def report(name: str, result: dict, root: str) -> str:
     return "\n".join(lines)
 
 
+def log_report(name: str, result: dict, root: str) -> None:
+    """The report into the task's log through logging, not print: Airflow's task runner reads stdout and log
+    records on two sockets, so a printed block could arrive after its "::group::Post Execute" record and land in
+    that collapsed group; a log record keeps its place before it. One record per line keeps the block aligned."""
+    sys.stdout.flush()  # anything printed before (progress) first
+    for line in report(name, result, root).splitlines():
+        log.info("%s", line)
+
+
 def promotion_lines(decision: dict, root: str) -> list[str]:
     """The promotion decision in words: ratios with their intervals and the right sign, the verdict, the reason."""
     lines = []
@@ -337,12 +347,18 @@ def promotion_lines(decision: dict, root: str) -> list[str]:
     if aa is not None and aa == aa:  # NaN: no repeat was measured
         lines.append(f"  the ruler's A/A floor ({floor['planner']} measured twice): {aa:.3f}x"
                      f"{interval(floor)}  (a ratio inside this interval is no difference)")
-    verdict = {"promoted": "PROMOTED to champion", "undecided": "UNDECIDED (challenger); champion kept"}.get(
+    verdict = {"promoted": "PROMOTED to champion", "undecided": "UNDECIDED (now challenger); champion kept",
+               "not_better": "NOT BETTER (no alias); champion unchanged",
+               "measurably_slower": "MEASURABLY SLOWER (no alias); champion unchanged",
+               "infeasible": "INFEASIBLE (no alias); champion unchanged"}.get(
         decision.get("verdict", "promoted" if decision.get("promoted") else ""),
-        "not promoted (challenger); champion kept")
-    lines.append(f"  decision: {verdict}  (candidate v{decision.get('candidate_version')}, "
-                 f"champion before v{decision.get('champion_version_before')}, after "
-                 f"v{decision.get('champion_version_after')}): {decision.get('reason')}")
+        "not promoted; champion unchanged")
+
+    def version(v) -> str:
+        return "none" if v is None else f"v{v}"
+    lines.append(f"  decision: {verdict}  (candidate {version(decision.get('candidate_version'))}, "
+                 f"champion before {version(decision.get('champion_version_before'))}, after "
+                 f"{version(decision.get('champion_version_after'))}): {decision.get('reason')}")
     lines.append(f"  plot: {_join(path(root, 'evaluation'), 'evaluation.png')}")
     if decision.get("summary"):
         lines.append(str(decision["summary"]))

@@ -91,12 +91,15 @@ def placement_costs(cost_model: CostEstimator, placement: Placement) -> np.ndarr
     return scorer.device_costs(placement.device_of_shards())
 
 
-def lower_bound(cost_model: CostEstimator, tables: TableSet, num_devices: int, column_splits: bool = False) -> float:
-    """Lower bound under the model: the average device cost can't be lower than, per cost head, the smaller of
-    (all tables fused on one device) and (the sum of single-table costs), divided by D.
+def balanced_estimate(cost_model: CostEstimator, tables: TableSet, num_devices: int,
+                      column_splits: bool = False) -> float:
+    """The balanced estimate under the model (docs/method.md, "Balanced estimate"): per cost head, the smaller of
+    (all tables fused on one device) and (the sum of single-table costs), divided by D: what a device would cost if
+    the task's work were spread evenly. An estimate, not a bound: measured plans can fall below it (fused,
+    sub-additive compute of the tables a device really holds measured in its own context, and timer noise).
 
-    The all-on-one / D bound (docs/method.md) holds for a sub-additive fused cost; the sum of singles / D holds for a
-    super-additive one. Measured CPU costs are both (forward shares work as tables fuse, backward grows faster
+    All-on-one / D would bound the mean device cost if fused costs were sub-additive, the sum of singles / D if they
+    were super-additive. Measured CPU costs are both (forward shares work as tables fuse, backward grows faster
     than linearly, the all-to-all pays its latency once per device), so each head takes the smaller of its two.
     A device holding the most expensive table costs at least that table alone (table-wise plans; column-wise
     splits can go below it, so they get the first term alone).
@@ -105,7 +108,7 @@ def lower_bound(cost_model: CostEstimator, tables: TableSet, num_devices: int, c
     with torch.no_grad():
         fused = cost_model.heads_from_sums(scorer.enc.sum(0, keepdim=True), num_devices)[0]
         singles = cost_model.heads_from_sums(scorer.enc, num_devices)
-    bound = float(torch.minimum(fused, singles.sum(0)).sum()) / num_devices
+    estimate = float(torch.minimum(fused, singles.sum(0)).sum()) / num_devices
     if not column_splits:
-        bound = max(bound, float(singles.sum(1).max()))
-    return float(bound)
+        estimate = max(estimate, float(singles.sum(1).max()))
+    return float(estimate)

@@ -66,6 +66,7 @@ def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST
     fit_tasks, val_tasks = split_train_tasks(tables, tasks)
     cost_model = load_cost_model(cost_model_uri)
     torch.manual_seed(seed + round_index)
+    check_training(max(1, int(iterations)), 1, rollouts_per_task)
     cfg = TrainConfig(iterations=max(1, int(iterations)), rollouts_per_task=rollouts_per_task, seed=seed)
     if init_policy:
         policy, _ = load_policy_files(os.path.join(init_policy, "policy.pt"), os.path.join(init_policy, "policy.json"))
@@ -107,7 +108,9 @@ def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST
                         "feature_version": schemas.FEATURE_VERSION, "reward": reward, "rounds": round_index,
                         "hardware": getattr(cost_model.config, "hardware", ""),
                         "backend": getattr(cost_model.config, "backend", ""),
-                        "val_ratio_to_best_baseline": f"{final_ratio:.4f}"}
+                        "val_ratio_to_best_baseline": f"{final_ratio:.4f}",
+                        # Until the promotion gate judges it (jobs.promote.record_verdict).
+                        registry.VERDICT_TAG: registry.PENDING}
                 mv = registry.log_and_register(
                     PolicyPythonModel(), arts, REGISTERED_NAME, tags,
                     signature=_signature(policy, cost_model, tables, val_tasks[0]),
@@ -131,7 +134,8 @@ def run(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST_CHAMPIO
     from .measure_plans import run as measure_plans
     from .train_cost import run as train_cost
 
-    rounds = max(1, int(rounds))
+    check_training(iterations, rounds, rollouts_per_task)
+    rounds = int(rounds)
     if rounds > 1 and costs is None:
         raise EmbshardError("the outer loop needs the costs folder", field="costs",
                             fix="pass costs=<DIR/costs> (the benchmark stage's output) or use rounds=1")
@@ -159,6 +163,29 @@ def _measured_overall(settings: MeasureSettings):
     from ..bench import measure_placement
 
     return lambda placement: float(measure_placement(placement, **settings.kwargs())["total_ms"].max())
+
+
+def check_training(iterations, rounds, rollouts_per_task) -> None:
+    """Settings that would register an untrained (or NaN) policy as a new version are refused: at least one update
+    per round, and two rollouts per update (the advantage is each rollout's reward minus the group's mean,
+    divided by the group's spread: one rollout has none)."""
+    def whole(v) -> int | None:
+        try:
+            return int(v) if float(v).is_integer() else None
+        except (TypeError, ValueError, OverflowError):
+            return None
+
+    r = whole(rounds)
+    if r is None or not 1 <= r <= 10:
+        raise EmbshardError(f"invalid value {rounds}", field="rounds", fix="give an integer from 1 to 10")
+    i = whole(iterations)
+    if i is None or i < r:
+        raise EmbshardError(f"invalid value {iterations}: every round needs at least one update", field="iterations",
+                            fix=f"give an integer >= {r} (the rounds; 300 by default)")
+    k = whole(rollouts_per_task)
+    if k is None or k < 2:
+        raise EmbshardError(f"invalid value {rollouts_per_task}", field="rollouts",
+                            fix="give an integer >= 2 (each update compares a task's rollouts; 16 by default)")
 
 
 def _signature(policy, cost_model, tables: str, task: Task):
@@ -189,6 +216,10 @@ def _cost_model_version(uri: str) -> str:
 
 
 # --- `embshard train-policy` -------------------------------------------------------------------
+# What `embshard train-policy` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "inputs": ("tables", "tasks", "costs")}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", required=True, help="tables.parquet")
     p.add_argument("--tasks", required=True, help="tasks.parquet (its 'train' tasks are used)")

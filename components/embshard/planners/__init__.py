@@ -21,6 +21,17 @@ def composition_of(name: str) -> str | None:
     return None
 
 
+def is_planner_name(name: str) -> bool:
+    """Whether `name` names a planner `get_planner` knows: a baseline, a TorchRec planner, or a learned composition
+    (planners.compose.COMPOSITIONS) alone or with a non-empty @ALIAS or /VERSION."""
+    from .baselines import BASELINES
+
+    if name in BASELINES or name in ("torchrec_table_wise", "torchrec_full"):
+        return True
+    comp = composition_of(name)
+    return comp is not None and (name == comp or len(name) > len(comp) + 1)
+
+
 def learned_uri(name: str, default: str | None = None) -> str:
     """Model URI of a learned planner name: learned (champion or `default`), learned@ALIAS, learned/VERSION
     (or any learned composition's name in place of `learned`)."""

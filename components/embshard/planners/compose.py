@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -46,6 +46,12 @@ class Problem:
     task_id: str
     cost_model: CostEstimator
     seed: int = 0
+    # Called with a short phase name as planning goes on (`embshard place` shows it on long plans).
+    on_phase: Callable[[str], None] | None = None
+
+    def phase(self, text: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(text)
 
     @cached_property
     def ctx(self) -> TaskContext:
@@ -88,7 +94,8 @@ class Draft:
 
 
 class Proposer(Protocol):
-    """Makes one whole candidate plan (table-wise assignment or pieces), or None when it has none."""
+    """Makes one whole candidate plan (table-wise assignment or pieces), or None when it has none. An optional
+    `phase` attribute names what it does in the progress lines (default: its name)."""
 
     name: str
 
@@ -110,6 +117,7 @@ class PolicyGreedy:
 
     policy: PolicyNet
     name: str = "policy_greedy"
+    phase: str = "policy rollouts"
 
     def propose(self, problem):
         self.policy.eval()
@@ -124,6 +132,7 @@ class PolicySampled:
     policy: PolicyNet
     samples: int = 8
     name: str = "policy_sampled"
+    phase: str = "policy rollouts"
 
     def propose(self, problem):
         self.policy.eval()
@@ -138,6 +147,7 @@ class CostGreedy:
     """Most expensive table first onto the device whose predicted cost after adding it is lowest."""
 
     name: str = "cost_greedy"
+    phase: str = "heuristic starting points"
 
     def propose(self, problem):
         return cost_greedy(problem.ctx)
@@ -148,6 +158,7 @@ class Heuristic:
     """A baseline planner's plan (random, round-robin, a proxy greedy) as a candidate."""
 
     name: str
+    phase: str = "heuristic starting points"
 
     def propose(self, problem):
         try:
@@ -165,6 +176,7 @@ class TorchRecProposal:
     search: str = "table_wise"
     timeout_s: float | None = None
     name: str = ""
+    phase: str = "heuristic starting points"
 
     def __post_init__(self):
         self.name = self.name or f"torchrec_{self.search}"
@@ -215,6 +227,8 @@ class LocalSearch:
         total = int(budget.evaluations * self.share)
         out = []
         for k, d in enumerate(top):
+            problem.phase(f"search from {d.name} ({k + 1} of {len(top)}; {budget.used:,} of "
+                          f"{budget.evaluations:,} evaluations)")
             sub = budget.share((total - budget.used) // (len(top) - k))
             state = local_search(d.state, sub) if sub.evaluations > 0 else d.state
             budget.absorb(sub)
@@ -234,6 +248,7 @@ class ColumnSplits:
         if budget.exhausted():
             return drafts
         best = drafts[0]
+        problem.phase(f"column splits ({budget.used:,} of {budget.evaluations:,} evaluations)")
         shards, assignment, state = try_column_splits(problem.tables, best.shards, best.state.assignment,
                                                       problem.cost_model, problem.topology.count, problem.memory,
                                                       budget, self.max_splits)
@@ -265,6 +280,8 @@ class ComposedPlanner(Planner):
         self.time_budget_s = time_budget_s
         self.seed = seed
         self.model_uri = model_uri
+        # Called with a short phase name as planning goes on (`embshard place` shows it on long plans).
+        self.on_phase: Callable[[str], None] | None = None
 
     def evaluations_for(self, num_tables: int) -> int:
         """Search work (scored moves and swaps): the given budget, else 40,000 up to 250 tables, growing to
@@ -282,11 +299,16 @@ class ComposedPlanner(Planner):
 
     def _plan(self, tables, topology, task_id):
         with single_threaded(), torch.no_grad():
-            return self._compose(Problem(tables, topology, task_id, self.cost_model, self.seed))
+            return self._compose(Problem(tables, topology, task_id, self.cost_model, self.seed, self.on_phase))
 
     def _propose(self, problem: Problem, proposers: list[Proposer]) -> list[Draft]:
         drafts = []
+        shown = None
         for p in proposers:
+            phase = getattr(p, "phase", p.name)
+            if phase != shown:
+                problem.phase(phase)
+                shown = phase
             out = p.propose(problem)
             if out is None:
                 continue
@@ -301,6 +323,8 @@ class ComposedPlanner(Planner):
         n = len(problem.tables)
         cap = self.time_cap_for(n)
         budget = Budget(self.evaluations_for(n), deadline=start + cap)
+        problem.phase("encoding the tables with the cost model")
+        problem.ctx  # built here (every draft is scored with it) so that its time shows as its own phase
         drafts = self._propose(problem, self.composition.proposers)
         if not drafts:
             drafts = self._propose(problem, self.composition.fallbacks)

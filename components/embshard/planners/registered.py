@@ -45,6 +45,14 @@ def load_policy_bundle(uri: str):
     from .. import registry
 
     model = registry.load_python_model(uri)
+    if not isinstance(model, PolicyPythonModel):
+        from ..errors import EmbshardError
+
+        what = ("a cost model (embshard-cost)" if hasattr(model, "model") and not hasattr(model, "policy")
+                else f"a {type(model).__name__}")
+        raise EmbshardError(f"this model is {what}, not a placement policy", path=uri, field="model",
+                            fix=f"give a version of '{registry.POLICY_MODEL}', e.g. {registry.POLICY_CHAMPION_URI} "
+                                "(a cost model goes to --cost-model)")
     return model.policy, model.cost_model, model.config
 
 
