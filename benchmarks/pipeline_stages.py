@@ -16,7 +16,7 @@ import pandas as pd
 from .common import md_table, progress
 
 OUTER_LOOP_STEPS = ("measure_policy_plans", "refit_cost_model", "train_policy")
-STAGE_ORDER = ["ingest", "sample_shards", "benchmark", "train_cost_model", "train_policy",
+STAGE_ORDER = ["check_params", "ingest", "sample_shards", "benchmark", "train_cost_model", "train_policy",
                *[f"{step}_r{r}" for r in (2, 3) for step in OUTER_LOOP_STEPS],
                "evaluate_and_promote", "export_placements"]
 # The embedded pipeline as the full harness runs it: the defaults, sized to leave the harness time for the rest.

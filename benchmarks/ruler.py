@@ -158,7 +158,7 @@ def write_report(aa: pd.DataFrame, cost: pd.DataFrame, a, steadiest: str, md: st
         "",
         f"{int(many['rounds'])} rounds took {many['wall_s'] / one['wall_s']:.2f}x the time of one (shared shards are "
         "measured once per round, and each round times 60 ms of work per shard where a single measurement timed "
-        "300 ms; every round builds the operator afresh). The lower bound "
+        "300 ms; every round builds the operator afresh). The balanced estimate "
         "(singles and the fused shard) is measured once per task either way.",
         "",
         "![A/A ratios per clock](ruler.png)",

@@ -479,3 +479,722 @@ def test_export_is_complete(world, tmp_path):
 
     plan = json.loads((out / world["task_id"] / "plan.json").read_text())
     assert sorted(t["table_id"] for t in plan["tables"]) == sorted(first_ids(world, 3))
+
+
+# -- issue 26 battery: outputs, export, plans, training --------------------------------------------------------
+import json  # noqa: E402
+import shutil  # noqa: E402
+
+needs_torchrec = pytest.mark.skipif(
+    __import__("importlib.util").util.find_spec("torchrec") is None, reason="torchrec not installed")
+
+
+@pytest.fixture(scope="module")
+def torchrec_plan_doc(world, tmp_path_factory):
+    """The torchrec_plan.json `embshard export` writes for the world's test task (3 tables, 2 devices)."""
+    out = tmp_path_factory.mktemp("trplan") / "exp"
+    assert cli(["export", "--placements", world["placements"], "--tables", world["tables"], "--tasks",
+                world["tasks"], "--out", str(out)]) == 0
+    return json.loads((out / world["task_id"] / "torchrec_plan.json").read_text())
+
+
+def _first_table(doc):
+    return next(iter(doc["modules"][""]))
+
+
+def _edit_param(key, value):
+    def edit(doc):
+        doc["modules"][""][_first_table(doc)][key] = value
+        return doc
+    return edit
+
+
+def _rank99(doc):
+    p = doc["modules"][""][_first_table(doc)]
+    p["ranks"] = [99] * len(p["shards"])
+    for s in p["shards"]:
+        s["placement"] = "rank:99/cuda:99"
+    return doc
+
+
+def _drop_table(doc):
+    del doc["modules"][""][_first_table(doc)]
+    return doc
+
+
+def _ranks_disagree(doc):
+    p = doc["modules"][""][_first_table(doc)]
+    p["ranks"] = [1 - r for r in p["ranks"]]
+    return doc
+
+
+def _slice_gap(doc):
+    p = doc["modules"][""][_first_table(doc)]
+    p["shards"][0]["offsets"] = [0, 4]
+    return doc
+
+
+PLAN_CASES = {
+    # (edit of the exported document or raw text, words the one-line error must contain)
+    "plan-table-missing": (_drop_table, ["modules", "no sharding"]),
+    "plan-rank-99-on-2-devices": (_rank99, ["ranks", "rank 99", "2 devices"]),
+    "plan-ranks-disagree-with-shards": (_ranks_disagree, ["ranks", "disagree"]),
+    "plan-sharding-type-bogus": (_edit_param("sharding_type", "bogus"), ["sharding_type", "bogus"]),
+    "plan-compute-kernel-bogus": (_edit_param("compute_kernel", "gpu_magic"), ["compute_kernel"]),
+    "plan-no-shards": (_edit_param("shards", []), ["shards"]),
+    "plan-column-gap": (_slice_gap, ["shards", "column"]),
+    "plan-no-modules": (lambda doc: {k: v for k, v in doc.items() if k != "modules"}, ["modules"]),
+    "plan-wrong-schema": (lambda doc: {**doc, "schema": "other/v9"}, ["schema"]),
+    "plan-not-an-object": (lambda doc: [doc], ["schema"]),
+    "plan-invalid-json": ("{\"schema\": ", ["json", "not valid JSON"]),
+    "plan-empty-file": ("", ["json"]),
+}
+
+
+@needs_torchrec
+@pytest.mark.parametrize("case", sorted(PLAN_CASES))
+def test_bad_torchrec_plan_is_refused_before_training(case, torchrec_plan_doc, tmp_path):
+    """What a training job loads: one EmbshardError naming the file and the field, never a plan TorchRec would
+    shard wrongly (or a bare JSONDecodeError / KeyError)."""
+    import copy
+
+    from embshard.errors import EmbshardError
+    from embshard.export.torchrec_plan import plan_from_json
+
+    edit, words = PLAN_CASES[case]
+    path = tmp_path / "torchrec_plan.json"
+    path.write_text(edit if isinstance(edit, str) else json.dumps(edit(copy.deepcopy(torchrec_plan_doc))))
+    with pytest.raises(EmbshardError) as err:
+        plan_from_json(str(path))
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(str(path)), line
+    for word in words:
+        assert word in line, f"{word!r} not in: {line}"
+
+
+@needs_torchrec
+def test_torchrec_plan_checked_against_the_callers_tables_and_world(world, torchrec_plan_doc, tmp_path):
+    from embshard.errors import EmbshardError
+    from embshard.export.torchrec_plan import plan_from_json, rank_layout
+    from embshard.tableset import TableSet
+
+    path = tmp_path / "torchrec_plan.json"
+    path.write_text(json.dumps(torchrec_plan_doc))
+    ts = TableSet.read(world["tables"])
+    task_tables = ts.select(first_ids(world, 3))
+    plan = plan_from_json(str(path), tables=task_tables, world_size=2)  # the right ones load
+    assert sorted(rank_layout(plan)) == sorted(first_ids(world, 3))
+    with pytest.raises(EmbshardError, match="field 'modules'.*9 table"):
+        plan_from_json(str(path), tables=ts)  # the model has 12 tables, the plan places 3
+    with pytest.raises(EmbshardError, match="field 'world_size'"):
+        plan_from_json(str(path), world_size=4)
+    # An older file without world_size/tables is still checked against what the caller gives.
+    old = {k: v for k, v in torchrec_plan_doc.items() if k not in ("world_size", "tables")}
+    path.write_text(json.dumps(_rank99(old)))
+    with pytest.raises(EmbshardError, match="rank 99 on a plan of 2 devices"):
+        plan_from_json(str(path), world_size=2)
+
+
+# Outputs: an output that is (or would overwrite) one of the command's inputs, an existing file given as a folder,
+# a folder where a file is written, an unreachable store. Refused before any work (the command's main is never
+# reached), one line, nothing written, the inputs untouched.
+def _copy(w, d, key, name):
+    path = os.path.join(d, name)
+    shutil.copy(w[key], path)
+    return path
+
+
+def _shards_csv(w, d, name="shards.csv"):
+    return spec(d, f"sample_id,table_ids,num_devices\ns0,{' '.join(first_ids(w, 2))},2\n", name)
+
+
+def _costs_dir(d):
+    os.makedirs(os.path.join(d, "costs"))
+    return os.path.join(d, "costs")
+
+
+OUTPUT_CASES = {
+    "predict-out-is-its-tables": lambda w, d: (
+        ["predict", "--tables", _copy(w, d, "tables", "t.parquet"), "--shards", _shards_csv(w, d), "--out",
+         os.path.join(d, "t.parquet")], ["t.parquet", "field 'out'", "--tables input"]),
+    "predict-out-is-its-shards": lambda w, d: (
+        ["predict", "--tables", w["tables"], "--shards", _shards_csv(w, d), "--out", os.path.join(d, "shards.csv")],
+        ["shards.csv", "--shards input"]),
+    "predict-out-is-a-folder": lambda w, d: (
+        ["predict", "--tables", w["tables"], "--shards", _shards_csv(w, d), "--out", d], ["out", "is a folder"]),
+    "place-out-is-its-tables": lambda w, d: (
+        ["place", "--tables", _copy(w, d, "tables", "t.parquet"), "--planner", "size_greedy", "--devices", "2",
+         "--memory-gb", "8", "--out", os.path.join(d, "t.parquet")], ["t.parquet", "--tables input"]),
+    "place-out-overwrites-its-tasks": lambda w, d: (
+        _place(w, "--tasks", _copy(w, d, "tasks", "placements.parquet"), "--task-id", w["task_id"], "--out", d),
+        ["out", "would overwrite the --tasks input"]),
+    "place-out-existing-file": lambda w, d: (
+        _place(w, "--devices", "2", "--memory-gb", "8", "--out", spec(d, "x", "afile")), ["afile", "is a file"]),
+    "place-out-under-a-file": lambda w, d: (
+        _place(w, "--devices", "2", "--memory-gb", "8", "--out", os.path.join(spec(d, "x", "afile"), "sub")),
+        ["afile", "is a file"]),
+    "place-out-plan-json-is-a-folder": lambda w, d: (
+        _place(w, "--devices", "2", "--memory-gb", "8", "--out", os.path.dirname(
+            _mkdir(d, "o", "plan.json"))), ["plan.json", "is a folder"]),
+    "tasks-out-is-its-tables": lambda w, d: (
+        ["tasks", "--tables", _copy(w, d, "tables", "t.parquet"), "--num-tasks", "1", "--out",
+         os.path.join(d, "t.parquet")], ["t.parquet", "--tables input"]),
+    "tasks-out-overwrites-its-tables": lambda w, d: (
+        ["tasks", "--tables", _copy(w, d, "tables", "tasks.parquet"), "--num-tasks", "1", "--out", d],
+        ["would overwrite the --tables input"]),
+    "tasks-out-existing-file": lambda w, d: (
+        ["tasks", "--tables", w["tables"], "--num-tasks", "1", "--out", spec(d, "x", "afile")], ["afile", "is a file"]),
+    "evaluate-out-existing-file": lambda w, d: (
+        _evaluate(w, w["tasks"], "--out", spec(d, "x", "afile")), ["afile", "is a file"]),
+    "evaluate-out-is-its-tasks": lambda w, d: (
+        _evaluate(w, _copy(w, d, "tasks", "tasks.parquet"), "--out", os.path.join(d, "tasks.parquet")),
+        ["--tasks input"]),
+    "export-out-holds-its-placements": lambda w, d: (
+        _export(w, _copy(w, d, "placements", "placements.parquet")) + ["--out", d],
+        ["--placements input"]),
+    "bench-out-overwrites-its-tables": lambda w, d: (
+        _bench(w, d, "--out", d, tables=shutil.copy(w["tables"], _costs_dir(d))),
+        ["would overwrite the --tables input"]),
+    "ingest-out-is-its-input": lambda w, d: (
+        ["ingest", "--source", "spec", "--input", spec(d, spec_row("a,10,4,1")), "--out", os.path.join(d, "spec.csv")],
+        ["spec.csv", "--input input"]),
+    "ingest-out-tables-parquet-is-a-folder": lambda w, d: (
+        ["ingest", "--source", "synthetic", "--num-tables", "4", "--out", os.path.dirname(
+            _mkdir(d, "o", "tables.parquet"))], ["tables.parquet", "is a folder"]),
+    "train-cost-out-is-its-costs": lambda w, d: (
+        ["train-cost", "--costs", _costs_dir(d), "--tables", w["tables"], "--out", os.path.join(d, "costs")],
+        ["costs", "--costs input"]),
+    "train-policy-out-is-its-tables": lambda w, d: (
+        ["train-policy", "--tables", _copy(w, d, "tables", "t.parquet"), "--tasks", w["tasks"], "--out",
+         os.path.join(d, "t.parquet")], ["--tables input"]),
+}
+
+
+def _mkdir(d, *parts):
+    path = os.path.join(d, *parts)
+    os.makedirs(path)
+    return path
+
+
+def _run_refused(argv, words, before_dirs, capsys, monkeypatch):
+    """One CLI call that must be refused by the output check, before the command's main runs."""
+    import importlib
+
+    from embshard.cli import COMMANDS
+
+    def no_work(args):
+        raise AssertionError("the command started its work before its --out was checked")
+
+    monkeypatch.setattr(importlib.import_module(COMMANDS[argv[0]][0]), "main", no_work)
+    before = snapshot(*before_dirs)
+    capsys.readouterr()
+    try:
+        rc = cli(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.strip() and not LOG_LINE.match(line)]
+    assert rc == 2, f"exit {rc}: {err[-1500:]}"
+    assert len(lines) == 1 and lines[0].startswith(f"embshard {argv[0]}: error:"), err[-1500:]
+    for word in words:
+        assert word in lines[0], f"{word!r} not in: {lines[0]}"
+    assert snapshot(*before_dirs) == before, "inputs changed or files were written"
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", sorted(OUTPUT_CASES))
+def test_bad_output(case, world, tmp_path, capsys, monkeypatch):
+    d = tmp_path / "in"
+    d.mkdir()
+    argv, words = OUTPUT_CASES[case](world, str(d))
+    _run_refused(argv, words, [str(d), world["root"]], capsys, monkeypatch)
+
+
+def test_out_in_a_read_only_folder(world, tmp_path, capsys, monkeypatch):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anyway: the folder is shown as read-only to the check instead
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: (os.path.realpath(p) != str(ro.resolve())
+                                                                 and real_access(p, mode, **kw)))
+    try:
+        for argv in (_place(world, "--devices", "2", "--memory-gb", "8", "--out", str(ro / "plan")),
+                     ["tasks", "--tables", world["tables"], "--num-tasks", "1", "--out", str(ro)],
+                     _evaluate(world, world["tasks"], "--out", str(ro / "ev"))):
+            _run_refused(argv, ["not writable", str(ro)], [str(tmp_path), world["root"]], capsys, monkeypatch)
+    finally:
+        ro.chmod(0o755)
+
+
+def test_unreachable_s3_out_is_one_line(world, tmp_path, capsys, monkeypatch):
+    # A store that refuses connections at once (hermetic: no network needed).
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    t0 = time.time()
+    line = _run_refused(_place(world, "--devices", "2", "--memory-gb", "8", "--out", "s3://embshard-nosuch/x"),
+                        ["s3://embshard-nosuch/x", "field 'out'", "cannot reach"], [world["root"]], capsys,
+                        monkeypatch)
+    assert time.time() - t0 < 30, line
+
+
+def test_place_with_a_cost_model_as_policy_is_one_line(world, tmp_path, capsys, monkeypatch):
+    """`place --model models:/embshard-cost@...`: the registry hands back a cost model, not a policy."""
+    from embshard import registry
+    from embshard.costmodel.pyfunc import CostModelPyfunc
+
+    monkeypatch.setattr(registry, "load_python_model", lambda uri: CostModelPyfunc())
+    out = tmp_path / "out"
+    capsys.readouterr()
+    rc = cli(_place(world, "--devices", "2", "--memory-gb", "8", "--model", "models:/embshard-cost@champion",
+                    "--out", str(out), planner="learned"))
+    err = capsys.readouterr().err
+    lines = [line for line in err.strip().splitlines() if line.strip() and not LOG_LINE.match(line)]
+    assert rc == 2 and len(lines) == 1, err[-1500:]
+    assert "cost model" in lines[0] and "embshard-policy" in lines[0] and "field 'model'" in lines[0], lines[0]
+    assert not out.exists()
+
+
+# Side effects: nothing is written outside --out.
+@pytest.mark.parametrize("planner", ["size_greedy", "learned"])
+def test_place_writes_nothing_outside_out(planner, world, tmp_path, monkeypatch, capsys):
+    """Without MLFLOW_TRACKING_URI, a heuristic planner does not create mlflow.db (or anything) in the working
+    folder; a learned one with no store says so in one line, and creates nothing either."""
+    import mlflow
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    mlflow.set_tracking_uri(None)
+    mlflow.set_registry_uri(None)
+    try:
+        rc = cli(_place(world, "--devices", "2", "--memory-gb", "64", "--out", str(tmp_path / "out"),
+                        planner=planner))
+    finally:
+        mlflow.set_tracking_uri(None)
+        mlflow.set_registry_uri(None)
+    err = capsys.readouterr().err
+    assert os.listdir(cwd) == []
+    if planner == "learned":
+        assert rc == 2 and "no MLflow store" in err, err[-1500:]
+        assert not (tmp_path / "out").exists()
+    else:
+        assert rc == 0, err[-1500:]
+        assert sorted(os.listdir(tmp_path / "out")) == ["devices.png", "placements.parquet", "plan.json"]
+
+
+# Export: the module path, stale files of an earlier export, what a killed export left.
+CASES_26_EXPORT = {
+    "export-module-path-parent": lambda w, d: (
+        _export(w, w["placements"])[:-1] + ["--module-path", "../x"], ["module_path", "../x"]),
+    "export-module-path-empty-part": lambda w, d: (
+        _export(w, w["placements"])[:-1] + ["--module-path", "model..ebc"], ["module_path", "model..ebc"]),
+    "export-module-path-space": lambda w, d: (
+        _export(w, w["placements"])[:-1] + ["--module-path", "sparse arch"], ["module_path"]),
+}
+
+
+# -- issue 26 battery: tables, specs, traces, measurement --------------------------------------------------------
+# Each row goes through test_bad_input's checks (exit 2, one line naming the input and the field, nothing written).
+def _root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def _fifo(d, name) -> str:
+    path = os.path.join(d, name)
+    os.mkfifo(path)
+    return path
+
+
+def _unreadable(d, name, data: bytes) -> str:
+    if _root():
+        pytest.skip("runs as root: chmod 000 does not stop root from reading, so permission denied cannot happen")
+    path = _write_bytes(d, name, data)
+    os.chmod(path, 0)
+    return path
+
+
+def _bool_trace(d, name="trace.pt") -> str:
+    import torch
+
+    path = os.path.join(d, name)
+    torch.save((torch.ones(8, dtype=torch.bool), torch.arange(9, dtype=torch.int64),
+                torch.ones(2, 4, dtype=torch.int64)), path)
+    return path
+
+
+def _train_tasks_with_unknown_table(w, d) -> str:
+    df = w["tasks_df"].copy()
+    df["table_ids"] = [["t_unknown"] if s == "train" else list(ids) for s, ids in zip(df["split"], df["table_ids"])]
+    return raw_parquet(df, os.path.join(d, "tasks.parquet"))
+
+
+def _predict(w, d, csv_text):
+    return ["predict", "--tables", w["tables"], "--shards", spec(d, csv_text, "shards.csv"), "--model",
+            os.path.join(d, "no-model")]
+
+
+def _tables_with_width(w, d, width: int) -> str:
+    """Table 0 with `width`-byte weights and a consistent size_bytes (only the width is wrong)."""
+    df = w["tables_df"]
+    return tables_with(w, d, bytes_per_element=(0, width), size_bytes=(0, int(df["rows"][0] * df["dim"][0] * width)))
+
+
+CASES_26_DATA = {
+    # measurement: only fp32 (4) and fp16 (2) weights exist; other widths were measured as fp32
+    "i26-bench-table-8-byte-weights": lambda w, d: (
+        _bench(w, d, tables=_tables_with_width(w, d, 8)), ["tables.parquet", "bytes_per_element", "fp32"]),
+    "i26-tasks-table-1-byte-weights": lambda w, d: (_tasks(_tables_with_width(w, d, 1)),
+                                                    ["tables.parquet", "bytes_per_element", "fp16"]),
+    "i26-spec-data-type-fp64": ingest_spec(spec_row("a,10,4,1,fp64", ",data_type", ",fp32")),
+    # dims FBGEMM cannot measure: refused at ingest, not an AssertionError in bench
+    "i26-spec-dim-3": lambda w, d: (ingest_spec(spec_row("a,10,3,1"))(w, d)[0],
+                                    ["spec.csv", "embedding_dim", "'a'", "row 1", "multiple of 4"]),
+    "i26-dlrm-dim-6": lambda w, d: (["ingest", "--source", "dlrm", "--input", trace(d), "--dim", "6"],
+                                    ["dim", "multiple of 4"]),
+    "i26-bench-table-dim-6": lambda w, d: (_bench(w, d, tables=tables_with(w, d, dim=(0, 6))),
+                                           ["tables.parquet", "dim", "multiple of 4"]),
+    # ids match the whole string: a trailing newline is not allowed
+    "i26-tasks-table-id-newline": lambda w, d: (_tasks(tables_with(w, d, table_id=(0, "t0000\n"))),
+                                                ["tables.parquet", "table_id"]),
+    "i26-evaluate-task-id-newline": lambda w, d: (_evaluate(w, tasks_with(w, d, task_id="evil\n")),
+                                                  ["tasks.parquet", "task_id"]),
+    # spec columns: twice, unknown (a typo), bins batch size
+    "i26-spec-column-twice": lambda w, d: (ingest_spec(f"{HEAD},embedding_dim\na,10,4,1,8\n")(w, d)[0],
+                                           ["spec.csv", "embedding_dim", "twice"]),
+    "i26-spec-yaml-key-twice": lambda w, d: (ingest_spec(
+        "tables:\n  - {name: a, num_embeddings: 10, embedding_dim: 4, embedding_dim: 8, pooling_factor: 1}\n",
+        "spec.yaml")(w, d)[0], ["spec.yaml", "embedding_dim", "twice"]),
+    "i26-spec-unknown-column-dtype": lambda w, d: (ingest_spec(spec_row("a,10,4,1,fp16", ",dtype", ",fp16"))(w, d)[0],
+                                                   ["spec.csv", "'dtype'", "unknown column", "data_type"]),
+    "i26-spec-unknown-column-zipf_alfa": lambda w, d: (
+        ingest_spec(spec_row("a,10,4,1,0.5", ",zipf_alfa", ",0.5"))(w, d)[0],
+        ["spec.csv", "'zipf_alfa'", "did you mean 'zipf_alpha'"]),
+    "i26-spec-parquet-unknown-column": lambda w, d: (
+        ["ingest", "--source", "spec", "--input", raw_parquet(pd.DataFrame(
+            {"name": ["a"], "num_embeddings": [10], "embedding_dim": [4], "pooling_factor": [1.0], "dtype": ["fp16"]}),
+            os.path.join(d, "spec.parquet"))], ["spec.parquet", "'dtype'"]),
+    "i26-spec-bins-batch-zero": lambda w, d: (ingest_spec(spec_row("a,10,4,1"))(w, d)[0] + ["--bins-batch-size", "0"],
+                                              ["bins_batch_size"]),
+    "i26-spec-bins-batch-negative": lambda w, d: (
+        ingest_spec(spec_row("a,10,4,1"))(w, d)[0] + ["--bins-batch-size", "-5"], ["bins_batch_size"]),
+    "i26-synthetic-bins-batch-zero": lambda w, d: (
+        ["ingest", "--source", "synthetic", "--num-tables", "4", "--bins-batch-size", "0"], ["bins_batch_size"]),
+    # traces: boolean indices are not ids
+    "i26-dlrm-bool-indices": lambda w, d: (["ingest", "--source", "dlrm", "--input", _bool_trace(d)],
+                                           ["trace.pt", "indices"]),
+    # clear messages: the field count, the name, permission denied, the tasks file
+    "i26-spec-extra-field": lambda w, d: (ingest_spec(spec_row("a,10,4,1,9"))(w, d)[0],
+                                          ["spec.csv", "line 3 has 5 values", "4 columns"]),
+    "i26-spec-hash-in-name": lambda w, d: (ingest_spec(spec_row("a#b,10,4,1"))(w, d)[0],
+                                           ["spec.csv", "field 'name'", "a#b"]),
+    "i26-tasks-tables-unreadable": lambda w, d: (
+        _tasks(_unreadable(d, "tables.parquet", open(w["tables"], "rb").read())), ["tables.parquet", "permission"]),
+    "i26-spec-unreadable": lambda w, d: (
+        ["ingest", "--source", "spec", "--input", _unreadable(d, "spec.csv", spec_row("a,10,4,1").encode())],
+        ["spec.csv", "permission"]),
+    "i26-bench-tasks-unknown-table": lambda w, d: (
+        _bench(w, d, "--tasks", _train_tasks_with_unknown_table(w, d)), ["tasks.parquet", "table_ids", "t_unknown"]),
+    "i26-evaluate-task-unknown-table": lambda w, d: (_evaluate(w, tasks_with(w, d, table_ids=["t_unknown"])),
+                                                     ["tasks.parquet", "table_ids", "t_unknown"]),
+    "i26-bench-placements-unknown-table": lambda w, d: (
+        _bench(w, d, "--placements", placements_with(w, d, lambda df: df.assign(
+            table_id=["t_unknown"] + list(df["table_id"][1:])))), ["placements.parquet", "table_ids", "t_unknown"]),
+    # non-regular files are refused at once (a FIFO used to block forever)
+    "i26-tasks-tables-fifo": lambda w, d: (_tasks(_fifo(d, "tables.parquet")), ["tables.parquet", "FIFO"]),
+    "i26-spec-fifo": lambda w, d: (["ingest", "--source", "spec", "--input", _fifo(d, "spec.csv")],
+                                   ["spec.csv", "FIFO"]),
+    "i26-dlrm-fifo": lambda w, d: (["ingest", "--source", "dlrm", "--input", _fifo(d, "t.pt")], ["t.pt", "FIFO"]),
+    "i26-dlrm-rows-file-fifo": lambda w, d: (
+        ["ingest", "--source", "dlrm", "--input", trace(d), "--rows-file", _fifo(d, "rows.txt")],
+        ["rows.txt", "FIFO"]),
+    "i26-predict-shards-fifo": lambda w, d: (["predict", "--tables", w["tables"], "--shards", _fifo(d, "s.csv"),
+                                              "--model", os.path.join(d, "m")], ["s.csv", "FIFO"]),
+    # seeds, a bound on tasks, a table listed three times in one shard
+    "i26-ingest-seed-negative": lambda w, d: (["ingest", "--source", "synthetic", "--num-tables", "4", "--seed", "-1"],
+                                              ["seed", "0 to"]),
+    "i26-tasks-seed-negative": lambda w, d: (_tasks(w["tables"], "--seed", "-1"), ["seed"]),
+    "i26-tasks-num-tasks-huge": lambda w, d: (_tasks(w["tables"], "--num-tasks", "100000000"),
+                                              ["num_tasks", "10,000"]),
+    "i26-predict-table-thrice": lambda w, d: (
+        _predict(w, d, f"sample_id,table_ids,num_devices\ns0,{' '.join([first_ids(w, 1)[0]] * 3)},2\n"),
+        ["shards.csv", "table_ids", "3 times"]),
+}
+CASES_26 = {**CASES_26_EXPORT, **CASES_26_DATA}
+
+
+@pytest.mark.parametrize("case", sorted(CASES_26))
+def test_bad_input_26(case, world, tmp_path, capsys, monkeypatch):
+    """The issue 26 rows that fit the first battery's form: one CLI call on one bad input, --out appended."""
+    monkeypatch.setitem(CASES, case, CASES_26[case])
+    test_bad_input(case, world, tmp_path, capsys)
+
+
+def test_export_accepts_a_dotted_module_path(world, tmp_path):
+    out = tmp_path / "exp"
+    assert cli(_export(world, world["placements"])[:-1] + ["--module-path", "sparse_arch.ebc", "--out",
+                                                             str(out)]) == 0
+    if (out / world["task_id"] / "torchrec_plan.json").exists():
+        doc = json.loads((out / world["task_id"] / "torchrec_plan.json").read_text())
+        assert list(doc["modules"]) == ["sparse_arch.ebc"]
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_rerun_export_leaves_only_its_own_files(world, tmp_path):
+    """A re-export into the same folder: no TorchRec plan of the earlier export contradicts the new plan.json,
+    no folder of a task no longer exported stays; files that are not the export's are kept. A stage folder a
+    killed export into this folder left (named after it, its process gone) is removed at the start; another
+    output's stage folder is not."""
+    from embshard import storage
+
+    out = tmp_path / "exp"
+    tid = world["task_id"]
+    assert cli(["export", "--placements", world["placements"], "--tables", world["tables"], "--out", str(out)]) == 0
+    (out / "old-task").mkdir()
+    (out / "old-task" / "plan.json").write_text("{}")
+    (out / "old-task" / "torchrec_plan.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    (out / "planned.parquet").write_bytes(b"not the export's")
+    key = storage._target_key(str(out))
+    killed = out / f"{storage.STAGE_PREFIX}{key}-{_dead_pid()}-abcd1234"
+    (killed / tid).mkdir(parents=True)
+    (killed / tid / "plan.json").write_text("{\"partial")
+    other = out / f"{storage.STAGE_PREFIX}{storage._target_key(str(tmp_path / 'other'))}-{_dead_pid()}-x"
+    other.mkdir()
+    assert cli(_export(world, world["placements"]) + ["--out", str(out)]) == 0  # --no-torchrec now
+    assert sorted(os.listdir(out)) == sorted(["placements.parquet", tid, "notes.txt", "planned.parquet", other.name])
+    assert os.listdir(out / tid) == ["plan.json"], "a TorchRec plan of the earlier export was kept"
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+# Output size and progress of `place`.
+def test_place_on_many_devices_prints_a_summary(world, tmp_path, capsys):
+    """Beyond a screenful of devices: the first, last and busiest devices, and a line saying how many were left
+    out and where the full table is (not one line per device: 65,536 devices printed 65,540 lines)."""
+    out = tmp_path / "out"
+    assert cli(_place(world, "--devices", "600", "--memory-gb", "64", "--out", str(out))) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) <= 45, len(printed)
+    assert any("devices not shown" in line and "plan.json" in line for line in printed), printed[-3:]
+    assert any(line.split()[:1] == ["599"] for line in printed)  # the last device is shown
+    plan = json.loads((out / "plan.json").read_text())
+    assert len(plan["devices"]) == 600  # the full table
+
+
+def test_place_at_the_device_limit_summarises(world):
+    from embshard.placement_report import device_table
+    from embshard.planners.baselines import make_baseline
+    from embshard.tableset import TableSet
+
+    ts = TableSet.read(world["tables"])
+    p = make_baseline("size_greedy").plan(ts, 65_536, 64 * 2**30, "t")
+    text = device_table(p, full_table="out/plan.json")
+    assert len(text.splitlines()) < 45 and "65,516 of 65,536 devices not shown" in text and "out/plan.json" in text
+
+
+def test_long_planning_prints_progress(world, tmp_path, capsys, monkeypatch):
+    """A plan that takes long prints progress lines on stderr (periodic, with the planner's phase)."""
+    from embshard.jobs import place
+    from embshard.planners.baselines import make_baseline
+
+    class SlowPlanner:
+        cost_model = None
+        on_phase = None
+
+        def plan(self, *args):
+            self.on_phase("search from size_greedy")
+            time.sleep(0.5)
+            return make_baseline("size_greedy").plan(*args)
+
+    monkeypatch.setattr(place, "planner_for", lambda *a, **k: SlowPlanner())
+    monkeypatch.setattr(place, "PROGRESS_AFTER_S", 0.1)
+    monkeypatch.setattr(place, "PROGRESS_EVERY_S", 0.1)
+    assert cli(_place(world, "--devices", "2", "--memory-gb", "64", "--out", str(tmp_path / "out"))) == 0
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("place: planning 12 tables on 2 devices")]
+    assert len(lines) >= 2 and "search from size_greedy" in lines[-1], err[-1500:]
+
+
+def test_learned_planner_reports_its_phases(world):
+    from embshard.costmodel.ensemble import CostEnsemble
+    from embshard.costmodel.model import CostModel, CostModelConfig
+    from embshard.features import FeatureScaler
+    from embshard.planners.learned import LearnedPlanner
+    from embshard.policy.core import PolicyNet
+    from embshard.tableset import TableSet
+
+    ts = TableSet.read(world["tables"])
+    model = CostEnsemble([CostModel.create(CostModelConfig(), FeatureScaler.fit(ts.features()))])
+    planner = LearnedPlanner(PolicyNet(), model, search_evaluations=500)
+    phases: list[str] = []
+    planner.on_phase = phases.append
+    planner.plan(ts, 2, 64 * 2**30, "t")
+    assert phases[0].startswith("encoding") and "policy rollouts" in phases
+    assert any(p.startswith("search from") for p in phases), phases
+
+
+# Training and evaluation inputs, the pipeline's params, the UI's port.
+CASES_26_TRAINING = {
+    "train-policy-zero-iterations": lambda w, d: (
+        ["train-policy", "--tables", w["tables"], "--tasks", w["tasks"], "--iterations", "0"], ["iterations", ">= 1"]),
+    "train-policy-fewer-iterations-than-rounds": lambda w, d: (
+        ["train-policy", "--tables", w["tables"], "--tasks", w["tasks"], "--iterations", "2", "--rounds", "3",
+         "--costs", w["root"]], ["iterations", ">= 3"]),
+    "train-policy-zero-rounds": lambda w, d: (
+        ["train-policy", "--tables", w["tables"], "--tasks", w["tasks"], "--rounds", "0"], ["rounds"]),
+    "train-policy-zero-rollouts": lambda w, d: (
+        ["train-policy", "--tables", w["tables"], "--tasks", w["tasks"], "--rollouts", "0"], ["rollouts", ">= 2"]),
+    "train-policy-one-rollout": lambda w, d: (
+        ["train-policy", "--tables", w["tables"], "--tasks", w["tasks"], "--rollouts", "1"], ["rollouts", ">= 2"]),
+    "evaluate-zero-max-tasks": lambda w, d: (_evaluate(w, w["tasks"], "--max-tasks", "0"), ["max_tasks", "at least 1"]),
+    "evaluate-negative-max-tasks": lambda w, d: (_evaluate(w, w["tasks"], "--max-tasks", "-2"), ["max_tasks"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES_26_TRAINING))
+def test_bad_training_input(case, world, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(CASES, case, CASES_26_TRAINING[case])
+    test_bad_input(case, world, tmp_path, capsys)
+
+
+@pytest.mark.parametrize("port", ["70000", "0", "-1", "http"])
+def test_ui_port_out_of_range_is_one_line(port, tmp_path, capsys):
+    """`embshard ui --port 70000` was an OverflowError traceback and `--port 0` never came up: 1..65535 only,
+    refused before anything starts."""
+    out = tmp_path / "ui"
+    with pytest.raises(SystemExit) as exc:
+        cli(["ui", "--out", str(out), "--port", port])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "--port" in err[0] and "Traceback" not in err[0], err
+    assert not out.exists()
+
+
+def test_pipeline_bad_param_value_is_one_line(tmp_path, capsys, monkeypatch):
+    """`embshard pipeline --param devices=-3` was Airflow's ParamValidationError traceback: one line naming the
+    param, before the Airflow database is set up or a run is created."""
+    from embshard import pipeline
+
+    out = tmp_path / "pl"
+    for key, value in pipeline.local_environment(str(out)).items():  # restored after the test
+        monkeypatch.setenv(key, value)
+    capsys.readouterr()
+    rc = cli(["pipeline", "--out", str(out), "--param", "devices=-3"])
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("embshard pipeline: error:") and "field 'devices'" in err[0] and "-3" in err[0], err
+    assert "minimum" in err[0] and "fix: " in err[0]
+    assert not (out / "airflow" / "airflow.db").exists(), "the database was set up for a run that cannot start"
+
+
+def test_train_cost_publishes_its_model_folder_only_when_registered(measured_world, mlflow_uri, tmp_path,
+                                                                    monkeypatch):
+    """A train-cost that dies before its version is registered (killed with -9 left a model folder with no
+    version) leaves no model folder; the stage folder a killed run left is removed by the next run into the
+    same folder, which publishes its files with its version."""
+    from embshard import registry, storage
+    from embshard.jobs import train_cost
+
+    out = tmp_path / "cm"
+    kw = {"seed": 0, "max_epochs": 2, "patience": 2, "members": 1}
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # what a kill during registration looks like to the files: the run stops there
+
+    monkeypatch.setattr(registry, "log_and_register", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train_cost.run(measured_world["costs"], measured_world["tables"], str(out), **kw)
+    assert not (out / "model").exists() and not (out / "report.json").exists()
+    assert not [n for n in os.listdir(out) if n.startswith(storage.STAGE_PREFIX)]
+    monkeypatch.undo()
+
+    left = out / f"{storage.STAGE_PREFIX}{storage._target_key(str(out))}-{_dead_pid()}-x"
+    (left / "model" / "member-0").mkdir(parents=True)  # what a SIGKILL in the middle leaves
+    res = train_cost.run(measured_world["costs"], measured_world["tables"], str(out), **kw)
+    assert res["model_version"] is not None
+    assert (out / "model" / "ensemble.json").exists() and (out / "report.json").exists()
+    assert not left.exists()
+
+
+def test_id_rule_matches_the_whole_string():
+    from embshard import checks
+
+    assert checks.bad_id("t0000\n") and checks.bad_id("evil\n") and checks.bad_id("a\nb")
+    assert not checks.bad_id("t0000")
+
+
+def test_no_ingest_source_makes_dims_fbgemm_cannot_measure():
+    import numpy as np
+
+    from embshard.ingest import dlrm, synthetic
+
+    assert (synthetic.DIMS % 4 == 0).all()
+    assert (synthetic.generate_tables(200, seed=3, bins_batch_size=256)["dim"] % 4 == 0).all()
+    assert (dlrm.choose_dims("mixed", 500, seed=1) % 4 == 0).all()
+    assert np.array_equal(dlrm.choose_dims(8, 2, seed=0), [8, 8])
+
+
+def test_fp16_tables_are_measured_with_fp16_weights(world, monkeypatch):
+    """A table's bytes_per_element is the precision of the op that measures it (FBGEMM's and torch's), a mixed
+    shard runs one FBGEMM op per precision, and the precision is recorded with the measurement."""
+    import torch
+
+    from embshard.bench import backends, runner
+    from embshard.tableset import TableSet
+
+    df = world["tables_df"].copy()
+    df["bytes_per_element"] = [2 if i % 2 == 0 else 4 for i in range(len(df))]
+    df["size_bytes"] = df["rows"] * df["dim"] * df["bytes_per_element"]
+    ts = TableSet.from_frame(schemas.validate(df, "tables"))
+    built = []
+    real_build = backends.build
+    monkeypatch.setattr(backends, "build", lambda *a, **k: built.append(real_build(*a, **k)) or built[-1])
+    for backend in ("fbgemm", "torch"):
+        cfg = runner.make_config(runner.MeasureSettings(backend=backend, batch_size=32, warmup=0, iterations=10,
+                                                        min_time_ms=0.0, comm_bandwidth_gbps=10, comm_latency_us=20))
+        for members, want, dtypes in (([0, 2], "fp16", {torch.float16}), ([1, 3], "fp32", {torch.float32}),
+                                      ([0, 1], "fp16+fp32", {torch.float16, torch.float32})):
+            m = runner.measure_shard(ts, members, cfg, num_devices=2)
+            op = built[-1]
+            weights = [o.weights_host for o in op.ops] if backend == "fbgemm" else op.weights
+            assert {w.dtype for w in weights} == dtypes and m["weights_precision"] == want, (backend, members)
+            if backend == "fbgemm":
+                assert len(op.ops) == len(dtypes)  # one TBE op per precision
+            assert m["fwd_compute_ms"] > 0 and m["bwd_compute_ms"] > 0
+
+
+def test_rerun_removes_the_decompressed_trace_its_killed_run_left(tmp_path):
+    """A dlrm ingest killed while decompressing leaves `.embshard-trace-<tag>-<pid>-*.pt` beside its output; the
+    next ingest into the same output removes it (the other output's temp and a live process's temp stay)."""
+    import torch
+
+    from embshard.ingest import dlrm
+
+    src = tmp_path / "trace.pt"
+    torch.save((torch.arange(8, dtype=torch.int64) % 3, torch.arange(9, dtype=torch.int64),
+                torch.ones(2, 4, dtype=torch.int64)), str(src))
+    gz = tmp_path / "trace.pt.gz"
+    gz.write_bytes(gzip.compress(src.read_bytes()))
+    out = tmp_path / "run"
+    out.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    tag = dlrm.temp_tag(str(out / "tables.parquet"))
+    left = out / f".embshard-trace-{tag}-{dead.pid}-abc123.pt"
+    left.write_bytes(b"\0" * 4096)
+    live = out / f".embshard-trace-{tag}-{os.getppid()}-def456.pt"
+    live.write_bytes(b"\0")
+    other = out / f".embshard-trace-{dlrm.temp_tag(str(tmp_path / 'x' / 'tables.parquet'))}-{dead.pid}-x.pt"
+    other.write_bytes(b"\0")
+    assert cli(["ingest", "--source", "dlrm", "--input", str(gz), "--dim", "8", "--out", str(out),
+                "--no-progress"]) == 0
+    assert not left.exists() and live.exists() and other.exists()
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["tables.parquet"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == sorted([live.name, other.name])

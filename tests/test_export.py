@@ -1,4 +1,4 @@
-"""Export: plan.json (embshard.plan/v1), placements.parquet round trips, and plans TorchRec accepts."""
+"""Export: plan.json (embshard.plan/v2; v1 read), placements.parquet round trips, and plans TorchRec accepts."""
 from __future__ import annotations
 
 import copy
@@ -52,10 +52,10 @@ COSTS = np.array([1.0, 2.5, 0.5, 3.0])
 
 def test_plan_json_round_trip_and_fields(tmp_path, placement, tables):
     path = tmp_path / "plan.json"
-    written = write_plan_json(placement, path, device_costs=COSTS, lower_bound=2.0)
+    written = write_plan_json(placement, path, device_costs=COSTS, balanced_estimate=2.0)
     plan = read_plan_json(path)
     assert plan == written
-    assert plan["schema"] == "embshard.plan/v1"
+    assert plan["schema"] == "embshard.plan/v2" and plan["cost"]["balanced_estimate_ms"] == 2.0
     assert plan["task_id"] == "task-a" and plan["num_devices"] == D and plan["planner"] == "size_greedy"
     assert plan["cost"]["overall_ms"] == 3.0 and plan["cost"]["gap"] == pytest.approx(0.5)
     assert [d["memory_bytes"] for d in plan["devices"]] == placement.memory_per_device().tolist()
@@ -72,8 +72,28 @@ def test_plan_json_round_trip_and_fields(tmp_path, placement, tables):
 
 def test_plan_json_without_costs(tmp_path, placement):
     plan = write_plan_json(placement, tmp_path / "p.json")
-    assert plan["cost"] == {"unit": "ms", "device_costs_ms": None, "overall_ms": None, "lower_bound_ms": None,
-                            "gap": None}
+    assert plan["cost"] == {"unit": "ms", "device_costs_ms": None, "overall_ms": None,
+                            "balanced_estimate_ms": None, "gap": None}
+
+
+def test_a_v1_plan_json_with_its_lower_bound_ms_is_still_read(tmp_path, placement):
+    """v1 called the balanced estimate `lower_bound_ms`: old files stay readable; each version names it its way."""
+    import json
+
+    from embshard.errors import EmbshardError
+
+    plan = write_plan_json(placement, tmp_path / "new.json", device_costs=COSTS, balanced_estimate=2.0)
+    old = copy.deepcopy(plan)
+    old["schema"] = "embshard.plan/v1"
+    old["cost"]["lower_bound_ms"] = old["cost"].pop("balanced_estimate_ms")
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert read_plan_json(tmp_path / "old.json")["cost"]["lower_bound_ms"] == 2.0
+    mixed = copy.deepcopy(old)
+    mixed["schema"] = "embshard.plan/v2"
+    (tmp_path / "mixed.json").write_text(json.dumps(mixed))
+    with pytest.raises(EmbshardError, match="balanced estimate") as err:
+        read_plan_json(tmp_path / "mixed.json")
+    assert err.value.field == "cost.lower_bound_ms"
 
 
 def _bad(plan, edit):
@@ -341,3 +361,18 @@ def test_plan_names_must_be_valid_module_keys(tables):
     p = Placement(bad, D, int(bad.size_bytes.sum()), [Shard(i, 0) for i in range(len(bad))])
     with pytest.raises(EmbshardError, match="without '.'"):
         to_torchrec_plan(p)
+
+
+def test_place_reports_a_balanced_estimate_not_a_bound(placement):
+    """Measured plans fall below the old "lower bound" (fused compute in its own context, one-shot noise): it is
+    printed, recorded and documented as an estimate, and a plan below it reads as a negative gap."""
+    from pathlib import Path
+
+    from embshard.placement_report import device_table
+
+    above = device_table(placement, COSTS, balanced_estimate=2.0)
+    assert "balanced estimate 2.000 ms (not a bound), gap +50.0%" in above and "lower bound" not in above
+    assert "gap -14.3%" in device_table(placement, COSTS, balanced_estimate=3.5)
+    docs = Path(__file__).resolve().parents[1] / "docs" / "method.md"
+    text = docs.read_text()
+    assert "## Balanced estimate (not a lower bound)" in text and "Why it is called an estimate" in text

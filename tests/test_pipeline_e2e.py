@@ -121,7 +121,7 @@ def test_first_run_writes_every_output_and_each_validates(two_runs):
     import pandas as pd
 
     ev = pd.read_parquet(os.path.join(root, "evaluation", "evaluation.parquet"))
-    for col in ("task_id", "planner", "feasible", "measured_cost_ms", "lower_bound_ms", "ratio_to_best_baseline",
+    for col in ("task_id", "planner", "feasible", "measured_cost_ms", "balanced_estimate_ms", "ratio_to_best_baseline",
                 "planning_time_s", "predicted_cost_ms"):
         assert col in ev.columns, col
     policy = stages._state(root, "policy")
@@ -204,10 +204,13 @@ def test_second_run_moves_champion_exactly_as_its_decision_says(two_runs):
     if promo["promoted"]:
         assert second["aliases"][POLICY]["champion"] == promo["champion_version_after"] == new
         assert second["aliases"][COST]["champion"] == new_cost
-    else:
+    elif promo["verdict"] == "undecided":
         assert second["aliases"][POLICY]["champion"] == promo["champion_version_after"] == old
         assert second["aliases"][POLICY]["challenger"] == new
         assert second["aliases"][COST] == {"champion": old_cost, "challenger": new_cost}
+    else:  # not better, or measurably slower: `challenger` is for undecided candidates only
+        assert promo["verdict"] in ("not_better", "measurably_slower", "infeasible")
+        assert second["aliases"][POLICY] == {"champion": old} and second["aliases"][COST] == {"champion": old_cost}
     # The champion was measured beside the candidate on the same held-out task.
     import pandas as pd
 

@@ -71,14 +71,24 @@ def store(measured_world, cost_model_uri, tmp_path_factory):
 
 @pytest.fixture()
 def fresh(store):
-    """The module store with no aliases set."""
+    """The module store with no aliases set and every policy version back to `pending`."""
     import mlflow
 
     client = mlflow.MlflowClient()
     for name in (POLICY, COST):
         for alias in list(client.get_registered_model(name).aliases):
             client.delete_registered_model_alias(name, alias)
+    for version in (GOOD, BAD, GOOD_TOO):
+        registry.set_verdict(POLICY, version, registry.PENDING)
+        if "airflow.run_id" in client.get_model_version(POLICY, version).tags:
+            client.delete_model_version_tag(POLICY, version, "airflow.run_id")
     return store
+
+
+def verdict_tag(version: str) -> str:
+    import mlflow
+
+    return mlflow.MlflowClient().get_model_version(POLICY, version).tags[registry.VERDICT_TAG]
 
 
 def aliases(name: str) -> dict[str, str]:
@@ -115,6 +125,8 @@ def test_registered_versions_carry_the_cost_model_they_were_trained_against(stor
     tags = {v: client.get_model_version(POLICY, v).tags for v in (GOOD, BAD, GOOD_TOO)}
     assert {v: (t["cost_model_uri"], t["cost_model_version"]) for v, t in tags.items()} == {
         GOOD: (f"models:/{COST}/1", "1"), BAD: (f"models:/{COST}/2", "2"), GOOD_TOO: (f"models:/{COST}/1", "1")}
+    # Registered but not judged yet: the gate replaces `pending` with its verdict.
+    assert {t[registry.VERDICT_TAG] for t in tags.values()} == {"pending"}
 
 
 def comp(median, lo, hi, tasks=10):
@@ -132,10 +144,12 @@ def slower_than_baselines(decision: dict) -> bool:
 
 @pytest.mark.parametrize("vs_champion, vs_baseline, failed, floor, verdict, reason", [
     (None, comp(1.03, 1.01, 1.05), False, FLOOR, "promoted", "no champion yet"),
-    (None, comp(1.10, 1.07, 1.12), False, FLOOR, "challenger", "measurably slower than the best baseline"),
+    (None, comp(1.10, 1.07, 1.12), False, FLOOR, "measurably_slower", "measurably slower than the best baseline"),
     (comp(0.95, 0.92, 0.98), comp(0.95, 0.90, 0.99), False, FLOOR, "undecided", "not beyond the ruler's noise"),
     (comp(0.90, 0.88, 0.94), comp(0.95, 0.90, 0.99), False, FLOOR, "promoted", "faster than the champion"),
-    (comp(1.02, 1.00, 1.05), comp(0.95, 0.90, 0.99), False, FLOOR, "challenger", "not faster than the champion"),
+    (comp(1.02, 1.00, 1.05), comp(0.95, 0.90, 0.99), False, FLOOR, "not_better", "not faster than the champion"),
+    (comp(1.05, 1.03, 1.07), comp(0.95, 0.90, 0.99), False, FLOOR, "not_better", "not faster than the champion"),
+    (comp(1.10, 1.07, 1.12), comp(0.95, 0.90, 0.99), False, FLOOR, "measurably_slower", "slower than the champion"),
 ])
 def test_a_difference_inside_the_rulers_a_a_floor_is_no_difference(vs_champion, vs_baseline, failed, floor,
                                                                     verdict, reason):
@@ -149,13 +163,14 @@ def test_a_difference_inside_the_rulers_a_a_floor_is_no_difference(vs_champion, 
     (None, comp(0.95, 0.90, 0.99), False, "promoted", "no champion yet"),
     (None, comp(1.00, 0.97, 1.03), False, "promoted", "no champion yet"),
     # Measurably slower than the best baseline: never promoted, even as the first champion.
-    (None, comp(1.03, 1.01, 1.05), False, "challenger", "measurably slower than the best baseline"),
-    (comp(0.80, 0.70, 0.90), comp(1.03, 1.01, 1.05), False, "challenger", "measurably slower"),
+    (None, comp(1.03, 1.01, 1.05), False, "measurably_slower", "measurably slower than the best baseline"),
+    (comp(0.80, 0.70, 0.90), comp(1.03, 1.01, 1.05), False, "measurably_slower", "measurably slower"),
     (comp(0.95, 0.92, 0.98), comp(0.95, 0.90, 0.99), False, "promoted", "faster than the champion"),
     (comp(0.98, 0.96, 1.00), comp(0.95, 0.90, 0.99), False, "undecided", "straddles"),
-    (comp(1.02, 1.00, 1.05), comp(0.95, 0.90, 0.99), False, "challenger", "not faster than the champion"),
+    (comp(1.02, 1.00, 1.05), comp(0.95, 0.90, 0.99), False, "not_better", "not faster than the champion"),
+    (comp(1.04, 1.02, 1.05), comp(0.95, 0.90, 0.99), False, "measurably_slower", "slower than the champion"),
     (comp(0.95, float("nan"), float("nan"), 1), comp(0.95, 0.9, 0.99), False, "undecided", "too few"),
-    (comp(0.50, 0.40, 0.60), comp(0.5, 0.4, 0.6), True, "challenger", "failed to place"),
+    (comp(0.50, 0.40, 0.60), comp(0.5, 0.4, 0.6), True, "infeasible", "failed to place"),
 ])
 def test_the_gate_decides_on_intervals_and_says_undecided_rather_than_guessing(vs_champion, vs_baseline, failed,
                                                                                  verdict, reason):
@@ -176,11 +191,13 @@ def test_without_a_champion_a_candidate_not_slower_than_the_baselines_becomes_ch
     floor = decision["aa_floor"]
     assert floor["planner"] == BASELINES[0] and floor["ci_low"] <= floor["median"] <= floor["ci_high"]
     if slower_than_baselines(decision):  # the tiny test policy can lose to the heuristics: then never promoted
-        assert decision["verdict"] == "challenger" and aliases(POLICY) == {"challenger": GOOD}
+        # ... and not challenger either: that alias is for undecided candidates only.
+        assert decision["verdict"] == "measurably_slower" and aliases(POLICY) == {}
     else:
         assert decision["verdict"] == "promoted" and decision["reason"].startswith("no champion yet")
         assert decision["champion_version_after"] == GOOD and aliases(POLICY) == {"champion": GOOD}
         assert aliases(COST) == {"champion": "1"}  # the cost model follows its policy
+    assert verdict_tag(GOOD) == decision["verdict"]
     run = promote_run(GOOD)
     assert run["metrics.promoted"] == float(decision["promoted"]) and run["tags.decision"] == decision["verdict"]
     # Evaluated against the baselines only (there was no champion to compare with), the files are written.
@@ -193,12 +210,15 @@ def test_without_a_champion_a_candidate_not_slower_than_the_baselines_becomes_ch
 
 def test_a_candidate_slower_than_the_baselines_is_never_promoted_even_without_a_champion(fresh, tmp_path):
     """The piling planner (every table on one device) against balanced baselines: measurably slower."""
+    registry.set_alias(POLICY, "challenger", GOOD_TOO)  # an earlier undecided candidate keeps the alias
+    registry.set_alias(COST, "challenger", "1")
     decision = promote(fresh, tmp_path, BAD)
-    assert decision["verdict"] == "challenger" and decision["promoted"] is False
+    assert decision["verdict"] == "measurably_slower" and decision["promoted"] is False
     assert decision["reason"].startswith("measurably slower than the best baseline")
     assert slower_than_baselines(decision)
     assert decision["champion_version_after"] is None
-    assert aliases(POLICY) == {"challenger": BAD}
+    assert aliases(POLICY) == {"challenger": GOOD_TOO} and aliases(COST) == {"challenger": "1"}
+    assert verdict_tag(BAD) == "measurably_slower"
 
 
 def test_a_worse_candidate_leaves_the_champion_where_it_was(fresh, tmp_path):
@@ -210,10 +230,12 @@ def test_a_worse_candidate_leaves_the_champion_where_it_was(fresh, tmp_path):
     # Genuinely worse when measured, not a near tie decided by noise: the whole interval is above 1.
     assert decision["candidate_over_champion_median"] > 1.1
     assert decision["candidate_vs_champion"]["ci_low"] > 1.0
-    assert aliases(POLICY) == {"champion": GOOD, "challenger": BAD}
-    assert aliases(COST) == {"champion": "1", "challenger": "2"}
+    # Measurably slower (than a baseline or the champion): it takes no alias, and its version says why.
+    assert decision["verdict"] == "measurably_slower" and verdict_tag(BAD) == "measurably_slower"
+    assert aliases(POLICY) == {"champion": GOOD}
+    assert aliases(COST) == {"champion": "1"}
     run = promote_run(BAD)
-    assert run["metrics.promoted"] == 0.0 and run["tags.decision"] == "challenger"
+    assert run["metrics.promoted"] == 0.0 and run["tags.decision"] == "measurably_slower"
     assert run["metrics.candidate_vs_champion_median"] == pytest.approx(decision["candidate_over_champion_median"])
     # Why it is worse: its cost model put every table on one device, the champion spread them.
     placed = pd.read_parquet(tmp_path / "evaluation" / "placements.parquet")
@@ -224,30 +246,111 @@ def test_a_worse_candidate_leaves_the_champion_where_it_was(fresh, tmp_path):
 def test_a_better_candidate_replaces_a_worse_champion(fresh, tmp_path):
     registry.set_alias(POLICY, "champion", BAD)
     registry.set_alias(COST, "champion", "2")
+    registry.set_alias(POLICY, "challenger", GOOD_TOO)  # undecided against the champion about to be replaced
+    registry.set_alias(COST, "challenger", "1")
     decision = promote(fresh, tmp_path, GOOD)
     assert decision["candidate_over_champion_median"] < 0.9
-    # Clear of the margin and of the ruler's A/A floor: a difference, not noise.
-    assert decision["candidate_vs_champion"]["ci_high"] < min(0.99, decision["aa_floor"]["ci_low"])
+    vs, floor = decision["candidate_vs_champion"], decision["aa_floor"]
     if slower_than_baselines(decision):
-        assert decision["verdict"] == "challenger"  # never promoted while measurably slower than a heuristic
+        assert decision["verdict"] == "measurably_slower"  # never promoted while measurably slower than a heuristic
         return
+    if not vs["ci_high"] < min(0.99, floor["ci_low"]):
+        # A loaded machine can widen the A/A floor past even this gap: then the gate must not guess.
+        assert decision["verdict"] == "undecided" and aliases(POLICY) == {"champion": BAD, "challenger": GOOD}
+        return
+    # Clear of the margin and of the ruler's A/A floor: a difference, not noise.
     assert decision["promoted"] is True and decision["reason"].startswith("faster than the champion")
     assert decision["champion_version_before"] == BAD and decision["champion_version_after"] == GOOD
+    # The old challenger was undecided against the old champion: the promotion removes the alias.
     assert aliases(POLICY) == {"champion": GOOD}
     assert aliases(COST) == {"champion": "1"}  # the cost model follows the policy back to v1
+    assert verdict_tag(GOOD) == "promoted"
     assert promote_run(GOOD)["metrics.promoted"] == 1.0
 
 
-def test_a_candidate_not_better_by_the_margin_gets_challenger(fresh, tmp_path):
-    """Margin 0.9 (the Param's maximum): only a candidate 10x faster than the champion could pass."""
+def test_a_candidate_not_better_by_the_margin_takes_no_alias(fresh, tmp_path):
+    """Margin 0.9 (the Param's maximum): only a candidate 10x faster than the champion could pass. Decided (not
+    better, or measurably slower), so `challenger` stays with the earlier undecided candidate."""
     registry.set_alias(POLICY, "champion", GOOD)
     registry.set_alias(COST, "champion", "1")
+    registry.set_alias(POLICY, "challenger", BAD)  # stands in for an earlier undecided candidate
+    registry.set_alias(COST, "challenger", "2")
     decision = promote(fresh, tmp_path, GOOD_TOO, margin=0.9)
     assert decision["promoted"] is False and decision["margin"] == 0.9
     assert decision["candidate_over_champion_median"] > 0.1
-    assert decision["verdict"] == "challenger"
-    assert aliases(POLICY) == {"champion": GOOD, "challenger": GOOD_TOO}
-    assert aliases(COST) == {"champion": "1", "challenger": "1"}
+    assert decision["verdict"] in ("not_better", "measurably_slower")
+    assert verdict_tag(GOOD_TOO) == decision["verdict"]
+    assert aliases(POLICY) == {"champion": GOOD, "challenger": BAD}
+    assert aliases(COST) == {"champion": "1", "challenger": "2"}
     ev = pd.read_parquet(tmp_path / "evaluation" / "evaluation.parquet")
     assert set(ev["planner"]) == {f"learned/{GOOD_TOO}", f"learned/{GOOD}", *BASELINES, f"{BASELINES[0]}#2"}
     assert promote_run(GOOD_TOO)["metrics.promoted"] == 0.0
+
+
+def test_the_registry_records_each_verdict_and_challenger_only_follows_undecided(fresh, monkeypatch):
+    """record_verdict without a measurement: the gate's bookkeeping on a real registry."""
+    import mlflow
+
+    from embshard.jobs.promote import record_verdict
+
+    client = mlflow.MlflowClient()
+    registry.set_alias(POLICY, "champion", GOOD)
+    assert record_verdict(GOOD_TOO, "undecided", "straddles") == []
+    assert aliases(POLICY) == {"champion": GOOD, "challenger": GOOD_TOO} and verdict_tag(GOOD_TOO) == "undecided"
+    assert aliases(COST) == {"challenger": "1"}
+    record_verdict(BAD, "measurably_slower", "slower")  # the undecided one keeps the alias
+    assert aliases(POLICY) == {"champion": GOOD, "challenger": GOOD_TOO}
+    record_verdict(GOOD_TOO, "not_better", "re-judged")  # re-judged and decided: the alias goes
+    assert aliases(POLICY) == {"champion": GOOD} and aliases(COST) == {}
+    # A version an earlier Airflow run registered and left pending (that run failed before its gate) is tagged
+    # failed_run by the next run's gate; a command-line version (no Airflow run) stays pending.
+    for v in (GOOD, BAD, GOOD_TOO):
+        registry.set_verdict(POLICY, v, registry.PENDING)
+    client.set_model_version_tag(POLICY, BAD, "airflow.run_id", "manual__earlier")
+    monkeypatch.setenv("EMBSHARD_AIRFLOW_RUN_ID", "manual__now")
+    assert record_verdict(GOOD, "promoted", "faster") == [BAD]
+    assert verdict_tag(BAD) == "failed_run" and "manual__earlier" in \
+        client.get_model_version(POLICY, BAD).tags[registry.VERDICT_REASON_TAG]
+    assert verdict_tag(GOOD_TOO) == "pending" and verdict_tag(GOOD) == "promoted"
+
+
+def test_the_decision_block_says_none_for_a_missing_champion_and_reads_the_verdict():
+    from embshard.stages import promotion_lines
+
+    lines = promotion_lines({"verdict": "measurably_slower", "promoted": False, "candidate_version": "4",
+                             "champion_version_before": None, "champion_version_after": None,
+                             "reason": "measurably slower than the best baseline"}, "/r")
+    decision = next(line for line in lines if "decision:" in line)
+    assert "vNone" not in decision and "champion before none, after none" in decision
+    assert "MEASURABLY SLOWER (no alias)" in decision and "candidate v4" in decision
+
+
+def test_the_report_goes_to_the_log_not_stdout(caplog, capsys):
+    """Airflow reads a task's stdout and its log records on two channels: a printed report can arrive after the
+    "Post Execute" marker and land in that collapsed group; a log record keeps its order."""
+    import logging
+
+    from embshard.stages import log_report
+
+    decision = {"verdict": "undecided", "candidate_version": "2", "champion_version_before": "1",
+                "champion_version_after": "1", "reason": "straddles", "candidate_median_ratio_best_baseline": 0.97}
+    with caplog.at_level(logging.INFO, logger="embshard.stages"):
+        log_report("evaluate_and_promote", decision, "/r")
+    assert capsys.readouterr().out == ""
+    logged = [r.getMessage() for r in caplog.records if r.name == "embshard.stages"]
+    assert any("decision: UNDECIDED (now challenger)" in m for m in logged)
+    assert all("\n" not in m for m in logged)  # one record per line: the block stays aligned
+
+
+def test_the_evaluation_summary_has_no_column_that_nothing_filled():
+    """No TorchRec planner ran (the default baselines): its ratio column is all NaN and is left out."""
+    import numpy as np
+
+    from embshard.jobs.evaluate import format_summary
+
+    summary = pd.DataFrame({"tasks": [2, 2], "median_ratio_best_baseline": [0.98, 1.0],
+                            "median_ratio_torchrec": [np.nan, np.nan], "wilcoxon_p": [np.nan, 0.5]},
+                           index=pd.Index(["learned/1", "dim_greedy"], name="planner"))
+    text = format_summary(summary, rounds=3)
+    assert "median_ratio_torchrec" not in text and "median_ratio_best_baseline" in text
+    assert "wilcoxon_p" in text  # partly filled columns stay

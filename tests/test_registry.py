@@ -64,3 +64,32 @@ def test_missing_model_is_a_clear_error(mlflow_uri):
     registry.use()
     with pytest.raises(ModelNotFoundError, match="embshard-cost"):
         registry.load_python_model("models:/embshard-cost@champion")
+
+
+def test_registering_with_a_signature_logs_no_mlflow_hints(mlflow_uri, tiny_artifacts):
+    """A successful run's logs carry no MLflow hints (the integer-column hint, the input-example hint with raw
+    colour codes): the signature is given, and our integer columns never hold missing values."""
+    import logging
+    import warnings
+
+    import pandas as pd
+
+    from embshard.costmodel.pyfunc import CostModelPyfunc
+
+    _, _, artifacts = tiny_artifacts
+    registry.use(experiment="registry-test")
+    frame = pd.DataFrame({"rows": [10, 20], "dim": [4, 8]})
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("mlflow.pyfunc").addHandler(handler)  # mlflow's loggers do not propagate to caplog
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sig = registry.signature(frame, pd.DataFrame({"cost_ms": [1.0, 2.0]}))
+            registry.log_and_register(CostModelPyfunc(), artifacts, "reg-hints", {}, signature=sig)
+    finally:
+        logging.getLogger("mlflow.pyfunc").removeHandler(handler)
+    assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
+    # Nor MLflow's CloudPickle warning: our PythonModels are importable classes of this package.
+    assert [r.getMessage()[:60] for r in records] == []

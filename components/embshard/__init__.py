@@ -9,6 +9,6 @@ __all__ = ["POLICY_CHAMPION_URI", "__version__", "load_planner"]
 
 def load_planner(model_uri: str = POLICY_CHAMPION_URI):
     """Load the learned planner from the MLflow registry (see README, 'Using a registered planner')."""
-    from .policy.model import load_planner as _load
+    from .planners.registered import load_planner as _load
 
     return _load(model_uri)

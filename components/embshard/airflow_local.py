@@ -1,11 +1,18 @@
 """`embshard ui` (make ui): a real local Airflow for the embedded default, and a small REST client for it.
 
 The api-server, the scheduler (LocalExecutor), the DAG processor and the triggerer run as separate processes,
-each in its own process group, listening on 127.0.0.1 only, with the environment every stage needs:
+each in its own session, listening on 127.0.0.1 only, with the environment every stage needs:
 AIRFLOW_HOME and the dags folder, the virtualenv's bin first on PATH (Airflow starts its parts as `airflow`),
 the run data root and the one MLflow store that `make run` and `make mlflow-ui` use. Their logs go to
-AIRFLOW_HOME/logs/<component>.log; `stop()` ends them by process group. The tests start the same thing and
-trigger the DAG through the REST API.
+AIRFLOW_HOME/logs/<component>.log. The tests start the same thing and trigger the DAG through the REST API.
+
+Supervision: a thread restarts a component that exits (a line in its log and on the console), so one crash
+does not take the UI down; a component that keeps crashing (MAX_RESTARTS within RESTART_WINDOW_S) is given up
+on. A dead scheduler's task processes keep running their tasks (they report to the api-server, not to the
+scheduler) and finish them; the other components' leftovers are ended before the restart. Tasks retry their
+calls to the api-server for minutes (`environment`), so a task does not fail while it comes back. `stop()`
+ends every process of every session it started, restarted ones included: the task processes too, which
+Airflow puts in process groups of their own.
 """
 from __future__ import annotations
 
@@ -16,6 +23,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -25,6 +33,10 @@ from pathlib import Path
 from .errors import EmbshardError
 
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
+# A component that exits is restarted, up to MAX_RESTARTS times within RESTART_WINDOW_S (then given up on).
+SUPERVISE_EVERY_S, MAX_RESTARTS, RESTART_WINDOW_S = 1.0, 5, 600.0
+# A dead component's session holds these still-useful processes: a scheduler's task processes finish their task.
+KEEPS_ORPHANS = ("scheduler",)
 USER = "admin"
 DAG_ID = "embshard_pipeline"
 
@@ -44,6 +56,30 @@ def living_members(pgid: int) -> list[int]:
     return pids
 
 
+def session_members(sid: int) -> list[int]:
+    """PIDs of session `sid` that still run (zombies don't count). A component starts its own session, and every
+    process it forks stays in it, the task processes included, which Airflow moves to process groups of their
+    own: a session reaches them where a process group does not."""
+    import psutil
+
+    pids = []
+    for proc in psutil.process_iter(["status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getsid(proc.pid) == sid:
+                pids.append(proc.pid)
+        except (ProcessLookupError, psutil.Error, PermissionError):
+            pass
+    return pids
+
+
+def _signal_session(sid: int, sig: int) -> None:
+    for pid in session_members(sid):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
 def environment(out: str, port: int) -> dict[str, str]:
     """The environment of every Airflow component and every task of a local installation rooted at `out`."""
     from .pipeline import local_environment
@@ -60,6 +96,10 @@ def environment(out: str, port: int) -> dict[str, str]:
         "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{base_url}/execution/",
         # A fresh DAG file is seen within seconds, not after the default 5 minutes.
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "30",
+        # A task's calls to the api-server retry for about 3 minutes (default: 31 s), so a task that starts or
+        # reports while a crashed api-server is being restarted waits for it instead of failing a try.
+        "AIRFLOW__WORKERS__EXECUTION_API_RETRIES": "10",
+        "AIRFLOW__WORKERS__EXECUTION_API_RETRY_WAIT_MAX": "30",
         "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
         "PYTHONUNBUFFERED": "1",
     }
@@ -68,7 +108,7 @@ def environment(out: str, port: int) -> dict[str, str]:
 class LocalAirflow:
     """Start, reach and stop a local Airflow: `with LocalAirflow(out, port) as af: af.trigger(conf)`."""
 
-    def __init__(self, out: str = "runs/local", port: int = 8080, components=COMPONENTS):
+    def __init__(self, out: str = "runs/local", port: int = 8080, components=COMPONENTS, notify=None):
         self.out = os.path.abspath(out)
         self.port = int(port)
         self.env = environment(self.out, self.port)
@@ -76,6 +116,13 @@ class LocalAirflow:
         self.components = tuple(components)
         self.procs: dict[str, subprocess.Popen] = {}
         self._token: str | None = None
+        self.notify = notify or (lambda line: None)  # where a restart is announced besides the component's log
+        self.retired: list[int] = []  # sessions of components that died: stop() ends what they still hold
+        self.restarts: dict[str, list[float]] = {}  # component -> monotonic times of its restarts
+        self.failed: str | None = None  # why a component was given up on (then supervision ends)
+        self.failed_component: str | None = None
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
     @property
     def url(self) -> str:
@@ -113,22 +160,79 @@ class LocalAirflow:
             raise EmbshardError("airflow db migrate failed", path=str(self.log_dir / "db-migrate.log"),
                                 fix="read the log; remove AIRFLOW_HOME to start from a fresh database")
         for name in self.components:
-            log = open(self.log_dir / f"{name}.log", "ab")
-            args = {"api-server": ("api-server", "--host", "127.0.0.1", "--port", str(self.port)),
-                    # No log servers on 0.0.0.0: with one machine, the API server reads task logs from files.
-                    "scheduler": ("scheduler", "--skip-serve-logs"),
-                    "triggerer": ("triggerer", "--skip-serve-logs")}.get(name, (name,))
-            # Own process group: stop() ends the component with all the workers it forked.
-            self.procs[name] = subprocess.Popen(self._airflow(*args), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, start_new_session=True)
-            log.close()
-        (self.home / "embshard-pids.json").write_text(json.dumps({k: p.pid for k, p in self.procs.items()}))
+            self.procs[name] = self._spawn(name)
+        self._write_pids()
         try:
             self.wait_healthy(timeout_s)
         except BaseException:
             self.stop()
             raise
+        self._stopping.clear()
+        self._supervisor = threading.Thread(target=self._supervise, name="embshard-ui-supervisor", daemon=True)
+        self._supervisor.start()
         return self
+
+    def _command(self, name: str) -> list[str]:
+        args = {"api-server": ("api-server", "--host", "127.0.0.1", "--port", str(self.port)),
+                # No log servers on 0.0.0.0: with one machine, the API server reads task logs from files.
+                "scheduler": ("scheduler", "--skip-serve-logs"),
+                "triggerer": ("triggerer", "--skip-serve-logs")}.get(name, (name,))
+        return self._airflow(*args)
+
+    def _spawn(self, name: str) -> subprocess.Popen:
+        """Start one component in a session of its own: stop() ends it with everything it forked."""
+        with open(self.log_dir / f"{name}.log", "ab") as log:
+            return subprocess.Popen(self._command(name), env={**os.environ, **self.env}, stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def _write_pids(self) -> None:
+        (self.home / "embshard-pids.json").write_text(json.dumps({k: p.pid for k, p in self.procs.items()}))
+
+    def _supervise(self) -> None:
+        while not self._stopping.wait(SUPERVISE_EVERY_S) and self.failed is None:
+            try:
+                self.supervise_once()
+            except Exception as exc:  # never let the watcher die silently
+                self.notify(f"embshard ui: supervisor error: {exc}")
+
+    def supervise_once(self) -> list[str]:
+        """Restart every component that has exited; returns their names. A component restarted MAX_RESTARTS
+        times within RESTART_WINDOW_S is given up on (`failed` says which, and the supervision ends)."""
+        restarted: list[str] = []
+        for name, proc in list(self.procs.items()):
+            code = proc.poll()
+            if code is None or self._stopping.is_set():
+                continue
+            now = time.monotonic()
+            recent = [t for t in self.restarts.get(name, []) if now - t < RESTART_WINDOW_S]
+            if len(recent) >= MAX_RESTARTS:
+                self.failed_component = name
+                self.failed = (f"airflow {name} exited {len(recent) + 1} times within "
+                               f"{RESTART_WINDOW_S / 60:.0f} min (last exit code {code})")
+                self._log_line(name, f"embshard ui: {self.failed}; not restarting it again")
+                return restarted
+            self.retired.append(proc.pid)
+            if name not in KEEPS_ORPHANS:  # e.g. an api-server's workers would hold the port
+                _signal_session(proc.pid, signal.SIGKILL)
+            line = (f"embshard ui: airflow {name} exited with code {code}; restarting it "
+                    f"(restart {len(recent) + 1} within {RESTART_WINDOW_S / 60:.0f} min)")
+            self._log_line(name, line)
+            self.notify(line)
+            self.procs[name] = self._spawn(name)
+            self.restarts[name] = [*recent, now]
+            restarted.append(name)
+        if restarted:
+            self._write_pids()
+        return restarted
+
+    def _log_line(self, name: str, line: str) -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        with open(self.log_dir / f"{name}.log", "a", encoding="utf-8") as f:
+            f.write(f"[{stamp}] {line}\n")
+
+    def sessions(self) -> list[int]:
+        """Every session this installation started: the running components' and those of components that died."""
+        return [*(p.pid for p in self.procs.values()), *self.retired]
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -151,6 +255,10 @@ class LocalAirflow:
                             fix="read the component logs")
 
     def stop(self) -> None:
+        self._stopping.set()  # no restarts from here on
+        if self._supervisor is not None and self._supervisor is not threading.current_thread():
+            self._supervisor.join(timeout=10)
+        sessions = self.sessions()
         for p in self.procs.values():
             if p.poll() is None:
                 try:
@@ -163,17 +271,20 @@ class LocalAirflow:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-            try:  # whatever the group still holds (LocalExecutor workers, gunicorn/uvicorn children)
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        # Whatever the sessions still hold: LocalExecutor workers, uvicorn children, and the task processes,
+        # which Airflow puts in process groups of their own (a process-group kill missed them, and a killed
+        # task's process outlived `make ui` by seconds), also those of components that died and were restarted.
+        for sid in sessions:
+            _signal_session(sid, signal.SIGKILL)
+        for p in self.procs.values():
             p.wait()
         # SIGKILL lands asynchronously (a worker in a disk wait dies a moment later): stop() returns once no
-        # member of any group is still running, so a caller that checks right after sees them gone.
+        # member of any session is still running, so a caller that checks right after sees them gone.
         deadline = time.monotonic() + 30
-        while any(living_members(p.pid) for p in self.procs.values()) and time.monotonic() < deadline:
+        while any(session_members(sid) for sid in sessions) and time.monotonic() < deadline:
             time.sleep(0.1)
         self.procs.clear()
+        self.retired.clear()
 
     def __enter__(self) -> "LocalAirflow":
         return self.start()
@@ -253,7 +364,18 @@ def _port_busy(port: int) -> bool:
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/local", help="installation folder: airflow/, data/, mlflow.db")
-    p.add_argument("--port", type=int, default=8080, help="port of the Airflow UI and API on 127.0.0.1")
+    p.add_argument("--port", type=port, default=8080, help="port of the Airflow UI and API on 127.0.0.1 (1-65535)")
+
+
+def port(text: str) -> int:
+    """A TCP port the UI can listen on and be reached at: 1..65535 (0 would be a random port nobody knows)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port from 1 to 65535")
+    return value
 
 
 def _interrupt(signum, frame):
@@ -263,7 +385,7 @@ def _interrupt(signum, frame):
 def main(args) -> int:
     # `kill` (SIGTERM) stops the components too, as Ctrl-C does: they run in their own sessions.
     signal.signal(signal.SIGTERM, _interrupt)
-    af = LocalAirflow(args.out, args.port)
+    af = LocalAirflow(args.out, args.port, notify=lambda line: print(line, flush=True))
     print(f"starting Airflow (api-server, scheduler, dag-processor, triggerer); logs in {af.log_dir}", flush=True)
     af.start()
     try:
@@ -271,16 +393,18 @@ def main(args) -> int:
         print("\n".join([
             "", "=" * 78,
             f"Airflow UI:   {af.url}    login: {USER} / {af.password()}",
-            f"DAG:          {af.url}/dags/{DAG_ID}   (paused until you unpause it; Trigger runs it now)",
+            f"DAG:          {af.url}/dags/{DAG_ID}   (paused until unpaused; Trigger runs it now)",
             f"run data:     {af.env['EMBSHARD_DATA_ROOT']}/<run id>",
             f"MLflow store: {af.env['MLFLOW_TRACKING_URI']}   (make mlflow-ui opens it)",
             f"logs:         {af.log_dir}",
             "Unpausing schedules the weekly run (next Monday 03:00 UTC); it does not start one now.",
+            "The Trigger form's 'Unpause on trigger' box (ticked by default) unpauses the DAG as it triggers:",
+            "that turns the weekly schedule on. Untick it for a one-off run that leaves the DAG paused.",
+            "A component that crashes is restarted (a line here and in its log); the UI stays up.",
             "Press Ctrl-C to stop.", "=" * 78], ), flush=True)
-        while all(p.poll() is None for p in af.procs.values()):
-            time.sleep(2)
-        dead = [n for n, p in af.procs.items() if p.poll() is not None]
-        raise EmbshardError(f"airflow {dead[0]} stopped", path=str(af.log_dir / f"{dead[0]}.log"),
+        while af.failed is None:
+            time.sleep(1)
+        raise EmbshardError(af.failed, path=str(af.log_dir / f"{af.failed_component}.log"),
                             fix="read the component's log")
     except KeyboardInterrupt:
         print("stopping Airflow", flush=True)

@@ -6,11 +6,19 @@ appear in real feature names and are accepted by EmbeddingBagConfig); exports tu
 no path separator, no leading dot (hidden files, "." and "..") and at most 128 characters (far below any file
 system's 255-byte name limit, with room for suffixes).
 
+The id rule matches the whole string (re.fullmatch: `$` alone would accept a trailing newline, and 't0000\n' would
+become a plan entry or a folder name).
+
+Dims are multiples of 4: FBGEMM's fused kernels (and TorchRec's column-wise splits) require it; a table of dim 3
+or 6 is refused where it enters (spec, trace ingest, any tables file) rather than failing inside the benchmark.
+Seeds are integers from 0 to 2^63 - 1 (numpy's seed sequences take no negative entries).
+
 Shape limits catch unit mistakes (bytes typed as dims, a size typed in bytes as GiB) before they become
 overflows or hours of measuring: dims up to 65,536 (production models use 4..2,048; FBGEMM's fused kernels are
 tuned for dims of a few thousand at most), pooling up to 4,096 lookups per sample (larger is a sequence feature,
 not a pooled one, and the access-bin sample of 65,536 samples would need over 2 GiB of indices), table sizes
-below 2^62 bytes (int64 arithmetic stays exact), memory per device up to 1 PiB and up to 65,536 devices.
+below 2^62 bytes (int64 arithmetic stays exact), memory per device up to 1 PiB, up to 65,536 devices and up to
+10,000 sampled tasks per split.
 """
 from __future__ import annotations
 
@@ -24,6 +32,10 @@ ID_RULE = "letters, digits, '_', '.', '-' (not first), at most 128 characters"
 _ID = re.compile(ID_PATTERN)
 
 MAX_DIM = 65_536
+DIM_MULTIPLE = 4  # FBGEMM's TBE kernels need dims that are multiples of 4
+DIM_RULE = f"a multiple of {DIM_MULTIPLE} from {DIM_MULTIPLE} to {MAX_DIM:,}"
+MAX_SEED = 2**63 - 1  # int64: fits every seeded library (numpy, torch) and the files that record it
+MAX_TASKS = 10_000  # tasks per split (the DAG's num_tasks maximum): a typo of 10^8 would run for minutes
 MAX_POOLING_FACTOR = 4096.0
 MAX_TABLE_BYTES = 2**62
 MAX_MEMORY_GB = 2.0**20  # 1 PiB per device
@@ -33,7 +45,7 @@ GiB = 2**30
 
 def bad_id(value) -> bool:
     """True when `value` is not a valid table/task id (see the module doc)."""
-    return not isinstance(value, str) or _ID.match(value) is None
+    return not isinstance(value, str) or _ID.fullmatch(value) is None
 
 
 def check_id(value, *, field: str, path: str | None = None) -> str:
@@ -41,6 +53,56 @@ def check_id(value, *, field: str, path: str | None = None) -> str:
         raise EmbshardError(f"id {str(value)[:60]!r} is not allowed", path=path, field=field,
                             fix=f"use {ID_RULE}")
     return value
+
+
+def bad_dim(value) -> bool:
+    """True when `value` is not a dim FBGEMM can measure (an integer multiple of 4 in 4..MAX_DIM)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return True
+    return not (v.is_integer() and 0 < v <= MAX_DIM and int(v) % DIM_MULTIPLE == 0)
+
+
+def seed(value, *, field: str = "seed", path: str | None = None) -> int:
+    """A seed: an integer from 0 to MAX_SEED."""
+    try:
+        ok = float(value).is_integer() and 0 <= int(value) <= MAX_SEED
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise EmbshardError(f"invalid seed {number(value)}", path=path, field=field,
+                            fix=f"give an integer from 0 to {MAX_SEED:,}")
+    return int(value)
+
+
+def input_file(path: str, *, field: str | None = None, fix: str = "check the path") -> str:
+    """`path` if it is a local regular file that can be read; else one line saying why (not found, a folder, a
+    FIFO or device: reading those could block forever, permission denied). URIs (s3://) pass through."""
+    import os
+    import stat
+
+    text = os.fspath(path)
+    if "://" in text and not text.startswith("file://"):
+        return text
+    local = text.removeprefix("file://")
+    try:
+        st = os.stat(local)
+    except FileNotFoundError:
+        raise EmbshardError("file not found", path=text, field=field, fix=fix) from None
+    except OSError as exc:
+        raise EmbshardError(f"cannot access this file ({exc.strerror})", path=text, field=field, fix=fix) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise EmbshardError("is a folder, not a file", path=text, field=field, fix="give the file itself")
+    if not stat.S_ISREG(st.st_mode):
+        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                else "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a regular file")
+        raise EmbshardError(f"is {kind}, not a regular file", path=text, field=field,
+                            fix="give a regular file (copy the data to a file first)")
+    if not os.access(local, os.R_OK):
+        raise EmbshardError("permission denied: this file cannot be read", path=text, field=field,
+                            fix="make it readable (chmod u+r) or run as a user who may read it")
+    return text
 
 
 def number(value) -> str:

@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
             raise
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod.configure(p)
-        p.set_defaults(_main=mod.main)
+        p.set_defaults(_main=mod.main, _output=getattr(mod, "OUTPUT", None))
     return parser
 
 
@@ -69,6 +69,20 @@ def quiet_third_party() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     logging.getLogger().setLevel(logging.WARNING)
     logging.getLogger("embshard").setLevel(logging.INFO)
+
+
+def check_output(args: argparse.Namespace) -> None:
+    """The one place every command's --out is checked before any work (storage.check_output): a module's
+    OUTPUT = {"kind": "folder" | "file", "writes": names under the folder, "inputs": option names it reads}
+    says what it writes and reads."""
+    spec = getattr(args, "_output", None)
+    if not spec or getattr(args, "out", None) is None:
+        return
+    from . import storage
+
+    inputs = {"--" + name.replace("_", "-"): getattr(args, name, None) for name in spec.get("inputs", ())}
+    storage.check_output(args.out, kind=spec.get("kind", "folder"), writes=tuple(spec.get("writes", ())),
+                         inputs=inputs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        check_output(args)
         return int(args._main(args) or 0)
     except EmbshardError as exc:
         print(f"embshard {args.command}: error: {exc}", file=sys.stderr)

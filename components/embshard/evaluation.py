@@ -11,8 +11,9 @@ and writes the outputs. Planners are compared by paired per-round ratios (embsha
   Wilcoxon signed-rank p-value against 1.
 A planner named twice ("lookup_greedy,lookup_greedy") is measured as two entries whose shards are built and
 timed separately (an A/A test of the ruler: its ratio should be 1 within the noise floor). A planner that cannot
-place a task is recorded as failed and counted as such. The lower bound is measured too: all of a task's tables
-as one fused shard and each table alone: per cost head the smaller of the two, over the device count.
+place a task is recorded as failed and counted as such. The balanced estimate is measured too: all of a task's
+tables as one fused shard and each table alone: per cost head the smaller of the two, over the device count. It is
+an estimate of a perfectly balanced plan, not a bound: plans measured in rounds can come in below it.
 """
 from __future__ import annotations
 
@@ -28,14 +29,17 @@ from . import schemas, stats, storage
 from .bench.runner import MeasureSettings, measure_placement
 from .errors import EmbshardError
 from .placement import Placement
+from .planners import LEARNED_COMPOSITIONS
 from .planners.baselines import BASELINES, GREEDY_BASELINES
 from .ruler import DEFAULT_ROUNDS, Entry, distinct_shards, measure_rounds, round_settings
 from .tableset import TableSet
 from .types import Task, load_tasks
 
 log = logging.getLogger(__name__)
-PLANNER_NAMES = "learned, learned@ALIAS, learned/VERSION, policy_only, " + ", ".join(BASELINES) + \
-    ", torchrec_table_wise, torchrec_full"
+# Every learned composition (planners.compose.COMPOSITIONS) takes @ALIAS or /VERSION like `learned`.
+PLANNER_NAMES = "learned, learned@ALIAS, learned/VERSION, " + ", ".join(
+    c for c in LEARNED_COMPOSITIONS if c != "learned") + " (each also with @ALIAS or /VERSION), " + \
+    ", ".join(BASELINES) + ", torchrec_table_wise, torchrec_full"
 
 
 @dataclass
@@ -65,11 +69,10 @@ def entry_labels(planners: list[str]) -> list[tuple[str, str, str]]:
 
 
 def check_planner_names(planners: list[str]) -> None:
-    from .planners import LEARNED, POLICY_ONLY
+    from .planners import is_planner_name
 
-    known = set(BASELINES) | {"torchrec_table_wise", "torchrec_full"}
     for name in planners:
-        if name in known or name.startswith(LEARNED) or name.startswith(POLICY_ONLY):
+        if is_planner_name(name):
             continue
         raise EmbshardError(f"unknown planner {name!r}", field="planners", fix=f"use names from: {PLANNER_NAMES}")
 
@@ -78,8 +81,8 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
                   settings: MeasureSettings, single_settings: MeasureSettings, judge=None,
                   singles_cache: dict | None = None, seed: int = 0) -> TaskResult:
     """One task: every entry plans it, the placements are measured side by side in `rounds` ruler rounds, the
-    lower bound is measured (with `single_settings`: a round's timed work), and the rows are assembled: one per
-    entry (costs, intervals, ratios to the best greedy baseline and to TorchRec, the gap to the bound), paired
+    balanced estimate is measured (with `single_settings`: a round's timed work), and the rows are assembled: one
+    per entry (costs, intervals, ratios to the best greedy baseline and to TorchRec, the gap to the estimate), paired
     ratios to the baselines (and A/A), the placement frames with measured device costs. `judge`: the cost model
     whose ranking of the placements is checked against the ruler."""
     sub, D, mem = task.tables, task.num_devices, task.memory_bytes_per_device
@@ -106,10 +109,10 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
         res.pairs, res.correct = ranking_agreement(judged, entries, costs)
         res.judged = [(p, float(np.median(costs[j]))) for j, p in judged.items()]
     res.round_costs = {k: [float(x) for x in v] for k, v in by_label.items()}
-    # The lower bound (once per task): each table alone, and all tables fused on one device.
+    # The balanced estimate (once per task): each table alone, and all tables fused on one device.
     singles = measured_singles(sub, D, single_settings, singles_cache)
-    lb_split = measured_lower_bound(sub, D, singles, single_settings, task.task_id)
-    lb_table = max(lb_split, float(singles.sum(1).max()))
+    est_split = measured_balanced_estimate(sub, D, singles, single_settings, task.task_id)
+    est_table = max(est_split, float(singles.sum(1).max()))
     # Comparators: the greedy baselines measured here (first entries of their names) and TorchRec's plans.
     greedy = {lbl: by_label[lbl] for lbl, name, ns in labels if name in GREEDY_BASELINES and not ns
               and lbl in by_label}
@@ -126,9 +129,9 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
         row["measured_imbalance"] = float(per_dev.max() / max(per_dev.mean(), 1e-12))
         splits = any(s.col_size is not None for s in e.placement.shards)
         row["column_splits"] = int(sum(s.col_size is not None for s in e.placement.shards))
-        bound = lb_split if splits else lb_table
-        row["lower_bound_ms"] = bound
-        row["gap_to_lower_bound"] = med / bound - 1.0
+        estimate = est_split if splits else est_table
+        row["balanced_estimate_ms"] = estimate
+        row["gap_to_estimate"] = med / estimate - 1.0  # negative: measured below the estimate
         pred = _predicted(planner_objs[e.label.split("#")[0]], e.placement)
         row["predicted_cost_ms"] = float(pred.max()) if pred is not None else np.nan
         if best_cost is not None:
@@ -170,14 +173,17 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
         raise EmbshardError("no planners given", field="planners", fix="e.g. --planners learned,size_lookup_greedy")
     if int(rounds) < 1:
         raise EmbshardError(f"{rounds} rounds", field="rounds", fix="measure at least 1 round (5 or more to compare)")
+    if max_tasks is not None and int(max_tasks) < 1:  # 0 used to mean "all" silently
+        raise EmbshardError(f"invalid value {max_tasks}", field="max_tasks",
+                            fix="give at least 1, or leave it out to evaluate every task of the split")
     check_planner_names(planners)
     task_list = load_tasks(tables, tasks, split, limit=max_tasks)
     # A task that no planner can place is bad input, not a failed planner: refuse before measuring anything.
     for t in task_list:
         check_feasible(t.tables, t.num_devices, t.memory_bytes_per_device, f"{os.fspath(tasks)} (task {t.task_id})")
     settings = settings or MeasureSettings()
-    # The lower bound's measurements (each table alone, all tables fused) take a round's timed work, not a full
-    # single measurement's: the bound is a reference, and the singles were most of an evaluation's time.
+    # The balanced estimate's measurements (each table alone, all tables fused) take a round's timed work, not a
+    # full single measurement's: it is a reference, and the singles were most of an evaluation's time.
     single_settings = round_settings(settings)
     labels = entry_labels(planners)
     planner_objs = {name: get_planner(name, **(planner_kw or {}).get(name, {})) for name in dict.fromkeys(planners)}
@@ -209,7 +215,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     wall = time.perf_counter() - t_start
     df = pd.DataFrame(rows)
     for col in ("measured_cost_ms", "ratio_to_best_baseline", "ratio_ci_low", "ratio_ci_high", "ratio_to_torchrec",
-                "best_baseline", "best_baseline_ms", "gap_to_lower_bound"):
+                "best_baseline", "best_baseline_ms", "gap_to_estimate"):
         if col not in df.columns:
             df[col] = np.nan
     ratios = pd.DataFrame(ratio_rows, columns=["task_id", "planner", "versus", "median_ratio", "ci_low", "ci_high",
@@ -291,15 +297,20 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
                     "wilcoxon_p": stats.wilcoxon_p(g["ratio_to_best_baseline"].dropna()),
                     "worst_ratio_best_baseline": g["ratio_to_best_baseline"].max(),
                     "median_ratio_torchrec": g["ratio_to_torchrec"].median(),
-                    "median_gap_lower_bound": g["gap_to_lower_bound"].median(),
+                    "median_gap_to_estimate": g["gap_to_estimate"].median(),
                     "median_planning_s": g["planning_time_s"].median()})
     return pd.DataFrame(out).set_index("planner")
 
 
 def format_summary(summary: pd.DataFrame, rounds: int = 1) -> str:
+    """The summary as text, without the columns nothing filled (e.g. the TorchRec ratio when no TorchRec planner
+    ran): a column of NaN tells a reader nothing."""
+    summary = summary.dropna(axis=1, how="all")
     with pd.option_context("display.width", 180, "display.max_columns", 20, "display.float_format", "{:.3f}".format):
         return (f"measured cost per planner over {rounds} round(s) (ratios: lower is better; [ci_low, ci_high] is "
-                "the 95% interval of the median; failed = tasks it could not place)\n" + summary.to_string())
+                "the 95% interval of the median; failed = tasks it could not place; gap = measured / balanced estimate "
+                "- 1, an estimate of a perfectly balanced plan, not a bound: a gap can be negative)\n"
+                + summary.to_string())
 
 
 def plot_evaluation(df: pd.DataFrame, path: str) -> None:
@@ -324,10 +335,10 @@ def plot_evaluation(df: pd.DataFrame, path: str) -> None:
     ax[0].set_xticklabels(tasks, rotation=60, fontsize=7)
     ax[0].set_ylabel("measured cost / best greedy baseline\n(median over rounds, 95% interval)")
     ax[0].legend(fontsize=7, ncol=3)
-    data = [df[df["planner"] == n]["gap_to_lower_bound"].dropna() * 100 for n in planners]
+    data = [df[df["planner"] == n]["gap_to_estimate"].dropna() * 100 for n in planners]
     ax[1].boxplot(data, tick_labels=planners, vert=True)
     ax[1].tick_params(axis="x", rotation=70, labelsize=7)
-    ax[1].set_ylabel("gap to lower bound (%)")
+    ax[1].set_ylabel("gap to the balanced estimate (%)")
     fig.suptitle("embshard evaluation: measured with real kernels, side by side, in rounds")
     fig.tight_layout()
     with storage.atomic_write(path) as f:
@@ -355,18 +366,19 @@ def measured_singles(tables: TableSet, num_devices: int, settings: MeasureSettin
     return out
 
 
-def measured_lower_bound(tables: TableSet, num_devices: int, singles: np.ndarray, settings: MeasureSettings,
-                         task_id: str) -> float:
-    """Sum over heads of min(all tables fused on one device, sum of singles) / D: the bound of any plan, column
-    splits included (a table-wise plan also owes its largest single table; the caller adds that term).
+def measured_balanced_estimate(tables: TableSet, num_devices: int, singles: np.ndarray,
+                               settings: MeasureSettings, task_id: str) -> float:
+    """Sum over heads of min(all tables fused on one device, sum of singles) / D: the balanced estimate of any
+    plan, column splits included (a table-wise plan also owes its largest single table; the caller adds that term).
 
-    All-on-one / D (docs/method.md, "Lower bound") bounds a sub-additive fused cost, the sum of singles / D a
-    super-additive one;
-    measured CPU heads are of both kinds (forward shares work, backward grows faster than linearly, the
-    all-to-all pays its latency once per device), so each head takes the smaller of the two.
+    All-on-one / D (docs/method.md, "Balanced estimate") would bound a sub-additive fused cost, the sum of
+    singles / D a super-additive one; measured CPU heads are of both kinds (forward shares work, backward grows
+    faster than linearly, the all-to-all pays its latency once per device), so each head takes the smaller of the
+    two. Not a bound of measured plans: these terms are measured once, outside the plans' rounds, and a device's
+    fused compute in its own context (cache, operator size) is not the share of the all-on-one shard's.
     """
     fused = Placement.from_assignment(tables, np.zeros(len(tables), dtype=np.int64), num_devices, 2**62,
-                                      planner="lower_bound", task_id=task_id)
+                                      planner="balanced_estimate", task_id=task_id)
     row = measure_placement(fused, settings).iloc[0]  # device 0 holds everything; its all-to-all is for D ranks
     fused_heads = np.array([sum(float(row[c]) for c in cols) for cols in HEAD_COLUMNS])
     return float(np.minimum(fused_heads, singles.sum(0)).sum()) / num_devices
@@ -397,7 +409,7 @@ def _log_to_mlflow(df: pd.DataFrame, summary: pd.DataFrame, plot_path: str) -> N
     for name, r in summary.iterrows():
         # MLflow metric names allow neither "@" nor "#" (an A/A repeat "x#2" becomes "x_copy2")
         key = name.replace("@", "_at_").replace("/", "_v").replace("#", "_copy")
-        for col in ("median_ratio_best_baseline", "worst_ratio_best_baseline", "median_gap_lower_bound"):
+        for col in ("median_ratio_best_baseline", "worst_ratio_best_baseline", "median_gap_to_estimate"):
             if np.isfinite(r[col]):
                 mlflow.log_metric(f"{key}.{col}", float(r[col]))
     if os.path.exists(plot_path):

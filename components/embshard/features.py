@@ -15,7 +15,7 @@ from .schemas import BIN_COLUMNS, NUM_BINS
 FEATURE_NAMES = ["dim", "rows", "pooling_factor", "size_bytes", *BIN_COLUMNS]
 # Representative access count of each bin: 1, 2, 3, then the geometric middle 2**(k-0.5) of (2**(k-1), 2**k].
 REP_COUNTS = np.array([1.0, 2.0, 3.0] + [2.0 ** (k - 0.5) for k in range(3, NUM_BINS)])
-# Weights as measured: every fused op is built in FP32 (embshard.bench).
+# Bytes per weight where a table's precision is not known (FP32); measured ops use each table's own precision.
 MEASURED_WEIGHT_BYTES = 4
 NUM_FEATURES = len(FEATURE_NAMES)  # 21
 # The numeric features span orders of magnitude: they enter the networks as log1p, then z-scored.
@@ -75,8 +75,11 @@ def working_set_rows(raw: np.ndarray, batch_size: int) -> np.ndarray:
 
 
 def working_set_bytes(raw: np.ndarray, batch_size: int) -> np.ndarray:
-    """(N,) bytes of weights a measured batch touches per table (unique rows x dim x FP32)."""
-    return working_set_rows(raw, batch_size) * np.asarray(raw, dtype=np.float64)[:, 0] * MEASURED_WEIGHT_BYTES
+    """(N,) bytes of weights a measured batch touches per table: unique rows x bytes per row, the row's bytes
+    being size_bytes / rows (dim x 4 for FP32, dim x 2 for FP16, the precision the benchmark measures in)."""
+    raw = np.asarray(raw, dtype=np.float64)
+    row_bytes = np.where(raw[:, 1] > 0, raw[:, 3] / np.maximum(raw[:, 1], 1.0), raw[:, 0] * MEASURED_WEIGHT_BYTES)
+    return working_set_rows(raw, batch_size) * row_bytes
 
 
 @dataclass

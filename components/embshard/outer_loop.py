@@ -95,7 +95,10 @@ def run(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST_CHAMPIO
     OUT/measured-round-<r> and OUT/cost_model/round-<r>. `costs`: the benchmark's costs folder (needed when
     rounds > 1); the communication calibration is settings.calibration_dir, by default the folder above
     `costs` (the benchmark's run folder). Returns the last round's result."""
-    rounds = max(1, int(rounds))
+    from .jobs.train_policy import check_training
+
+    check_training(iterations, rounds, rollouts_per_task)
+    rounds = int(rounds)
     if rounds > 1 and costs is None:
         raise EmbshardError("the outer loop needs the costs folder", field="costs",
                             fix="pass costs=<DIR/costs> (the benchmark stage's output) or use rounds=1")
@@ -119,6 +122,10 @@ def run(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST_CHAMPIO
 
 
 # --- `embshard train-policy` -------------------------------------------------------------------
+# What `embshard train-policy` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "inputs": ("tables", "tasks", "costs")}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", required=True, help="tables.parquet")
     p.add_argument("--tasks", required=True, help="tasks.parquet (its 'train' tasks are used)")

@@ -75,6 +75,8 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
     from .errors import EmbshardError
 
     params_mod.check(params)
+    if params and isinstance(params.get("eval_planners"), str):  # the DAG's form takes a list
+        params = {**params, "eval_planners": params_mod.planners_of(params["eval_planners"])}
     env = setup_environment(out)
     from airflow import settings
     from airflow.utils.db import initdb
@@ -89,9 +91,13 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
     print(f"embshard pipeline: Airflow's, MLflow's and the stages' own logs go to {log_path}", flush=True)
     start = time.perf_counter()
     with _logs_to(log_path):
-        initdb()
         dag = load_dag()
-        dag_run = dag.test(run_conf=params or {})
+        check_conf(dag, params or {})  # before the database and the run: a bad value is one line, at once
+        initdb()
+        try:
+            dag_run = dag.test(run_conf=params or {})
+        except ValueError as exc:  # Airflow's ParamValidationError (a ValueError) of a check we do not repeat
+            raise param_error(exc) or exc
     elapsed = time.perf_counter() - start
     root = stages.run_root(env["EMBSHARD_DATA_ROOT"], dag_run.run_id)
     state = str(dag_run.state)
@@ -107,6 +113,37 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
             with open(p, encoding="utf-8") as f:
                 result[name] = json.load(f)
     return result
+
+
+def param_error(exc: BaseException):
+    """Airflow's ParamValidationError ("Invalid input for param devices: -3 is less than the minimum of 1",
+    then the JSON schema over several lines) as one EmbshardError naming the param; None for other errors."""
+    import re
+
+    from .errors import EmbshardError
+
+    if type(exc).__name__ != "ParamValidationError":
+        return None
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    m = re.match(r"Invalid input for param (\S+): (.*)", first)
+    name, why = (m.group(1), m.group(2)) if m else ("param", first)
+    return EmbshardError(why, field=name, fix=f"give --param {name}=VALUE within the limits of the DAG's form "
+                         "(the Trigger form of embshard_pipeline shows them)")
+
+
+def check_conf(dag, params: dict) -> None:
+    """Validate `params` against the DAG's Params (types, ranges, patterns) as the run would, without a run."""
+    import copy
+
+    merged = copy.deepcopy(dag.params)
+    try:
+        merged.update(params)
+        merged.validate()
+    except ValueError as exc:
+        err = param_error(exc)
+        if err is None:
+            raise
+        raise err from None
 
 
 @contextlib.contextmanager

@@ -1,4 +1,6 @@
-"""Placement: which device holds each table (or column slice of a table), and its memory check."""
+"""Placement: which device holds each table (or column slice of a table), and its memory check.
+
+`Shard` (a piece of a table on a device, with its kind) lives in embshard.types and is re-exported here."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,16 +10,9 @@ import pandas as pd
 
 from .errors import InfeasiblePlacementError
 from .tableset import TableSet
+from .types import COLUMN, WHOLE, DeviceTopology, Shard
 
-
-@dataclass(frozen=True)
-class Shard:
-    """A piece of one table on one device: the whole table, or columns [col_offset, col_offset+col_size)."""
-
-    table: int            # index into the TableSet
-    device: int
-    col_offset: int = 0
-    col_size: int | None = None  # None = all columns
+__all__ = ["Placement", "Shard"]
 
 
 @dataclass
@@ -30,6 +25,12 @@ class Placement:
     model_uri: str | None = None
     task_id: str = "task"
     meta: dict = field(default_factory=dict)
+    topology: DeviceTopology | None = None  # the planner's; None: num_devices x memory on one host
+
+    @property
+    def devices(self) -> DeviceTopology:
+        """The device topology this placement was planned for."""
+        return self.topology or DeviceTopology(self.num_devices, self.memory_bytes_per_device)
 
     @classmethod
     def from_assignment(cls, tables: TableSet, assignment, num_devices: int, memory_bytes_per_device: int,
@@ -44,7 +45,8 @@ class Placement:
 
     def shard_bytes(self) -> np.ndarray:
         t = self.tables
-        return np.array([t.rows[s.table] * (t.dims[s.table] if s.col_size is None else s.col_size)
+        return np.array([(t.rows[s.table] if s.row_size is None else s.row_size)
+                         * (t.dims[s.table] if s.col_size is None else s.col_size)
                          * t.bytes_per_element[s.table] for s in self.shards], dtype=np.int64)
 
     def device_of_shards(self) -> np.ndarray:
@@ -65,6 +67,10 @@ class Placement:
 
         `where` names the input in errors (a file, or a file and task); default the task id."""
         where = where or self.task_id
+        other = [s.kind for s in self.shards if s.kind not in (WHOLE, COLUMN)]
+        if other:
+            raise InfeasiblePlacementError(f"{other[0]} shards are not supported yet", path=where, field="kind",
+                                           fix="place whole tables or column slices")
         dev = self.device_of_shards()
         if len(dev) and (dev.min() < 0 or dev.max() >= self.num_devices):
             raise InfeasiblePlacementError(f"device index out of range 0..{self.num_devices - 1}",

@@ -8,8 +8,26 @@ from .placement import Placement
 GiB = 2**30
 
 
+MAX_ROWS = 40  # a screenful; beyond it the table shows the first, the last and the busiest devices
+SHOWN = 10     # of each of those three groups
+
+
+def shown_devices(placement: Placement, device_costs: np.ndarray | None, max_rows: int = MAX_ROWS) -> list[int]:
+    """All devices up to `max_rows`, else the first, the last and the busiest (by predicted cost, else by
+    memory) SHOWN each, in device order."""
+    D = placement.num_devices
+    if D <= max_rows:
+        return list(range(D))
+    load = np.asarray(device_costs, dtype=float) if device_costs is not None else placement.memory_per_device()
+    busiest = np.argsort(-load, kind="stable")[:SHOWN]
+    return sorted({*range(SHOWN), *range(D - SHOWN, D), *(int(d) for d in busiest)})
+
+
 def device_table(placement: Placement, device_costs: np.ndarray | None = None,
-                 lower_bound: float | None = None) -> str:
+                 balanced_estimate: float | None = None, full_table: str | None = None,
+                 max_rows: int = MAX_ROWS) -> str:
+    """The per-device table; beyond `max_rows` devices, a summary (first, last and busiest devices) with a line
+    saying how many were left out and where the full table is (`full_table`)."""
     mem = placement.memory_per_device()
     shards = placement.device_shards()
     lines = [f"task {placement.task_id}: {len(placement.tables)} tables on {placement.num_devices} devices, "
@@ -19,19 +37,28 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
         head += f" {'pred. ms':>9} {'vs mean':>8}"
     lines.append(head)
     mean = float(np.mean(device_costs)) if device_costs is not None else 0.0
-    for d in range(placement.num_devices):
+    shown = shown_devices(placement, device_costs, max_rows)
+    for k, d in enumerate(shown):
+        if k and d != shown[k - 1] + 1:
+            lines.append(f"{'...':>6}")
         row = (f"{d:>6} {len(shards[d]):>6} {sum(s.col_size is not None for s in shards[d]):>6} "
                f"{mem[d] / GiB:>11.3f} {100 * mem[d] / placement.memory_bytes_per_device:>5.1f}%")
         if device_costs is not None:
             row += f" {device_costs[d]:>9.3f} {device_costs[d] / mean if mean else 0:>7.2f}x"
         lines.append(row)
+    if len(shown) < placement.num_devices:
+        lines.append(f"{placement.num_devices - len(shown):,} of {placement.num_devices:,} devices not shown (the "
+                     f"first, last and busiest {SHOWN} are); the full table is "
+                     + (f"the `devices` list of {full_table}" if full_table else "placement.to_frame()"))
     if device_costs is not None:
         overall = float(np.max(device_costs))
         summary = f"predicted step cost {overall:.3f} ms (slowest device), imbalance max/mean {overall / mean:.3f}"
-        if lower_bound:
-            summary += f", lower bound {lower_bound:.3f} ms, gap {100 * (overall / lower_bound - 1):.1f}%"
+        # An estimate of a perfectly balanced plan, not a bound: a plan can come in below it (docs/method.md).
+        if balanced_estimate:
+            summary += (f", balanced estimate {balanced_estimate:.3f} ms (not a bound), gap "
+                        f"{100 * (overall / balanced_estimate - 1):+.1f}%")
         else:
-            summary += ", lower bound n/a (the cost model is not monotone on these tables)"
+            summary += ", balanced estimate n/a (the cost model is not monotone on these tables)"
         lines.append(summary)
     if placement.meta.get("time_cap_hit"):
         lines.append(f"note: the search hit its time cap after {placement.meta.get('search_evaluations')} of "
@@ -41,7 +68,7 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
 
 
 def plot_device_costs(placement: Placement, device_costs: np.ndarray | None, path: str,
-                      lower_bound: float | None = None) -> None:
+                      balanced_estimate: float | None = None) -> None:
     """Bars of each device's predicted cost and memory use: imbalance at a glance (PNG)."""
     import matplotlib
 
@@ -53,16 +80,25 @@ def plot_device_costs(placement: Placement, device_costs: np.ndarray | None, pat
     devices = np.arange(placement.num_devices)
     mem = placement.memory_per_device() / placement.memory_bytes_per_device * 100
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.4))
+    # Thousands of bars take minutes to draw and show nothing more than a line does.
+    many = placement.num_devices > 512
+
+    def bars(a, values, color):
+        if many:
+            a.plot(devices, values, color=color, lw=0.6)
+        else:
+            a.bar(devices, values, color=color)
+
     if device_costs is not None:
-        ax[0].bar(devices, device_costs, color="tab:blue")
-        if lower_bound:
-            ax[0].axhline(lower_bound, color="black", ls="--", lw=1, label="lower bound")
+        bars(ax[0], device_costs, "tab:blue")
+        if balanced_estimate:
+            ax[0].axhline(balanced_estimate, color="black", ls="--", lw=1, label="balanced estimate")
             ax[0].legend(fontsize=8)
         ax[0].set_ylabel("predicted cost (ms)")
     else:
         ax[0].text(0.5, 0.5, "no cost model: costs not predicted", ha="center", transform=ax[0].transAxes)
     ax[0].set_xlabel("device")
-    ax[1].bar(devices, mem, color="tab:orange")
+    bars(ax[1], mem, "tab:orange")
     ax[1].axhline(100, color="red", lw=1)
     ax[1].set_ylabel("memory used (% of the device)")
     ax[1].set_xlabel("device")

@@ -8,7 +8,9 @@ versions are addressed by aliases (`champion`, `challenger`), never by the depre
 """
 from __future__ import annotations
 
+import logging
 import os
+import warnings
 from typing import Any
 
 from .errors import ModelNotFoundError
@@ -18,6 +20,15 @@ DEFAULT_EXPERIMENT = "embshard"
 COST_MODEL = "embshard-cost"
 POLICY_MODEL = "embshard-policy"
 CHAMPION, CHALLENGER = "champion", "challenger"
+# The promotion gate's verdict on an `embshard-policy` version, in its `verdict` tag (reason in `verdict_reason`).
+# PENDING is set at registration; the gate replaces it with one of GATE_VERDICTS. A version still PENDING after its
+# Airflow run is over was registered by a run that failed before the gate: the next pipeline run's gate tags it
+# FAILED_RUN. Versions registered from the command line stay PENDING until a gate judges them.
+VERDICT_TAG, VERDICT_REASON_TAG = "verdict", "verdict_reason"
+PENDING, FAILED_RUN = "pending", "failed_run"
+PROMOTED, UNDECIDED, NOT_BETTER, SLOWER, INFEASIBLE = (
+    "promoted", "undecided", "not_better", "measurably_slower", "infeasible")
+GATE_VERDICTS = (PROMOTED, UNDECIDED, NOT_BETTER, SLOWER, INFEASIBLE)
 
 
 def alias_uri(name: str, alias: str = CHAMPION) -> str:
@@ -88,11 +99,24 @@ def signature(input_example, output_example, params: dict | None = None, require
     from mlflow.models import infer_signature
     from mlflow.types.schema import ColSpec, Schema
 
-    sig = infer_signature(input_example, output_example, params=params)
+    with warnings.catch_warnings():
+        # MLflow's hint that integer columns cannot hold missing values: ours (rows, dim, shard ...) never miss.
+        warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer", category=UserWarning)
+        sig = infer_signature(input_example, output_example, params=params)
     if required is not None:
         keep = set(required)
         sig.inputs = Schema([ColSpec(c.type, c.name, required=c.name in keep) for c in sig.inputs.inputs])
     return sig
+
+
+class _DropMessage:
+    """A logging filter that drops records whose message starts with `prefix`."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith(self.prefix)
 
 
 def start_run(**kwargs):
@@ -118,10 +142,23 @@ def log_and_register(python_model, artifacts: dict[str, str], registered_name: s
     if started:
         start_run()
     try:
-        info = mlflow.pyfunc.log_model(
-            name="model", python_model=python_model, artifacts=artifacts, input_example=input_example,
-            signature=signature, pip_requirements=pip_requirements or default_pip_requirements(),
-            registered_model_name=registered_name)
+        with warnings.catch_warnings():
+            # The signature is given (inferred from an example call, `signature`), so no input example is stored;
+            # MLflow's hint about one would otherwise reach every task log with raw colour codes.
+            if signature is not None:
+                warnings.filterwarnings("ignore", message=".*An input example was not provided",
+                                        category=UserWarning)
+            # MLflow warns on every PythonModel object (CloudPickle). Ours are classes of this package: the
+            # pickle names an importable class, and every stage's log carried the warning for nothing.
+            pickle_note = _DropMessage("Passing a Python object as `python_model`")
+            logging.getLogger("mlflow.pyfunc").addFilter(pickle_note)
+            try:
+                info = mlflow.pyfunc.log_model(
+                    name="model", python_model=python_model, artifacts=artifacts, input_example=input_example,
+                    signature=signature, pip_requirements=pip_requirements or default_pip_requirements(),
+                    registered_model_name=registered_name)
+            finally:
+                logging.getLogger("mlflow.pyfunc").removeFilter(pickle_note)
         client = mlflow.MlflowClient()
         version = str(info.registered_model_version)
         for k, v in {**tags, **mlflow_tags()}.items():
@@ -145,6 +182,34 @@ def set_alias(name: str, alias: str, version) -> None:
     mlflow.MlflowClient().set_registered_model_alias(name, alias, str(version))
 
 
+def delete_alias(name: str, alias: str) -> None:
+    """Remove `name@alias` (nothing happens when it does not exist)."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        mlflow.MlflowClient().delete_registered_model_alias(name, alias)
+    except MlflowException:
+        pass
+
+
+def set_verdict(name: str, version, verdict: str, reason: str = "") -> None:
+    """Tag a version with the gate's verdict (one of PENDING, FAILED_RUN, GATE_VERDICTS) and its reason."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    client.set_model_version_tag(name, str(version), VERDICT_TAG, verdict)
+    client.set_model_version_tag(name, str(version), VERDICT_REASON_TAG, reason[:250])
+
+
+def versions_with_verdict(name: str, verdict: str) -> list:
+    """The ModelVersions of `name` whose verdict tag is `verdict` (oldest first)."""
+    import mlflow
+
+    found = mlflow.MlflowClient().search_model_versions(f"name='{name}' and tags.{VERDICT_TAG}='{verdict}'")
+    return sorted(found, key=lambda mv: int(mv.version))
+
+
 def version_for_alias(name: str, alias: str):
     """The ModelVersion behind `name@alias`, or None when the model or the alias does not exist."""
     import mlflow
@@ -161,6 +226,16 @@ def load_python_model(uri: str):
     import mlflow
     from mlflow.exceptions import MlflowException
 
+    if uri.startswith(("models:/", "runs:/")):
+        # A missing local store is "no model", not a reason to create an empty mlflow.db where the command runs:
+        # a command writes nothing outside its --out.
+        store = mlflow.get_registry_uri() if uri.startswith("models:/") else mlflow.get_tracking_uri()
+        db = store[len("sqlite:///"):] if store.startswith("sqlite:///") else None
+        if db and db != ":memory:" and not os.path.exists(db):
+            name = uri.split("/")[1].split("@")[0] if uri.startswith("models:/") else uri
+            raise ModelNotFoundError(f"no model at {uri}: there is no MLflow store at {db}", path=uri,
+                                     fix=f"set MLFLOW_TRACKING_URI to the store where '{name}' is registered, or "
+                                         "train and register it first")
     try:
         return mlflow.pyfunc.load_model(uri).unwrap_python_model()
     except MlflowException as exc:

@@ -68,7 +68,7 @@ def _id_list(s: pd.Series) -> pd.Series:
 
 
 def _dim(s: pd.Series) -> pd.Series:
-    return (s > 0) & (s <= checks.MAX_DIM)
+    return (s > 0) & (s <= checks.MAX_DIM) & (s % checks.DIM_MULTIPLE == 0)
 
 
 def _pooling(s: pd.Series) -> pd.Series:
@@ -82,11 +82,12 @@ SCHEMAS: dict[str, list[Column]] = {
     "tables": [
         Column("table_id", _STR, check=_valid_id, rule=f"a unique id of {checks.ID_RULE}"),
         Column("rows", pa.int64(), check=_positive, rule="an integer > 0"),
-        Column("dim", pa.int32(), check=_dim, rule=f"an integer from 1 to {checks.MAX_DIM:,}"),
+        Column("dim", pa.int32(), check=_dim, rule=f"{checks.DIM_RULE} (FBGEMM's kernels need multiples of 4)"),
         Column("pooling_factor", _F64, check=_pooling,
                rule=f"a finite number from 0 to {checks.MAX_POOLING_FACTOR:,.0f}"),
-        Column("bytes_per_element", pa.int32(), check=lambda s: s.isin([1, 2, 4, 8]),
-               rule="1, 2, 4 or 8"),
+        # 4 = fp32, 2 = fp16: the precisions the benchmark measures in (bench.backends) and TorchRec trains.
+        Column("bytes_per_element", pa.int32(), check=lambda s: s.isin([2, 4]),
+               rule="4 (fp32) or 2 (fp16); other weight types are not supported"),
         Column("size_bytes", pa.int64(), check=lambda s: (s > 0) & (s < checks.MAX_TABLE_BYTES),
                rule="rows * dim * bytes_per_element, > 0 and < 2^62"),
         *[Column(c, _F64, check=_finite_non_negative, rule="a fraction in [0, 1]") for c in BIN_COLUMNS],
@@ -290,6 +291,7 @@ def read(path: str | os.PathLike, kind: str) -> pd.DataFrame:
         frames = [_read_one(part) for part in parts]
         df = pd.concat(frames, ignore_index=True)
     else:
+        checks.input_file(where, fix=f"give the {kind} Parquet file")  # a FIFO would block; permission denied
         df = _read_one(where)
     return validate(df, kind, where)
 
@@ -299,6 +301,9 @@ def _read_one(where: str) -> pd.DataFrame:
     try:
         with fs.open_input_file(p) as f:
             return pq.read_table(f).to_pandas()
+    except PermissionError as exc:
+        raise EmbshardError(f"permission denied ({exc.strerror or exc})", path=where,
+                            fix="make it readable (chmod u+r) or run as a user who may read it") from None
     except (pa.ArrowInvalid, OSError) as exc:
         raise EmbshardError(f"not a readable Parquet file ({str(exc).splitlines()[0][:100]})", path=where,
                             fix="re-run the stage that writes it; the file is corrupt or truncated") from None

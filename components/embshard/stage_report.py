@@ -47,12 +47,18 @@ def promotion_lines(decision: dict, root: str) -> list[str]:
     if aa is not None and aa == aa:  # NaN: no repeat was measured
         lines.append(f"  the ruler's A/A floor ({floor['planner']} measured twice): {aa:.3f}x"
                      f"{interval(floor)}  (a ratio inside this interval is no difference)")
-    verdict = {"promoted": "PROMOTED to champion", "undecided": "UNDECIDED (challenger); champion kept"}.get(
+    verdict = {"promoted": "PROMOTED to champion", "undecided": "UNDECIDED (now challenger); champion kept",
+               "not_better": "NOT BETTER (no alias); champion unchanged",
+               "measurably_slower": "MEASURABLY SLOWER (no alias); champion unchanged",
+               "infeasible": "INFEASIBLE (no alias); champion unchanged"}.get(
         decision.get("verdict", "promoted" if decision.get("promoted") else ""),
-        "not promoted (challenger); champion kept")
-    lines.append(f"  decision: {verdict}  (candidate v{decision.get('candidate_version')}, "
-                 f"champion before v{decision.get('champion_version_before')}, after "
-                 f"v{decision.get('champion_version_after')}): {decision.get('reason')}")
+        "not promoted; champion unchanged")
+
+    def version(v) -> str:
+        return "none" if v is None else f"v{v}"
+    lines.append(f"  decision: {verdict}  (candidate {version(decision.get('candidate_version'))}, "
+                 f"champion before {version(decision.get('champion_version_before'))}, after "
+                 f"{version(decision.get('champion_version_after'))}): {decision.get('reason')}")
     lines.append(f"  plot: {_join(path(root, 'evaluation'), 'evaluation.png')}")
     if decision.get("summary"):
         lines.append(str(decision["summary"]))

@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -264,7 +265,7 @@ def run_in_task(name: str, data_root: str, mlflow_uri: str, params: dict, *, run
                              f"{str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}")
         raise
     run_context.progress(f"  {label:<28} done in {time.perf_counter() - start:6.1f} s")
-    print(report(name, result, root), flush=True)
+    log_report(name, result, root)
     return _jsonable(result)
 
 
@@ -282,6 +283,15 @@ def _jsonable(value):
         return _jsonable(float(value))  # numpy scalars
     except (TypeError, ValueError):
         return str(value)
+
+
+def log_report(name: str, result: dict, root: str) -> None:
+    """The report into the task's log through logging, not print: Airflow's task runner reads stdout and log
+    records on two sockets, so a printed block could arrive after its "::group::Post Execute" record and land in
+    that collapsed group; a log record keeps its place before it. One record per line keeps the block aligned."""
+    sys.stdout.flush()  # anything printed before (progress) first
+    for line in report(name, result, root).splitlines():
+        log.info("%s", line)
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -90,17 +90,62 @@ def existing_folder(path: str) -> str:
     return path
 
 
+STAGE_PREFIX = ".embshard-stage-"
+
+
+def _target_key(out: str | os.PathLike) -> str:
+    """A short key of the output a stage folder is for: its name says whose it is (`<prefix><key>-<pid>-...`)."""
+    import hashlib
+
+    text = os.fspath(out)
+    text = os.path.abspath(text) if "://" not in text else text
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # ours would not exist yet: a process before us (a restarted pod) had this pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def remove_abandoned_stages(parent: str, out: str | os.PathLike) -> list[str]:
+    """Delete the stage folders a killed earlier run for the same `out` left in `parent` (its process is gone);
+    returns them. Stage folders of other outputs, or of a run still going, are left alone."""
+    prefix = f"{STAGE_PREFIX}{_target_key(out)}-"
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            if not name.startswith(prefix):
+                continue
+            pid = name[len(prefix):].split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+                removed.append(name)
+    return removed
+
+
 @contextlib.contextmanager
 def staged_dir(out: str | os.PathLike) -> Iterator[str]:
     """A local temporary folder for a command's outputs, published under `out` only if the block succeeds.
 
-    A failed command leaves nothing: not a half-set of files, not an empty `out`. Each file is published with
+    A failed command leaves nothing: not a half-set of files, not an empty `out`. A killed one leaves its stage
+    folder, named after `out` and its process id (`.embshard-stage-<key of out>-<pid>-...`), which the next run
+    into the same `out` removes at its start. Each file is published with
     atomic_write (a reader never sees half a file); the window in which only some files are published is the
     copy of small files at the very end.
     """
     local = "://" not in os.fspath(out)
-    tmp = tempfile.mkdtemp(prefix=".embshard-stage-",
-                           dir=existing_folder(os.fspath(out)) if local else None)
+    parent = existing_folder(os.fspath(out)) if local else None
+    prefix = f"{STAGE_PREFIX}{_target_key(out)}-{os.getpid()}-"
+    if parent is not None:
+        remove_abandoned_stages(parent, out)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
     try:
         yield tmp
         for root, _, files in os.walk(tmp):
@@ -116,6 +161,84 @@ def staged_dir(out: str | os.PathLike) -> Iterator[str]:
                         shutil.copyfileobj(r, w)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _local(text: str) -> str | None:
+    """The local path of a local path or file:// URI, else None."""
+    if text.startswith("file://"):
+        return text[len("file://"):]
+    return None if "://" in text else text
+
+
+def check_output(out: str | os.PathLike, *, kind: str = "folder", writes: tuple[str, ...] = (),
+                 inputs: dict[str, object] | None = None, field: str = "out") -> None:
+    """Refuse, before any work, an output a command could not write or that would destroy one of its inputs.
+
+    `kind` "folder" (the command writes `writes` under it) or "file"; `inputs` maps option names (e.g.
+    "--tables") to the paths the command reads (None, a path, or a list of paths). Checks, each one line naming
+    the path, the option and the fix: the output is none of the inputs (nor is any file it writes), an existing
+    file is not given as a folder nor a folder as a file, a folder the command writes is not a file and a file
+    is not a folder,
+    the nearest existing folder is writable, and a remote store (s3://) answers.
+    """
+    from .errors import EmbshardError
+
+    text = os.fspath(out)
+    flag = "--" + field.replace("_", "-")
+    if not text.strip():
+        raise EmbshardError("empty path", field=field, fix=f"give {flag} a path")
+    local = _local(text)
+    if local is None:  # a remote store: reachable now, not after minutes of work
+        try:
+            fs, path = resolve(text)
+            info = fs.get_file_info(path)
+        except (OSError, ValueError) as exc:
+            raise EmbshardError(f"cannot reach it ({str(exc).splitlines()[0][:140]})", path=text, field=field,
+                                fix="check the bucket, the credentials (AWS_*) and the endpoint, or write to a "
+                                    "local folder") from None
+        if kind == "folder" and info.type == pafs.FileType.File:
+            raise EmbshardError("is a file, not a folder", path=text, field=field, fix=f"give {flag} a folder")
+        return
+    path = os.path.realpath(os.path.abspath(local))
+    targets = [path] + [os.path.realpath(os.path.join(path, w)) for w in writes]
+    for option, given in (inputs or {}).items():
+        for inp in given if isinstance(given, (list, tuple)) else [given]:
+            inp_local = None if inp is None else _local(os.fspath(inp))  # type: ignore[arg-type]
+            if not inp_local:
+                continue
+            real = os.path.realpath(os.path.abspath(inp_local))
+            inside = [t for t in targets[1:] if real.startswith(t.rstrip(os.sep) + os.sep)]
+            if real == path:
+                why = f"is the {option} input"
+            elif real in targets:
+                why = f"would overwrite the {option} input {inp_local}"
+            elif inside:
+                why = f"would overwrite the {option} input {inp_local} (inside {inside[0]})"
+            else:
+                continue
+            raise EmbshardError(why, path=text, field=field,
+                                fix=f"write {flag} somewhere else; inputs are never overwritten")
+    if kind == "file" and os.path.isdir(path):
+        raise EmbshardError("is a folder, not a file", path=text, field=field,
+                            fix=f"give {flag} a file name (e.g. {os.path.join(text, 'out.parquet')})")
+    if kind == "folder":
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise EmbshardError("is a file, not a folder", path=text, field=field,
+                                fix=f"give {flag} a folder (it is created), or remove the file")
+        for w in writes:
+            target = os.path.join(path, w)
+            if os.path.isdir(target) and "." in os.path.basename(w):
+                raise EmbshardError(f"{w} there is a folder, where a file is written", path=text, field=field,
+                                    fix=f"remove or rename {target}, or write {flag} elsewhere")
+    existing = path if kind == "folder" else os.path.dirname(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise EmbshardError(f"{existing} is a file, so it cannot be created", path=text, field=field,
+                            fix=f"give {flag} a path under a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise EmbshardError(f"folder {existing} is not writable", path=text, field=field,
+                            fix=f"write {flag} to a folder you can write to, or change its permissions")
 
 
 def write_text(uri: str | os.PathLike, text: str) -> None:

@@ -1,34 +1,129 @@
-"""The placement problem's small types: what a planner is asked to solve.
+"""The placement problem's vocabulary: what a planner is asked to solve and what it may call.
 
-`DeviceSpec` describes the devices of a task (how many, memory per device, and room for what a cost model may
-one day take into account: the hardware and the links between devices); `Task` is one placement problem (an id,
-its tables, its devices). Planners (`Planner.plan_task`), evaluation, promotion, policy training and export all
-take Tasks; `load_tasks` reads them from the tables and tasks files, in the spirit of TorchRec's `Topology`.
+- `DeviceTopology`: the devices of a task (how many, memory per device, the hardware, the bandwidths of the
+  links, which devices share a host), in the spirit of TorchRec's `Topology`. Every planner gets one
+  (`Planner.plan` builds it from (num_devices, memory) when a caller gives ints) and stores it on the Placement.
+- `Shard` and its kinds: a piece of one table on one device (the whole table, a column slice, a row slice, or a
+  replica). Planners and the export produce whole and column pieces today; row and replicated pieces have their
+  fields and kinds so that they can be added without changing the format.
+- `CostEstimator`: what planners, the policy and the scorer call on a cost model (the network, the ensemble and
+  the analytic reference implement it): SUM-decomposable encodings and costs from summed encodings.
+- `Task`: one placement problem (an id, its tables, its devices); `load_tasks` reads them from the tables and
+  tasks files.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from .tableset import TableSet
 
+if TYPE_CHECKING:
+    import torch
+
 SPLITS = ("train", "test", "all")
+
+WHOLE, COLUMN, ROW, REPLICATED = "whole", "column", "row", "replicated"
+SHARD_KINDS = (WHOLE, COLUMN, ROW, REPLICATED)
 
 
 @dataclass(frozen=True)
-class DeviceSpec:
+class DeviceTopology:
+    """The devices of one task. `hosts[d]` is the host of device d (None: all devices on one host)."""
+
     count: int                              # devices (ranks) the tables are placed on
     memory_bytes: int                       # embedding memory per device
     hardware: str | None = None             # e.g. "cuda:NVIDIA H100 80GB HBM3"; None: the cost model's own
     intra_node_bandwidth_gbps: float | None = None  # None: the cost model's communication model decides
     inter_node_bandwidth_gbps: float | None = None
+    hosts: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        if self.hosts is not None and len(self.hosts) != self.count:
+            from .errors import EmbshardError
+
+            raise EmbshardError(f"{len(self.hosts)} host entries for {self.count} devices", field="hosts",
+                                fix="give the host of every device, or none for one host")
+
+    @classmethod
+    def of(cls, devices: "int | DeviceTopology", memory_bytes: int | None = None) -> "DeviceTopology":
+        """`devices` itself when it is a topology, else `devices` devices of `memory_bytes` each on one host."""
+        if isinstance(devices, DeviceTopology):
+            return devices
+        return cls(int(devices), int(memory_bytes if memory_bytes is not None else 0))
+
+    @property
+    def local_world_size(self) -> int:
+        """Devices per host (the largest host), as TorchRec's Topology counts them."""
+        if self.hosts is None:
+            return self.count
+        return max(self.hosts.count(h) for h in set(self.hosts))
+
+    def same_host(self, a: int, b: int) -> bool:
+        return self.hosts is None or self.hosts[a] == self.hosts[b]
+
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A piece of one table on one device: the whole table, columns [col_offset, col_offset+col_size), rows
+    [row_offset, row_offset+row_size), or (kind 'replicated') a full copy. `kind` is derived from the sizes
+    unless given as 'replicated'."""
+
+    table: int            # index into the TableSet
+    device: int
+    col_offset: int = 0
+    col_size: int | None = None  # None = all columns
+    row_offset: int = 0
+    row_size: int | None = None  # None = all rows
+    kind: str = ""
+
+    def __post_init__(self):
+        if self.kind not in ("", *SHARD_KINDS):
+            from .errors import EmbshardError
+
+            raise EmbshardError(f"unknown shard kind {self.kind!r}", field="kind",
+                                fix=f"use one of {', '.join(SHARD_KINDS)}")
+        if self.kind != REPLICATED:
+            derived = ROW if self.row_size is not None else COLUMN if self.col_size is not None else WHOLE
+            object.__setattr__(self, "kind", derived)
+
+
+@runtime_checkable
+class CostEstimator(Protocol):
+    """A SUM-decomposable cost model: a device's predicted cost is a function of the sum of the encodings of
+    the table pieces it holds (an all-zero sum is an empty device). What the scorer, the search and the policy
+    call; implemented by costmodel.model.CostModel, costmodel.ensemble.CostEnsemble and
+    costmodel.reference.AnalyticEstimator."""
+
+    @property
+    def num_members(self) -> int:
+        """Models whose disagreement is the uncertainty (1: none)."""
+        ...
+
+    def encode(self, features) -> "torch.Tensor":
+        """(N, H) encodings of N pieces from their raw (N, 21) features."""
+        ...
+
+    def heads_from_sums(self, sums: "torch.Tensor", num_devices: int) -> "torch.Tensor":
+        """(..., 3) ms (fwd compute, bwd compute, comm) from device sums (..., H)."""
+        ...
+
+    def totals_from_sums(self, sums: "torch.Tensor", num_devices: int) -> "torch.Tensor":
+        """(...) total ms of each device from device sums (..., H)."""
+        ...
+
+    def member_totals_from_sums(self, sums: "torch.Tensor", num_devices: int) -> "torch.Tensor":
+        """(K, ...) device totals per member (K = num_members)."""
+        ...
 
 
 @dataclass(frozen=True)
 class Task:
     task_id: str
     tables: TableSet
-    devices: DeviceSpec
+    devices: DeviceTopology
     split: str = "test"
 
     @property
@@ -63,5 +158,5 @@ def load_tasks(tables: str | os.PathLike | TableSet, tasks: str | os.PathLike, s
     for t in df.itertuples():
         where = f"{os.fspath(tasks)} (task {t.task_id})"
         out.append(Task(str(t.task_id), table_set.select(list(t.table_ids), where),
-                        DeviceSpec(int(t.num_devices), int(t.memory_bytes_per_device)), str(t.split)))
+                        DeviceTopology(int(t.num_devices), int(t.memory_bytes_per_device)), str(t.split)))
     return out

@@ -1,11 +1,15 @@
 """The fused operators a device shard is measured with, backend selection, and the timers.
 
 - fbgemm: FBGEMM's table-batched embedding bag (SplitTableBatchedEmbeddingBagsCodegen) over all tables of the
-  shard: SUM pooling, FP32 weights, exact SGD (the backward pass computes the gradient and updates the rows,
-  as in training), no bounds check (inputs are valid by construction).
+  shard: SUM pooling, exact SGD (the backward pass computes the gradient and updates the rows, as in training),
+  no bounds check (inputs are valid by construction). Weights in the tables' own precision (`bytes_per_element`
+  4 = FP32, 2 = FP16; output FP32 either way, FBGEMM's default). One TBE op takes one weights precision, so a
+  shard mixing FP16 and FP32 tables runs one op per precision, timed together as the device's fused work (as
+  TorchRec groups tables by data type into one TBE each).
 - torch: for hosts with torch but no FBGEMM. One fused `embedding_bag` over the shard's tables concatenated
-  row-wise; tables of different dims cannot share one weight matrix without padding (which would charge a
-  dim-4 table for the bytes of a dim-256 one), so a shard with k distinct dims runs k fused calls, one per dim.
+  row-wise; tables of different dims (or precisions) cannot share one weight matrix without padding (which would
+  charge a dim-4 table for the bytes of a dim-256 one), so a shard with k distinct (dim, precision) pairs runs k
+  fused calls. FP16 weights are float16 tensors (CPU and CUDA), pooled outputs cast to FP32 like FBGEMM's.
   Backward: sparse gradients + the exact-SGD row update (index_add_).
 
 Timers: CUDA events on GPU. On CPU with one intra-op thread (the default, EMBSHARD_NUM_THREADS=1) the thread's
@@ -29,6 +33,8 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "fbgemm", "torch")
 LEARNING_RATE = 0.01
+# Bytes per weight -> the precision measured (tables.bytes_per_element; the schema admits only these two).
+PRECISIONS = {4: "fp32", 2: "fp16"}
 _TBE_MODULE = "fbgemm_gpu.split_table_batched_embeddings_ops_training"
 
 
@@ -174,12 +180,34 @@ def hardware(device: str) -> str:
     return f"cuda:{torch.cuda.get_device_name(torch.device(device))}"
 
 
+def precision(bytes_per_element) -> str:
+    """'fp32' or 'fp16' for a table's bytes_per_element; anything else is refused (never measured as FP32)."""
+    try:
+        return PRECISIONS[int(bytes_per_element)]
+    except (KeyError, TypeError, ValueError):
+        raise EmbshardError(f"{bytes_per_element}-byte weights cannot be measured", field="bytes_per_element",
+                            fix="use 4 (fp32) or 2 (fp16) and re-ingest the tables") from None
+
+
+def precision_label(bytes_per_element) -> str:
+    """What a shard was measured in: 'fp32', 'fp16', or 'fp16+fp32' for a mixed shard."""
+    return "+".join(sorted({precision(b) for b in bytes_per_element}))
+
+
+def _groups(bytes_per_element, n: int) -> list[tuple[str, list[int]]]:
+    """(precision, table positions) per precision present, FP32 first."""
+    bpe = [4] * n if bytes_per_element is None else [int(b) for b in bytes_per_element]
+    names = [precision(b) for b in bpe]
+    return [(p, [i for i, x in enumerate(names) if x == p]) for p in ("fp32", "fp16") if p in names]
+
+
 class FbgemmShard:
-    """One FBGEMM TBE over the shard's tables. Inputs: (indices, offsets) over T*B bags, table-major."""
+    """FBGEMM TBE ops over the shard's tables, one per weights precision present (one op for a single-precision
+    shard). Inputs: (indices, offsets) over T*B bags, table-major; a mixed shard's inputs are split per op."""
 
     backend = "fbgemm"
 
-    def __init__(self, rows: list[int], dims: list[int], device: str):
+    def __init__(self, rows: list[int], dims: list[int], device: str, bytes_per_element: list[int] | None = None):
         import torch
 
         m = _load_tbe()
@@ -188,46 +216,65 @@ class FbgemmShard:
         on_gpu = device != "cpu"
         loc = m.EmbeddingLocation.DEVICE if on_gpu else m.EmbeddingLocation.HOST
         comp = m.ComputeDevice.CUDA if on_gpu else m.ComputeDevice.CPU
+        sparse = {"fp32": m.SparseType.FP32, "fp16": m.SparseType.FP16}
+        self.groups = _groups(bytes_per_element, len(rows))
+        self.num_tables = len(rows)
+        self.ops = []
         # FBGEMM logs every constructor argument at INFO on the root logger: keep the CLI output readable.
         previous = logging.root.manager.disable
         logging.disable(logging.INFO)
         try:
-            self.op = m.SplitTableBatchedEmbeddingBagsCodegen(
-                [(int(r), int(d), loc, comp) for r, d in zip(rows, dims)],
-                optimizer=m.OptimType.EXACT_SGD, learning_rate=LEARNING_RATE, pooling_mode=m.PoolingMode.SUM,
-                weights_precision=m.SparseType.FP32, bounds_check_mode=BoundsCheckMode.NONE,
-                device=torch.device(device))
+            for prec, members in self.groups:
+                self.ops.append(m.SplitTableBatchedEmbeddingBagsCodegen(
+                    [(int(rows[i]), int(dims[i]), loc, comp) for i in members],
+                    optimizer=m.OptimType.EXACT_SGD, learning_rate=LEARNING_RATE, pooling_mode=m.PoolingMode.SUM,
+                    weights_precision=sparse[prec], bounds_check_mode=BoundsCheckMode.NONE,
+                    device=torch.device(device)))
         finally:
             logging.disable(previous)
+        self.op = self.ops[0]
         # Host weights are zero-filled lazily (calloc): touch every page now so page faults stay out of timings.
         with torch.no_grad():
-            for name in ("weights_host", "weights_dev"):
-                w = getattr(self.op, name, None)
-                if w is not None and w.numel() > 0:
-                    w.fill_(1e-3)
+            for op in self.ops:
+                for name in ("weights_host", "weights_dev"):
+                    w = getattr(op, name, None)
+                    if w is not None and w.numel() > 0:
+                        w.fill_(1e-3)
 
-    @staticmethod
-    def prepare(per_table: list[tuple[np.ndarray, np.ndarray]], device: str):
-        import torch
+    @property
+    def precision(self) -> str:
+        return "+".join(sorted(p for p, _ in self.groups))
 
+    def prepare(self, per_table: list[tuple[np.ndarray, np.ndarray]], device: str):
         indices = np.concatenate([i for i, _ in per_table]) if per_table else np.zeros(0, np.int64)
         lengths = np.concatenate([lens for _, lens in per_table])
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        return (torch.from_numpy(indices.astype(np.int64)).to(device),
-                torch.from_numpy(offsets.astype(np.int64)).to(device))
+        return self.prepare_concat(indices, lengths, device)
 
-    @staticmethod
-    def prepare_concat(indices: np.ndarray, lengths: np.ndarray, device: str):
-        """The same inputs as `prepare`, from indices and lengths already concatenated table-major."""
+    def prepare_concat(self, indices: np.ndarray, lengths: np.ndarray, device: str):
+        """The same inputs as `prepare`, from indices and lengths already concatenated table-major; a mixed
+        shard gets one (indices, offsets) pair per op."""
         import torch
 
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        return (torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64)).to(device),
-                torch.from_numpy(offsets).to(device))
+        def pair(idx, lens):
+            offsets = np.zeros(len(lens) + 1, dtype=np.int64)
+            np.cumsum(lens, out=offsets[1:])
+            return (torch.from_numpy(np.ascontiguousarray(idx, dtype=np.int64)).to(device),
+                    torch.from_numpy(offsets).to(device))
+
+        if len(self.ops) == 1:
+            return pair(indices, lengths)
+        B = len(lengths) // self.num_tables
+        per = [lengths[t * B:(t + 1) * B] for t in range(self.num_tables)]
+        cut = np.concatenate([[0], np.cumsum([int(x.sum()) for x in per])])
+        return [pair(np.concatenate([indices[cut[t]:cut[t + 1]] for t in members]),
+                     np.concatenate([per[t] for t in members])) for _, members in self.groups]
 
     def forward(self, batch):
-        return self.op(batch[0], batch[1])
+        if len(self.ops) == 1:
+            return self.op(batch[0], batch[1])
+        import torch
+
+        return torch.cat([op(i, o) for op, (i, o) in zip(self.ops, batch)], dim=1)
 
     def backward(self, out, grad) -> None:
         out.backward(grad)  # exact SGD: the row update happens inside the backward kernel
@@ -238,21 +285,25 @@ class TorchShard:
 
     backend = "torch"
 
-    def __init__(self, rows: list[int], dims: list[int], device: str):
+    def __init__(self, rows: list[int], dims: list[int], device: str, bytes_per_element: list[int] | None = None):
         import torch
 
         self.device = device
         self.groups: list[tuple[list[int], int]] = []  # (table positions, dim)
-        for d in sorted(set(int(x) for x in dims)):
-            self.groups.append(([i for i, x in enumerate(dims) if int(x) == d], d))
+        dtypes = []
+        for prec, same in _groups(bytes_per_element, len(rows)):
+            for d in sorted(set(int(dims[i]) for i in same)):
+                self.groups.append(([i for i in same if int(dims[i]) == d], d))
+                dtypes.append(torch.float16 if prec == "fp16" else torch.float32)
+        self.precision = "+".join(sorted({"fp16" if t == torch.float16 else "fp32" for t in dtypes}))
         self.row_offsets: dict[int, int] = {}
         self.weights = []
-        for members, d in self.groups:
+        for (members, d), dtype in zip(self.groups, dtypes):
             off = 0
             for i in members:
                 self.row_offsets[i] = off
                 off += int(rows[i])
-            w = torch.full((off, d), 1e-3, dtype=torch.float32, device=device)  # materialised, like FBGEMM's
+            w = torch.full((off, d), 1e-3, dtype=dtype, device=device)  # materialised, like FBGEMM's
             self.weights.append(w.requires_grad_(True))
 
     def prepare(self, per_table: list[tuple[np.ndarray, np.ndarray]], device: str):
@@ -274,6 +325,8 @@ class TorchShard:
         parts = []
         for w, (idx, offs, t) in zip(self.weights, batch):
             pooled = F.embedding_bag(idx, w, offs, mode="sum", sparse=True, include_last_offset=True)
+            if pooled.dtype != torch.float32:
+                pooled = pooled.float()  # FP32 outputs, as FBGEMM returns for FP16 weights
             b = pooled.shape[0] // t
             # (T*B, d) table-major -> (B, T*d), the layout FBGEMM returns.
             parts.append(pooled.view(t, b, -1).permute(1, 0, 2).reshape(b, -1))
@@ -295,10 +348,11 @@ class TorchShard:
                 w.grad = None
 
 
-def build(backend: str, rows: list[int], dims: list[int], device: str):
+def build(backend: str, rows: list[int], dims: list[int], device: str, bytes_per_element: list[int] | None = None):
+    """The fused op(s) of one device shard, weights in each table's precision (default FP32)."""
     if device == "cpu":
         recycle_host_memory()
-    return (FbgemmShard if backend == "fbgemm" else TorchShard)(rows, dims, device)
+    return (FbgemmShard if backend == "fbgemm" else TorchShard)(rows, dims, device, bytes_per_element)
 
 
 # glibc's mallopt parameters (malloc.h).

@@ -11,10 +11,11 @@ distinct ids each repeat c_k times is shuffled and truncated/padded to L. Ids ar
 keep the same ranks in every rotated batch, as hot rows do across real batches; the singletons take fresh
 ranks in each batch, so rotating batches really brings cold rows in.
 
-Memory rule (row scaling). Weights need sum(rows x dim x 4) bytes. When that exceeds the budget left after the
-batch itself, the largest tables are capped at C rows (water-filling: tables under C are untouched, C is the
-largest cap that fits). Access structure is kept: unique ids are remapped to distinct rows of [0, C) whenever
-a batch touches at most C unique ids (always true for real batch sizes and sane budgets), else folded modulo C.
+Memory rule (row scaling). Weights need sum(rows x dim x bytes_per_element) bytes (4 for FP32, 2 for FP16).
+When that exceeds the budget left after the batch itself, the largest tables are capped at C rows
+(water-filling: tables under C are untouched, C is the largest cap that fits). Access structure is kept: unique
+ids are remapped to distinct rows of [0, C) whenever a batch touches at most C unique ids (always true for real
+batch sizes and sane budgets), else folded modulo C.
 `row_scale` = scaled weight bytes / original weight bytes of the shard (1.0 = none).
 If the batch alone does not fit the budget the shard is refused with a message to lower the batch size.
 """
@@ -31,7 +32,7 @@ from ..errors import EmbshardError
 from ..features import MEASURED_WEIGHT_BYTES, REP_COUNTS
 from ..ingest.synthetic import bag_lengths
 
-WEIGHT_BYTES = MEASURED_WEIGHT_BYTES  # FP32 weights (the fused op is built in FP32 for every shard)
+WEIGHT_BYTES = MEASURED_WEIGHT_BYTES  # FP32 weights: the default where a table's precision is not given
 
 
 @dataclass
@@ -172,16 +173,18 @@ def batch_bytes(total_lookups_per_batch: list[int], num_bags: int, batch_size: i
     return int(idx + dense + sparse_grad)
 
 
-def row_cap(rows: np.ndarray, dims: np.ndarray, budget_bytes: int) -> int | None:
-    """Largest C with sum(min(rows, C) * dims * 4) <= budget, or None when no cap is needed."""
+def row_cap(rows: np.ndarray, dims: np.ndarray, budget_bytes: int, bytes_per_element=None) -> int | None:
+    """Largest C with sum(min(rows, C) * dims * bytes_per_element) <= budget (FP32 where not given), or None
+    when no cap is needed."""
     rows = np.asarray(rows, dtype=np.int64)
-    dims = np.asarray(dims, dtype=np.int64)
-    if int((rows * dims).sum()) * WEIGHT_BYTES <= budget_bytes:
+    dims = np.asarray(dims, dtype=np.int64) * (WEIGHT_BYTES if bytes_per_element is None
+                                               else np.asarray(bytes_per_element, dtype=np.int64))
+    if int((rows * dims).sum()) <= budget_bytes:
         return None
     lo, hi = 0, int(rows.max())
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if int((np.minimum(rows, mid) * dims).sum()) * WEIGHT_BYTES <= budget_bytes:
+        if int((np.minimum(rows, mid) * dims).sum()) <= budget_bytes:
             lo = mid
         else:
             hi = mid - 1

@@ -73,12 +73,6 @@ class MeasureSettings:
         """The BenchConfig these settings make (close it with close_config)."""
         return make_config(self)
 
-    def kwargs(self) -> dict:
-        """measure_placement's keyword arguments. Kept only for callers that still spell
-        `measure_placement(pl, **settings.kwargs())` (policy/train.py, owned by another change); new code passes
-        the settings: measure_placement(pl, settings)."""
-        return {"settings": self}
-
 
 @dataclass
 class BenchConfig:
@@ -230,13 +224,15 @@ class ShardInputs:
     """Everything a shard's timing needs, made on the host (numpy only: a worker process can build it).
 
     batches: one (indices, lengths) pair per rotated batch, both concatenated table-major (FBGEMM's layout:
-    lengths has T*B entries). rows: the measured (possibly capped) rows per table."""
+    lengths has T*B entries). rows: the measured (possibly capped) rows per table. bytes_per_element: each
+    table's weight precision (4 = FP32, 2 = FP16), the precision its op is built in."""
 
     rows: list
     dims: list
     row_scale: float
     batch_size: int
     batches: list
+    bytes_per_element: list | None = None  # None: all FP32
 
     def per_table(self, j: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Batch j split back into one (indices, lengths) pair per table."""
@@ -248,7 +244,9 @@ class ShardInputs:
 
     def save(self, path: str) -> str:
         """One .npz file (uncompressed): hands large inputs from a worker process to the timing process."""
+        bpe = self.bytes_per_element if self.bytes_per_element is not None else [4] * len(self.dims)
         arrays = {"rows": np.asarray(self.rows, np.int64), "dims": np.asarray(self.dims, np.int64),
+                  "bytes_per_element": np.asarray(bpe, np.int64),
                   "meta": np.asarray([self.row_scale, self.batch_size, len(self.batches)], np.float64)}
         for j, (i, ln) in enumerate(self.batches):
             arrays[f"i{j}"], arrays[f"l{j}"] = i, ln
@@ -262,6 +260,7 @@ class ShardInputs:
             row_scale, b, n = z["meta"]
             return cls(rows=[int(x) for x in z["rows"]], dims=[int(x) for x in z["dims"]],
                        row_scale=float(row_scale), batch_size=int(b),
+                       bytes_per_element=[int(x) for x in z["bytes_per_element"]],
                        batches=[(z[f"i{j}"], z[f"l{j}"]) for j in range(int(n))])
 
 
@@ -276,6 +275,11 @@ def shard_inputs(tables: TableSet, members, cfg: BenchConfig, col_sizes=None, wh
     lookups = [int(sum(int(lens[j].sum()) for lens in lengths)) for j in range(cfg.num_batches)]
     dims = np.array([s.dim for s in specs], dtype=np.int64)
     rows = np.array([s.rows for s in specs], dtype=np.int64)
+    bpe = np.asarray(tables.bytes_per_element, dtype=np.int64)[members]
+    from .backends import precision
+
+    for b in bpe:
+        precision(b)  # 4 or 2: other widths are refused, never measured as FP32
     need_batch = inp.batch_bytes(lookups, len(specs) * B, B, int(dims.sum()), int(dims.max()))
     if cfg.device == "cpu":
         # On the host the cap is about weights (what caches see); the batch only has to fit in free memory.
@@ -285,16 +289,16 @@ def shard_inputs(tables: TableSet, members, cfg: BenchConfig, col_sizes=None, wh
             weight_budget = -1
     else:
         weight_budget = cfg.budget_bytes - need_batch  # weights and batch share the GPU's memory
-    if weight_budget < int(dims.sum()) * inp.WEIGHT_BYTES * 16:
+    if weight_budget < int((dims * bpe).sum()) * 16:
         raise EmbshardError(
             f"the batch alone needs {need_batch / GiB:.2f} GiB of the {cfg.budget_bytes / GiB:.2f} GiB this "
             f"measurement may use ({len(specs)} tables, {max(lookups)} lookups per batch)", path=where,
             field="batch_size", fix="lower --batch-size, or raise --max-shard-gb if the machine has the memory")
-    cap = inp.row_cap(rows, dims, weight_budget)
+    cap = inp.row_cap(rows, dims, weight_budget, bpe)
     scaled = rows if cap is None else np.minimum(rows, cap)
     for s, r in zip(specs, scaled):
         s.scaled_rows = int(r)
-    row_scale = float((scaled * dims).sum() / (rows * dims).sum())
+    row_scale = float((scaled * dims * bpe).sum() / (rows * dims * bpe).sum())
     # one (indices, lengths) pair per rotated batch for each table, drawn table by table (the rng's order)
     per_table = [inp.table_batches(s, lengths[t], rng) for t, s in enumerate(specs)]
     batches = []
@@ -303,18 +307,20 @@ def shard_inputs(tables: TableSet, members, cfg: BenchConfig, col_sizes=None, wh
         lens = np.concatenate([pt[j][1] for pt in per_table]).astype(np.int64, copy=False)
         batches.append((idx, lens))
     return ShardInputs(rows=[int(r) for r in scaled], dims=[int(d) for d in dims], row_scale=row_scale,
-                       batch_size=B, batches=batches)
+                       batch_size=B, batches=batches, bytes_per_element=[int(b) for b in bpe])
 
 
 def time_inputs(inputs: ShardInputs, cfg: BenchConfig, where: str = "shard") -> dict:
-    """Build the fused op of a shard from its inputs and time it: fwd/bwd compute medians, spread, row_scale."""
+    """Build the fused op of a shard from its inputs (weights in the tables' precision) and time it: fwd/bwd
+    compute medians, spread, row_scale and the weights precision measured."""
     import torch
 
     from . import backends
 
     op = batches = grad = None
+    precision = backends.precision_label(inputs.bytes_per_element or [4])
     try:
-        op = backends.build(cfg.backend, inputs.rows, inputs.dims, cfg.device)
+        op = backends.build(cfg.backend, inputs.rows, inputs.dims, cfg.device, inputs.bytes_per_element)
         if hasattr(op, "prepare_concat"):
             batches = [op.prepare_concat(i, ln, cfg.device) for i, ln in inputs.batches]
         else:
@@ -335,7 +341,7 @@ def time_inputs(inputs: ShardInputs, cfg: BenchConfig, where: str = "shard") -> 
     stat = np.min if cfg.statistic == "min" else np.median
     return {"iterations": int(len(fwd)), "fwd_compute_ms": float(stat(fwd)),
             "bwd_compute_ms": float(stat(bwd)), "row_scale": inputs.row_scale,
-            "spread": float((q75 - q25) / max(np.median(total), 1e-9))}
+            "spread": float((q75 - q25) / max(np.median(total), 1e-9)), "weights_precision": precision}
 
 
 def _comm(cfg: BenchConfig, sum_dims: int, num_devices: int) -> dict:
@@ -481,8 +487,8 @@ def measure_placement(placement, settings: MeasureSettings | None = None) -> pd.
             for d, shards in enumerate(device_shards):
                 ids = [str(placement.tables.table_ids[s.table]) for s in shards]
                 if not shards:
-                    m = {k: 0.0 for k in ("fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")}
-                    m.update(row_scale=1.0, spread=0.0)
+                    m: dict = {k: 0.0 for k in ("fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")}
+                    m.update(row_scale=1.0, spread=0.0, weights_precision="")
                 else:
                     k = busy.index(d)
                     m = measure_shard(placement.tables, jobs[k][0], cfg, num_devices=placement.num_devices,
@@ -492,7 +498,8 @@ def measure_placement(placement, settings: MeasureSettings | None = None) -> pd.
                     "total_ms": m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"],
                     "hardware": cfg.hardware, "cache_bytes": cfg.cache_bytes, "backend": cfg.backend,
                     "comm_source": cfg.comm_source,
-                    "row_scale": m["row_scale"], "spread": m["spread"]})
+                    "row_scale": m["row_scale"], "spread": m["spread"],
+                    "weights_precision": m["weights_precision"]})
     finally:
         close_config(cfg)
     return pd.DataFrame(rows)

@@ -72,6 +72,15 @@ def placement_shards(placements_df: pd.DataFrame, num_devices: int | Mapping[str
     return schemas.validate(pd.DataFrame(rows), "shards", "<placement shards>")
 
 
+def _known(ids, table_ids: Sequence[str], where: str) -> None:
+    """Ids of a tasks or placements file that the tables file lacks: blamed on that file, not on the shards."""
+    known = set(map(str, table_ids))
+    missing = sorted({str(t) for t in ids} - known)
+    if missing:
+        raise EmbshardError(f"{len(missing)} table ids are not in the tables file, e.g. {missing[:3]}", path=where,
+                            field="table_ids", fix="give the tables file these were made from, or re-run that stage")
+
+
 def load_shards(spec, *, table_ids: Sequence[str], tasks: str | None = None, placements: str | None = None,
                 num_devices: int = 4, seed: int = 0, max_tables: int = 15) -> pd.DataFrame:
     """The shard list of a bench run.
@@ -96,6 +105,7 @@ def load_shards(spec, *, table_ids: Sequence[str], tasks: str | None = None, pla
             if len(train) == 0:
                 raise EmbshardError("no train tasks", path=tasks, field="split", fix="give tasks with a train split")
             pool = sorted({x for ids in train["table_ids"] for x in ids})
+            _known(pool, table_ids, tasks)
         frames.append(random_shards(pool, n, max_tables=max_tables, seed=seed, num_devices=num_devices))
     elif isinstance(spec, str):
         frames.append(schemas.read(spec, "shards"))
@@ -109,7 +119,9 @@ def load_shards(spec, *, table_ids: Sequence[str], tasks: str | None = None, pla
         if tasks is not None:
             t = schemas.read(tasks, "tasks")
             nd = dict(zip(t["task_id"], t["num_devices"].astype(int)))
-        frames.append(placement_shards(schemas.read(placements, "placements"), nd))
+        pdf = schemas.read(placements, "placements")
+        _known(pdf["table_id"], table_ids, placements)
+        frames.append(placement_shards(pdf, nd))
     if not frames:
         raise EmbshardError("no shards to measure", field="shards",
                             fix="give --shards (a file or random:N) and/or --placements")

@@ -45,6 +45,10 @@ class CostEnsemble:
     def width(self) -> int:
         return self._w * len(self.members)
 
+    @property
+    def num_members(self) -> int:
+        return len(self.members)
+
     def _split(self, sums: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(sums, self._w, dim=-1))
 

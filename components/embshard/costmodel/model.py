@@ -252,6 +252,12 @@ class CostModel:
         """(...) total ms of each device from the SUM of its tables' encodings (..., H); empty device -> 0."""
         return self.heads_from_sums(sums, num_devices).sum(-1)
 
+    num_members = 1  # one network: no uncertainty (types.CostEstimator)
+
+    def member_totals_from_sums(self, sums: torch.Tensor, num_devices: int) -> torch.Tensor:
+        """(1, ...) device totals: this model is its only member."""
+        return self.totals_from_sums(sums, num_devices).unsqueeze(0)
+
     def overall_from_sums(self, sums: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Overall-cost head: (P,) ms of P placements from device sums (P, D, H), D = num_devices."""
         d = sums.shape[-2]

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 from scipy.optimize import nnls
 from scipy.stats import spearmanr
 
@@ -55,7 +56,13 @@ def _bytes(data: CostData, idx: np.ndarray) -> np.ndarray:
 
 
 class AnalyticEstimator:
+    """The bandwidth formulas above, calibrated (`fit`). Its bytes are sums over a device's tables, so it is also a
+    SUM-decomposable `types.CostEstimator` (`encode`, `heads_from_sums`): planners can plan with it."""
+
+    num_members = 1
+
     def fit(self, data: CostData, idx: np.ndarray) -> "AnalyticEstimator":
+        self.batch_size = float(data.batch_size)
         x, y = _bytes(data, idx), data.targets[idx]
         self.coef = np.zeros((3, 2))
         for h in range(3):
@@ -74,6 +81,30 @@ class AnalyticEstimator:
         out = x * self.coef[:, 0] + self.coef[:, 1]
         out[:, 2] *= data.num_devices[idx] > 1  # one device: no all-to-all
         return out
+
+    # -- types.CostEstimator: a table's encoding is (compute bytes, all-to-all bytes, 1) per sample -------------
+    def encode(self, features) -> torch.Tensor:
+        f = torch.as_tensor(np.asarray(features, dtype=np.float64))
+        dim, rows, pooling = f[:, 0], f[:, 1], f[:, 2]
+        bpe = torch.where(dim > 0, f[:, 3] / torch.clamp(dim * rows, min=1.0), torch.full_like(dim, 4.0))
+        return torch.stack([pooling * dim * bpe + dim * bpe, dim * bpe, torch.ones_like(dim)], dim=1).float()
+
+    def heads_from_sums(self, sums: torch.Tensor, num_devices: int) -> torch.Tensor:
+        d = float(num_devices)
+        compute = self.batch_size * sums[..., 0].double()
+        comm = self.batch_size * sums[..., 1].double() * (d - 1.0) / d
+        coef = torch.as_tensor(self.coef, dtype=torch.float64)
+        x = torch.stack([compute, compute, comm], dim=-1)
+        out = x * coef[:, 0] + coef[:, 1]
+        if num_devices <= 1:
+            out[..., 2] = 0.0  # one device: no all-to-all
+        return torch.where(sums[..., 2:3] > 0, out, torch.zeros_like(out)).float()  # an empty device costs 0
+
+    def totals_from_sums(self, sums: torch.Tensor, num_devices: int) -> torch.Tensor:
+        return self.heads_from_sums(sums, num_devices).sum(-1)
+
+    def member_totals_from_sums(self, sums: torch.Tensor, num_devices: int) -> torch.Tensor:
+        return self.totals_from_sums(sums, num_devices).unsqueeze(0)
 
     def to_dict(self) -> dict:
         return {"k_ms_per_byte": self.coef[:, 0].tolist(), "c_ms": self.coef[:, 1].tolist()}

@@ -1,11 +1,12 @@
-"""`plan.json`: one placement, as a documented and versioned JSON file (schema "embshard.plan/v1").
+"""`plan.json`: one placement, as a documented and versioned JSON file (schema "embshard.plan/v2").
 
 The JSON Schema ships beside this module (`plan.schema.json`); `write_plan_json` validates before writing and
 `read_plan_json` validates after reading, both with the schema and with the consistency checks below.
 
 Fields (all required; `null` where unknown):
-- `schema`: "embshard.plan/v1". A reader refuses other versions. Adding optional keys inside `meta` keeps v1;
-  any other change bumps the version.
+- `schema`: "embshard.plan/v2". A reader also reads v1 files (whose `cost` names the balanced estimate
+  `lower_bound_ms`, the only difference) and refuses other versions. Adding optional keys inside `meta` keeps the
+  version; any other change bumps it.
 - `task_id`: the placement task (tasks.parquet `task_id`).
 - `num_devices`: D, the number of devices (ranks) 0..D-1.
 - `memory_bytes_per_device`: memory budget of each device in bytes (weights only, as embshard counts it).
@@ -15,8 +16,10 @@ Fields (all required; `null` where unknown):
 - `cost`: predicted costs, `unit` "ms" per training iteration:
   - `device_costs_ms`: D numbers, predicted cost of each device (by the cost model), or null.
   - `overall_ms`: the placement's cost = the largest device cost, or null.
-  - `lower_bound_ms`: a lower bound on any placement's cost for this task (docs/method.md, "Lower bound"), or null.
-  - `gap`: overall_ms / lower_bound_ms - 1 (0.1 = 10% above the bound), or null.
+  - `balanced_estimate_ms`: the predicted cost of a perfectly balanced placement of this task (docs/method.md,
+    "Balanced estimate"), or null. An estimate, not a bound: measured plans can cost less (v1 called it
+    `lower_bound_ms`).
+  - `gap`: overall_ms / balanced_estimate_ms - 1 (0.1 = 10% above the estimate), or null.
 - `devices`: D entries in device order: `device` (index), `memory_bytes` (bytes of the shards it holds),
   `memory_used_fraction` (memory_bytes / memory_bytes_per_device), `predicted_cost_ms` (or null), and `tables`
   (ids of the tables it holds a shard of, in placement order; a column-split table is listed on every device
@@ -43,7 +46,9 @@ from ..errors import EmbshardError
 from ..placement import Placement, Shard
 from ..tableset import TableSet
 
-SCHEMA_VERSION = "embshard.plan/v1"
+SCHEMA_VERSION = "embshard.plan/v2"
+# Versions a reader accepts, with the name each gives the balanced estimate in `cost`.
+ESTIMATE_KEY = {"embshard.plan/v1": "lower_bound_ms", SCHEMA_VERSION: "balanced_estimate_ms"}
 SCHEMA_FILE = "plan.schema.json"
 
 
@@ -52,7 +57,7 @@ def json_schema() -> dict:
     return json.loads(resources.files(__package__).joinpath(SCHEMA_FILE).read_text(encoding="utf-8"))
 
 
-def plan_dict(placement: Placement, device_costs=None, lower_bound: float | None = None) -> dict:
+def plan_dict(placement: Placement, device_costs=None, balanced_estimate: float | None = None) -> dict:
     """The plan.json content of a placement (validated)."""
     from ..version import __version__
 
@@ -67,8 +72,8 @@ def plan_dict(placement: Placement, device_costs=None, lower_bound: float | None
                             fix="give one predicted cost per device")
     overall = None if costs is None else max(costs)
     gap = None
-    if overall is not None and lower_bound is not None and lower_bound > 0:
-        gap = overall / float(lower_bound) - 1.0
+    if overall is not None and balanced_estimate is not None and balanced_estimate > 0:
+        gap = overall / float(balanced_estimate) - 1.0
     mem = placement.memory_per_device()
     per_table: list[list[Shard]] = [[] for _ in range(len(t))]
     for s in placement.shards:
@@ -101,7 +106,8 @@ def plan_dict(placement: Placement, device_costs=None, lower_bound: float | None
         "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "embshard_version": __version__,
         "cost": {"unit": "ms", "device_costs_ms": costs, "overall_ms": overall,
-                 "lower_bound_ms": None if lower_bound is None else float(lower_bound), "gap": gap},
+                 "balanced_estimate_ms": None if balanced_estimate is None else float(balanced_estimate),
+                 "gap": gap},
         "devices": devices, "tables": tables, "meta": _json_safe(placement.meta or {}),
     }
     validate_plan(plan)
@@ -109,15 +115,15 @@ def plan_dict(placement: Placement, device_costs=None, lower_bound: float | None
 
 
 def write_plan_json(placement: Placement, path: str | os.PathLike, device_costs=None,
-                    lower_bound: float | None = None) -> dict:
+                    balanced_estimate: float | None = None) -> dict:
     """Validate and atomically write plan.json for `placement`; returns the written dict."""
-    plan = plan_dict(placement, device_costs=device_costs, lower_bound=lower_bound)
+    plan = plan_dict(placement, device_costs=device_costs, balanced_estimate=balanced_estimate)
     storage.write_text(path, json.dumps(plan, indent=2, allow_nan=False) + "\n")
     return plan
 
 
 def read_plan_json(path: str | os.PathLike) -> dict:
-    """Read and validate a plan.json (any other schema version is refused)."""
+    """Read and validate a plan.json (v2, or v1 as written by earlier versions; any other version is refused)."""
     where = os.fspath(path)
     if not storage.exists(where):
         raise EmbshardError("file not found", path=where, fix="check the path, or run `embshard export`")
@@ -132,10 +138,16 @@ def read_plan_json(path: str | os.PathLike) -> dict:
 
 def validate_plan(plan: Any, where: str = "<plan.json>") -> None:
     """Check `plan` against the JSON Schema and the consistency rules; raise EmbshardError naming the field."""
-    if isinstance(plan, Mapping) and plan.get("schema") != SCHEMA_VERSION:
+    if isinstance(plan, Mapping) and plan.get("schema") not in ESTIMATE_KEY:
         raise EmbshardError(f"schema {plan.get('schema')!r} is not {SCHEMA_VERSION!r}", path=where, field="schema",
                             fix="re-export the plan with this embshard version")
     _schema_check(plan, json_schema(), where)
+    cost, key = plan["cost"], ESTIMATE_KEY[plan["schema"]]
+    other = next(k for k in ESTIMATE_KEY.values() if k != key)
+    if key not in cost or other in cost:  # each version names the estimate its own way, exactly once
+        raise EmbshardError(f"a {plan['schema']} plan names the balanced estimate {key!r}", path=where,
+                            field=f"cost.{other if other in cost else key}",
+                            fix=f"give cost.{key} (a number or null) and no cost.{other}")
     _consistency_check(plan, where)
 
 
@@ -175,6 +187,8 @@ def _mini_validate(value: Any, schema: dict, at: str) -> tuple[str, str] | None:
     """The subset of JSON Schema that plan.schema.json uses; returns (field, message) of the first error."""
     if "const" in schema and value != schema["const"]:
         return at, f"must be {schema['const']!r}"
+    if "enum" in schema and value not in schema["enum"]:
+        return at, f"must be one of {schema['enum']!r}"
     types = schema.get("type")
     if types is not None:
         types = [types] if isinstance(types, str) else types

@@ -21,84 +21,29 @@ whole table or a column slice on one device), so they are neither produced nor a
 from __future__ import annotations
 
 import json
-import logging
+import re
 from typing import Any, Mapping
 
 from ..errors import EmbshardError
-from ..placement import Placement, Shard
+from ..placement import Placement
 from ..tableset import TableSet
+from ..torchrec_compat import (  # noqa: F401  (the export's TorchRec vocabulary, shared with the TorchRec planner)
+    COLUMN_WISE,
+    FUSED,
+    INSTALL_FIX,
+    TABLE_COLUMN_WISE,
+    TABLE_WISE,
+    build_module,
+    check_names,
+    data_type,
+    placement_from_sharding_plan,
+    quiet_torchrec,
+    require_torchrec,
+    storage_estimators,
+    topology,
+)
 
-INSTALL_FIX = "pip install 'embshard[torchrec]' && pip install --no-deps torchrec==1.8.0"
-FUSED = "fused"  # TorchRec's FBGEMM TBE kernel with the weights in HBM (what our memory model counts)
-TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE = "table_wise", "column_wise", "table_column_wise"
 PLAN_JSON_VERSION = "embshard.torchrec_plan/v1"
-
-
-def require_torchrec():
-    """Import torchrec or raise a one-line EmbshardError that says how to install it."""
-    try:
-        import torchrec  # noqa: F401
-        from torchrec.distributed.planner import EmbeddingShardingPlanner  # noqa: F401
-    except (ImportError, OSError) as exc:
-        raise EmbshardError(f"torchrec is not available ({str(exc).splitlines()[0][:80]})",
-                            field="torchrec", fix=INSTALL_FIX) from None
-    quiet_torchrec()
-    return torchrec
-
-
-def quiet_torchrec() -> None:
-    """TorchRec logs every planner step at INFO/WARNING (and warns that Topology should come from its
-    factory); keep our output readable."""
-    for name in ("torchrec", "torchrec.distributed", "torchrec.distributed.planner",
-                 "torchrec.distributed.planner.types"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
-def check_names(table_ids) -> None:
-    """TorchRec keys tables by name in an nn.ModuleDict: names must be non-empty and free of '.'."""
-    bad = [t for t in table_ids if not t or "." in t]
-    if bad:
-        raise EmbshardError(f"table ids {bad[:3]} cannot name TorchRec tables", field="table_id",
-                            fix="use table ids without '.' (they become nn.ModuleDict keys)")
-
-
-def data_type(bytes_per_element: int):
-    from torchrec import DataType
-
-    if int(bytes_per_element) == 4:
-        return DataType.FP32
-    if int(bytes_per_element) == 2:
-        return DataType.FP16
-    raise EmbshardError(f"{bytes_per_element}-byte weights have no TorchRec training data type",
-                        field="bytes_per_element", fix="TorchRec trains fp32 (4) or fp16 (2) tables")
-
-
-def build_module(tables: list[Mapping[str, Any]] | TableSet, names: list[str] | None = None,
-                 device: str = "meta"):
-    """An EmbeddingBagCollection with one table per entry (rows, dim, bytes_per_element), on `device`.
-
-    `tables` is a TableSet or the `tables` list of a plan.json; `names` default to the table ids.
-    """
-    require_torchrec()
-    import torch
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-
-    specs = _table_specs(tables)
-    names = names if names is not None else [s["table_id"] for s in specs]
-    check_names(names)
-    configs = [EmbeddingBagConfig(name=n, feature_names=[f"f_{n}"], num_embeddings=int(s["rows"]),
-                                  embedding_dim=int(s["dim"]), data_type=data_type(s["bytes_per_element"]))
-               for n, s in zip(names, specs)]
-    return EmbeddingBagCollection(tables=configs, device=torch.device(device))
-
-
-def _table_specs(tables) -> list[dict]:
-    if isinstance(tables, TableSet):
-        return [{"table_id": str(t), "rows": int(r), "dim": int(d), "bytes_per_element": int(b),
-                 "pooling_factor": float(p)}
-                for t, r, d, b, p in zip(tables.table_ids, tables.rows, tables.dims, tables.bytes_per_element,
-                                         tables.pooling_factor)]
-    return [dict(t) for t in tables]
 
 
 def _as_plan(plan_or_placement) -> dict:
@@ -116,14 +61,16 @@ def _sorted_shards(table: Mapping) -> list[dict]:
     return sorted(table["shards"], key=lambda s: s["col_offset"])
 
 
-def topology(num_devices: int, memory_bytes_per_device: int, local_world_size: int | None = None,
-             compute_device: str = "cuda"):
-    """TorchRec Topology of D devices with our memory per device as HBM capacity."""
-    require_torchrec()
-    from torchrec.distributed.planner import Topology
+_MODULE_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
-    return Topology(world_size=int(num_devices), local_world_size=int(local_world_size or num_devices),
-                    compute_device=compute_device, hbm_cap=int(memory_bytes_per_device))
+
+def check_module_path(module_path: str) -> None:
+    """"" (the model is the EBC) or a dotted Python attribute path of identifiers (`sparse_arch.ebc`): TorchRec
+    looks the module up by this name, so `../x` or `model..ebc` would be a plan no model can load."""
+    if module_path and (not isinstance(module_path, str) or not _MODULE_PATH.match(module_path)):
+        raise EmbshardError(f"module path {str(module_path)[:60]!r} is not a dotted attribute path",
+                            field="module_path", fix="give names of Python identifiers joined by '.', e.g. "
+                            "sparse_arch.embedding_bag_collection, or nothing when the model is the EBC")
 
 
 def to_torchrec_plan(plan_or_placement, *, module=None, module_path: str = "", compute_device: str = "cuda",
@@ -138,6 +85,7 @@ def to_torchrec_plan(plan_or_placement, *, module=None, module_path: str = "", c
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingPlan
 
+    check_module_path(module_path)
     plan = _as_plan(plan_or_placement)
     world = int(plan["num_devices"])
     local = int(local_world_size or world)
@@ -245,20 +193,6 @@ def fixed_rank_partitioner(plan_or_placement):
     return FixedRankPartitioner()
 
 
-def storage_estimators(topo, constraints, memory_model: str = "tables"):
-    """TorchRec's perf + storage estimators. memory_model 'tables' counts weights only (= our accounting);
-    'torchrec' is TorchRec's training estimate (weights + optimizer state + input/output buffers)."""
-    from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
-
-    if memory_model not in ("tables", "torchrec"):
-        raise EmbshardError(f"unknown memory model {memory_model!r}", field="memory_model",
-                            fix="use 'tables' or 'torchrec'")
-    # is_inference=True drops optimizer state and the IO buffers from the storage estimate: weights only.
-    storage = EmbeddingStorageEstimator(topology=topo, constraints=constraints,
-                                        is_inference=memory_model == "tables")
-    return [EmbeddingPerfEstimator(topology=topo, constraints=constraints), storage]
-
-
 def torchrec_planner_for(plan_or_placement, batch_size: int = 512):
     """TorchRec's `EmbeddingShardingPlanner` configured to reproduce our plan (constraints + fixed ranks)."""
     require_torchrec()
@@ -278,52 +212,12 @@ def torchrec_planner_for(plan_or_placement, batch_size: int = 512):
         partitioner=fixed_rank_partitioner(plan), stats=[], debug=False)
 
 
-def placement_from_sharding_plan(sharding_plan, tables: TableSet, num_devices: int, memory_bytes_per_device: int,
-                                 names: list[str] | None = None, module_path: str = "", **kw) -> Placement:
-    """Our Placement from a torchrec ShardingPlan over an EBC of `tables` (named `names`, default table ids).
+def plan_to_json(sharding_plan, *, world_size: int | None = None,
+                 tables: Mapping[str, tuple[int, int]] | None = None) -> dict:
+    """A pickle-free, JSON-serialisable form of a torchrec ShardingPlan (table-/column-wise plans).
 
-    Column slices of one table on the same rank that touch are merged; a table whose slices all sit on one
-    rank becomes a whole-table shard.
-    """
-    names = names if names is not None else [str(t) for t in tables.table_ids]
-    module_plan = sharding_plan.plan.get(module_path)
-    if module_plan is None:
-        raise EmbshardError(f"no module {module_path!r} in the TorchRec plan ({list(sharding_plan.plan)})",
-                            field="module_path", fix="give the path of the EmbeddingBagCollection")
-    shards: list[Shard] = []
-    for i, name in enumerate(names):
-        ps = module_plan.get(name)
-        if ps is None:
-            raise EmbshardError(f"table {name} is missing from the TorchRec plan", field="table_id")
-        if ps.sharding_type not in (TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE) or ps.sharding_spec is None:
-            raise EmbshardError(f"table {name} is sharded {ps.sharding_type}, which a placement cannot express",
-                                field="sharding_type", fix="allow only table_wise/column_wise sharding types")
-        pieces = []
-        for meta in ps.sharding_spec.shards:
-            row_off, col_off = (int(x) for x in meta.shard_offsets)
-            n_rows, n_cols = (int(x) for x in meta.shard_sizes)
-            if row_off != 0 or n_rows != int(tables.rows[i]):
-                raise EmbshardError(f"table {name} is split by rows in the TorchRec plan", field="shard_offsets",
-                                    fix="allow only table_wise/column_wise sharding types")
-            pieces.append((col_off, n_cols, int(meta.placement.rank())))
-        shards.extend(_merge_slices(i, sorted(pieces), int(tables.dims[i])))
-    return Placement(tables, int(num_devices), int(memory_bytes_per_device), shards, **kw)
-
-
-def _merge_slices(table: int, pieces: list[tuple[int, int, int]], dim: int) -> list[Shard]:
-    merged: list[list[int]] = []
-    for off, size, rank in pieces:
-        if merged and merged[-1][2] == rank and merged[-1][0] + merged[-1][1] == off:
-            merged[-1][1] += size
-        else:
-            merged.append([off, size, rank])
-    if len(merged) == 1 and merged[0][0] == 0 and merged[0][1] == dim:
-        return [Shard(table, merged[0][2])]
-    return [Shard(table, rank, off, size) for off, size, rank in merged]
-
-
-def plan_to_json(sharding_plan) -> dict:
-    """A pickle-free, JSON-serialisable form of a torchrec ShardingPlan (table-/column-wise plans)."""
+    `world_size` and `tables` ({name: (rows, dim)}) are written when given, so that `plan_from_json` can refuse
+    a plan with a rank beyond the world or a table missing without being told them again."""
     modules = {}
     for path, module_plan in sharding_plan.plan.items():
         params = {}
@@ -333,11 +227,159 @@ def plan_to_json(sharding_plan) -> dict:
             params[name] = {"sharding_type": ps.sharding_type, "compute_kernel": ps.compute_kernel,
                             "ranks": None if ps.ranks is None else [int(r) for r in ps.ranks], "shards": shards}
         modules[path] = params
-    return {"schema": PLAN_JSON_VERSION, "modules": modules}
+    doc: dict[str, Any] = {"schema": PLAN_JSON_VERSION}
+    if world_size is not None:
+        doc["world_size"] = int(world_size)
+    if tables is not None:
+        doc["tables"] = {str(n): {"rows": int(r), "dim": int(d)} for n, (r, d) in tables.items()}
+    doc["modules"] = modules
+    return doc
 
 
-def plan_from_json(data: Mapping | str):
-    """Rebuild the torchrec ShardingPlan from `plan_to_json` output (a dict, or a path to the JSON file)."""
+_PLACEMENT = re.compile(r"^rank:(\d+)/[a-z_]+(:\d+)?$")
+_PLAN_FIX = "re-export the plan with `embshard export` (this file was edited or made for other tables/devices)"
+
+
+def _expected_tables(tables) -> tuple[dict[str, tuple[int, int]] | None, int | None]:
+    """({name: (rows, dim)}, world size or None) of what the caller says the plan is for."""
+    if tables is None:
+        return None, None
+    if isinstance(tables, TableSet):
+        return {str(t): (int(r), int(d)) for t, r, d in zip(tables.table_ids, tables.rows, tables.dims)}, None
+    if isinstance(tables, str):
+        from .plan_json import read_plan_json
+
+        tables = read_plan_json(tables)
+    world = None
+    if isinstance(tables, Mapping) and "tables" in tables:
+        world = tables.get("num_devices")
+        tables = tables["tables"]
+    return {str(t["table_id"]): (int(t["rows"]), int(t["dim"])) for t in tables}, world
+
+
+def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_size: int | None = None) -> None:
+    """Refuse a torchrec_plan.json document that a training job must not load: one EmbshardError naming the file
+    and the field. Checks the structure, every table's sharding type, kernel, ranks (against its shards'
+    placements and the world size) and column slices (from column 0, each column once, all rows), and, when
+    known (written in the file, or given as `tables` = TableSet / plan.json dict or path / its tables list and
+    `world_size`), that exactly the expected tables are there with their rows and dims."""
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+
+    def bad(field: str, message: str, fix: str = _PLAN_FIX) -> EmbshardError:
+        return EmbshardError(message, path=where, field=field, fix=fix)
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not isinstance(doc, Mapping):
+        raise bad("schema", f"the plan is a JSON {type(doc).__name__}, not an object")
+    if doc.get("schema") != PLAN_JSON_VERSION:
+        raise bad("schema", f"schema {doc.get('schema')!r} is not {PLAN_JSON_VERSION}",
+                  "re-export the plan with this embshard version")
+    modules = doc.get("modules")
+    if not isinstance(modules, Mapping) or not modules:
+        raise bad("modules", "no 'modules' object (module path -> table -> sharding)")
+    worlds = {}
+    if "world_size" in doc:
+        if not is_int(doc["world_size"]) or doc["world_size"] < 1:
+            raise bad("world_size", f"world size {doc['world_size']!r} is not an integer >= 1")
+        worlds["the file"] = int(doc["world_size"])
+    expected, given_world = _expected_tables(tables)
+    for who, w in (("the caller", world_size), ("the tables' plan", given_world)):
+        if w is not None:
+            worlds[who] = int(w)
+    if len(set(worlds.values())) > 1:
+        raise bad("world_size", f"the plan is for a world of {worlds.get('the file')} ranks, not "
+                  f"{', '.join(f'{w} ({who})' for who, w in worlds.items() if who != 'the file')}",
+                  "load the plan exported for this job's number of devices")
+    world = next(iter(worlds.values()), None)
+    in_file = doc.get("tables")
+    if in_file is not None:
+        if not isinstance(in_file, Mapping) or not all(
+                isinstance(v, Mapping) and is_int(v.get("rows")) and is_int(v.get("dim")) for v in in_file.values()):
+            raise bad("tables", "'tables' is not an object of {rows, dim} per table")
+        in_file = {str(k): (int(v["rows"]), int(v["dim"])) for k, v in in_file.items()}
+    seen: set[str] = set()
+    kernels = {k.value for k in EmbeddingComputeKernel}
+    for path, params in modules.items():
+        if not isinstance(params, Mapping) or not params:
+            raise bad(f"modules.{path}", "not an object of tables")
+        for name, p in params.items():
+            f = f"modules.{path}.{name}" if path else f"modules.{name}"
+            if not isinstance(p, Mapping):
+                raise bad(f, "not an object")
+            missing = [k for k in ("sharding_type", "compute_kernel", "ranks", "shards") if k not in p]
+            if missing:
+                raise bad(f"{f}.{missing[0]}", "missing")
+            if name in seen:
+                raise bad(f, f"table {name} is in more than one module")
+            seen.add(name)
+            if p["sharding_type"] not in (TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE):
+                raise bad(f"{f}.sharding_type", f"sharding type {str(p['sharding_type'])[:40]!r} is not one of "
+                          f"{TABLE_WISE}, {COLUMN_WISE}, {TABLE_COLUMN_WISE}")
+            if p["compute_kernel"] not in kernels:
+                raise bad(f"{f}.compute_kernel", f"compute kernel {str(p['compute_kernel'])[:40]!r} is not a "
+                          f"TorchRec kernel ({FUSED}, ...)")
+            shards = p["shards"]
+            if not isinstance(shards, list) or not shards:
+                raise bad(f"{f}.shards", "no shards")
+            placed = []
+            for k, s in enumerate(shards):
+                ok = (isinstance(s, Mapping) and isinstance(s.get("offsets"), list) and isinstance(s.get("sizes"), list)
+                      and len(s["offsets"]) == 2 and len(s["sizes"]) == 2
+                      and all(is_int(v) and v >= 0 for v in s["offsets"])
+                      and all(is_int(v) and v >= 1 for v in s["sizes"]))
+                m = _PLACEMENT.match(str(s.get("placement", ""))) if isinstance(s, Mapping) else None
+                if not ok or m is None:
+                    raise bad(f"{f}.shards[{k}]", "not {offsets: [row, col], sizes: [rows, cols], placement: "
+                              "'rank:R/cuda:N'}")
+                placed.append((int(s["offsets"][1]), int(s["sizes"][1]), int(m.group(1)), s))
+            ranks = p["ranks"]
+            if not isinstance(ranks, list) or not all(is_int(r) for r in ranks) \
+                    or ranks != [r for _, _, r, _ in placed]:
+                raise bad(f"{f}.ranks", f"ranks {str(ranks)[:40]} disagree with the shards' placements "
+                          f"{[r for _, _, r, _ in placed][:8]}")
+            beyond = [r for r in ranks if world is not None and r >= world]
+            if beyond and world is not None:
+                raise bad(f"{f}.ranks", f"rank {beyond[0]} on a plan of {world} devices (ranks 0..{world - 1})",
+                          "load the plan exported for this job's number of devices")
+            if p["sharding_type"] == TABLE_WISE and len(shards) != 1:
+                raise bad(f"{f}.shards", f"a table_wise table with {len(shards)} shards")
+            rows = {int(s["sizes"][0]) for *_, s in placed}
+            if len(rows) != 1 or any(int(s["offsets"][0]) != 0 for *_, s in placed):
+                raise bad(f"{f}.shards", "shards split the table by rows",
+                          "table_wise and column_wise shardings hold all rows in every shard")
+            col = 0
+            for off, size, _, _ in sorted(placed, key=lambda x: x[0]):
+                if off != col:
+                    raise bad(f"{f}.shards", f"column slices do not cover the columns once (a slice starts at "
+                              f"column {off}, expected {col})")
+                col += size
+            n_rows = rows.pop()
+            for source in (in_file, expected):
+                if source is None:
+                    continue
+                want = source.get(name)
+                if want is None:
+                    raise bad(f, f"table {name} is not one of the {len(source)} tables the plan is for",
+                              "load the plan exported for these tables")
+                if want != (n_rows, col):
+                    raise bad(f"{f}.shards", f"the shards hold {n_rows} rows x {col} columns, the table has "
+                              f"{want[0]} x {want[1]}", "load the plan exported for these tables")
+    for source in (in_file, expected):
+        lost = sorted(set(source or ()) - seen)
+        if lost:
+            raise bad("modules", f"{len(lost)} table(s) have no sharding ({', '.join(lost[:3])})",
+                      "load the plan exported for these tables (every table of the model must be placed)")
+
+
+def plan_from_json(data: Mapping | str, *, tables=None, world_size: int | None = None):
+    """Rebuild the torchrec ShardingPlan from `plan_to_json` output (a dict, or a path to the JSON file).
+
+    The plan is checked first (`check_plan_doc`): a training job gets one EmbshardError naming the file and the
+    field, before it builds a process group, instead of a wrong or failing sharding. Give `tables` (a TableSet,
+    a plan.json dict or path, or its `tables` list) and `world_size` to check the plan against them too.
+    """
     require_torchrec()
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
     from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
@@ -347,12 +389,22 @@ def plan_from_json(data: Mapping | str):
         from .. import storage
 
         where = data
-        doc = json.loads(storage.read_text(data))
+        try:
+            text = storage.read_text(data)
+        except FileNotFoundError:
+            raise EmbshardError("not found", path=where, fix="give the torchrec_plan.json that "
+                                "`embshard export` wrote") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise EmbshardError(f"cannot read the plan ({str(exc).splitlines()[0][:100]})", path=where,
+                                fix="give a readable torchrec_plan.json") from None
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise EmbshardError(f"not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})", path=where,
+                                field="json", fix=_PLAN_FIX) from None
     else:
         where, doc = "<torchrec plan>", data
-    if doc.get("schema") != PLAN_JSON_VERSION:
-        raise EmbshardError(f"schema {doc.get('schema')!r} is not {PLAN_JSON_VERSION}", path=where,
-                            field="schema", fix="re-export the plan with this embshard version")
+    check_plan_doc(doc, where, tables=tables, world_size=world_size)
     plan = {}
     for path, params in doc["modules"].items():
         module_plan = EmbeddingModuleShardingPlan()
@@ -361,7 +413,7 @@ def plan_from_json(data: Mapping | str):
                                                          placement=s["placement"]) for s in p["shards"]])
             module_plan[name] = ParameterSharding(sharding_type=p["sharding_type"],
                                                   compute_kernel=p["compute_kernel"], ranks=p["ranks"],
-                                                  sharding_spec=spec if p["shards"] else None)
+                                                  sharding_spec=spec)
         plan[path] = module_plan
     return ShardingPlan(plan)
 

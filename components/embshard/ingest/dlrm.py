@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .. import schemas
+from .. import checks, schemas
 from ..errors import EmbshardError
 
 log = logging.getLogger(__name__)
@@ -46,18 +46,17 @@ class TraceFile:
     _lengths: np.ndarray | None
     _keep: tuple | None
 
-    def __init__(self, path: str | os.PathLike, tmp_dir: str | None = None):
+    def __init__(self, path: str | os.PathLike, tmp_dir: str | None = None, tmp_tag: str | None = None):
         self.path = os.fspath(path)
         self._tmp: str | None = None
         if os.path.isdir(self.path):
             raise EmbshardError("is a folder, not a file", path=self.path, fix="give the trace file itself")
-        if not os.path.isfile(self.path):
-            raise EmbshardError("file not found", path=self.path, fix="check the --input path")
+        checks.input_file(self.path, fix="check the --input path")  # not found, a FIFO (would hang), unreadable
         with open(self.path, "rb") as f:
             magic = f.read(4)
         load_path = self.path
         if magic[:2] == _GZIP_MAGIC:
-            load_path = self._tmp = _gunzip_to_temp(self.path, tmp_dir)
+            load_path = self._tmp = _gunzip_to_temp(self.path, tmp_dir, tmp_tag)
         elif self.path.lower().endswith(".gz"):
             raise EmbshardError("is named .gz but is not gzip-compressed", path=self.path,
                                 fix="compress it with gzip, or rename it to .pt if it is a plain torch.save file")
@@ -111,7 +110,9 @@ class TraceFile:
             raise EmbshardError(f"holds a {type(obj).__name__}, not (indices, offsets, lengths)",
                                 path=self.path, fix=_FIX_FORMAT)
         for name, t in zip(("indices", "offsets", "lengths"), parts):
-            if t is not None and (not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex()):
+            # bool is not an index type either (True/False would read as rows 1/0)
+            if t is not None and (not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex()
+                                  or t.dtype == torch.bool):
                 raise EmbshardError(f"is not an integer tensor ({getattr(t, 'dtype', type(t).__name__)})",
                                     path=self.path, field=name, fix=_FIX_FORMAT)
         return parts
@@ -246,11 +247,62 @@ def _release(view: np.ndarray) -> None:
         pass
 
 
-def _gunzip_to_temp(path: str, tmp_dir: str | None) -> str:
-    """Stream-decompress a .gz to a temporary file (never whole in memory); errors name the file."""
+TEMP_PREFIX = ".embshard-trace-"
+
+
+def temp_tag(out: str) -> str:
+    """A short tag naming the output a decompressed temp belongs to (the same output gives the same tag)."""
+    import hashlib
+
+    return hashlib.sha256(os.path.abspath(os.fspath(out)).encode()).hexdigest()[:12]
+
+
+def remove_stale_temps(tmp_dir: str, tag: str) -> list[str]:
+    """Remove what an earlier, killed ingest into the same output left in `tmp_dir`: decompressed traces named
+    `.embshard-trace-<tag>-<pid>-*.pt` whose process is gone (a live one, e.g. a concurrent run, is left alone).
+    Returns the removed paths."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(tmp_dir)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name[len(TEMP_PREFIX):].split("-")
+        if not name.startswith(f"{TEMP_PREFIX}{tag}-") or not name.endswith(".pt") or len(parts) < 3:
+            continue
+        try:
+            pid = int(parts[1])
+        except ValueError:
+            continue
+        if pid != os.getpid() and _alive(pid):
+            continue
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(tmp_dir, name))
+            removed.append(os.path.join(tmp_dir, name))
+            log.warning("removed %s: a decompressed trace left by an earlier, interrupted ingest",
+                        os.path.join(tmp_dir, name))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def _gunzip_to_temp(path: str, tmp_dir: str | None, tag: str | None = None) -> str:
+    """Stream-decompress a .gz to a temporary file (never whole in memory); errors name the file.
+
+    The temp is named `.embshard-trace-<tag>-<pid>-<random>.pt`: `tag` names the output it serves (temp_tag), so
+    the next ingest into that output removes it if this process is killed before it can (remove_stale_temps)."""
     if tmp_dir:
         os.makedirs(tmp_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".embshard-trace-", suffix=".pt", dir=tmp_dir)
+    prefix = f"{TEMP_PREFIX}{tag}-{os.getpid()}-" if tag else TEMP_PREFIX
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".pt", dir=tmp_dir)
     try:
         with os.fdopen(fd, "wb") as dst, gzip.open(path, "rb") as src:
             shutil.copyfileobj(src, dst, 16 << 20)
@@ -310,15 +362,20 @@ class TraceOptions:
     seed: int = 0
     num_tables: int | None = None       # read only the first N tables
     tmp_dir: str | None = None          # where a .pt.gz is decompressed
+    tmp_tag: str | None = None          # names the output the decompressed temp serves (temp_tag)
 
 
 def read_rows_file(path: str, num_tables: int) -> np.ndarray:
     """Hash sizes from a text file: integers separated by commas, spaces or newlines, one per table."""
     if os.path.isdir(path):
         raise EmbshardError("is a folder, not a file", path=path, field="rows", fix="give the rows file itself")
-    if not os.path.isfile(path):
-        raise EmbshardError("file not found", path=path, field="rows", fix="check the --rows-file path")
-    text = open(path, encoding="utf-8").read().replace(",", " ").split()
+    checks.input_file(path, field="rows", fix="check the --rows-file path")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read().replace(",", " ").split()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EmbshardError(f"cannot read this file ({getattr(exc, 'strerror', None) or type(exc).__name__})",
+                            path=path, field="rows", fix="give a text file of integer hash sizes") from None
     try:
         rows = np.array([int(x) for x in text], dtype=np.int64)
     except ValueError as exc:
@@ -343,11 +400,13 @@ def choose_dims(dim: str | int, num_tables: int, seed: int) -> np.ndarray:
         d = int(dim)
     except (TypeError, ValueError):
         d = 0
-    from ..checks import MAX_DIM
-
-    if not 0 < d <= MAX_DIM:
+    if not 0 < d <= checks.MAX_DIM:
         raise EmbshardError(f"invalid value {str(dim)[:40]!r}", field="dim",
-                            fix=f"give an integer from 1 to {MAX_DIM:,} or 'mixed'")
+                            fix=f"give an integer from {checks.DIM_MULTIPLE} to {checks.MAX_DIM:,} or 'mixed'")
+    if checks.bad_dim(d):
+        raise EmbshardError(f"--dim {d} is not a multiple of {checks.DIM_MULTIPLE} (FBGEMM's kernels cannot "
+                            f"measure it)", field="dim", fix=f"use a multiple of {checks.DIM_MULTIPLE}, e.g. "
+                            f"{max(checks.DIM_MULTIPLE, d // checks.DIM_MULTIPLE * checks.DIM_MULTIPLE)}, or 'mixed'")
     return np.full(num_tables, d, dtype=np.int64)
 
 
@@ -372,7 +431,7 @@ def tables_from_trace(path: str, options: TraceOptions | None = None, *, rows: n
 
     opt = options or TraceOptions()
     bpe = bytes_per_element(opt.data_type)
-    with TraceFile(path, tmp_dir=opt.tmp_dir) as trace:
+    with TraceFile(path, tmp_dir=opt.tmp_dir, tmp_tag=opt.tmp_tag) as trace:
         T = trace.num_tables if opt.num_tables is None else min(int(opt.num_tables), trace.num_tables)
         if T <= 0:
             raise EmbshardError("must be > 0", field="num_tables", fix="ask for at least one table")

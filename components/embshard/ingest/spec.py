@@ -2,7 +2,10 @@
 
 One row per table with TorchRec's names: `name`, `num_embeddings`, `embedding_dim`, `pooling_factor`, and
 optionally `data_type` (fp32/fp16) and the access skew: `zipf_alpha`, or the 17 bins `bin_00`..`bin_16`.
-CSV, Parquet or YAML (a list of mappings, or a mapping with a `tables:` list).
+CSV, Parquet or YAML (a list of mappings, or a mapping with a `tables:` list). In a CSV, lines starting with `#`
+are comments (a `#` inside a value is part of the value). Every column must be one of the known names and appear
+once, and no CSV row may have more values than the header: a typo (`zipf_alfa`, `dtype`) or a shifted row would
+otherwise silently change precision or skew.
 
 Skew per row: the bins if given, else the row's zipf_alpha, else DEFAULT_ZIPF_ALPHA. Bins from a zipf_alpha are
 computed from a sampled batch of BINS_BATCH_SIZE samples, exactly as for synthetic tables; `source` records
@@ -23,6 +26,7 @@ from .dlrm import DATA_TYPES
 # near-uniform (0) and very skewed (1.4) ends of the synthetic population.
 DEFAULT_ZIPF_ALPHA = 1.0
 REQUIRED = ["name", "num_embeddings", "embedding_dim", "pooling_factor"]
+KNOWN = [*REQUIRED, "data_type", "zipf_alpha", *schemas.BIN_COLUMNS]
 _DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "datatype.fp32": "fp32",
                   "fp16": "fp16", "float16": "fp16", "half": "fp16", "datatype.fp16": "fp16"}
 _FORMATS = ".csv, .parquet, .yaml or .yml"
@@ -33,19 +37,18 @@ def read_spec_file(path: str) -> pd.DataFrame:
     path = os.fspath(path)
     if os.path.isdir(path):
         raise EmbshardError("is a folder, not a file", path=path, fix="give the spec file itself as --input")
-    if not os.path.isfile(path):
-        raise EmbshardError("file not found", path=path, fix="check the --input path")
+    checks.input_file(path, fix="check the --input path")  # not found, a FIFO (would hang), unreadable
     ext = os.path.splitext(path)[1].lower()
     try:
         if ext == ".csv":
-            df = pd.read_csv(path, skipinitialspace=True, comment="#")
+            df = _read_csv(path)
         elif ext in (".parquet", ".pq"):
             df = pd.read_parquet(path)
         elif ext in (".yaml", ".yml"):
             import yaml
 
             with open(path, encoding="utf-8") as f:
-                doc = yaml.safe_load(f)
+                doc = yaml.load(f, Loader=_unique_key_loader())  # a SafeLoader that refuses duplicate keys
             if isinstance(doc, dict):
                 doc = doc.get("tables")
             if doc is None:
@@ -57,19 +60,84 @@ def read_spec_file(path: str) -> pd.DataFrame:
         else:
             raise EmbshardError(f"unknown file type {ext or '(none)'!r}", path=path,
                                 fix=f"give a {_FORMATS} file")
-    except EmbshardError:
-        raise
+    except EmbshardError as exc:
+        raise (exc if exc.path else exc.at(path)) from None
     except pd.errors.EmptyDataError:
         df = pd.DataFrame()
     except Exception as exc:  # parser errors of three libraries: one line naming the file
         reason = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
         raise EmbshardError(f"cannot read this file ({reason})", path=path,
                             fix=f"give a valid {_FORMATS} file") from None
+    df.columns = [str(c).strip() for c in df.columns]
+    _check_columns(list(df.columns), path)
     if len(df) == 0:
         raise EmbshardError("the table list is empty", path=path, field="name",
                             fix="describe at least one table (one row per table)")
-    df.columns = [str(c).strip() for c in df.columns]
     return df
+
+
+def _read_csv(path: str) -> pd.DataFrame:
+    """A CSV spec: `#` starts a comment only at the start of a line; every row has at most the header's fields
+    (empty trailing fields are allowed); a header that names a column twice is refused (pandas would rename the
+    second to `name.1` and use the first silently)."""
+    import csv
+    import io
+
+    with open(path, encoding="utf-8", newline="") as f:
+        lines = [(n, line) for n, line in enumerate(f.read().splitlines(), start=1)
+                 if line.strip() and not line.lstrip().startswith("#")]
+    if not lines:
+        return pd.DataFrame()
+    header = [c.strip() for c in next(csv.reader([lines[0][1]], skipinitialspace=True))]
+    while header and header[-1] == "":  # a trailing comma
+        header.pop()
+    _check_columns(header, path)
+    for (n, _), fields in zip(lines[1:], csv.reader([line for _, line in lines[1:]], skipinitialspace=True)):
+        if len(fields) > len(header) and any(x.strip() for x in fields[len(header):]):
+            raise EmbshardError(f"line {n} has {len(fields)} values but the header has {len(header)} columns "
+                                f"({', '.join(header)})", path=path, field="columns",
+                                fix="give one value per header column (quote a value that contains a comma)")
+    text = "\n".join(line for _, line in lines)
+    return pd.read_csv(io.StringIO(text), skipinitialspace=True, usecols=range(len(header)))
+
+
+def _check_columns(columns: list[str], path: str) -> None:
+    """Every column known and named once: a duplicate or an unknown name (a typo) is refused, naming the column,
+    the closest known name and the known names."""
+    import difflib
+
+    seen: set[str] = set()
+    for c in columns:
+        if c in seen:
+            raise EmbshardError("column given twice", path=path, field=c, fix=f"keep one '{c}' column")
+        seen.add(c)
+    for c in columns:
+        if c not in KNOWN:
+            close = difflib.get_close_matches(c, KNOWN, n=1, cutoff=0.6)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise EmbshardError("unknown column", path=path, field=c,
+                                fix=f"{hint}rename or drop it; known columns: {', '.join(KNOWN[:6])}, "
+                                    "bin_00..bin_16")
+
+
+def _unique_key_loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        keys = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            if key in keys:
+                raise EmbshardError("column given twice", field=str(key),
+                                    fix=f"keep one '{key}' in line {key_node.start_mark.line + 1}'s table")
+            keys.add(key)
+        return loader.construct_mapping(node, deep=deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return Loader
 
 
 def _numbers(df: pd.DataFrame, col: str, path: str, integer: bool) -> pd.Series:
@@ -140,6 +208,15 @@ def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
             raise EmbshardError(f"value {checks.number(v.iloc[i])} of {_name(df, i)} is too large", path=path,
                                 field=col, fix=f"give at most {checks.number(upper)}"
                                 + (" (the largest dims in use are a few thousand)" if col == "embedding_dim" else ""))
+        if col == "embedding_dim":
+            odd = v % checks.DIM_MULTIPLE != 0
+            if odd.any():
+                i = int(np.flatnonzero(odd.to_numpy())[0])
+                d = int(v.iloc[i])
+                raise EmbshardError(f"dim {d} of {_name(df, i)} (row {i}) is not a multiple of "
+                                    f"{checks.DIM_MULTIPLE}: FBGEMM's kernels cannot measure it", path=path,
+                                    field=col, fix=f"use a multiple of {checks.DIM_MULTIPLE} (e.g. "
+                                    f"{-(-d // checks.DIM_MULTIPLE) * checks.DIM_MULTIPLE}; pad the table)")
         out[col] = v.astype(np.int64)
     pf = _numbers(df, "pooling_factor", path, integer=False)
     bad = ~np.isfinite(pf) | (pf < 0) | (pf > checks.MAX_POOLING_FACTOR)

@@ -44,7 +44,7 @@ def _row(sample_id, table_ids, m: dict, cfg: BenchConfig, origin, chunk) -> dict
         "batch_size": cfg.batch_size,
         "iterations": m["iterations"], "measured_at": pd.Timestamp.now(tz="UTC"),
         "num_devices": m["num_devices"], "comm_source": cfg.comm_source, "row_scale": m["row_scale"],
-        "spread": m["spread"], "origin": origin, "chunk": chunk,
+        "spread": m["spread"], "origin": origin, "chunk": chunk, "weights_precision": m.get("weights_precision"),
         "timer": cfg.timer, "num_threads": cfg.threads, "comm_model": cfg.comm_detail}
 
 
@@ -195,6 +195,10 @@ def _check_chunking(costs_dir: str, num_chunks: int) -> None:
             raise EmbshardError(f"this folder holds parts of a {int(m.group(2))}-chunk run, not {num_chunks}",
                                 path=costs_dir, field="num_chunks",
                                 fix="rerun with the same --num-chunks, or write to a new --out")
+
+
+# What `embshard bench` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "writes": ("costs",), "inputs": ("tables", "shards", "placements", "tasks")}
 
 
 def configure(p: argparse.ArgumentParser) -> None:

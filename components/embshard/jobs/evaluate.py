@@ -15,7 +15,7 @@ from ..evaluation import (  # noqa: F401  (re-exported: the evaluation's names, 
     evaluate_task,
     format_summary,
     judged_costs,
-    measured_lower_bound,
+    measured_balanced_estimate,
     measured_singles,
     placement_accuracy,
     ranking_agreement,
@@ -24,6 +24,10 @@ from ..evaluation import (  # noqa: F401  (re-exported: the evaluation's names, 
 )
 from ..planners.baselines import BASELINES
 from ..ruler import DEFAULT_ROUNDS
+
+# What `embshard evaluate` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "inputs": ("tables", "tasks"),
+          "writes": ("evaluation.parquet", "ratios.parquet", "placements.parquet", "evaluation.png")}
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -2,12 +2,15 @@
 
 Writes, under OUT:
 - `placements.parquet`: the placements contract (validated copy of the input rows),
-- `<task_id>/plan.json`: schema embshard.plan/v1 (export/plan_json.py),
+- `<task_id>/plan.json`: schema embshard.plan/v2 (export/plan_json.py),
 - `<task_id>/torchrec_plan.json`: the TorchRec ShardingPlan in a pickle-free JSON form
   (`embshard.export.torchrec_plan.plan_from_json(path)` rebuilds it),
 - `<task_id>/torchrec_plan.pt`: the same ShardingPlan pickled by `torch.save` (load it with
   `torch.load(path, weights_only=False)`, only from a source you trust).
 The TorchRec files need torchrec; without it they are skipped and the summary says so.
+A re-export into the same folder leaves only its own plans there: task folders of tasks no longer exported and
+TorchRec plans of tasks now exported without them are removed (other files are kept), and the stage folder a
+killed earlier export left is removed at the start (storage.staged_dir).
 """
 from __future__ import annotations
 
@@ -33,6 +36,11 @@ def place_tasks(tables: str, tasks: str, planner, out: str, split: str = "test")
         frames.append(pl.to_frame(costs))
     schemas.write(pd.concat(frames, ignore_index=True), out, "placements")
     return out
+
+
+# What `embshard export` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "inputs": ("placements", "tables", "tasks"),
+          "writes": ("placements.parquet",)}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -68,8 +76,10 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     from ..errors import EmbshardError
     from ..export.placements import device_costs_from_frame, placement_from_frame
     from ..export.plan_json import write_plan_json
+    from ..export.torchrec_plan import check_module_path
     from ..tableset import TableSet
 
+    check_module_path(module_path)
     where = os.fspath(placements)
     df = schemas.read(placements, "placements")
     table_set = TableSet.read(tables)
@@ -115,8 +125,38 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
             names = ["plan.json"] + (["torchrec_plan.json", "torchrec_plan.pt"] if torchrec else [])
             plans[task_id] = {k: storage.join(out, task_id, n)
                               for k, n in zip(("plan_json", "torchrec_plan_json", "torchrec_plan_pt"), names)}
+    _remove_stale(out, set(plans), torchrec)
     return {"placements": storage.join(out, "placements.parquet"), "plans": plans, "num_tasks": len(plans),
             "torchrec": torchrec, "torchrec_note": note}
+
+
+PLAN_FILES = ("plan.json", "torchrec_plan.json", "torchrec_plan.pt")  # all an export writes in a task folder
+
+
+def _remove_stale(out: str, task_ids: set[str], torchrec: bool) -> None:
+    """After publishing: the folder holds only this export's plans. Task folders of an earlier export (folders
+    holding nothing but plan files) whose task is no longer exported, and TorchRec plans of a task exported now
+    without them (they would contradict its new plan.json), are removed; other files are left alone."""
+    import pyarrow.fs as pafs
+
+    from .. import storage
+
+    fs, root = storage.resolve(out)
+    sep = "/" if "://" in os.fspath(out) else os.sep
+    for info in fs.get_file_info(pafs.FileSelector(root, allow_not_found=True)):
+        if info.type != pafs.FileType.Directory or info.base_name.startswith("."):
+            continue
+        inner = fs.get_file_info(pafs.FileSelector(info.path, recursive=True))
+        names = {i.base_name for i in inner}
+        if not names or any(i.type != pafs.FileType.File for i in inner) or not names <= set(PLAN_FILES):
+            continue  # not a task folder of ours
+        if info.base_name not in task_ids:
+            fs.delete_dir(info.path)
+            log.info("removed %s: task %s is not in this export", info.path, info.base_name)
+        elif not torchrec:
+            for name in PLAN_FILES[1:]:
+                if name in names:
+                    fs.delete_file(info.path + sep + name)
 
 
 def _check_complete(rows, task_tables: list[str], where: str, tasks: str) -> None:
@@ -143,11 +183,15 @@ def _write_torchrec(placement, folder: str, module_path: str) -> dict[str, str]:
     import torch
 
     from .. import storage
-    from ..export.torchrec_plan import plan_to_json, to_torchrec_plan
+    from ..export.torchrec_plan import check_plan_doc, plan_to_json, to_torchrec_plan
 
     plan = to_torchrec_plan(placement, module_path=module_path)
+    t = placement.tables
+    doc = plan_to_json(plan, world_size=placement.num_devices,
+                       tables={str(n): (int(r), int(d)) for n, r, d in zip(t.table_ids, t.rows, t.dims)})
+    check_plan_doc(doc, "torchrec_plan.json")  # what a training job's plan_from_json will check
     json_path = storage.join(folder, "torchrec_plan.json")
-    storage.write_text(json_path, json.dumps(plan_to_json(plan), indent=2) + "\n")
+    storage.write_text(json_path, json.dumps(doc, indent=2) + "\n")
     pt_path = storage.join(folder, "torchrec_plan.pt")
     buf = io.BytesIO()
     torch.save(plan, buf)

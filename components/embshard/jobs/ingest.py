@@ -25,10 +25,13 @@ def run(source: str, out: str, input: str | None = None, seed: int = 0, num_tabl
     source="spec": `input` a CSV/Parquet/YAML table spec; kw `bins_batch_size`.
     kw `progress` (default True) shows a bar over tables. Writes are atomic: on error nothing is left behind.
     """
-    from .. import schemas, storage
+    from .. import checks, schemas, storage
     from ..errors import EmbshardError
 
     progress = kw.pop("progress", True)
+    seed = checks.seed(seed)
+    if kw.get("bins_batch_size") is not None:
+        kw["bins_batch_size"] = _positive_int(kw["bins_batch_size"], "bins_batch_size")
     if source not in SOURCES:
         raise EmbshardError(f"unknown source {source!r}", field="source", fix=f"use one of {', '.join(SOURCES)}")
     if source in ("dlrm", "spec") and not input:
@@ -40,14 +43,17 @@ def run(source: str, out: str, input: str | None = None, seed: int = 0, num_tabl
     if source == "synthetic":
         df = _synthetic(out, seed, 856 if num_tables is None else int(num_tables), progress, local_out, kw)
     elif source == "dlrm":
-        from ..ingest.dlrm import TraceOptions, tables_from_trace
+        from ..ingest.dlrm import TraceOptions, remove_stale_temps, tables_from_trace, temp_tag
 
         opts = TraceOptions(dim=kw.pop("dim", "mixed"), data_type=kw.pop("data_type", "fp32"),
                             rows_file=kw.pop("rows_file", None), seed=seed, num_tables=num_tables,
                             # a .pt.gz is decompressed beside the output (a big file; /tmp may be small)
                             tmp_dir=kw.pop("tmp_dir", None) or (storage.existing_folder(
-                                os.fspath(out).removeprefix("file://")) if local_out else None))
+                                os.fspath(out).removeprefix("file://")) if local_out else None),
+                            tmp_tag=temp_tag(out_path))
         _no_extra(kw)
+        if opts.tmp_dir and opts.tmp_tag:  # a killed ingest into this output may have left its decompressed copy
+            remove_stale_temps(opts.tmp_dir, opts.tmp_tag)
         assert input is not None  # required for dlrm, checked above
         df = tables_from_trace(input, opts, progress=progress)
     else:
@@ -77,6 +83,18 @@ def _drop_stale_tasks(out: str) -> None:
         fs.delete_file(p)
         logging.getLogger(__name__).warning("removed %s: it was sampled from the tables this ingest replaced; "
                                             "run `embshard tasks` again", stale)
+
+
+def _positive_int(value, field: str) -> int:
+    from ..errors import EmbshardError
+
+    try:
+        ok = float(value).is_integer() and int(value) >= 1
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise EmbshardError(f"invalid value {value!r}", field=field, fix="give an integer >= 1 (default 65536)")
+    return int(value)
 
 
 def _no_extra(kw: dict) -> None:
@@ -127,6 +145,11 @@ def _synthetic(out: str, seed: int, num_tables: int, progress: bool, local_out: 
 
 
 # --- `embshard ingest` --------------------------------------------------------------------------
+# What `embshard ingest` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "writes": ("tables.parquet", "tasks.parquet", "traces.pt"),
+          "inputs": ("input", "rows_file")}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", required=True, choices=["dlrm", "spec", "synthetic"],
                    help="dlrm: a .pt/.pt.gz trace (Meta's open format); spec: a CSV/Parquet/YAML table list "

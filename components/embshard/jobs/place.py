@@ -1,4 +1,4 @@
-"""Placing one set of tables with any planner, with predicted costs, the lower bound and the outputs."""
+"""Placing one set of tables with any planner, with predicted costs, the balanced estimate and the outputs."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ from ..errors import EmbshardError, ModelNotFoundError
 from ..placement import Placement
 from ..placement_report import device_table, plot_device_costs
 from ..planners import get_planner
-from ..planners.scoring import checked_lower_bound, lower_bound, placement_costs
+from ..planners.scoring import balanced_estimate, checked_balanced_estimate, placement_costs
 from ..registry import COST_CHAMPION_URI, POLICY_CHAMPION_URI
 from ..tableset import TableSet
 
@@ -66,7 +66,7 @@ def planner_for(name: str, model_uri: str, time_budget_s: float | None, search_e
         return get_planner(name, **kw)
     except ModelNotFoundError as exc:
         raise ModelNotFoundError(
-            f"no registered learned planner at {model_uri}", path=model_uri,
+            f"no registered learned planner ({exc.message})", path=model_uri,
             fix="train one with `make run` or `embshard train-policy ...`, or pick a baseline with "
                 "--planner size_lookup_greedy") from exc
 
@@ -77,10 +77,11 @@ def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | N
         return None, None
     costs = placement_costs(model, placement)
     splits = any(s.col_size is not None for s in placement.shards)
-    bound = lower_bound(model, placement.tables, placement.num_devices, column_splits=splits)
-    checked = checked_lower_bound(model, placement, bound, costs)
+    estimate = balanced_estimate(model, placement.tables, placement.num_devices, column_splits=splits)
+    checked = checked_balanced_estimate(model, placement, estimate, costs)
     if checked is None:
-        log.info("lower bound %.3f ms withheld: the cost model predicts a placement below it on these tables", bound)
+        log.info("balanced estimate %.3f ms withheld: the cost model predicts a placement below it on these tables",
+                 estimate)
     return costs, checked
 
 
@@ -91,6 +92,49 @@ def _warn_hardware(model, hardware: str | None) -> None:
         if model is not None else None
     if line:
         log.warning(line)
+
+
+# Long plans (thousands of tables with the learned planner take tens of seconds) say that they are going on:
+# a line on stderr after PROGRESS_AFTER_S, then every PROGRESS_EVERY_S, with the planner's current phase.
+PROGRESS_AFTER_S = 5.0
+PROGRESS_EVERY_S = 10.0
+
+
+class PlanningProgress:
+    """`with PlanningProgress("planning ...") as progress:` prints progress lines on stderr while the block runs
+    longer than PROGRESS_AFTER_S; `progress.phase(text)` (a planner's `on_phase` hook) names what it is doing."""
+
+    def __init__(self, what: str, stream=None):
+        import threading
+
+        self.what, self.stream, self.current = what, stream, "starting"
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="embshard-place-progress", daemon=True)
+        self.lines = 0
+
+    def phase(self, text: str) -> None:
+        self.current = text
+
+    def _run(self) -> None:
+        import sys
+        import time
+
+        start = time.perf_counter()
+        wait = PROGRESS_AFTER_S
+        while not self._done.wait(wait):
+            stream = self.stream or sys.stderr
+            print(f"place: {self.what}: {time.perf_counter() - start:.0f} s, {self.current}", file=stream,
+                  flush=True)
+            self.lines += 1
+            wait = PROGRESS_EVERY_S
+
+    def __enter__(self) -> "PlanningProgress":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: int | None = None,
@@ -105,22 +149,31 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     table_set, D, mem, tid, where = resolve_task(tables, tasks, task_id, devices, memory_bytes)
     p = planner_for(planner, model_uri, time_budget_s, search_evaluations)
     try:
-        placement = p.plan(table_set, D, mem, tid)
+        with PlanningProgress(f"planning {len(table_set):,} tables on {D:,} devices ({planner})") as progress:
+            if hasattr(p, "on_phase"):
+                p.on_phase = progress.phase
+            placement = p.plan(table_set, D, mem, tid)
     except EmbshardError as exc:  # name the user's file, not the internal task name
         raise exc.at(where) from None
     cost_model = None if getattr(p, "cost_model", None) is not None else load_cost_model_or_none(cost_model_uri)
     _warn_hardware(getattr(p, "cost_model", None) or cost_model, hardware)
     costs, lb = predicted(placement, p, cost_model)
     with storage.staged_dir(out) as stage:  # all three files or none
-        write_plan_json(placement, os.path.join(stage, "plan.json"), device_costs=costs, lower_bound=lb)
+        write_plan_json(placement, os.path.join(stage, "plan.json"), device_costs=costs, balanced_estimate=lb)
         schemas.write(placement.to_frame(costs), os.path.join(stage, "placements.parquet"), "placements")
         plot_device_costs(placement, costs, os.path.join(stage, "devices.png"), lb)
     return {"plot": storage.join(out, "devices.png"), "placement": placement, "device_costs": costs,
-            "lower_bound": lb, "plan_json": storage.join(out, "plan.json"),
-            "placements": storage.join(out, "placements.parquet"), "report": device_table(placement, costs, lb)}
+            "balanced_estimate": lb, "plan_json": storage.join(out, "plan.json"),
+            "placements": storage.join(out, "placements.parquet"),
+            "report": device_table(placement, costs, lb, full_table=storage.join(out, "plan.json"))}
 
 
 # --- `embshard place` ---------------------------------------------------------------------------
+# What `embshard place` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "writes": ("plan.json", "placements.parquet", "devices.png"),
+          "inputs": ("tables", "tasks", "model", "cost_model")}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", required=True, help="tables.parquet (all its tables are placed unless --task-id)")
     p.add_argument("--tasks", help="tasks.parquet, with --task-id: place that task's tables")

@@ -23,6 +23,9 @@ from ..registry import COST_CHAMPION_URI
 def read_shards(path: str) -> pd.DataFrame:
     """A shards file: Parquet (contract), or CSV with `table_ids` as space/semicolon-separated ids."""
     if path.lower().endswith(".csv"):
+        from .. import checks
+
+        checks.input_file(path, fix="check the --shards path")  # a FIFO would block; permission denied
         try:
             df = pd.read_csv(path, dtype={"sample_id": str, "table_ids": str})
         except (OSError, ValueError) as exc:
@@ -52,6 +55,11 @@ def run(tables: str, shards: str, out: str, model_uri: str = COST_CHAMPION_URI,
     sdf = read_shards(shards)
     if len(sdf) == 0:
         raise EmbshardError("no shards", path=shards, fix="list at least one shard")
+    for sid, ids in zip(sdf["sample_id"], sdf["table_ids"]):
+        dup = sorted({t for t in ids if list(ids).count(t) > 1})
+        if dup:  # a device holds a table once: a repeated id would be costed as two tables
+            raise EmbshardError(f"shard {str(sid)[:40]!r} lists table {dup[0]!r} {list(ids).count(dup[0])} times",
+                                path=shards, field="table_ids", fix="list each table once per device shard")
     row_of = {str(t): i for i, t in enumerate(ts.table_ids)}
     missing = sorted({t for ids in sdf["table_ids"] for t in ids if t not in row_of})
     if missing:
@@ -85,6 +93,10 @@ def run(tables: str, shards: str, out: str, model_uri: str = COST_CHAMPION_URI,
         else:
             out_df.to_parquet(f, index=False)
     return out_df
+
+
+# What `embshard predict` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "file", "inputs": ("tables", "shards", "model")}
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -3,17 +3,21 @@ the ruler (embshard.evaluation: R rounds, paired per-round ratios, intervals).
 
 The first baseline is measured a second time as its own entry (an A/A test): its ratio to itself is the ruler's
 noise floor in this very evaluation, and a difference whose interval does not clear that floor is no difference.
-The gate, on the median over held-out tasks of the per-task ratios (95% interval: bootstrap over tasks and rounds):
-- a candidate that failed to place a task, or that is measurably slower than the best greedy baseline (the whole
-  interval of candidate / best baseline above 1 and above the A/A floor's interval), is never promoted: it becomes
-  `challenger`, with or without a champion;
-- with a champion: `champion` moves to the candidate only when the whole interval of candidate / champion lies
-  below 1 - margin and below the A/A floor's interval; when it lies above 1 - margin, the candidate is not better
-  (challenger); otherwise the decision is "undecided" (challenger: the measurement cannot tell, and a guess would
-  move the champion by noise);
-- without a champion, a candidate that is not measurably slower than the best baseline becomes the first champion.
-The cost model the candidate was trained against follows it. decision.json records the intervals, the A/A floor,
-p-values, rounds and tasks; the decision and its numbers are logged in MLflow.
+The gate, on the median over held-out tasks of the per-task ratios (95% interval: bootstrap over tasks and rounds),
+gives one verdict (registry.GATE_VERDICTS):
+- `infeasible`: the candidate failed to place a task; `measurably_slower`: the whole interval of candidate / best
+  greedy baseline (or / champion) lies above 1 and above the A/A floor's interval. Never promoted;
+- without a champion, a candidate that is neither becomes the first champion (`promoted`);
+- with a champion: `promoted` when the whole interval of candidate / champion lies below 1 - margin and below the
+  A/A floor's interval; `not_better` when it lies above 1 - margin (not faster by the margin, not measurably
+  slower either); otherwise `undecided` (the measurement cannot tell, and a guess would move the champion by noise).
+The registry is honest about it: every `embshard-policy` version carries its verdict in the `verdict` tag
+(`pending` from registration until a gate judges it; `failed_run` when its Airflow run ended before the gate, set
+by the next run's gate). `champion` moves only to a promoted candidate; `challenger` points only at an undecided
+one: the newest undecided candidate takes it, a promotion removes it (it was undecided against the old champion),
+and any other verdict leaves it where it was. The cost model the candidate was trained against follows its
+aliases. decision.json records the intervals, the A/A floor, p-values, rounds and tasks; the decision and its
+numbers are logged in MLflow.
 """
 from __future__ import annotations
 
@@ -59,31 +63,33 @@ def _compare(round_costs: dict, a: str, b: str | None, best_baseline: bool = Fal
 
 def decide(vs_champion: dict | None, vs_baseline: dict, margin: float, failed: bool,
            floor: dict | None = None) -> tuple[str, str]:
-    """(verdict, reason): verdict "promoted", "challenger" or "undecided". `floor`: the A/A floor (median, ci_low,
-    ci_high; None or NaNs when not measured), whose interval a ratio has to clear to count as a difference."""
+    """(verdict, reason): verdict one of registry.GATE_VERDICTS. `floor`: the A/A floor (median, ci_low, ci_high;
+    None or NaNs when not measured), whose interval a ratio has to clear to count as a difference."""
     def fmt(c: dict) -> str:
         return f"{c['median']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}] over {c['tasks']} tasks"
 
     aa_lo, aa_hi = (floor["ci_low"], floor["ci_high"]) if floor else (np.nan, np.nan)
     aa = f"; A/A floor [{aa_lo:.3f}, {aa_hi:.3f}]" if np.isfinite(aa_lo) and np.isfinite(aa_hi) else ""
     if failed:
-        return "challenger", "the candidate failed to place some tasks"
+        return registry.INFEASIBLE, "the candidate failed to place some tasks"
     if stats.floor_verdict(vs_baseline["ci_low"], vs_baseline["ci_high"], aa_lo, aa_hi) == "slower":
-        return "challenger", f"measurably slower than the best baseline: {fmt(vs_baseline)}{aa}"
+        return registry.SLOWER, f"measurably slower than the best baseline: {fmt(vs_baseline)}{aa}"
     if vs_champion is None:
-        return "promoted", (f"no champion yet, and not measurably slower than the best baseline "
-                            f"({fmt(vs_baseline)}{aa})")
+        return registry.PROMOTED, (f"no champion yet, and not measurably slower than the best baseline "
+                                   f"({fmt(vs_baseline)}{aa})")
     if not (np.isfinite(vs_champion["ci_low"]) and np.isfinite(vs_champion["ci_high"])):
-        return "undecided", f"too few tasks or rounds for an interval against the champion ({fmt(vs_champion)})"
+        return registry.UNDECIDED, f"too few tasks or rounds for an interval against the champion ({fmt(vs_champion)})"
     if stats.floor_verdict(vs_champion["ci_low"], vs_champion["ci_high"], aa_lo, aa_hi, at=1.0 - margin) == "faster":
-        return "promoted", f"faster than the champion by more than {margin:.1%}: {fmt(vs_champion)}{aa}"
+        return registry.PROMOTED, f"faster than the champion by more than {margin:.1%}: {fmt(vs_champion)}{aa}"
+    if stats.floor_verdict(vs_champion["ci_low"], vs_champion["ci_high"], aa_lo, aa_hi) == "slower":
+        return registry.SLOWER, f"measurably slower than the champion: {fmt(vs_champion)}{aa}"
     if vs_champion["ci_low"] > 1.0 - margin:
-        return "challenger", f"not faster than the champion by {margin:.1%}: {fmt(vs_champion)}"
+        return registry.NOT_BETTER, f"not faster than the champion by {margin:.1%}: {fmt(vs_champion)}"
     if vs_champion["ci_high"] < 1.0 - margin:
-        return "undecided", (f"faster than the champion, but not beyond the ruler's noise: {fmt(vs_champion)}{aa}; "
-                             "measure more tasks or rounds to decide")
-    return "undecided", (f"the interval against the champion straddles {1 - margin:.3f}: {fmt(vs_champion)}; "
-                         "measure more tasks or rounds to decide")
+        return registry.UNDECIDED, (f"faster than the champion, but not beyond the ruler's noise: "
+                                    f"{fmt(vs_champion)}{aa}; measure more tasks or rounds to decide")
+    return registry.UNDECIDED, (f"the interval against the champion straddles {1 - margin:.3f}: {fmt(vs_champion)}; "
+                                "measure more tasks or rounds to decide")
 
 
 def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version: str,
@@ -95,7 +101,7 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
     from ..evaluation import run as evaluate
 
     registry.use(out)
-    champion = registry.version_for_alias(POLICY, "champion")
+    champion = registry.version_for_alias(POLICY, registry.CHAMPION)
     cand_name = f"learned/{candidate_version}"
     planners = [cand_name]
     champ_name = None
@@ -129,13 +135,8 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
             "candidate_vs_best_baseline": vs_baseline,
             "candidate_over_champion_median": None if vs_champion is None else vs_champion["median"],
             "candidate_vs_champion": vs_champion, "aa_floor": floor}
-        if promote:
-            registry.set_alias(POLICY, "champion", candidate_version)
-            _follow_cost_model(candidate_version, "champion")
-        else:
-            registry.set_alias(POLICY, "challenger", candidate_version)
-            _follow_cost_model(candidate_version, "challenger")
-        after = registry.version_for_alias(POLICY, "champion")
+        decision["failed_runs"] = record_verdict(candidate_version, verdict, reason)
+        after = registry.version_for_alias(POLICY, registry.CHAMPION)
         decision["champion_version_after"] = str(after.version) if after is not None else None
         mlflow.log_params({"candidate_version": candidate_version, "margin": margin, "rounds": res["rounds"],
                            "champion_before": decision["champion_version_before"]})
@@ -154,6 +155,47 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
         decision["summary"] = res["summary_text"]
     log.info("promotion: %s (%s)", verdict, reason)
     return decision
+
+
+def record_verdict(candidate_version: str, verdict: str, reason: str) -> list[str]:
+    """The gate's verdict in the registry: the candidate's `verdict` tag, the aliases (champion to a promoted
+    candidate; challenger to an undecided one, removed on a promotion, else left where it was) and, inside an
+    Airflow run, `failed_run` on versions other runs left `pending` (runs of the DAG queue one at a time, so those
+    runs are over: they failed before their gate; should one still be going, e.g. an `embshard pipeline` beside
+    `make ui` on the same store, its own gate overwrites the tag with its verdict). Returns the versions tagged
+    failed_run."""
+    from ..run_context import mlflow_tags
+
+    candidate_version = str(candidate_version)
+    registry.set_verdict(POLICY, candidate_version, verdict, reason)
+    if verdict == registry.PROMOTED:
+        registry.set_alias(POLICY, registry.CHAMPION, candidate_version)
+        _follow_cost_model(candidate_version, registry.CHAMPION)
+        _drop_challenger()
+    elif verdict == registry.UNDECIDED:
+        registry.set_alias(POLICY, registry.CHALLENGER, candidate_version)
+        _follow_cost_model(candidate_version, registry.CHALLENGER)
+    else:
+        current = registry.version_for_alias(POLICY, registry.CHALLENGER)
+        if current is not None and str(current.version) == candidate_version:  # re-judged: no longer undecided
+            _drop_challenger()
+    run_id = mlflow_tags().get("airflow.run_id")
+    failed: list[str] = []
+    if run_id:
+        for mv in registry.versions_with_verdict(POLICY, registry.PENDING):
+            made_by = mv.tags.get("airflow.run_id")
+            if made_by and made_by != run_id and str(mv.version) != candidate_version:
+                registry.set_verdict(POLICY, mv.version, registry.FAILED_RUN,
+                                     f"its Airflow run {made_by} ended before the promotion gate (seen by run "
+                                     f"{run_id})")
+                failed.append(str(mv.version))
+    return failed
+
+
+def _drop_challenger() -> None:
+    """Remove `challenger` from the policy and from the cost model that followed it."""
+    registry.delete_alias(POLICY, registry.CHALLENGER)
+    registry.delete_alias(COST, registry.CHALLENGER)
 
 
 def _follow_cost_model(policy_version: str, alias: str) -> None:

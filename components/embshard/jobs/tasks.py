@@ -57,13 +57,16 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
     """A validated tasks frame: `num_tasks` tasks from each pool (ids train-0000.., test-0000..)."""
     import pandas as pd
 
-    from .. import schemas
+    from .. import checks, pools, schemas
     from ..errors import EmbshardError, InfeasiblePlacementError
 
     if int(num_tasks) <= 0:
         raise EmbshardError("must be > 0", field="num_tasks", fix="ask for at least one task per split")
+    if int(num_tasks) > checks.MAX_TASKS:
+        raise EmbshardError(f"{int(num_tasks):,} tasks per split is over the maximum", field="num_tasks",
+                            fix=f"ask for at most {checks.MAX_TASKS:,} tasks per split")
+    seed = checks.seed(seed)
     lo, hi = parse_range(tables_per_task, "tables_per_task")
-    from .. import checks, pools
 
     dev_choices = [checks.devices(d) for d in parse_list(devices, "devices", int)]
     mem_choices = [checks.memory_gb(m) for m in parse_list(memory_gb, "memory_gb", float)]
@@ -129,10 +132,14 @@ def run(tables: str, out: str, num_tasks: int, tables_per_task=20, devices=4, me
     return path
 
 
+# What `embshard tasks` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "writes": ("tasks.parquet",), "inputs": ("tables",)}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", required=True, help="tables.parquet (from embshard ingest)")
     p.add_argument("--out", required=True, help="output folder; writes OUT/tasks.parquet")
-    p.add_argument("--num-tasks", type=int, required=True, help="tasks per split (train and test)")
+    p.add_argument("--num-tasks", type=int, required=True, help="tasks per split (train and test), at most 10,000")
     p.add_argument("--tables-per-task", default="20", help="tables per task: N or a range LO-HI (default 20)")
     p.add_argument("--devices", default="4", help="devices per task: N or a list to draw from, e.g. 4,8")
     p.add_argument("--memory-gb", default="16", help="memory per device in GiB (a list draws per task)")

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import registry
+from .. import registry, storage
 from ..costmodel import REGISTERED_NAME
 from ..costmodel.data import CostData, assemble_placements, load
 from ..costmodel.ensemble import INTERVAL_LEVEL, coverage, interval, member_predictions
@@ -265,47 +265,52 @@ def run(costs: str | list[str], tables: str, out: str | None = None, *, seed: in
 
     out = os.path.abspath(out) if out else tempfile.mkdtemp(prefix="embshard-cost-")
     os.makedirs(out, exist_ok=True)
-    artifacts = model.save(os.path.join(out, "model"))
-    plots = _plots(model, data, hist, out)
-    counts = {s: int((data.split == s).sum()) for s in ("train", "val", "heldout", "unseen")}
-    full = {"report": report, "splits": counts, "dropped": data.dropped, "analytic": analytic.to_dict(),
-            "best_epoch": hist.best_epoch, "epochs": len(hist.val_loss)}
-    with open(os.path.join(out, "report.json"), "w", encoding="utf-8") as f:
-        json.dump(full, f, indent=1, default=float)
-
     uri = registry.use(out, experiment)
-    tags = {"hardware": data.hardware, "backend": data.backend, "dataset_hash": data.dataset_hash,
-            "feature_version": FEATURE_VERSION, "batch_size": data.batch_size}
-    # Nested when called inside another run (the policy's outer loop refits the cost model).
-    with registry.start_run(run_name="train-cost", nested=mlflow.active_run() is not None) as active:
-        mlflow.set_tags({f"embshard.{k}": v for k, v in tags.items()})
-        mlflow.log_params({"seed": seed, "members": members, "max_epochs": max_epochs,
-                           "patience": patience, "lr": params.lr, "hidden": params.hidden, "embed": params.embed,
-                           "head_hidden": params.head_hidden, "batch_shards": params.batch_shards,
-                           "costs": costs, "tables": tables, "batch_size": data.batch_size,
-                           **{f"n_{k}": v for k, v in counts.items()}, **{f"dropped_{k}": v
-                                                                         for k, v in data.dropped.items()}})
-        for name, series in (("train_loss", hist.train_loss), ("val_loss", hist.val_loss),
-                             ("overall_train_loss", hist.overall_train_loss),
-                             ("overall_val_loss", hist.overall_val_loss)):
-            for step, v in enumerate(series):
-                mlflow.log_metric(name, v, step=step)
-        mlflow.log_metrics(flat)
-        for p in plots.values():
-            mlflow.log_artifact(p)
-        mlflow.log_artifact(os.path.join(out, "report.json"))
-        version = None
-        if register:
-            example = example_input(TableSet.read(tables), int(np.max(data.num_devices)))
-            version = registry.log_and_register(
-                CostModelPyfunc(), artifacts, REGISTERED_NAME, tags,
-                signature=registry.signature(example, predict_frame(model, example),
-                                             required=["shard", "num_devices", *FEATURE_NAMES]),
-                description=f"Cost model of device shards on {data.hardware} ({data.backend}, batch "
-                            f"{data.batch_size}), trained on {counts['train']} measured shards.")
-            if alias:
-                registry.set_alias(REGISTERED_NAME, alias, version.version)
-        run_id = active.info.run_id
+    # The model folder, plots and report are published under `out` only once the version is registered: a
+    # killed run leaves no model folder without a version, only its stage folder, which the next run into `out`
+    # removes (storage.staged_dir).
+    with storage.staged_dir(out) as stage:
+        artifacts = model.save(os.path.join(stage, "model"))
+        plots = _plots(model, data, hist, stage)
+        counts = {s: int((data.split == s).sum()) for s in ("train", "val", "heldout", "unseen")}
+        full = {"report": report, "splits": counts, "dropped": data.dropped, "analytic": analytic.to_dict(),
+                "best_epoch": hist.best_epoch, "epochs": len(hist.val_loss)}
+        with open(os.path.join(stage, "report.json"), "w", encoding="utf-8") as f:
+            json.dump(full, f, indent=1, default=float)
+
+        tags = {"hardware": data.hardware, "backend": data.backend, "dataset_hash": data.dataset_hash,
+                "feature_version": FEATURE_VERSION, "batch_size": data.batch_size}
+        # Nested when called inside another run (the policy's outer loop refits the cost model).
+        with registry.start_run(run_name="train-cost", nested=mlflow.active_run() is not None) as active:
+            mlflow.set_tags({f"embshard.{k}": v for k, v in tags.items()})
+            mlflow.log_params({"seed": seed, "members": members, "max_epochs": max_epochs,
+                               "patience": patience, "lr": params.lr, "hidden": params.hidden,
+                               "embed": params.embed, "head_hidden": params.head_hidden,
+                               "batch_shards": params.batch_shards,
+                               "costs": costs, "tables": tables, "batch_size": data.batch_size,
+                               **{f"n_{k}": v for k, v in counts.items()}, **{f"dropped_{k}": v
+                                                                             for k, v in data.dropped.items()}})
+            for name, series in (("train_loss", hist.train_loss), ("val_loss", hist.val_loss),
+                                 ("overall_train_loss", hist.overall_train_loss),
+                                 ("overall_val_loss", hist.overall_val_loss)):
+                for step, v in enumerate(series):
+                    mlflow.log_metric(name, v, step=step)
+            mlflow.log_metrics(flat)
+            for p in plots.values():
+                mlflow.log_artifact(p)
+            mlflow.log_artifact(os.path.join(stage, "report.json"))
+            version = None
+            if register:
+                example = example_input(TableSet.read(tables), int(np.max(data.num_devices)))
+                version = registry.log_and_register(
+                    CostModelPyfunc(), artifacts, REGISTERED_NAME, tags,
+                    signature=registry.signature(example, predict_frame(model, example),
+                                                 required=["shard", "num_devices", *FEATURE_NAMES]),
+                    description=f"Cost model of device shards on {data.hardware} ({data.backend}, batch "
+                                f"{data.batch_size}), trained on {counts['train']} measured shards.")
+                if alias:
+                    registry.set_alias(REGISTERED_NAME, alias, version.version)
+            run_id = active.info.run_id
     log.info("train-cost done in %.1f s", time.perf_counter() - t0)
     model_uri = (f"models:/{REGISTERED_NAME}@{alias}" if alias and version is not None
                  else f"models:/{REGISTERED_NAME}/{version.version}" if version is not None else None)
@@ -316,6 +321,10 @@ def run(costs: str | list[str], tables: str, out: str | None = None, *, seed: in
 
 
 # --- `embshard train-cost` ---------------------------------------------------------------------
+# What `embshard train-cost` writes and reads: its --out is checked before any work (cli.check_output).
+OUTPUT = {"kind": "folder", "writes": ("model", "report.json"), "inputs": ("costs", "tables")}
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--costs", required=True, help="costs folder (part-*.parquet) or file")
     parser.add_argument("--tables", required=True, help="tables.parquet the costs were measured on")

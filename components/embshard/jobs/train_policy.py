@@ -51,7 +51,8 @@ def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST
 
     from .. import registry
     from ..costmodel import load as load_cost_model
-    from ..policy.model import REGISTERED_NAME, PolicyPythonModel, load_policy_files, policy_artifacts, save_policy
+    from ..planners.registered import PolicyPythonModel
+    from ..policy.model import REGISTERED_NAME, load_policy_files, policy_artifacts, save_policy
 
     if reward not in ("estimated", "measured"):
         raise EmbshardError(f"unknown reward {reward!r}", field="reward", fix="use 'estimated' or 'measured'")
@@ -59,6 +60,7 @@ def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST
     fit_tasks, val_tasks = split_train_tasks(tables, tasks)
     cost_model = load_cost_model(cost_model_uri)
     torch.manual_seed(seed + round_index)
+    check_training(max(1, int(iterations)), 1, rollouts_per_task)
     cfg = TrainConfig(iterations=max(1, int(iterations)), rollouts_per_task=rollouts_per_task, seed=seed)
     if init_policy:
         policy, _ = load_policy_files(os.path.join(init_policy, "policy.pt"), os.path.join(init_policy, "policy.json"))
@@ -77,7 +79,8 @@ def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST
             policy = train_estimated(policy, cost_model, train_ctx, val_ctx, cfg, history,
                                      step0=(round_index - 1) * cfg.iterations, progress=progress)
         else:
-            policy = train_measured(policy, train_ctx, cfg, history, settings or MeasureSettings(), progress)
+            measure = _measured_overall(settings or MeasureSettings())
+            policy = train_measured(policy, train_ctx, cfg, history, measure, progress)
         for h in history:
             mlflow.log_metrics({k: v for k, v in h.items() if k != "step"}, step=int(h["step"]))
         final_ratio = validation_ratio(policy, val_ctx, [best_baseline_cost(c, s) for _, s, c in val_ctx])
@@ -99,7 +102,9 @@ def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST
                         "feature_version": schemas.FEATURE_VERSION, "reward": reward, "rounds": round_index,
                         "hardware": getattr(cost_model.config, "hardware", ""),
                         "backend": getattr(cost_model.config, "backend", ""),
-                        "val_ratio_to_best_baseline": f"{final_ratio:.4f}"}
+                        "val_ratio_to_best_baseline": f"{final_ratio:.4f}",
+                        # Until the promotion gate judges it (jobs.promote.record_verdict).
+                        registry.VERDICT_TAG: registry.PENDING}
                 mv = registry.log_and_register(
                     PolicyPythonModel(), arts, REGISTERED_NAME, tags,
                     signature=_signature(policy, cost_model, tables, val_tasks[0]),
@@ -110,6 +115,36 @@ def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST
                     registry.set_alias(REGISTERED_NAME, alias, mv.version)
                 result.update({"version": str(mv.version), "model_uri": f"models:/{REGISTERED_NAME}/{mv.version}"})
     return result
+
+
+def _measured_overall(settings: MeasureSettings):
+    """The measured overall cost (ms) of a placement under `settings`: the reward of measured training."""
+    from ..bench import measure_placement
+
+    return lambda placement: float(measure_placement(placement, settings)["total_ms"].max())
+
+
+def check_training(iterations, rounds, rollouts_per_task) -> None:
+    """Settings that would register an untrained (or NaN) policy as a new version are refused: at least one update
+    per round, and two rollouts per update (the advantage is each rollout's reward minus the group's mean,
+    divided by the group's spread: one rollout has none)."""
+    def whole(v) -> int | None:
+        try:
+            return int(v) if float(v).is_integer() else None
+        except (TypeError, ValueError, OverflowError):
+            return None
+
+    r = whole(rounds)
+    if r is None or not 1 <= r <= 10:
+        raise EmbshardError(f"invalid value {rounds}", field="rounds", fix="give an integer from 1 to 10")
+    i = whole(iterations)
+    if i is None or i < r:
+        raise EmbshardError(f"invalid value {iterations}: every round needs at least one update", field="iterations",
+                            fix=f"give an integer >= {r} (the rounds; 300 by default)")
+    k = whole(rollouts_per_task)
+    if k is None or k < 2:
+        raise EmbshardError(f"invalid value {rollouts_per_task}", field="rollouts",
+                            fix="give an integer >= 2 (each update compares a task's rollouts; 16 by default)")
 
 
 def _signature(policy, cost_model, tables: str, task: Task):

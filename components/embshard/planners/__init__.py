@@ -1,4 +1,5 @@
-"""Planners: baselines, TorchRec's planner, and the learned policy with search; one interface (base.Planner)."""
+"""Planners: baselines, TorchRec's planner, and the learned compositions (proposers + refiners, planners.compose);
+one interface (base.Planner)."""
 from __future__ import annotations
 
 from ..errors import EmbshardError
@@ -7,39 +8,63 @@ from .base import Planner
 
 LEARNED = "learned"
 POLICY_ONLY = "policy_only"
+# The learned compositions (planners.compose.COMPOSITIONS), longest first so that a name's prefix is found.
+LEARNED_COMPOSITIONS = ("learned_with_torchrec", "no_column_splits", "no_cost_greedy", "no_portfolio",
+                        "policy_only", "no_policy", "no_search", "learned")
+
+
+def composition_of(name: str) -> str | None:
+    """The learned composition a planner name asks for (e.g. learned@champion -> learned), else None."""
+    for comp in LEARNED_COMPOSITIONS:
+        if name == comp or name.startswith((f"{comp}@", f"{comp}/")):
+            return comp
+    return None
+
+
+def is_planner_name(name: str) -> bool:
+    """Whether `name` names a planner `get_planner` knows: a baseline, a TorchRec planner, or a learned composition
+    (planners.compose.COMPOSITIONS) alone or with a non-empty @ALIAS or /VERSION."""
+    from .baselines import BASELINES
+
+    if name in BASELINES or name in ("torchrec_table_wise", "torchrec_full"):
+        return True
+    comp = composition_of(name)
+    return comp is not None and (name == comp or len(name) > len(comp) + 1)
 
 
 def learned_uri(name: str, default: str | None = None) -> str:
-    """Model URI of a learned planner name: learned (champion or `default`), learned@ALIAS, learned/VERSION."""
-    for prefix in (LEARNED, POLICY_ONLY):
-        if name.startswith(prefix):
-            rest = name[len(prefix):]
-            if rest.startswith("@"):
-                return f"models:/{POLICY_MODEL}@{rest[1:]}"
-            if rest.startswith("/"):
-                return f"models:/{POLICY_MODEL}/{rest[1:]}"
+    """Model URI of a learned planner name: learned (champion or `default`), learned@ALIAS, learned/VERSION
+    (or any learned composition's name in place of `learned`)."""
+    comp = composition_of(name)
+    if comp is not None:
+        rest = name[len(comp):]
+        if rest.startswith("@"):
+            return f"models:/{POLICY_MODEL}@{rest[1:]}"
+        if rest.startswith("/"):
+            return f"models:/{POLICY_MODEL}/{rest[1:]}"
     return default or POLICY_CHAMPION_URI
 
 
 def available_planners() -> list[str]:
     from .baselines import BASELINES
 
-    return [LEARNED, *BASELINES, "torchrec_table_wise", "torchrec_full"]
+    others = [c for c in LEARNED_COMPOSITIONS if c != LEARNED]
+    return [LEARNED, *BASELINES, "torchrec_table_wise", "torchrec_full", *others]
 
 
 def get_planner(name: str, **kw) -> Planner:
     """A planner by name. `learned` takes model_uri=... (default models:/embshard-policy@champion)."""
     from .baselines import make_baseline
 
-    if name.startswith(LEARNED) or name.startswith(POLICY_ONLY):
-        from ..policy.model import load_planner
+    comp = composition_of(name)
+    if comp is not None:
+        from .registered import load_planner
 
         uri = learned_uri(name, kw.get("model_uri"))
-        opts = {k: v for k, v in kw.items()
-                if k in ("time_budget_s", "search_evaluations", "num_samples", "column_splits", "seed")}
-        if name.startswith(POLICY_ONLY):  # ablation: one greedy rollout, no portfolio, no search
-            opts.update(num_samples=0, portfolio=False, column_splits=False, search_evaluations=0, cost_greedy=False)
-        planner = load_planner(uri, **opts)
+        opts = {k: v for k, v in kw.items() if k in ("time_budget_s", "search_evaluations", "num_samples", "seed")}
+        if kw.get("column_splits") is False and comp == LEARNED:
+            comp = "no_column_splits"
+        planner = load_planner(uri, composition_name=comp, **opts)
         planner.name = name
         return planner
     if name.startswith("torchrec_"):

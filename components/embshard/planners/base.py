@@ -1,4 +1,4 @@
-"""The planner interface: tables + devices + memory per device -> Placement.
+"""The planner interface: tables + a device topology (or devices + memory per device) -> Placement.
 
 Every planner treats memory per device as a hard constraint. `check_feasible` rejects tasks that no planner
 can place, and `InfeasiblePlacementError` says how much memory is missing: a table is never silently put on a
@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import EmbshardError, InfeasiblePlacementError
 from ..placement import Placement
 from ..tableset import TableSet
+from ..types import DeviceTopology
 
 if TYPE_CHECKING:
     from ..types import Task
@@ -26,31 +27,40 @@ class Planner(ABC):
 
     name: str = "planner"
 
-    def plan(self, tables: TableSet, num_devices: int, memory_bytes_per_device: int,
+    def plan(self, tables: TableSet, num_devices: int | DeviceTopology, memory_bytes_per_device: int | None = None,
              task_id: str = "task") -> Placement:
+        """Place `tables` on the devices: a DeviceTopology, or a device count with `memory_bytes_per_device`
+        (one host). The placement carries the topology (`placement.devices`)."""
+        if isinstance(num_devices, DeviceTopology):
+            topology = num_devices
+        else:
+            if memory_bytes_per_device is None:
+                raise EmbshardError("no memory per device", path=task_id, field="memory_bytes_per_device",
+                                    fix="give memory_bytes_per_device or a DeviceTopology")
+            topology = DeviceTopology(int(num_devices), int(memory_bytes_per_device))
         if len(tables) == 0:
             raise EmbshardError("no tables to place", path=task_id, field="table_ids",
                                 fix="give a task with at least one table")
-        if num_devices <= 0:
-            raise EmbshardError(f"{num_devices} devices", path=task_id, field="num_devices",
+        if topology.count <= 0:
+            raise EmbshardError(f"{topology.count} devices", path=task_id, field="num_devices",
                                 fix="ask for at least one device")
-        if memory_bytes_per_device <= 0:
-            raise EmbshardError(f"{memory_bytes_per_device} bytes of memory per device", path=task_id,
+        if topology.memory_bytes <= 0:
+            raise EmbshardError(f"{topology.memory_bytes} bytes of memory per device", path=task_id,
                                 field="memory_bytes_per_device", fix="give a positive memory per device")
-        check_feasible(tables, num_devices, memory_bytes_per_device, task_id)
-        placement = self._plan(tables, int(num_devices), int(memory_bytes_per_device), task_id)
+        check_feasible(tables, topology.count, topology.memory_bytes, task_id)
+        placement = self._plan(tables, topology, task_id)
         placement.planner = placement.planner or self.name
         placement.task_id = task_id
+        placement.topology = topology
         placement.check()
         return placement
 
     def plan_task(self, task: "Task") -> Placement:
-        """`plan` for a Task (embshard.types): its tables, device count and memory per device."""
-        return self.plan(task.tables, task.devices.count, task.devices.memory_bytes, task.task_id)
+        """`plan` for a Task (embshard.types): its tables and device topology."""
+        return self.plan(task.tables, task.devices, task_id=task.task_id)
 
     @abstractmethod
-    def _plan(self, tables: TableSet, num_devices: int, memory_bytes_per_device: int,
-              task_id: str) -> Placement:
+    def _plan(self, tables: TableSet, topology: DeviceTopology, task_id: str) -> Placement:
         ...
 
 

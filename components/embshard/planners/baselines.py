@@ -8,29 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..heuristics import GREEDY_BASELINES, PROXIES, greedy_assignment
 from ..placement import Placement
-from ..tableset import TableSet
+from ..types import DeviceTopology
 from .base import Planner, no_room_error
 
-
-def proxy_dim(t: TableSet) -> np.ndarray:
-    return t.dims.astype(np.float64)
-
-
-def proxy_size(t: TableSet) -> np.ndarray:
-    return t.size_bytes.astype(np.float64)
-
-
-def proxy_lookup(t: TableSet) -> np.ndarray:
-    return t.dims * t.pooling_factor
-
-
-def proxy_size_lookup(t: TableSet) -> np.ndarray:
-    # log10 of 10 rows is 1: tiny tables keep a positive weight.
-    return t.dims * t.pooling_factor * np.log10(np.maximum(t.rows, 10))
-
-
-PROXIES = {"dim": proxy_dim, "size": proxy_size, "lookup": proxy_lookup, "size_lookup": proxy_size_lookup}
+__all__ = ["BASELINES", "GREEDY_BASELINES", "PROXIES", "GreedyPlanner", "RandomPlanner", "RoundRobinPlanner",
+           "make_baseline"]
 
 
 class GreedyPlanner(Planner):
@@ -41,21 +25,11 @@ class GreedyPlanner(Planner):
         self.proxy = PROXIES[proxy]
         self.name = f"{proxy}_greedy"
 
-    def _plan(self, tables, num_devices, memory_bytes_per_device, task_id):
-        cost = self.proxy(tables)
-        order = np.argsort(-cost, kind="stable")
-        load = np.zeros(num_devices)
-        free = np.full(num_devices, memory_bytes_per_device, dtype=np.int64)
-        assignment = np.empty(len(tables), dtype=np.int64)
-        for i in order:
-            fits = free >= tables.size_bytes[i]
-            if not fits.any():
-                raise no_room_error(tables, i, free, task_id)
-            d = int(np.argmin(np.where(fits, load, np.inf)))
-            assignment[i] = d
-            load[d] += cost[i]
-            free[d] -= tables.size_bytes[i]
-        return Placement.from_assignment(tables, assignment, num_devices, memory_bytes_per_device)
+    def _plan(self, tables, topology: DeviceTopology, task_id):
+        assignment, stuck, free = greedy_assignment(tables, self.proxy_name, topology.count, topology.memory_bytes)
+        if assignment is None:
+            raise no_room_error(tables, stuck, free, task_id)
+        return Placement.from_assignment(tables, assignment, topology.count, topology.memory_bytes)
 
 
 class RandomPlanner(Planner):
@@ -66,7 +40,8 @@ class RandomPlanner(Planner):
     def __init__(self, seed: int = 0):
         self.seed = seed
 
-    def _plan(self, tables, num_devices, memory_bytes_per_device, task_id):
+    def _plan(self, tables, topology: DeviceTopology, task_id):
+        num_devices, memory_bytes_per_device = topology.count, topology.memory_bytes
         rng = np.random.default_rng(self.seed)
         free = np.full(num_devices, memory_bytes_per_device, dtype=np.int64)
         assignment = np.empty(len(tables), dtype=np.int64)
@@ -86,7 +61,8 @@ class RoundRobinPlanner(Planner):
 
     name = "round_robin"
 
-    def _plan(self, tables, num_devices, memory_bytes_per_device, task_id):
+    def _plan(self, tables, topology: DeviceTopology, task_id):
+        num_devices, memory_bytes_per_device = topology.count, topology.memory_bytes
         free = np.full(num_devices, memory_bytes_per_device, dtype=np.int64)
         assignment = np.empty(len(tables), dtype=np.int64)
         for i in range(len(tables)):
@@ -102,7 +78,6 @@ class RoundRobinPlanner(Planner):
 
 
 BASELINES = ["random", "round_robin", "dim_greedy", "size_greedy", "lookup_greedy", "size_lookup_greedy"]
-GREEDY_BASELINES = ["dim_greedy", "size_greedy", "lookup_greedy", "size_lookup_greedy"]
 
 
 def make_baseline(name: str, seed: int = 0) -> Planner:

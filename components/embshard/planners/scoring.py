@@ -1,128 +1,34 @@
-"""Scoring placements with the learned cost model, fast enough for RL rollouts and local search.
-
-The cost model is SUM-decomposable: a device's cost is a function of the sum of its tables' encodings. So a
-task's tables are encoded once, and any candidate device content is scored from a sum of rows: adding or
-removing a table is one vector addition, and thousands of candidates are one batched call.
+"""Scores of plans: the cost-model scorer (embshard.costmodel.scoring, re-exported here for planner callers) and
+the balanced estimate a plan's prediction is checked against.
 """
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
-import torch
 
-from ..placement import Placement, Shard
-from ..tableset import TableSet
-
-
-@contextlib.contextmanager
-def single_threaded():
-    """Run torch on one thread: planning calls thousands of tiny ops, for which intra-op threads only add
-    synchronisation (16x slower at 200 tables x 8 devices on a busy 2-core machine, measured)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+from ..costmodel.scoring import (  # noqa: F401  (the planners' scoring vocabulary)
+    TaskScorer,
+    balanced_estimate,
+    piece_features,
+    placement_costs,
+    single_threaded,
+)
+from ..errors import EmbshardError
+from ..placement import Placement
+from ..types import CostEstimator
+from .baselines import BASELINES, make_baseline
 
 
-class TaskScorer:
-    """Predicted per-device costs for one task (a fixed set of table pieces on `num_devices` devices)."""
+def checked_balanced_estimate(cost_model: CostEstimator, placement: Placement, estimate: float,
+                              device_costs: np.ndarray) -> float | None:
+    """`estimate` if no placement we can cheaply predict falls below it, else None.
 
-    def __init__(self, cost_model, features: np.ndarray, num_devices: int):
-        self.cost_model = cost_model
-        self.num_devices = int(num_devices)
-        with torch.no_grad():
-            self.enc = cost_model.encode(np.asarray(features, dtype=np.float64)).float()  # (N, H)
-        self.dim = self.enc.shape[1]
-
-    @property
-    def has_members(self) -> bool:
-        """Whether the cost model is an ensemble with more than one member (then it has an uncertainty)."""
-        return len(getattr(self.cost_model, "members", ())) > 1
-
-    @torch.no_grad()
-    def member_totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """(K, ...) device totals per ensemble member (K = 1 for a single model); empty devices cost 0."""
-        if self.has_members:
-            out = self.cost_model.member_totals_from_sums(sums, self.num_devices)
-        else:
-            out = self.cost_model.totals_from_sums(sums, self.num_devices).unsqueeze(0)
-        return torch.where(counts > 0, out, torch.zeros_like(out))
-
-    @torch.no_grad()
-    def totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Device totals (ms) from summed encodings (..., H) and table counts (...); empty devices cost 0."""
-        out = self.cost_model.totals_from_sums(sums, self.num_devices)
-        return torch.where(counts > 0, out, torch.zeros_like(out))
-
-    def device_sums(self, assignment: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        a = torch.as_tensor(np.asarray(assignment), dtype=torch.long)
-        sums = torch.zeros(self.num_devices, self.dim).index_add_(0, a, self.enc)
-        counts = torch.bincount(a, minlength=self.num_devices)
-        return sums, counts
-
-    def device_costs(self, assignment: np.ndarray) -> np.ndarray:
-        sums, counts = self.device_sums(assignment)
-        return self.totals(sums, counts).numpy().astype(np.float64)
-
-    def single_costs(self) -> np.ndarray:
-        """Predicted cost of each piece alone on a device."""
-        return self.totals(self.enc, torch.ones(len(self.enc), dtype=torch.long)).numpy().astype(np.float64)
-
-
-def piece_features(tables: TableSet, shards: list[Shard]) -> np.ndarray:
-    """Raw features of each placed piece: a column slice is a table of dim col_size (same rows and accesses)."""
-    base = tables.features()
-    feats = base[[s.table for s in shards]].copy()
-    for k, s in enumerate(shards):
-        if s.col_size is not None:
-            bpe = tables.bytes_per_element[s.table]
-            feats[k, 0] = s.col_size
-            feats[k, 3] = tables.rows[s.table] * s.col_size * bpe
-    return feats
-
-
-def placement_costs(cost_model, placement: Placement) -> np.ndarray:
-    """Predicted per-device total cost (ms) of any placement, column slices included."""
-    scorer = TaskScorer(cost_model, piece_features(placement.tables, placement.shards), placement.num_devices)
-    return scorer.device_costs(placement.device_of_shards())
-
-
-def lower_bound(cost_model, tables: TableSet, num_devices: int, column_splits: bool = False) -> float:
-    """Lower bound under the model: the average device cost can't be lower than, per cost head, the smaller of
-    (all tables fused on one device) and (the sum of single-table costs), divided by D.
-
-    The all-on-one / D bound (docs/method.md) holds for a sub-additive fused cost; the sum of singles / D holds for a
-    super-additive one. Measured CPU costs are both (forward shares work as tables fuse, backward grows faster
-    than linearly, the all-to-all pays its latency once per device), so each head takes the smaller of its two.
-    A device holding the most expensive table costs at least that table alone (table-wise plans; column-wise
-    splits can go below it, so they get the first term alone).
+    Its terms would bound costs that never drop when a table is added and that are sub- or super-additive per
+    head. A learned network is only nearly so: with its fused (sub-additive) correction it can predict a device
+    holding the most expensive table plus a few small ones below that table alone (`place` once printed 12.666 ms
+    above its own predicted 12.402 ms). A number the model's own predictions contradict says nothing about
+    balance, so it is withheld (None) whenever this placement or a baseline's placement of the same task is
+    predicted below it.
     """
-    scorer = TaskScorer(cost_model, tables.features(), num_devices)
-    with torch.no_grad():
-        fused = cost_model.heads_from_sums(scorer.enc.sum(0, keepdim=True), num_devices)[0]
-        singles = cost_model.heads_from_sums(scorer.enc, num_devices)
-    bound = float(torch.minimum(fused, singles.sum(0)).sum()) / num_devices
-    if not column_splits:
-        bound = max(bound, float(singles.sum(1).max()))
-    return float(bound)
-
-
-def checked_lower_bound(cost_model, placement: Placement, bound: float, device_costs: np.ndarray) -> float | None:
-    """`bound` if no placement we can cheaply predict falls below it, else None.
-
-    The bound's terms hold for costs that never drop when a table is added and that are sub- or super-additive
-    per head: real kernels are. A learned network is only nearly so: with its fused (sub-additive) correction it
-    can predict a device holding the most expensive table plus a few small ones below that table alone. That is
-    why `place` once printed a bound of 12.666 ms above its own predicted 12.402 ms. Such a number is not a bound
-    of the model's predictions, so it is withheld (None) whenever this placement or a baseline's placement of the
-    same task is predicted below it.
-    """
-    from ..errors import EmbshardError
-    from .baselines import BASELINES, make_baseline
-
     witnesses = [float(np.max(device_costs))]
     for name in BASELINES:
         try:
@@ -131,4 +37,4 @@ def checked_lower_bound(cost_model, placement: Placement, bound: float, device_c
         except EmbshardError:
             continue
         witnesses.append(float(placement_costs(cost_model, other).max()))
-    return None if min(witnesses) < bound * (1 - 1e-9) else bound
+    return None if min(witnesses) < estimate * (1 - 1e-9) else estimate

@@ -39,6 +39,7 @@ import numpy as np
 from ..errors import InfeasiblePlacementError
 from ..placement import Placement
 from ..tableset import TableSet
+from ..types import DeviceTopology
 from .base import GiB, Planner
 
 SEARCHES = {
@@ -65,9 +66,9 @@ class TorchRecPlanner(Planner):
         self.memory_model = memory_model
         self.verbose = verbose
 
-    def _plan(self, tables: TableSet, num_devices: int, memory_bytes_per_device: int,
-              task_id: str) -> Placement:
-        from ..export.torchrec_plan import require_torchrec
+    def _plan(self, tables: TableSet, topology: DeviceTopology, task_id: str) -> Placement:
+        num_devices, memory_bytes_per_device = topology.count, topology.memory_bytes
+        from ..torchrec_compat import require_torchrec
 
         require_torchrec()
         from torchrec.distributed.planner.types import PlannerError
@@ -76,8 +77,7 @@ class TorchRecPlanner(Planner):
         meta: dict = {"torchrec_search": self.search, "torchrec_batch_size": self.batch_size,
                       "torchrec_memory_model": self.memory_model}
         try:
-            sharding_plan, info = self._run(tables, num_devices, memory_bytes_per_device, SEARCHES[self.search],
-                                            self.timeout_s)
+            sharding_plan, info = self._run(tables, topology, SEARCHES[self.search], self.timeout_s)
         except PlannerError as exc:
             elapsed = time.perf_counter() - start
             timed_out = self.timeout_s is not None and elapsed >= _torchrec_timeout(self.timeout_s)
@@ -87,8 +87,7 @@ class TorchRecPlanner(Planner):
             meta["torchrec_fallback"] = (f"the {self.search} search found no plan in {self.timeout_s:g} s; "
                                          "this is TorchRec's table-wise plan")
             try:
-                sharding_plan, info = self._run(tables, num_devices, memory_bytes_per_device,
-                                                SEARCHES["table_wise"], None)
+                sharding_plan, info = self._run(tables, topology, SEARCHES["table_wise"], None)
             except PlannerError as exc2:
                 raise self._infeasible(exc2, tables, num_devices, memory_bytes_per_device, task_id) from None
         elapsed = time.perf_counter() - start
@@ -99,7 +98,7 @@ class TorchRecPlanner(Planner):
         meta["torchrec_timed_out"] = bool(self.timeout_s is not None and "torchrec_fallback" not in meta
                                           and info["torchrec_search_s"] >= _torchrec_timeout(self.timeout_s))
 
-        from ..export.torchrec_plan import placement_from_sharding_plan
+        from ..torchrec_compat import placement_from_sharding_plan
 
         placement = placement_from_sharding_plan(sharding_plan, tables, num_devices, memory_bytes_per_device,
                                                  names=_names(len(tables)), planner=self.name, task_id=task_id,
@@ -112,19 +111,19 @@ class TorchRecPlanner(Planner):
                                            fix="use memory_model='tables' or another planner") from None
         return placement
 
-    def _run(self, tables: TableSet, num_devices: int, memory: int, sharding_types: list[str],
-             timeout_s: float | None):
-        """One TorchRec planning run: (ShardingPlan, info dict)."""
+    def _run(self, tables: TableSet, devices: DeviceTopology, sharding_types: list[str], timeout_s: float | None):
+        """One TorchRec planning run: (ShardingPlan, info dict). TorchRec sees our devices per host."""
         from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
         from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
         from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
         from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 
-        from ..export.torchrec_plan import FUSED, build_module, storage_estimators, topology
+        from ..torchrec_compat import FUSED, build_module, storage_estimators, topology
 
         names = _names(len(tables))
         module = build_module(tables, names=names)
-        topo = topology(num_devices, memory)
+        num_devices, memory = devices.count, devices.memory_bytes
+        topo = topology(num_devices, memory, local_world_size=devices.local_world_size)
         constraints = {
             n: ParameterConstraints(sharding_types=list(sharding_types), compute_kernels=[FUSED],
                                     pooling_factors=[max(float(pf), 1e-3)])

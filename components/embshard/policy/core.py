@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..planners.scoring import TaskScorer
+from ..costmodel.scoring import TaskScorer
 
 NUM_POLICY_FEATURES = 11
 INFEASIBLE_PENALTY = 3.0  # reward of a rollout that ran out of memory, in units of the task scale
@@ -169,7 +169,7 @@ def reinforce_step(policy: PolicyNet, optimizer: torch.optim.Optimizer, ctx: Tas
     loss.backward()
     nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
     optimizer.step()
-    stats = {"loss": float(loss), "reward_mean": float(reward.mean()), "reward_best": float(reward.max()),
+    stats = {"loss": float(loss.detach()), "reward_mean": float(reward.mean()), "reward_best": float(reward.max()),
              "feasible_frac": float(feasible.mean())}
     if costs is not None:
         stats["measured_best_ms"] = float(np.nanmin(cost)) if np.isfinite(cost).any() else float("nan")

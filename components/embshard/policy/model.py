@@ -1,26 +1,18 @@
-"""The registered form of the learned planner: policy weights + the cost model it was trained against.
-
-One MLflow pyfunc model holds both, so `models:/embshard-policy@champion` needs nothing else to plan. As a
-pyfunc it also predicts: a tables DataFrame in (tables contract), params num_devices and
-memory_bytes_per_device, a placements DataFrame out.
+"""The policy's files: its weights and config, and the artifacts of the registered bundle (policy + the cost
+model it was trained against). The registered pyfunc that plans with them is planners.registered (the policy
+does not import the planners).
 """
 from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
 
-import pandas as pd
 import torch
-from mlflow.pyfunc import PythonModel  # mypy does not see mlflow.pyfunc.PythonModel (mlflow.pyfunc is lazy)
 
-from ..registry import POLICY_CHAMPION_URI, POLICY_MODEL
+from ..registry import POLICY_MODEL
 from .core import PolicyNet
 
 REGISTERED_NAME = POLICY_MODEL
-
-if TYPE_CHECKING:
-    from ..planners.learned import LearnedPlanner
 
 
 def save_policy(policy: PolicyNet, folder: str, extra: dict | None = None) -> dict[str, str]:
@@ -40,58 +32,9 @@ def load_policy_files(weights: str, config: str) -> tuple[PolicyNet, dict]:
     return policy.eval(), cfg
 
 
-class PolicyPythonModel(PythonModel):
-    """pyfunc wrapper: load_context restores the policy and its cost model from the logged artifacts."""
-
-    def load_context(self, context):
-        from ..costmodel.ensemble import CostEnsemble
-
-        a = context.artifacts
-        self.policy, self.config = load_policy_files(a["policy_weights"], a["policy_config"])
-        self.cost_model = CostEnsemble.from_files({k[len("cost_"):]: v for k, v in a.items()
-                                                   if k.startswith("cost_")})
-
-    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
-        from .. import schemas
-        from ..planners.learned import LearnedPlanner
-        from ..tableset import TableSet
-
-        params = params or {}
-        tables = TableSet.from_frame(schemas.validate(model_input, "tables", "<model input>"))
-        planner = LearnedPlanner(self.policy, self.cost_model)
-        placement = planner.plan(tables, int(params.get("num_devices", 4)),
-                                 int(params.get("memory_bytes_per_device", 80 * 2**30)),
-                                 str(params.get("task_id", "task")))
-        from ..planners.scoring import placement_costs
-
-        return placement.to_frame(placement_costs(self.cost_model, placement))
-
-
-def load_policy_bundle(uri: str):
-    """(policy, cost_model, config) of a registered learned planner."""
-    from .. import registry
-
-    model = registry.load_python_model(uri)
-    return model.policy, model.cost_model, model.config
-
-
 def policy_artifacts(policy: PolicyNet, cost_model, folder: str, extra: dict | None = None) -> dict[str, str]:
     """Artifacts of the bundle: the policy's files and the cost model's weights/config."""
     arts = save_policy(policy, os.path.join(folder, "policy"), extra)
     cost = cost_model.save(os.path.join(folder, "cost_model"))
     arts.update({f"cost_{k}": v for k, v in cost.items()})
     return arts
-
-
-def load_planner(model_uri: str = POLICY_CHAMPION_URI, **kw) -> "LearnedPlanner":
-    """The learned planner registered in MLflow (policy + the cost model it was trained against).
-
-    Plans are reproducible: the same tables, devices, memory, model version and `seed` give the same placement
-    on every machine and under any load (every rank of a training job may call `plan(...)` and get the same
-    plan). The search stops on a work budget (`search_evaluations`, scored moves and swaps), not on a clock;
-    `time_budget_s` is only a safety cap, and a plan that hit it says so in `placement.meta["time_cap_hit"]`.
-    """
-    from ..planners.learned import LearnedPlanner
-
-    policy, cost_model, _ = load_policy_bundle(model_uri)
-    return LearnedPlanner(policy, cost_model, model_uri=model_uri, **kw)

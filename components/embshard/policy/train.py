@@ -4,12 +4,14 @@ the learning-curve plot. The update itself is policy.core.reinforce_step.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import pandas as pd
 import torch
 
-from ..errors import EmbshardError
-from ..planners.baselines import GREEDY_BASELINES, make_baseline
+from ..heuristics import PROXIES, greedy_assignment
+from ..placement import Placement
 from ..tableset import TableSet
 from ..types import Task
 from .core import PolicyNet, TaskContext, TrainConfig, reinforce_step, rollout
@@ -24,12 +26,10 @@ def task_contexts(cost_model, tasks: list[Task]) -> list[tuple[str, TableSet, Ta
 def best_baseline_cost(ctx: TaskContext, sub: TableSet) -> float:
     """Predicted overall cost of the best greedy baseline on a task (the bar the policy must clear)."""
     best = np.inf
-    for name in GREEDY_BASELINES:
-        try:
-            p = make_baseline(name).plan(sub, ctx.scorer.num_devices, ctx.memory)
-        except EmbshardError:
-            continue
-        best = min(best, float(ctx.scorer.device_costs(p.device_of_shards()).max()))
+    for proxy in PROXIES:  # the greedy baselines (planners.baselines wraps the same heuristic)
+        assignment, _, _ = greedy_assignment(sub, proxy, ctx.scorer.num_devices, ctx.memory)
+        if assignment is not None:
+            best = min(best, float(ctx.scorer.device_costs(assignment).max()))
     return best
 
 
@@ -72,13 +72,11 @@ def train_estimated(policy: PolicyNet, cost_model, train_ctx, val_ctx, cfg: Trai
     return policy.eval()
 
 
-def train_measured(policy: PolicyNet, train_ctx, cfg: TrainConfig, history: list, settings,
-                   progress: bool = True) -> PolicyNet:
-    """AutoShard-style: each rollout's reward is its measured overall cost (real kernels), relative to scale."""
+def train_measured(policy: PolicyNet, train_ctx, cfg: TrainConfig, history: list,
+                   measure: Callable[[Placement], float], progress: bool = True) -> PolicyNet:
+    """AutoShard-style: each rollout's reward is its measured overall cost (real kernels), relative to scale.
+    `measure(placement)` is the measured overall cost in ms (the job passes the benchmark's, with its settings)."""
     from tqdm import tqdm
-
-    from ..bench import measure_placement
-    from ..placement import Placement
 
     gen = torch.Generator().manual_seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed)
@@ -91,7 +89,7 @@ def train_measured(policy: PolicyNet, train_ctx, cfg: TrainConfig, history: list
             for b, a in enumerate(ro.assignment):
                 if ro.feasible[b]:
                     pl = Placement.from_assignment(sub, a, ctx.scorer.num_devices, ctx.memory, planner="autoshard")
-                    out[b] = float(measure_placement(pl, **settings.kwargs())["total_ms"].max())
+                    out[b] = float(measure(pl))
             return out
 
         policy.train()

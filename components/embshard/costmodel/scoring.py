@@ -1,0 +1,114 @@
+"""Scoring placements with a cost model (any `types.CostEstimator`), fast enough for RL rollouts and search.
+
+The cost model is SUM-decomposable: a device's cost is a function of the sum of its tables' encodings. So a
+task's tables are encoded once, and any candidate device content is scored from a sum of rows: adding or
+removing a table is one vector addition, and thousands of candidates are one batched call.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from ..placement import Placement, Shard
+from ..tableset import TableSet
+from ..types import CostEstimator
+
+
+@contextlib.contextmanager
+def single_threaded():
+    """Run torch on one thread: planning calls thousands of tiny ops, for which intra-op threads only add
+    synchronisation (16x slower at 200 tables x 8 devices on a busy 2-core machine, measured)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class TaskScorer:
+    """Predicted per-device costs for one task (a fixed set of table pieces on `num_devices` devices).
+
+    Used by the policy (rollouts) and the planners (candidates, search); it sits with the cost models so that
+    neither of them imports the other."""
+
+    def __init__(self, cost_model: CostEstimator, features: np.ndarray, num_devices: int):
+        self.cost_model = cost_model
+        self.num_devices = int(num_devices)
+        with torch.no_grad():
+            self.enc = cost_model.encode(np.asarray(features, dtype=np.float64)).float()  # (N, H)
+        self.dim = self.enc.shape[1]
+
+    @property
+    def has_members(self) -> bool:
+        """Whether the cost model is an ensemble with more than one member (then it has an uncertainty)."""
+        return self.cost_model.num_members > 1
+
+    @torch.no_grad()
+    def member_totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """(K, ...) device totals per ensemble member (K = 1 for a single model); empty devices cost 0."""
+        out = self.cost_model.member_totals_from_sums(sums, self.num_devices)
+        return torch.where(counts > 0, out, torch.zeros_like(out))
+
+    @torch.no_grad()
+    def totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Device totals (ms) from summed encodings (..., H) and table counts (...); empty devices cost 0."""
+        out = self.cost_model.totals_from_sums(sums, self.num_devices)
+        return torch.where(counts > 0, out, torch.zeros_like(out))
+
+    def device_sums(self, assignment: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.as_tensor(np.asarray(assignment), dtype=torch.long)
+        sums = torch.zeros(self.num_devices, self.dim).index_add_(0, a, self.enc)
+        counts = torch.bincount(a, minlength=self.num_devices)
+        return sums, counts
+
+    def device_costs(self, assignment: np.ndarray) -> np.ndarray:
+        sums, counts = self.device_sums(assignment)
+        return self.totals(sums, counts).numpy().astype(np.float64)
+
+    def single_costs(self) -> np.ndarray:
+        """Predicted cost of each piece alone on a device."""
+        return self.totals(self.enc, torch.ones(len(self.enc), dtype=torch.long)).numpy().astype(np.float64)
+
+
+def piece_features(tables: TableSet, shards: list[Shard]) -> np.ndarray:
+    """Raw features of each placed piece: a column slice is a table of dim col_size (same rows and accesses)."""
+    base = tables.features()
+    feats = base[[s.table for s in shards]].copy()
+    for k, s in enumerate(shards):
+        if s.col_size is not None:
+            bpe = tables.bytes_per_element[s.table]
+            feats[k, 0] = s.col_size
+            feats[k, 3] = tables.rows[s.table] * s.col_size * bpe
+    return feats
+
+
+def placement_costs(cost_model: CostEstimator, placement: Placement) -> np.ndarray:
+    """Predicted per-device total cost (ms) of any placement, column slices included."""
+    scorer = TaskScorer(cost_model, piece_features(placement.tables, placement.shards), placement.num_devices)
+    return scorer.device_costs(placement.device_of_shards())
+
+
+def balanced_estimate(cost_model: CostEstimator, tables: TableSet, num_devices: int,
+                      column_splits: bool = False) -> float:
+    """The balanced estimate under the model (docs/method.md, "Balanced estimate"): per cost head, the smaller of
+    (all tables fused on one device) and (the sum of single-table costs), divided by D: what a device would cost if
+    the task's work were spread evenly. An estimate, not a bound: measured plans can fall below it (fused,
+    sub-additive compute of the tables a device really holds measured in its own context, and timer noise).
+
+    All-on-one / D would bound the mean device cost if fused costs were sub-additive, the sum of singles / D if they
+    were super-additive. Measured CPU costs are both (forward shares work as tables fuse, backward grows faster
+    than linearly, the all-to-all pays its latency once per device), so each head takes the smaller of its two.
+    A device holding the most expensive table costs at least that table alone (table-wise plans; column-wise
+    splits can go below it, so they get the first term alone).
+    """
+    scorer = TaskScorer(cost_model, tables.features(), num_devices)
+    with torch.no_grad():
+        fused = cost_model.heads_from_sums(scorer.enc.sum(0, keepdim=True), num_devices)[0]
+        singles = cost_model.heads_from_sums(scorer.enc, num_devices)
+    estimate = float(torch.minimum(fused, singles.sum(0)).sum()) / num_devices
+    if not column_splits:
+        estimate = max(estimate, float(singles.sum(1).max()))
+    return float(estimate)

@@ -1,0 +1,400 @@
+"""The planner as a composition, in the spirit of TorchRec's planner (proposers, partitioner, estimators):
+
+- a `Proposer` makes one whole candidate plan of a task (or none): the policy's greedy and sampled rollouts,
+  the cost-model greedy, each heuristic baseline, TorchRec's planner;
+- every candidate is scored by the cost model and ranked (ties keep the proposers' order);
+- `Refiner`s improve the ranked drafts in turn: local search (moves and swaps) refines the best few and keeps
+  the best, column splits halve dominant tables; a measured refinement can be added as one more refiner;
+- all of them share one work `Budget` (scored candidates, not seconds: the same inputs and seed give the same
+  plan on any machine), assembled by `ComposedPlanner`.
+
+`COMPOSITIONS` names the planners built this way (`learned`, `policy_only` and the ablations); `compose(name,
+policy, cost_model)` builds one. Portfolio guarantee of the compositions that propose every heuristic: the result
+is never predicted worse than the best baseline, since those are candidates and refiners only accept
+improvements.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable, Protocol
+
+import numpy as np
+import torch
+
+from ..errors import EmbshardError
+from ..placement import Placement, Shard
+from ..policy.core import PolicyNet, TaskContext, rollout
+from ..tableset import TableSet
+from ..types import CostEstimator, DeviceTopology
+from .base import Planner, no_room_error
+from .baselines import BASELINES, make_baseline
+from .scoring import TaskScorer, piece_features, single_threaded
+from .search import Budget, SearchState, local_search, try_column_splits
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Problem:
+    """One task as proposers and refiners see it; the cost model's view (`ctx`) is built once, when asked."""
+
+    tables: TableSet
+    topology: DeviceTopology
+    task_id: str
+    cost_model: CostEstimator
+    seed: int = 0
+    # Called with a short phase name as planning goes on (`embshard place` shows it on long plans).
+    on_phase: Callable[[str], None] | None = None
+
+    def phase(self, text: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(text)
+
+    @cached_property
+    def ctx(self) -> TaskContext:
+        return TaskContext.build(self.cost_model, self.tables.features(), self.tables.size_bytes,
+                                 self.topology.count, self.topology.memory_bytes)
+
+    @property
+    def memory(self) -> int:
+        return self.topology.memory_bytes
+
+
+@dataclass
+class Draft:
+    """A candidate plan: its pieces, the device of each piece, where it started, and its search state."""
+
+    name: str
+    shards: list[Shard]
+    state: SearchState
+
+    @property
+    def overall(self) -> float:
+        return self.state.overall
+
+    @classmethod
+    def table_wise(cls, problem: Problem, name: str, assignment: np.ndarray) -> "Draft":
+        ctx = problem.ctx
+        shards = [Shard(i, int(d)) for i, d in enumerate(assignment)]
+        return cls(name, shards, SearchState(ctx.scorer, ctx.sizes, problem.memory, assignment))
+
+    @classmethod
+    def of_shards(cls, problem: Problem, name: str, shards: list[Shard]) -> "Draft":
+        """Any pieces (column slices too): scored piece by piece."""
+        if all(s.col_size is None for s in shards) and [s.table for s in shards] == list(range(len(problem.tables))):
+            return cls.table_wise(problem, name, np.array([s.device for s in shards], dtype=np.int64))
+        feats = piece_features(problem.tables, shards)
+        scorer = TaskScorer(problem.cost_model, feats, problem.topology.count)
+        state = SearchState(scorer, feats[:, 3].astype(np.int64), problem.memory,
+                            np.array([s.device for s in shards], dtype=np.int64))
+        return cls(name, list(shards), state)
+
+
+class Proposer(Protocol):
+    """Makes one whole candidate plan (table-wise assignment or pieces), or None when it has none. An optional
+    `phase` attribute names what it does in the progress lines (default: its name)."""
+
+    name: str
+
+    def propose(self, problem: Problem) -> np.ndarray | list[Shard] | None:
+        ...
+
+
+class Refiner(Protocol):
+    """Improves ranked drafts (best first) within the shared budget; returns them ranked, best first."""
+
+    def refine(self, problem: Problem, drafts: list[Draft], budget: Budget) -> list[Draft]:
+        ...
+
+
+# -- proposers ---------------------------------------------------------------------------------------------------
+@dataclass
+class PolicyGreedy:
+    """The policy's greedy rollout (its most likely device for each table)."""
+
+    policy: PolicyNet
+    name: str = "policy_greedy"
+    phase: str = "policy rollouts"
+
+    def propose(self, problem):
+        self.policy.eval()
+        ro = rollout(self.policy, problem.ctx, 1, "greedy")
+        return ro.assignment[0] if ro.feasible[0] else None
+
+
+@dataclass
+class PolicySampled:
+    """The best feasible of `samples` sampled rollouts (seeded by the problem's seed)."""
+
+    policy: PolicyNet
+    samples: int = 8
+    name: str = "policy_sampled"
+    phase: str = "policy rollouts"
+
+    def propose(self, problem):
+        self.policy.eval()
+        gen = torch.Generator().manual_seed(problem.seed)
+        ro = rollout(self.policy, problem.ctx, self.samples, "sample", gen)
+        ok = np.flatnonzero(ro.feasible)
+        return ro.assignment[ok[np.argmin(ro.overall[ok])]] if len(ok) else None
+
+
+@dataclass
+class CostGreedy:
+    """Most expensive table first onto the device whose predicted cost after adding it is lowest."""
+
+    name: str = "cost_greedy"
+    phase: str = "heuristic starting points"
+
+    def propose(self, problem):
+        return cost_greedy(problem.ctx)
+
+
+@dataclass
+class Heuristic:
+    """A baseline planner's plan (random, round-robin, a proxy greedy) as a candidate."""
+
+    name: str
+    phase: str = "heuristic starting points"
+
+    def propose(self, problem):
+        try:
+            p = make_baseline(self.name, seed=problem.seed).plan(problem.tables, problem.topology,
+                                                                 task_id=problem.task_id)
+        except EmbshardError:
+            return None
+        return p.device_of_shards()
+
+
+@dataclass
+class TorchRecProposal:
+    """TorchRec's plan (optional extra) as a candidate; None when TorchRec is missing or finds no plan."""
+
+    search: str = "table_wise"
+    timeout_s: float | None = None
+    name: str = ""
+    phase: str = "heuristic starting points"
+
+    def __post_init__(self):
+        self.name = self.name or f"torchrec_{self.search}"
+
+    def propose(self, problem):
+        from .torchrec_planner import TorchRecPlanner
+
+        try:
+            p = TorchRecPlanner(self.search, timeout_s=self.timeout_s).plan(problem.tables, problem.topology,
+                                                                           task_id=problem.task_id)
+        except EmbshardError:
+            return None
+        return p.shards
+
+
+def cost_greedy(ctx: TaskContext) -> np.ndarray | None:
+    """Most expensive first onto the device whose predicted cost after adding it is lowest (memory-aware)."""
+    sc = ctx.scorer
+    D = sc.num_devices
+    sums = torch.zeros(D, sc.dim)
+    counts = torch.zeros(D, dtype=torch.long)
+    free = np.full(D, ctx.memory, dtype=np.int64)
+    assignment = np.empty(len(ctx.sizes), dtype=np.int64)
+    for i in ctx.order:
+        fits = free >= ctx.sizes[i]
+        if not fits.any():
+            return None
+        cand = sc.totals(sums + sc.enc[i], counts + 1).numpy()
+        d = int(np.argmin(np.where(fits, cand, np.inf)))
+        assignment[i] = d
+        sums[d] += sc.enc[i]
+        counts[d] += 1
+        free[d] -= ctx.sizes[i]
+    return assignment
+
+
+# -- refiners ----------------------------------------------------------------------------------------------------
+@dataclass
+class LocalSearch:
+    """Moves and swaps off the slowest device on each of the `top` best drafts, which share `share` of the whole
+    budget equally; keeps the best (ties: the better-ranked start)."""
+
+    top: int = 3
+    share: float = 1.0
+
+    def refine(self, problem, drafts, budget):
+        top = drafts[: max(1, self.top)]
+        total = int(budget.evaluations * self.share)
+        out = []
+        for k, d in enumerate(top):
+            problem.phase(f"search from {d.name} ({k + 1} of {len(top)}; {budget.used:,} of "
+                          f"{budget.evaluations:,} evaluations)")
+            sub = budget.share((total - budget.used) // (len(top) - k))
+            state = local_search(d.state, sub) if sub.evaluations > 0 else d.state
+            budget.absorb(sub)
+            out.append(Draft(d.name, [Shard(s.table, int(a), s.col_offset, s.col_size)
+                                      for s, a in zip(d.shards, state.assignment)], state))
+        return sorted(out, key=lambda d: d.overall)  # stable: ties keep the better-ranked start
+
+
+@dataclass
+class ColumnSplits:
+    """Halve the most expensive piece of the slowest device while that lowers the predicted cost (NeuroShard);
+    each split is followed by local search. Works on the best draft."""
+
+    max_splits: int = 8
+
+    def refine(self, problem, drafts, budget):
+        if budget.exhausted():
+            return drafts
+        best = drafts[0]
+        problem.phase(f"column splits ({budget.used:,} of {budget.evaluations:,} evaluations)")
+        shards, assignment, state = try_column_splits(problem.tables, best.shards, best.state.assignment,
+                                                      problem.cost_model, problem.topology.count, problem.memory,
+                                                      budget, self.max_splits)
+        shards = [Shard(s.table, int(d), s.col_offset, s.col_size) for s, d in zip(shards, assignment)]
+        return [Draft(best.name, shards, state), *drafts[1:]]
+
+
+# -- the planner -------------------------------------------------------------------------------------------------
+@dataclass
+class Composition:
+    """What a composed planner is made of: proposers, fallbacks (asked only when no proposer has a plan) and
+    refiners, applied in order."""
+
+    proposers: list[Proposer] = field(default_factory=list)
+    fallbacks: list[Proposer] = field(default_factory=list)
+    refiners: list[Refiner] = field(default_factory=list)
+
+
+class ComposedPlanner(Planner):
+    """Proposers, then refiners, sharing one work budget (see the module docstring)."""
+
+    def __init__(self, composition: Composition, cost_model: CostEstimator, *, name: str = "composed",
+                 search_evaluations: int | None = None, time_budget_s: float | None = None, seed: int = 0,
+                 model_uri: str | None = None):
+        self.composition = composition
+        self.cost_model = cost_model
+        self.name = name
+        self.search_evaluations = search_evaluations
+        self.time_budget_s = time_budget_s
+        self.seed = seed
+        self.model_uri = model_uri
+        # Called with a short phase name as planning goes on (`embshard place` shows it on long plans).
+        self.on_phase: Callable[[str], None] | None = None
+
+    def evaluations_for(self, num_tables: int) -> int:
+        """Search work (scored moves and swaps): the given budget, else 40,000 up to 250 tables, growing to
+        160,000 at 1,000 tables. Counted, so the plan does not depend on the machine's speed or load; sized so that
+        planning takes about what the former 0.45-2 s time budgets took (200 tables on 8 devices: 1.05x, measured
+        side by side on a 2-core machine; 60,000 cost 1.16x for a 0.8% lower predicted cost)."""
+        if self.search_evaluations is not None:
+            return max(int(self.search_evaluations), 0)
+        return 40_000 if num_tables <= 250 else min(160_000, 40_000 + 160 * (num_tables - 250))
+
+    def time_cap_for(self, num_tables: int) -> float:
+        """Safety cap on the wall time of the search (the given --time-budget-s, else 60 s): only a guard against
+        a pathological case; when it is hit the plan depends on the machine and this is reported."""
+        return float(self.time_budget_s) if self.time_budget_s is not None else 60.0
+
+    def _plan(self, tables, topology, task_id):
+        with single_threaded(), torch.no_grad():
+            return self._compose(Problem(tables, topology, task_id, self.cost_model, self.seed, self.on_phase))
+
+    def _propose(self, problem: Problem, proposers: list[Proposer]) -> list[Draft]:
+        drafts = []
+        shown = None
+        for p in proposers:
+            phase = getattr(p, "phase", p.name)
+            if phase != shown:
+                problem.phase(phase)
+                shown = phase
+            out = p.propose(problem)
+            if out is None:
+                continue
+            if isinstance(out, np.ndarray):
+                drafts.append(Draft.table_wise(problem, p.name, out))
+            else:
+                drafts.append(Draft.of_shards(problem, p.name, out))
+        return drafts
+
+    def _compose(self, problem: Problem) -> Placement:
+        start = time.perf_counter()
+        n = len(problem.tables)
+        cap = self.time_cap_for(n)
+        budget = Budget(self.evaluations_for(n), deadline=start + cap)
+        problem.phase("encoding the tables with the cost model")
+        problem.ctx  # built here (every draft is scored with it) so that its time shows as its own phase
+        drafts = self._propose(problem, self.composition.proposers)
+        if not drafts:
+            drafts = self._propose(problem, self.composition.fallbacks)
+        if not drafts:
+            tables, D, mem = problem.tables, problem.topology.count, problem.memory
+            raise no_room_error(tables, int(np.argmax(tables.size_bytes)), np.full(D, mem), problem.task_id)
+        drafts = sorted(drafts, key=lambda d: d.overall)  # stable: ties keep the proposers' order
+        candidate_costs = {d.name: d.overall for d in drafts}
+        for refiner in self.composition.refiners:
+            drafts = refiner.refine(problem, drafts, budget)
+        best = drafts[0]
+        placement = Placement(problem.tables, problem.topology.count, problem.memory, best.shards,
+                              planner=self.name, model_uri=self.model_uri)
+        placement.meta.update({
+            "start_candidate": best.name,
+            "candidate_costs": candidate_costs,
+            "planning_time_s": time.perf_counter() - start,
+            "column_splits": sum(s.col_size is not None for s in best.shards),
+            "search_evaluations": budget.used, "search_budget": budget.evaluations,
+            "time_cap_hit": budget.cap_hit, "search_guard_stops": budget.guard_stops,
+        })
+        if budget.cap_hit:
+            log.warning("%s: the search hit its %.1f s safety cap after %d of %d evaluations; this plan depends "
+                        "on the machine's speed (raise --time-budget-s for a reproducible plan)", problem.task_id,
+                        cap, budget.used, budget.evaluations)
+        return placement
+
+
+# -- the named compositions --------------------------------------------------------------------------------------
+def _learned(policy, *, num_samples=8, refine_top=3, policy_proposers=True, cost_greedy=True, portfolio=True,
+             column_splits=True, search=True, torchrec: str | None = None) -> Composition:
+    proposers: list[Proposer] = []
+    if policy is not None and policy_proposers:
+        proposers.append(PolicyGreedy(policy))
+        if num_samples > 0:
+            proposers.append(PolicySampled(policy, num_samples))
+    if cost_greedy:
+        proposers.append(CostGreedy())
+    heuristics: list[Proposer] = [Heuristic(b) for b in BASELINES]
+    if torchrec:
+        heuristics.append(TorchRecProposal(torchrec))
+    refiners: list[Refiner] = []
+    if search:
+        # Column splits get the last quarter of the work; the refined candidates share the rest equally.
+        refiners.append(LocalSearch(refine_top, 0.75 if column_splits else 1.0))
+    if column_splits:
+        refiners.append(ColumnSplits())
+    return Composition(proposers + (heuristics if portfolio else []), [] if portfolio else heuristics, refiners)
+
+
+# name -> (what it is, the settings of _learned it changes)
+COMPOSITIONS: dict[str, tuple[str, dict]] = {
+    "learned": ("policy rollouts, cost greedy and every heuristic; local search; column splits", {}),
+    "policy_only": ("the policy's greedy rollout alone (heuristics only when it has no plan); no search",
+                    {"num_samples": 0, "cost_greedy": False, "portfolio": False, "column_splits": False,
+                     "search": False}),
+    "no_column_splits": ("learned without column splits", {"column_splits": False}),
+    "no_portfolio": ("learned without the heuristics as candidates", {"portfolio": False}),
+    "no_cost_greedy": ("learned without the cost-model greedy candidate", {"cost_greedy": False}),
+    "no_policy": ("learned without the policy's rollouts (cost greedy and heuristics, searched)",
+                  {"policy_proposers": False}),
+    "no_search": ("learned's candidates, the best one as it is", {"search": False, "column_splits": False}),
+    "learned_with_torchrec": ("learned plus TorchRec's table-wise plan as a candidate (extra torchrec)",
+                              {"torchrec": "table_wise"}),
+}
+
+
+def composition(name: str, policy: PolicyNet | None, **settings) -> Composition:
+    """The named composition (COMPOSITIONS), with settings of `_learned` (num_samples, refine_top) on top."""
+    if name not in COMPOSITIONS:
+        raise EmbshardError(f"unknown composition {name!r}", field="planner",
+                            fix=f"choose one of {', '.join(COMPOSITIONS)}")
+    return _learned(policy, **{**COMPOSITIONS[name][1], **settings})

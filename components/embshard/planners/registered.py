@@ -1,0 +1,68 @@
+"""The registered form of the learned planner: policy weights + the cost model it was trained against.
+
+One MLflow pyfunc model holds both, so `models:/embshard-policy@champion` needs nothing else to plan. As a
+pyfunc it also predicts: a tables DataFrame in (tables contract), params num_devices and
+memory_bytes_per_device, a placements DataFrame out. (Moved here from policy.model: the policy does not import
+the planners. Policy versions registered before the move pickled `embshard.policy.model.PolicyPythonModel`.)
+"""
+from __future__ import annotations
+
+import pandas as pd
+from mlflow.pyfunc import PythonModel  # mypy does not see mlflow.pyfunc.PythonModel (mlflow.pyfunc is lazy)
+
+from ..policy.model import load_policy_files
+from ..registry import POLICY_CHAMPION_URI
+from .learned import LearnedPlanner
+
+
+class PolicyPythonModel(PythonModel):
+    """pyfunc wrapper: load_context restores the policy and its cost model from the logged artifacts."""
+
+    def load_context(self, context):
+        from ..costmodel.ensemble import CostEnsemble
+
+        a = context.artifacts
+        self.policy, self.config = load_policy_files(a["policy_weights"], a["policy_config"])
+        self.cost_model = CostEnsemble.from_files({k[len("cost_"):]: v for k, v in a.items()
+                                                   if k.startswith("cost_")})
+
+    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
+        from .. import schemas
+        from ..costmodel.scoring import placement_costs
+        from ..tableset import TableSet
+
+        params = params or {}
+        tables = TableSet.from_frame(schemas.validate(model_input, "tables", "<model input>"))
+        planner = LearnedPlanner(self.policy, self.cost_model)
+        placement = planner.plan(tables, int(params.get("num_devices", 4)),
+                                 int(params.get("memory_bytes_per_device", 80 * 2**30)),
+                                 str(params.get("task_id", "task")))
+        return placement.to_frame(placement_costs(self.cost_model, placement))
+
+
+def load_policy_bundle(uri: str):
+    """(policy, cost_model, config) of a registered learned planner."""
+    from .. import registry
+
+    model = registry.load_python_model(uri)
+    if not isinstance(model, PolicyPythonModel):
+        from ..errors import EmbshardError
+
+        what = ("a cost model (embshard-cost)" if hasattr(model, "model") and not hasattr(model, "policy")
+                else f"a {type(model).__name__}")
+        raise EmbshardError(f"this model is {what}, not a placement policy", path=uri, field="model",
+                            fix=f"give a version of '{registry.POLICY_MODEL}', e.g. {registry.POLICY_CHAMPION_URI} "
+                                "(a cost model goes to --cost-model)")
+    return model.policy, model.cost_model, model.config
+
+
+def load_planner(model_uri: str = POLICY_CHAMPION_URI, **kw) -> LearnedPlanner:
+    """The learned planner registered in MLflow (policy + the cost model it was trained against).
+
+    Plans are reproducible: the same tables, devices, memory, model version and `seed` give the same placement
+    on every machine and under any load (every rank of a training job may call `plan(...)` and get the same
+    plan). The search stops on a work budget (`search_evaluations`, scored moves and swaps), not on a clock;
+    `time_budget_s` is only a safety cap, and a plan that hit it says so in `placement.meta["time_cap_hit"]`.
+    """
+    policy, cost_model, _ = load_policy_bundle(model_uri)
+    return LearnedPlanner(policy, cost_model, model_uri=model_uri, **kw)

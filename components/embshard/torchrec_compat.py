@@ -1,0 +1,152 @@
+"""TorchRec's vocabulary in our terms, shared by the export (export.torchrec_plan) and the TorchRec planner
+(planners.torchrec_planner), so that neither imports the other: importing torchrec (an optional extra), a
+meta-device EmbeddingBagCollection of our tables, a Topology of our devices, TorchRec's estimators under our
+memory accounting, and a TorchRec ShardingPlan read back as our Placement.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from .errors import EmbshardError
+from .placement import Placement, Shard
+from .tableset import TableSet
+
+INSTALL_FIX = "pip install 'embshard[torchrec]' && pip install --no-deps torchrec==1.8.0"
+FUSED = "fused"  # TorchRec's FBGEMM TBE kernel with the weights in HBM (what our memory model counts)
+TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE = "table_wise", "column_wise", "table_column_wise"
+
+
+def require_torchrec():
+    """Import torchrec or raise a one-line EmbshardError that says how to install it."""
+    try:
+        import torchrec  # noqa: F401
+        from torchrec.distributed.planner import EmbeddingShardingPlanner  # noqa: F401
+    except (ImportError, OSError) as exc:
+        raise EmbshardError(f"torchrec is not available ({str(exc).splitlines()[0][:80]})",
+                            field="torchrec", fix=INSTALL_FIX) from None
+    quiet_torchrec()
+    return torchrec
+
+
+def quiet_torchrec() -> None:
+    """TorchRec logs every planner step at INFO/WARNING (and warns that Topology should come from its
+    factory); keep our output readable."""
+    for name in ("torchrec", "torchrec.distributed", "torchrec.distributed.planner",
+                 "torchrec.distributed.planner.types"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def check_names(table_ids) -> None:
+    """TorchRec keys tables by name in an nn.ModuleDict: names must be non-empty and free of '.'."""
+    bad = [t for t in table_ids if not t or "." in t]
+    if bad:
+        raise EmbshardError(f"table ids {bad[:3]} cannot name TorchRec tables", field="table_id",
+                            fix="use table ids without '.' (they become nn.ModuleDict keys)")
+
+
+def data_type(bytes_per_element: int):
+    from torchrec import DataType
+
+    if int(bytes_per_element) == 4:
+        return DataType.FP32
+    if int(bytes_per_element) == 2:
+        return DataType.FP16
+    raise EmbshardError(f"{bytes_per_element}-byte weights have no TorchRec training data type",
+                        field="bytes_per_element", fix="TorchRec trains fp32 (4) or fp16 (2) tables")
+
+
+def build_module(tables: list[Mapping[str, Any]] | TableSet, names: list[str] | None = None,
+                 device: str = "meta"):
+    """An EmbeddingBagCollection with one table per entry (rows, dim, bytes_per_element), on `device`.
+
+    `tables` is a TableSet or the `tables` list of a plan.json; `names` default to the table ids.
+    """
+    require_torchrec()
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    specs = _table_specs(tables)
+    names = names if names is not None else [s["table_id"] for s in specs]
+    check_names(names)
+    configs = [EmbeddingBagConfig(name=n, feature_names=[f"f_{n}"], num_embeddings=int(s["rows"]),
+                                  embedding_dim=int(s["dim"]), data_type=data_type(s["bytes_per_element"]))
+               for n, s in zip(names, specs)]
+    return EmbeddingBagCollection(tables=configs, device=torch.device(device))
+
+
+def _table_specs(tables) -> list[dict]:
+    if isinstance(tables, TableSet):
+        return [{"table_id": str(t), "rows": int(r), "dim": int(d), "bytes_per_element": int(b),
+                 "pooling_factor": float(p)}
+                for t, r, d, b, p in zip(tables.table_ids, tables.rows, tables.dims, tables.bytes_per_element,
+                                         tables.pooling_factor)]
+    return [dict(t) for t in tables]
+
+
+def topology(num_devices: int, memory_bytes_per_device: int, local_world_size: int | None = None,
+             compute_device: str = "cuda"):
+    """TorchRec Topology of D devices with our memory per device as HBM capacity."""
+    require_torchrec()
+    from torchrec.distributed.planner import Topology
+
+    return Topology(world_size=int(num_devices), local_world_size=int(local_world_size or num_devices),
+                    compute_device=compute_device, hbm_cap=int(memory_bytes_per_device))
+
+
+def storage_estimators(topo, constraints, memory_model: str = "tables"):
+    """TorchRec's perf + storage estimators. memory_model 'tables' counts weights only (= our accounting);
+    'torchrec' is TorchRec's training estimate (weights + optimizer state + input/output buffers)."""
+    from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+
+    if memory_model not in ("tables", "torchrec"):
+        raise EmbshardError(f"unknown memory model {memory_model!r}", field="memory_model",
+                            fix="use 'tables' or 'torchrec'")
+    # is_inference=True drops optimizer state and the IO buffers from the storage estimate: weights only.
+    storage = EmbeddingStorageEstimator(topology=topo, constraints=constraints,
+                                        is_inference=memory_model == "tables")
+    return [EmbeddingPerfEstimator(topology=topo, constraints=constraints), storage]
+
+
+def placement_from_sharding_plan(sharding_plan, tables: TableSet, num_devices: int, memory_bytes_per_device: int,
+                                 names: list[str] | None = None, module_path: str = "", **kw) -> Placement:
+    """Our Placement from a torchrec ShardingPlan over an EBC of `tables` (named `names`, default table ids).
+
+    Column slices of one table on the same rank that touch are merged; a table whose slices all sit on one
+    rank becomes a whole-table shard.
+    """
+    names = names if names is not None else [str(t) for t in tables.table_ids]
+    module_plan = sharding_plan.plan.get(module_path)
+    if module_plan is None:
+        raise EmbshardError(f"no module {module_path!r} in the TorchRec plan ({list(sharding_plan.plan)})",
+                            field="module_path", fix="give the path of the EmbeddingBagCollection")
+    shards: list[Shard] = []
+    for i, name in enumerate(names):
+        ps = module_plan.get(name)
+        if ps is None:
+            raise EmbshardError(f"table {name} is missing from the TorchRec plan", field="table_id")
+        if ps.sharding_type not in (TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE) or ps.sharding_spec is None:
+            raise EmbshardError(f"table {name} is sharded {ps.sharding_type}, which a placement cannot express",
+                                field="sharding_type", fix="allow only table_wise/column_wise sharding types")
+        pieces = []
+        for meta in ps.sharding_spec.shards:
+            row_off, col_off = (int(x) for x in meta.shard_offsets)
+            n_rows, n_cols = (int(x) for x in meta.shard_sizes)
+            if row_off != 0 or n_rows != int(tables.rows[i]):
+                raise EmbshardError(f"table {name} is split by rows in the TorchRec plan", field="shard_offsets",
+                                    fix="allow only table_wise/column_wise sharding types")
+            pieces.append((col_off, n_cols, int(meta.placement.rank())))
+        shards.extend(_merge_slices(i, sorted(pieces), int(tables.dims[i])))
+    return Placement(tables, int(num_devices), int(memory_bytes_per_device), shards, **kw)
+
+
+def _merge_slices(table: int, pieces: list[tuple[int, int, int]], dim: int) -> list[Shard]:
+    merged: list[list[int]] = []
+    for off, size, rank in pieces:
+        if merged and merged[-1][2] == rank and merged[-1][0] + merged[-1][1] == off:
+            merged[-1][1] += size
+        else:
+            merged.append([off, size, rank])
+    if len(merged) == 1 and merged[0][0] == 0 and merged[0][1] == dim:
+        return [Shard(table, merged[0][2])]
+    return [Shard(table, rank, off, size) for off, size, rank in merged]

@@ -1,0 +1,139 @@
+"""The planners' typed vocabulary (embshard.types) and the composition of the learned planner: a topology
+reaches the placement, shard kinds, the cost estimators' protocol, and compositions built from parts."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from embshard.costmodel.ensemble import CostEnsemble
+from embshard.costmodel.model import CostModel, CostModelConfig
+from embshard.costmodel.reference import AnalyticEstimator
+from embshard.errors import EmbshardError, InfeasiblePlacementError
+from embshard.features import FeatureScaler
+from embshard.ingest.synthetic import generate_tables
+from embshard.placement import Placement
+from embshard.planners.baselines import make_baseline
+from embshard.planners.compose import (
+    COMPOSITIONS,
+    ColumnSplits,
+    ComposedPlanner,
+    Composition,
+    CostGreedy,
+    Heuristic,
+    LocalSearch,
+    composition,
+)
+from embshard.policy.core import PolicyNet
+from embshard.tableset import TableSet
+from embshard.types import CostEstimator, DeviceTopology, Shard
+
+
+@pytest.fixture(scope="module")
+def world():
+    torch.manual_seed(0)
+    ts = TableSet.from_frame(generate_tables(24, seed=5, bins_batch_size=512))
+    model = CostModel.create(CostModelConfig(), FeatureScaler.fit(ts.features()))
+    mem = int(max(ts.size_bytes.sum() / 4 * 1.3, ts.size_bytes.max() * 1.01))
+    return ts, model, mem
+
+
+def test_a_topology_or_two_ints_give_the_same_plan_and_the_placement_keeps_the_topology(world):
+    ts, _, mem = world
+    topo = DeviceTopology(4, mem, hardware="cuda:H100", hosts=(0, 0, 1, 1))
+    a = make_baseline("size_greedy").plan(ts, topo, task_id="t")
+    b = make_baseline("size_greedy").plan(ts, 4, mem, "t")
+    assert a.device_of_shards().tolist() == b.device_of_shards().tolist()
+    assert a.devices is topo and a.devices.local_world_size == 2 and not a.devices.same_host(1, 2)
+    assert b.devices == DeviceTopology(4, mem)
+    with pytest.raises(EmbshardError, match="host entries"):
+        DeviceTopology(4, mem, hosts=(0, 1))
+
+
+def test_shard_kinds_default_to_whole_table_and_row_pieces_are_refused_for_now(world):
+    ts, _, mem = world
+    assert Shard(0, 1).kind == "whole" and Shard(0, 1, 0, 4).kind == "column" and Shard(0, 1, row_size=3).kind == "row"
+    assert Shard(0, 1) == Shard(0, 1, 0, None)
+    with pytest.raises(EmbshardError, match="shard kind"):
+        Shard(0, 1, kind="diagonal")
+    shards = [Shard(i, 0) for i in range(len(ts))]
+    shards[0] = Shard(0, 0, row_offset=0, row_size=int(ts.rows[0]))
+    with pytest.raises(InfeasiblePlacementError, match="row shards are not supported"):
+        Placement(ts, 4, 10**15, shards).check()
+
+
+def test_every_cost_estimator_implements_the_protocol_and_scores_sums(world):
+    ts, model, _ = world
+    analytic = AnalyticEstimator()
+    analytic.coef, analytic.batch_size = np.array([[1e-6, 0.1], [2e-6, 0.2], [1e-7, 0.05]]), 512.0
+    for est in (model, CostEnsemble([model, model]), analytic):
+        assert isinstance(est, CostEstimator)
+        enc = est.encode(ts.features())
+        both = est.totals_from_sums(enc[:2].sum(0, keepdim=True), 4)
+        assert both.shape == (1,) and float(both[0]) > 0
+        assert est.member_totals_from_sums(enc[:2].sum(0, keepdim=True), 4).shape == (est.num_members, 1)
+    # the analytic estimator's heads are its formulas: linear in the summed bytes, one intercept per device
+    enc = analytic.encode(ts.features())
+    one, two = (analytic.heads_from_sums(enc[i:i + 1].sum(0), 4) for i in (0, 1))
+    pair = analytic.heads_from_sums(enc[:2].sum(0), 4)
+    intercept = torch.tensor(analytic.coef[:, 1], dtype=torch.float32)
+    torch.testing.assert_close(pair, one + two - intercept, rtol=1e-4, atol=1e-4)
+    assert float(analytic.totals_from_sums(torch.zeros(3), 4)) == 0.0  # an empty device costs nothing
+
+
+def test_compositions_are_built_from_parts_and_a_custom_one_plans(world):
+    ts, model, mem = world
+    learned = composition("learned", PolicyNet())
+    assert [p.name for p in learned.proposers][:3] == ["policy_greedy", "policy_sampled", "cost_greedy"]
+    assert [type(r) for r in learned.refiners] == [LocalSearch, ColumnSplits]
+    only = composition("policy_only", PolicyNet())
+    assert [p.name for p in only.proposers] == ["policy_greedy"] and only.refiners == [] and only.fallbacks
+    assert {"learned", "policy_only", "no_portfolio", "no_column_splits", "no_cost_greedy"} <= set(COMPOSITIONS)
+    with pytest.raises(EmbshardError, match="unknown composition"):
+        composition("best", None)
+    # No policy at all: cost greedy and one heuristic, searched; never predicted worse than its candidates.
+    custom = ComposedPlanner(Composition([CostGreedy(), Heuristic("size_greedy")], [], [LocalSearch(2)]), model,
+                             name="custom", search_evaluations=2000)
+    p = custom.plan(ts, DeviceTopology(4, mem), task_id="t")
+    assert p.planner == "custom" and p.meta["start_candidate"] in ("cost_greedy", "size_greedy")
+    assert 0 < p.meta["search_evaluations"] and p.memory_per_device().max() <= mem
+    from embshard.planners.scoring import placement_costs
+
+    assert placement_costs(model, p).max() <= min(p.meta["candidate_costs"].values()) * (1 + 1e-6)
+
+
+def test_policy_imports_no_planners_or_bench_and_planners_import_no_export():
+    """The direction algorithms -> types holds between these packages (every import counts, also in functions)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "components" / "embshard"
+    forbidden = {"policy": ("planners", "bench", "jobs", "export"), "planners": ("export", "bench", "jobs"),
+                 "costmodel": ("planners", "policy", "bench", "jobs")}
+    bad = []
+    for pkg, banned in forbidden.items():
+        for path in (root / pkg).glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom):
+                    names = [node.module or ""] + [a.name for a in node.names]
+                    if node.level == 2 and any(n.split(".")[0] in banned for n in names[:1]) or \
+                            node.level == 2 and node.module is None and any(a.name in banned for a in node.names):
+                        bad.append(f"{pkg}/{path.name}: from {'.' * node.level}{node.module or ''}")
+                    elif node.level == 0 and node.module and any(node.module.startswith(f"embshard.{b}")
+                                                                 for b in banned):
+                        bad.append(f"{pkg}/{path.name}: from {node.module}")
+    assert bad == []
+
+
+def test_torchrecs_plan_is_a_proposal_that_local_search_can_refine(world):
+    pytest.importorskip("torchrec")
+    from embshard.planners.compose import TorchRecProposal
+    from embshard.planners.scoring import placement_costs
+
+    ts, model, mem = world
+    sub = ts.subset(np.arange(12))
+    planner = ComposedPlanner(Composition([TorchRecProposal("full", timeout_s=20)], [], [LocalSearch(1)]), model,
+                              name="torchrec_searched", search_evaluations=3000)
+    p = planner.plan(sub, 4, int(sub.size_bytes.sum()), "t")
+    assert p.meta["start_candidate"] == "torchrec_full"
+    assert placement_costs(model, p).max() <= p.meta["candidate_costs"]["torchrec_full"] * (1 + 1e-6)
