@@ -216,8 +216,8 @@ def test_place_without_a_registered_model_says_how_to_train(small_tables_path, t
 
 def test_autoshard_variant_learns_from_measured_rewards(measured_world, cost_model):
     """The AutoShard-style policy: every rollout's reward is the measured cost of its placement (real kernels)."""
-    from embshard.bench import measure_placement
     from embshard.bench.runner import MeasureSettings
+    from embshard.jobs.train_policy import _measured_overall
     from embshard.policy.train import train_measured
 
     tables = TableSet.read(measured_world["tables"])
@@ -228,10 +228,11 @@ def test_autoshard_variant_learns_from_measured_rewards(measured_world, cost_mod
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     settings = MeasureSettings(**measured_world["bench_kw"], calibration_dir=str(measured_world["root"]))
     measured: list = []
+    overall = _measured_overall(settings)  # the job's reward: the benchmark's measured overall cost
 
-    def measure(placement):  # the job's reward: the benchmark's measured overall cost
+    def measure(placement):
         measured.append(placement)
-        return float(measure_placement(placement, settings)["total_ms"].max())
+        return overall(placement)
 
     train_measured(policy, [("t", sub, ctx)], TrainConfig(iterations=2, rollouts_per_task=3, seed=0), history,
                    measure, progress=False)
