@@ -39,7 +39,7 @@ mlflow-ui: install
 
 # Static checks (pinned in the dev extra): ruff, then mypy over the package and the DAGs.
 lint: install
-	$(BIN)/ruff check components dags
+	$(BIN)/ruff check components dags benchmarks tests
 	$(BIN)/mypy components/embshard dags
 
 test: install lint

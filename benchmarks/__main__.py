@@ -81,7 +81,7 @@ def _run(args, jobs: list[str], out: str, work: str) -> int:
     # faster, with more threads on a shared 2-core machine (measured: 0.8 s -> 15 s for one plan under load).
     torch.set_num_threads(int(os.environ["EMBSHARD_NUM_THREADS"]))
     t_start = time.perf_counter()
-    started = dt.datetime.now(dt.timezone.utc)
+    started = dt.datetime.now(dt.UTC)
     commit = git_commit()  # the code this run starts with (others may commit while it runs)
     hw = hardware()
     hw_line = hw.line()

@@ -58,10 +58,9 @@ def measured_world(tmp_path_factory):
 
     from embshard import schemas
     from embshard.bench.runner import MeasureSettings
-    from embshard.jobs import bench
-    from embshard.jobs import tasks
     from embshard.bench.sampler import placement_shards, random_shards
     from embshard.ingest.synthetic import generate_tables
+    from embshard.jobs import bench, tasks
     from embshard.planners.baselines import GREEDY_BASELINES, make_baseline
     from embshard.tableset import TableSet
 

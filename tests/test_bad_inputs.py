@@ -29,8 +29,8 @@ LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING) ")
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """Valid inputs every case starts from: 12 tables, one train and one test task of 3 tables, a placement."""
-    from embshard.jobs import tasks
     from embshard.ingest.synthetic import generate_tables
+    from embshard.jobs import tasks
     from embshard.planners.baselines import make_baseline
     from embshard.tableset import TableSet
 

@@ -12,14 +12,13 @@ import pandas as pd
 import pytest
 
 from embshard import schemas
-from embshard.bench import inputs, measure_placement
-from embshard.jobs.bench import run
-from embshard.bench import backends, runner
+from embshard.bench import backends, inputs, measure_placement, runner
 from embshard.bench.runner import MeasureSettings
 from embshard.bench.sampler import placement_shards, random_shards
-from embshard.jobs.shards import plan_shards
 from embshard.errors import BackendUnavailableError, EmbshardError
 from embshard.features import access_bins
+from embshard.jobs.bench import run
+from embshard.jobs.shards import plan_shards
 from embshard.placement import Placement
 from embshard.tableset import TableSet
 

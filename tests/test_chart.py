@@ -167,9 +167,8 @@ def test_missing_backend_store_is_a_clear_render_error():
     ({"mlflow": {"password": "x"}}, "password"),
 ])
 def test_schema_rejects_bad_values(bad, where):
-    with helm.Chart.load(CHART) as chart:
-        with pytest.raises(helm.HelmValuesError, match=where):
-            chart.validate_schema(bad)
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match=where):
+        chart.validate_schema(bad)
 
 
 def test_notes_tell_what_to_do_next():

@@ -22,10 +22,10 @@ def measured(tmp_path_factory, small_tables_df):
     (real FBGEMM CPU kernels, batch 512, 20 iterations; comm from given constants, no calibration). Sub-millisecond
     shards at batch 128 and ~10 held-out shards made the accuracy checks a coin toss; 160 seen-pool shards give
     about 20 held-out ones."""
-    from embshard.bench.runner import MeasureSettings
-    from embshard.jobs.bench import run as bench_run
-    from embshard.bench.sampler import random_shards
     from embshard import pools
+    from embshard.bench.runner import MeasureSettings
+    from embshard.bench.sampler import random_shards
+    from embshard.jobs.bench import run as bench_run
 
     root = tmp_path_factory.mktemp("measured")
     tables = root / "tables.parquet"

@@ -131,11 +131,11 @@ def test_search_refuses_moves_inside_the_uncertainty():
 
 
 def test_ranking_agreement_counts_only_pairs_the_ruler_tells_apart():
+    from embshard.ingest.synthetic import generate_tables
     from embshard.jobs.evaluate import judged_costs, ranking_agreement
     from embshard.placement import Placement
     from embshard.ruler import Entry
     from embshard.tableset import TableSet
-    from embshard.ingest.synthetic import generate_tables
 
     model, _ = _model(0)
     ts = TableSet.from_frame(generate_tables(6, seed=2, bins_batch_size=512))

@@ -138,7 +138,7 @@ def test_schedule_is_weekly_or_new_tables(k8s_dag):
     core = decode_timetable(encode_timetable(schedule.timetable))  # the scheduler's view of it
     first = core.next_dagrun_info(last_automated_data_interval=None,
                                                 restriction=TimeRestriction(None, None, catchup=False))
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     assert now < first.run_after <= now + datetime.timedelta(days=7)
     assert first.run_after.weekday() == 0 and first.run_after.hour == 3
     assert [a.name for a in schedule.asset_condition.objects] == ["embshard_tables"]

@@ -10,8 +10,7 @@ import pytest
 
 from embshard import schemas
 from embshard.errors import EmbshardError
-from embshard.export import (placement_from_frame, placement_from_plan, read_plan_json, validate_plan,
-                             write_plan_json)
+from embshard.export import placement_from_frame, placement_from_plan, read_plan_json, validate_plan, write_plan_json
 from embshard.export.placements import device_costs_from_frame
 from embshard.export.plan_json import _mini_validate, json_schema
 from embshard.ingest.synthetic import generate_tables
@@ -214,8 +213,8 @@ def test_cli_writes_every_file(tmp_path, tables_df, placement):
 
 
 def test_run_without_torchrec_still_exports(tmp_path, tables_df, placement, monkeypatch):
-    from embshard.jobs.export import run
     from embshard.export.torchrec_plan import require_torchrec
+    from embshard.jobs.export import run
 
     _write_inputs(tmp_path, tables_df, placement)
     monkeypatch.setitem(sys.modules, "torchrec", None)  # what a machine without the extra sees
@@ -313,8 +312,13 @@ def test_torchrec_shards_the_module_with_our_plan(placement):
 def test_torchrec_planner_with_our_constraints_reproduces_our_ranks(tables):
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
-    from embshard.export.torchrec_plan import (build_module, plan_layout, rank_layout, torchrec_constraints,
-                                               torchrec_planner_for)
+    from embshard.export.torchrec_plan import (
+        build_module,
+        plan_layout,
+        rank_layout,
+        torchrec_constraints,
+        torchrec_planner_for,
+    )
 
     # Equal column blocks (what TorchRec's enumerator makes): table 2 in two 64-column slices.
     shards = [Shard(i, (i * 3) % D) for i in range(len(tables)) if i != 2] + [Shard(2, 1, 0, 64), Shard(2, 3, 64, 64)]

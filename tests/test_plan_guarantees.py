@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from embshard.bench.runner import MeasureSettings
 from embshard.costmodel.model import CostModel, CostModelConfig
 from embshard.features import FeatureScaler
 from embshard.ingest.synthetic import generate_tables
+from embshard.jobs.place import predicted
 from embshard.planners.baselines import BASELINES, make_baseline
 from embshard.planners.learned import LearnedPlanner
-from embshard.bench.runner import MeasureSettings
-from embshard.jobs.place import predicted
 from embshard.policy.core import PolicyNet
 from embshard.tableset import TableSet
 

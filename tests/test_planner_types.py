@@ -96,7 +96,7 @@ def test_compositions_are_built_from_parts_and_a_custom_one_plans(world):
                              name="custom", search_evaluations=2000)
     p = custom.plan(ts, DeviceTopology(4, mem), task_id="t")
     assert p.planner == "custom" and p.meta["start_candidate"] in ("cost_greedy", "size_greedy")
-    assert 0 < p.meta["search_evaluations"] and p.memory_per_device().max() <= mem
+    assert p.meta["search_evaluations"] > 0 and p.memory_per_device().max() <= mem
     from embshard.planners.scoring import placement_costs
 
     assert placement_costs(model, p).max() <= min(p.meta["candidate_costs"].values()) * (1 + 1e-6)

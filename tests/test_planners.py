@@ -16,8 +16,8 @@ from embshard.errors import EmbshardError, InfeasiblePlacementError
 from embshard.planners import get_planner
 from embshard.planners.baselines import BASELINES, make_baseline
 from embshard.planners.learned import LearnedPlanner
-from embshard.policy.core import PolicyNet, TaskContext, TrainConfig, rollout
 from embshard.planners.scoring import balanced_estimate, placement_costs
+from embshard.policy.core import PolicyNet, TaskContext, TrainConfig, rollout
 from embshard.tableset import TableSet
 
 GiB = 2**30

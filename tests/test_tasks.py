@@ -6,9 +6,9 @@ import pandas as pd
 import pytest
 
 from embshard import pools, schemas
-from embshard.jobs import tasks
 from embshard.cli import main as cli
 from embshard.errors import EmbshardError
+from embshard.jobs import tasks
 
 
 def _tables(sizes_gib):

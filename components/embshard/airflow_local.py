@@ -146,7 +146,7 @@ class LocalAirflow:
     def _airflow(self, *args: str) -> list[str]:
         return [os.path.join(os.path.dirname(sys.executable), "airflow"), *args]
 
-    def start(self, timeout_s: float = 180.0) -> "LocalAirflow":
+    def start(self, timeout_s: float = 180.0) -> LocalAirflow:
         if _port_busy(self.port):
             raise EmbshardError(f"port {self.port} on 127.0.0.1 is in use", field="port",
                                 fix="stop what listens there (an earlier `make ui`?) or pass --port")
@@ -286,7 +286,7 @@ class LocalAirflow:
         self.procs.clear()
         self.retired.clear()
 
-    def __enter__(self) -> "LocalAirflow":
+    def __enter__(self) -> LocalAirflow:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -30,7 +30,7 @@ class EmbshardError(Exception):
         super().__init__(_CONTROL.sub(lambda m: " " if m.group() in "\n\r\t" else "", text))
         self.message, self.path, self.field, self.fix = message, path, field, fix
 
-    def at(self, path: str) -> "EmbshardError":
+    def at(self, path: str) -> EmbshardError:
         """The same error naming `path` (the user's input file) instead of an internal name such as a task id."""
         return type(self)(self.message, path=path, field=self.field, fix=self.fix)
 

@@ -90,7 +90,7 @@ class FeatureScaler:
     std: np.ndarray
 
     @classmethod
-    def fit(cls, raw: np.ndarray) -> "FeatureScaler":
+    def fit(cls, raw: np.ndarray) -> FeatureScaler:
         x = _log_part(raw)
         std = x.std(axis=0)
         return cls(mean=x.mean(axis=0), std=np.where(std < 1e-6, 1.0, std))
@@ -102,7 +102,7 @@ class FeatureScaler:
         return {"mean": self.mean.tolist(), "std": self.std.tolist()}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "FeatureScaler":
+    def from_dict(cls, d: dict) -> FeatureScaler:
         return cls(np.asarray(d["mean"], dtype=np.float64), np.asarray(d["std"], dtype=np.float64))
 
 

@@ -34,7 +34,7 @@ class Placement:
 
     @classmethod
     def from_assignment(cls, tables: TableSet, assignment, num_devices: int, memory_bytes_per_device: int,
-                        **kw) -> "Placement":
+                        **kw) -> Placement:
         """Table-wise placement: assignment[i] is the device of table i."""
         shards = [Shard(int(i), int(d)) for i, d in enumerate(np.asarray(assignment))]
         return cls(tables, int(num_devices), int(memory_bytes_per_device), shards, **kw)

@@ -16,7 +16,7 @@ def shown_devices(placement: Placement, device_costs: np.ndarray | None, max_row
     """All devices up to `max_rows`, else the first, the last and the busiest (by predicted cost, else by
     memory) SHOWN each, in device order."""
     D = placement.num_devices
-    if D <= max_rows:
+    if max_rows >= D:
         return list(range(D))
     load = np.asarray(device_costs, dtype=float) if device_costs is not None else placement.memory_per_device()
     busiest = np.argsort(-load, kind="stable")[:SHOWN]

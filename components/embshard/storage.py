@@ -11,7 +11,7 @@ import posixpath
 import shutil
 import tempfile
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
 import pyarrow.fs as pafs
 

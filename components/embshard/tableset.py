@@ -24,7 +24,7 @@ class TableSet:
     trace_table_index: np.ndarray  # (N,) int64, -1 where no trace
 
     @classmethod
-    def from_frame(cls, df: pd.DataFrame) -> "TableSet":
+    def from_frame(cls, df: pd.DataFrame) -> TableSet:
         n = len(df)
         trace_file = (df["trace_file"].to_numpy(dtype=object) if "trace_file" in df.columns
                       else np.full(n, None, dtype=object))
@@ -43,7 +43,7 @@ class TableSet:
         )
 
     @classmethod
-    def read(cls, path) -> "TableSet":
+    def read(cls, path) -> TableSet:
         return cls.from_frame(schemas.read(path, "tables"))
 
     def __len__(self) -> int:
@@ -58,11 +58,11 @@ class TableSet:
                                 path=where, field="table_ids", fix="use ids present in tables.parquet")
         return np.fromiter((lookup[t] for t in ids), dtype=np.int64, count=len(ids))
 
-    def subset(self, idx) -> "TableSet":
+    def subset(self, idx) -> TableSet:
         idx = np.asarray(idx, dtype=np.int64)
         return TableSet(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
 
-    def select(self, ids, where: str = "task") -> "TableSet":
+    def select(self, ids, where: str = "task") -> TableSet:
         return self.subset(self.index_of(list(ids), where))
 
     def features(self) -> np.ndarray:

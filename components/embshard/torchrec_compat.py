@@ -6,7 +6,8 @@ memory accounting, and a TorchRec ShardingPlan read back as our Placement.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .errors import EmbshardError
 from .placement import Placement, Shard

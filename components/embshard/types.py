@@ -47,7 +47,7 @@ class DeviceTopology:
                                 fix="give the host of every device, or none for one host")
 
     @classmethod
-    def of(cls, devices: "int | DeviceTopology", memory_bytes: int | None = None) -> "DeviceTopology":
+    def of(cls, devices: int | DeviceTopology, memory_bytes: int | None = None) -> DeviceTopology:
         """`devices` itself when it is a topology, else `devices` devices of `memory_bytes` each on one host."""
         if isinstance(devices, DeviceTopology):
             return devices
@@ -102,19 +102,19 @@ class CostEstimator(Protocol):
         """Models whose disagreement is the uncertainty (1: none)."""
         ...
 
-    def encode(self, features) -> "torch.Tensor":
+    def encode(self, features) -> torch.Tensor:
         """(N, H) encodings of N pieces from their raw (N, 21) features."""
         ...
 
-    def heads_from_sums(self, sums: "torch.Tensor", num_devices: int) -> "torch.Tensor":
+    def heads_from_sums(self, sums: torch.Tensor, num_devices: int) -> torch.Tensor:
         """(..., 3) ms (fwd compute, bwd compute, comm) from device sums (..., H)."""
         ...
 
-    def totals_from_sums(self, sums: "torch.Tensor", num_devices: int) -> "torch.Tensor":
+    def totals_from_sums(self, sums: torch.Tensor, num_devices: int) -> torch.Tensor:
         """(...) total ms of each device from device sums (..., H)."""
         ...
 
-    def member_totals_from_sums(self, sums: "torch.Tensor", num_devices: int) -> "torch.Tensor":
+    def member_totals_from_sums(self, sums: torch.Tensor, num_devices: int) -> torch.Tensor:
         """(K, ...) device totals per member (K = num_members)."""
         ...
 

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 # NVLink node (documented assumption, recorded as the model's source).
 NVLINK_DEFAULT = {"latency_s": 30e-6, "bandwidth_Bps": 100e9}
 CALIBRATION_FILE = "comm_calibration.json"
-_PROCESS_CACHE: dict[str, "CommModel"] = {}  # calibrations made by this process, per hardware
+_PROCESS_CACHE: dict[str, CommModel] = {}  # calibrations made by this process, per hardware
 _CALIBRATION_SIZES = [1 << 8, 1 << 20, 1 << 22]  # floats per rank: latency-bound to bandwidth-bound
 
 

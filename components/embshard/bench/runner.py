@@ -66,10 +66,10 @@ class MeasureSettings:
     min_time_ms: float | None = None           # timed work per measurement (DEFAULT_MIN_TIME_MS of the device)
     statistic: str = "median"                  # of the timed iterations: median or min
 
-    def replace(self, **changes) -> "MeasureSettings":
+    def replace(self, **changes) -> MeasureSettings:
         return dataclasses.replace(self, **changes)
 
-    def config(self) -> "BenchConfig":
+    def config(self) -> BenchConfig:
         """The BenchConfig these settings make (close it with close_config)."""
         return make_config(self)
 
@@ -255,7 +255,7 @@ class ShardInputs:
         return path
 
     @classmethod
-    def load(cls, path: str) -> "ShardInputs":
+    def load(cls, path: str) -> ShardInputs:
         with np.load(path) as z:
             row_scale, b, n = z["meta"]
             return cls(rows=[int(x) for x in z["rows"]], dims=[int(x) for x in z["dims"]],

@@ -8,7 +8,7 @@ Sample ids are deterministic (seed and position), so a rerun or another pod sees
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd

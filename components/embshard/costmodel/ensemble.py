@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -120,7 +120,7 @@ class CostEnsemble:
         return paths
 
     @classmethod
-    def from_files(cls, paths: dict[str, str]) -> "CostEnsemble":
+    def from_files(cls, paths: dict[str, str]) -> CostEnsemble:
         try:
             with open(paths["ensemble"], encoding="utf-8") as f:
                 meta = json.load(f)
@@ -132,7 +132,7 @@ class CostEnsemble:
         return cls(members, float(meta.get("interval_z", 1.645)))
 
     @classmethod
-    def load_dir(cls, folder: str) -> "CostEnsemble":
+    def load_dir(cls, folder: str) -> CostEnsemble:
         meta = os.path.join(folder, "ensemble.json")
         if not os.path.exists(meta):
             raise EmbshardError("not a cost-model ensemble folder (no ensemble.json)", path=folder,

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -172,7 +172,7 @@ class CostModel:
     # -- construction and persistence --------------------------------------------------------------------------
     @classmethod
     def create(cls, config: CostModelConfig, scaler: FeatureScaler, train_raw: np.ndarray | None = None
-               ) -> "CostModel":
+               ) -> CostModel:
         """A fresh model; `train_raw` (raw features of the training tables) fits the derived inputs' scaling."""
         net = CostNet(config)
         if train_raw is not None and len(train_raw):
@@ -206,7 +206,7 @@ class CostModel:
         return {"weights": weights, "config": config}
 
     @classmethod
-    def from_files(cls, weights: str, config: str) -> "CostModel":
+    def from_files(cls, weights: str, config: str) -> CostModel:
         try:
             with open(config, encoding="utf-8") as f:
                 cfg = CostModelConfig(**json.load(f))
@@ -218,7 +218,7 @@ class CostModel:
         return cls(net, cfg)
 
     @classmethod
-    def load_dir(cls, folder: str) -> "CostModel":
+    def load_dir(cls, folder: str) -> CostModel:
         return cls.from_files(os.path.join(folder, "weights.pt"), os.path.join(folder, "config.json"))
 
     # -- fast torch path (policy, search) ----------------------------------------------------------------------

@@ -61,7 +61,7 @@ class AnalyticEstimator:
 
     num_members = 1
 
-    def fit(self, data: CostData, idx: np.ndarray) -> "AnalyticEstimator":
+    def fit(self, data: CostData, idx: np.ndarray) -> AnalyticEstimator:
         self.batch_size = float(data.batch_size)
         x, y = _bytes(data, idx), data.targets[idx]
         self.coef = np.zeros((3, 2))

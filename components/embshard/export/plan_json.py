@@ -36,8 +36,9 @@ import datetime as _dt
 import json
 import math
 import os
+from collections.abc import Mapping
 from importlib import resources
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -103,7 +104,7 @@ def plan_dict(placement: Placement, device_costs=None, balanced_estimate: float 
         "schema": SCHEMA_VERSION, "task_id": str(placement.task_id), "num_devices": int(d),
         "memory_bytes_per_device": int(placement.memory_bytes_per_device), "planner": str(placement.planner),
         "model_uri": placement.model_uri,
-        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "embshard_version": __version__,
         "cost": {"unit": "ms", "device_costs_ms": costs, "overall_ms": overall,
                  "balanced_estimate_ms": None if balanced_estimate is None else float(balanced_estimate),

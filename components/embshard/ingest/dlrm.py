@@ -209,7 +209,7 @@ class TraceFile:
                 os.remove(self._tmp)
             self._tmp = None
 
-    def __enter__(self) -> "TraceFile":
+    def __enter__(self) -> TraceFile:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -128,7 +128,7 @@ class PlanningProgress:
             self.lines += 1
             wait = PROGRESS_EVERY_S
 
-    def __enter__(self) -> "PlanningProgress":
+    def __enter__(self) -> PlanningProgress:
         self._thread.start()
         return self
 

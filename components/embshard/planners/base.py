@@ -55,7 +55,7 @@ class Planner(ABC):
         placement.check()
         return placement
 
-    def plan_task(self, task: "Task") -> Placement:
+    def plan_task(self, task: Task) -> Placement:
         """`plan` for a Task (embshard.types): its tables and device topology."""
         return self.plan(task.tables, task.devices, task_id=task.task_id)
 

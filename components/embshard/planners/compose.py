@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -76,13 +77,13 @@ class Draft:
         return self.state.overall
 
     @classmethod
-    def table_wise(cls, problem: Problem, name: str, assignment: np.ndarray) -> "Draft":
+    def table_wise(cls, problem: Problem, name: str, assignment: np.ndarray) -> Draft:
         ctx = problem.ctx
         shards = [Shard(i, int(d)) for i, d in enumerate(assignment)]
         return cls(name, shards, SearchState(ctx.scorer, ctx.sizes, problem.memory, assignment))
 
     @classmethod
-    def of_shards(cls, problem: Problem, name: str, shards: list[Shard]) -> "Draft":
+    def of_shards(cls, problem: Problem, name: str, shards: list[Shard]) -> Draft:
         """Any pieces (column slices too): scored piece by piece."""
         if all(s.col_size is None for s in shards) and [s.table for s in shards] == list(range(len(problem.tables))):
             return cls.table_wise(problem, name, np.array([s.device for s in shards], dtype=np.int64))

@@ -84,11 +84,11 @@ class Budget:
             return True
         return False
 
-    def share(self, evaluations: int) -> "Budget":
+    def share(self, evaluations: int) -> Budget:
         """A sub-budget of at most `evaluations` (and what is left), charged back with `absorb`."""
         return Budget(min(int(evaluations), max(self.evaluations - self.used, 0)), self.deadline)
 
-    def absorb(self, sub: "Budget") -> None:
+    def absorb(self, sub: Budget) -> None:
         self.used += sub.used
         self.cap_hit |= sub.cap_hit
         self.guard_stops += sub.guard_stops

@@ -4,7 +4,7 @@ the learning-curve plot. The update itself is policy.core.reinforce_step.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
