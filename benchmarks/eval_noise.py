@@ -77,7 +77,7 @@ def analyse(df: pd.DataFrame, learned: str = "learned") -> tuple[pd.DataFrame, d
     # The same baseline every pass (chosen on pass 0), measured on the other passes: no selection bias.
     fixed = []
     first = per[per["pass"] == 0].set_index("task_id")["best"]
-    for (p, task), g in df[df["pass"] > 0].groupby(["pass", "task_id"]):
+    for (_pass, task), g in df[df["pass"] > 0].groupby(["pass", "task_id"]):
         g = g.set_index("planner")["measured_cost_ms"]
         fixed.append(g[learned] / g[first[task]])
     summary = {

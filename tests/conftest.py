@@ -75,7 +75,8 @@ def measured_world(tmp_path_factory):
     ts = TableSet.read(tables)
     frames = [random_shards(pool, 24, min_tables=1, max_tables=6, seed=0, num_devices=2),
               random_shards(pool, len(pool), min_tables=1, max_tables=1, seed=1, num_devices=2)]
-    plans = [make_baseline(b).plan(ts.select(list(t.table_ids)), 2, int(t.memory_bytes_per_device), t.task_id).to_frame()
+    plans = [make_baseline(b).plan(ts.select(list(t.table_ids)), 2, int(t.memory_bytes_per_device),
+                                   t.task_id).to_frame()
              for t in train.itertuples() for b in GREEDY_BASELINES[:2]]
     frames.append(placement_shards(pd.concat(plans, ignore_index=True), 2))
     shards = pd.concat(frames, ignore_index=True).drop_duplicates("sample_id")

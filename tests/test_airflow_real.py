@@ -65,7 +65,8 @@ def airflow(tmp_path_factory):
 def test_components_listen_on_localhost_only(airflow):
     import psutil
 
-    ports = {c.laddr for p in airflow.procs.values() for proc in [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
+    ports = {c.laddr for p in airflow.procs.values()
+             for proc in [psutil.Process(p.pid), *psutil.Process(p.pid).children(recursive=True)]
              for c in proc.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
     assert ports, "the api-server listens somewhere"
     assert {a.ip for a in ports} == {"127.0.0.1"}, ports

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
@@ -255,7 +256,8 @@ CASES = {
         ["tasks.parquet", "memory_bytes_per_device"]),
     "evaluate-task-zero-devices": lambda w, d: (_evaluate(w, tasks_with(w, d, num_devices=0)),
                                                 ["tasks.parquet", "num_devices"]),
-    "evaluate-task-id-path": lambda w, d: (_evaluate(w, tasks_with(w, d, task_id="../x")), ["tasks.parquet", "task_id"]),
+    "evaluate-task-id-path": lambda w, d: (_evaluate(w, tasks_with(w, d, task_id="../x")),
+                                           ["tasks.parquet", "task_id"]),
     "evaluate-missing-tasks": lambda w, d: (_evaluate(w, os.path.join(d, "no.parquet")), ["no.parquet", "not found"]),
     "evaluate-no-such-split": lambda w, d: (_evaluate(w, w["tasks"], "--split", "validation"),
                                             ["tasks.parquet", "split"]),
@@ -287,7 +289,8 @@ CASES = {
                                               ["comm_bandwidth_gbps"]),
     # export
     "export-task-misses-tables": lambda w, d: (
-        _export(w, placements_with(w, d, lambda df: df.iloc[1:]), tasks=w["tasks"]), ["placements.parquet", "table_id"]),
+        _export(w, placements_with(w, d, lambda df: df.iloc[1:]), tasks=w["tasks"]),
+        ["placements.parquet", "table_id"]),
     "export-table-placed-twice": lambda w, d: (
         _export(w, placements_with(w, d, lambda df: pd.concat([df, df.iloc[:1]]))), ["placements.parquet", "table_id"]),
     "export-table-id-dotdot": lambda w, d: (
@@ -300,7 +303,8 @@ CASES = {
         _export(w, placements_with(w, d, lambda df: df.assign(table_id=["../../etc/x"] + list(df["table_id"][1:])))),
         ["placements.parquet", "table_id"]),
     "export-task-id-path": lambda w, d: (
-        _export(w, placements_with(w, d, lambda df: df.assign(task_id="../../etc/x"))), ["placements.parquet", "task_id"]),
+        _export(w, placements_with(w, d, lambda df: df.assign(task_id="../../etc/x"))),
+        ["placements.parquet", "task_id"]),
     "export-task-id-dotdot": lambda w, d: (
         _export(w, placements_with(w, d, lambda df: df.assign(task_id=".."))), ["placements.parquet", "task_id"]),
     "export-task-not-in-tasks": lambda w, d: (
@@ -463,7 +467,7 @@ def test_killed_bench_resumes_to_the_same_result_and_other_settings_are_refused(
 def test_reingest_removes_the_stale_tasks(world, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    (out / "tasks.parquet").write_bytes(open(world["tasks"], "rb").read())
+    (out / "tasks.parquet").write_bytes(Path(world["tasks"]).read_bytes())
     assert cli(["ingest", "--source", "synthetic", "--num-tables", "6", "--bins-batch-size", "256", "--out", str(out),
                 "--no-progress"]) == 0
     assert (out / "tables.parquet").exists() and not (out / "tasks.parquet").exists()
@@ -892,7 +896,7 @@ CASES_26_DATA = {
     "i26-spec-hash-in-name": lambda w, d: (ingest_spec(spec_row("a#b,10,4,1"))(w, d)[0],
                                            ["spec.csv", "field 'name'", "a#b"]),
     "i26-tasks-tables-unreadable": lambda w, d: (
-        _tasks(_unreadable(d, "tables.parquet", open(w["tables"], "rb").read())), ["tables.parquet", "permission"]),
+        _tasks(_unreadable(d, "tables.parquet", Path(w["tables"]).read_bytes())), ["tables.parquet", "permission"]),
     "i26-spec-unreadable": lambda w, d: (
         ["ingest", "--source", "spec", "--input", _unreadable(d, "spec.csv", spec_row("a,10,4,1").encode())],
         ["spec.csv", "permission"]),

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,7 +40,7 @@ def test_measured_comm_and_calibration_with_gloo(tmp_path, small_tables_df, monk
     # The calibrated model: fitted once, cached in the run folder for every later chunk.
     model = comm.comm_model("cpu:test", "cpu", out=out)
     assert model.source.startswith("calibrated:gloo") and model.bandwidth_Bps > 1e6 and model.latency_s > 0
-    cached = json.loads(open(os.path.join(out, comm.CALIBRATION_FILE)).read())
+    cached = json.loads(Path(out, comm.CALIBRATION_FILE).read_text())
     assert cached["cpu:test"]["bandwidth_Bps"] == model.bandwidth_Bps
     assert comm.comm_model("cpu:test", "cpu", out=out) == model
 
@@ -69,7 +69,8 @@ def test_trace_replay_uses_the_real_indices(tmp_path, small_tables_df):
     scaled = inputs.trace_windows(spec, 128, 3)
     assert scaled[0][0].max() < spec.scaled_rows
     assert np.array_equal(np.unique(scaled[0][0], return_counts=True)[1].sum(), len(windows[0][0]))
-    assert sorted(np.unique(scaled[0][0], return_counts=True)[1]) == sorted(np.unique(windows[0][0], return_counts=True)[1])
+    assert (sorted(np.unique(scaled[0][0], return_counts=True)[1])
+            == sorted(np.unique(windows[0][0], return_counts=True)[1]))
     cfg = runner.make_config(MeasureSettings(batch_size=128, warmup=1, iterations=10, comm_bandwidth_gbps=10,
                                              comm_latency_us=5))
     m = runner.measure_shard(ts, [0, 1, 2, 3], cfg, num_devices=4)
@@ -96,11 +97,11 @@ def test_one_calibration_per_hardware_is_shared_by_runs_and_redone_only_when_ask
     first = comm.adopt_calibration(str(tmp_path / "run1"), "cpu:x")
     second = comm.adopt_calibration(str(tmp_path / "run2"), "cpu:x")
     assert len(calls) == 1 and first == second and second.spread == 0.05
-    for run in ("run1", "run2"):
-        stored = json.loads((tmp_path / run / comm.CALIBRATION_FILE).read_text())["cpu:x"]
-        assert stored["latency_s"] == 1e-5 and comm.run_calibration(str(tmp_path / run), "cpu:x") == stored
+    for run_dir in ("run1", "run2"):
+        stored = json.loads((tmp_path / run_dir / comm.CALIBRATION_FILE).read_text())["cpu:x"]
+        assert stored["latency_s"] == 1e-5 and comm.run_calibration(str(tmp_path / run_dir), "cpu:x") == stored
         # every measuring stage of the run reads that file
-        assert comm.comm_model("cpu:x", "cpu", out=str(tmp_path / run)) == first
+        assert comm.comm_model("cpu:x", "cpu", out=str(tmp_path / run_dir)) == first
     third = comm.adopt_calibration(str(tmp_path / "run3"), "cpu:x", recalibrate=True)
     assert len(calls) == 2 and third.latency_s == 2e-5
     assert comm.adopt_calibration(str(tmp_path / "run4"), "cpu:x") == third  # the new one is kept

@@ -167,7 +167,8 @@ def test_chart_configmap_drives_the_pods(tmp_path, monkeypatch):
 def test_partial_override_keeps_the_rest(tmp_path):
     path = tmp_path / "pods.yaml"
     path.write_text("image: my/embshard-cpu:1\nstages:\n  train_policy:\n    gpu: true\n"
-                    "gpu:\n  nodeSelector:\n    nvidia.com/gpu.present: null\n    nvidia.com/gpu.product: NVIDIA-H200\n")
+                    "gpu:\n  nodeSelector:\n    nvidia.com/gpu.present: null\n"
+                    "    nvidia.com/gpu.product: NVIDIA-H200\n")
     config = k8s.load_pod_config(path)
     assert config["gpu"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}  # null removes, as in Helm
     assert config["image"] == "my/embshard-cpu:1"

@@ -167,7 +167,7 @@ def test_policy_learns_to_beat_random_on_the_estimated_mdp(tables, cost_model):
     torch.manual_seed(0)
     policy = PolicyNet()
     cfg = TrainConfig(iterations=60, rollouts_per_task=12, seed=0)
-    train_estimated(policy, cost_model, ctxs[:4], ctxs[4:], cfg, history=[], progress=False)
+    train_estimated(policy, ctxs[:4], ctxs[4:], cfg, history=[], progress=False)
     ratios = []
     for _, sub, ctx in ctxs:
         ours = rollout(policy, ctx, 1, "greedy").overall[0]

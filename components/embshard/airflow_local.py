@@ -17,6 +17,7 @@ Airflow puts in process groups of their own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -74,10 +75,8 @@ def session_members(sid: int) -> list[int]:
 
 def _signal_session(sid: int, sig: int) -> None:
     for pid in session_members(sid):
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def environment(out: str, port: int) -> dict[str, str]:
@@ -116,7 +115,7 @@ class LocalAirflow:
         self.components = tuple(components)
         self.procs: dict[str, subprocess.Popen] = {}
         self._token: str | None = None
-        self.notify = notify or (lambda line: None)  # where a restart is announced besides the component's log
+        self.notify = notify or (lambda _line: None)  # where a restart is announced besides the component's log
         self.retired: list[int] = []  # sessions of components that died: stop() ends what they still hold
         self.restarts: dict[str, list[float]] = {}  # component -> monotonic times of its restarts
         self.failed: str | None = None  # why a component was given up on (then supervision ends)
@@ -261,16 +260,12 @@ class LocalAirflow:
         sessions = self.sessions()
         for p in self.procs.values():
             if p.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
         deadline = time.monotonic() + 30
         for p in self.procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         # Whatever the sessions still hold: LocalExecutor workers, uvicorn children, and the task processes,
         # which Airflow puts in process groups of their own (a process-group kill missed them, and a killed
         # task's process outlived `make ui` by seconds), also those of components that died and were restarted.
@@ -378,7 +373,7 @@ def port(text: str) -> int:
     return value
 
 
-def _interrupt(signum, frame):
+def _interrupt(signum, frame):  # noqa: ARG001 (signal handler's signature)
     raise KeyboardInterrupt
 
 

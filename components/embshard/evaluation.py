@@ -88,7 +88,7 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
     sub, D, mem = task.tables, task.num_devices, task.memory_bytes_per_device
     res = TaskResult()
     planned: dict[str, Placement] = {}
-    for label, name, ns in labels:
+    for label, name, _ns in labels:
         row = {"task_id": task.task_id, "planner": label, "num_tables": len(sub), "num_devices": D,
                "memory_bytes_per_device": mem, "feasible": False, "error": None, "rounds": int(rounds)}
         t0 = time.perf_counter()
@@ -106,7 +106,7 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
     by_label = {e.label: costs[j] for j, e in enumerate(entries)}
     if judge is not None:
         judged = judged_costs(judge, entries)
-        res.pairs, res.correct = ranking_agreement(judged, entries, costs)
+        res.pairs, res.correct = ranking_agreement(judged, costs)
         res.judged = [(p, float(np.median(costs[j]))) for j, p in judged.items()]
     res.round_costs = {k: [float(x) for x in v] for k, v in by_label.items()}
     # The balanced estimate (once per task): each table alone, and all tables fused on one device.
@@ -230,7 +230,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
         plot_evaluation(df, os.path.join(stage, "evaluation.png"))
     eval_path = storage.join(out, "evaluation.parquet")
     plot_path = storage.join(out, "evaluation.png")
-    _log_to_mlflow(df, summary, plot_path)
+    _log_to_mlflow(summary, plot_path)
     return {"evaluation": eval_path, "ratios": storage.join(out, "ratios.parquet"), "plot": plot_path, "frame": df,
             "ratio_frame": ratios, "summary": summary, "summary_text": format_summary(summary, int(rounds)),
             "round_costs": round_costs, "rounds": int(rounds), "wall_s": wall,
@@ -246,7 +246,7 @@ def judged_costs(model, entries: list[Entry]) -> dict[int, float]:
     return {j: float(placement_costs(model, e.placement).max()) for j, e in enumerate(entries) if "#" not in e.label}
 
 
-def ranking_agreement(pred: dict[int, float], entries: list[Entry], costs: np.ndarray) -> tuple[int, int]:
+def ranking_agreement(pred: dict[int, float], costs: np.ndarray) -> tuple[int, int]:
     """(pairs the ruler tells apart, pairs the cost model orders the same way) among one task's placements.
 
     A pair counts when the 95% interval of its paired per-round ratio excludes 1 (a difference beyond the noise).
@@ -401,7 +401,7 @@ def _write_parquet(df: pd.DataFrame, path: str) -> None:
         pq.write_table(pa.Table.from_pandas(df, preserve_index=False), f)
 
 
-def _log_to_mlflow(df: pd.DataFrame, summary: pd.DataFrame, plot_path: str) -> None:
+def _log_to_mlflow(summary: pd.DataFrame, plot_path: str) -> None:
     import mlflow
 
     if mlflow.active_run() is None:

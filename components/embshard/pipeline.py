@@ -97,7 +97,10 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
         try:
             dag_run = dag.test(run_conf=params or {})
         except ValueError as exc:  # Airflow's ParamValidationError (a ValueError) of a check we do not repeat
-            raise param_error(exc) or exc
+            err = param_error(exc)
+            if err is None:
+                raise
+            raise err from exc
     elapsed = time.perf_counter() - start
     root = stages.run_root(env["EMBSHARD_DATA_ROOT"], dag_run.run_id)
     state = str(dag_run.state)

@@ -8,6 +8,7 @@ versions are addressed by aliases (`champion`, `challenger`), never by the depre
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -187,10 +188,8 @@ def delete_alias(name: str, alias: str) -> None:
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    try:
+    with contextlib.suppress(MlflowException):
         mlflow.MlflowClient().delete_registered_model_alias(name, alias)
-    except MlflowException:
-        pass
 
 
 def set_verdict(name: str, version, verdict: str, reason: str = "") -> None:

@@ -45,10 +45,8 @@ def progress(line: str) -> None:
     file); a no-op in any other process (a real scheduler's tasks log to Airflow instead)."""
     fd = os.environ.get(PROGRESS_FD)
     if fd:
-        try:
+        with contextlib.suppress(OSError):
             os.write(int(fd), (line + "\n").encode())
-        except OSError:
-            pass
 
 
 class _Lines:

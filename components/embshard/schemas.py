@@ -238,9 +238,8 @@ def _coerce(s: pd.Series, typ: pa.DataType) -> pd.Series:
     if pa.types.is_integer(typ):
         if s.isna().any():
             return s.astype("Int64")
-        if s.dtype.kind == "f":
-            if not np.all(np.isfinite(s)) or not np.all(s == np.round(s)):
-                raise ValueError("not an integer")
+        if s.dtype.kind == "f" and (not np.all(np.isfinite(s)) or not np.all(s == np.round(s))):
+            raise ValueError("not an integer")
         if s.dtype.kind in "OUS" or str(s.dtype).startswith("string"):
             s = pd.to_numeric(s)  # raises ValueError on text
             if s.dtype.kind == "f" and not np.all(s == np.round(s)):

@@ -65,7 +65,7 @@ class StageSkipped(Exception):
 SKIP_EXIT_CODE = 99
 
 
-def check_params(root: str, params: dict) -> dict:
+def check_params(root: str, params: dict) -> dict:  # noqa: ARG001 (the stage signature)
     """The run's first task: every parameter checked at once (unknown keys, types, ranges, the rules between
     fields, the input file), in seconds and before any work; a bad run fails here, naming each field and fix."""
     p = params_mod.check(params)

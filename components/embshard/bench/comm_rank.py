@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 
-def run_collectives(world: int, device: str, cmd_device: str) -> None:
+def run_collectives(device: str, cmd_device: str) -> None:
     """Wait for a command (numel, warmup, iters) from rank 0, run the all-to-alls, repeat; numel 0 stops."""
     import torch
     import torch.distributed as dist
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(a.backend, init_method=f"tcp://127.0.0.1:{a.port}", rank=a.rank, world_size=a.world,
                             timeout=datetime.timedelta(seconds=a.timeout_s))
     try:
-        run_collectives(a.world, dev, dev)
+        run_collectives(dev, dev)
     finally:
         dist.destroy_process_group()
     return 0

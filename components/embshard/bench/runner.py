@@ -12,6 +12,7 @@ touching the weights (capped per measurement: 0.25 GiB by default on CPU).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -449,10 +450,8 @@ class InputPrefetcher:
 
     def close(self) -> None:
         for p in self.procs:
-            try:
+            with contextlib.suppress(OSError):
                 p.stdin.close()
-            except OSError:
-                pass
         for p in self.procs:
             try:
                 p.wait(timeout=10)

@@ -22,7 +22,7 @@ class CostModelPyfunc(PythonModel):
 
         self.model = CostEnsemble.from_files(context.artifacts)
 
-    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
+    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:  # noqa: ARG002 (MLflow's signature)
         return predict_frame(self.model, model_input)
 
 

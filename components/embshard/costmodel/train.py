@@ -59,7 +59,7 @@ class History:
 class _Batcher:
     """Segment-sum inputs for a set of shards (flat table rows + shard id of each)."""
 
-    def __init__(self, data: CostData, device_nd: bool = True):
+    def __init__(self, data: CostData):
         self.data = data
 
     def __call__(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -159,7 +159,7 @@ def _schema_check(plan: Any, schema: dict, where: str) -> None:
         err = _mini_validate(plan, schema, "")
         if err:
             raise EmbshardError(err[1], path=where, field=err[0] or "<root>",
-                                fix=f"follow the {SCHEMA_VERSION} schema (embshard/export/{SCHEMA_FILE})")
+                                fix=f"follow the {SCHEMA_VERSION} schema (embshard/export/{SCHEMA_FILE})") from None
         return
     validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(plan), key=lambda e: list(e.absolute_path))
@@ -195,9 +195,9 @@ def _mini_validate(value: Any, schema: dict, at: str) -> tuple[str, str] | None:
         types = [types] if isinstance(types, str) else types
         if not any(_is_type(value, t) for t in types):
             return at, f"{value!r:.60} is not of type {' or '.join(types)}"
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and "minimum" in schema:
-        if value < schema["minimum"]:
-            return at, f"{value} is less than the minimum of {schema['minimum']}"
+    if (isinstance(value, (int, float)) and not isinstance(value, bool) and "minimum" in schema
+            and value < schema["minimum"]):
+        return at, f"{value} is less than the minimum of {schema['minimum']}"
     if isinstance(value, str) and len(value) < schema.get("minLength", 0):
         return at, "must not be empty"
     if isinstance(value, dict):

@@ -116,7 +116,7 @@ def _column_wise_generator(shards: list[dict]):
     on rank k, so the ParameterSharding is assembled from torchrec's types directly.
     """
 
-    def generate(param, local_size, world_size, device_type, sharder):
+    def generate(param, local_size, world_size, device_type, sharder):  # noqa: ARG001 (torchrec's callback)
         from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
         from torchrec.distributed.sharding_plan import placement
         from torchrec.distributed.types import ParameterSharding

@@ -187,10 +187,10 @@ class TraceFile:
         else:
             assert self._lengths is not None  # no layout: _index found no offsets, so the lengths are there
             lengths = self._lengths[t].astype(np.int64)
-        if self._lengths is not None and self._layout is not None:
-            if not np.array_equal(lengths, self._lengths[t]):
-                raise EmbshardError(f"lengths of table {t} disagree with its offsets", path=self.path,
-                                    field="lengths", fix=_FIX_FORMAT)
+        if (self._lengths is not None and self._layout is not None
+                and not np.array_equal(lengths, self._lengths[t])):
+            raise EmbshardError(f"lengths of table {t} disagree with its offsets", path=self.path,
+                                field="lengths", fix=_FIX_FORMAT)
         if lengths.size and lengths.min() < 0:
             raise EmbshardError(f"negative bag length in table {t}", path=self.path, field="offsets",
                                 fix=_FIX_FORMAT)

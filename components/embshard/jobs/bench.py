@@ -129,7 +129,7 @@ def run(tables, shards, out: str, settings: MeasureSettings | None = None, *, nu
     # A seeded shuffle per chunk: load drifting over a long chunk then spreads over all kinds of shards instead
     # of biasing the ones listed last (e.g. one table pool).
     order: list[tuple[int, int]] = []  # (position in plan, shard index)
-    for pi, (c, part, partial, idx, finished) in enumerate(plan):
+    for pi, (c, _part, _partial, idx, finished) in enumerate(plan):
         perm = np.random.default_rng(seed + c).permutation(len(idx))
         order += [(pi, idx[k]) for k in perm if idx[k] not in finished]
     jobs = []
@@ -143,7 +143,7 @@ def run(tables, shards, out: str, settings: MeasureSettings | None = None, *, nu
         with tqdm(total=todo, unit="shard", desc="bench", disable=not progress, dynamic_ncols=True) as bar, \
                 InputPrefetcher(ts, cfg, jobs, workers) as pre:
             k = 0
-            for pi, (c, part, partial, idx, finished) in enumerate(plan):
+            for pi, (c, part, partial, idx, _finished) in enumerate(plan):
                 while k < len(order) and order[k][0] == pi:
                     i = order[k][1]
                     if measured == fail_after:

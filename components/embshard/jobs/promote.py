@@ -42,7 +42,7 @@ def _compare(round_costs: dict, a: str, b: str | None, best_baseline: bool = Fal
     from ..planners.baselines import GREEDY_BASELINES
 
     per_task = []
-    for task, costs in round_costs.items():
+    for costs in round_costs.values():
         if a not in costs:
             continue
         if best_baseline:

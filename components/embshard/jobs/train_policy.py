@@ -76,7 +76,7 @@ def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST
         train_ctx = task_contexts(cost_model, fit_tasks)
         val_ctx = task_contexts(cost_model, val_tasks)
         if reward == "estimated":
-            policy = train_estimated(policy, cost_model, train_ctx, val_ctx, cfg, history,
+            policy = train_estimated(policy, train_ctx, val_ctx, cfg, history,
                                      step0=(round_index - 1) * cfg.iterations, progress=progress)
         else:
             measure = _measured_overall(settings or MeasureSettings())

@@ -293,7 +293,7 @@ class ComposedPlanner(Planner):
             return max(int(self.search_evaluations), 0)
         return 40_000 if num_tables <= 250 else min(160_000, 40_000 + 160 * (num_tables - 250))
 
-    def time_cap_for(self, num_tables: int) -> float:
+    def time_cap_for(self) -> float:
         """Safety cap on the wall time of the search (the given --time-budget-s, else 60 s): only a guard against
         a pathological case; when it is hit the plan depends on the machine and this is reported."""
         return float(self.time_budget_s) if self.time_budget_s is not None else 60.0
@@ -322,10 +322,10 @@ class ComposedPlanner(Planner):
     def _compose(self, problem: Problem) -> Placement:
         start = time.perf_counter()
         n = len(problem.tables)
-        cap = self.time_cap_for(n)
+        cap = self.time_cap_for()
         budget = Budget(self.evaluations_for(n), deadline=start + cap)
         problem.phase("encoding the tables with the cost model")
-        problem.ctx  # built here (every draft is scored with it) so that its time shows as its own phase
+        _ = problem.ctx  # built here (every draft is scored with it) so that its time shows as its own phase
         drafts = self._propose(problem, self.composition.proposers)
         if not drafts:
             drafts = self._propose(problem, self.composition.fallbacks)

@@ -26,7 +26,7 @@ class PolicyPythonModel(PythonModel):
         self.cost_model = CostEnsemble.from_files({k[len("cost_"):]: v for k, v in a.items()
                                                    if k.startswith("cost_")})
 
-    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
+    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:  # noqa: ARG002 (MLflow's signature)
         from .. import schemas
         from ..costmodel.scoring import placement_costs
         from ..tableset import TableSet

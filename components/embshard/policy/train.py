@@ -43,7 +43,7 @@ def validation_ratio(policy: PolicyNet, contexts, baseline_costs: list[float]) -
     return float(np.median(ratios))
 
 
-def train_estimated(policy: PolicyNet, cost_model, train_ctx, val_ctx, cfg: TrainConfig, history: list,
+def train_estimated(policy: PolicyNet, train_ctx, val_ctx, cfg: TrainConfig, history: list,
                     step0: int = 0, progress: bool = True) -> PolicyNet:
     """REINFORCE on the estimated MDP; keeps the weights with the best validation ratio."""
     from tqdm import tqdm
