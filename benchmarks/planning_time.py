@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .common import md_table, progress, pyplot
+from embshard.checks import GiB
 
-GIB = 2**30
+from .common import md_table, progress, pyplot
 
 
 @dataclass
@@ -58,7 +58,7 @@ def run(policy_uri: str, cfg: PlanningConfig) -> pd.DataFrame:
 
     population = TableSet.from_frame(generate_tables(max(cfg.tables), seed=cfg.seed,
                                                      bins_batch_size=cfg.bins_batch_size))
-    mem = int(cfg.memory_gb * GIB)
+    mem = int(cfg.memory_gb * GiB)
     planners = {}
     for name in cfg.planners:
         try:
@@ -75,7 +75,7 @@ def run(policy_uri: str, cfg: PlanningConfig) -> pd.DataFrame:
                 continue
             if largest > mem or total > 0.95 * d * mem:
                 rows.append({"tables": t, "devices": d, "planner": "(all)", "skipped":
-                             f"{total / GIB:.0f} GiB of tables do not fit {d} x {cfg.memory_gb:g} GiB"})
+                             f"{total / GiB:.0f} GiB of tables do not fit {d} x {cfg.memory_gb:g} GiB"})
                 continue
             for name, planner in planners.items():
                 if name == "torchrec_full" and t > cfg.full_max_tables:

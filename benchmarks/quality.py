@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from embshard.checks import GiB
+
 from .common import md_table, progress, pyplot
 
-GIB = 2**30
 HELDOUT_SEED = 2026  # the synthetic population of the suites: tables no pipeline run trained on
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "components", "embshard",
                         "ingest", "examples")
@@ -111,7 +112,7 @@ def _suite_files(suite: Suite, cfg: QualityConfig, folder: str, synthetic: pd.Da
         if suite.tables:
             ids = ids[: suite.tables]
         tasks = pd.DataFrame([{"task_id": f"test-d{d}", "split": "test", "num_devices": int(d),
-                               "memory_bytes_per_device": int(cfg.memory_gb * GIB), "table_ids": ids}
+                               "memory_bytes_per_device": int(cfg.memory_gb * GiB), "table_ids": ids}
                               for d in suite.devices])
     schemas.write(tasks, tasks_path, "tasks")
     return tables_path, tasks_path

@@ -19,8 +19,6 @@ from embshard.planners.learned import LearnedPlanner
 from embshard.policy.core import PolicyNet
 from embshard.tableset import TableSet
 
-GiB = 2**30
-
 
 @pytest.fixture(scope="module")
 def setup():

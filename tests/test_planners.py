@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from embshard import schemas
+from embshard.checks import GiB
 from embshard.errors import EmbshardError, InfeasiblePlacementError
 from embshard.planners import get_planner
 from embshard.planners.baselines import BASELINES, make_baseline
@@ -19,8 +20,6 @@ from embshard.planners.learned import LearnedPlanner
 from embshard.planners.scoring import balanced_estimate, placement_costs
 from embshard.policy.core import PolicyNet, TaskContext, TrainConfig, rollout
 from embshard.tableset import TableSet
-
-GiB = 2**30
 
 
 @pytest.fixture(scope="module")

@@ -42,21 +42,6 @@ USER = "admin"
 DAG_ID = "embshard_pipeline"
 
 
-def living_members(pgid: int) -> list[int]:
-    """PIDs of process group `pgid` that still run. Zombies don't count: an orphaned worker's exit status
-    waits for whoever adopted it (init, or a container's PID 1) to reap it, and it holds nothing but a PID."""
-    import psutil
-
-    pids = []
-    for proc in psutil.process_iter(["status"]):
-        try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) == pgid:
-                pids.append(proc.pid)
-        except (ProcessLookupError, psutil.Error):
-            pass
-    return pids
-
-
 def session_members(sid: int) -> list[int]:
     """PIDs of session `sid` that still run (zombies don't count). A component starts its own session, and every
     process it forks stays in it, the task processes included, which Airflow moves to process groups of their

@@ -48,13 +48,6 @@ def bad_id(value) -> bool:
     return not isinstance(value, str) or _ID.fullmatch(value) is None
 
 
-def check_id(value, *, field: str, path: str | None = None) -> str:
-    if bad_id(value):
-        raise EmbshardError(f"id {str(value)[:60]!r} is not allowed", path=path, field=field,
-                            fix=f"use {ID_RULE}")
-    return value
-
-
 def bad_dim(value) -> bool:
     """True when `value` is not a dim FBGEMM can measure (an integer multiple of 4 in 4..MAX_DIM)."""
     try:

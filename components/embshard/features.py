@@ -95,16 +95,6 @@ class FeatureScaler:
         std = x.std(axis=0)
         return cls(mean=x.mean(axis=0), std=np.where(std < 1e-6, 1.0, std))
 
-    def transform(self, raw: np.ndarray) -> np.ndarray:
-        return ((_log_part(raw) - self.mean) / self.std).astype(np.float32)
-
-    def to_dict(self) -> dict:
-        return {"mean": self.mean.tolist(), "std": self.std.tolist()}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> FeatureScaler:
-        return cls(np.asarray(d["mean"], dtype=np.float64), np.asarray(d["std"], dtype=np.float64))
-
 
 def _log_part(raw: np.ndarray) -> np.ndarray:
     x = np.array(raw, dtype=np.float64, copy=True)

@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .checks import GiB
 from .placement import Placement
-
-GiB = 2**30
-
 
 MAX_ROWS = 40  # a screenful; beyond it the table shows the first, the last and the busiest devices
 SHOWN = 10     # of each of those three groups

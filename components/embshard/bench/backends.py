@@ -51,7 +51,6 @@ def num_threads() -> int:
     return n
 
 
-DEVICES = ("auto", "cpu", "cuda")  # what a user or a DAG param may ask for (and cuda:N)
 
 
 def check_device(device: str) -> str:

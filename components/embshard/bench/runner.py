@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from ..checks import GiB
 from ..errors import EmbshardError
 from ..hardware import device_cache_bytes
 from ..tableset import TableSet
@@ -42,7 +43,6 @@ DEFAULT_MIN_TIME_MS = {"cpu": 300.0, "cuda": 50.0}
 DEFAULT_ROTATIONS = 4
 # CPU caches are far smaller: 0.25 GiB of weights measures like 2 GiB (checked), 3x faster.
 DEFAULT_MAX_SHARD_GB_CPU = 0.25
-GiB = 2**30
 
 
 @dataclass(frozen=True)

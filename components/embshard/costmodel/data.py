@@ -23,7 +23,6 @@ from ..features import feature_matrix
 
 log = logging.getLogger(__name__)
 
-TARGETS = ("fwd_compute_ms", "bwd_compute_ms", "comm_ms")
 SPLITS = ("train", "val", "heldout", "unseen")
 
 

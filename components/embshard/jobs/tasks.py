@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-GIB = 2**30
+from ..checks import GiB
 
 
 def parse_range(text: str | int | tuple, field: str) -> tuple[int, int]:
@@ -87,7 +87,7 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
             t = int(rng.integers(lo, hi + 1))
             ids = sorted(pool_arr[rng.choice(len(pool_arr), size=t, replace=False)])
             d = int(dev_choices[rng.integers(len(dev_choices))])
-            mem = int(mem_choices[rng.integers(len(mem_choices))] * GIB)
+            mem = int(mem_choices[rng.integers(len(mem_choices))] * GiB)
             rows.append({"task_id": f"{split}-{k:04d}", "split": split, "num_devices": d,
                          "memory_bytes_per_device": mem, "table_ids": ids})
     # Feasibility: report the first task that cannot fit and the memory that would make every task fit.
@@ -103,11 +103,11 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
         big = max(task_sizes, key=lambda t: task_sizes[t])
         cap = r["memory_bytes_per_device"]
         if task_sizes[big] > cap:
-            why = f"table {big} needs {task_sizes[big] / GIB:.2f} GiB > {cap / GIB:.2f} GiB per device"
+            why = f"table {big} needs {task_sizes[big] / GiB:.2f} GiB > {cap / GiB:.2f} GiB per device"
         else:
-            why = (f"its {len(task_sizes)} tables need {sum(task_sizes.values()) / GIB:.2f} GiB > {r['num_devices']} "
-                   f"devices x {cap / GIB:.2f} GiB")
-        enough = max(need) / GIB
+            why = (f"its {len(task_sizes)} tables need {sum(task_sizes.values()) / GiB:.2f} GiB > {r['num_devices']} "
+                   f"devices x {cap / GiB:.2f} GiB")
+        enough = max(need) / GiB
         raise InfeasiblePlacementError(
             f"task {r['task_id']} cannot fit: {why}", path=where, field="memory_gb",
             fix=f"use --memory-gb >= {np.ceil(enough * 100) / 100:.2f} (fits every sampled task), "

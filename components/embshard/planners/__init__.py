@@ -7,7 +7,6 @@ from ..registry import POLICY_CHAMPION_URI, POLICY_MODEL
 from .base import Planner
 
 LEARNED = "learned"
-POLICY_ONLY = "policy_only"
 # The learned compositions (planners.compose.COMPOSITIONS), longest first so that a name's prefix is found.
 LEARNED_COMPOSITIONS = ("learned_with_torchrec", "no_column_splits", "no_cost_greedy", "no_portfolio",
                         "policy_only", "no_policy", "no_search", "learned")

@@ -19,7 +19,7 @@ from ..types import DeviceTopology
 if TYPE_CHECKING:
     from ..types import Task
 
-GiB = 2**30
+from ..checks import GiB
 
 
 class Planner(ABC):

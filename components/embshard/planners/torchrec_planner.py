@@ -36,11 +36,12 @@ import time
 
 import numpy as np
 
+from ..checks import GiB
 from ..errors import InfeasiblePlacementError
 from ..placement import Placement
 from ..tableset import TableSet
 from ..types import DeviceTopology
-from .base import GiB, Planner
+from .base import Planner
 
 SEARCHES = {
     "table_wise": ["table_wise"],
