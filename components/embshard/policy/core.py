@@ -54,7 +54,8 @@ class TaskContext:
         single = scorer.single_costs()
         order = np.lexsort((-np.asarray(sizes), -single))  # by cost, ties by size
         scale = max(single.sum() / num_devices, single.max(), 1e-6)
-        return cls(scorer, np.asarray(sizes, dtype=np.int64), int(memory), order, single, float(scale))
+        # sizes copied: a TableSet's arrays are read-only, and torch warns about those in rollout()
+        return cls(scorer, np.array(sizes, dtype=np.int64), int(memory), order, single, float(scale))
 
 
 @dataclass
