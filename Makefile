@@ -7,7 +7,7 @@ RUN_DIR ?= runs/local
 export AIRFLOW__CORE__LOAD_EXAMPLES ?= False
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: install run ui mlflow-ui test bench bench-quick lint clean
+.PHONY: install run ui mlflow-ui test test-fast bench bench-quick lint clean
 
 # The virtual environment, rebuilt when the dependency pins change.
 $(STAMP): pyproject.toml constraints.txt
@@ -44,6 +44,10 @@ lint: install
 
 test: install lint
 	$(BIN)/python -m pytest -q
+
+# The edit loop: no lint, and without the tests marked slow (end-to-end runs, real Airflow).
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: install
 	$(BIN)/python -m benchmarks
