@@ -10,6 +10,7 @@ from __future__ import annotations
 import pandas as pd
 from mlflow.pyfunc import PythonModel  # mypy does not see mlflow.pyfunc.PythonModel (mlflow.pyfunc is lazy)
 
+from ..policy import model as _policy_model
 from ..policy.model import load_policy_files
 from ..registry import POLICY_CHAMPION_URI
 from .learned import LearnedPlanner
@@ -38,6 +39,13 @@ class PolicyPythonModel(PythonModel):
                                  int(params.get("memory_bytes_per_device", 80 * 2**30)),
                                  str(params.get("task_id", "task")))
         return placement.to_frame(placement_costs(self.cost_model, placement))
+
+
+# Versions registered before this class moved here (from policy.model) were pickled by reference as
+# embshard.policy.model.PolicyPythonModel: that name points here, so an upgraded pipeline still loads the champion
+# it must measure, and `embshard.load_planner` the version a training job serves. (The policy package cannot
+# import the planners; the planners put the old name back.)
+_policy_model.PolicyPythonModel = PolicyPythonModel  # type: ignore[attr-defined]
 
 
 def load_policy_bundle(uri: str):
