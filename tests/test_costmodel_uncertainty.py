@@ -150,10 +150,10 @@ def test_ranking_agreement_counts_only_pairs_the_ruler_tells_apart():
     agree = np.array([high if a_dearer else low, low if a_dearer else high, [1.0] * 5])
     pred = judged_costs(model, entries)
     assert sorted(pred) == [0, 1]  # the A/A twin is not judged
-    assert ranking_agreement(pred, entries, agree) == (1, 1)
+    assert ranking_agreement(pred, agree) == (1, 1)
     same = np.array([[1.0, 1.2, 0.8, 1.1, 0.9], [1.0, 0.8, 1.2, 0.9, 1.1], [1.0] * 5])
-    assert ranking_agreement(pred, entries, same) == (0, 0)  # inside the noise: no pair
-    assert ranking_agreement(pred, entries, agree[[1, 0, 2]]) == (1, 0)
+    assert ranking_agreement(pred, same) == (0, 0)  # inside the noise: no pair
+    assert ranking_agreement(pred, agree[[1, 0, 2]]) == (1, 0)
 
 
 def test_placement_accuracy_is_per_placement_mape_and_within_task_spearman():
