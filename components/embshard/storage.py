@@ -102,9 +102,8 @@ def _target_key(out: str | os.PathLike) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # ours would not exist yet: a process before us (a restarted pod) had this pid
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (owned by anyone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -124,7 +123,8 @@ def remove_abandoned_stages(parent: str, out: str | os.PathLike) -> list[str]:
             if not name.startswith(prefix):
                 continue
             pid = name[len(prefix):].split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
+            # our own pid: a process before us (a restarted pod) had it, since ours made nothing yet
+            if pid.isdigit() and (int(pid) == os.getpid() or not process_alive(int(pid))):
                 shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
                 removed.append(name)
     return removed

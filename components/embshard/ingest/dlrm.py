@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from .. import checks, schemas
+from .. import checks, schemas, storage
 from ..errors import EmbshardError
 
 log = logging.getLogger(__name__)
@@ -274,7 +274,7 @@ def remove_stale_temps(tmp_dir: str, tag: str) -> list[str]:
             pid = int(parts[1])
         except ValueError:
             continue
-        if pid != os.getpid() and _alive(pid):
+        if pid != os.getpid() and storage.process_alive(pid):
             continue
         with contextlib.suppress(OSError):
             os.remove(os.path.join(tmp_dir, name))
@@ -282,16 +282,6 @@ def remove_stale_temps(tmp_dir: str, tag: str) -> list[str]:
             log.warning("removed %s: a decompressed trace left by an earlier, interrupted ingest",
                         os.path.join(tmp_dir, name))
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # exists, owned by someone else
-    return True
 
 
 def _gunzip_to_temp(path: str, tmp_dir: str | None, tag: str | None = None) -> str:
