@@ -50,16 +50,48 @@ def test_a_topology_or_two_ints_give_the_same_plan_and_the_placement_keeps_the_t
         DeviceTopology(4, mem, hosts=(0, 1))
 
 
-def test_shard_kinds_default_to_whole_table_and_row_pieces_are_refused_for_now(world):
+def test_shard_kinds_and_the_coverage_rules_of_a_placement(world):
     ts, _, mem = world
     assert Shard(0, 1).kind == "whole" and Shard(0, 1, 0, 4).kind == "column" and Shard(0, 1, row_size=3).kind == "row"
     assert Shard(0, 1) == Shard(0, 1, 0, None)
     with pytest.raises(EmbshardError, match="shard kind"):
         Shard(0, 1, kind="diagonal")
-    shards = [Shard(i, 0) for i in range(len(ts))]
-    shards[0] = Shard(0, 0, row_offset=0, row_size=int(ts.rows[0]))
-    with pytest.raises(InfeasiblePlacementError, match="row shards are not supported"):
-        Placement(ts, 4, 10**15, shards).check()
+    rows, dim = int(ts.rows[0]), int(ts.dims[0])
+    rest = [Shard(i, 0) for i in range(1, len(ts))]
+
+    def check(pieces):
+        Placement(ts, 4, 10**15, pieces + rest).check()
+
+    # valid: row ranges covering the rows once, column slices covering the columns once, a replica per device
+    check([Shard(0, 1, row_offset=0, row_size=rows // 3), Shard(0, 2, row_offset=rows // 3, row_size=rows - rows // 3)])
+    check([Shard(0, 1, 0, 4), Shard(0, 2, 4, dim - 4)])
+    check([Shard(0, d, kind="replicated") for d in range(4)])
+    bad = {
+        "rows 0..1 are missing": [Shard(0, 1, row_offset=1, row_size=rows - 1)],
+        f"{rows - 1} of {rows} rows placed": [Shard(0, 1, row_offset=0, row_size=rows - 1)],
+        "placed twice": [Shard(0, 1, row_offset=0, row_size=rows), Shard(0, 2, row_offset=rows - 1, row_size=1)],
+        "mixes column and row": [Shard(0, 1, 0, 4), Shard(0, 2, row_offset=0, row_size=rows)],
+        "not once on each": [Shard(0, d, kind="replicated") for d in range(3)],
+        "placed whole 2 times": [Shard(0, 1), Shard(0, 2)],
+        "also column-sliced": [Shard(0, 1, 0, dim, row_offset=0, row_size=rows)],
+    }
+    for message, pieces in bad.items():
+        with pytest.raises(InfeasiblePlacementError, match=message):
+            check(pieces)
+    with pytest.raises(InfeasiblePlacementError, match="not placed"):
+        Placement(ts, 4, 10**15, rest).check()
+
+
+def test_row_and_replica_pieces_carry_their_share_of_the_lookups(world):
+    from embshard.costmodel.scoring import piece_features
+
+    ts, _, _ = world
+    rows = int(ts.rows[0])
+    whole, row, rep = piece_features(ts, [Shard(0, 0), Shard(0, 1, row_offset=0, row_size=rows // 4),
+                                          Shard(0, 2, kind="replicated")], num_devices=8)
+    assert row[0] == whole[0] and row[1] == rows // 4 and row[2] == pytest.approx(whole[2] * (rows // 4) / rows)
+    assert row[3] == rows // 4 * whole[0] * ts.bytes_per_element[0] and (row[4:] == whole[4:]).all()
+    assert rep[2] == pytest.approx(whole[2] / 8) and rep[3] == whole[3]
 
 
 def test_every_cost_estimator_implements_the_protocol_and_scores_sums(world):

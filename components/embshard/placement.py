@@ -10,7 +10,7 @@ import pandas as pd
 
 from .errors import InfeasiblePlacementError
 from .tableset import TableSet
-from .types import COLUMN, WHOLE, DeviceTopology, Shard
+from .types import COLUMN, REPLICATED, WHOLE, DeviceTopology, Shard
 
 __all__ = ["Placement", "Shard"]
 
@@ -65,24 +65,26 @@ class Placement:
     def check(self, where: str | None = None) -> None:
         """Every table fully placed once, devices in range, memory respected; else a clear error.
 
-        `where` names the input in errors (a file, or a file and task); default the task id."""
+        A table is placed as exactly one of: one whole piece; column slices covering its columns once; row ranges
+        (full width) covering its rows once; or one replica on every device. `where` names the input in errors
+        (a file, or a file and task); default the task id."""
         where = where or self.task_id
-        other = [s.kind for s in self.shards if s.kind not in (WHOLE, COLUMN)]
-        if other:
-            raise InfeasiblePlacementError(f"{other[0]} shards are not supported yet", path=where, field="kind",
-                                           fix="place whole tables or column slices")
         dev = self.device_of_shards()
         if len(dev) and (dev.min() < 0 or dev.max() >= self.num_devices):
             raise InfeasiblePlacementError(f"device index out of range 0..{self.num_devices - 1}",
                                            path=where, field="device")
-        cols = np.zeros(len(self.tables), dtype=np.int64)
-        for s, d in zip(self.shards, self.shard_dims()):
-            cols[s.table] += d
-        if not np.array_equal(cols, self.tables.dims):
-            bad = int(np.flatnonzero(cols != self.tables.dims)[0])
-            raise InfeasiblePlacementError(
-                f"table {self.tables.table_ids[bad]} has {cols[bad]} of {self.tables.dims[bad]} columns placed",
-                path=where, field="table_id", fix="place every column of every table exactly once")
+        by_table: list[list[Shard]] = [[] for _ in range(len(self.tables))]
+        for s in self.shards:
+            if not 0 <= s.table < len(self.tables):
+                raise InfeasiblePlacementError(f"shard of table index {s.table} out of range", path=where,
+                                               field="table_id")
+            by_table[s.table].append(s)
+        for i, pieces in enumerate(by_table):
+            problem = self._coverage_problem(i, pieces)
+            if problem:
+                raise InfeasiblePlacementError(f"table {self.tables.table_ids[i]}: {problem}", path=where,
+                                               field="table_id", fix="place every column (or every row) of every "
+                                               "table exactly once, or one replica on every device")
         mem = self.memory_per_device()
         over = mem - self.memory_bytes_per_device
         if (over > 0).any():
@@ -92,6 +94,36 @@ class Placement:
                 f"{self.memory_bytes_per_device / 2**30:.3f} GiB", path=where, field="memory",
                 fix="add devices, raise memory per device, or use a planner that respects memory")
 
+    def _coverage_problem(self, i: int, pieces: list[Shard]) -> str | None:
+        """Why table i's pieces do not place it exactly once (None when they do)."""
+        rows, dim = int(self.tables.rows[i]), int(self.tables.dims[i])
+        if not pieces:
+            return "not placed"
+        kinds = {s.kind for s in pieces}
+        if len(kinds) > 1:
+            return f"mixes {' and '.join(sorted(kinds))} pieces"
+        kind = kinds.pop()
+        if kind == WHOLE:
+            return None if len(pieces) == 1 else f"placed whole {len(pieces)} times"
+        if kind == REPLICATED:
+            devs = sorted(s.device for s in pieces)
+            return None if devs == list(range(self.num_devices)) else \
+                f"replicated on devices {devs[:8]}, not once on each of the {self.num_devices} devices"
+        if kind == COLUMN:
+            spans, total, unit = [(s.col_offset, s.col_size or 0) for s in pieces], dim, "columns"
+        else:
+            if any(s.col_size is not None for s in pieces):
+                return "a row piece is also column-sliced (row pieces have the table's full width)"
+            spans, total, unit = [(s.row_offset, s.row_size or 0) for s in pieces], rows, "rows"
+        nxt = 0
+        for off, size in sorted(spans):
+            if size <= 0:
+                return f"a {kind} piece of {size} {unit}"
+            if off != nxt:
+                return f"{unit} {min(off, nxt)}..{max(off, nxt)} are {'missing' if off > nxt else 'placed twice'}"
+            nxt = off + size
+        return None if nxt == total else f"{nxt} of {total} {unit} placed"
+
     def to_frame(self, device_costs: np.ndarray | None = None) -> pd.DataFrame:
         """Rows of the placements contract (predicted_cost_ms = predicted cost of the row's device)."""
         t = self.tables
@@ -100,7 +132,9 @@ class Placement:
             rows.append({
                 "task_id": self.task_id, "table_id": t.table_ids[s.table], "device": s.device,
                 "col_offset": s.col_offset if s.col_size is not None else None,
-                "col_size": s.col_size, "planner": self.planner, "model_uri": self.model_uri,
+                "col_size": s.col_size, "kind": s.kind,
+                "row_offset": s.row_offset if s.row_size is not None else None, "row_size": s.row_size,
+                "planner": self.planner, "model_uri": self.model_uri,
                 "predicted_cost_ms": None if device_costs is None else float(device_costs[s.device]),
             })
         return pd.DataFrame(rows)

@@ -142,6 +142,10 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("device", pa.int32(), check=_non_negative, rule="an integer >= 0"),
         Column("col_offset", pa.int32(), required=False, nullable=True),
         Column("col_size", pa.int32(), required=False, nullable=True),
+        # Shard kinds (docs/contracts.md): 'whole' | 'column' | 'row' | 'replicated'; a row piece's row range.
+        Column("kind", _STR, required=False, nullable=True),
+        Column("row_offset", pa.int64(), required=False, nullable=True),
+        Column("row_size", pa.int64(), required=False, nullable=True),
         Column("planner", _STR),
         Column("model_uri", _STR, required=False, nullable=True),
         Column("predicted_cost_ms", _F64, required=False, nullable=True),  # cost of this row's device

@@ -13,7 +13,7 @@ import torch
 
 from ..placement import Placement, Shard
 from ..tableset import TableSet
-from ..types import CostEstimator
+from ..types import REPLICATED, CostEstimator
 
 
 @contextlib.contextmanager
@@ -73,21 +73,39 @@ class TaskScorer:
         return self.totals(self.enc, torch.ones(len(self.enc), dtype=torch.long)).numpy().astype(np.float64)
 
 
-def piece_features(tables: TableSet, shards: list[Shard]) -> np.ndarray:
-    """Raw features of each placed piece: a column slice is a table of dim col_size (same rows and accesses)."""
+def piece_features(tables: TableSet, shards: list[Shard], num_devices: int | None = None) -> np.ndarray:
+    """Raw features of each placed piece (the same 21 features as a table; docs/contracts.md, "Shard kinds"):
+
+    - a column slice is a table of dim col_size (same rows and accesses);
+    - a row range [row_offset, row_offset + row_size) keeps the full dim (its device sends full-width partial
+      pooled sums), holds row_size rows, and carries row_size / rows of the table's lookups: ids are hashed to
+      rows, so hot and cold ids spread evenly over the ranges and the access-count bins keep their shape;
+    - a replica serves only its device's share of the batch: 1 / num_devices of the lookups (`num_devices` is
+      needed then).
+    """
     base = tables.features()
     feats = base[[s.table for s in shards]].copy()
     for k, s in enumerate(shards):
+        bpe = tables.bytes_per_element[s.table]
         if s.col_size is not None:
-            bpe = tables.bytes_per_element[s.table]
             feats[k, 0] = s.col_size
             feats[k, 3] = tables.rows[s.table] * s.col_size * bpe
+        if s.row_size is not None:
+            rows = int(tables.rows[s.table])
+            feats[k, 1] = s.row_size
+            feats[k, 2] = feats[k, 2] * s.row_size / rows
+            feats[k, 3] = s.row_size * feats[k, 0] * bpe
+        if s.kind == REPLICATED:
+            if not num_devices:
+                raise ValueError("replicated pieces need num_devices (each replica serves 1/D of the batch)")
+            feats[k, 2] = feats[k, 2] / num_devices
     return feats
 
 
 def placement_costs(cost_model: CostEstimator, placement: Placement) -> np.ndarray:
     """Predicted per-device total cost (ms) of any placement, column slices included."""
-    scorer = TaskScorer(cost_model, piece_features(placement.tables, placement.shards), placement.num_devices)
+    scorer = TaskScorer(cost_model, piece_features(placement.tables, placement.shards, placement.num_devices),
+                        placement.num_devices)
     return scorer.device_costs(placement.device_of_shards())
 
 

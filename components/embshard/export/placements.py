@@ -41,8 +41,12 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
     for row in df_task.itertuples(index=False):
         off = _value(getattr(row, "col_offset", None))
         size = _value(getattr(row, "col_size", None))
+        roff = _value(getattr(row, "row_offset", None))
+        rsize = _value(getattr(row, "row_size", None))
+        kind = _value(getattr(row, "kind", None))
         shards.append(Shard(pos[str(row.table_id)], int(row.device), int(off or 0),
-                            None if size is None else int(size)))
+                            None if size is None else int(size), int(roff or 0),
+                            None if rsize is None else int(rsize), "replicated" if kind == "replicated" else ""))
     meta: dict = {}
     devices = int(df_task["device"].max()) + 1
     if num_devices is None:
