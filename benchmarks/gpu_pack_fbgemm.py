@@ -251,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("this wheel is not the CUDA 13 build (the device's torch is cu130, driver 580)")
         out = os.path.join(a.out_dir, "fbgemm-red.tar.xz")
         write_archive(stage, out)
-        digest = hashlib.sha256(open(out, "rb").read()).hexdigest()
+        with open(out, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
         with open(os.path.join(a.out_dir, "fbgemm.sha256"), "w") as f:
             f.write(digest + "\n")
         print(f"{out}: {os.path.getsize(out) / 2**20:.1f} MiB, sha256 {digest}")
