@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device-side driver for the GPU measurements of issue 17 (run from the repo root of the device copy, with the
-# repo's components/benchmarks/data copied under .gpu/). Phases: setup (unpack the reduced fbgemm-gpu), test,
-# costs, aa. Every step logs under $OUT; each bench step has a deadline so the call ends inside its limit.
+# repo's components/tests/data, this driver and the reduced fbgemm-gpu copied under .gpu/ by benchmarks/gpu_stage.sh).
+# Phases: setup (install .gpu/whl, unpack the reduced fbgemm-gpu), test, costs, aa. Every step logs under $OUT; each bench step has a deadline so the call ends inside its limit.
 # usage: gpu_device_run.sh SECONDS PHASE[:CAP_SECONDS]...
 set -u
 T0=$(date +%s); LIMIT=$1; shift
@@ -14,6 +14,11 @@ for arg in "$@"; do
   case $phase in
   setup)
     mkdir -p /tmp/site
+    # Python packages the image lacks (embshard's params check imports jsonschema) travel as wheels in .gpu/whl.
+    if ls .gpu/whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.whl-ok ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl \
+        >>$OUT/driver.log 2>&1 && touch /tmp/site/.whl-ok
+    fi
     if [ ! -f /tmp/site/.ok ]; then
       # The device image has no zstd binary: the archive is xz, unpacked with Python's lzma.
       echo "$(cat .gpu/fbgemm.sha256)  .gpu/fbgemm-red.tar.xz" | sha256sum -c - 2>&1 | tee -a $OUT/driver.log || exit 3
@@ -28,10 +33,12 @@ import fbgemm_gpu, torch
 print("fbgemm_gpu", fbgemm_gpu.__version__, "import", round(time.time()-t,1), "s")
 from embshard.bench import backends
 print("fbgemm cuda status:", backends.fbgemm_status("cuda"))
+import importlib.metadata as md
+print({n: md.version(n) for n in ("numpy", "pandas", "pyarrow", "scipy", "attrs", "jsonschema", "pytest")})
 PY
     ;;
   test)
-    timeout $(( $(left) - 10 )) python3 -m pytest -q -p no:cacheprovider .gpu/tests/test_bench_cuda.py 2>&1 | tee $OUT/pytest_cuda.txt ;;
+    timeout $(( $(left) - 10 )) python3 -m pytest -q -rA -p no:cacheprovider .gpu/tests/test_bench_cuda.py 2>&1 | tee $OUT/pytest_cuda.txt ;;
   costs|aa)
     if [ $phase = costs ]; then S=$G/shards.parquet; R=/tmp/run_costs; else S=$G/aa_shards.parquet; R=/tmp/run_aa; fi
     BK=fbgemm; python3 -c "from embshard.bench import backends; import sys; sys.exit(backends.fbgemm_status('cuda') is not None)" || BK=torch
