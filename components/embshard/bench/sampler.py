@@ -2,7 +2,7 @@
 planners make them are made by the job that samples, jobs.shards.plan_shards: the measuring layer does not plan.)
 
 A shard is the set of tables one device holds. Shard lists are frames of the "shards" contract
-(sample_id, table_ids, num_devices, origin[, col_sizes]); `load_shards` builds one from the CLI's spec.
+(sample_id, table_ids, num_devices, origin[, col_sizes, row_offsets, row_sizes]); `load_shards` builds one from the CLI's spec.
 Sample ids are deterministic (seed and position), so a rerun or another pod sees exactly the same list.
 """
 from __future__ import annotations
@@ -44,10 +44,15 @@ def placement_shards(placements_df: pd.DataFrame, num_devices: int | Mapping[str
     """Every non-empty device shard of the placements in `placements_df` (placements contract).
 
     `num_devices`: one count for all tasks, a {task_id: count} map, or None to use max(device)+1 per task.
-    Column-wise slices (col_size set) are kept in `col_sizes`.
+    Column-wise slices (col_size set) are kept in `col_sizes`, row ranges (row_size set) in `row_offsets` and
+    `row_sizes` (-1 = whole). Replicated pieces are not measured yet (an error says so).
     """
     df = schemas.validate(placements_df, "placements", "<placements>")
     has_cols = "col_size" in df.columns and df["col_size"].notna().any()
+    has_rows = "row_size" in df.columns and df["row_size"].notna().any()
+    if "kind" in df.columns and (df["kind"] == "replicated").any():
+        raise EmbshardError("replicated pieces are not measured by the benchmark yet", field="kind",
+                            fix="measure placements without replicas")
     rows = []
     for (task, planner), g in df.groupby(["task_id", "planner"], sort=True):
         if num_devices is None:
@@ -68,8 +73,48 @@ def placement_shards(placements_df: pd.DataFrame, num_devices: int | Mapping[str
                    "origin": f"placement:{planner}"}
             if has_cols:
                 row["col_sizes"] = [-1 if pd.isna(c) else int(c) for c in gd["col_size"]]
+            if has_rows:
+                sizes = [-1 if pd.isna(z) else int(z) for z in gd["row_size"]]
+                offs = gd["row_offset"] if "row_offset" in gd.columns else [0] * len(sizes)
+                row["row_sizes"] = sizes
+                row["row_offsets"] = [-1 if z < 0 else (0 if pd.isna(o) else int(o)) for o, z in zip(offs, sizes)]
             rows.append(row)
     return schemas.validate(pd.DataFrame(rows), "shards", "<placement shards>")
+
+
+def piece_lists(shard_df: pd.DataFrame, i: int) -> tuple[list | None, list | None]:
+    """(col_sizes, row_ranges) of shard row i as bench.runner.measure_shard takes them: None entries (from
+    -1) are whole; None lists when the frame has no such column."""
+    row = shard_df.iloc[i]
+    cols = row["col_sizes"] if "col_sizes" in shard_df.columns else None
+    offs = row["row_offsets"] if "row_offsets" in shard_df.columns else None
+    sizes = row["row_sizes"] if "row_sizes" in shard_df.columns else None
+    col_list = None if cols is None else [None if int(c) < 0 else int(c) for c in cols]
+    ranges = None
+    if sizes is not None:
+        offs = offs if offs is not None else [-1] * len(sizes)
+        ranges = [None if int(z) < 0 else (max(int(o), 0), int(z)) for o, z in zip(offs, sizes)]
+        if all(r is None for r in ranges):
+            ranges = None
+    return col_list, ranges
+
+
+def check_pieces(tables, members: list, pieces: list, shard_df: pd.DataFrame, where: str) -> None:
+    """Every piece fits its table: a column width <= dim, a row range inside 0..rows. Errors name `where`
+    (the shards file) and the field."""
+    for i, (m, (cols, ranges)) in enumerate(zip(members, pieces)):
+        sid = str(shard_df.iloc[i]["sample_id"])
+        for k, t in enumerate(m):
+            tid, dim, rows = str(tables.table_ids[t]), int(tables.dims[t]), int(tables.rows[t])
+            if cols is not None and cols[k] is not None and cols[k] > dim:
+                raise EmbshardError(f"column width {cols[k]} of table {tid} (dim {dim}) in shard {sid}",
+                                    path=where, field="col_sizes",
+                                    fix="give widths <= the table's dim, or -1 for the whole width")
+            if ranges is not None and ranges[k] is not None and sum(ranges[k]) > rows:
+                o, z = ranges[k]
+                raise EmbshardError(f"row range [{o}, {o + z}) outside table {tid} of {rows} rows in shard {sid}",
+                                    path=where, field="row_offsets",
+                                    fix="give ranges inside 0..rows, or -1 for all rows")
 
 
 def _known(ids, table_ids: Sequence[str], where: str) -> None:
@@ -126,7 +171,8 @@ def load_shards(spec, *, table_ids: Sequence[str], tasks: str | None = None, pla
         raise EmbshardError("no shards to measure", field="shards",
                             fix="give --shards (a file or random:N) and/or --placements")
     out = pd.concat(frames, ignore_index=True)
-    if "col_sizes" in out.columns:
-        out["col_sizes"] = out["col_sizes"].map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v))
-                                                else list(v))
+    for col in schemas.PIECE_COLUMNS:
+        if col in out.columns:
+            out[col] = out[col].map(lambda v: None if v is None or (isinstance(v, float) and math.isnan(v))
+                                    else list(v))
     return schemas.validate(out, "shards", "<shards>")
