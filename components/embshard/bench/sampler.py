@@ -40,6 +40,77 @@ def random_shards(table_ids: Sequence[str], n: int, min_tables: int = 1, max_tab
     return schemas.validate(pd.DataFrame(rows), "shards", "<random shards>")
 
 
+# Split pieces among sampled shards (docs/contracts.md, "Shard kinds"): the share of shards with one table split,
+# the row-range counts drawn, and the most column slices.
+SPLIT_SHARE = 0.25
+ROW_WAYS = (2, 4, 8, 16)
+MAX_COLUMN_WAYS = 8
+_SPLIT_STREAM = 0x5B117  # a stream of its own: the tables drawn stay those of the seed without splits
+
+
+def draw_piece(rng: np.random.Generator, rows: int, dim: int) -> tuple[int | None, int, int | None] | None:
+    """One piece of a table (rows x dim), as a splitting plan makes them: half the time a row range (one of k
+    equal ranges, k in ROW_WAYS), else a column slice of a random k-way split into widths that are multiples of 4
+    (2 <= k <= MAX_COLUMN_WAYS). Returns (col_size, row_offset, row_size) (None sizes: whole), or None when the
+    table cannot be split (one row and one 4-wide unit)."""
+    units = int(dim) // 4
+    row_ways = [k for k in ROW_WAYS if k <= rows]
+    kinds = (["row"] if row_ways else []) + (["column"] if units >= 2 else [])
+    if not kinds:
+        return None
+    if kinds[int(rng.integers(len(kinds)))] == "row":
+        k = int(rng.choice(row_ways))
+        j = int(rng.integers(k))
+        off = j * int(rows) // k
+        return None, off, (j + 1) * int(rows) // k - off
+    k = int(rng.integers(2, min(MAX_COLUMN_WAYS, units) + 1))
+    cuts = np.sort(rng.choice(np.arange(1, units), size=k - 1, replace=False))
+    widths = np.diff(np.concatenate([[0], cuts, [units]])) * 4
+    return int(widths[int(rng.integers(k))]), 0, None
+
+
+def split_shards(df: pd.DataFrame, tables, share: float = SPLIT_SHARE, seed: int = 0) -> pd.DataFrame:
+    """`df` (shards) with a `share` of its rows holding one split piece instead of a whole table: a table of the
+    shard drawn with probability proportional to pooling_factor x dim (lookup work: the hot, large tables plans
+    split) becomes one piece (draw_piece). Same number of shards, same tables; deterministic for a seed. Adds
+    col_sizes / row_offsets / row_sizes (-1 = whole) to every row."""
+    rng = np.random.default_rng([int(seed), _SPLIT_STREAM])
+    pos = {str(t): i for i, t in enumerate(tables.table_ids)}
+    cols, offs, sizes = [], [], []
+    for ids in df["table_ids"]:
+        n = len(ids)
+        c, o, z = [-1] * n, [-1] * n, [-1] * n
+        if rng.random() < share:
+            idx = [pos[str(t)] for t in ids]
+            w = np.asarray(tables.pooling_factor, float)[idx] * np.asarray(tables.dims, float)[idx]
+            w = w / w.sum() if w.sum() > 0 else np.full(n, 1.0 / n)
+            k = int(rng.choice(n, p=w))
+            piece = draw_piece(rng, int(tables.rows[idx[k]]), int(tables.dims[idx[k]]))
+            if piece is not None:
+                col, off, size = piece
+                if col is not None:
+                    c[k] = col
+                if size is not None:
+                    o[k], z[k] = off, size
+        cols.append(c)
+        offs.append(o)
+        sizes.append(z)
+    out = df.copy()
+    out["col_sizes"], out["row_offsets"], out["row_sizes"] = cols, offs, sizes
+    return schemas.validate(out, "shards", "<split shards>")
+
+
+def piece_key(row) -> tuple:
+    """What a shard measures, order-free: (table id, col_size, row_offset, row_size) per entry (-1: whole)."""
+    n = len(row["table_ids"])
+
+    def get(c):
+        v = row.get(c) if hasattr(row, "get") else None
+        return [-1] * n if v is None or isinstance(v, float) else [int(x) for x in v]
+
+    return tuple(sorted(zip(map(str, row["table_ids"]), get("col_sizes"), get("row_offsets"), get("row_sizes"))))
+
+
 def placement_shards(placements_df: pd.DataFrame, num_devices: int | Mapping[str, int] | None = None) -> pd.DataFrame:
     """Every non-empty device shard of the placements in `placements_df` (placements contract).
 
