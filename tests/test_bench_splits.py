@@ -213,8 +213,8 @@ def test_sampler_emits_split_pieces_at_the_rate_deterministically(ts):
                 assert c % 4 == 0 and c < ts.dims[t]
                 picked.append(work[t])
             if z > 0:
-                assert 0 <= o and o + z <= ts.rows[t]
-                assert any(z in (ts.rows[t] // k, ts.rows[t] // k + 1) for k in (2, 4, 8, 16))  # one of k equal ranges
+                assert o >= 0 and o + z <= ts.rows[t]
+                assert any(z in (ts.rows[t] // k, ts.rows[t] // k + 1) for k in (2, 4, 8, 16))  # k equal ranges
                 picked.append(work[t])
     assert len(picked) == len(split)  # one piece per split shard
     # Biased toward the tables with the most lookup work: above the work of a table drawn uniformly.

@@ -440,7 +440,8 @@ class InputPrefetcher:
 
     The helpers are fresh interpreters running `python -m embshard.bench.input_worker` (not multiprocessing: its
     spawn re-imports the parent's entry script, which under an Airflow task is `airflow` itself). Job k goes to
-    helper k % workers as one JSON line (a job is (members, col_sizes, where[, row_ranges])); each helper answers its jobs in order with the path of an uncompressed
+    helper k % workers as one JSON line (a job is (members, col_sizes, where[, row_ranges])); each helper answers
+    its jobs in order with the path of an uncompressed
     .npz in a temporary folder (deleted on close)."""
 
     def __init__(self, tables: TableSet, cfg: BenchConfig, jobs: list, workers: int, ahead: int | None = None):
@@ -519,15 +520,16 @@ class InputPrefetcher:
 
 def measure_placement(placement, settings: MeasureSettings | None = None) -> pd.DataFrame:
     """Measure every device of `placement` (one fused op per device shard; a column slice is measured as a
-    table of dim=col_size, a row range as bench.inputs says). One row per device: device, table_ids, fwd/bwd compute and comm ms, total_ms (an
-    empty device costs 0), plus hardware, backend, comm_source, row_scale."""
+    table of dim=col_size, a row range as bench.inputs says). One row per device: device, table_ids, fwd/bwd
+    compute and comm ms, total_ms (an empty device costs 0), plus hardware, backend, comm_source, row_scale."""
     cfg = make_config(settings or MeasureSettings())
     rows = []
     device_shards = placement.device_shards()
     busy = [d for d, shards in enumerate(device_shards) if shards]
-    jobs = [([s.table for s in device_shards[d]], *piece_args(device_shards[d]),
-             f"{placement.task_id}/device {d}") for d in busy]
-    jobs = [(m, c, w, r) for m, c, r, w in jobs]  # (members, col_sizes, where, row_ranges)
+    jobs: list[tuple] = []  # (members, col_sizes, where, row_ranges)
+    for d in busy:
+        cols, ranges = piece_args(device_shards[d])
+        jobs.append(([s.table for s in device_shards[d]], cols, f"{placement.task_id}/device {d}", ranges))
     try:
         with InputPrefetcher(placement.tables, cfg, jobs, input_workers(cfg.device) if len(jobs) > 1 else 0) as pre:
             for d, shards in enumerate(device_shards):

@@ -2,7 +2,9 @@
 planners make them are made by the job that samples, jobs.shards.plan_shards: the measuring layer does not plan.)
 
 A shard is the set of tables one device holds. Shard lists are frames of the "shards" contract
-(sample_id, table_ids, num_devices, origin[, col_sizes, row_offsets, row_sizes]); `load_shards` builds one from the CLI's spec.
+(sample_id, table_ids, num_devices, origin[, col_sizes, row_offsets, row_sizes]); `load_shards` builds one
+from the CLI's spec. `split_shards` makes some of a list's shards hold a split piece (docs/contracts.md, "Shard
+kinds").
 Sample ids are deterministic (seed and position), so a rerun or another pod sees exactly the same list.
 """
 from __future__ import annotations

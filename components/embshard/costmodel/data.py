@@ -24,9 +24,9 @@ import numpy as np
 import pandas as pd
 
 from .. import hardware, pools, schemas
-from ..schemas import PIECE_COLUMNS
 from ..errors import EmbshardError
 from ..features import feature_matrix
+from ..schemas import PIECE_COLUMNS
 
 log = logging.getLogger(__name__)
 
