@@ -282,6 +282,12 @@ CASES = {
     "bench-shards-unknown-table": lambda w, d: (_bench(w, d, shards=raw_parquet(pd.DataFrame(
         {"sample_id": ["s0"], "table_ids": [["t_unknown"]], "num_devices": [2], "origin": ["given"]}),
         os.path.join(d, "shards.parquet"))), ["table_ids"]),
+    "bench-shards-row-outside-table": lambda w, d: (_bench(w, d, shards=_piece_shards(
+        w, d, lambda rows, dim: {"row_offsets": [[rows - 1]], "row_sizes": [[2]]})), ["shards.parquet", "row_offsets"]),
+    "bench-shards-row-size-negative": lambda w, d: (_bench(w, d, shards=_piece_shards(
+        w, d, lambda rows, dim: {"row_offsets": [[0]], "row_sizes": [[-5]]})), ["shards.parquet", "row_sizes"]),
+    "bench-shards-col-not-multiple-of-4": lambda w, d: (_bench(w, d, shards=_piece_shards(
+        w, d, lambda rows, dim: {"col_sizes": [[6]]})), ["shards.parquet", "col_sizes"]),
     "bench-chunk-out-of-range": lambda w, d: (_bench(w, d, "--chunk", "5", "--num-chunks", "2"), ["chunk"]),
     "bench-zero-chunks": lambda w, d: (_bench(w, d, "--num-chunks", "0"), ["num_chunks"]),
     "bench-missing-tables": lambda w, d: (_bench(w, d, tables=os.path.join(d, "no.parquet")), ["no.parquet"]),
@@ -361,6 +367,14 @@ def _bench(w, d, *extra, shards="random:2", tables=None):
     return ["bench", "--tables", tables or w["tables"], "--shards", shards, "--batch-size", "64", "--iterations",
             "10", "--warmup", "1", "--comm-bandwidth-gbps", "10", "--comm-latency-us", "20", "--no-progress",
             *extra]
+
+
+def _piece_shards(w, d, pieces) -> str:
+    """A shards file of one shard: the first table of the world with the given piece columns (rows, dim -> dict)."""
+    t = pq.read_table(w["tables"]).to_pandas().iloc[0]
+    return raw_parquet(pd.DataFrame({"sample_id": ["s0"], "table_ids": [[str(t["table_id"])]], "num_devices": [2],
+                                     "origin": ["given"], **pieces(int(t["rows"]), int(t["dim"]))}),
+                       os.path.join(d, "shards.parquet"))
 
 
 def _export(w, placements, tasks=None):

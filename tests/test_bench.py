@@ -14,7 +14,7 @@ import pytest
 from embshard import schemas
 from embshard.bench import backends, inputs, measure_placement, runner
 from embshard.bench.runner import MeasureSettings
-from embshard.bench.sampler import placement_shards, random_shards
+from embshard.bench.sampler import piece_key, placement_shards, random_shards
 from embshard.errors import BackendUnavailableError, EmbshardError
 from embshard.features import access_bins
 from embshard.jobs.bench import run
@@ -82,15 +82,15 @@ def test_plan_shards_are_devices_of_real_plans_and_their_neighbours():
     b = plan_shards(big, 60, memory_bytes_per_device=2**40, seed=4)
     assert a["table_ids"].map(tuple).tolist() == b["table_ids"].map(tuple).tolist()  # a pure function of the seed
     assert len(a) == 60 and a["sample_id"].is_unique
-    assert not a["table_ids"].map(tuple).duplicated().any()
+    assert not a.apply(piece_key, axis=1).duplicated().any()  # a set of pieces (whole tables or split) once
     sizes = a["table_ids"].map(len)
     # Crowded devices as in 100-200-table tasks, never more than the cap, never empty.
     assert sizes.min() >= 1 and sizes.max() <= 60 and sizes.max() > 15
     assert set(a["num_devices"]) <= {2, 4, 8, 16} and a["num_devices"].nunique() >= 3
     origins = a["origin"].str.removeprefix("plan:")
     assert origins.str.endswith("+move").any() and (~origins.str.endswith("+move")).any()
-    assert set(origins.str.removesuffix("+move")) <= {"dim_greedy", "size_greedy", "lookup_greedy",
-                                                      "size_lookup_greedy"}
+    assert set(origins.str.removesuffix("+move").str.removesuffix("+split")) <= {
+        "dim_greedy", "size_greedy", "lookup_greedy", "size_lookup_greedy"}
     # Tables that fit no device give no plan: one clear error, not an empty list.
     with pytest.raises(EmbshardError, match="memory"):
         plan_shards(big, 5, memory_bytes_per_device=1, seed=0)
@@ -329,4 +329,4 @@ def test_sample_shards_splits_the_budget_between_random_and_plan_shards_inside_e
         assert (kind[mine.index] == "plan").sum() == n // 2
     assert df[kind == "plan"]["table_ids"].map(len).max() > 15   # larger than any random shard
     assert (kind == "single").sum() >= len(pools.members(tdf, "train", 0))
-    assert not df["table_ids"].map(lambda v: tuple(sorted(v))).duplicated().any()
+    assert not df.apply(piece_key, axis=1).duplicated().any()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .bench.runner import MeasureSettings, close_config, measure_shard
+from .bench.runner import MeasureSettings, close_config, measure_shard, piece_args
 from .placement import Placement
 
 DEFAULT_ROUNDS = 5
@@ -41,8 +41,8 @@ def shard_keys(entry: Entry) -> list[tuple | None]:
         if not shards:
             keys.append(None)
             continue
-        tables = tuple(sorted((str(pl.tables.table_ids[s.table]), s.col_offset or 0, s.col_size or -1)
-                              for s in shards))
+        tables = tuple(sorted((str(pl.tables.table_ids[s.table]), s.col_offset or 0, s.col_size or -1,
+                               s.row_offset or 0, -1 if s.row_size is None else s.row_size) for s in shards))
         keys.append((entry.namespace, pl.num_devices, tables))
     return keys
 
@@ -83,8 +83,9 @@ def measure_rounds(entries: list[Entry], rounds: int, settings: MeasureSettings 
             for i in order:
                 key = distinct[i]
                 pl, d, shards = where[key]
+                cols, ranges = piece_args(shards)
                 m = measure_shard(pl.tables, [s.table for s in shards], cfg, num_devices=pl.num_devices,
-                                  col_sizes=[s.col_size for s in shards], where=f"{pl.task_id}/device {d}")
+                                  col_sizes=cols, row_ranges=ranges, where=f"{pl.task_id}/device {d}")
                 total[key] = m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"]
             for j, keys in enumerate(per_entry):
                 for d, k in enumerate(keys):

@@ -126,6 +126,10 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("spread", _F64, required=False, nullable=True),       # IQR / median of compute timings
         Column("origin", _STR, required=False, nullable=True),       # 'random' | 'placement:<planner>' | ...
         Column("chunk", pa.int32(), required=False, nullable=True),
+        # The pieces measured (docs/contracts.md, "Shard kinds"), copied from the shard list: -1 = whole.
+        Column("col_sizes", pa.list_(pa.int32()), required=False, nullable=True),
+        Column("row_offsets", pa.list_(pa.int64()), required=False, nullable=True),
+        Column("row_sizes", pa.list_(pa.int64()), required=False, nullable=True),
     ],
     # Device shards to measure (bench): one row per shard, the tables one device holds.
     "shards": [
@@ -133,8 +137,12 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("table_ids", pa.list_(_STR), check=_non_empty_list, rule="a non-empty list of table ids"),
         Column("num_devices", pa.int32(), check=_positive, rule="an integer > 0"),
         Column("origin", _STR),
-        # Optional column-wise slices: col_sizes[i] is the width measured for table_ids[i] (-1 = whole table).
+        # Optional pieces, parallel to table_ids (docs/contracts.md, "Shard kinds"): col_sizes[i] is the width
+        # measured for table_ids[i] (-1 = whole width); rows [row_offsets[i], row_offsets[i] + row_sizes[i])
+        # its row range (-1 = all rows).
         Column("col_sizes", pa.list_(pa.int32()), required=False, nullable=True),
+        Column("row_offsets", pa.list_(pa.int64()), required=False, nullable=True),
+        Column("row_sizes", pa.list_(pa.int64()), required=False, nullable=True),
     ],
     "placements": [
         Column("task_id", _STR, check=_valid_id, rule=f"an id of {checks.ID_RULE}"),
@@ -201,6 +209,8 @@ def validate(df: pd.DataFrame, kind: str, path: str | os.PathLike = "<data>") ->
                             fix=f"make every '{key}' unique")
     if kind == "tables":
         _check_tables(out, where)
+    if kind in ("shards", "costs"):
+        _check_pieces(out, where)
     names = [c.name for c in cols if c.name in out.columns]
     extra = [c for c in out.columns if c not in names]
     return out[names + extra].reset_index(drop=True)
@@ -231,10 +241,42 @@ def _check_tables(df: pd.DataFrame, where: str) -> None:
                             field="bin_00..bin_16", fix="bins are fractions of unique indices and must sum to 1")
 
 
+PIECE_COLUMNS = ("col_sizes", "row_offsets", "row_sizes")
+
+
+def _check_pieces(df: pd.DataFrame, where: str) -> None:
+    """The optional piece lists of shards/costs rows: parallel to table_ids; col_sizes -1 or a positive
+    multiple of 4; row_offsets -1 or >= 0 and row_sizes -1 or > 0, both given or both -1. (Whether a range or
+    width fits its table is checked where the tables are known: bench.sampler.piece_lists.)"""
+    present = [c for c in PIECE_COLUMNS if c in df.columns]
+    for i in range(len(df)):
+        n = len(df["table_ids"].iloc[i])
+        got = {c: df[c].iloc[i] for c in present}
+        for c, v in got.items():
+            if v is not None and len(v) != n:
+                raise EmbshardError(f"{len(v)} entries for {n} tables in row {i}", path=where, field=c,
+                                    fix=f"give one {c} entry per table id (-1 = whole)")
+        for c_ in (got.get("col_sizes") or []):
+            if c_ != -1 and (c_ <= 0 or c_ % checks.DIM_MULTIPLE):
+                raise EmbshardError(f"column width {c_} in row {i}", path=where, field="col_sizes",
+                                    fix=f"use -1 (whole width) or a positive multiple of {checks.DIM_MULTIPLE}")
+        offs, sizes = got.get("row_offsets"), got.get("row_sizes")
+        for k in range(n):
+            o = -1 if offs is None else int(offs[k])
+            z = -1 if sizes is None else int(sizes[k])
+            if z != -1 and z <= 0:
+                raise EmbshardError(f"row range size {z} in row {i}", path=where, field="row_sizes",
+                                    fix="use -1 (all rows) or a size > 0")
+            if o < -1 or (o == -1) != (z == -1):
+                raise EmbshardError(f"row range offset {o} with size {z} in row {i}", path=where,
+                                    field="row_offsets", fix="give an offset >= 0 with every size > 0, -1 with -1")
+
+
 def _coerce(s: pd.Series, typ: pa.DataType) -> pd.Series:
     if pa.types.is_list(typ):
         conv = str if pa.types.is_string(typ.value_type) else int  # list<int32> (shards.col_sizes)
-        return s.map(lambda v: None if v is None else [conv(x) for x in v])
+        return s.map(lambda v: None if v is None or (isinstance(v, float) and np.isnan(v))
+                     else [conv(x) for x in v])
     if pa.types.is_timestamp(typ):
         return pd.to_datetime(s, utc=True)
     if pa.types.is_string(typ):

@@ -5,6 +5,14 @@ A device with S = sum of its tables' dims sends, per step, B x S x 4 bytes x (D-
 (each sample's pooled vectors go to the device that owns the sample); the backward all-to-all moves the same
 bytes back as gradients.
 
+By shard kind (docs/contracts.md, "Shard kinds"), S counts each piece's output width: a whole table its dim, a
+column slice its col_size (narrower vectors), a row range its full dim. A row range sends partial pooled sums of
+every sample of the batch, reduced across the table's pieces (a reduce-scatter, TorchRec's row-wise output
+dist): a ring reduce-scatter moves the same B x dim x 4 x (D-1)/D bytes per device as the all-to-all of a whole
+table of that dim, so both paths count a row piece as an all-to-all of dim-wide vectors. The reduction itself
+(D-1 adds per output element, B x dim floats) is not timed: on the measured path this is an approximation (an
+all_to_all_single of the same size stands in for the reduce-scatter), small next to the transfer.
+
 - measured (comm_source='measured'): `CommGroup(n)` starts n-1 helper processes
   (`python -m embshard.bench.comm_rank`); with the main process they form
   a torch.distributed group (gloo on CPU, NCCL on GPUs) and time real `all_to_all_single` calls of that size.

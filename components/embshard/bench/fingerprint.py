@@ -39,7 +39,8 @@ def tables_hash(ts: TableSet) -> str:
 
 def shards_hash(shard_df: pd.DataFrame) -> str:
     """Hash of the shard list in order (its position decides the chunk a shard belongs to)."""
-    cols = [c for c in ("sample_id", "table_ids", "num_devices", "origin", "col_sizes") if c in shard_df.columns]
+    cols = [c for c in ("sample_id", "table_ids", "num_devices", "origin", "col_sizes", "row_offsets", "row_sizes")
+            if c in shard_df.columns]
     rows = [[_plain(r[c]) for c in cols] for _, r in shard_df[cols].iterrows()]
     return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()
 

@@ -18,9 +18,21 @@ ids are remapped to distinct rows of [0, C) whenever a batch touches at most C u
 batch sizes and sane budgets), else folded modulo C.
 `row_scale` = scaled weight bytes / original weight bytes of the shard (1.0 = none).
 If the batch alone does not fit the budget the shard is refused with a message to lower the batch size.
+
+Row ranges (a table's piece of kind `row`, rows [row_offset, row_offset + row_size); docs/contracts.md, "Shard
+kinds"). The piece sees the lookups of the whole table's batch that fall in its range: the table's batches are
+drawn as above (bins: ranks hashed to rows by the table's stride; trace: its real ids, windows replayed), the ids
+outside the range are dropped, the kept ones rebased to 0..row_size-1, and each sample's bag length becomes the
+count of its kept ids (empty bags included). Why: hashed ids spread hot and cold ids evenly over the rows, so a
+range of 1/k of the rows gets about 1/k of the lookups with the same hot/cold shape (what the cost model's
+`piece_features` assumes); a trace replays what its real ids put in the range (exact, even where the ids are
+not spread evenly). The whole table's draw uses an rng of the table alone (seed, table id), the same for each
+of its pieces, so a table's k ranges partition one batch's lookups exactly. The op is built with row_size rows
+(then the memory rule above caps them like any table's; kept ids are remapped to distinct rows of the cap).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -47,10 +59,17 @@ class TableInput:
     trace_file: str | None = None
     trace_table_index: int = -1
     scaled_rows: int | None = None
+    row_offset: int = 0            # a row range [row_offset, row_offset + row_size) of the table (kind `row`)
+    row_size: int | None = None    # None: all rows
+
+    @property
+    def piece_rows(self) -> int:
+        """Rows of the piece measured before the memory cap: row_size of a row range, else the table's rows."""
+        return int(self.row_size if self.row_size is not None else self.rows)
 
     @property
     def measured_rows(self) -> int:
-        return int(self.scaled_rows if self.scaled_rows is not None else self.rows)
+        return int(self.scaled_rows if self.scaled_rows is not None else self.piece_rows)
 
 
 def _stride(rows: int, rng: np.random.Generator) -> tuple[int, int]:
@@ -136,15 +155,48 @@ def trace_windows(t: TableInput, batch_size: int, num_batches: int) -> list[tupl
         out.append((indices[np.repeat(starts, lens) + pos], lens))
     rows = t.measured_rows
     if rows < t.rows or any(len(i) and i.max() >= rows for i, _ in out):
-        uniq, inv = np.unique(np.concatenate([i for i, _ in out]), return_inverse=True)
-        if len(uniq) <= rows:  # distinct rows for distinct ids: the access structure is unchanged
-            new = _scatter(np.arange(len(uniq)), rows, _stride(rows, np.random.default_rng(len(uniq))))
-        else:
-            new = uniq % rows
-        mapped = new[inv]
-        split = np.cumsum([len(i) for i, _ in out])[:-1]
-        out = [(m, lens) for m, (_, lens) in zip(np.split(mapped, split), out)]
+        out = fit_rows(out, rows)
     return out
+
+
+def fit_rows(batches: list[tuple[np.ndarray, np.ndarray]], rows: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The batches' ids remapped into [0, rows): distinct rows for distinct ids when they fit (the access
+    structure is unchanged), else folded modulo rows."""
+    if not batches or not sum(len(i) for i, _ in batches):
+        return batches
+    uniq, inv = np.unique(np.concatenate([i for i, _ in batches]), return_inverse=True)
+    if len(uniq) <= rows:
+        new = _scatter(np.arange(len(uniq)), rows, _stride(rows, np.random.default_rng(len(uniq))))
+    else:
+        new = uniq % rows
+    mapped = new[inv]
+    split = np.cumsum([len(i) for i, _ in batches])[:-1]
+    return [(m, lens) for m, (_, lens) in zip(np.split(mapped, split), batches)]
+
+
+def keep_range(indices: np.ndarray, lengths: np.ndarray, offset: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The lookups of one batch (table-local `indices`, bag `lengths`) whose ids lie in [offset, offset + size),
+    rebased to 0..size-1; the new lengths count each sample's kept ids."""
+    indices = np.asarray(indices, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    keep = (indices >= offset) & (indices < offset + size)
+    owner = np.repeat(np.arange(len(lengths)), lengths)
+    return (indices[keep] - offset).astype(np.int64), np.bincount(owner[keep], minlength=len(lengths)).astype(np.int64)
+
+
+def row_range_batches(t: TableInput, batch_size: int, num_batches: int, rng: np.random.Generator
+                      ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(indices, lengths) per rotated batch of a row range (t.row_size set): the whole table's batches (drawn
+    with `rng`, or the trace) filtered to the range and rebased (module doc). Ids are in [0, row_size); the
+    memory cap is applied by the caller (fit_rows)."""
+    assert t.row_size is not None
+    full = dataclasses.replace(t, row_offset=0, row_size=None, scaled_rows=None)
+    if full.trace_file:
+        whole = trace_windows(full, batch_size, num_batches)
+    else:
+        whole = table_batches(full, [bag_lengths(float(t.pooling_factor), batch_size, rng)
+                                     for _ in range(num_batches)], rng)
+    return [keep_range(i, ln, int(t.row_offset), int(t.row_size)) for i, ln in whole]
 
 
 def table_lengths(t: TableInput, batch_size: int, num_batches: int, rng: np.random.Generator) -> list[np.ndarray]:

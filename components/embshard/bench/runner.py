@@ -205,19 +205,46 @@ def close_config(cfg: BenchConfig) -> None:
         cfg.comm_group = None
 
 
-def _table_inputs(tables: TableSet, members: np.ndarray, col_sizes) -> list[inp.TableInput]:
+def _row_range(row_ranges, k: int) -> tuple[int, int] | None:
+    """(offset, size) of member k's row range, or None (all rows; -1 / None entries)."""
+    if row_ranges is None or row_ranges[k] is None:
+        return None
+    off, size = row_ranges[k]
+    if size is None or int(size) < 0:
+        return None
+    return int(off), int(size)
+
+
+def _table_inputs(tables: TableSet, members: np.ndarray, col_sizes, row_ranges=None,
+                  where: str = "shard") -> list[inp.TableInput]:
     out = []
     for k, i in enumerate(members):
         dim = int(tables.dims[i])
         if col_sizes is not None and col_sizes[k] is not None and int(col_sizes[k]) > 0:
             dim = int(col_sizes[k])
+            if dim > int(tables.dims[i]):
+                raise EmbshardError(f"column width {dim} of table {tables.table_ids[i]} wider than its dim "
+                                    f"{int(tables.dims[i])}", path=where, field="col_sizes",
+                                    fix="give a width <= the table's dim, or -1 for the whole width")
+        rr = _row_range(row_ranges, k)
+        if rr is not None and (rr[0] < 0 or rr[1] <= 0 or rr[0] + rr[1] > int(tables.rows[i])):
+            raise EmbshardError(f"row range [{rr[0]}, {rr[0] + rr[1]}) outside table {tables.table_ids[i]} of "
+                                f"{int(tables.rows[i])} rows", path=where, field="row_offsets",
+                                fix="give ranges inside 0..rows, or -1 for all rows")
         tf = tables.trace_file[i]
         out.append(inp.TableInput(
             table_id=str(tables.table_ids[i]), rows=int(tables.rows[i]), dim=dim,
             pooling_factor=float(tables.pooling_factor[i]), bins=tables.bins[i],
             trace_file=None if tf is None or (isinstance(tf, float) and math.isnan(tf)) or tf == "" else str(tf),
-            trace_table_index=int(tables.trace_table_index[i])))
+            trace_table_index=int(tables.trace_table_index[i]),
+            row_offset=0 if rr is None else rr[0], row_size=None if rr is None else rr[1]))
     return out
+
+
+def piece_args(shards) -> tuple[list, list]:
+    """(col_sizes, row_ranges) of a device's Shards, as measure_shard takes them (None entries: whole)."""
+    return ([s.col_size for s in shards],
+            [None if s.row_size is None else (int(s.row_offset), int(s.row_size)) for s in shards])
 
 
 @dataclass
@@ -265,17 +292,27 @@ class ShardInputs:
                        batches=[(z[f"i{j}"], z[f"l{j}"]) for j in range(int(n))])
 
 
-def shard_inputs(tables: TableSet, members, cfg: BenchConfig, col_sizes=None, where: str = "shard") -> ShardInputs:
-    """The rotated batches of one device shard and its row scaling (host work only; deterministic per shard)."""
+def shard_inputs(tables: TableSet, members, cfg: BenchConfig, col_sizes=None, where: str = "shard",
+                 row_ranges=None) -> ShardInputs:
+    """The rotated batches of one device shard and its row scaling (host work only; deterministic per shard).
+    `col_sizes[k]`: the width measured for member k (None/-1: whole); `row_ranges[k]`: its (offset, size) row
+    range (None: all rows; see bench.inputs for how a range gets its lookups)."""
     members = np.asarray(members, dtype=np.int64)
-    specs = _table_inputs(tables, members, col_sizes)
-    key = ",".join(f"{s.table_id}:{s.dim}" for s in specs)
+    specs = _table_inputs(tables, members, col_sizes, row_ranges, where)
+    key = ",".join(f"{s.table_id}:{s.dim}" + ("" if s.row_size is None else f":r{s.row_offset}+{s.row_size}")
+                   for s in specs)
     rng = np.random.default_rng([cfg.seed, zlib.crc32(key.encode())])  # same shard, same inputs
     B = cfg.batch_size
-    lengths = [inp.table_lengths(s, B, cfg.num_batches, rng) for s in specs]
+    # Row ranges: the whole table's batches (an rng of the table alone: every piece of a table filters the same
+    # lookups), filtered to the range. Other tables draw from the shard's rng in order, as before.
+    ranged = {t: inp.row_range_batches(s, B, cfg.num_batches,
+                                       np.random.default_rng([cfg.seed, zlib.crc32(s.table_id.encode())]))
+              for t, s in enumerate(specs) if s.row_size is not None}
+    lengths = [[ln for _, ln in ranged[t]] if t in ranged else inp.table_lengths(s, B, cfg.num_batches, rng)
+               for t, s in enumerate(specs)]
     lookups = [int(sum(int(lens[j].sum()) for lens in lengths)) for j in range(cfg.num_batches)]
     dims = np.array([s.dim for s in specs], dtype=np.int64)
-    rows = np.array([s.rows for s in specs], dtype=np.int64)
+    rows = np.array([s.piece_rows for s in specs], dtype=np.int64)
     bpe = np.asarray(tables.bytes_per_element, dtype=np.int64)[members]
     from .backends import precision
 
@@ -301,7 +338,8 @@ def shard_inputs(tables: TableSet, members, cfg: BenchConfig, col_sizes=None, wh
         s.scaled_rows = int(r)
     row_scale = float((scaled * dims * bpe).sum() / (rows * dims * bpe).sum())
     # one (indices, lengths) pair per rotated batch for each table, drawn table by table (the rng's order)
-    per_table = [inp.table_batches(s, lengths[t], rng) for t, s in enumerate(specs)]
+    per_table = [(inp.fit_rows(ranged[t], s.measured_rows) if s.measured_rows < s.piece_rows else ranged[t])
+                 if t in ranged else inp.table_batches(s, lengths[t], rng) for t, s in enumerate(specs)]
     batches = []
     for j in range(cfg.num_batches):
         idx = np.concatenate([pt[j][0] for pt in per_table]).astype(np.int64, copy=False)
@@ -362,11 +400,13 @@ def _comm(cfg: BenchConfig, sum_dims: int, num_devices: int) -> dict:
 
 
 def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: int, col_sizes=None,
-                  where: str = "shard", inputs: ShardInputs | None = None) -> dict:
-    """Measure one device shard (positions `members` into `tables`); returns the measured numbers.
+                  where: str = "shard", inputs: ShardInputs | None = None, row_ranges=None) -> dict:
+    """Measure one device shard (positions `members` into `tables`; pieces: `col_sizes`, `row_ranges` as
+    shard_inputs takes them); returns the measured numbers. The communication counts each piece's output width
+    (bench.comm: a column slice col_size, a row range the full dim of its partial sums).
     `inputs`: the shard's inputs made beforehand (e.g. by a worker process), else made here."""
     if inputs is None:
-        inputs = shard_inputs(tables, members, cfg, col_sizes, where)
+        inputs = shard_inputs(tables, members, cfg, col_sizes, where, row_ranges)
     m = time_inputs(inputs, cfg, where)
     m.update(_comm(cfg, int(sum(inputs.dims)), num_devices))
     return m
@@ -389,13 +429,19 @@ def input_workers(device: str) -> int:
     return max(1, min(12, (os.cpu_count() or 2) - 2))
 
 
+def _job(job: tuple) -> tuple:
+    """(members, col_sizes, where, row_ranges) of a prefetcher job (row_ranges optional: None)."""
+    return (*job, None) if len(job) == 3 else tuple(job)
+
+
 class InputPrefetcher:
     """Makes shard inputs ahead in `workers` helper processes; `get(k)` returns job k's ShardInputs, in order.
     With 0 workers it makes them in-process on demand.
 
     The helpers are fresh interpreters running `python -m embshard.bench.input_worker` (not multiprocessing: its
     spawn re-imports the parent's entry script, which under an Airflow task is `airflow` itself). Job k goes to
-    helper k % workers as one JSON line; each helper answers its jobs in order with the path of an uncompressed
+    helper k % workers as one JSON line (a job is (members, col_sizes, where[, row_ranges])); each helper answers
+    its jobs in order with the path of an uncompressed
     .npz in a temporary folder (deleted on close)."""
 
     def __init__(self, tables: TableSet, cfg: BenchConfig, jobs: list, workers: int, ahead: int | None = None):
@@ -425,18 +471,19 @@ class InputPrefetcher:
 
         while self.next < len(self.jobs) and self.next - done < self.ahead:
             k = self.next
-            members, cols, where = self.jobs[k]
+            members, cols, where, ranges = _job(self.jobs[k])
             job = {"members": [int(m) for m in members], "cols": None if cols is None else [
                 None if c is None else int(c) for c in cols], "where": where,
+                "rows": None if ranges is None else [None if r is None else [int(r[0]), int(r[1])] for r in ranges],
                 "path": os.path.join(self.tmp, f"{k:06d}.npz")}
             self.procs[k % self.workers].stdin.write(json.dumps(job) + "\n")
             self.procs[k % self.workers].stdin.flush()
             self.next += 1
 
     def get(self, k: int) -> ShardInputs:
-        members, cols, where = self.jobs[k]
+        members, cols, where, ranges = _job(self.jobs[k])
         if not self.workers:
-            return shard_inputs(self.tables, members, self.cfg, cols, where)
+            return shard_inputs(self.tables, members, self.cfg, cols, where, ranges)
         answer = self.procs[k % self.workers].stdout.readline().strip()
         if not answer.startswith("ok "):
             raise EmbshardError(f"an input worker failed on {where}: {answer or 'it exited'}", field="shards",
@@ -473,14 +520,16 @@ class InputPrefetcher:
 
 def measure_placement(placement, settings: MeasureSettings | None = None) -> pd.DataFrame:
     """Measure every device of `placement` (one fused op per device shard; a column slice is measured as a
-    table of dim=col_size). One row per device: device, table_ids, fwd/bwd compute and comm ms, total_ms (an
-    empty device costs 0), plus hardware, backend, comm_source, row_scale."""
+    table of dim=col_size, a row range as bench.inputs says). One row per device: device, table_ids, fwd/bwd
+    compute and comm ms, total_ms (an empty device costs 0), plus hardware, backend, comm_source, row_scale."""
     cfg = make_config(settings or MeasureSettings())
     rows = []
     device_shards = placement.device_shards()
     busy = [d for d, shards in enumerate(device_shards) if shards]
-    jobs = [([s.table for s in device_shards[d]], [s.col_size for s in device_shards[d]],
-             f"{placement.task_id}/device {d}") for d in busy]
+    jobs: list[tuple] = []  # (members, col_sizes, where, row_ranges)
+    for d in busy:
+        cols, ranges = piece_args(device_shards[d])
+        jobs.append(([s.table for s in device_shards[d]], cols, f"{placement.task_id}/device {d}", ranges))
     try:
         with InputPrefetcher(placement.tables, cfg, jobs, input_workers(cfg.device) if len(jobs) > 1 else 0) as pre:
             for d, shards in enumerate(device_shards):
@@ -491,7 +540,8 @@ def measure_placement(placement, settings: MeasureSettings | None = None) -> pd.
                 else:
                     k = busy.index(d)
                     m = measure_shard(placement.tables, jobs[k][0], cfg, num_devices=placement.num_devices,
-                                      col_sizes=jobs[k][1], where=jobs[k][2], inputs=pre.get(k))
+                                      col_sizes=jobs[k][1], where=jobs[k][2], inputs=pre.get(k),
+                                      row_ranges=jobs[k][3])
                 rows.append({"device": d, "table_ids": ids, **{k: m[k] for k in (
                     "fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")},
                     "total_ms": m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"],

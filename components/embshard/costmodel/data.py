@@ -7,6 +7,12 @@ Splits (seeded, reproducible):
 - shards made only of train-pool tables are split at random into train / val (early stopping) / heldout.
 The shard sampler (jobs.shards) draws each shard inside one pool and measures tables alone once (the
 single-table reference needs it).
+
+Split pieces (docs/contracts.md, "Shard kinds"): a costs row whose `col_sizes` / `row_offsets` / `row_sizes` name
+a column slice or a row range of a table gets, for that entry, a feature row of its own made by
+`costmodel.scoring.piece_features` (appended after the tables' rows; `piece_table` maps every feature row to its
+table), so training sees exactly the features planners score. `is_split` flags the shards holding any piece:
+the report gives their accuracy separately.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import pandas as pd
 from .. import hardware, pools, schemas
 from ..errors import EmbshardError
 from ..features import feature_matrix
+from ..schemas import PIECE_COLUMNS
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +50,20 @@ class CostData:
     backend: str
     dataset_hash: str
     dropped: dict
+    piece_table: np.ndarray | None = None  # (N + P,) the table of each feature row; None: rows are the tables
+    is_split: np.ndarray | None = None     # (S,) True where the shard holds a column slice or a row range
 
     def index(self, split: str) -> np.ndarray:
         return np.flatnonzero(self.split == split)
+
+    def split_mask(self, idx: np.ndarray) -> np.ndarray:
+        """True for the shards of `idx` that hold a split piece (a column slice or a row range)."""
+        idx = np.asarray(idx, dtype=np.int64)
+        return np.zeros(len(idx), dtype=bool) if self.is_split is None else self.is_split[idx]
+
+    def tables_of(self, rows: np.ndarray) -> np.ndarray:
+        """The tables of feature rows `rows` (a piece's row maps to its table)."""
+        return np.asarray(rows) if self.piece_table is None else self.piece_table[np.asarray(rows)]
 
     def singles(self) -> dict[tuple[int, int], np.ndarray]:
         """(table row, num_devices) -> measured (3,) ms of the single-table shards (median if repeated)."""
@@ -59,7 +77,9 @@ class CostData:
 def dataset_hash(frame: pd.DataFrame) -> str:
     """A short content hash of the costs rows used (order-independent)."""
     cols = ["sample_id", "fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms", "batch_size"]
-    text = frame[cols].assign(table_ids=frame["table_ids"].map(lambda v: ",".join(v))) \
+    pieces = {c: frame[c].map(lambda v: "" if v is None or isinstance(v, float) else ",".join(map(str, v)))
+              for c in PIECE_COLUMNS if c in frame.columns}  # absent in files without pieces: same hash as before
+    text = frame[cols].assign(table_ids=frame["table_ids"].map(lambda v: ",".join(v)), **pieces) \
         .sort_values("sample_id").to_csv(index=False)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -89,13 +109,14 @@ def load(costs: str | list[str], tables: str, *, seed: int = 0, val_frac: float 
                             path=costs, field="table_ids",
                             fix="pass the tables.parquet the benchmark measured (--tables)")
     shards = [np.fromiter((lookup[t] for t in v), dtype=np.int64, count=len(v)) for v in cdf["table_ids"]]
+    features, piece_table, is_split = _piece_rows(tdf, cdf, shards)
     targets = np.stack([cdf["fwd_compute_ms"].to_numpy(float), cdf["bwd_compute_ms"].to_numpy(float),
                         (cdf["fwd_comm_ms"] + cdf["bwd_comm_ms"]).to_numpy(float)], axis=1)
     nd = (cdf["num_devices"].to_numpy(np.int64) if "num_devices" in cdf.columns
           else np.ones(len(cdf), dtype=np.int64))
 
     is_unseen = pools.of(tdf, seed) == "test"
-    frac = np.array([is_unseen[s].mean() for s in shards])
+    frac = np.array([is_unseen[piece_table[s]].mean() for s in shards])
     split = np.full(len(cdf), "", dtype=object)
     split[frac == 1.0] = "unseen"
     seen_idx = np.flatnonzero(frac == 0.0)
@@ -113,11 +134,58 @@ def load(costs: str | list[str], tables: str, *, seed: int = 0, val_frac: float 
     hw = str(cdf["hardware"].iloc[0])
     known = cdf["cache_bytes"].dropna() if "cache_bytes" in cdf.columns else pd.Series(dtype="int64")
     cache = int(known.mode().iloc[0]) if len(known) else hardware.cache_bytes_of(hw)
-    return CostData(features=feature_matrix(tdf), table_ids=ids, shards=shards, targets=targets,
+    return CostData(features=features, table_ids=ids, shards=shards, targets=targets,
                     num_devices=nd, frame=cdf, split=split, batch_size=int(cdf["batch_size"].iloc[0]),
                     cache_bytes=cache,
                     hardware=str(cdf["hardware"].iloc[0]), backend=str(cdf["backend"].iloc[0]),
-                    dataset_hash=dataset_hash(cdf), dropped=dropped)
+                    dataset_hash=dataset_hash(cdf), dropped=dropped, piece_table=piece_table, is_split=is_split)
+
+
+def entry_pieces(row: pd.Series, n: int) -> list[tuple[int | None, int, int | None]]:
+    """(col_size, row_offset, row_size) of each of a costs/shards row's n entries (None sizes: whole)."""
+    def get(col):
+        v = row[col] if col in row.index else None
+        return None if v is None or isinstance(v, float) else [int(x) for x in v]
+
+    cols, offs, sizes = get("col_sizes"), get("row_offsets"), get("row_sizes")
+    out = []
+    for k in range(n):
+        c = None if cols is None or cols[k] < 0 else cols[k]
+        z = None if sizes is None or sizes[k] < 0 else sizes[k]
+        o = 0 if z is None or offs is None else max(offs[k], 0)
+        out.append((c, o, z))
+    return out
+
+
+def _piece_rows(tdf: pd.DataFrame, cdf: pd.DataFrame, shards: list[np.ndarray]
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The feature matrix with one extra row per distinct split piece (piece_features), `shards` rewritten in
+    place to point at them, the table of every feature row, and the split flag of every shard."""
+    base = feature_matrix(tdf)
+    n_tables = len(base)
+    is_split = np.zeros(len(shards), dtype=bool)
+    if not any(c in cdf.columns for c in PIECE_COLUMNS):
+        return base, np.arange(n_tables), is_split
+    from ..tableset import TableSet
+    from ..types import Shard
+    from .scoring import piece_features
+
+    keys: dict[tuple, int] = {}
+    for s, rows in enumerate(shards):
+        for k, (c, o, z) in enumerate(entry_pieces(cdf.iloc[s], len(rows))):
+            if c is None and z is None:
+                continue
+            key = (int(rows[k]), c, o, z)
+            if key not in keys:
+                keys[key] = n_tables + len(keys)
+            rows[k] = keys[key]
+            is_split[s] = True
+    if not keys:
+        return base, np.arange(n_tables), is_split
+    pieces = [Shard(t, 0, col_size=c, row_offset=o, row_size=z) for (t, c, o, z) in keys]
+    extra = piece_features(TableSet.from_frame(tdf), pieces)
+    piece_table = np.concatenate([np.arange(n_tables), [p.table for p in pieces]]).astype(np.int64)
+    return np.concatenate([base, extra]), piece_table, is_split
 
 
 def assemble_placements(data: CostData, idx: np.ndarray, count: int, seed: int) -> list[tuple[np.ndarray, float]]:
@@ -139,7 +207,7 @@ def assemble_placements(data: CostData, idx: np.ndarray, count: int, seed: int) 
         chosen: list[int] = []
         used: set[int] = set()
         for s in pool:
-            t = set(data.shards[s].tolist())
+            t = set(data.tables_of(data.shards[s]).tolist())
             if t & used:
                 continue
             chosen.append(s)

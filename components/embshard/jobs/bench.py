@@ -30,7 +30,7 @@ from ..bench.runner import (
     measure_shard,
     resolve_settings,
 )
-from ..bench.sampler import load_shards
+from ..bench.sampler import check_pieces, load_shards, piece_lists
 from ..errors import EmbshardError
 from ..tableset import TableSet
 
@@ -82,6 +82,8 @@ def run(tables, shards, out: str, settings: MeasureSettings | None = None, *, nu
                            num_devices=num_devices, seed=seed, max_tables=max_tables)
     where = shards if isinstance(shards, str) and not shards.startswith("random:") else "shards"
     members = [ts.index_of(list(ids), where=where) for ids in shard_df["table_ids"]]
+    pieces = [piece_lists(shard_df, i) for i in range(len(shard_df))]  # (col_sizes, row_ranges) per shard
+    check_pieces(ts, members, pieces, shard_df, where)
     if num_chunks < 1:
         raise EmbshardError(f"num_chunks={num_chunks}", field="num_chunks", fix="use num_chunks >= 1")
     if chunk is not None and not 0 <= chunk < num_chunks:
@@ -98,7 +100,7 @@ def run(tables, shards, out: str, settings: MeasureSettings | None = None, *, nu
     has_results = bool(storage.list_files(costs_dir, ".parquet")) or storage.exists(storage.join(costs_dir, ".partial"))
     fp_pending = fingerprint.check_or_adopt(costs_dir, fp, has_results)
     chunks = [chunk] if chunk is not None else list(range(num_chunks))
-    has_cols = "col_sizes" in shard_df.columns
+    piece_cols = [c for c in schemas.PIECE_COLUMNS if c in shard_df.columns]
 
     # What is left to do, before any heavy setup.
     plan: list[tuple[int, str, str, list[int], set[int]]] = []
@@ -134,8 +136,7 @@ def run(tables, shards, out: str, settings: MeasureSettings | None = None, *, nu
         order += [(pi, idx[k]) for k in perm if idx[k] not in finished]
     jobs = []
     for _, i in order:
-        cols = shard_df.iloc[i]["col_sizes"] if has_cols else None
-        jobs.append((members[i], None if cols is None else list(cols), str(shard_df.iloc[i]["sample_id"])))
+        jobs.append((members[i], pieces[i][0], str(shard_df.iloc[i]["sample_id"]), pieces[i][1]))
     workers = input_workers(cfg.device) if len(jobs) > 1 else 0
     if workers:
         log.info("bench: %d input worker processes", workers)
@@ -149,12 +150,12 @@ def run(tables, shards, out: str, settings: MeasureSettings | None = None, *, nu
                     if measured == fail_after:
                         raise RuntimeError(f"EMBSHARD_BENCH_FAIL_AFTER={fail_after}: simulated crash")
                     s = shard_df.iloc[i]
-                    cols = jobs[k][1]
-                    m = measure_shard(ts, members[i], cfg, num_devices=int(s["num_devices"]), col_sizes=cols,
-                                      where=str(s["sample_id"]), inputs=pre.get(k))
+                    m = measure_shard(ts, members[i], cfg, num_devices=int(s["num_devices"]), col_sizes=jobs[k][1],
+                                      where=str(s["sample_id"]), inputs=pre.get(k), row_ranges=jobs[k][3])
                     row = _row(s["sample_id"], s["table_ids"], m, cfg, s["origin"], c)
-                    if has_cols:
-                        row["col_sizes"] = None if cols is None else [int(x) for x in cols]
+                    for col in piece_cols:  # the pieces measured travel to the costs row (-1 = whole)
+                        v = s[col]
+                        row[col] = None if v is None else [int(x) for x in v]
                     if fp_pending:  # with the first result: a failed first shard leaves nothing behind
                         fingerprint.write(costs_dir, fp)
                         fp_pending = False

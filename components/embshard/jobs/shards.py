@@ -6,6 +6,10 @@ Every mapped benchmark chunk reads this list instead of recomputing it. The budg
 - in each pool, half random shards of 1-15 tables and half plan shards (plan_shards): device shards
   of greedy plans of 20-200-table tasks on 2-16 devices, half of them one search step away, 1-60 tables each:
   the devices the planners and the search actually compare;
+- split pieces (docs/contracts.md, "Shard kinds") where plans put them, within the same budget: a quarter of the
+  random shards hold one table as a row range or a column slice (bench.sampler.split_shards: the hot, large
+  tables most often), a quarter of the plans split their heaviest table over the devices (plan_shards), and
+  any plan's pieces are kept as they are (col_sizes, row_offsets, row_sizes);
 - every train-pool table alone, and every test-pool table of the test shards alone (cheap; the single-table
   reference of the cost-model report needs them).
 """
@@ -29,13 +33,64 @@ PLAN_DEVICES = (2, 4, 8, 16)
 MAX_PLAN_SHARD_TABLES = 60
 SHARDS_PER_PLAN = 2       # device shards kept per plan: more plans, less of the same plan
 NEIGHBOUR_SHARE = 0.5     # plans moved one search step (1-3 tables off the most loaded device) before sampling
+SPLIT_SHARE = 0.25        # plans whose heaviest table is split over the devices before sampling
+
+
+def _piece_proxy(plan, table_proxy: np.ndarray) -> np.ndarray:
+    """A planner proxy per piece: the table's, times the piece's share of its rows or columns."""
+    t = plan.tables
+    out = []
+    for p in plan.shards:
+        share = 1.0
+        if p.col_size is not None:
+            share *= p.col_size / float(t.dims[p.table])
+        if p.row_size is not None:
+            share *= p.row_size / float(t.rows[p.table])
+        out.append(float(table_proxy[p.table]) * share)
+    return np.asarray(out)
+
+
+def _split_heaviest(plan, table_proxy: np.ndarray, rng: np.random.Generator):
+    """`plan` with its heaviest table (by the proxy) split in k pieces on k distinct devices, the least loaded
+    first: k equal row ranges (k a power of two up to the devices) or, for tables of dim >= 8, k column slices
+    (multiples of 4). None when the memory no longer fits or nothing can be split."""
+    from ..placement import Placement
+    from ..types import Shard
+
+    t, nd = plan.tables, plan.num_devices
+    proxy = _piece_proxy(plan, table_proxy)
+    k_shard = int(np.argmax(proxy))
+    s = plan.shards[k_shard]
+    if s.kind != "whole":
+        return None
+    i, rows, dim = s.table, int(t.rows[s.table]), int(t.dims[s.table])
+    ways = [k for k in (2, 4, 8, 16) if k <= nd]
+    if not ways:
+        return None
+    k = int(rng.choice(ways))
+    others = [p for j, p in enumerate(plan.shards) if j != k_shard]
+    load = np.bincount([p.device for p in others], weights=np.delete(proxy, k_shard), minlength=nd)
+    devs = [int(d) for d in np.argsort(load, kind="stable")[:k]]
+    if dim // 4 >= k and rng.random() < 0.5:
+        units = np.diff(np.linspace(0, dim // 4, k + 1).astype(int)) * 4
+        offs = np.concatenate([[0], np.cumsum(units)[:-1]])
+        new = [Shard(i, d, col_offset=int(o), col_size=int(w)) for d, o, w in zip(devs, offs, units)]
+    elif rows >= k:
+        bounds = [j * rows // k for j in range(k + 1)]
+        new = [Shard(i, d, row_offset=bounds[j], row_size=bounds[j + 1] - bounds[j]) for j, d in enumerate(devs)]
+    else:
+        return None
+    out = Placement(t, nd, plan.memory_bytes_per_device, others + new, planner=plan.planner, task_id=plan.task_id)
+    if (out.memory_per_device() > plan.memory_bytes_per_device).any():
+        return None
+    return out
 
 
 def run(tables: str, tasks: str, out: str, *, num_shards: int, seed: int = 0,
         max_tables: int = MAX_RANDOM_TABLES) -> str:
     """Write OUT/shards.parquet (shards contract) and return its path; an existing list is kept (the list is a
     pure function of the inputs, so a rerun or a retried task sees the same one)."""
-    from ..bench.sampler import random_shards
+    from ..bench.sampler import piece_key, random_shards, split_shards
     from ..types import load_tasks
 
     target = storage.join(out, SHARDS_FILE)
@@ -55,6 +110,7 @@ def run(tables: str, tasks: str, out: str, *, num_shards: int, seed: int = 0,
             continue
         n_plan = n // 2
         df = random_shards(members, n - n_plan, max_tables=max_tables, seed=seed, num_devices=num_devices)
+        df = split_shards(df, table_set, seed=2 * seed + (pool == "test"))
         parts = [df]
         if n_plan:
             parts.append(plan_shards(table_set.select(members), n_plan, seed=seed,
@@ -69,7 +125,7 @@ def run(tables: str, tasks: str, out: str, *, num_shards: int, seed: int = 0,
                                 "origin": "single"}))
     shards = pd.concat(frames, ignore_index=True).drop_duplicates("sample_id")
     # The same table set drawn twice is measured once.
-    shards = shards[~shards["table_ids"].map(lambda v: tuple(sorted(v))).duplicated()].reset_index(drop=True)
+    shards = shards[~shards.apply(piece_key, axis=1).duplicated()].reset_index(drop=True)
     schemas.write(shards, target, "shards")
     return target
 
@@ -82,10 +138,15 @@ def plan_shards(tables: TableSet, n: int, *, memory_bytes_per_device: int, seed:
     Each plan: a task of `task_tables` random tables on one of `devices` (those that leave <= `max_shard_tables`
     per device on average), placed by a random greedy baseline; with probability NEIGHBOUR_SHARE it is moved one
     step the way local search moves (1-3 tables from the device with the largest proxy load to others, memory
-    kept). Up to SHARDS_PER_PLAN of its device shards are kept, moved devices first; a table set is kept once.
-    origin: 'plan:<planner>' or 'plan:<planner>+move'.
+    kept). Before that, with probability SPLIT_SHARE, the plan's heaviest table (by the planner's proxy) is split
+    as a splitting planner would (_split_heaviest). Any plan's pieces are kept by kind (col_sizes, row_offsets,
+    row_sizes; -1 = whole); devices holding replicas are skipped (not measured yet). Up to SHARDS_PER_PLAN of its
+    device shards are kept, moved devices first; a set of pieces is kept once.
+    origin: 'plan:<planner>[+split][+move]'.
     """
+    from ..bench.sampler import piece_key
     from ..planners.baselines import GREEDY_BASELINES, PROXIES, make_baseline
+    from ..types import REPLICATED
 
     if len(tables) == 0:
         raise EmbshardError("empty table pool", field="table_ids", fix="give at least one table to sample from")
@@ -94,7 +155,7 @@ def plan_shards(tables: TableSet, n: int, *, memory_bytes_per_device: int, seed:
     rng = np.random.default_rng(seed)
     lo, hi = min(task_tables[0], len(tables)), min(task_tables[1], len(tables))
     rows: list[dict] = []
-    seen: set[tuple[str, ...]] = set()
+    seen: set[tuple] = set()
     for attempt in range(50 * n):
         if len(rows) >= n:
             break
@@ -107,28 +168,43 @@ def plan_shards(tables: TableSet, n: int, *, memory_bytes_per_device: int, seed:
             plan = make_baseline(name, seed=seed).plan(sub, nd, memory_bytes_per_device, f"plan-{attempt}")
         except EmbshardError:
             continue  # these tables do not fit these devices: draw another task
+        origin = f"plan:{name}"
+        if nd > 1 and rng.random() < SPLIT_SHARE:
+            split = _split_heaviest(plan, PROXIES[name.removesuffix("_greedy")](sub), rng)
+            if split is not None:
+                plan, origin = split, origin + "+split"
+        pieces = plan.shards
         assign = plan.device_of_shards()
-        origin, moved = f"plan:{name}", []
+        moved: list[int] = []
         if nd > 1 and rng.random() < NEIGHBOUR_SHARE:
-            load = np.bincount(assign, weights=PROXIES[name.removesuffix("_greedy")](sub), minlength=nd)
+            proxy = _piece_proxy(plan, PROXIES[name.removesuffix("_greedy")](sub))
+            load = np.bincount(assign, weights=proxy, minlength=nd)
             src = int(np.argmax(load))
             on_src = np.flatnonzero(assign == src)
             trial = assign.copy()
             for t in rng.choice(on_src, size=min(len(on_src), int(rng.integers(1, 4))), replace=False):
                 trial[t] = int(rng.choice([d for d in range(nd) if d != src]))
-            used = np.bincount(trial, weights=sub.size_bytes.astype(np.float64), minlength=nd)
+            used = np.bincount(trial, weights=plan.shard_bytes().astype(np.float64), minlength=nd)
             if (used <= memory_bytes_per_device).all():
                 assign, origin = trial, origin + "+move"
                 moved = [src] + sorted(set(trial[on_src].tolist()) - {src})
         order = moved + [int(d) for d in rng.permutation(nd) if int(d) not in moved]
         kept = 0
         for dev in order:
-            ids = sorted(str(t) for t in sub.table_ids[assign == dev])
-            if not ids or len(ids) > max_shard_tables or tuple(ids) in seen:
+            on = [pieces[k] for k in np.flatnonzero(assign == dev)]
+            if not on or len(on) > max_shard_tables or any(p.kind == REPLICATED for p in on):
+                continue  # replicas are not measured yet (docs/contracts.md, "Shard kinds")
+            on.sort(key=lambda p: (str(sub.table_ids[p.table]), p.col_offset, p.row_offset))
+            row = {"sample_id": f"plan-s{seed}-{len(rows):06d}",
+                   "table_ids": [str(sub.table_ids[p.table]) for p in on], "num_devices": nd, "origin": origin,
+                   "col_sizes": [-1 if p.col_size is None else int(p.col_size) for p in on],
+                   "row_offsets": [-1 if p.row_size is None else int(p.row_offset) for p in on],
+                   "row_sizes": [-1 if p.row_size is None else int(p.row_size) for p in on]}
+            key = piece_key(row)
+            if key in seen:
                 continue
-            seen.add(tuple(ids))
-            rows.append({"sample_id": f"plan-s{seed}-{len(rows):06d}", "table_ids": ids, "num_devices": nd,
-                         "origin": origin})
+            seen.add(key)
+            rows.append(row)
             kept += 1
             if kept >= SHARDS_PER_PLAN or len(rows) >= n:
                 break

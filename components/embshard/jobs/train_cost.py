@@ -87,6 +87,13 @@ def origin_breakdown(learned: np.ndarray, data: CostData, idx: np.ndarray) -> di
                                                     if (kind == k).any()})
 
 
+def kind_breakdown(learned: np.ndarray, data: CostData, idx: np.ndarray) -> dict:
+    """Compute metrics (MAPE, RMSE, Spearman) on shards holding a split piece (a column slice or a row range,
+    docs/contracts.md "Shard kinds") and on whole-table shards, separately."""
+    split = data.split_mask(idx)
+    return _compute_metrics_by(learned, data, idx, {"split": split, "whole": ~split})
+
+
 def evaluate(model, data: CostData, analytic: AnalyticEstimator, seed: int = 0) -> dict:
     """Nested report: report[split][estimator][head] = {mape, rmse, spearman, n}, plus coverage and overall."""
     report: dict = {}
@@ -112,6 +119,7 @@ def evaluate(model, data: CostData, analytic: AnalyticEstimator, seed: int = 0) 
         rep["calibration"] = calibration(model, data, idx)
         rep["rows_capped"] = capped_breakdown(learned, data, idx)
         rep["by_origin"] = origin_breakdown(learned, data, idx)
+        rep["by_shard_kind"] = kind_breakdown(learned, data, idx)
         if "spread" in data.frame.columns:
             sp = data.frame["spread"].to_numpy(float)[idx]
             rep["noise_spread_median"] = float(np.nanmedian(sp)) if np.isfinite(sp).any() else float("nan")
@@ -177,6 +185,11 @@ def summary_table(report: dict) -> str:
             lines.append(f"  compute MAPE on shards with capped rows {cap['capped']['mape']:.1f}% "
                          f"(n={cap['capped']['n']}), uncapped {cap['uncapped']['mape']:.1f}% "
                          f"(n={cap['uncapped']['n']})")
+        kinds = rep.get("by_shard_kind") or {}
+        if kinds:
+            lines.append("  compute on split shards (column slices, row ranges): " + ", ".join(
+                f"{k} MAPE {v['mape']:.1f}% Spearman {v['spearman']:.3f} (n={v['n']})" if v.get("n")
+                else f"{k} none measured" for k, v in kinds.items()))
         by = {k: v for k, v in (rep.get("by_origin") or {}).items() if v.get("n")}
         if by:
             lines.append("  compute by shard origin: " + ", ".join(
