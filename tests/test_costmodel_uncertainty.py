@@ -254,3 +254,22 @@ def test_hardware_names_match_by_prefix_and_case():
     assert mismatch_warning("", "cpu:x", asked=False) is None  # a model that does not say: nothing to warn about
     line = mismatch_warning("cpu:AMD EPYC", "cuda:NVIDIA H200", asked=True)
     assert line is not None and "\n" not in line and "fix:" in line
+
+
+def test_predict_costs_a_split_piece_as_the_piece_not_its_whole_table(saved_ensemble, tmp_path):
+    """A shards file's column slices and row ranges are predicted from their piece features (a quarter of the
+    rows carries a quarter of the lookups), not as the whole table."""
+    from embshard.jobs import predict
+
+    root, ids = saved_ensemble
+    rows = int(pd.read_parquet(root / "tables.parquet").set_index("table_id").loc[ids[0], "rows"])
+    shards = pd.DataFrame({"sample_id": ["whole", "row", "col"], "table_ids": [[ids[0]]] * 3,
+                           "num_devices": [4, 4, 4], "origin": ["user"] * 3,
+                           "col_sizes": [[-1], [-1], [4]], "row_offsets": [[-1], [0], [-1]],
+                           "row_sizes": [[-1], [rows // 4], [-1]]})
+    schemas.write(shards, tmp_path / "shards.parquet", "shards")
+    df = predict.run(str(root / "tables.parquet"), str(tmp_path / "shards.parquet"), str(tmp_path / "p.parquet"),
+                     model_uri=str(root / "model")).set_index("sample_id")
+    whole = df.loc["whole", "working_set_bytes"]
+    assert df.loc["row", "working_set_bytes"] < whole and df.loc["col", "working_set_bytes"] < whole
+    assert df.loc["row", "total_ms"] != df.loc["whole", "total_ms"] != df.loc["col", "total_ms"]

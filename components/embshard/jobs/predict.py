@@ -66,13 +66,12 @@ def run(tables: str, shards: str, out: str, model_uri: str = COST_CHAMPION_URI,
         raise EmbshardError(f"{len(missing)} table ids are not in the tables file, e.g. {missing[:3]}", path=shards,
                             field="table_ids", fix=f"use ids of {os.fspath(tables)}")
     model = costmodel.load(model_uri)
-    feats = ts.features()
+    feats, rows = _shard_features(ts, sdf, row_of)
     cfg = model.config
     warning = check_target(str(cfg.hardware or ""), hardware)
     if warning:
         logging.getLogger(__name__).warning(warning)
     ws = working_set_bytes(feats, int(cfg.batch_size or 1024))
-    rows = [np.array([row_of[t] for t in ids], dtype=np.int64) for ids in sdf["table_ids"]]
     out_df = pd.DataFrame({"sample_id": sdf["sample_id"].astype(str), "num_tables": [len(r) for r in rows],
                            "num_devices": sdf["num_devices"].astype(int)})
     cols: dict[str, np.ndarray] = {}
@@ -93,6 +92,30 @@ def run(tables: str, shards: str, out: str, model_uri: str = COST_CHAMPION_URI,
         else:
             out_df.to_parquet(f, index=False)
     return out_df
+
+
+def _shard_features(ts, sdf: pd.DataFrame, row_of: dict[str, int]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The feature rows the shards index: the tables' own, plus one row per split piece (column slice or row
+    range, costmodel.scoring.piece_features) so that a piece is predicted as what it is, not as its whole table."""
+    from ..costmodel.data import entry_pieces
+    from ..costmodel.scoring import piece_features
+    from ..types import Shard
+
+    base = ts.features()
+    extra: list[Shard] = []
+    rows = []
+    for _, srow in sdf.iterrows():
+        ids = list(srow["table_ids"])
+        idx = []
+        for t, (col, off, size) in zip(ids, entry_pieces(srow, len(ids))):
+            if col is None and size is None:
+                idx.append(row_of[t])
+            else:
+                idx.append(len(base) + len(extra))
+                extra.append(Shard(row_of[t], 0, 0, col, off, size))
+        rows.append(np.array(idx, dtype=np.int64))
+    feats = np.vstack([base, piece_features(ts, extra)]) if extra else base
+    return feats, rows
 
 
 # What `embshard predict` writes and reads: its --out is checked before any work (cli.check_output).
