@@ -90,6 +90,27 @@ class Shard:
             object.__setattr__(self, "kind", derived)
 
 
+def row_blocks(rows: int, parts: int) -> list[tuple[int, int]]:
+    """The row ranges (offset, size) of a table cut into `parts` row-wise pieces, in device order: each holds
+    ceil(rows / parts) rows, the last the rest. TorchRec 1.8 trains row-wise (and table-row-wise, per host)
+    shards only in this layout (its input dist buckets ids by that block size), so planners cut rows this way
+    and the export can hand the plan to TorchRec unchanged."""
+    if parts < 1 or rows < parts:
+        from .errors import EmbshardError
+
+        raise EmbshardError(f"cannot cut {rows} rows into {parts} row-wise pieces", field="row_size",
+                            fix="cut into at most as many pieces as the table has rows")
+    block = -(-rows // parts)
+    out = []
+    for i in range(parts):
+        offset = i * block
+        size = min(block, rows - offset)
+        if size <= 0:
+            break
+        out.append((offset, size))
+    return out
+
+
 @runtime_checkable
 class CostEstimator(Protocol):
     """A SUM-decomposable cost model: a device's predicted cost is a function of the sum of the encodings of

@@ -1,8 +1,8 @@
 """The planner interface: tables + a device topology (or devices + memory per device) -> Placement.
 
 Every planner treats memory per device as a hard constraint. `check_feasible` rejects tasks that no planner
-can place, and `InfeasiblePlacementError` says how much memory is missing: a table is never silently put on a
-device that cannot hold it.
+can place (all tables together exceed all devices), and `InfeasiblePlacementError` says how much memory is
+missing: a table is never silently put on a device that cannot hold it.
 """
 from __future__ import annotations
 
@@ -65,15 +65,8 @@ class Planner(ABC):
 
 
 def check_feasible(tables: TableSet, num_devices: int, memory_bytes_per_device: int, task_id: str = "task"):
-    """Necessary conditions: every table fits one device, and all tables fit all devices together."""
-    biggest = int(np.argmax(tables.size_bytes))
-    if tables.size_bytes[biggest] > memory_bytes_per_device:
-        raise InfeasiblePlacementError(
-            f"table {tables.table_ids[biggest]} needs {tables.size_bytes[biggest] / GiB:.3f} GiB, more than the "
-            f"{memory_bytes_per_device / GiB:.3f} GiB of one device "
-            f"({(tables.size_bytes[biggest] - memory_bytes_per_device) / GiB:.3f} GiB missing)",
-            path=task_id, field="memory_bytes_per_device",
-            fix="raise memory per device or split the table column-wise")
+    """The necessary condition: all tables fit all devices together. A table larger than one device is not an
+    error here: planners split it (row- or column-wise) to make it fit."""
     total = int(tables.size_bytes.sum())
     capacity = num_devices * memory_bytes_per_device
     if total > capacity:
