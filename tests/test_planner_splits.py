@@ -1,0 +1,161 @@
+"""Planners cut tables (issue 24): to make a task fit (every planner, fewest cuts first) and, in the learned
+planner, where a cut lowers the predicted slowest device (k column slices, row-wise, table-row-wise per host).
+Row pieces keep TorchRec's row-wise layout (types.row_blocks over their devices, in order): no search moves them."""
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from embshard.checks import GiB
+from embshard.costmodel.reference import AnalyticEstimator
+from embshard.errors import InfeasiblePlacementError
+from embshard.ingest.spec import tables_from_spec
+from embshard.ingest.synthetic import generate_tables
+from embshard.planners.baselines import BASELINES, make_baseline
+from embshard.planners.learned import LearnedPlanner
+from embshard.planners.scoring import placement_costs
+from embshard.planners.search import Budget, SearchState, local_search
+from embshard.planners.splitting import ROW_LEVEL, column_widths, split_to_fit
+from embshard.tableset import TableSet
+from embshard.types import DeviceTopology, row_blocks
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "components", "embshard", "ingest", "examples")
+
+
+def analytic() -> AnalyticEstimator:
+    """A fixed bandwidth model (ms per byte and a per-device constant, per head): a cut that spreads a hot table's
+    lookups lowers the slowest device, one that only adds pieces costs their constant and all-to-all bytes."""
+    est = AnalyticEstimator()
+    est.batch_size = 512.0
+    est.coef = np.array([[2e-9, 0.05], [4e-9, 0.05], [1e-9, 0.05]])
+    return est
+
+
+@pytest.fixture(scope="module")
+def mlperf() -> TableSet:
+    """The MLPerf-DLRM-like list: 26 tables of width 128, five of 40M rows (19.07 GiB each)."""
+    return TableSet.from_frame(tables_from_spec(os.path.join(EXAMPLES, "mlperf_dlrm.yaml"), bins_batch_size=4096,
+                                                progress=False))
+
+
+def hot_tables(n: int = 30, seed: int = 3) -> TableSet:
+    """Synthetic tables with one that dominates: 40x the lookups of the hottest other one."""
+    ts = TableSet.from_frame(generate_tables(n, seed=seed, bins_batch_size=2048))
+    pooling = ts.pooling_factor.copy()
+    hot = int(np.argmax(ts.dims * pooling))
+    pooling[hot] *= 40
+    return replace(ts, pooling_factor=pooling)
+
+
+def assert_row_layout(placement, topology: DeviceTopology) -> None:
+    """Every row-cut table is in TorchRec's layout: row_blocks over all devices, or over one host's devices."""
+    by_table: dict[int, list] = {}
+    for s in placement.shards:
+        if s.kind == "row":
+            by_table.setdefault(s.table, []).append(s)
+    for t, pieces in by_table.items():
+        pieces.sort(key=lambda s: s.row_offset)
+        devices = [s.device for s in pieces]
+        groups = [list(range(topology.count))]
+        if topology.hosts is not None:
+            groups += [[d for d in range(topology.count) if topology.hosts[d] == h] for h in set(topology.hosts)]
+        assert any(devices == g[:len(devices)] for g in groups), f"table {t}: row pieces on {devices}"
+        rows = int(placement.tables.rows[t])
+        assert [(s.row_offset, s.row_size) for s in pieces] == row_blocks(rows, len(pieces))
+
+
+def test_a_task_that_packs_whole_is_not_cut(small_tables_df):
+    ts = TableSet.from_frame(small_tables_df)
+    view = split_to_fit(ts, DeviceTopology(4, int(ts.size_bytes.sum())))
+    assert view.is_whole and view.pinned == [] and len(view.pieces) == len(ts)
+
+
+def test_tables_larger_than_a_device_get_the_fewest_cuts_that_pack(mlperf):
+    """Five 19 GiB tables on 8 x 16 GiB: ten halves (9.5 GiB) do not pack onto 8 devices; one table in quarters
+    beside eight halves does (a quarter fits next to a half). The small tables stay whole."""
+    topo = DeviceTopology(8, 16 * GiB)
+    view = split_to_fit(mlperf, topo)
+    big = mlperf.size_bytes > topo.memory_bytes
+    assert big.sum() == 5 and sorted(view.levels[big]) == [2, 2, 2, 2, 4] and not view.levels[~big].any()
+    assert view.pieces.size_bytes.max() <= topo.memory_bytes
+    assert column_widths(128, 4) == [32, 32, 32, 32] and column_widths(10, 2) == [4, 6]
+
+
+def test_a_narrow_table_too_large_for_a_device_is_cut_row_wise():
+    ts = TableSet.from_frame(generate_tables(6, seed=1, bins_batch_size=512))
+    rows = np.array([1000, 2_000_000, 1000, 1000, 1000, 1000], dtype=np.int64)
+    dims = np.array([8, 4, 8, 8, 8, 8], dtype=np.int64)  # table 1: width 4 has no column cut
+    ts = replace(ts, rows=rows, dims=dims, bytes_per_element=np.full(6, 4, dtype=np.int64),
+                 size_bytes=rows * dims * 4)
+    topo = DeviceTopology(4, int(ts.size_bytes[1] * 0.4))
+    view = split_to_fit(ts, topo)
+    assert view.levels[1] == ROW_LEVEL and [s.device for s in view.pinned] == [0, 1, 2, 3]
+    for name in BASELINES:
+        p = make_baseline(name).plan(ts, topo)
+        assert_row_layout(p, topo)
+        assert p.memory_per_device().max() <= topo.memory_bytes
+
+
+def test_every_planner_places_the_mlperf_list_on_8_devices_of_16_gib(mlperf):
+    topo = DeviceTopology(8, 16 * GiB)
+    for name in BASELINES:
+        p = make_baseline(name).plan(mlperf, topo, task_id="mlperf-16g")
+        assert p.memory_per_device().max() <= topo.memory_bytes, name
+        assert {s.table for s in p.shards if s.kind != "whole"} == set(np.flatnonzero(mlperf.size_bytes > 16 * GiB))
+    learned = LearnedPlanner(None, analytic(), composition_name="no_policy", search_evaluations=4000)
+    p = learned.plan(mlperf, topo, task_id="mlperf-16g")
+    assert p.memory_per_device().max() <= topo.memory_bytes
+    assert_row_layout(p, topo)
+
+
+def test_the_learned_planner_cuts_a_dominant_table_and_predicts_lower_than_without_cuts():
+    ts = hot_tables()
+    topo = DeviceTopology(16, int(ts.size_bytes.sum()))
+    model = analytic()
+    plans = {c: LearnedPlanner(None, model, composition_name=c, search_evaluations=6000).plan(ts, topo)
+             for c in ("no_policy", "no_splits")}
+    cut, whole = (float(placement_costs(model, plans[c]).max()) for c in ("no_policy", "no_splits"))
+    hot = int(np.argmax(ts.dims * ts.pooling_factor))
+    assert all(s.kind == "whole" for s in plans["no_splits"].shards)
+    assert {s.table for s in plans["no_policy"].shards if s.kind != "whole"} >= {hot}
+    assert cut < 0.8 * whole
+    assert plans["no_policy"].meta["column_splits"] + plans["no_policy"].meta["row_splits"] >= 1
+    assert_row_layout(plans["no_policy"], topo)
+
+
+def test_table_row_wise_cuts_stay_within_one_host():
+    ts = hot_tables(seed=5)
+    topo = DeviceTopology(8, int(ts.size_bytes.sum()), hosts=(0, 0, 0, 0, 1, 1, 1, 1))
+    p = LearnedPlanner(None, analytic(), composition_name="no_column_splits", search_evaluations=6000).plan(ts, topo)
+    p.check()
+    assert any(s.kind == "row" for s in p.shards)
+    assert_row_layout(p, topo)
+
+
+def test_local_search_never_moves_a_pinned_piece():
+    from embshard.planners.scoring import TaskScorer, piece_features
+    from embshard.planners.splitting import row_pieces
+    from embshard.types import Shard
+
+    ts = hot_tables(12)
+    shards = [Shard(i, 0) for i in range(1, len(ts))] + row_pieces(0, int(ts.rows[0]), [0, 1, 2])
+    feats = piece_features(ts, shards, 3)
+    pinned = np.array([s.kind != "row" for s in shards])
+    state = SearchState(TaskScorer(analytic(), feats, 3), feats[:, 3].astype(np.int64), 2**62,
+                        np.array([s.device for s in shards]), movable=pinned)
+    before = state.overall
+    state = local_search(state, Budget(10_000))
+    assert state.overall < before  # the whole tables left device 0
+    assert list(state.assignment[~pinned]) == [0, 1, 2]
+
+
+def test_no_cut_fits_is_a_clear_error_for_the_learned_planner_too():
+    ts = TableSet.from_frame(generate_tables(3, seed=0, bins_batch_size=64))
+    n = np.full(3, 3, dtype=np.int64)
+    ts = replace(ts, rows=n, dims=np.full(3, 4, dtype=np.int64), bytes_per_element=np.full(3, 4, dtype=np.int64),
+                 size_bytes=n * 16)
+    with pytest.raises(InfeasiblePlacementError, match="do not fit even cut row-wise"):
+        LearnedPlanner(None, analytic(), composition_name="no_policy").plan(ts, 2, 75, "tiny")
