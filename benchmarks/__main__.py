@@ -4,6 +4,7 @@
     python -m benchmarks --run runs/local     # reuse the models of a `make run` folder (no retraining)
     python -m benchmarks --quick              # CI smoke test of the harness (< 2 min), writes to a temp folder
     python -m benchmarks --jobs quality,planning --run runs/local   # a subset of the reports
+    python -m benchmarks --jobs quality --suite split --run runs/local   # the split suite -> quality_splits.md
 
 Reports (each a Markdown page naming the hardware, plus plots): quality.md/.png, planning_time.md/.png,
 costmodel.md (+ parity plot), pipeline.md, and README.md linking them with the headline numbers. Raw rows go to
@@ -39,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks-scale", type=int, default=1, metavar="K",
                    help="quality: K times the tasks of every suite (default 1: 3 per suite, 2 at 100-200 tables; "
                         "K=2 doubles the run's time and narrows the intervals)")
+    p.add_argument("--suite", choices=("main", "split"), default="main",
+                   help="quality: the main suites (quality.md) or the split suite (quality_splits.md: tables larger "
+                        "than a device and dominant tables on 8-32 devices)")
     return p.parse_args(argv)
 
 
@@ -116,7 +120,20 @@ def _run(args, jobs: list[str], out: str, work: str) -> int:
             f"vs analytic {h['analytic']['mape']:.1f}%" for s, h in head.items()))
 
     # 3. Placement quality, measured.
-    if "quality" in jobs:
+    if "quality" in jobs and args.suite == "split":
+        cfg = quality.split_config()
+        t0 = time.perf_counter()
+        frame = quality.run(info.policy_uri, cfg, os.path.join(work, "quality_splits"), info.batch_size,
+                            comm_root=info.root)
+        secs = time.perf_counter() - t0
+        frame.drop(columns=[c for c in ("error",) if c in frame.columns]).to_csv(
+            os.path.join(out, "raw", "quality_splits.csv"), index=False)
+        png = quality.plot(quality.summarize(frame), os.path.join(out, "quality_splits.png"), hw_line)
+        write_text(os.path.join(out, "quality_splits.md"),
+                   quality.split_markdown(frame, cfg, hw_line, info.policy_uri, info.batch_size, secs, png))
+        pages["quality_splits"] = {"md": "quality_splits.md", "png": "quality_splits.png",
+                                   "headline": quality.headline(quality.summarize(frame), frame), "seconds": secs}
+    elif "quality" in jobs:
         cfg = quality.quick_config() if args.quick else quality.full_config(args.tasks_scale)
         t0 = time.perf_counter()
         frame = quality.run(info.policy_uri, cfg, os.path.join(work, "quality"), info.batch_size,
@@ -143,6 +160,9 @@ def _run(args, jobs: list[str], out: str, work: str) -> int:
                              "seconds": time.perf_counter() - t0}
 
     total = time.perf_counter() - t_start
+    if args.suite == "split":  # a page of its own: the results README (the main suites' headline) stays as it is
+        progress(f"harness: done in {total / 60:.1f} min; pages {', '.join(p['md'] for p in pages.values())}")
+        return 0
     command = "python -m benchmarks" + (" --quick" if args.quick else "") + (f" --run {args.run}" if args.run else "")
     text, headline = report.readme(pages, info, hw_line, started, total, quick=args.quick, command=command,
                                    commit=commit)

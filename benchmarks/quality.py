@@ -22,6 +22,7 @@ from .common import md_table, progress, pyplot
 HELDOUT_SEED = 2026  # the synthetic population of the suites: tables no pipeline run trained on
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "components", "embshard",
                         "ingest", "examples")
+BENCH_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 ALL_PLANNERS = ["learned", "policy_only", "random", "round_robin", "dim_greedy", "size_greedy", "lookup_greedy",
                 "size_lookup_greedy", "torchrec_table_wise", "torchrec_full"]
 # Without the two weak baselines (they only lengthen the big suites: their ratios are far above 1).
@@ -41,6 +42,7 @@ class Suite:
     tasks: int = 3               # synthetic: tasks sampled from the held-out pool
     rounds: int = 5              # measuring rounds (the ruler: paired per-round ratios with intervals)
     planners: list[str] = field(default_factory=lambda: list(ALL_PLANNERS))
+    memory_gb: float | None = None  # per device, where the suite sets its own (None: the config's)
 
 
 @dataclass
@@ -81,6 +83,24 @@ def full_config(tasks_scale: int = 1) -> QualityConfig:
     return QualityConfig(suites=suites, torchrec_timeout_s=20.0)
 
 
+# The split suite (issue 24): learned (cuts where they lower the slowest device), learned without split
+# refinement (cuts only to fit), the greedy baselines (cut only what cannot be placed) and TorchRec's planners
+# (table-wise only; and with column-, row- and table-row-wise options).
+SPLIT_PLANNERS = ["learned", "no_splits", "dim_greedy", "lookup_greedy", "size_lookup_greedy", "torchrec_table_wise",
+                  "torchrec_full"]
+
+
+def split_config() -> QualityConfig:
+    """Table lists that need cuts: the MLPerf-like list on 8 devices of 16 GiB (five tables of 19 GiB do not fit
+    one device), the same list with room on 8-32 devices (its hottest tables dominate), and a 40-table list
+    whose one hot table carries ~28% of the lookup bytes (benchmarks/data/hot_table_40.yaml) on 8-32 devices."""
+    return QualityConfig(suites=[
+        Suite("MLPerf-like on 8 x 16 GiB", "mlperf_dlrm.yaml", None, [8], planners=SPLIT_PLANNERS, memory_gb=16.0),
+        Suite("MLPerf-like D=8-32", "mlperf_dlrm.yaml", None, [8, 16, 32], planners=SPLIT_PLANNERS),
+        Suite("hot table T=40 D=8-32", "data/hot_table_40.yaml", None, [8, 16, 32], planners=SPLIT_PLANNERS),
+    ], torchrec_timeout_s=20.0)
+
+
 def quick_config() -> QualityConfig:
     planners = ["learned", "policy_only", "dim_greedy", "torchrec_table_wise"]
     return QualityConfig(suites=[Suite("synthetic T=10 D=2", "synthetic", 10, [2], tasks=1, planners=planners,
@@ -106,13 +126,16 @@ def _suite_files(suite: Suite, cfg: QualityConfig, folder: str, synthetic: pd.Da
         tasks = tasks[tasks["split"] == "test"].reset_index(drop=True)
     else:
         kw = {"bins_batch_size": cfg.bins_batch_size} if cfg.bins_batch_size else {}
-        ingest.run("spec", folder, input=os.path.join(EXAMPLES, suite.source), progress=False, **kw)
+        spec = (os.path.join(BENCH_DATA, suite.source[len("data/"):]) if suite.source.startswith("data/")
+                else os.path.join(EXAMPLES, suite.source))
+        ingest.run("spec", folder, input=spec, progress=False, **kw)
         df = schemas.read(tables_path, "tables")
         ids = sorted(df["table_id"].astype(str))
         if suite.tables:
             ids = ids[: suite.tables]
+        memory_gb = suite.memory_gb or cfg.memory_gb
         tasks = pd.DataFrame([{"task_id": f"test-d{d}", "split": "test", "num_devices": int(d),
-                               "memory_bytes_per_device": int(cfg.memory_gb * GiB), "table_ids": ids}
+                               "memory_bytes_per_device": int(memory_gb * GiB), "table_ids": ids}
                               for d in suite.devices])
     schemas.write(tasks, tasks_path, "tasks")
     return tables_path, tasks_path
@@ -125,6 +148,7 @@ def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int,
     from embshard.bench.runner import MeasureSettings
     from embshard.ingest.synthetic import generate_tables
     from embshard.jobs import evaluate
+    from embshard.planners import composition_of
 
     kw = {"bins_batch_size": cfg.bins_batch_size} if cfg.bins_batch_size else {}
     synthetic = generate_tables(cfg.population, seed=HELDOUT_SEED, **kw)
@@ -136,7 +160,7 @@ def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int,
         t0 = time.perf_counter()
         folder = os.path.join(workdir, f"suite-{k:02d}")
         tables_path, tasks_path = _suite_files(suite, cfg, folder, synthetic)
-        planner_kw = {p: {"model_uri": policy_uri} for p in suite.planners if p in ("learned", "policy_only")}
+        planner_kw = {p: {"model_uri": policy_uri} for p in suite.planners if composition_of(p) is not None}
         planner_kw.update({p: {"timeout_s": cfg.torchrec_timeout_s} for p in suite.planners
                            if p.startswith("torchrec_")})
         progress(f"quality {k + 1}/{len(cfg.suites)}: {suite.name}, {len(suite.planners)} planners, "
@@ -151,6 +175,12 @@ def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int,
         df["rank_pairs"], df["rank_correct"] = res["ranking"]["pairs"], res["ranking"]["correct"]
         df["placement_mape"] = res["ranking"].get("placement_mape", np.nan)
         df["within_task_spearman"] = res["ranking"].get("within_task_spearman", np.nan)
+        # Paired ratios to TorchRec's full planner (interval per task), for the split suite's verdicts.
+        rf = res["ratio_frame"]
+        full = rf[rf["versus"] == "torchrec_full"].set_index(["task_id", "planner"])
+        for col in ("median_ratio", "ci_low", "ci_high", "round_ratios"):
+            df[f"vs_torchrec_full_{col}"] = [full[col].get((t, p), np.nan) if (t, p) in full.index else np.nan
+                                             for t, p in zip(df["task_id"], df["planner"])]
         df.insert(0, "suite", suite.name)
         df["wall_s"] = res["wall_s"]
         frames.append(df)
@@ -325,4 +355,67 @@ def markdown(frame: pd.DataFrame, cfg: QualityConfig, hw_line: str, policy_uri: 
                                       "tasks": s.tasks if s.source == "synthetic" else len(s.devices),
                                       "rounds": s.rounds, "planners": ", ".join(s.planners)}
                                      for s in cfg.suites]))]
+    return "\n".join(lines)
+
+
+def split_markdown(frame: pd.DataFrame, cfg: QualityConfig, hw_line: str, policy_uri: str, batch_size: int,
+                   seconds: float, png: str | None) -> str:
+    """The split suite's page: who places what, the gap to the balanced estimate per device count, the learned
+    plan against TorchRec's full planner with intervals beside the A/A floor, and the cuts each planner made."""
+    from embshard import stats
+
+    lines = ["# Splits: row- and column-wise cuts, measured", "", f"Hardware: {hw_line}", "",
+             f"Learned planner: `{policy_uri}`. Every placement is measured with real fused FBGEMM kernels (batch "
+             f"{batch_size}, forward + backward, plus the all-to-all model) in {cfg.suites[0].rounds} ruler rounds; "
+             "a plan costs its slowest device. `no_splits` is the learned planner without split refinement (it cuts "
+             "only to fit); the greedy baselines and TorchRec's planners cut only what cannot be placed whole "
+             "(`torchrec_table_wise` never cuts; `torchrec_full` may cut column-, row- and table-row-wise). BE: the "
+             "measured balanced estimate with every table divisible (an estimate, not a bound). "
+             f"Measured in {seconds / 60:.1f} min.", ""]
+    if png:
+        lines += [f"![splits]({os.path.basename(png)})", ""]
+    head, gaps, cuts = [], [], []
+    for suite, g in frame.groupby("suite", sort=False):
+        first = g.iloc[0]
+        aa = (first.get("aa_floor", np.nan), first.get("aa_ci_low", np.nan), first.get("aa_ci_high", np.nan))
+        lr = g[g["planner"] == "learned"]
+        per_task = [np.asarray(v, dtype=float) for v in lr.get("vs_torchrec_full_round_ratios", [])
+                    if isinstance(v, (list, np.ndarray)) and len(v)]
+        med, lo, hi = stats.suite_ci(per_task) if per_task else (np.nan, np.nan, np.nan)
+        failed = sorted(set(g.loc[~g["feasible"].astype(bool), "planner"]))
+        head.append({"suite": suite, "tasks": g["task_id"].nunique(),
+                     "learned / torchrec_full [95% CI]": _ci_text(med, lo, hi),
+                     f"A/A floor ({AA_PLANNER}) [95% CI]": _ci_text(*aa),
+                     "verdict": stats.floor_verdict(lo, hi, aa[1], aa[2]),
+                     "planners that failed": ", ".join(failed) or "none"})
+        for _task, t in g.groupby("task_id", sort=False):
+            row = {"suite": suite, "devices": int(t["num_devices"].iloc[0]),
+                   "BE ms": float(t["balanced_estimate_ms"].dropna().iloc[0]) if t["balanced_estimate_ms"].notna().any()
+                   else np.nan}
+            crow = {"suite": suite, "devices": row["devices"]}
+            for _, r in t.iterrows():
+                ok = bool(r["feasible"])
+                row[r["planner"]] = (f"{r['measured_cost_ms']:.2f} ({r['measured_cost_ms'] / row['BE ms']:.2f}x)"
+                                     if ok and np.isfinite(r["measured_cost_ms"]) else "failed")
+                crow[r["planner"]] = (f"{int(r.get('column_splits', 0) or 0)} / {int(r.get('row_splits', 0) or 0)}"
+                                      if ok else "-")
+            learned = t[t["planner"] == "learned"]
+            if len(learned) and bool(learned["feasible"].iloc[0]):
+                r = learned.iloc[0]
+                row["learned / torchrec_full [95% CI]"] = _ci_text(r.get("vs_torchrec_full_median_ratio", np.nan),
+                                                                  r.get("vs_torchrec_full_ci_low", np.nan),
+                                                                  r.get("vs_torchrec_full_ci_high", np.nan))
+            gaps.append(row)
+            cuts.append(crow)
+    lines += ["## Learned against TorchRec's full planner", "", md_table(pd.DataFrame(head)), "",
+              "The suite interval resamples tasks, then rounds; a ratio counts as a difference only when its interval "
+              "clears 1 and the A/A floor's interval.", "",
+              "## Measured cost and its ratio to the balanced estimate, per device count", "",
+              "Each cell: median measured ms over rounds (its multiple of BE).", "",
+              md_table(pd.DataFrame(gaps)), "",
+              "## Cuts per plan (tables cut column-wise / row-wise)", "", md_table(pd.DataFrame(cuts)), "",
+              "## Suites", "",
+              md_table(pd.DataFrame([{"suite": s.name, "source": s.source, "devices": ",".join(map(str, s.devices)),
+                                      "memory GiB per device": s.memory_gb or cfg.memory_gb, "rounds": s.rounds,
+                                      "planners": ", ".join(s.planners)} for s in cfg.suites]))]
     return "\n".join(lines)
