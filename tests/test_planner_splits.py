@@ -159,3 +159,13 @@ def test_no_cut_fits_is_a_clear_error_for_the_learned_planner_too():
                  size_bytes=n * 16)
     with pytest.raises(InfeasiblePlacementError, match="do not fit even cut row-wise"):
         LearnedPlanner(None, analytic(), composition_name="no_policy").plan(ts, 2, 75, "tiny")
+
+
+def test_the_device_table_names_the_cut_tables(mlperf):
+    from embshard.placement_report import device_table
+
+    p = make_baseline("lookup_greedy").plan(mlperf, DeviceTopology(8, 16 * GiB), task_id="mlperf-16g")
+    text = device_table(p)
+    assert "cut tables (5): t_cat_0 in 4 column slices" in text
+    whole = make_baseline("lookup_greedy").plan(mlperf, DeviceTopology(8, 128 * GiB))
+    assert "cut tables" not in device_table(whole)

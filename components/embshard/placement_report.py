@@ -39,11 +39,14 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
     for k, d in enumerate(shown):
         if k and d != shown[k - 1] + 1:
             lines.append(f"{'...':>6}")
-        row = (f"{d:>6} {len(shards[d]):>6} {sum(s.col_size is not None for s in shards[d]):>6} "
+        row = (f"{d:>6} {len(shards[d]):>6} {sum(s.kind != 'whole' for s in shards[d]):>6} "
                f"{mem[d] / GiB:>11.3f} {100 * mem[d] / placement.memory_bytes_per_device:>5.1f}%")
         if device_costs is not None:
             row += f" {device_costs[d]:>9.3f} {device_costs[d] / mean if mean else 0:>7.2f}x"
         lines.append(row)
+    cut = split_summary(placement)
+    if cut:
+        lines.append(cut)
     if len(shown) < placement.num_devices:
         lines.append(f"{placement.num_devices - len(shown):,} of {placement.num_devices:,} devices not shown (the "
                      f"first, last and busiest {SHOWN} are); the full table is "
@@ -105,3 +108,26 @@ def plot_device_costs(placement: Placement, device_costs: np.ndarray | None, pat
     with storage.atomic_write(path) as f:
         fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
+
+
+def split_summary(placement: Placement, limit: int = 6) -> str:
+    """One line naming the tables the plan cuts and how (empty when every table is whole); `splits` in the device
+    table counts a device's pieces of cut tables."""
+    by_table: dict[int, list] = {}
+    for s in placement.shards:
+        if s.kind != "whole":
+            by_table.setdefault(s.table, []).append(s)
+    if not by_table:
+        return ""
+    words = {"column": "column slices", "row": "row-wise pieces", "replicated": "replicas"}
+    parts = []
+    for t, pieces in list(by_table.items())[:limit]:
+        kind = pieces[0].kind
+        where = ""
+        if kind == "row":
+            devices = sorted({s.device for s in pieces})
+            where = (" over every device" if len(devices) == placement.num_devices
+                     else f" on devices {devices[0]}..{devices[-1]}")
+        parts.append(f"{placement.tables.table_ids[t]} in {len(pieces)} {words.get(kind, kind)}{where}")
+    more = f" and {len(by_table) - limit} more" if len(by_table) > limit else ""
+    return f"cut tables ({len(by_table)}): " + "; ".join(parts) + more
