@@ -238,7 +238,10 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
         single = state.scorer.single_costs()[on_b]
         p = int(on_b[np.argmax(single)])
         best_shards, best_state = None, state
-        for cut in _cuts(tables, shards[p], state, topology, columns, rows):
+        cuts = _cuts(tables, shards[p], state, topology, columns, rows)
+        # Half of the work left goes to this piece's cuts, shared equally, so that every cut gets its search.
+        per_cut = max((budget.evaluations - budget.used) // (2 * max(len(cuts), 1)), 1)
+        for cut in cuts:
             if budget.exhausted():
                 break
             placed = [replace(c, device=b) if not is_row_piece(c) else c for c in cut]
@@ -248,7 +251,9 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
             trial = _state(tables, trial_shards, trial_assign, cost_model, topology.count, memory)
             if (trial.used > memory).any():  # a row cut adds to every device; slices start where the piece was
                 continue
-            trial = local_search(trial, budget)
+            sub = budget.share(per_cut)
+            trial = local_search(trial, sub)
+            budget.absorb(sub)
             if trial.overall < best_state.overall * (1 - 1e-4):
                 best_shards, best_state = trial_shards, trial
         if best_shards is None:
