@@ -16,6 +16,42 @@ from .tableset import TableSet
 INSTALL_FIX = "pip install 'embshard[torchrec]' && pip install --no-deps torchrec==1.8.0"
 FUSED = "fused"  # TorchRec's FBGEMM TBE kernel with the weights in HBM (what our memory model counts)
 TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE = "table_wise", "column_wise", "table_column_wise"
+ROW_WISE, TABLE_ROW_WISE, DATA_PARALLEL = "row_wise", "table_row_wise", "data_parallel"
+# Our shard kind -> the TorchRec sharding type it is written as (row pieces: row_wise or table_row_wise).
+KIND_TO_SHARDING = {"whole": TABLE_WISE, "column": COLUMN_WISE, "row": ROW_WISE, "replicated": DATA_PARALLEL}
+
+
+def torchrec_hosts(num_devices: int, hosts) -> int | None:
+    """Devices per host in TorchRec's rank order (host h holds ranks h*L .. h*L+L-1), or None when `hosts`
+    (the host of each device; None = one host) is not laid out that way: TorchRec cannot run it."""
+    if hosts is None:
+        return int(num_devices)
+    hosts = list(hosts)
+    first = hosts[0]
+    local = hosts.count(first)
+    if num_devices % local or hosts != [hosts[d - d % local] for d in range(num_devices)] \
+            or len({hosts[h * local] for h in range(num_devices // local)}) != num_devices // local:
+        return None
+    return local
+
+
+def row_layout(rows: int, pieces, num_devices: int, hosts=None) -> tuple[str, int | None] | None:
+    """(sharding type, host index) of a table's row pieces [(row_offset, row_size, device), ...] when TorchRec
+    1.8 can run them: row_wise = types.row_blocks over all devices on ranks 0, 1, ... in order (host None);
+    table_row_wise = row_blocks over the devices of one host h, in rank order (host h). Else None."""
+    from .types import row_blocks
+
+    ordered = sorted((int(o), int(s), int(d)) for o, s, d in pieces)
+    spans, devs = [(o, s) for o, s, _ in ordered], [d for *_, d in ordered]
+    if num_devices <= rows and spans == row_blocks(rows, num_devices) and devs == list(range(len(spans))):
+        return ROW_WISE, None
+    local = torchrec_hosts(num_devices, hosts)
+    if local is None or local > rows or spans != row_blocks(rows, local):
+        return None
+    host = devs[0] // local
+    if devs != list(range(host * local, host * local + len(spans))):
+        return None
+    return TABLE_ROW_WISE, host
 
 
 def require_torchrec():
