@@ -448,3 +448,48 @@ def test_place_reports_a_balanced_estimate_not_a_bound(placement):
     docs = Path(__file__).resolve().parents[1] / "docs" / "method.md"
     text = docs.read_text()
     assert "## Balanced estimate (not a lower bound)" in text and "Why it is called an estimate" in text
+
+
+@needs_torchrec
+def test_torchrec_plan_of_row_ranges_and_replicas(split_placement, tables):
+    """RW = row_blocks over all ranks, TWRW = row_blocks over host 1's ranks 2-3, DP = a replica on every rank."""
+    from embshard.export import to_torchrec_plan
+    from embshard.export.torchrec_plan import check_plan_doc, plan_from_json, plan_to_json
+    from embshard.types import row_blocks
+
+    plan = to_torchrec_plan(split_placement)
+    mp = plan.plan[""]
+    ids = tables.table_ids
+    assert [mp[ids[i]].sharding_type for i in range(4)] == ["row_wise", "table_row_wise", "table_wise",
+                                                            "data_parallel"]
+    rw = [(int(m.shard_offsets[0]), int(m.shard_sizes[0]), m.placement.rank()) for m in mp[ids[0]].sharding_spec.shards]
+    assert rw == [(o, n, d) for d, (o, n) in enumerate(row_blocks(int(tables.rows[0]), 4))]
+    twrw = [(int(m.shard_offsets[0]), m.placement.rank()) for m in mp[ids[1]].sharding_spec.shards]
+    assert twrw == [(0, 2), (row_blocks(int(tables.rows[1]), 2)[1][0], 3)]
+    assert mp[ids[1]].compute_kernel == "fused" and mp[ids[3]].ranks == [0, 1, 2, 3]
+    doc = plan_to_json(plan, world_size=D, tables={str(n): (int(r), int(d)) for n, r, d in
+                                                    zip(tables.table_ids, tables.rows, tables.dims)})
+    check_plan_doc(doc)
+    assert str(plan_from_json(json.loads(json.dumps(doc)))) == str(plan)
+    bad = copy.deepcopy(doc)
+    bad["modules"][""][ids[0]]["shards"][1]["offsets"][0] += 1
+    with pytest.raises(EmbshardError, match="cover the rows once"):
+        check_plan_doc(bad, "torchrec_plan.json")
+
+
+@needs_torchrec
+def test_row_layouts_torchrec_cannot_run_are_refused(split_placement, tables):
+    from embshard.export import to_torchrec_plan
+    from embshard.types import DeviceTopology
+
+    p = copy.deepcopy(split_placement)
+    rows = int(tables.rows[0])
+    # Even halves on devices 1 and 3: not row_blocks over all devices, nor over one host.
+    p.shards = [s for s in p.shards if s.table != 0] + [Shard(0, 1, row_offset=0, row_size=rows // 2),
+                                                         Shard(0, 3, row_offset=rows // 2, row_size=rows - rows // 2)]
+    with pytest.raises(EmbshardError, match="not a layout TorchRec can run.*row_blocks"):
+        to_torchrec_plan(p)
+    odd = copy.deepcopy(split_placement)
+    odd.topology = DeviceTopology(D, odd.memory_bytes_per_device, hosts=(0, 1, 0, 1))
+    with pytest.raises(EmbshardError, match="hosts"):
+        to_torchrec_plan(odd)

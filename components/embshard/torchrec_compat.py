@@ -17,6 +17,7 @@ INSTALL_FIX = "pip install 'embshard[torchrec]' && pip install --no-deps torchre
 FUSED = "fused"  # TorchRec's FBGEMM TBE kernel with the weights in HBM (what our memory model counts)
 TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE = "table_wise", "column_wise", "table_column_wise"
 ROW_WISE, TABLE_ROW_WISE, DATA_PARALLEL = "row_wise", "table_row_wise", "data_parallel"
+SHARDING_TYPES = (TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE, ROW_WISE, TABLE_ROW_WISE, DATA_PARALLEL)
 # Our shard kind -> the TorchRec sharding type it is written as (row pieces: row_wise or table_row_wise).
 KIND_TO_SHARDING = {"whole": TABLE_WISE, "column": COLUMN_WISE, "row": ROW_WISE, "replicated": DATA_PARALLEL}
 
