@@ -16,12 +16,12 @@ from embshard.placement import Placement
 from embshard.planners.baselines import make_baseline
 from embshard.planners.compose import (
     COMPOSITIONS,
-    ColumnSplits,
     ComposedPlanner,
     Composition,
     CostGreedy,
     Heuristic,
     LocalSearch,
+    Splits,
     composition,
 )
 from embshard.policy.core import PolicyNet
@@ -117,10 +117,11 @@ def test_compositions_are_built_from_parts_and_a_custom_one_plans(world):
     ts, model, mem = world
     learned = composition("learned", PolicyNet())
     assert [p.name for p in learned.proposers][:3] == ["policy_greedy", "policy_sampled", "cost_greedy"]
-    assert [type(r) for r in learned.refiners] == [LocalSearch, ColumnSplits]
+    assert [type(r) for r in learned.refiners] == [LocalSearch, Splits]
     only = composition("policy_only", PolicyNet())
     assert [p.name for p in only.proposers] == ["policy_greedy"] and only.refiners == [] and only.fallbacks
-    assert {"learned", "policy_only", "no_portfolio", "no_column_splits", "no_cost_greedy"} <= set(COMPOSITIONS)
+    assert {"learned", "policy_only", "no_portfolio", "no_splits", "no_column_splits",
+            "no_cost_greedy"} <= set(COMPOSITIONS)
     with pytest.raises(EmbshardError, match="unknown composition"):
         composition("best", None)
     # No policy at all: cost greedy and one heuristic, searched; never predicted worse than its candidates.

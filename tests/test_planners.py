@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import torch
 from embshard import schemas
 from embshard.checks import GiB
 from embshard.errors import EmbshardError, InfeasiblePlacementError
+from embshard.ingest.synthetic import generate_tables
 from embshard.planners import get_planner
 from embshard.planners.baselines import BASELINES, make_baseline
 from embshard.planners.learned import LearnedPlanner
@@ -51,11 +53,32 @@ def test_baselines_respect_memory(tables, name):
 
 
 @pytest.mark.parametrize("name", BASELINES)
-def test_baselines_fail_clearly_when_a_table_fits_nowhere(tables, name):
+def test_baselines_cut_a_table_larger_than_any_device_and_nothing_else(tables, name):
+    """As TorchRec's planner: a table that fits on no device is cut (column slices, else row-wise); the others
+    stay whole, every column or row is placed once and memory holds."""
     big = int(np.argmax(tables.size_bytes))
-    mem = int(tables.size_bytes[big]) - 1
-    with pytest.raises(InfeasiblePlacementError, match=r"GiB missing"):
-        make_baseline(name).plan(tables, 64, mem, "too-small")
+    mem = int(max(tables.size_bytes[big] * 0.6, tables.size_bytes.sum() / 64 * 1.5))
+    p = make_baseline(name).plan(tables, 64, mem, "too-small")
+    p.check()
+    assert p.memory_per_device().max() <= mem
+    cut = {s.table for s in p.shards if s.kind != "whole"}
+    assert big in cut and all(tables.size_bytes[i] > mem for i in cut)
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_baselines_fail_clearly_when_no_cut_fits(name):
+    # Three 3-row tables of width 4 (48 B) on 2 devices of 75 B: 144 of 150 B in all, yet no cut fits (a
+    # width of 4 has no column cut, and row-wise each device gets 2 + 2 + 2 rows = 96 B).
+    few = three_tiny_tables()
+    with pytest.raises(InfeasiblePlacementError, match=r"do not fit even cut row-wise over all 2 devices"):
+        make_baseline(name).plan(few, 2, 75, "tiny")
+
+
+def three_tiny_tables() -> TableSet:
+    ts = TableSet.from_frame(generate_tables(3, seed=0, bins_batch_size=64))
+    n = np.full(3, 3, dtype=np.int64)
+    return replace(ts, rows=n, dims=np.full(3, 4, dtype=np.int64), bytes_per_element=np.full(3, 4, dtype=np.int64),
+                   size_bytes=n * 16)
 
 
 def test_total_memory_shortfall_says_how_much(tables):

@@ -8,8 +8,8 @@ from .base import Planner
 
 LEARNED = "learned"
 # The learned compositions (planners.compose.COMPOSITIONS), longest first so that a name's prefix is found.
-LEARNED_COMPOSITIONS = ("learned_with_torchrec", "no_column_splits", "no_cost_greedy", "no_portfolio",
-                        "policy_only", "no_policy", "no_search", "learned")
+LEARNED_COMPOSITIONS = ("learned_with_torchrec", "no_column_splits", "no_row_splits", "no_cost_greedy",
+                        "no_portfolio", "policy_only", "no_splits", "no_policy", "no_search", "learned")
 
 
 def composition_of(name: str) -> str | None:
@@ -61,8 +61,8 @@ def get_planner(name: str, **kw) -> Planner:
 
         uri = learned_uri(name, kw.get("model_uri"))
         opts = {k: v for k, v in kw.items() if k in ("time_budget_s", "search_evaluations", "num_samples", "seed")}
-        if kw.get("column_splits") is False and comp == LEARNED:
-            comp = "no_column_splits"
+        if kw.get("column_splits") is False and comp == LEARNED:  # the former switch: no split refinement
+            comp = "no_splits"
         planner = load_planner(uri, composition_name=comp, **opts)
         planner.name = name
         return planner

@@ -1,8 +1,9 @@
 """The baseline planners every result is compared with (docs/method.md, "Baselines").
 
 random and round-robin ignore costs; each greedy sorts the tables by its proxy, largest first, and puts each on
-the device with room whose running proxy sum is smallest. All of them respect memory: a table that fits on no
-device raises an error that says how much memory is missing.
+the device with room whose running proxy sum is smallest. All of them respect memory and, as TorchRec's planner,
+cut a table only when it cannot be placed whole (planners.splitting: column slices, then row-wise); when even that
+cannot fit, the error says how much memory is missing.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import numpy as np
 from ..heuristics import GREEDY_BASELINES, PROXIES, greedy_assignment
 from ..placement import Placement
 from ..types import DeviceTopology
-from .base import Planner, no_room_error
+from .base import Planner
+from .splitting import PieceView, place_with_cuts
 
 __all__ = ["BASELINES", "GREEDY_BASELINES", "PROXIES", "GreedyPlanner", "RandomPlanner", "RoundRobinPlanner",
            "make_baseline"]
@@ -26,10 +28,11 @@ class GreedyPlanner(Planner):
         self.name = f"{proxy}_greedy"
 
     def _plan(self, tables, topology: DeviceTopology, task_id):
-        assignment, stuck, free = greedy_assignment(tables, self.proxy_name, topology.count, topology.memory_bytes)
-        if assignment is None:
-            raise no_room_error(tables, stuck, free, task_id)
-        return Placement.from_assignment(tables, assignment, topology.count, topology.memory_bytes)
+        def assign(view: PieceView):
+            assignment, stuck, _ = greedy_assignment(view.pieces, self.proxy_name, topology.count, view.memory)
+            return assignment, stuck
+
+        return _placement(tables, topology, place_with_cuts(tables, topology, task_id, assign))
 
 
 class RandomPlanner(Planner):
@@ -41,19 +44,22 @@ class RandomPlanner(Planner):
         self.seed = seed
 
     def _plan(self, tables, topology: DeviceTopology, task_id):
-        num_devices, memory_bytes_per_device = topology.count, topology.memory_bytes
-        rng = np.random.default_rng(self.seed)
-        free = np.full(num_devices, memory_bytes_per_device, dtype=np.int64)
-        assignment = np.empty(len(tables), dtype=np.int64)
-        # Big tables first so that randomness rarely paints itself into a corner.
-        for i in np.argsort(-tables.size_bytes, kind="stable"):
-            fits = np.flatnonzero(free >= tables.size_bytes[i])
-            if fits.size == 0:
-                raise no_room_error(tables, i, free, task_id)
-            d = int(rng.choice(fits))
-            assignment[i] = d
-            free[d] -= tables.size_bytes[i]
-        return Placement.from_assignment(tables, assignment, num_devices, memory_bytes_per_device)
+        def assign(view: PieceView):
+            pieces = view.pieces
+            rng = np.random.default_rng(self.seed)
+            free = np.full(topology.count, view.memory, dtype=np.int64)
+            assignment = np.empty(len(pieces), dtype=np.int64)
+            # Big pieces first so that randomness rarely paints itself into a corner.
+            for i in np.argsort(-pieces.size_bytes, kind="stable"):
+                fits = np.flatnonzero(free >= pieces.size_bytes[i])
+                if fits.size == 0:
+                    return None, int(i)
+                d = int(rng.choice(fits))
+                assignment[i] = d
+                free[d] -= pieces.size_bytes[i]
+            return assignment, -1
+
+        return _placement(tables, topology, place_with_cuts(tables, topology, task_id, assign))
 
 
 class RoundRobinPlanner(Planner):
@@ -62,19 +68,26 @@ class RoundRobinPlanner(Planner):
     name = "round_robin"
 
     def _plan(self, tables, topology: DeviceTopology, task_id):
-        num_devices, memory_bytes_per_device = topology.count, topology.memory_bytes
-        free = np.full(num_devices, memory_bytes_per_device, dtype=np.int64)
-        assignment = np.empty(len(tables), dtype=np.int64)
-        for i in range(len(tables)):
-            for k in range(num_devices):
-                d = (i + k) % num_devices
-                if free[d] >= tables.size_bytes[i]:
-                    break
-            else:
-                raise no_room_error(tables, i, free, task_id)
-            assignment[i] = d
-            free[d] -= tables.size_bytes[i]
-        return Placement.from_assignment(tables, assignment, num_devices, memory_bytes_per_device)
+        def assign(view: PieceView):
+            pieces, D = view.pieces, topology.count
+            free = np.full(D, view.memory, dtype=np.int64)
+            assignment = np.empty(len(pieces), dtype=np.int64)
+            for i in range(len(pieces)):
+                for k in range(D):
+                    d = (i + k) % D
+                    if free[d] >= pieces.size_bytes[i]:
+                        break
+                else:
+                    return None, i
+                assignment[i] = d
+                free[d] -= pieces.size_bytes[i]
+            return assignment, -1
+
+        return _placement(tables, topology, place_with_cuts(tables, topology, task_id, assign))
+
+
+def _placement(tables, topology: DeviceTopology, shards) -> Placement:
+    return Placement(tables, topology.count, topology.memory_bytes, shards)
 
 
 BASELINES = ["random", "round_robin", "dim_greedy", "size_greedy", "lookup_greedy", "size_lookup_greedy"]

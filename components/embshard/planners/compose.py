@@ -4,7 +4,9 @@
   the cost-model greedy, each heuristic baseline, TorchRec's planner;
 - every candidate is scored by the cost model and ranked (ties keep the proposers' order);
 - `Refiner`s improve the ranked drafts in turn: local search (moves and swaps) refines the best few and keeps
-  the best, column splits halve dominant tables; a measured refinement can be added as one more refiner;
+  the best, splits cut the dominant table (k column slices, row-wise over all devices, or table-row-wise within
+  a host) where that lowers the predicted slowest device; a measured refinement can be added as one more refiner;
+- proposers place pieces: the task's tables, cut where they would not fit otherwise (planners.splitting);
 - all of them share one work `Budget` (scored candidates, not seconds: the same inputs and seed give the same
   plan on any machine), assembled by `ComposedPlanner`.
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Protocol
 
@@ -29,11 +31,12 @@ from ..errors import EmbshardError
 from ..placement import Placement, Shard
 from ..policy.core import PolicyNet, TaskContext, rollout
 from ..tableset import TableSet
-from ..types import CostEstimator, DeviceTopology
+from ..types import WHOLE, CostEstimator, DeviceTopology
 from .base import Planner, no_room_error
 from .baselines import BASELINES, make_baseline
 from .scoring import TaskScorer, piece_features, single_threaded
-from .search import Budget, SearchState, local_search, try_column_splits
+from .search import Budget, SearchState, local_search, try_splits
+from .splitting import PieceView, is_row_piece, split_to_fit
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +58,16 @@ class Problem:
             self.on_phase(text)
 
     @cached_property
+    def view(self) -> PieceView:
+        """The pieces proposers place: the tables, cut only where the task would not fit otherwise."""
+        return split_to_fit(self.tables, self.topology, self.task_id)
+
+    @cached_property
     def ctx(self) -> TaskContext:
-        return TaskContext.build(self.cost_model, self.tables.features(), self.tables.size_bytes,
-                                 self.topology.count, self.topology.memory_bytes)
+        """The cost model's view of the free pieces (the tables themselves when none is cut)."""
+        view = self.view
+        return TaskContext.build(self.cost_model, view.pieces.features(), view.pieces.size_bytes,
+                                 self.topology.count, view.memory)
 
     @property
     def memory(self) -> int:
@@ -78,20 +88,30 @@ class Draft:
 
     @classmethod
     def table_wise(cls, problem: Problem, name: str, assignment: np.ndarray) -> Draft:
+        """A proposer's assignment of the view's free pieces (the tables themselves when none is cut)."""
+        view = problem.view
+        if not view.is_whole:
+            return cls.of_shards(problem, name, view.shards(assignment))
         ctx = problem.ctx
         shards = [Shard(i, int(d)) for i, d in enumerate(assignment)]
         return cls(name, shards, SearchState(ctx.scorer, ctx.sizes, problem.memory, assignment))
 
     @classmethod
     def of_shards(cls, problem: Problem, name: str, shards: list[Shard]) -> Draft:
-        """Any pieces (column slices too): scored piece by piece."""
-        if all(s.col_size is None for s in shards) and [s.table for s in shards] == list(range(len(problem.tables))):
+        """Any pieces (column slices, row ranges): scored piece by piece; row pieces stay where they are."""
+        if all(s.kind == WHOLE for s in shards) and [s.table for s in shards] == list(range(len(problem.tables))):
             return cls.table_wise(problem, name, np.array([s.device for s in shards], dtype=np.int64))
-        feats = piece_features(problem.tables, shards)
-        scorer = TaskScorer(problem.cost_model, feats, problem.topology.count)
-        state = SearchState(scorer, feats[:, 3].astype(np.int64), problem.memory,
-                            np.array([s.device for s in shards], dtype=np.int64))
-        return cls(name, list(shards), state)
+        return cls(name, list(shards), pieces_state(problem, shards))
+
+
+def pieces_state(problem: Problem, shards: list[Shard]) -> SearchState:
+    """The search state of any pieces: row pieces pinned (TorchRec's layout fixes their devices)."""
+    D = problem.topology.count
+    feats = piece_features(problem.tables, shards, D)
+    scorer = TaskScorer(problem.cost_model, feats, D)
+    return SearchState(scorer, feats[:, 3].astype(np.int64), problem.memory,
+                       np.array([s.device for s in shards], dtype=np.int64),
+                       movable=np.array([not is_row_piece(s) for s in shards]))
 
 
 class Proposer(Protocol):
@@ -167,7 +187,8 @@ class Heuristic:
                                                                  task_id=problem.task_id)
         except EmbshardError:
             return None
-        return p.device_of_shards()
+        whole = all(s.kind == WHOLE for s in p.shards)
+        return p.device_of_shards() if whole and problem.view.is_whole else p.shards
 
 
 @dataclass
@@ -233,27 +254,29 @@ class LocalSearch:
             sub = budget.share((total - budget.used) // (len(top) - k))
             state = local_search(d.state, sub) if sub.evaluations > 0 else d.state
             budget.absorb(sub)
-            out.append(Draft(d.name, [Shard(s.table, int(a), s.col_offset, s.col_size)
-                                      for s, a in zip(d.shards, state.assignment)], state))
+            out.append(Draft(d.name, [replace(s, device=int(a)) for s, a in zip(d.shards, state.assignment)],
+                             state))
         return sorted(out, key=lambda d: d.overall)  # stable: ties keep the better-ranked start
 
 
 @dataclass
-class ColumnSplits:
-    """Halve the most expensive piece of the slowest device while that lowers the predicted cost (NeuroShard);
-    each split is followed by local search. Works on the best draft."""
+class Splits:
+    """Cut the most expensive movable piece of the slowest device while that lowers the predicted cost: into k
+    column slices (k = 2, 4, ...), row-wise over all devices, or table-row-wise within one host (when the
+    topology names hosts); each cut is followed by local search and the best cut is kept (search.try_splits).
+    Works on the best draft."""
 
     max_splits: int = 8
+    columns: bool = True
+    rows: bool = True
 
     def refine(self, problem, drafts, budget):
-        if budget.exhausted():
+        if budget.exhausted() or not (self.columns or self.rows):
             return drafts
         best = drafts[0]
-        problem.phase(f"column splits ({budget.used:,} of {budget.evaluations:,} evaluations)")
-        shards, assignment, state = try_column_splits(problem.tables, best.shards, best.state.assignment,
-                                                      problem.cost_model, problem.topology.count, problem.memory,
-                                                      budget, self.max_splits)
-        shards = [Shard(s.table, int(d), s.col_offset, s.col_size) for s, d in zip(shards, assignment)]
+        problem.phase(f"splits ({budget.used:,} of {budget.evaluations:,} evaluations)")
+        shards, state = try_splits(problem.tables, best.shards, best.state, problem.cost_model, problem.topology,
+                                   budget, self.max_splits, columns=self.columns, rows=self.rows)
         return [Draft(best.name, shards, state), *drafts[1:]]
 
 
@@ -343,7 +366,8 @@ class ComposedPlanner(Planner):
             "start_candidate": best.name,
             "candidate_costs": candidate_costs,
             "planning_time_s": time.perf_counter() - start,
-            "column_splits": sum(s.col_size is not None for s in best.shards),
+            "column_splits": len({s.table for s in best.shards if s.kind == "column"}),
+            "row_splits": len({s.table for s in best.shards if s.kind == "row"}),
             "search_evaluations": budget.used, "search_budget": budget.evaluations,
             "time_cap_hit": budget.cap_hit, "search_guard_stops": budget.guard_stops,
         })
@@ -356,7 +380,7 @@ class ComposedPlanner(Planner):
 
 # -- the named compositions --------------------------------------------------------------------------------------
 def _learned(policy, *, num_samples=8, refine_top=3, policy_proposers=True, cost_greedy=True, portfolio=True,
-             column_splits=True, search=True, torchrec: str | None = None) -> Composition:
+             column_splits=True, row_splits=True, search=True, torchrec: str | None = None) -> Composition:
     proposers: list[Proposer] = []
     if policy is not None and policy_proposers:
         proposers.append(PolicyGreedy(policy))
@@ -368,26 +392,31 @@ def _learned(policy, *, num_samples=8, refine_top=3, policy_proposers=True, cost
     if torchrec:
         heuristics.append(TorchRecProposal(torchrec))
     refiners: list[Refiner] = []
+    splits = column_splits or row_splits
     if search:
-        # Column splits get the last quarter of the work; the refined candidates share the rest equally.
-        refiners.append(LocalSearch(refine_top, 0.75 if column_splits else 1.0))
-    if column_splits:
-        refiners.append(ColumnSplits())
+        # Splits get the last quarter of the work; the refined candidates share the rest equally.
+        refiners.append(LocalSearch(refine_top, 0.75 if splits else 1.0))
+    if splits:
+        refiners.append(Splits(columns=column_splits, rows=row_splits))
     return Composition(proposers + (heuristics if portfolio else []), [] if portfolio else heuristics, refiners)
 
 
 # name -> (what it is, the settings of _learned it changes)
 COMPOSITIONS: dict[str, tuple[str, dict]] = {
-    "learned": ("policy rollouts, cost greedy and every heuristic; local search; column splits", {}),
+    "learned": ("policy rollouts, cost greedy and every heuristic; local search; column and row splits", {}),
     "policy_only": ("the policy's greedy rollout alone (heuristics only when it has no plan); no search",
                     {"num_samples": 0, "cost_greedy": False, "portfolio": False, "column_splits": False,
-                     "search": False}),
-    "no_column_splits": ("learned without column splits", {"column_splits": False}),
+                     "row_splits": False, "search": False}),
+    "no_splits": ("learned without split refinement (tables are cut only to fit)",
+                  {"column_splits": False, "row_splits": False}),
+    "no_column_splits": ("learned without column splits (row-wise ones only)", {"column_splits": False}),
+    "no_row_splits": ("learned without row-wise splits (column slices only)", {"row_splits": False}),
     "no_portfolio": ("learned without the heuristics as candidates", {"portfolio": False}),
     "no_cost_greedy": ("learned without the cost-model greedy candidate", {"cost_greedy": False}),
     "no_policy": ("learned without the policy's rollouts (cost greedy and heuristics, searched)",
                   {"policy_proposers": False}),
-    "no_search": ("learned's candidates, the best one as it is", {"search": False, "column_splits": False}),
+    "no_search": ("learned's candidates, the best one as it is",
+                  {"search": False, "column_splits": False, "row_splits": False}),
     "learned_with_torchrec": ("learned plus TorchRec's table-wise plan as a candidate (extra torchrec)",
                               {"torchrec": "table_wise"}),
 }

@@ -1,12 +1,13 @@
 """The learned planner: a composition (planners.compose) of the policy's rollouts, the cost-model greedy and the
-heuristics as proposers, local search and column splits as refiners.
+heuristics as proposers, local search and splits as refiners.
 
 plan():
  1. candidates: one greedy and K sampled policy rollouts, a cost-model greedy (each table, most expensive first,
     onto the device whose predicted cost after adding it is lowest), and every baseline's placement;
  2. each candidate is scored by the cost model; the best few are improved by local search (moves and swaps)
     within a work budget (scored candidates, not seconds: the same inputs and seed give the same plan);
- 3. column-wise splits of dominant tables where they lower the predicted cost;
+ 3. splits of dominant tables (k column slices, row-wise, table-row-wise within a host) where they lower the
+    predicted cost; tables that would not fit whole are cut before anything is proposed (planners.splitting);
  4. portfolio guarantee: the result is never predicted worse than the best baseline placement, since those are
     candidates and search only accepts improvements.
 `policy_only` and the ablations are other entries of compose.COMPOSITIONS (`composition=`).

@@ -1,10 +1,12 @@
-"""Search on top of the policy: local improvement and column-wise splits, scored by the batched cost model.
+"""Search on top of the policy: local improvement and splits, scored by the batched cost model.
 
 The search's budget counts work (scored candidates), never wall time, so a plan is reproducible (see Budget).
 Local search repeatedly takes the slowest device and tries every move of one of its pieces to another device and
 every swap with a piece elsewhere, all scored in one batched call; it applies the best one that lowers the
-slowest device's cost (or, at equal maximum, the spread), within memory. Column-wise splits (NeuroShard) halve
-a dominant table on the slowest device when that lowers the predicted cost.
+slowest device's cost (or, at equal maximum, the spread), within memory; row pieces are pinned (TorchRec's
+row-wise layout fixes their devices) and never move. Splits cut the dominant piece of the slowest device into k
+column slices (NeuroShard's column-wise split, k-way), row-wise over all devices, or table-row-wise within a host,
+whichever lowers the predicted cost most after local search.
 
 The search does not exploit the model's errors: with an ensemble cost model (costmodel.ensemble) a move that
 claims to lower the slowest device is taken only when its predicted gain (the members' mean) exceeds
@@ -13,14 +15,16 @@ GUARD_Z x the members' disagreement about that gain; otherwise the search stops 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from ..placement import Shard
 from ..tableset import TableSet
+from ..types import COLUMN, WHOLE, DeviceTopology
 from .scoring import TaskScorer, piece_features
+from .splitting import column_pieces, is_row_piece, max_column_parts, row_pieces
 
 _REL_TOL = 1e-6
 MIN_SPLIT_DIM = 4  # FBGEMM wants dims that are multiples of 4
@@ -29,15 +33,18 @@ GUARD_Z = 1.0      # a move's mean predicted gain must exceed this many standard
 
 @dataclass
 class SearchState:
-    """A table-wise assignment of pieces (tables or column slices) with its cached device sums and costs."""
+    """An assignment of pieces (tables, column slices, row ranges) with its cached device sums and costs."""
 
     scorer: TaskScorer
     sizes: np.ndarray   # (N,) bytes per piece
     memory: int
     assignment: np.ndarray  # (N,) device per piece
+    movable: np.ndarray | None = None  # (N,) bool: pieces the search may move (None: all; row pieces are pinned)
 
     def __post_init__(self):
         self.assignment = np.asarray(self.assignment, dtype=np.int64).copy()
+        self.movable = (np.ones(len(self.assignment), dtype=bool) if self.movable is None
+                        else np.asarray(self.movable, dtype=bool))
         self.sums, self.counts = self.scorer.device_sums(self.assignment)
         self.costs = self.scorer.totals(self.sums, self.counts).double()
         self.used = torch.as_tensor(np.bincount(self.assignment, weights=self.sizes,
@@ -106,10 +113,10 @@ def local_search(state: SearchState, budget: Budget, max_rounds: int = 10_000) -
         b = int(torch.argmax(costs))
         cur_max = float(costs[b])
         cur_sq = float((costs ** 2).sum())
-        on_b = torch.as_tensor(np.flatnonzero(state.assignment == b))
+        on_b = torch.as_tensor(np.flatnonzero((state.assignment == b) & state.movable))
         if len(on_b) == 0:
             break
-        others = torch.as_tensor(np.flatnonzero(state.assignment != b))
+        others = torch.as_tensor(np.flatnonzero((state.assignment != b) & state.movable))
         budget.spend(len(on_b) * (D - 1 + len(others)))
         best = _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq)
         if best is None:
@@ -210,40 +217,73 @@ def _collect(out, mx, sq, fits, kind, rows, cols):
     out.append((float(mx[i, j]), float(sq[i, j]), kind, int(rows[i]), int(cols[j])))
 
 
-def try_column_splits(tables: TableSet, shards: list[Shard], assignment: np.ndarray, cost_model,
-                      num_devices: int, memory: int, budget: Budget, max_splits: int = 8):
-    """Halve the most expensive piece of the slowest device while that lowers the predicted overall cost.
+def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_model, topology: DeviceTopology,
+               budget: Budget, max_splits: int = 8, columns: bool = True, rows: bool = True
+               ) -> tuple[list[Shard], SearchState]:
+    """Cut the most expensive movable piece of the slowest device while that lowers the predicted overall cost.
 
-    Returns (shards, assignment, state) of the best plan found; unchanged inputs when no split helps.
-    """
+    The cuts tried: k column slices (k = 2, 4, ..., at most the devices and widths of 4), starting on the slowest
+    device and spread by local search; row-wise over all devices; table-row-wise over one host's devices (the host
+    whose devices cost least; only when the topology names hosts). The best cut after local search is kept when it
+    lowers the predicted overall cost. Returns (shards, state), unchanged when no cut helps."""
     shards = list(shards)
-    state = _state(tables, shards, assignment, cost_model, num_devices, memory)
+    memory = state.memory
     for _ in range(max_splits):
         if budget.exhausted():
             break
         b = int(torch.argmax(state.costs))
-        on_b = np.flatnonzero(state.assignment == b)
+        on_b = np.flatnonzero((state.assignment == b) & state.movable)
+        if len(on_b) == 0:
+            break
         single = state.scorer.single_costs()[on_b]
         p = int(on_b[np.argmax(single)])
-        s = shards[p]
-        dim = s.col_size if s.col_size is not None else int(tables.dims[s.table])
-        half = (dim // 2) // MIN_SPLIT_DIM * MIN_SPLIT_DIM
-        if half < MIN_SPLIT_DIM or dim - half < MIN_SPLIT_DIM:
+        best_shards, best_state = None, state
+        for cut in _cuts(tables, shards[p], state, topology, columns, rows):
+            if budget.exhausted():
+                break
+            placed = [replace(c, device=b) if not is_row_piece(c) else c for c in cut]
+            trial_shards = shards[:p] + placed + shards[p + 1:]
+            trial_assign = np.concatenate([state.assignment[:p], [c.device for c in placed],
+                                           state.assignment[p + 1:]])
+            trial = _state(tables, trial_shards, trial_assign, cost_model, topology.count, memory)
+            if (trial.used > memory).any():  # a row cut adds to every device; slices start where the piece was
+                continue
+            trial = local_search(trial, budget)
+            if trial.overall < best_state.overall * (1 - 1e-4):
+                best_shards, best_state = trial_shards, trial
+        if best_shards is None:
             break
-        left = Shard(s.table, s.device, s.col_offset, half)
-        right = Shard(s.table, s.device, s.col_offset + half, dim - half)
-        trial_shards = shards[:p] + [left, right] + shards[p + 1:]
-        trial_assign = np.concatenate([state.assignment[:p], [b, b], state.assignment[p + 1:]])
-        trial = _state(tables, trial_shards, trial_assign, cost_model, num_devices, memory)
-        trial = local_search(trial, budget)
-        if trial.overall < state.overall * (1 - 1e-4):
-            shards, state = trial_shards, trial
-        else:
-            break
-    return shards, state.assignment, state
+        shards, state = best_shards, best_state
+    return [replace(s, device=int(d)) for s, d in zip(shards, state.assignment)], state
+
+
+def _cuts(tables: TableSet, piece: Shard, state: SearchState, topology: DeviceTopology, columns: bool,
+          rows: bool) -> list[list[Shard]]:
+    """The cuts of one piece to try (module docstring); column cuts of a slice stay within its columns."""
+    D = topology.count
+    out: list[list[Shard]] = []
+    width = piece.col_size if piece.col_size is not None else int(tables.dims[piece.table])
+    if columns and piece.kind in (WHOLE, COLUMN):
+        k = 2
+        while k <= min(D, max_column_parts(width)):
+            out.append(column_pieces(piece.table, width, k, piece.col_offset))
+            k *= 2
+    n_rows = int(tables.rows[piece.table])
+    if rows and piece.kind == WHOLE and n_rows >= 2:
+        if D >= 2:
+            out.append(row_pieces(piece.table, n_rows, list(range(D))))
+        if topology.hosts is not None and len(set(topology.hosts)) > 1:
+            costs = state.costs.numpy()
+            hosts = sorted(set(topology.hosts))
+            members = {h: [d for d in range(D) if topology.hosts[d] == h] for h in hosts}
+            cheapest = min(hosts, key=lambda h: (float(costs[members[h]].sum()), h))
+            if len(members[cheapest]) >= 2:
+                out.append(row_pieces(piece.table, n_rows, members[cheapest]))
+    return out
 
 
 def _state(tables, shards, assignment, cost_model, num_devices, memory) -> SearchState:
-    feats = piece_features(tables, shards)
+    feats = piece_features(tables, shards, num_devices)
     sizes = feats[:, 3].astype(np.int64)
-    return SearchState(TaskScorer(cost_model, feats, num_devices), sizes, memory, assignment)
+    return SearchState(TaskScorer(cost_model, feats, num_devices), sizes, memory, assignment,
+                       movable=np.array([not is_row_piece(s) for s in shards]))

@@ -1,0 +1,235 @@
+"""Cutting tables into the pieces a planner places: whole, k column slices, or row-wise ranges (docs/method.md,
+"Splits").
+
+A planner places pieces, not tables. `split_to_fit` gives every planner the same starting view of a task: each
+table whole where the whole task can be packed that way, otherwise the fewest cuts that make it pack: a table's
+cut grows one level at a time (whole -> 2 -> 4 -> ... column slices -> row-wise over all devices), the largest
+piece first, until first-fit-decreasing packs every piece into the devices' memory. Row pieces follow TorchRec's
+row-wise layout (`types.row_blocks`: piece k on device k) so that the export hands them to TorchRec unchanged;
+they are pinned (no planner moves them). Column slices are free pieces that planners place like tables.
+
+`PieceView.pieces` is a TableSet with one entry per free piece (a slice is a table of its width; a row range holds
+its rows and its share of the lookups, as `costmodel.scoring.piece_features` says), so heuristics, the policy and
+the cost model see pieces exactly as they see tables.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..checks import GiB
+from ..errors import InfeasiblePlacementError
+from ..tableset import TableSet
+from ..types import ROW, DeviceTopology, Shard, row_blocks
+
+MIN_SLICE_DIM = 4   # FBGEMM's kernels and TorchRec's column-wise sharding take widths that are multiples of 4
+ROW_LEVEL = -1      # the cut level of a table placed row-wise over all devices
+
+
+def column_widths(dim: int, parts: int) -> list[int]:
+    """`parts` slice widths, multiples of 4 where the table's width is, as even as possible, summing to `dim`."""
+    units, rest = divmod(int(dim), MIN_SLICE_DIM)
+    if parts < 2 or units < parts:
+        raise ValueError(f"cannot cut {dim} columns into {parts} slices of at least {MIN_SLICE_DIM}")
+    base, extra = divmod(units, parts)
+    widths = [(base + (1 if k < extra else 0)) * MIN_SLICE_DIM for k in range(parts)]
+    widths[-1] += rest  # a width that is no multiple of 4 keeps its remainder in the last slice
+    return widths
+
+
+def column_pieces(table: int, dim: int, parts: int, col_offset: int = 0) -> list[Shard]:
+    """`parts` column slices of columns [col_offset, col_offset + dim) of `table` (device 0: not placed yet)."""
+    out, off = [], col_offset
+    for w in column_widths(dim, parts):
+        out.append(Shard(table, 0, off, w))
+        off += w
+    return out
+
+
+def row_pieces(table: int, rows: int, devices: list[int]) -> list[Shard]:
+    """Row ranges of `table` in TorchRec's layout over `devices` (piece k on devices[k]); fewer pieces than
+    devices when the table has few rows."""
+    return [Shard(table, devices[k], row_offset=off, row_size=size)
+            for k, (off, size) in enumerate(row_blocks(rows, min(len(devices), rows)))]
+
+
+def max_column_parts(dim: int) -> int:
+    return int(dim) // MIN_SLICE_DIM
+
+
+def piece_table(tables: TableSet, shards: list[Shard]) -> TableSet:
+    """One TableSet entry per piece: a column slice is a table of its width, a row range holds its rows and its
+    share of the lookups (ids are hashed to rows, so every range gets rows/total of them)."""
+    idx = np.array([s.table for s in shards], dtype=np.int64)
+    sub = tables.subset(idx)
+    dims, rows = sub.dims.copy(), sub.rows.copy()
+    pooling = sub.pooling_factor.copy()
+    for k, s in enumerate(shards):
+        if s.col_size is not None:
+            dims[k] = s.col_size
+        if s.row_size is not None:
+            pooling[k] = pooling[k] * s.row_size / rows[k]
+            rows[k] = s.row_size
+    size = rows * dims * sub.bytes_per_element
+    return replace(sub, dims=dims, rows=rows, pooling_factor=pooling, size_bytes=size.astype(np.int64))
+
+
+def shard_bytes(tables: TableSet, s: Shard) -> int:
+    rows = int(tables.rows[s.table]) if s.row_size is None else int(s.row_size)
+    dim = int(tables.dims[s.table]) if s.col_size is None else int(s.col_size)
+    return rows * dim * int(tables.bytes_per_element[s.table])
+
+
+@dataclass
+class PieceView:
+    """A task's tables as the pieces planners place.
+
+    `levels[i]`: how table i is cut (0 whole, k >= 2 that many column slices, ROW_LEVEL row-wise over all
+    devices). `free` are the pieces a planner assigns (one `pieces` entry each, in order), `pinned` the row pieces
+    with their devices. `memory` is what every device has left for free pieces (its memory less the largest
+    pinned load of any device, so a plan of the free pieces within it is feasible on every device)."""
+
+    tables: TableSet
+    topology: DeviceTopology
+    levels: np.ndarray
+    free: list[Shard]
+    pinned: list[Shard]
+    pieces: TableSet
+    memory: int
+
+    @classmethod
+    def build(cls, tables: TableSet, topology: DeviceTopology, levels: np.ndarray) -> PieceView:
+        free: list[Shard] = []
+        pinned: list[Shard] = []
+        devices = list(range(topology.count))
+        for i, level in enumerate(levels):
+            if level == 0:
+                free.append(Shard(i, 0))
+            elif level == ROW_LEVEL:
+                pinned.extend(row_pieces(i, int(tables.rows[i]), devices))
+            else:
+                free.extend(column_pieces(i, int(tables.dims[i]), int(level)))
+        load = np.zeros(topology.count, dtype=np.int64)
+        for s in pinned:
+            load[s.device] += shard_bytes(tables, s)
+        pieces = piece_table(tables, free) if free else tables.subset([])
+        return cls(tables, topology, np.asarray(levels, dtype=np.int64), free, pinned, pieces,
+                   int(topology.memory_bytes - load.max()))
+
+    @property
+    def is_whole(self) -> bool:
+        """No table is cut: the view's pieces are the tables themselves, in order."""
+        return not self.levels.any()
+
+    def shards(self, assignment) -> list[Shard]:
+        """The placement's shards: free piece k on device assignment[k], then the pinned row pieces."""
+        return [replace(s, device=int(d)) for s, d in zip(self.free, np.asarray(assignment))] + list(self.pinned)
+
+    def table_of_piece(self, k: int) -> int:
+        return self.free[k].table
+
+    def refined(self, table: int) -> PieceView | None:
+        """The view with `table` cut one level finer (2 -> 4 -> ... column slices, then row-wise), or None when
+        it is row-wise already."""
+        levels = self.levels.copy()
+        nxt = next_level(int(levels[table]), int(self.tables.dims[table]))
+        if nxt is None:
+            return None
+        levels[table] = nxt
+        return PieceView.build(self.tables, self.topology, levels)
+
+
+def next_level(level: int, dim: int) -> int | None:
+    """The next finer cut of a table of width `dim`: whole -> 2 column slices -> 4 -> ... -> row-wise."""
+    if level == ROW_LEVEL:
+        return None
+    k = 2 if level == 0 else level * 2
+    return k if k <= max_column_parts(dim) else ROW_LEVEL
+
+
+def split_to_fit(tables: TableSet, topology: DeviceTopology, task_id: str = "task") -> PieceView:
+    """The fewest cuts that make the task pack (module docstring); tables stay whole where it packs so.
+    A one-line error when even every table cut row-wise over all devices does not fit."""
+    levels = np.zeros(len(tables), dtype=np.int64)
+    for i in np.flatnonzero(tables.size_bytes > topology.memory_bytes):
+        level: int | None = 0  # a table larger than a device: the fewest slices that each fit one
+        while level not in (None, ROW_LEVEL) and largest_piece_bytes(tables, int(i), level) > topology.memory_bytes:
+            level = next_level(level, int(tables.dims[i]))
+        levels[i] = ROW_LEVEL if level is None else level
+    view = PieceView.build(tables, topology, levels)
+    for _ in range(4 * len(tables) + 8):
+        packs, table = first_fit(view)
+        if packs:
+            return view
+        finer = None if table is None else view.refined(table)
+        if finer is None:
+            break
+        view = finer
+    raise unplaceable_error(tables, topology, task_id)
+
+
+def largest_piece_bytes(tables: TableSet, i: int, level: int) -> int:
+    """Bytes of the widest column slice of table i cut at `level` (the whole table at level 0)."""
+    width = int(tables.dims[i]) if level == 0 else max(column_widths(int(tables.dims[i]), level))
+    return int(tables.rows[i]) * width * int(tables.bytes_per_element[i])
+
+
+def first_fit(view: PieceView) -> tuple[bool, int | None]:
+    """(True, None) when first-fit-decreasing packs the free pieces beside the pinned ones; else (False, the table
+    to cut finer: the one with the largest piece that can still be cut, None when none can)."""
+    if view.memory < 0:
+        return False, _largest_cuttable(view)
+    D = view.topology.count
+    free = np.full(D, view.topology.memory_bytes, dtype=np.int64)
+    for s in view.pinned:
+        free[s.device] -= shard_bytes(view.tables, s)
+    for k in np.argsort(-view.pieces.size_bytes, kind="stable"):
+        need = int(view.pieces.size_bytes[k])
+        fits = np.flatnonzero(free >= need)
+        if fits.size == 0:
+            return False, _largest_cuttable(view)
+        free[fits[0]] -= need
+    return True, None
+
+
+def _largest_cuttable(view: PieceView) -> int | None:
+    best, best_size = None, -1
+    for k, s in enumerate(view.free):
+        if view.levels[s.table] != ROW_LEVEL and int(view.pieces.size_bytes[k]) > best_size:
+            best, best_size = s.table, int(view.pieces.size_bytes[k])
+    return best
+
+
+def unplaceable_error(tables: TableSet, topology: DeviceTopology, task_id: str) -> InfeasiblePlacementError:
+    """The error when no cut of the tables fits: the largest table, what a device holds, and the fix."""
+    i = int(np.argmax(tables.size_bytes))
+    need = int(tables.size_bytes.sum())
+    have = topology.count * topology.memory_bytes
+    return InfeasiblePlacementError(
+        f"the tables do not fit even cut row-wise over all {topology.count} devices: they need {need / GiB:.3f} GiB "
+        f"of {have / GiB:.3f} GiB in all, the largest ({tables.table_ids[i]}) "
+        f"{int(tables.size_bytes[i]) / GiB:.3f} GiB, and row-wise pieces leave too little room per device",
+        path=task_id, field="memory_bytes_per_device", fix="add devices or raise memory per device")
+
+
+def place_with_cuts(tables: TableSet, topology: DeviceTopology, task_id: str, assign, start: PieceView | None = None
+                    ) -> list[Shard]:
+    """Shards of a planner that places free pieces with `assign(view) -> (assignment, stuck piece or -1)`: when a
+    piece fits nowhere, its table is cut one level finer and the planner runs again (as TorchRec splits a table
+    only when it cannot place it)."""
+    view = start or split_to_fit(tables, topology, task_id)
+    for _ in range(4 * len(tables) + 8):
+        assignment, stuck = assign(view)
+        if assignment is not None:
+            return view.shards(assignment)
+        finer = view.refined(view.table_of_piece(stuck))
+        if finer is None:
+            break
+        view = finer
+    raise unplaceable_error(tables, topology, task_id)
+
+
+def is_row_piece(s: Shard) -> bool:
+    """Row pieces are pinned: TorchRec runs them only in the row_blocks layout over their devices."""
+    return s.kind == ROW
