@@ -493,3 +493,30 @@ def test_row_layouts_torchrec_cannot_run_are_refused(split_placement, tables):
     odd.topology = DeviceTopology(D, odd.memory_bytes_per_device, hosts=(0, 1, 0, 1))
     with pytest.raises(EmbshardError, match="hosts"):
         to_torchrec_plan(odd)
+
+
+@needs_torchrec
+def test_export_job_writes_split_plans_with_hosts(tmp_path, tables_df, split_placement):
+    """placements.parquet rows of every kind -> plan.json v3 with hosts and a TorchRec plan; the table-row-wise
+    table needs the hosts (--devices-per-host), and without them nothing is written."""
+    import pandas as pd
+
+    from embshard.jobs.export import run
+
+    schemas.write(tables_df, tmp_path / "tables.parquet", "tables")
+    schemas.write(split_placement.to_frame(), tmp_path / "placements.parquet", "placements")
+    tasks = pd.DataFrame({"task_id": ["task-s"], "split": ["test"], "num_devices": [D],
+                          "memory_bytes_per_device": [split_placement.memory_bytes_per_device],
+                          "table_ids": [list(split_placement.tables.table_ids)]})
+    schemas.write(tasks, tmp_path / "tasks.parquet", "tasks")
+    args = (str(tmp_path / "placements.parquet"), str(tmp_path / "tables.parquet"))
+    with pytest.raises(EmbshardError, match="not a layout TorchRec can run"):
+        run(*args, str(tmp_path / "one_host"), tasks=str(tmp_path / "tasks.parquet"))
+    assert not (tmp_path / "one_host").exists()
+    result = run(*args, str(tmp_path / "out"), tasks=str(tmp_path / "tasks.parquet"), devices_per_host=2)
+    plan = read_plan_json(result["plans"]["task-s"]["plan_json"])
+    assert plan["hosts"] == [0, 0, 1, 1] and plan["tables"][1]["sharding_type"] == "table_row_wise"
+    doc = json.loads((tmp_path / "out" / "task-s" / "torchrec_plan.json").read_text())
+    kinds = {n: p["sharding_type"] for n, p in doc["modules"][""].items()}
+    assert [kinds[str(t)] for t in split_placement.tables.table_ids[:4]] == ["row_wise", "table_row_wise",
+                                                                            "table_wise", "data_parallel"]
