@@ -166,3 +166,16 @@ def test_data_parallel_reads_back_as_replicas_and_grid_shards_are_refused():
     module_plan[t.table_ids[0]].sharding_type = "grid_shard"
     with pytest.raises(EmbshardError, match="grid_shard, which a placement cannot express"):
         placement_from_sharding_plan(ShardingPlan({"": module_plan}), t, 2, mem)
+
+
+def test_hosts_out_of_torchrecs_rank_order_are_not_searched_table_row_wise():
+    from embshard.types import DeviceTopology
+
+    df = generate_tables(6, seed=9, bins_batch_size=512)
+    df.loc[0, ["rows", "dim", "pooling_factor"]] = [100_000, 128, 60.0]
+    df["size_bytes"] = df["rows"] * df["dim"] * df["bytes_per_element"]
+    t = TableSet.from_frame(df)
+    topo = DeviceTopology(4, int(t.size_bytes.sum()), hosts=(0, 1, 0, 1))
+    p = TorchRecPlanner(search="full").plan(t, topo)
+    assert "table_row_wise" not in p.meta["torchrec_sharding_types"]
+    p.check()

@@ -120,11 +120,15 @@ class TorchRecPlanner(Planner):
         from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
         from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 
-        from ..torchrec_compat import FUSED, build_module, storage_estimators, topology
+        from ..torchrec_compat import FUSED, build_module, storage_estimators, topology, torchrec_hosts
 
         names = _names(len(tables))
         module = build_module(tables, names=names)
         num_devices, memory = devices.count, devices.memory_bytes
+        if torchrec_hosts(num_devices, devices.hosts) is None:
+            # TorchRec takes host h to be ranks h*L..h*L+L-1: with our hosts laid out otherwise its per-host
+            # (table_row_wise) pieces would straddle hosts, so it is not searched.
+            sharding_types = [t for t in sharding_types if t != "table_row_wise"]
         topo = topology(num_devices, memory, local_world_size=devices.local_world_size)
         constraints = {
             n: ParameterConstraints(sharding_types=list(sharding_types), compute_kernels=[FUSED],
