@@ -1,4 +1,4 @@
-"""Export: plan.json (embshard.plan/v2; v1 read), placements.parquet round trips, and plans TorchRec accepts."""
+"""Export: plan.json (embshard.plan/v3; v1/v2 read), placements.parquet round trips, and plans TorchRec accepts."""
 from __future__ import annotations
 
 import copy
@@ -54,7 +54,7 @@ def test_plan_json_round_trip_and_fields(tmp_path, placement, tables):
     written = write_plan_json(placement, path, device_costs=COSTS, balanced_estimate=2.0)
     plan = read_plan_json(path)
     assert plan == written
-    assert plan["schema"] == "embshard.plan/v2" and plan["cost"]["balanced_estimate_ms"] == 2.0
+    assert plan["schema"] == "embshard.plan/v3" and plan["cost"]["balanced_estimate_ms"] == 2.0
     assert plan["task_id"] == "task-a" and plan["num_devices"] == D and plan["planner"] == "size_greedy"
     assert plan["cost"]["overall_ms"] == 3.0 and plan["cost"]["gap"] == pytest.approx(0.5)
     assert [d["memory_bytes"] for d in plan["devices"]] == placement.memory_per_device().tolist()
@@ -82,8 +82,7 @@ def test_a_v1_plan_json_with_its_lower_bound_ms_is_still_read(tmp_path, placemen
     from embshard.errors import EmbshardError
 
     plan = write_plan_json(placement, tmp_path / "new.json", device_costs=COSTS, balanced_estimate=2.0)
-    old = copy.deepcopy(plan)
-    old["schema"] = "embshard.plan/v1"
+    old = _downgrade(plan, "embshard.plan/v1")
     old["cost"]["lower_bound_ms"] = old["cost"].pop("balanced_estimate_ms")
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert read_plan_json(tmp_path / "old.json")["cost"]["lower_bound_ms"] == 2.0
@@ -93,6 +92,75 @@ def test_a_v1_plan_json_with_its_lower_bound_ms_is_still_read(tmp_path, placemen
     with pytest.raises(EmbshardError, match="balanced estimate") as err:
         read_plan_json(tmp_path / "mixed.json")
     assert err.value.field == "cost.lower_bound_ms"
+
+
+def _downgrade(plan: dict, version: str) -> dict:
+    """The plan as a v1/v2 file: no kind, row range, sharding type or hosts."""
+    old = copy.deepcopy(plan)
+    old["schema"] = version
+    old.pop("hosts", None)
+    for t in old["tables"]:
+        t.pop("sharding_type")
+        for s in t["shards"]:
+            for k in ("kind", "row_offset", "row_size"):
+                s.pop(k)
+    return old
+
+
+def test_a_v2_plan_json_is_still_read(tmp_path, placement, tables):
+    plan = write_plan_json(placement, tmp_path / "new.json", device_costs=COSTS, balanced_estimate=2.0)
+    assert [t["sharding_type"] for t in plan["tables"]][:3] == ["column_wise", "table_wise", "column_wise"]
+    assert plan["tables"][1]["shards"][0]["kind"] == "whole"
+    (tmp_path / "v2.json").write_text(json.dumps(_downgrade(plan, "embshard.plan/v2")))
+    back = placement_from_plan(read_plan_json(tmp_path / "v2.json"), tables)
+    assert sorted(map(repr, back.shards)) == sorted(map(repr, placement.shards))
+    v3_in_v2 = _downgrade(plan, "embshard.plan/v2")
+    v3_in_v2["hosts"] = [0, 0, 1, 1]
+    with pytest.raises(EmbshardError, match="has no hosts"):
+        validate_plan(v3_in_v2)
+
+
+@pytest.fixture()
+def split_placement(tables) -> Placement:
+    """Row-wise over all 4 devices (table 0), table-row-wise on host 1 (table 1), a replica (table 3), whole rest."""
+    from embshard.types import DeviceTopology, row_blocks
+
+    shards = [Shard(0, d, row_offset=o, row_size=n) for d, (o, n) in enumerate(row_blocks(int(tables.rows[0]), 4))]
+    shards += [Shard(1, 2 + d, row_offset=o, row_size=n) for d, (o, n) in enumerate(row_blocks(int(tables.rows[1]), 2))]
+    shards += [Shard(3, d, kind="replicated") for d in range(D)]
+    shards += [Shard(i, i % D) for i in (2, 4, 5, 6, 7, 8, 9)]
+    mem = int(tables.size_bytes.sum())
+    return Placement(tables, D, mem, shards, planner="split", task_id="task-s",
+                     topology=DeviceTopology(D, mem, hosts=(0, 0, 1, 1)))
+
+
+def test_plan_json_v3_rows_replicas_and_hosts_round_trip(tmp_path, split_placement, tables):
+    plan = write_plan_json(split_placement, tmp_path / "p.json")
+    assert plan["hosts"] == [0, 0, 1, 1]
+    assert [t["sharding_type"] for t in plan["tables"][:4]] == ["row_wise", "table_row_wise", "table_wise",
+                                                                "data_parallel"]
+    s = plan["tables"][1]["shards"][1]
+    assert (s["kind"], s["device"], s["col_size"], s["row_offset"] + s["row_size"]) == \
+        ("row", 3, int(tables.dims[1]), int(tables.rows[1]))
+    back = placement_from_plan(read_plan_json(tmp_path / "p.json"), tables)
+    assert sorted(map(repr, back.shards)) == sorted(map(repr, split_placement.shards))
+    assert back.devices.hosts == (0, 0, 1, 1)
+    assert back.memory_per_device().tolist() == split_placement.memory_per_device().tolist()
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda p: p["tables"][0]["shards"][1].update(row_offset=1), "rows"),
+    (lambda p: p["tables"][0]["shards"][0].update(col_size=8, memory_bytes=0), "row range all columns"),
+    (lambda p: p["tables"][0].update(sharding_type="table_wise"), "sharding_type"),
+    (lambda p: p["tables"][3]["shards"].pop(), "replicas"),
+    (lambda p: p["tables"][3]["shards"][0].update(kind="whole"), "mixes"),
+    (lambda p: p["tables"][0]["shards"][0].pop("row_size"), "row_size"),
+    (lambda p: p.update(hosts=[0, 1]), "hosts"),
+])
+def test_plan_json_v3_rejects_bad_splits(tmp_path, split_placement, edit, match):
+    plan = write_plan_json(split_placement, tmp_path / "p.json")
+    with pytest.raises(EmbshardError, match=match):
+        validate_plan(_bad(plan, edit))
 
 
 def _bad(plan, edit):
@@ -380,3 +448,75 @@ def test_place_reports_a_balanced_estimate_not_a_bound(placement):
     docs = Path(__file__).resolve().parents[1] / "docs" / "method.md"
     text = docs.read_text()
     assert "## Balanced estimate (not a lower bound)" in text and "Why it is called an estimate" in text
+
+
+@needs_torchrec
+def test_torchrec_plan_of_row_ranges_and_replicas(split_placement, tables):
+    """RW = row_blocks over all ranks, TWRW = row_blocks over host 1's ranks 2-3, DP = a replica on every rank."""
+    from embshard.export import to_torchrec_plan
+    from embshard.export.torchrec_plan import check_plan_doc, plan_from_json, plan_to_json
+    from embshard.types import row_blocks
+
+    plan = to_torchrec_plan(split_placement)
+    mp = plan.plan[""]
+    ids = tables.table_ids
+    assert [mp[ids[i]].sharding_type for i in range(4)] == ["row_wise", "table_row_wise", "table_wise",
+                                                            "data_parallel"]
+    rw = [(int(m.shard_offsets[0]), int(m.shard_sizes[0]), m.placement.rank()) for m in mp[ids[0]].sharding_spec.shards]
+    assert rw == [(o, n, d) for d, (o, n) in enumerate(row_blocks(int(tables.rows[0]), 4))]
+    twrw = [(int(m.shard_offsets[0]), m.placement.rank()) for m in mp[ids[1]].sharding_spec.shards]
+    assert twrw == [(0, 2), (row_blocks(int(tables.rows[1]), 2)[1][0], 3)]
+    assert mp[ids[1]].compute_kernel == "fused" and mp[ids[3]].ranks == [0, 1, 2, 3]
+    doc = plan_to_json(plan, world_size=D, tables={str(n): (int(r), int(d)) for n, r, d in
+                                                    zip(tables.table_ids, tables.rows, tables.dims)})
+    check_plan_doc(doc)
+    assert str(plan_from_json(json.loads(json.dumps(doc)))) == str(plan)
+    bad = copy.deepcopy(doc)
+    bad["modules"][""][ids[0]]["shards"][1]["offsets"][0] += 1
+    with pytest.raises(EmbshardError, match="cover the rows once"):
+        check_plan_doc(bad, "torchrec_plan.json")
+
+
+@needs_torchrec
+def test_row_layouts_torchrec_cannot_run_are_refused(split_placement, tables):
+    from embshard.export import to_torchrec_plan
+    from embshard.types import DeviceTopology
+
+    p = copy.deepcopy(split_placement)
+    rows = int(tables.rows[0])
+    # Even halves on devices 1 and 3: not row_blocks over all devices, nor over one host.
+    p.shards = [s for s in p.shards if s.table != 0] + [Shard(0, 1, row_offset=0, row_size=rows // 2),
+                                                         Shard(0, 3, row_offset=rows // 2, row_size=rows - rows // 2)]
+    with pytest.raises(EmbshardError, match="not a layout TorchRec can run.*row_blocks"):
+        to_torchrec_plan(p)
+    odd = copy.deepcopy(split_placement)
+    odd.topology = DeviceTopology(D, odd.memory_bytes_per_device, hosts=(0, 1, 0, 1))
+    with pytest.raises(EmbshardError, match="hosts"):
+        to_torchrec_plan(odd)
+
+
+@needs_torchrec
+def test_export_job_writes_split_plans_with_hosts(tmp_path, tables_df, split_placement):
+    """placements.parquet rows of every kind -> plan.json v3 with hosts and a TorchRec plan; the table-row-wise
+    table needs the hosts (--devices-per-host), and without them nothing is written."""
+    import pandas as pd
+
+    from embshard.jobs.export import run
+
+    schemas.write(tables_df, tmp_path / "tables.parquet", "tables")
+    schemas.write(split_placement.to_frame(), tmp_path / "placements.parquet", "placements")
+    tasks = pd.DataFrame({"task_id": ["task-s"], "split": ["test"], "num_devices": [D],
+                          "memory_bytes_per_device": [split_placement.memory_bytes_per_device],
+                          "table_ids": [list(split_placement.tables.table_ids)]})
+    schemas.write(tasks, tmp_path / "tasks.parquet", "tasks")
+    args = (str(tmp_path / "placements.parquet"), str(tmp_path / "tables.parquet"))
+    with pytest.raises(EmbshardError, match="not a layout TorchRec can run"):
+        run(*args, str(tmp_path / "one_host"), tasks=str(tmp_path / "tasks.parquet"))
+    assert not (tmp_path / "one_host").exists()
+    result = run(*args, str(tmp_path / "out"), tasks=str(tmp_path / "tasks.parquet"), devices_per_host=2)
+    plan = read_plan_json(result["plans"]["task-s"]["plan_json"])
+    assert plan["hosts"] == [0, 0, 1, 1] and plan["tables"][1]["sharding_type"] == "table_row_wise"
+    doc = json.loads((tmp_path / "out" / "task-s" / "torchrec_plan.json").read_text())
+    kinds = {n: p["sharding_type"] for n, p in doc["modules"][""].items()}
+    assert [kinds[str(t)] for t in split_placement.tables.table_ids[:4]] == ["row_wise", "table_row_wise",
+                                                                            "table_wise", "data_parallel"]

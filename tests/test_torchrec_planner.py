@@ -32,7 +32,8 @@ def test_plans_every_table_within_memory(tables, search):
     assert placement.memory_per_device().max() <= mem
     cols = np.zeros(len(tables), dtype=np.int64)
     for s, d in zip(placement.shards, placement.shard_dims()):
-        cols[s.table] += d
+        if s.kind != "row" or s.row_offset == 0:  # a row-split table's width counts once
+            cols[s.table] += d
     assert np.array_equal(cols, tables.dims)
     assert placement.meta["torchrec_search"] == search
     assert placement.meta["torchrec_num_plans"] >= 1
@@ -41,8 +42,11 @@ def test_plans_every_table_within_memory(tables, search):
         assert all(s.col_size is None for s in placement.shards)
 
 
-def test_full_search_splits_columns_when_a_big_table_dominates():
-    # One wide, hot table is most of the load: TorchRec's full search splits it column-wise.
+def test_full_search_splits_a_big_table_and_reads_row_pieces_back():
+    # One wide, hot table is most of the load: TorchRec's full search splits it (row-wise, as TorchRec 1.8 rates
+    # it here), and the plan reads back as our row pieces in TorchRec's row_blocks layout.
+    from embshard.types import row_blocks
+
     df = generate_tables(8, seed=1, bins_batch_size=1024)
     df.loc[0, ["rows", "dim", "pooling_factor"]] = [200_000, 256, 80.0]
     df.loc[1:, "rows"] = 1000
@@ -51,12 +55,19 @@ def test_full_search_splits_columns_when_a_big_table_dominates():
     t = TableSet.from_frame(df)
     mem = int(t.size_bytes.sum())
     full = TorchRecPlanner(search="full").plan(t, 4, mem)
-    split = [s for s in full.shards if s.table == 0]
-    assert len(split) > 1 and all(s.col_size is not None for s in split)
-    assert sum(s.col_size for s in split) == 256
-    assert len({s.device for s in split}) == len(split)
-    assert full.meta["torchrec_sharding_types"].get("column_wise", 0) + \
-        full.meta["torchrec_sharding_types"].get("table_column_wise", 0) >= 1
+    split = sorted((s for s in full.shards if s.table == 0), key=lambda s: s.row_offset)
+    assert len(split) > 1 and len({s.device for s in split}) == len(split)
+    kinds = full.meta["torchrec_sharding_types"]
+    if split[0].kind == "row":
+        assert kinds.get("row_wise", 0) + kinds.get("table_row_wise", 0) >= 1
+        assert [(s.row_offset, s.row_size) for s in split] == row_blocks(200_000, len(split))
+    else:
+        assert sum(s.col_size for s in split) == 256
+    # Our export hands exactly these pieces back to TorchRec.
+    from embshard.export.torchrec_plan import placement_from_sharding_plan, to_torchrec_plan
+
+    back = placement_from_sharding_plan(to_torchrec_plan(full), t, 4, mem)
+    assert sorted(map(repr, back.shards)) == sorted(map(repr, full.shards))
     tw = TorchRecPlanner(search="table_wise").plan(t, 4, mem)
     # TorchRec rates its own full plan at least as good as its table-wise plan.
     assert full.meta["torchrec_max_rank_perf_ms"] <= tw.meta["torchrec_max_rank_perf_ms"] + 1e-9
@@ -91,7 +102,7 @@ def test_infeasible_packing_says_how_much_memory_is_missing():
 
 def test_unknown_search_and_int8_tables_are_clear_errors():
     with pytest.raises(EmbshardError, match="unknown TorchRec search"):
-        TorchRecPlanner(search="row_wise")
+        TorchRecPlanner(search="grid")
     df = generate_tables(3, seed=5, bins_batch_size=512)
     df["bytes_per_element"] = 1
     df["size_bytes"] = df["rows"] * df["dim"]
@@ -133,3 +144,38 @@ def test_get_planner_names():
 
     assert get_planner("torchrec_table_wise").name == "torchrec_table_wise"
     assert get_planner("torchrec_full", timeout_s=5).timeout_s == 5
+
+
+def test_data_parallel_reads_back_as_replicas_and_grid_shards_are_refused():
+    from torchrec.distributed.types import ShardingPlan
+
+    from embshard.export.torchrec_plan import placement_from_sharding_plan, to_torchrec_plan
+
+    df = generate_tables(3, seed=8, bins_batch_size=512)
+    df["rows"], df["dim"] = 64, 16
+    df["size_bytes"] = df["rows"] * df["dim"] * df["bytes_per_element"]
+    t = TableSet.from_frame(df)
+    mem = int(t.size_bytes.sum())
+    p = Placement(t, 2, mem, [Shard(0, 0), Shard(1, 0, kind="replicated"), Shard(1, 1, kind="replicated"),
+                              Shard(2, 1)])
+    plan = to_torchrec_plan(p)
+    back = placement_from_sharding_plan(plan, t, 2, mem)
+    back.check()
+    assert sorted(map(repr, back.shards)) == sorted(map(repr, p.shards))
+    module_plan = plan.plan[""]
+    module_plan[t.table_ids[0]].sharding_type = "grid_shard"
+    with pytest.raises(EmbshardError, match="grid_shard, which a placement cannot express"):
+        placement_from_sharding_plan(ShardingPlan({"": module_plan}), t, 2, mem)
+
+
+def test_hosts_out_of_torchrecs_rank_order_are_not_searched_table_row_wise():
+    from embshard.types import DeviceTopology
+
+    df = generate_tables(6, seed=9, bins_batch_size=512)
+    df.loc[0, ["rows", "dim", "pooling_factor"]] = [100_000, 128, 60.0]
+    df["size_bytes"] = df["rows"] * df["dim"] * df["bytes_per_element"]
+    t = TableSet.from_frame(df)
+    topo = DeviceTopology(4, int(t.size_bytes.sum()), hosts=(0, 1, 0, 1))
+    p = TorchRecPlanner(search="full").plan(t, topo)
+    assert "table_row_wise" not in p.meta["torchrec_sharding_types"]
+    p.check()

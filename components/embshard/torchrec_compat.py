@@ -16,6 +16,43 @@ from .tableset import TableSet
 INSTALL_FIX = "pip install 'embshard[torchrec]' && pip install --no-deps torchrec==1.8.0"
 FUSED = "fused"  # TorchRec's FBGEMM TBE kernel with the weights in HBM (what our memory model counts)
 TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE = "table_wise", "column_wise", "table_column_wise"
+ROW_WISE, TABLE_ROW_WISE, DATA_PARALLEL = "row_wise", "table_row_wise", "data_parallel"
+SHARDING_TYPES = (TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE, ROW_WISE, TABLE_ROW_WISE, DATA_PARALLEL)
+# Our shard kind -> the TorchRec sharding type it is written as (row pieces: row_wise or table_row_wise).
+KIND_TO_SHARDING = {"whole": TABLE_WISE, "column": COLUMN_WISE, "row": ROW_WISE, "replicated": DATA_PARALLEL}
+
+
+def torchrec_hosts(num_devices: int, hosts) -> int | None:
+    """Devices per host in TorchRec's rank order (host h holds ranks h*L .. h*L+L-1), or None when `hosts`
+    (the host of each device; None = one host) is not laid out that way: TorchRec cannot run it."""
+    if hosts is None:
+        return int(num_devices)
+    hosts = list(hosts)
+    first = hosts[0]
+    local = hosts.count(first)
+    if num_devices % local or hosts != [hosts[d - d % local] for d in range(num_devices)] \
+            or len({hosts[h * local] for h in range(num_devices // local)}) != num_devices // local:
+        return None
+    return local
+
+
+def row_layout(rows: int, pieces, num_devices: int, hosts=None) -> tuple[str, int | None] | None:
+    """(sharding type, host index) of a table's row pieces [(row_offset, row_size, device), ...] when TorchRec
+    1.8 can run them: row_wise = types.row_blocks over all devices on ranks 0, 1, ... in order (host None);
+    table_row_wise = row_blocks over the devices of one host h, in rank order (host h). Else None."""
+    from .types import row_blocks
+
+    ordered = sorted((int(o), int(s), int(d)) for o, s, d in pieces)
+    spans, devs = [(o, s) for o, s, _ in ordered], [d for *_, d in ordered]
+    if num_devices <= rows and spans == row_blocks(rows, num_devices) and devs == list(range(len(spans))):
+        return ROW_WISE, None
+    local = torchrec_hosts(num_devices, hosts)
+    if local is None or local > rows or spans != row_blocks(rows, local):
+        return None
+    host = devs[0] // local
+    if devs != list(range(host * local, host * local + len(spans))):
+        return None
+    return TABLE_ROW_WISE, host
 
 
 def require_torchrec():
@@ -114,30 +151,45 @@ def placement_from_sharding_plan(sharding_plan, tables: TableSet, num_devices: i
     """Our Placement from a torchrec ShardingPlan over an EBC of `tables` (named `names`, default table ids).
 
     Column slices of one table on the same rank that touch are merged; a table whose slices all sit on one
-    rank becomes a whole-table shard.
+    rank becomes a whole-table shard. Row-wise and table-row-wise shards become row pieces (TorchRec's empty
+    trailing row blocks are dropped), data_parallel a replica on every device. Anything else (grid shards, a
+    shard split by rows and columns) cannot be expressed and raises one error naming the table.
     """
     names = names if names is not None else [str(t) for t in tables.table_ids]
     module_plan = sharding_plan.plan.get(module_path)
     if module_plan is None:
         raise EmbshardError(f"no module {module_path!r} in the TorchRec plan ({list(sharding_plan.plan)})",
                             field="module_path", fix="give the path of the EmbeddingBagCollection")
+    fix = f"allow only the sharding types {', '.join(SHARDING_TYPES)}"
     shards: list[Shard] = []
     for i, name in enumerate(names):
         ps = module_plan.get(name)
         if ps is None:
             raise EmbshardError(f"table {name} is missing from the TorchRec plan", field="table_id")
-        if ps.sharding_type not in (TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE) or ps.sharding_spec is None:
+        rows, dim = int(tables.rows[i]), int(tables.dims[i])
+        if ps.sharding_type == DATA_PARALLEL:
+            shards.extend(Shard(i, d, kind="replicated") for d in range(int(num_devices)))
+            continue
+        if ps.sharding_type not in SHARDING_TYPES or ps.sharding_spec is None:
             raise EmbshardError(f"table {name} is sharded {ps.sharding_type}, which a placement cannot express",
-                                field="sharding_type", fix="allow only table_wise/column_wise sharding types")
+                                field="sharding_type", fix=fix)
+        by_rows = ps.sharding_type in (ROW_WISE, TABLE_ROW_WISE)
         pieces = []
         for meta in ps.sharding_spec.shards:
             row_off, col_off = (int(x) for x in meta.shard_offsets)
             n_rows, n_cols = (int(x) for x in meta.shard_sizes)
-            if row_off != 0 or n_rows != int(tables.rows[i]):
-                raise EmbshardError(f"table {name} is split by rows in the TorchRec plan", field="shard_offsets",
-                                    fix="allow only table_wise/column_wise sharding types")
-            pieces.append((col_off, n_cols, int(meta.placement.rank())))
-        shards.extend(_merge_slices(i, sorted(pieces), int(tables.dims[i])))
+            if by_rows and n_rows == 0:
+                continue  # TorchRec gives ranks past the last row block an empty shard
+            if (col_off, n_cols) != (0, dim) if by_rows else (row_off, n_rows) != (0, rows):
+                raise EmbshardError(f"table {name} ({ps.sharding_type}) has a shard at rows {row_off}+{n_rows}, "
+                                    f"columns {col_off}+{n_cols}: split by rows and columns at once",
+                                    field="shard_offsets", fix=fix)
+            pieces.append((row_off, n_rows, int(meta.placement.rank())) if by_rows
+                          else (col_off, n_cols, int(meta.placement.rank())))
+        if by_rows:
+            shards.extend(Shard(i, rank, row_offset=off, row_size=n) for off, n, rank in sorted(pieces))
+        else:
+            shards.extend(_merge_slices(i, sorted(pieces), dim))
     return Placement(tables, int(num_devices), int(memory_bytes_per_device), shards, **kw)
 
 

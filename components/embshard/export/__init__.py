@@ -1,4 +1,4 @@
-"""Export placements: plan.json (schema embshard.plan/v1), placements.parquet and TorchRec sharding plans.
+"""Export placements: plan.json (schema embshard.plan/v3), placements.parquet and TorchRec sharding plans.
 
 Light imports only here; the TorchRec parts (export.torchrec_plan) import torchrec lazily.
 """

@@ -1,15 +1,17 @@
-"""`plan.json`: one placement, as a documented and versioned JSON file (schema "embshard.plan/v2").
+"""`plan.json`: one placement, as a documented and versioned JSON file (schema "embshard.plan/v3").
 
 The JSON Schema ships beside this module (`plan.schema.json`); `write_plan_json` validates before writing and
 `read_plan_json` validates after reading, both with the schema and with the consistency checks below.
 
-Fields (all required; `null` where unknown):
-- `schema`: "embshard.plan/v2". A reader also reads v1 files (whose `cost` names the balanced estimate
-  `lower_bound_ms`, the only difference) and refuses other versions. Adding optional keys inside `meta` keeps the
-  version; any other change bumps it.
+Fields (all required unless marked; `null` where unknown):
+- `schema`: "embshard.plan/v3". A reader also reads v2 files (whole tables and column slices only: no kind,
+  row range or sharding type, which are then derived) and v1 files (which also name the balanced estimate
+  `lower_bound_ms`), and refuses other versions. Adding optional keys inside `meta` keeps the version; any other
+  change bumps it.
 - `task_id`: the placement task (tasks.parquet `task_id`).
 - `num_devices`: D, the number of devices (ranks) 0..D-1.
 - `memory_bytes_per_device`: memory budget of each device in bytes (weights only, as embshard counts it).
+- `hosts` (v3, optional): D host indices, the host of each device; absent when all devices share one host.
 - `planner`: the planner that made the placement (e.g. "learned", "size_greedy", "torchrec_full").
 - `model_uri`: MLflow URI of the model behind a learned planner (e.g. "models:/embshard-policy/3"), else null.
 - `created_at`: ISO-8601 UTC time the file was written. `embshard_version`: the package version that wrote it.
@@ -22,12 +24,18 @@ Fields (all required; `null` where unknown):
   - `gap`: overall_ms / balanced_estimate_ms - 1 (0.1 = 10% above the estimate), or null.
 - `devices`: D entries in device order: `device` (index), `memory_bytes` (bytes of the shards it holds),
   `memory_used_fraction` (memory_bytes / memory_bytes_per_device), `predicted_cost_ms` (or null), and `tables`
-  (ids of the tables it holds a shard of, in placement order; a column-split table is listed on every device
-  holding a slice).
+  (ids of the tables it holds a shard of, in placement order; a split or replicated table is listed on every
+  device holding a piece).
 - `tables`: one entry per table: `table_id`, `rows`, `dim`, `bytes_per_element`, `pooling_factor`, `size_bytes`
-  (rows * dim * bytes_per_element) and `shards`: where its columns live, each `device`, `col_offset`,
-  `col_size` (a whole table is one shard with col_offset 0 and col_size = dim) and `memory_bytes`
-  (rows * col_size * bytes_per_element). The shards of a table cover its columns exactly once.
+  (rows * dim * bytes_per_element), `sharding_type` (v3; TorchRec's name: table_wise for a whole table,
+  column_wise for column slices, row_wise for row ranges laid out as TorchRec's row-wise sharding over all
+  devices, table_row_wise for row ranges laid out over the devices of one host, data_parallel for a replica on
+  every device; other row layouts are written row_wise and refused by the TorchRec export) and `shards`: each
+  `device`, `kind` (v3: whole | column | row | replicated), `col_offset`, `col_size`, `row_offset`, `row_size`
+  (v3; a whole table or a replica is col 0..dim and rows 0..rows, a column slice holds all rows, a row range
+  all columns) and `memory_bytes` (row_size * col_size * bytes_per_element). A table's shards are all of one
+  kind and cover it exactly once: one whole shard, column slices covering its columns, row ranges covering its
+  rows, or one replica on every device.
 - `meta`: free-form notes of the planner (JSON values only), e.g. TorchRec's planning time or a fallback note.
 """
 from __future__ import annotations
@@ -47,9 +55,11 @@ from ..errors import EmbshardError
 from ..placement import Placement, Shard
 from ..tableset import TableSet
 
-SCHEMA_VERSION = "embshard.plan/v2"
+SCHEMA_VERSION = "embshard.plan/v3"
 # Versions a reader accepts, with the name each gives the balanced estimate in `cost`.
-ESTIMATE_KEY = {"embshard.plan/v1": "lower_bound_ms", SCHEMA_VERSION: "balanced_estimate_ms"}
+ESTIMATE_KEY = {"embshard.plan/v1": "lower_bound_ms", "embshard.plan/v2": "balanced_estimate_ms",
+                SCHEMA_VERSION: "balanced_estimate_ms"}
+V3_SHARD_KEYS = ("kind", "row_offset", "row_size")
 SCHEMA_FILE = "plan.schema.json"
 
 
@@ -79,16 +89,22 @@ def plan_dict(placement: Placement, device_costs=None, balanced_estimate: float 
     per_table: list[list[Shard]] = [[] for _ in range(len(t))]
     for s in placement.shards:
         per_table[s.table].append(s)
+    hosts = placement.devices.hosts
     tables = []
     for i, shards in enumerate(per_table):
         rows, dim, bpe = int(t.rows[i]), int(t.dims[i]), int(t.bytes_per_element[i])
+        out = []
+        for s in sorted(shards, key=lambda s: (s.col_offset, s.row_offset, s.device)):
+            cs = dim if s.col_size is None else int(s.col_size)
+            rs = rows if s.row_size is None else int(s.row_size)
+            out.append({"device": int(s.device), "kind": s.kind,
+                        "col_offset": int(s.col_offset) if s.col_size is not None else 0, "col_size": cs,
+                        "row_offset": int(s.row_offset) if s.row_size is not None else 0, "row_size": rs,
+                        "memory_bytes": rs * cs * bpe})
         tables.append({
             "table_id": str(t.table_ids[i]), "rows": rows, "dim": dim, "bytes_per_element": bpe,
             "pooling_factor": float(t.pooling_factor[i]), "size_bytes": int(t.size_bytes[i]),
-            "shards": [{"device": int(s.device), "col_offset": int(s.col_offset) if s.col_size is not None else 0,
-                        "col_size": int(dim if s.col_size is None else s.col_size),
-                        "memory_bytes": rows * int(dim if s.col_size is None else s.col_size) * bpe}
-                       for s in sorted(shards, key=lambda s: s.col_offset)],
+            "sharding_type": _sharding_type(rows, out, d, hosts), "shards": out,
         })
     devices = []
     for dev, shards in enumerate(placement.device_shards()):
@@ -102,7 +118,8 @@ def plan_dict(placement: Placement, device_costs=None, balanced_estimate: float 
                         "predicted_cost_ms": None if costs is None else costs[dev], "tables": names})
     plan = {
         "schema": SCHEMA_VERSION, "task_id": str(placement.task_id), "num_devices": int(d),
-        "memory_bytes_per_device": int(placement.memory_bytes_per_device), "planner": str(placement.planner),
+        "memory_bytes_per_device": int(placement.memory_bytes_per_device),
+        **({"hosts": [int(h) for h in hosts]} if hosts is not None else {}), "planner": str(placement.planner),
         "model_uri": placement.model_uri,
         "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "embshard_version": __version__,
@@ -123,8 +140,21 @@ def write_plan_json(placement: Placement, path: str | os.PathLike, device_costs=
     return plan
 
 
+def _sharding_type(rows: int, shards: list[dict], num_devices: int, hosts) -> str:
+    """TorchRec's name for how a table's shards (plan.json dicts, all of one kind) split it."""
+    from ..torchrec_compat import KIND_TO_SHARDING, row_layout
+
+    kind = shards[0]["kind"]
+    if kind == "row":
+        layout = row_layout(rows, [(s["row_offset"], s["row_size"], s["device"]) for s in shards], num_devices,
+                            hosts)
+        if layout is not None:
+            return layout[0]
+    return KIND_TO_SHARDING[kind]
+
+
 def read_plan_json(path: str | os.PathLike) -> dict:
-    """Read and validate a plan.json (v2, or v1 as written by earlier versions; any other version is refused)."""
+    """Read and validate a plan.json (v3, or v2/v1 as written by earlier versions; any other version is refused)."""
     where = os.fspath(path)
     if not storage.exists(where):
         raise EmbshardError("file not found", path=where, fix="check the path, or run `embshard export`")
@@ -224,12 +254,44 @@ def _mini_validate(value: Any, schema: dict, at: str) -> tuple[str, str] | None:
     return None
 
 
+def shard_spans(plan: Mapping) -> list[list[dict]]:
+    """Per table, its shards with every v3 field (kind, col_offset/col_size, row_offset/row_size): a v1/v2 plan's
+    shards (whole tables and column slices only) get the values v3 writes for them."""
+    v3 = plan["schema"] == SCHEMA_VERSION
+    out = []
+    for t in plan["tables"]:
+        shards = []
+        for s in t["shards"]:
+            s = dict(s)
+            if not v3:
+                s["kind"] = "whole" if len(t["shards"]) == 1 and s["col_size"] == t["dim"] else "column"
+                s["row_offset"], s["row_size"] = 0, t["rows"]
+            shards.append(s)
+        out.append(shards)
+    return out
+
+
 def _consistency_check(plan: dict, where: str) -> None:
     def fail(field: str, msg: str, fix: str) -> None:
         raise EmbshardError(msg, path=where, field=field, fix=fix)
 
     d = plan["num_devices"]
     budget = plan["memory_bytes_per_device"]
+    v3 = plan["schema"] == SCHEMA_VERSION
+    if v3:  # the schema keeps these optional so that v1/v2 files pass it; v3 writes them always
+        for k, t in enumerate(plan["tables"]):
+            if "sharding_type" not in t:
+                fail(f"tables.{k}.sharding_type", f"table {t['table_id']}: a {SCHEMA_VERSION} table needs its "
+                     "sharding_type", "re-export the plan with this embshard version")
+            for j, s in enumerate(t["shards"]):
+                missing = [key for key in V3_SHARD_KEYS if key not in s]
+                if missing:
+                    fail(f"tables.{k}.shards.{j}.{missing[0]}", f"table {t['table_id']}: a {SCHEMA_VERSION} "
+                         "shard needs kind, row_offset and row_size", "re-export the plan with this embshard version")
+    elif "hosts" in plan:
+        fail("hosts", f"a {plan['schema']} plan has no hosts", f"write {SCHEMA_VERSION} to give hosts")
+    if "hosts" in plan and len(plan["hosts"]) != d:
+        fail("hosts", f"{len(plan['hosts'])} hosts for {d} devices", "give the host of every device, or none")
     if [dev["device"] for dev in plan["devices"]] != list(range(d)):
         fail("devices", f"devices must be listed 0..{d - 1} in order", "one entry per device")
     ids = [t["table_id"] for t in plan["tables"]]
@@ -237,27 +299,52 @@ def _consistency_check(plan: dict, where: str) -> None:
         fail("tables", "duplicate table_id", "list every table once")
     mem = [0] * d
     holders: list[set] = [set() for _ in range(d)]
-    for k, t in enumerate(plan["tables"]):
-        if t["size_bytes"] != t["rows"] * t["dim"] * t["bytes_per_element"]:
-            fail(f"tables.{k}.size_bytes", f"table {t['table_id']}: size_bytes != rows*dim*bytes_per_element",
+    cover = "shards must be of one kind and cover the table exactly once (columns, rows, or a replica per device)"
+    for k, (t, shards) in enumerate(zip(plan["tables"], shard_spans(plan))):
+        name, rows, dim = t["table_id"], t["rows"], t["dim"]
+        if t["size_bytes"] != rows * dim * t["bytes_per_element"]:
+            fail(f"tables.{k}.size_bytes", f"table {name}: size_bytes != rows*dim*bytes_per_element",
                  "recompute size_bytes")
-        next_col = 0
-        for s in sorted(t["shards"], key=lambda s: s["col_offset"]):
+        kinds = {s["kind"] for s in shards}
+        if len(kinds) > 1:
+            fail(f"tables.{k}.shards", f"table {name} mixes {' and '.join(sorted(kinds))} shards", cover)
+        kind = kinds.pop()
+        for s in shards:
             if s["device"] >= d:
-                fail(f"tables.{k}.shards", f"table {t['table_id']}: device {s['device']} >= num_devices {d}",
+                fail(f"tables.{k}.shards", f"table {name}: device {s['device']} >= num_devices {d}",
                      "use devices 0..num_devices-1")
-            if s["col_offset"] != next_col:
-                fail(f"tables.{k}.shards", f"table {t['table_id']}: columns {next_col}..{s['col_offset']} are "
-                     "missing or overlap", "shards must cover the table's columns exactly once")
-            next_col += s["col_size"]
-            if s["memory_bytes"] != t["rows"] * s["col_size"] * t["bytes_per_element"]:
-                fail(f"tables.{k}.shards", f"table {t['table_id']}: shard memory_bytes != rows*col_size*bytes",
+            full_cols = (s["col_offset"], s["col_size"]) == (0, dim)
+            full_rows = (s["row_offset"], s["row_size"]) == (0, rows)
+            if (kind != "column" and not full_cols) or (kind != "row" and not full_rows):
+                fail(f"tables.{k}.shards", f"table {name}: a {kind} shard at columns {s['col_offset']}+"
+                     f"{s['col_size']}, rows {s['row_offset']}+{s['row_size']}", "a column slice holds all rows, a "
+                     "row range all columns, a whole or replicated shard the whole table")
+            if s["memory_bytes"] != s["row_size"] * s["col_size"] * t["bytes_per_element"]:
+                fail(f"tables.{k}.shards", f"table {name}: shard memory_bytes != row_size*col_size*bytes",
                      "recompute memory_bytes")
             mem[s["device"]] += s["memory_bytes"]
-            holders[s["device"]].add(t["table_id"])
-        if next_col != t["dim"]:
-            fail(f"tables.{k}.shards", f"table {t['table_id']}: shards cover {next_col} of {t['dim']} columns",
-                 "shards must cover the table's columns exactly once")
+            holders[s["device"]].add(name)
+        if kind == "replicated":
+            if sorted(s["device"] for s in shards) != list(range(d)):
+                fail(f"tables.{k}.shards", f"table {name}: replicas on devices "
+                     f"{sorted(s['device'] for s in shards)[:8]}, not one on each of {d}", cover)
+        elif kind == "whole" and len(shards) != 1:
+            fail(f"tables.{k}.shards", f"table {name}: {len(shards)} whole shards", cover)
+        else:
+            key, total, unit = ("row", rows, "rows") if kind == "row" else ("col", dim, "columns")
+            nxt = 0
+            for s in sorted(shards, key=lambda s: s[f"{key}_offset"]):
+                if s[f"{key}_offset"] != nxt:
+                    fail(f"tables.{k}.shards", f"table {name}: {unit} {nxt}..{s[f'{key}_offset']} are missing or "
+                         "overlap", cover)
+                nxt += s[f"{key}_size"]
+            if nxt != total:
+                fail(f"tables.{k}.shards", f"table {name}: shards cover {nxt} of {total} {unit}", cover)
+        if v3:
+            want = _sharding_type(rows, shards, d, plan.get("hosts"))
+            if t["sharding_type"] != want:
+                fail(f"tables.{k}.sharding_type", f"table {name}: sharding_type {t['sharding_type']!r} but its "
+                     f"shards are {want}", f"write {want!r}")
     for dev in plan["devices"]:
         i = dev["device"]
         if dev["memory_bytes"] != mem[i]:
@@ -290,17 +377,26 @@ def _json_safe(value: Any) -> Any:
 
 
 def placement_from_plan(plan: Mapping, tables: TableSet) -> Placement:
-    """Rebuild the Placement of a plan.json over `tables` (a TableSet holding at least the plan's tables)."""
+    """Rebuild the Placement of a (validated) plan.json of any version over `tables` (a TableSet holding at least
+    the plan's tables); its topology carries the plan's hosts."""
+    from ..types import DeviceTopology
+
     ids = [t["table_id"] for t in plan["tables"]]
     sub = tables.select(ids, where=plan.get("task_id", "plan.json"))
     shards = []
-    for i, t in enumerate(plan["tables"]):
-        for s in t["shards"]:
-            whole = len(t["shards"]) == 1 and s["col_size"] == t["dim"]
-            shards.append(Shard(i, int(s["device"]), 0 if whole else int(s["col_offset"]),
-                                None if whole else int(s["col_size"])))
-    placement = Placement(sub, int(plan["num_devices"]), int(plan["memory_bytes_per_device"]), shards,
-                          planner=plan["planner"], model_uri=plan["model_uri"], task_id=plan["task_id"],
-                          meta=dict(plan.get("meta", {})))
+    for i, pieces in enumerate(shard_spans(plan)):
+        for s in pieces:
+            dev, kind = int(s["device"]), s["kind"]
+            if kind == "column":
+                shards.append(Shard(i, dev, int(s["col_offset"]), int(s["col_size"])))
+            elif kind == "row":
+                shards.append(Shard(i, dev, row_offset=int(s["row_offset"]), row_size=int(s["row_size"])))
+            else:
+                shards.append(Shard(i, dev, kind="replicated" if kind == "replicated" else ""))
+    d, mem = int(plan["num_devices"]), int(plan["memory_bytes_per_device"])
+    hosts = None if plan.get("hosts") is None else tuple(int(h) for h in plan["hosts"])
+    placement = Placement(sub, d, mem, shards, planner=plan["planner"], model_uri=plan["model_uri"],
+                          task_id=plan["task_id"], meta=dict(plan.get("meta", {})),
+                          topology=DeviceTopology(d, mem, hosts=hosts))
     placement.check()
     return placement

@@ -5,9 +5,12 @@ torchrec is an optional extra, imported lazily (`require_torchrec`). Everything 
 `f_<table_id>` per table, fp32 or fp16 weights (`bytes_per_element` 4 or 2).
 
 - `to_torchrec_plan(plan)`: a `ShardingPlan` built with torchrec's own API (`construct_module_sharding_plan`
-  with `table_wise(rank=r)` for whole tables and a column-wise `ParameterSharding` with our exact slices and
-  ranks otherwise; compute kernel `fused`, i.e. weights in HBM). `DistributedModelParallel(model, plan=...)`
-  consumes it.
+  with `table_wise(rank=r)` for whole tables, a column-wise `ParameterSharding` with our exact slices and ranks
+  for column slices, `row_wise()` for row ranges cut by types.row_blocks over all devices, `table_row_wise(h)`
+  for row ranges cut by row_blocks over the devices of host h, and `data_parallel()` for a replica on every
+  device; compute kernel `fused`, i.e. weights in HBM, except data_parallel's `dense`).
+  `DistributedModelParallel(model, plan=...)` consumes it. TorchRec 1.8 routes ids to row pieces by the block
+  size ceil(rows / pieces) only, so any other row layout is refused with an error saying how to cut it.
 - `torchrec_constraints(plan)` + `fixed_rank_partitioner(plan)` / `torchrec_planner_for(plan)`: for users who
   run TorchRec's own planner. `ParameterConstraints` fix each table's sharding type, column split and
   kernel, but TorchRec has no per-table rank constraint, so a small `Partitioner` puts every shard on our rank.
@@ -15,8 +18,8 @@ torchrec is an optional extra, imported lazily (`require_torchrec`). Everything 
 - `plan_to_json` / `plan_from_json`: a pickle-free form of the ShardingPlan (what `embshard export` writes as
   `torchrec_plan.json`; `torchrec_plan.pt` is the same plan pickled with `torch.save`).
 
-Row-wise, table-row-wise and data-parallel shardings have no equivalent in our placement format (a Shard is a
-whole table or a column slice on one device), so they are neither produced nor accepted.
+TorchRec numbers ranks host by host (host h holds ranks h*L .. h*L+L-1 with L devices per host): a plan whose
+`hosts` are laid out otherwise cannot be handed to TorchRec.
 """
 from __future__ import annotations
 
@@ -30,9 +33,13 @@ from ..placement import Placement
 from ..tableset import TableSet
 from ..torchrec_compat import (  # noqa: F401  (the export's TorchRec vocabulary, shared with the TorchRec planner)
     COLUMN_WISE,
+    DATA_PARALLEL,
     FUSED,
     INSTALL_FIX,
+    ROW_WISE,
+    SHARDING_TYPES,
     TABLE_COLUMN_WISE,
+    TABLE_ROW_WISE,
     TABLE_WISE,
     build_module,
     check_names,
@@ -40,8 +47,10 @@ from ..torchrec_compat import (  # noqa: F401  (the export's TorchRec vocabulary
     placement_from_sharding_plan,
     quiet_torchrec,
     require_torchrec,
+    row_layout,
     storage_estimators,
     topology,
+    torchrec_hosts,
 )
 
 PLAN_JSON_VERSION = "embshard.torchrec_plan/v1"
@@ -76,29 +85,66 @@ def check_module_path(module_path: str) -> None:
 
 def to_torchrec_plan(plan_or_placement, *, module=None, module_path: str = "", compute_device: str = "cuda",
                      local_world_size: int | None = None):
-    """A torchrec `ShardingPlan` with our ranks and column slices, built with torchrec's API.
+    """A torchrec `ShardingPlan` with our ranks, column slices, row ranges and replicas, built with torchrec's API.
 
     `module_path` is where the EmbeddingBagCollection sits in the user's model ("" = the model is the EBC;
     e.g. "sparse_arch.embedding_bag_collection"). `module` defaults to a meta-device EBC built from the plan.
+    Devices per host: from the plan's `hosts`, else `local_world_size`, else all devices on one host.
     """
     require_torchrec()
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.sharding_plan import (
+        construct_module_sharding_plan,
+        data_parallel,
+        row_wise,
+        table_row_wise,
+        table_wise,
+    )
     from torchrec.distributed.types import ShardingPlan
+
+    from .plan_json import shard_spans
 
     check_module_path(module_path)
     plan = _as_plan(plan_or_placement)
     world = int(plan["num_devices"])
+    hosts = plan.get("hosts")
     local = int(local_world_size or world)
+    if hosts is not None:
+        plan_local = torchrec_hosts(world, hosts)
+        if plan_local is None:
+            raise EmbshardError(f"hosts {list(hosts)[:16]} are not laid out as TorchRec numbers ranks", field="hosts",
+                                fix="give every host the same number of devices, numbered host by host "
+                                "(host h: devices h*L .. h*L+L-1)")
+        if local_world_size is not None and plan_local != int(local_world_size):
+            raise EmbshardError(f"local_world_size {local_world_size} but the plan's hosts hold {plan_local} "
+                                "devices each", field="local_world_size", fix="leave it out: the plan's hosts decide")
+        local = plan_local
+    elif world % local:
+        raise EmbshardError(f"{world} devices do not split into hosts of {local}", field="local_world_size",
+                            fix="give a number of devices per host that divides the number of devices")
+    rank_hosts = tuple(d // local for d in range(world))
     if module is None:
         module = build_module(plan["tables"])
     generators = {}
-    for table in plan["tables"]:
-        shards = _sorted_shards(table)
-        if len(shards) == 1 and shards[0]["col_size"] == table["dim"]:
-            generators[table["table_id"]] = table_wise(rank=int(shards[0]["device"]), compute_kernel=FUSED)
+    for table, shards in zip(plan["tables"], shard_spans(plan)):
+        name, kind = table["table_id"], shards[0]["kind"]
+        if kind == "whole":
+            generators[name] = table_wise(rank=int(shards[0]["device"]), compute_kernel=FUSED)
+        elif kind == "column":
+            generators[name] = _column_wise_generator(sorted(shards, key=lambda s: s["col_offset"]))
+        elif kind == "replicated":
+            generators[name] = data_parallel()
         else:
-            generators[table["table_id"]] = _column_wise_generator(shards)
+            layout = row_layout(int(table["rows"]), [(s["row_offset"], s["row_size"], s["device"]) for s in shards],
+                                world, rank_hosts)
+            if layout is None:
+                pieces = sorted((int(s["row_offset"]), int(s["row_size"]), int(s["device"])) for s in shards)
+                raise EmbshardError(
+                    f"table {name}: row ranges (offset, rows, device) {pieces[:4]} are not a layout TorchRec can "
+                    "run", field="row_offset", fix="cut rows with types.row_blocks over all devices in rank order "
+                    "(row_wise) or over the devices of one whole host (table_row_wise)")
+            generators[name] = row_wise(compute_kernel=FUSED) if layout[0] == ROW_WISE else \
+                table_row_wise(host_index=int(layout[1] or 0))
     try:
         module_plan = construct_module_sharding_plan(
             module, generators, sharder=EmbeddingBagCollectionSharder(), local_size=local, world_size=world,
@@ -106,6 +152,9 @@ def to_torchrec_plan(plan_or_placement, *, module=None, module_path: str = "", c
     except AssertionError as exc:  # torchrec reports a table mismatch with an assert
         raise EmbshardError(f"the plan does not match the module's tables ({str(exc)[:160]})", field="tables",
                             fix="pass the EmbeddingBagCollection whose tables are named by table_id") from None
+    for ps in module_plan.values():
+        if ps.sharding_type == TABLE_ROW_WISE:  # table_row_wise() has no kernel argument; weights in HBM as ours
+            ps.compute_kernel = FUSED
     return ShardingPlan({module_path: module_plan})
 
 
@@ -145,6 +194,10 @@ def torchrec_constraints(plan_or_placement) -> dict:
     out = {}
     for table in plan["tables"]:
         shards = _sorted_shards(table)
+        if any(s.get("kind") in ("row", "replicated") for s in shards):
+            raise EmbshardError(f"table {table['table_id']} is {table.get('sharding_type')}", field="sharding_type",
+                                fix="constraints with fixed ranks cover whole tables and column slices; load a plan "
+                                "with row ranges or replicas with to_torchrec_plan instead")
         pooling = [max(float(table.get("pooling_factor", 1.0)), 1e-3)]
         if len(shards) == 1:
             out[table["table_id"]] = ParameterConstraints(sharding_types=[TABLE_WISE], compute_kernels=[FUSED],
@@ -315,48 +368,26 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
             if name in seen:
                 raise bad(f, f"table {name} is in more than one module")
             seen.add(name)
-            if p["sharding_type"] not in (TABLE_WISE, COLUMN_WISE, TABLE_COLUMN_WISE):
-                raise bad(f"{f}.sharding_type", f"sharding type {str(p['sharding_type'])[:40]!r} is not one of "
-                          f"{TABLE_WISE}, {COLUMN_WISE}, {TABLE_COLUMN_WISE}")
+            kind = p["sharding_type"]
+            if kind not in SHARDING_TYPES:
+                raise bad(f"{f}.sharding_type", f"sharding type {str(kind)[:40]!r} is not one of "
+                          f"{', '.join(SHARDING_TYPES)}")
             if p["compute_kernel"] not in kernels:
                 raise bad(f"{f}.compute_kernel", f"compute kernel {str(p['compute_kernel'])[:40]!r} is not a "
                           f"TorchRec kernel ({FUSED}, ...)")
-            shards = p["shards"]
-            if not isinstance(shards, list) or not shards:
-                raise bad(f"{f}.shards", "no shards")
-            placed = []
-            for k, s in enumerate(shards):
-                ok = (isinstance(s, Mapping) and isinstance(s.get("offsets"), list) and isinstance(s.get("sizes"), list)
-                      and len(s["offsets"]) == 2 and len(s["sizes"]) == 2
-                      and all(is_int(v) and v >= 0 for v in s["offsets"])
-                      and all(is_int(v) and v >= 1 for v in s["sizes"]))
-                m = _PLACEMENT.match(str(s.get("placement", ""))) if isinstance(s, Mapping) else None
-                if not ok or m is None:
-                    raise bad(f"{f}.shards[{k}]", "not {offsets: [row, col], sizes: [rows, cols], placement: "
-                              "'rank:R/cuda:N'}")
-                placed.append((int(s["offsets"][1]), int(s["sizes"][1]), int(m.group(1)), s))
-            ranks = p["ranks"]
-            if not isinstance(ranks, list) or not all(is_int(r) for r in ranks) \
-                    or ranks != [r for _, _, r, _ in placed]:
-                raise bad(f"{f}.ranks", f"ranks {str(ranks)[:40]} disagree with the shards' placements "
-                          f"{[r for _, _, r, _ in placed][:8]}")
+            shards, ranks = p["shards"], p["ranks"]
+            if not isinstance(ranks, list) or not all(is_int(r) and r >= 0 for r in ranks):
+                raise bad(f"{f}.ranks", f"ranks {str(ranks)[:40]} are not a list of ranks")
             beyond = [r for r in ranks if world is not None and r >= world]
             if beyond and world is not None:
                 raise bad(f"{f}.ranks", f"rank {beyond[0]} on a plan of {world} devices (ranks 0..{world - 1})",
                           "load the plan exported for this job's number of devices")
-            if p["sharding_type"] == TABLE_WISE and len(shards) != 1:
-                raise bad(f"{f}.shards", f"a table_wise table with {len(shards)} shards")
-            rows = {int(s["sizes"][0]) for *_, s in placed}
-            if len(rows) != 1 or any(int(s["offsets"][0]) != 0 for *_, s in placed):
-                raise bad(f"{f}.shards", "shards split the table by rows",
-                          "table_wise and column_wise shardings hold all rows in every shard")
-            col = 0
-            for off, size, _, _ in sorted(placed, key=lambda x: x[0]):
-                if off != col:
-                    raise bad(f"{f}.shards", f"column slices do not cover the columns once (a slice starts at "
-                              f"column {off}, expected {col})")
-                col += size
-            n_rows = rows.pop()
+            if kind == DATA_PARALLEL:  # a replica on every rank: TorchRec gives it no sharding spec
+                if shards != [] or ranks != list(range(world if world is not None else len(ranks))) or not ranks:
+                    raise bad(f"{f}.ranks", "a data_parallel table has no shards and every rank in ranks")
+                size = None
+            else:
+                size = _check_shards(f, kind, shards, ranks, bad, is_int)
             for source in (in_file, expected):
                 if source is None:
                     continue
@@ -364,14 +395,52 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
                 if want is None:
                     raise bad(f, f"table {name} is not one of the {len(source)} tables the plan is for",
                               "load the plan exported for these tables")
-                if want != (n_rows, col):
-                    raise bad(f"{f}.shards", f"the shards hold {n_rows} rows x {col} columns, the table has "
+                if size is not None and want != size:
+                    raise bad(f"{f}.shards", f"the shards hold {size[0]} rows x {size[1]} columns, the table has "
                               f"{want[0]} x {want[1]}", "load the plan exported for these tables")
     for source in (in_file, expected):
         lost = sorted(set(source or ()) - seen)
         if lost:
             raise bad("modules", f"{len(lost)} table(s) have no sharding ({', '.join(lost[:3])})",
                       "load the plan exported for these tables (every table of the model must be placed)")
+
+
+def _check_shards(f: str, kind: str, shards, ranks: list[int], bad, is_int) -> tuple[int, int]:
+    """The (rows, columns) a table's shards cover, once each: column slices of all rows (table_wise: one),
+    or (row_wise, table_row_wise) row ranges of all columns in rank order, trailing empty ranges allowed."""
+    if not isinstance(shards, list) or not shards:
+        raise bad(f"{f}.shards", "no shards")
+    placed = []
+    for k, s in enumerate(shards):
+        ok = (isinstance(s, Mapping) and isinstance(s.get("offsets"), list) and isinstance(s.get("sizes"), list)
+              and len(s["offsets"]) == 2 and len(s["sizes"]) == 2
+              and all(is_int(v) and v >= 0 for v in s["offsets"] + s["sizes"]))
+        m = _PLACEMENT.match(str(s.get("placement", ""))) if isinstance(s, Mapping) else None
+        if not ok or m is None:
+            raise bad(f"{f}.shards[{k}]", "not {offsets: [row, col], sizes: [rows, cols], placement: "
+                      "'rank:R/cuda:N'}")
+        placed.append((*(int(v) for v in s["offsets"]), *(int(v) for v in s["sizes"]), int(m.group(1))))
+    if ranks != [r for *_, r in placed]:
+        raise bad(f"{f}.ranks", f"ranks {str(ranks)[:40]} disagree with the shards' placements "
+                  f"{[r for *_, r in placed][:8]}")
+    if kind == TABLE_WISE and len(shards) != 1:
+        raise bad(f"{f}.shards", f"a table_wise table with {len(shards)} shards")
+    by_rows = kind in (ROW_WISE, TABLE_ROW_WISE)
+    # (offset along the split, size along it, size across it, offset across it) of each shard
+    spans = [(ro, rs, cs, co) if by_rows else (co, cs, rs, ro) for ro, co, rs, cs, _ in placed]
+    across = {(size, off) for _, _, size, off in spans}
+    if len(across) != 1 or across.pop()[1] != 0:
+        raise bad(f"{f}.shards", f"{kind} shards must each hold all {'columns' if by_rows else 'rows'}",
+                  "split a table by rows (row_wise, table_row_wise) or by columns, not both")
+    if any(size == 0 for _, size, _, _ in spans) and not by_rows:
+        raise bad(f"{f}.shards", "an empty column slice")
+    nxt = 0
+    for off, size, _, _ in sorted(spans, key=lambda x: (x[0], x[1] == 0)):
+        if off != nxt:
+            raise bad(f"{f}.shards", f"the shards do not cover the {'rows' if by_rows else 'columns'} once (one "
+                      f"starts at {off}, expected {nxt})")
+        nxt += size
+    return (nxt, spans[0][2]) if by_rows else (spans[0][2], nxt)
 
 
 def plan_from_json(data: Mapping | str, *, tables=None, world_size: int | None = None):
@@ -411,7 +480,8 @@ def plan_from_json(data: Mapping | str, *, tables=None, world_size: int | None =
         module_plan = EmbeddingModuleShardingPlan()
         for name, p in params.items():
             spec = EnumerableShardingSpec([ShardMetadata(shard_offsets=s["offsets"], shard_sizes=s["sizes"],
-                                                         placement=s["placement"]) for s in p["shards"]])
+                                                         placement=s["placement"]) for s in p["shards"]]) \
+                if p["sharding_type"] != DATA_PARALLEL else None
             module_plan[name] = ParameterSharding(sharding_type=p["sharding_type"],
                                                   compute_kernel=p["compute_kernel"], ranks=p["ranks"],
                                                   sharding_spec=spec)
@@ -423,16 +493,18 @@ def rank_layout(sharding_plan, module_path: str = "") -> dict[str, list[tuple[in
     """{table: [(col_offset, col_size, rank), ...]} of a ShardingPlan, sorted by offset (for comparisons)."""
     out = {}
     for name, ps in sharding_plan.plan[module_path].items():
+        shards = ps.sharding_spec.shards if ps.sharding_spec is not None else []  # data_parallel: no spec
         out[name] = sorted((int(m.shard_offsets[1]), int(m.shard_sizes[1]), int(m.placement.rank()))
-                           for m in ps.sharding_spec.shards)
+                           for m in shards if int(m.shard_sizes[0]) > 0)
     return out
 
 
 def plan_layout(plan_or_placement) -> dict[str, list[tuple[int, int, int]]]:
     """The same layout from our side (plan.json dict or Placement)."""
     plan = _as_plan(plan_or_placement)
-    return {t["table_id"]: sorted((int(s["col_offset"]), int(s["col_size"]), int(s["device"])) for s in t["shards"])
-            for t in plan["tables"]}
+    # A replica is no shard in TorchRec's sharding spec (data_parallel has none), so it lists no pieces here.
+    return {t["table_id"]: sorted((int(s["col_offset"]), int(s["col_size"]), int(s["device"])) for s in t["shards"]
+                                  if s.get("kind") != "replicated") for t in plan["tables"]}
 
 
 __all__ = ["require_torchrec", "build_module", "to_torchrec_plan", "torchrec_constraints", "fixed_rank_partitioner",

@@ -26,7 +26,7 @@ from ..planners.baselines import BASELINES
 from ..ruler import DEFAULT_ROUNDS
 
 # What `embshard evaluate` writes and reads: its --out is checked before any work (cli.check_output).
-OUTPUT = {"kind": "folder", "inputs": ("tables", "tasks"),
+OUTPUT = {"kind": "folder", "inputs": ("tables", "tasks", "plan"),
           "writes": ("evaluation.parquet", "ratios.parquet", "placements.parquet", "evaluation.png")}
 
 
@@ -36,6 +36,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--planners", default=",".join(["learned", *BASELINES]),
                    help=f"comma-separated planner names, each one of: {PLANNER_NAMES}. A name given twice is "
                         "measured as two separate entries (an A/A test of the ruler)")
+    p.add_argument("--plan", default=None, metavar="FILE",
+                   help="also measure this placement (a plan.json of any version, or the torchrec_plan.json "
+                        "`embshard export` wrote), as the entry `user_plan`; it must be a plan of every task evaluated")
     p.add_argument("--split", default="test", help="which tasks: test (default), train or all")
     p.add_argument("--max-tasks", type=int, default=None, help="evaluate at most this many tasks")
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
@@ -50,7 +53,17 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    res = run(args.tables, args.tasks, args.out, planners=[p for p in args.planners.split(",") if p],
+    planners = [p for p in args.planners.split(",") if p]
+    planner_kw = {}
+    if getattr(args, "plan", None):
+        from ..planners.user_plan import NAME, UserPlan
+        from ..types import load_tasks
+
+        # Refused before anything is measured: the file must be a plan of every task evaluated.
+        UserPlan(args.plan).check_tasks(load_tasks(args.tables, args.tasks, args.split, limit=args.max_tasks))
+        planners = [p for p in planners if p != NAME] + [NAME]
+        planner_kw[NAME] = {"path": args.plan}
+    res = run(args.tables, args.tasks, args.out, planners=planners, planner_kw=planner_kw,
               split=args.split, max_tasks=args.max_tasks, rounds=args.rounds,
               settings=MeasureSettings(batch_size=args.batch_size or None, timer=args.timer,
                                        statistic=args.statistic))

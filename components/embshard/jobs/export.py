@@ -2,7 +2,7 @@
 
 Writes, under OUT:
 - `placements.parquet`: the placements contract (validated copy of the input rows),
-- `<task_id>/plan.json`: schema embshard.plan/v2 (export/plan_json.py),
+- `<task_id>/plan.json`: schema embshard.plan/v3 (export/plan_json.py),
 - `<task_id>/torchrec_plan.json`: the TorchRec ShardingPlan in a pickle-free JSON form
   (`embshard.export.torchrec_plan.plan_from_json(path)` rebuilds it),
 - `<task_id>/torchrec_plan.pt`: the same ShardingPlan pickled by `torch.save` (load it with
@@ -52,12 +52,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--module-path", default="",
                         help="path of the EmbeddingBagCollection in your model for the TorchRec plan "
                              "(default: the model is the EBC)")
+    parser.add_argument("--devices-per-host", type=int, default=None, metavar="L",
+                        help="devices per host (host h holds devices h*L .. h*L+L-1, TorchRec's rank order); "
+                             "written to plan.json as hosts and needed for table_row_wise tables (default: one host)")
     parser.add_argument("--no-torchrec", action="store_true", help="write plan.json and Parquet only")
 
 
 def main(args: argparse.Namespace) -> int:
     result = run(args.placements, args.tables, args.out, tasks=args.tasks, module_path=args.module_path,
-                 torchrec=not args.no_torchrec)
+                 torchrec=not args.no_torchrec, devices_per_host=args.devices_per_host)
     print(f"exported {result['num_tasks']} task(s) to {args.out}: placements.parquet, "
           f"<task>/plan.json" + (", <task>/torchrec_plan.json, <task>/torchrec_plan.pt"
                                  if result["torchrec"] else f" (TorchRec plans skipped: {result['torchrec_note']})"))
@@ -65,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def run(placements: str, tables: str, out: str, tasks: str | None = None, module_path: str = "",
-        torchrec: bool = True) -> dict:
+        torchrec: bool = True, devices_per_host: int | None = None) -> dict:
     """Export every task of `placements`; returns {"placements": path, "plans": {task_id: {file: path}},
     "num_tasks": n, "torchrec": bool, "torchrec_note": str | None}.
 
@@ -113,6 +116,8 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
             _check_complete(rows, task_tables[task_id], at, tasks)
         num_devices, memory = task_info.get(task_id, (None, None))
         placement = placement_from_frame(rows, table_set, num_devices, memory, where=at)
+        if devices_per_host is not None:
+            placement.topology = _hosts(placement, int(devices_per_host), at)
         checked.append((task_id, placement, device_costs_from_frame(rows, placement.num_devices)))
     plans: dict[str, dict[str, str]] = {}
     with storage.staged_dir(out) as stage:
@@ -174,6 +179,18 @@ def _check_complete(rows, task_tables: list[str], where: str, tasks: str) -> Non
     if foreign:
         raise EmbshardError(f"tables {', '.join(foreign[:3])} are placed but not part of the task in {tasks}",
                             path=where, field="table_id", fix="export the placements made for this tasks file")
+
+
+def _hosts(placement, per_host: int, where: str):
+    """The placement's devices on hosts of `per_host` devices each, in TorchRec's rank order."""
+    from ..errors import EmbshardError
+    from ..types import DeviceTopology
+
+    d = placement.num_devices
+    if per_host < 1 or d % per_host:
+        raise EmbshardError(f"{d} devices do not split into hosts of {per_host}", path=where,
+                            field="devices_per_host", fix="give a number of devices per host that divides the devices")
+    return DeviceTopology(d, placement.memory_bytes_per_device, hosts=tuple(k // per_host for k in range(d)))
 
 
 def _write_torchrec(placement, folder: str, module_path: str) -> dict[str, str]:

@@ -2,9 +2,10 @@
 
 Two planners:
 - `torchrec_table_wise`: TorchRec's full proposer/partitioner search restricted to `table_wise` sharding.
-- `torchrec_full`: also `column_wise` and `table_column_wise` (its column splits). Row-wise, table-row-wise
-  and data-parallel are excluded: our placement format (a whole table or a column slice on one device) cannot
-  express row splits or replication.
+- `torchrec_full`: also `column_wise`, `table_column_wise` (its column splits), `row_wise` and `table_row_wise`
+  (its row splits over all devices or over one host's, read back as row pieces). Data-parallel is not searched
+  (it needs a table on every device: TorchRec's planner weighs it for small tables against a gradient all-reduce
+  our cost model does not know), but a TorchRec plan holding it reads back as a replica on every device.
 
 How TorchRec sees a task: an EmbeddingBagCollection on the meta device with one table per row (name = our
 index, data type fp32/fp16 from bytes_per_element), `ParameterConstraints` per table (allowed sharding types,
@@ -45,7 +46,7 @@ from .base import Planner
 
 SEARCHES = {
     "table_wise": ["table_wise"],
-    "full": ["table_wise", "column_wise", "table_column_wise"],
+    "full": ["table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise"],
 }
 DEFAULT_BATCH_SIZE = 512  # TorchRec's default local batch size (constants.BATCH_SIZE)
 
@@ -119,11 +120,15 @@ class TorchRecPlanner(Planner):
         from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
         from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
 
-        from ..torchrec_compat import FUSED, build_module, storage_estimators, topology
+        from ..torchrec_compat import FUSED, build_module, storage_estimators, topology, torchrec_hosts
 
         names = _names(len(tables))
         module = build_module(tables, names=names)
         num_devices, memory = devices.count, devices.memory_bytes
+        if torchrec_hosts(num_devices, devices.hosts) is None:
+            # TorchRec takes host h to be ranks h*L..h*L+L-1: with our hosts laid out otherwise its per-host
+            # (table_row_wise) pieces would straddle hosts, so it is not searched.
+            sharding_types = [t for t in sharding_types if t != "table_row_wise"]
         topo = topology(num_devices, memory, local_world_size=devices.local_world_size)
         constraints = {
             n: ParameterConstraints(sharding_types=list(sharding_types), compute_kernels=[FUSED],

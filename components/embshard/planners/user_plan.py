@@ -1,0 +1,108 @@
+"""A placement someone already has, measured beside the planners: `embshard evaluate --plan FILE`.
+
+FILE is a plan.json (embshard.plan/v1, v2 or v3) or the pickle-free `torchrec_plan.json` that `embshard export`
+writes. `UserPlan` is a Planner whose plan of a task is that file's placement, so the ruler measures it exactly
+like the planners' plans (its entry is named `user_plan`). The file must be a plan of the task: the same tables,
+the same number of devices, and it must fit the task's memory per device; anything else is one EmbshardError
+naming the file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from ..errors import EmbshardError, InfeasiblePlacementError
+from ..placement import Placement
+from ..tableset import TableSet
+from ..types import DeviceTopology, Task
+from .base import Planner
+
+NAME = "user_plan"
+_FIX = "give a plan.json or torchrec_plan.json that `embshard export` wrote for this task"
+
+
+class UserPlan(Planner):
+    """The placement in a plan file, as a planner (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike, name: str = NAME):
+        self.path = os.fspath(path)
+        self.name = name
+        self._doc: dict | None = None
+
+    def document(self) -> dict:
+        """The file's JSON, read and checked once: a plan.json fully (schema and coverage), a TorchRec plan's
+        structure when it is applied to a task."""
+        if self._doc is None:
+            from .. import storage
+
+            if not storage.exists(self.path):
+                raise EmbshardError("file not found", path=self.path, field="plan", fix=_FIX)
+            try:
+                doc = json.loads(storage.read_text(self.path))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise EmbshardError(f"not valid JSON ({str(exc)[:80]})", path=self.path, field="plan",
+                                    fix=_FIX) from None
+            schema = str(doc.get("schema", "")) if isinstance(doc, dict) else ""
+            if schema.startswith("embshard.plan/"):
+                from ..export.plan_json import read_plan_json
+
+                doc = read_plan_json(self.path)
+            elif not schema.startswith("embshard.torchrec_plan/"):
+                raise EmbshardError(f"schema {schema[:40]!r} is neither embshard.plan nor embshard.torchrec_plan",
+                                    path=self.path, field="schema", fix=_FIX)
+            self._doc = doc
+        return self._doc
+
+    def table_ids(self) -> list[str]:
+        doc = self.document()
+        if "modules" not in doc:
+            return [str(t["table_id"]) for t in doc["tables"]]
+        modules = doc.get("modules")
+        if not isinstance(modules, dict) or len(modules) != 1 or not isinstance(next(iter(modules.values())), dict):
+            raise EmbshardError("a TorchRec plan of one EmbeddingBagCollection has exactly one module",
+                                path=self.path, field="modules", fix=_FIX)
+        return [str(n) for n in next(iter(modules.values()))]
+
+    def check_tasks(self, tasks: list[Task]) -> None:
+        """Refuse before anything is measured: the plan must be a plan of every task evaluated."""
+        for task in tasks:
+            self.plan_task(task)
+
+    def _plan(self, tables: TableSet, topology: DeviceTopology, task_id: str) -> Placement:
+        ids = self.table_ids()
+        task_ids = [str(t) for t in tables.table_ids]
+        missing, extra = sorted(set(task_ids) - set(ids)), sorted(set(ids) - set(task_ids))
+        if missing or extra or len(ids) != len(task_ids):
+            what = "; ".join(p for p in (f"missing {', '.join(missing[:3])}" if missing else "",
+                                         f"not in the task {', '.join(extra[:3])}" if extra else "") if p)
+            raise EmbshardError(f"the plan's {len(ids)} tables are not task {task_id}'s {len(task_ids)} "
+                                f"({what or 'a table listed twice'})", path=self.path, field="tables", fix=_FIX)
+        doc = self.document()
+        where = f"{self.path} (task {task_id})"
+        world = doc.get("num_devices", doc.get("world_size"))
+        if world is not None and int(world) != topology.count:
+            raise EmbshardError(f"the plan is for {world} devices, task {task_id} has {topology.count}",
+                                path=self.path, field="num_devices", fix=_FIX)
+        if "modules" in doc:
+            from ..export.torchrec_plan import placement_from_sharding_plan, plan_from_json
+
+            sharding_plan = plan_from_json(self.path, tables=tables, world_size=topology.count)
+            placement = placement_from_sharding_plan(sharding_plan, tables, topology.count, topology.memory_bytes,
+                                                     names=task_ids, module_path=next(iter(doc["modules"])))
+            placement.meta = {"plan_file": self.path}
+        else:
+            from ..export.plan_json import placement_from_plan
+
+            theirs = placement_from_plan(doc, tables)
+            pos = {t: k for k, t in enumerate(task_ids)}
+            shards = [dataclasses.replace(s, table=pos[str(theirs.tables.table_ids[s.table])]) for s in theirs.shards]
+            placement = Placement(tables, topology.count, topology.memory_bytes, shards,
+                                  meta={"plan_file": self.path, "plan_planner": doc["planner"]})
+        placement.planner, placement.task_id, placement.topology = self.name, task_id, topology
+        try:  # the task's memory, not the file's: a plan for bigger devices breaks it
+            placement.check(where)
+        except InfeasiblePlacementError as exc:
+            raise InfeasiblePlacementError(exc.message, path=where, field=exc.field,
+                                           fix="give a plan that fits this task's memory per device") from None
+        return placement

@@ -1,0 +1,167 @@
+"""`embshard evaluate --plan FILE`: a user's plan file (plan.json of any version, or the exported TorchRec JSON) is
+read back as the exact placement for the task, refused in one line when it is not a plan of the task, and measured
+beside the planners as `user_plan`."""
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from embshard import schemas
+from embshard.errors import EmbshardError, InfeasiblePlacementError
+from embshard.export import write_plan_json
+from embshard.ingest.synthetic import generate_tables
+from embshard.placement import Placement, Shard
+from embshard.planners.user_plan import UserPlan
+from embshard.tableset import TableSet
+from embshard.types import DeviceTopology, Task, row_blocks
+
+D = 4
+
+
+@pytest.fixture(scope="module")
+def tables() -> TableSet:
+    df = generate_tables(6, seed=5, bins_batch_size=512)
+    df["rows"] = np.minimum(df["rows"], 4000).clip(lower=16)
+    df["dim"] = [16, 32, 8, 16, 8, 64]
+    df["size_bytes"] = df["rows"] * df["dim"] * df["bytes_per_element"]
+    return TableSet.from_frame(schemas.validate(df, "tables"))
+
+
+@pytest.fixture()
+def placement(tables) -> Placement:
+    """Every kind: whole, column slices, row-wise over all devices, table-row-wise on host 1, a replica."""
+    shards = [Shard(0, 0), Shard(1, 1, 0, 16), Shard(1, 2, 16, 16)]
+    shards += [Shard(2, d, row_offset=o, row_size=n) for d, (o, n) in enumerate(row_blocks(int(tables.rows[2]), D))]
+    shards += [Shard(3, 2 + d, row_offset=o, row_size=n) for d, (o, n) in enumerate(row_blocks(int(tables.rows[3]), 2))]
+    shards += [Shard(4, d, kind="replicated") for d in range(D)] + [Shard(5, 3)]
+    mem = int(tables.size_bytes.sum())
+    return Placement(tables, D, mem, shards, planner="someone", task_id="task-u",
+                     topology=DeviceTopology(D, mem, hosts=(0, 0, 1, 1)))
+
+
+def _task(tables, memory=None, devices=D) -> Task:
+    # The task lists its tables in another order than the plan: the plan is matched by table id.
+    return Task("task-u", tables.subset(np.arange(len(tables))[::-1]),
+                DeviceTopology(devices, int(memory or tables.size_bytes.sum())))
+
+
+def _same(a: Placement, b: Placement) -> bool:
+    def key(p):
+        return sorted((str(p.tables.table_ids[s.table]), s.device, s.kind, s.col_offset, s.col_size, s.row_offset,
+                       s.row_size) for s in p.shards)
+
+    return key(a) == key(b)
+
+
+def test_plan_json_round_trip_is_the_original(tmp_path, placement, tables):
+    path = tmp_path / "plan.json"
+    write_plan_json(placement, path)
+    got = UserPlan(path).plan_task(_task(tables))
+    assert _same(got, placement) and got.planner == "user_plan" and got.task_id == "task-u"
+    assert got.memory_per_device().max() == placement.memory_per_device().max()
+
+
+def test_a_v2_plan_json_is_read(tmp_path, tables):
+    p = Placement(tables, D, int(tables.size_bytes.sum()), [Shard(i, i % D) for i in range(len(tables))],
+                  task_id="task-u")
+    plan = write_plan_json(p, tmp_path / "v3.json")
+    plan["schema"] = "embshard.plan/v2"
+    for t in plan["tables"]:
+        t.pop("sharding_type")
+        for s in t["shards"]:
+            for k in ("kind", "row_offset", "row_size"):
+                s.pop(k)
+    (tmp_path / "v2.json").write_text(json.dumps(plan))
+    assert _same(UserPlan(tmp_path / "v2.json").plan_task(_task(tables)), p)
+
+
+def test_exported_torchrec_json_round_trip_is_the_original(tmp_path, placement, tables):
+    pytest.importorskip("torchrec")
+    from embshard.export.torchrec_plan import plan_to_json, to_torchrec_plan
+
+    doc = plan_to_json(to_torchrec_plan(placement), world_size=D,
+                       tables={str(n): (int(r), int(d)) for n, r, d in zip(tables.table_ids, tables.rows, tables.dims)})
+    path = tmp_path / "torchrec_plan.json"
+    path.write_text(json.dumps(doc))
+    assert _same(UserPlan(path).plan_task(_task(tables)), placement)
+
+
+def test_a_plan_that_is_not_the_tasks_is_one_line_naming_the_file(tmp_path, placement, tables):
+    path = tmp_path / "plan.json"
+    write_plan_json(placement, path)
+    other = Task("other", tables.subset(np.arange(1, len(tables))), DeviceTopology(D, int(tables.size_bytes.sum())))
+    with pytest.raises(EmbshardError, match=r"plan.json: field 'tables': .*missing|not in the task") as err:
+        UserPlan(path).plan_task(other)
+    assert "\n" not in str(err.value) and str(tables.table_ids[0]) in str(err.value)
+    with pytest.raises(EmbshardError, match="plan.json: field 'num_devices': the plan is for 4 devices"):
+        UserPlan(path).plan_task(_task(tables, devices=8))
+    small = int(placement.memory_per_device().max()) - 1
+    with pytest.raises(InfeasiblePlacementError, match=r"plan.json \(task task-u\).*over its") as err:
+        UserPlan(path).plan_task(_task(tables, memory=small))
+    assert "fits this task's memory" in str(err.value)
+    bad = copy.deepcopy(json.loads(path.read_text()))
+    bad["tables"][1]["shards"].pop()
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(EmbshardError, match="bad.json.*columns"):
+        UserPlan(tmp_path / "bad.json").plan_task(_task(tables))
+    (tmp_path / "other.json").write_text(json.dumps({"schema": "x"}))
+    with pytest.raises(EmbshardError, match="neither embshard.plan nor"):
+        UserPlan(tmp_path / "other.json").plan_task(_task(tables))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """Six small tables, one test task of 3 tables on 2 devices, and a size_greedy plan of it."""
+    from embshard.jobs import tasks
+    from embshard.planners.baselines import make_baseline
+    from embshard.types import load_tasks
+
+    root = tmp_path_factory.mktemp("tiny")
+    df = generate_tables(6, seed=2, bins_batch_size=512)
+    df["rows"] = np.minimum(df["rows"], 2000).clip(lower=16)
+    df["size_bytes"] = df["rows"] * df["dim"] * df["bytes_per_element"]
+    tables = str(root / "tables.parquet")
+    schemas.write(df, tables, "tables")
+    tasks_path = tasks.run(tables, str(root), num_tasks=1, tables_per_task=3, devices=2, memory_gb=1, seed=0)
+    task = load_tasks(tables, tasks_path, "test")[0]
+    plan = str(root / "plan.json")
+    write_plan_json(make_baseline("round_robin").plan_task(task), plan)
+    return {"tables": tables, "tasks": tasks_path, "plan": plan, "task": task, "root": root}
+
+
+def test_evaluate_measures_the_plan_beside_the_planners(tiny, tmp_path):
+    import pandas as pd
+
+    from embshard.cli import main
+
+    out = tmp_path / "ev"
+    assert main(["evaluate", "--tables", tiny["tables"], "--tasks", tiny["tasks"], "--planners", "size_greedy",
+                 "--plan", tiny["plan"], "--rounds", "1", "--batch-size", "32", "--out", str(out)]) == 0
+    ev = pd.read_parquet(out / "evaluation.parquet")
+    assert list(ev["planner"]) == ["size_greedy", "user_plan"]
+    row = ev[ev["planner"] == "user_plan"].iloc[0]
+    assert row["feasible"] and row["measured_cost_ms"] > 0
+    placed = pd.read_parquet(out / "placements.parquet")
+    assert set(placed[placed["planner"] == "user_plan"]["table_id"]) == set(tiny["task"].tables.table_ids)
+
+
+def test_evaluate_refuses_a_plan_of_another_task_before_measuring(tiny, tmp_path, capsys):
+    from pathlib import Path
+
+    from embshard.cli import main
+
+    plan = json.loads(Path(tiny["plan"]).read_text())
+    plan["num_devices"] = 3
+    plan["devices"].append({"device": 2, "memory_bytes": 0, "memory_used_fraction": 0.0, "predicted_cost_ms": None,
+                            "tables": []})
+    bad = tmp_path / "three.json"
+    bad.write_text(json.dumps(plan))
+    out = tmp_path / "ev"
+    assert main(["evaluate", "--tables", tiny["tables"], "--tasks", tiny["tasks"], "--planners", "size_greedy",
+                 "--plan", str(bad), "--rounds", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "three.json" in err[0] and "3 devices" in err[0]
+    assert not out.exists()
