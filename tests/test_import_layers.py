@@ -42,7 +42,6 @@ ALGORITHM_EDGES = {
     ("embshard.planners", "embshard.costmodel"),  # planners score plans with the cost model (costmodel.scoring)
     ("embshard.planners", "embshard.heuristics"),  # the greedy baselines and proposers use the proxies
     ("embshard.planners", "embshard.torchrec_compat"),  # the TorchRec baseline speaks TorchRec's vocabulary
-    ("embshard.planners", "embshard.export"),     # a user's plan file (planners/user_plan.py) is read as exported
     ("embshard.policy", "embshard.costmodel"),    # the policy is trained on the cost model's estimates
     ("embshard.policy", "embshard.heuristics"),   # ... and validated against the greedy baselines' proxies
     ("embshard.export", "embshard.torchrec_compat"),  # the export writes TorchRec plans in that vocabulary

@@ -12,9 +12,9 @@ import pytest
 from embshard import schemas
 from embshard.errors import EmbshardError, InfeasiblePlacementError
 from embshard.export import write_plan_json
+from embshard.export.user_plan import UserPlan
 from embshard.ingest.synthetic import generate_tables
 from embshard.placement import Placement, Shard
-from embshard.planners.user_plan import UserPlan
 from embshard.tableset import TableSet
 from embshard.types import DeviceTopology, Task, row_blocks
 

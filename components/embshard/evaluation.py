@@ -162,10 +162,12 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
 
 def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = "test",
         max_tasks: int | None = None, rounds: int = DEFAULT_ROUNDS, settings: MeasureSettings | None = None,
-        planner_kw: dict | None = None, progress: bool = True, seed: int = 0) -> dict:
+        planner_kw: dict | None = None, progress: bool = True, seed: int = 0,
+        given: dict | None = None) -> dict:
     """Evaluate `planners` on the tasks of `split` (evaluate_task per task) and write OUT/evaluation.parquet,
-    ratios.parquet, placements.parquet and evaluation.png (all or none). Returns the frames, the summary, each
-    task's per-round costs and the cost model's ranking accuracy."""
+    ratios.parquet, placements.parquet and evaluation.png (all or none). `given`: planner objects built by the
+    caller (name -> anything with `plan_task`, e.g. a user's plan file), listed in `planners` by that name.
+    Returns the frames, the summary, each task's per-round costs and the cost model's ranking accuracy."""
     from tqdm import tqdm
 
     from .planners import get_planner
@@ -178,7 +180,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     if max_tasks is not None and int(max_tasks) < 1:  # 0 used to mean "all" silently
         raise EmbshardError(f"invalid value {max_tasks}", field="max_tasks",
                             fix="give at least 1, or leave it out to evaluate every task of the split")
-    check_planner_names(planners)
+    check_planner_names([p for p in planners if p not in (given or {})])
     task_list = load_tasks(tables, tasks, split, limit=max_tasks)
     # A task that no planner can place is bad input, not a failed planner: refuse before measuring anything.
     for t in task_list:
@@ -188,7 +190,9 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     # full single measurement's: it is a reference, and the singles were most of an evaluation's time.
     single_settings = round_settings(settings)
     labels = entry_labels(planners)
-    planner_objs = {name: get_planner(name, **(planner_kw or {}).get(name, {})) for name in dict.fromkeys(planners)}
+    given = given or {}
+    planner_objs = {name: given[name] if name in given else get_planner(name, **(planner_kw or {}).get(name, {}))
+                    for name in dict.fromkeys(planners)}
     rows, placements, ratio_rows = [], [], []
     round_costs: dict[str, dict[str, list[float]]] = {}
     singles_cache: dict = {}

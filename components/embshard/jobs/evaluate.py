@@ -54,16 +54,17 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     planners = [p for p in args.planners.split(",") if p]
-    planner_kw = {}
+    given = {}
     if getattr(args, "plan", None):
-        from ..planners.user_plan import NAME, UserPlan
+        from ..export.user_plan import NAME, UserPlan
         from ..types import load_tasks
 
+        user_plan = UserPlan(args.plan)
         # Refused before anything is measured: the file must be a plan of every task evaluated.
-        UserPlan(args.plan).check_tasks(load_tasks(args.tables, args.tasks, args.split, limit=args.max_tasks))
+        user_plan.check_tasks(load_tasks(args.tables, args.tasks, args.split, limit=args.max_tasks))
         planners = [p for p in planners if p != NAME] + [NAME]
-        planner_kw[NAME] = {"path": args.plan}
-    res = run(args.tables, args.tasks, args.out, planners=planners, planner_kw=planner_kw,
+        given[NAME] = user_plan
+    res = run(args.tables, args.tasks, args.out, planners=planners, given=given,
               split=args.split, max_tasks=args.max_tasks, rounds=args.rounds,
               settings=MeasureSettings(batch_size=args.batch_size or None, timer=args.timer,
                                        statistic=args.statistic))

@@ -25,7 +25,7 @@ def is_planner_name(name: str) -> bool:
     (planners.compose.COMPOSITIONS) alone or with a non-empty @ALIAS or /VERSION."""
     from .baselines import BASELINES
 
-    if name in BASELINES or name in ("torchrec_table_wise", "torchrec_full", "user_plan"):
+    if name in BASELINES or name in ("torchrec_table_wise", "torchrec_full"):
         return True
     comp = composition_of(name)
     return comp is not None and (name == comp or len(name) > len(comp) + 1)
@@ -55,12 +55,6 @@ def get_planner(name: str, **kw) -> Planner:
     """A planner by name. `learned` takes model_uri=... (default models:/embshard-policy@champion)."""
     from .baselines import make_baseline
 
-    if name == "user_plan":  # a plan file measured beside the planners (`embshard evaluate --plan FILE`)
-        from .user_plan import UserPlan
-
-        if not kw.get("path"):
-            raise EmbshardError("user_plan needs a plan file", field="plan", fix="give --plan FILE")
-        return UserPlan(kw["path"])
     comp = composition_of(name)
     if comp is not None:
         from .registered import load_planner

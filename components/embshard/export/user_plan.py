@@ -1,8 +1,9 @@
 """A placement someone already has, measured beside the planners: `embshard evaluate --plan FILE`.
 
 FILE is a plan.json (embshard.plan/v1, v2 or v3) or the pickle-free `torchrec_plan.json` that `embshard export`
-writes. `UserPlan` is a Planner whose plan of a task is that file's placement, so the ruler measures it exactly
-like the planners' plans (its entry is named `user_plan`). The file must be a plan of the task: the same tables,
+writes. `UserPlan` plans a task (`plan_task`, as a planner does) by reading that file's placement, so the ruler
+measures it exactly like the planners' plans (its entry is named `user_plan`; the evaluate job hands it to the
+evaluation beside the planners it builds by name). The file must be a plan of the task: the same tables,
 the same number of devices, and it must fit the task's memory per device; anything else is one EmbshardError
 naming the file.
 """
@@ -16,13 +17,12 @@ from ..errors import EmbshardError, InfeasiblePlacementError
 from ..placement import Placement
 from ..tableset import TableSet
 from ..types import DeviceTopology, Task
-from .base import Planner
 
 NAME = "user_plan"
 _FIX = "give a plan.json or torchrec_plan.json that `embshard export` wrote for this task"
 
 
-class UserPlan(Planner):
+class UserPlan:
     """The placement in a plan file, as a planner (see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike, name: str = NAME):
@@ -45,7 +45,7 @@ class UserPlan(Planner):
                                     fix=_FIX) from None
             schema = str(doc.get("schema", "")) if isinstance(doc, dict) else ""
             if schema.startswith("embshard.plan/"):
-                from ..export.plan_json import read_plan_json
+                from .plan_json import read_plan_json
 
                 doc = read_plan_json(self.path)
             elif not schema.startswith("embshard.torchrec_plan/"):
@@ -63,6 +63,10 @@ class UserPlan(Planner):
             raise EmbshardError("a TorchRec plan of one EmbeddingBagCollection has exactly one module",
                                 path=self.path, field="modules", fix=_FIX)
         return [str(n) for n in next(iter(modules.values()))]
+
+    def plan_task(self, task: Task) -> Placement:
+        """The file's placement of `task` (checked against its tables, devices and memory)."""
+        return self._plan(task.tables, task.devices, task.task_id)
 
     def check_tasks(self, tasks: list[Task]) -> None:
         """Refuse before anything is measured: the plan must be a plan of every task evaluated."""
@@ -85,14 +89,14 @@ class UserPlan(Planner):
             raise EmbshardError(f"the plan is for {world} devices, task {task_id} has {topology.count}",
                                 path=self.path, field="num_devices", fix=_FIX)
         if "modules" in doc:
-            from ..export.torchrec_plan import placement_from_sharding_plan, plan_from_json
+            from .torchrec_plan import placement_from_sharding_plan, plan_from_json
 
             sharding_plan = plan_from_json(self.path, tables=tables, world_size=topology.count)
             placement = placement_from_sharding_plan(sharding_plan, tables, topology.count, topology.memory_bytes,
                                                      names=task_ids, module_path=next(iter(doc["modules"])))
             placement.meta = {"plan_file": self.path}
         else:
-            from ..export.plan_json import placement_from_plan
+            from .plan_json import placement_from_plan
 
             theirs = placement_from_plan(doc, tables)
             pos = {t: k for k, t in enumerate(task_ids)}
