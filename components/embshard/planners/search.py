@@ -24,7 +24,7 @@ from ..placement import Shard
 from ..tableset import TableSet
 from ..types import COLUMN, WHOLE, DeviceTopology
 from .scoring import TaskScorer, piece_features
-from .splitting import column_pieces, is_row_piece, max_column_parts, row_pieces
+from .splitting import column_pieces, is_row_piece, max_speed_column_parts, row_pieces
 
 _REL_TOL = 1e-6
 MIN_SPLIT_DIM = 4  # FBGEMM wants dims that are multiples of 4
@@ -222,7 +222,8 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
                ) -> tuple[list[Shard], SearchState]:
     """Cut the most expensive movable piece of the slowest device while that lowers the predicted overall cost.
 
-    The cuts tried: k column slices (k = 2, 4, ..., at most the devices and widths of 4), starting on the slowest
+    The cuts tried: k column slices (k = 2, 4, ..., at most the devices and slices of 128 bytes per row: see
+    splitting.MIN_SPEED_SLICE_BYTES), starting on the slowest
     device and spread by local search; row-wise over all devices; table-row-wise over one host's devices (the host
     whose devices cost least; only when the topology names hosts). The best cut after local search is kept when it
     lowers the predicted overall cost. Returns (shards, state), unchanged when no cut helps."""
@@ -270,7 +271,7 @@ def _cuts(tables: TableSet, piece: Shard, state: SearchState, topology: DeviceTo
     width = piece.col_size if piece.col_size is not None else int(tables.dims[piece.table])
     if columns and piece.kind in (WHOLE, COLUMN):
         k = 2
-        while k <= min(D, max_column_parts(width)):
+        while k <= min(D, max_speed_column_parts(width, int(tables.bytes_per_element[piece.table]))):
             out.append(column_pieces(piece.table, width, k, piece.col_offset))
             k *= 2
     n_rows = int(tables.rows[piece.table])
