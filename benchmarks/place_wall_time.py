@@ -1,0 +1,140 @@
+"""Wall time of `embshard place` as a user runs it: 856 tables on 128 devices, a fresh process each time.
+
+What one person waits for, start to exit: the interpreter, the imports, the input checks, the registry load (the
+learned planner only), the plan and the three output files. Planners side by side in one run, interleaved, each
+repeated: lookup_greedy (a heuristic: no model), learned (a tiny untrained policy + cost model registered in a
+local sqlite MLflow store: planning work does not depend on the weights), TorchRec's table-wise planner, and the
+one-line error for tables larger than all devices together. Medians and ratios to TorchRec's table-wise planner;
+the machine may be shared, so the ratios say more than the seconds.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import pandas as pd
+
+from .common import md_table, progress
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class PlaceConfig:
+    tables: int = 856
+    devices: int = 128
+    memory_gb: float = 80.0         # per device: the largest of the 856 tables (78 GiB) fits one device
+    infeasible_memory_gb: float = 0.01  # per device: far below the tables' total
+    planners: tuple = ("lookup_greedy", "learned", "torchrec_table_wise")
+    repeats: int = 3
+    seed: int = 0
+    goals_s: tuple = (("lookup_greedy", 3.0), ("learned", 6.0))
+
+
+def quick_config() -> PlaceConfig:
+    return PlaceConfig(tables=60, devices=8, repeats=1)
+
+
+def build_world(root: str, cfg: PlaceConfig) -> dict:
+    """tables.parquet and a local sqlite MLflow store with embshard-policy@champion and embshard-cost@champion
+    (tiny untrained models: planning does the same work whatever the weights)."""
+    from embshard import registry, schemas
+    from embshard.costmodel.ensemble import CostEnsemble
+    from embshard.costmodel.model import CostModel, CostModelConfig
+    from embshard.costmodel.pyfunc import CostModelPyfunc
+    from embshard.features import FeatureScaler, feature_matrix
+    from embshard.ingest.synthetic import generate_tables
+    from embshard.planners.registered import PolicyPythonModel
+    from embshard.policy.core import PolicyNet
+    from embshard.policy.model import policy_artifacts
+
+    df = generate_tables(cfg.tables, seed=cfg.seed, bins_batch_size=2048)
+    tables = os.path.join(root, "tables.parquet")
+    schemas.write(df, tables, "tables")
+    uri = f"sqlite:///{os.path.join(root, 'mlflow.db')}"
+    old = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        registry.use(root)
+        cost = CostEnsemble([CostModel.create(CostModelConfig(), FeatureScaler.fit(feature_matrix(df)))])
+        with tempfile.TemporaryDirectory() as tmp:
+            v = registry.log_and_register(CostModelPyfunc(), cost.save(os.path.join(tmp, "cost")),
+                                          registry.COST_MODEL, {"hardware": "benchmark"})
+            registry.set_alias(registry.COST_MODEL, registry.CHAMPION, v.version)
+            arts = policy_artifacts(PolicyNet(), cost, os.path.join(tmp, "bundle"))
+            v = registry.log_and_register(PolicyPythonModel(), arts, registry.POLICY_MODEL, {"hardware": "benchmark"})
+            registry.set_alias(registry.POLICY_MODEL, registry.CHAMPION, v.version)
+    finally:
+        if old is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = old
+    return {"tables": tables, "tracking_uri": uri, "total_gib": float(df["size_bytes"].sum()) / 2**30}
+
+
+def _command(world: dict, cfg: PlaceConfig, case: str, out: str) -> list[str]:
+    planner, mem = (("lookup_greedy", cfg.infeasible_memory_gb) if case == "infeasible_error"
+                    else (case, cfg.memory_gb))
+    return [sys.executable, "-m", "embshard", "place", "--tables", world["tables"], "--devices", str(cfg.devices),
+            "--memory-gb", str(mem), "--planner", planner, "--out", out]
+
+
+def run(cfg: PlaceConfig, work: str) -> pd.DataFrame:
+    """One row per (case, repeat): wall seconds and exit code; the cases interleave within each repeat."""
+    world = build_world(work, cfg)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": world["tracking_uri"],
+           "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "components"), REPO, os.environ.get("PYTHONPATH", "")])}
+    env.pop("MLFLOW_REGISTRY_URI", None)
+    cases = [*cfg.planners, "infeasible_error"]
+    rows = []
+    for r in range(cfg.repeats):
+        for case in cases:
+            out = os.path.join(work, f"out-{case}-{r}")
+            t0 = time.perf_counter()
+            proc = subprocess.run(_command(world, cfg, case, out), env=env, cwd=work, capture_output=True,
+                                  text=True, check=False)
+            secs = time.perf_counter() - t0
+            ok = proc.returncode == (2 if case == "infeasible_error" else 0)
+            last = (proc.stderr.strip().splitlines() or [""])[-1] if not ok or case == "infeasible_error" else ""
+            progress(f"place wall time: {case} repeat {r + 1}: {secs:.2f} s (exit {proc.returncode}) {last[:160]}")
+            rows.append({"case": case, "repeat": r, "wall_s": secs, "exit": proc.returncode, "ok": ok,
+                         "message": last[:300]})
+    return pd.DataFrame(rows).assign(tables=cfg.tables, devices=cfg.devices, total_gib=world["total_gib"])
+
+
+def summarize(df: pd.DataFrame, cfg: PlaceConfig) -> pd.DataFrame:
+    base = statistics.median(df.loc[df["case"] == "torchrec_table_wise", "wall_s"]) \
+        if (df["case"] == "torchrec_table_wise").any() else float("nan")
+    goals = dict(cfg.goals_s)
+    rows = []
+    for case, g in df.groupby("case", sort=False):
+        med = statistics.median(g["wall_s"])
+        rows.append({"case": case, "median_s": med, "min_s": g["wall_s"].min(), "max_s": g["wall_s"].max(),
+                     "ratio_to_torchrec_table_wise": med / base, "goal_s": goals.get(case, float("nan")),
+                     "all_ok": bool(g["ok"].all())})
+    return pd.DataFrame(rows)
+
+
+def markdown(df: pd.DataFrame, cfg: PlaceConfig, hw_line: str, notes: str = "") -> str:
+    summary = summarize(df, cfg)
+    err = df.loc[df["case"] == "infeasible_error", "message"]
+    lines = ["# `embshard place` wall time", "", f"Hardware: {hw_line}", "",
+             f"{cfg.tables} synthetic tables ({df['total_gib'].iloc[0]:.1f} GiB) on {cfg.devices} devices x "
+             f"{cfg.memory_gb:g} GiB; each case a fresh `python -m embshard place` process (start to exit), "
+             f"{cfg.repeats} repeats, cases interleaved. `infeasible_error`: the same tables on {cfg.devices} x "
+             f"{cfg.infeasible_memory_gb:g} GiB (larger than all devices together), time to the one-line error. "
+             "Learned: a tiny untrained policy + cost model registered in a local sqlite MLflow store "
+             "(the planning work does not depend on the weights).", "",
+             "Produced by `python -m benchmarks --jobs place` (benchmarks/place_wall_time.py).", "",
+             md_table(summary, digits=2), ""]
+    if len(err):
+        lines += [f"The error: `{err.iloc[0]}`", ""]
+    if notes:
+        lines += [notes.strip(), ""]
+    lines += ["## Raw", "", md_table(df.drop(columns=["message"]), digits=2), ""]
+    return "\n".join(lines)
