@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import pandas as pd  # module level: MLflow resolves the predict signature's type hints in this module
+
 from ..registry import POLICY_CHAMPION_URI
 from .learned import LearnedPlanner
 
@@ -24,7 +26,6 @@ def __getattr__(name: str):
 
 @functools.cache
 def _policy_python_model() -> Any:
-    import pandas as pd
     from mlflow.pyfunc import PythonModel  # mypy does not see mlflow.pyfunc.PythonModel (mlflow.pyfunc is lazy)
 
     from ..policy import model as _policy_model
