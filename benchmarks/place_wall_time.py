@@ -88,11 +88,15 @@ def run(cfg: PlaceConfig, work: str) -> pd.DataFrame:
     """One row per (case, repeat): wall seconds and exit code; the cases interleave within each repeat."""
     world = build_world(work, cfg)
     env = {**os.environ, "MLFLOW_TRACKING_URI": world["tracking_uri"],
-           "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "components"), REPO, os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "components"), REPO, os.environ.get("PYTHONPATH", "")]),
+           # Bytecode as `make install` compiles it, written by the untimed warm-up round into a private folder:
+           # the environment may be installed without it, and PYTHONDONTWRITEBYTECODE would recompile every run.
+           "PYTHONPYCACHEPREFIX": os.path.join(work, "pycache")}
     env.pop("MLFLOW_REGISTRY_URI", None)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     cases = [*cfg.planners, "infeasible_error"]
     rows = []
-    for r in range(cfg.repeats):
+    for r in range(-1, cfg.repeats):  # -1: the warm-up round (bytecode, file cache), not reported
         for case in cases:
             out = os.path.join(work, f"out-{case}-{r}")
             t0 = time.perf_counter()
@@ -101,9 +105,12 @@ def run(cfg: PlaceConfig, work: str) -> pd.DataFrame:
             secs = time.perf_counter() - t0
             ok = proc.returncode == (2 if case == "infeasible_error" else 0)
             last = (proc.stderr.strip().splitlines() or [""])[-1] if not ok or case == "infeasible_error" else ""
-            progress(f"place wall time: {case} repeat {r + 1}: {secs:.2f} s (exit {proc.returncode}) {last[:160]}")
-            rows.append({"case": case, "repeat": r, "wall_s": secs, "exit": proc.returncode, "ok": ok,
-                         "message": last[:300]})
+            last = last.replace(work, "<work>")  # the page names no temporary folder
+            progress(f"place wall time: {case} {'warm-up' if r < 0 else f'repeat {r + 1}'}: {secs:.2f} s "
+                     f"(exit {proc.returncode}) {last[:160]}")
+            if r >= 0:
+                    rows.append({"case": case, "repeat": r, "wall_s": secs, "exit": proc.returncode, "ok": ok,
+                             "message": last[:300]})
     return pd.DataFrame(rows).assign(tables=cfg.tables, devices=cfg.devices, total_gib=world["total_gib"])
 
 
@@ -126,7 +133,9 @@ def markdown(df: pd.DataFrame, cfg: PlaceConfig, hw_line: str, notes: str = "") 
     lines = ["# `embshard place` wall time", "", f"Hardware: {hw_line}", "",
              f"{cfg.tables} synthetic tables ({df['total_gib'].iloc[0]:.1f} GiB) on {cfg.devices} devices x "
              f"{cfg.memory_gb:g} GiB; each case a fresh `python -m embshard place` process (start to exit), "
-             f"{cfg.repeats} repeats, cases interleaved. `infeasible_error`: the same tables on {cfg.devices} x "
+             f"{cfg.repeats} repeats after one untimed warm-up round "
+             "(bytecode compiled, as `make install` does), cases interleaved. `infeasible_error`: the same "
+             f"tables on {cfg.devices} x "
              f"{cfg.infeasible_memory_gb:g} GiB (larger than all devices together), time to the one-line error. "
              "Learned: a tiny untrained policy + cost model registered in a local sqlite MLflow store "
              "(the planning work does not depend on the weights).", "",
