@@ -95,7 +95,9 @@ def build_world(root: str, cfg: PlaceConfig) -> dict:
     tables = os.path.join(root, "tables.parquet")
     schemas.write(df, tables, "tables")
     uri = f"sqlite:///{os.path.join(root, 'mlflow.db')}"
-    old = os.environ.get("MLFLOW_TRACKING_URI")
+    # This store only for the registrations here: the harness's other jobs keep theirs (set_registry_uri also
+    # exports MLFLOW_REGISTRY_URI, so both variables are put back).
+    old = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     os.environ["MLFLOW_TRACKING_URI"] = uri
     try:
         registry.use(root)
@@ -108,10 +110,15 @@ def build_world(root: str, cfg: PlaceConfig) -> dict:
             v = registry.log_and_register(PolicyPythonModel(), arts, registry.POLICY_MODEL, {"hardware": "benchmark"})
             registry.set_alias(registry.POLICY_MODEL, registry.CHAMPION, v.version)
     finally:
-        if old is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = old
+        import mlflow
+
+        mlflow.set_tracking_uri(None)
+        mlflow.set_registry_uri(None)
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return {"tables": tables, "tracking_uri": uri, "total_gib": float(df["size_bytes"].sum()) / 2**30}
 
 
