@@ -7,7 +7,9 @@
     python -m benchmarks --jobs quality --suite split --run runs/local   # the split suite -> quality_splits.md
 
 Reports (each a Markdown page naming the hardware, plus plots): quality.md/.png, planning_time.md/.png,
-costmodel.md (+ parity plot), pipeline.md, and README.md linking them with the headline numbers. Raw rows go to
+costmodel.md (+ parity plot), pipeline.md, place_wall_time.md (`embshard place` start to exit; its own tiny models,
+so `--jobs place` alone trains nothing and leaves README.md as it is), and README.md linking them with the
+headline numbers. Raw rows go to
 results/raw/ (not committed).
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 import tempfile
 import time
 
-JOBS = ("quality", "planning", "costmodel", "pipeline")
+JOBS = ("quality", "planning", "costmodel", "pipeline", "place")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 
@@ -91,6 +93,19 @@ def _run(args, jobs: list[str], out: str, work: str) -> int:
     hw_line = hw.line()
     progress(f"harness: {'quick' if args.quick else 'full'} run; results -> {out}; work -> {work}")
     progress(f"hardware: {hw_line}")
+
+    # 0. `embshard place` wall time: its own world and tiny registered models (no pipeline run needed).
+    if "place" in jobs:
+        from . import place_wall_time
+
+        pcfg = place_wall_time.quick_config() if args.quick else place_wall_time.PlaceConfig()
+        frame = place_wall_time.run(pcfg, tempfile.mkdtemp(prefix="place-", dir=work))
+        frame.to_csv(os.path.join(out, "raw", "place_wall_time.csv"), index=False)
+        write_text(os.path.join(out, "place_wall_time.md"), place_wall_time.markdown(frame, pcfg, hw_line))
+        if jobs == ["place"]:
+            progress(f"harness: done in {(time.perf_counter() - t_start) / 60:.1f} min; "
+                     f"{os.path.join(out, 'place_wall_time.md')}")
+            return 0
 
     # 1. The models: one real Airflow run of the pipeline (timed per stage), or an existing run folder.
     if args.run:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -38,7 +39,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (fix: see `{self.prog} --help`)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand in argv: the first word that is not an option (the top-level options take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+ALL_COMMANDS = "*"
+
+
+def build_parser(command: str | None = ALL_COMMANDS) -> argparse.ArgumentParser:
+    """The parser. Only `command`'s module is imported (each pulls in its own stack: pandas, torch, MLflow,
+    Airflow), none for None, so `embshard --help` and one command's errors do not pay for all the others;
+    ALL_COMMANDS (the default) imports every one (all options known: docs, tests)."""
     from .version import __version__
 
     parser = _Parser(prog="embshard", description="Learned embedding-table sharding.")
@@ -46,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
+        if command != ALL_COMMANDS and name != command:
+            if importlib.util.find_spec(module) is not None:  # listed in --help: no import
+                sub.add_parser(name, help=help_text, description=help_text)
+            continue
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -91,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         # Before any library is imported: MLflow reads its log level once, at import.
         os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
         quiet_third_party()
-    parser = build_parser()
+    command = _command_of(argv)
+    parser = build_parser(command if command in COMMANDS else None)  # None: only the list of commands
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")

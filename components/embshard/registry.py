@@ -220,21 +220,94 @@ def version_for_alias(name: str, alias: str):
         return None
 
 
+def _store_uri() -> str:
+    """The registry store this process uses, without importing MLflow when it is not imported yet (MLflow's own
+    order: a URI set in-process, MLFLOW_REGISTRY_URI, MLFLOW_TRACKING_URI, then sqlite mlflow.db here)."""
+    import sys
+
+    if "mlflow" in sys.modules:
+        return sys.modules["mlflow"].get_registry_uri()
+    return os.environ.get("MLFLOW_REGISTRY_URI") or tracking_uri()
+
+
+def _no_store_error(uri: str, store: str) -> ModelNotFoundError | None:
+    """A missing local store is "no model", not a reason to create an empty mlflow.db where the command runs:
+    a command writes nothing outside its --out."""
+    db = store[len("sqlite:///"):] if store.startswith("sqlite:///") else None
+    if db and db != ":memory:" and not os.path.exists(db):
+        name = uri.split("/")[1].split("@")[0] if uri.startswith("models:/") else uri
+        return ModelNotFoundError(f"no model at {uri}: there is no MLflow store at {db}", path=uri,
+                                  fix=f"set MLFLOW_TRACKING_URI to the store where '{name}' is registered, or "
+                                      "train and register it first")
+    return None
+
+
+def local_artifacts(uri: str) -> dict[str, str] | None:
+    """The artifact files of `models:/name@alias` or `models:/name/<version>` in a local sqlite store, read
+    without MLflow: {artifact name: local path}, as the pyfunc's load_context would get them.
+
+    The alias is resolved in the database on every call (a moved champion is seen at once), then the version's
+    MLmodel file names its artifacts. Loading MLflow's pyfunc machinery for the same files costs seconds
+    (imports, store migrations check, dependency checks), most of `embshard place` with the learned planner.
+    None when the store is not a local sqlite file or the entry is not plainly there (a missing model or alias,
+    another schema): the caller then loads through MLflow, which also words the errors."""
+    import sqlite3
+    from urllib.parse import unquote, urlparse
+
+    if not uri.startswith("models:/"):
+        return None
+    store = _store_uri()
+    if not store.startswith("sqlite:///"):
+        return None
+    if _no_store_error(uri, store) is not None:
+        return None  # MLflow's path raises it (one wording of the error)
+    ref = uri[len("models:/"):]
+    name, alias = ref.split("@", 1) if "@" in ref else (ref.rsplit("/", 1)[0], None)
+    version = None if alias is not None else ref.rsplit("/", 1)[-1]
+    if not name or (version is not None and not version.isdigit()):
+        return None
+    try:
+        # Read-only: loading a model never writes to the store.
+        with contextlib.closing(sqlite3.connect(f"file:{store[len('sqlite:///'):]}?mode=ro", uri=True)) as db:
+            if alias is not None:
+                rows = db.execute("SELECT version FROM registered_model_aliases WHERE name = ? AND alias = ?",
+                                  (name, alias)).fetchall()
+                if len(rows) != 1:
+                    return None
+                version = str(rows[0][0])
+            rows = db.execute("SELECT storage_location, status FROM model_versions WHERE name = ? AND version = ?",
+                              (name, int(str(version)))).fetchall()
+    except sqlite3.Error:
+        return None
+    if len(rows) != 1 or rows[0][1] != "READY" or not str(rows[0][0] or "").startswith("file://"):
+        return None
+    folder = unquote(urlparse(rows[0][0]).path)
+    return _pyfunc_artifacts(folder)
+
+
+def _pyfunc_artifacts(folder: str) -> dict[str, str] | None:
+    """{artifact name: path} from the MLmodel file of a pyfunc model folder; None when it is not one."""
+    import yaml
+
+    try:
+        with open(os.path.join(folder, "MLmodel"), encoding="utf-8") as f:
+            meta = yaml.safe_load(f)
+        arts = meta["flavors"]["python_function"]["artifacts"]
+        paths = {str(k): os.path.join(folder, v["path"]) for k, v in arts.items()}
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return None
+    return paths if paths and all(os.path.isfile(p) for p in paths.values()) else None
+
+
 def load_python_model(uri: str):
     """The unwrapped PythonModel instance behind a model URI (`models:/name@alias`, `runs:/...`)."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
     if uri.startswith(("models:/", "runs:/")):
-        # A missing local store is "no model", not a reason to create an empty mlflow.db where the command runs:
-        # a command writes nothing outside its --out.
         store = mlflow.get_registry_uri() if uri.startswith("models:/") else mlflow.get_tracking_uri()
-        db = store[len("sqlite:///"):] if store.startswith("sqlite:///") else None
-        if db and db != ":memory:" and not os.path.exists(db):
-            name = uri.split("/")[1].split("@")[0] if uri.startswith("models:/") else uri
-            raise ModelNotFoundError(f"no model at {uri}: there is no MLflow store at {db}", path=uri,
-                                     fix=f"set MLFLOW_TRACKING_URI to the store where '{name}' is registered, or "
-                                         "train and register it first")
+        if (missing := _no_store_error(uri, store)) is not None:
+            raise missing
     try:
         return mlflow.pyfunc.load_model(uri).unwrap_python_model()
     except MlflowException as exc:

@@ -29,6 +29,15 @@ def load(uri: str):
         return CostEnsemble.load_dir(uri)
     from .. import registry
 
+    # A local sqlite store: the ensemble's files directly (alias resolved now; no MLflow import, seconds saved).
+    arts = registry.local_artifacts(uri)
+    if arts is not None:
+        if "ensemble" not in arts or "policy_weights" in arts:
+            from ..errors import EmbshardError
+
+            raise EmbshardError("this registry entry is not a cost model", path=uri,
+                                fix=f"use a version of '{REGISTERED_NAME}'")
+        return CostEnsemble.from_files(arts)
     registry.connect()
     wrapper = registry.load_python_model(uri)
     model = getattr(wrapper, "model", None)

@@ -11,14 +11,16 @@ import numpy as np
 from .. import schemas, storage
 from ..errors import EmbshardError, ModelNotFoundError
 from ..placement import Placement
-from ..placement_report import device_table, plot_device_costs
-from ..planners import get_planner
-from ..planners.scoring import balanced_estimate, checked_balanced_estimate, placement_costs
+from ..planners import composition_of, get_planner, is_planner_name
+from ..planners.base import check_feasible
 from ..registry import COST_CHAMPION_URI, POLICY_CHAMPION_URI
 from ..tableset import TableSet
 
+# torch, MLflow, TorchRec and matplotlib are imported where they are used: a heuristic plan and every input error
+# come back without them (seconds, not tens of seconds, for `embshard place`).
 log = logging.getLogger(__name__)
-DEFAULT_COST_MODEL = COST_CHAMPION_URI
+NO_COST_MODEL_NOTE = ("predicted costs: none (this planner uses no cost model; give --cost-model "
+                      f"{COST_CHAMPION_URI} to predict them)")
 
 
 def resolve_task(tables: str, tasks: str | None, task_id: str | None, devices: int | None,
@@ -46,14 +48,13 @@ def resolve_task(tables: str, tasks: str | None, task_id: str | None, devices: i
 
 
 def load_cost_model_or_none(uri: str | None):
+    """The cost model `uri` names, or None without one: a planner that plans without a model loads none by default
+    (loading one costs seconds, and its predictions are for the hardware it was measured on)."""
+    if not uri:
+        return None
     from ..costmodel import load
 
-    try:
-        return load(uri or DEFAULT_COST_MODEL)
-    except ModelNotFoundError:
-        if uri:  # asked for explicitly: an error
-            raise
-        return None
+    return load(uri)
 
 
 def planner_for(name: str, model_uri: str, time_budget_s: float | None, search_evaluations: int | None = None):
@@ -75,6 +76,8 @@ def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | N
     model = getattr(planner, "cost_model", None) or cost_model
     if model is None:
         return None, None
+    from ..planners.scoring import balanced_estimate, checked_balanced_estimate, placement_costs
+
     costs = placement_costs(model, placement)
     splits = any(s.col_size is not None for s in placement.shards)
     estimate = balanced_estimate(model, placement.tables, placement.num_devices, column_splits=splits)
@@ -145,8 +148,19 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     """`hardware`: what the plan is for (default: this machine); a model measured on other hardware is warned
     about in one line, since its predicted costs are for its own hardware."""
     from ..export.plan_json import write_plan_json
+    from ..placement_report import device_table, plot_device_costs
 
+    # Every check that needs no model comes before any model is loaded (or torch imported).
     table_set, D, mem, tid, where = resolve_task(tables, tasks, task_id, devices, memory_bytes)
+    try:
+        check_feasible(table_set, D, mem, tid)
+    except EmbshardError as exc:
+        raise exc.at(where) from None
+    if not is_planner_name(planner):
+        get_planner(planner)  # the unknown-planner error, with the list of planners
+    # A learned planner predicts with its own cost model; a bad --cost-model fails before planning.
+    learned = composition_of(planner) is not None
+    cost_model = None if learned else load_cost_model_or_none(cost_model_uri)
     p = planner_for(planner, model_uri, time_budget_s, search_evaluations)
     try:
         with PlanningProgress(f"planning {len(table_set):,} tables on {D:,} devices ({planner})") as progress:
@@ -155,17 +169,18 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
             placement = p.plan(table_set, D, mem, tid)
     except EmbshardError as exc:  # name the user's file, not the internal task name
         raise exc.at(where) from None
-    cost_model = None if getattr(p, "cost_model", None) is not None else load_cost_model_or_none(cost_model_uri)
     _warn_hardware(getattr(p, "cost_model", None) or cost_model, hardware)
     costs, lb = predicted(placement, p, cost_model)
     with storage.staged_dir(out) as stage:  # all three files or none
         write_plan_json(placement, os.path.join(stage, "plan.json"), device_costs=costs, balanced_estimate=lb)
         schemas.write(placement.to_frame(costs), os.path.join(stage, "placements.parquet"), "placements")
         plot_device_costs(placement, costs, os.path.join(stage, "devices.png"), lb)
+    report = device_table(placement, costs, lb, full_table=storage.join(out, "plan.json"))
+    if costs is None:
+        report += "\n" + NO_COST_MODEL_NOTE
     return {"plot": storage.join(out, "devices.png"), "placement": placement, "device_costs": costs,
             "balanced_estimate": lb, "plan_json": storage.join(out, "plan.json"),
-            "placements": storage.join(out, "placements.parquet"),
-            "report": device_table(placement, costs, lb, full_table=storage.join(out, "plan.json"))}
+            "placements": storage.join(out, "placements.parquet"), "report": report}
 
 
 # --- `embshard place` ---------------------------------------------------------------------------
@@ -185,8 +200,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "torchrec_table_wise, torchrec_full")
     p.add_argument("--model", default=POLICY_CHAMPION_URI, help="learned planner's model URI")
     p.add_argument("--cost-model", default=None,
-                   help="cost model for predicted costs of non-learned planners (default: embshard-cost@champion "
-                        "if registered)")
+                   help="cost model for predicted costs of non-learned planners, e.g. "
+                        f"{COST_CHAMPION_URI} (default: none, no predicted costs: a heuristic loads no model)")
     p.add_argument("--search-evaluations", type=int, default=None,
                    help="work budget of the learned planner's search, in scored moves/swaps (default: by task "
                         "size); the plan is the same on every machine")

@@ -7,60 +7,93 @@ the planners. Policy versions registered before the move pickled `embshard.polic
 """
 from __future__ import annotations
 
-import pandas as pd
-from mlflow.pyfunc import PythonModel  # mypy does not see mlflow.pyfunc.PythonModel (mlflow.pyfunc is lazy)
+import functools
+from typing import Any
 
-from ..policy import model as _policy_model
-from ..policy.model import load_policy_files
+import pandas as pd  # module level: MLflow resolves the predict signature's type hints in this module
+
 from ..registry import POLICY_CHAMPION_URI
 from .learned import LearnedPlanner
 
 
-class PolicyPythonModel(PythonModel):
-    """pyfunc wrapper: load_context restores the policy and its cost model from the logged artifacts."""
-
-    def load_context(self, context):
-        from ..costmodel.ensemble import CostEnsemble
-
-        a = context.artifacts
-        self.policy, self.config = load_policy_files(a["policy_weights"], a["policy_config"])
-        self.cost_model = CostEnsemble.from_files({k[len("cost_"):]: v for k, v in a.items()
-                                                   if k.startswith("cost_")})
-
-    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:  # noqa: ARG002 (MLflow's signature)
-        from .. import schemas
-        from ..costmodel.scoring import placement_costs
-        from ..tableset import TableSet
-
-        params = params or {}
-        tables = TableSet.from_frame(schemas.validate(model_input, "tables", "<model input>"))
-        planner = LearnedPlanner(self.policy, self.cost_model)
-        placement = planner.plan(tables, int(params.get("num_devices", 4)),
-                                 int(params.get("memory_bytes_per_device", 80 * 2**30)),
-                                 str(params.get("task_id", "task")))
-        return placement.to_frame(placement_costs(self.cost_model, placement))
+def __getattr__(name: str):
+    # The pyfunc class subclasses MLflow's PythonModel, and importing mlflow.pyfunc takes seconds: it is built on
+    # first use (registering, unpickling by MLflow), never by `embshard place`, which reads the artifacts itself.
+    if name == "PolicyPythonModel":
+        return _policy_python_model()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# Versions registered before this class moved here (from policy.model) were pickled by reference as
-# embshard.policy.model.PolicyPythonModel: that name points here, so an upgraded pipeline still loads the champion
-# it must measure, and `embshard.load_planner` the version a training job serves. (The policy package cannot
-# import the planners; the planners put the old name back.)
-_policy_model.PolicyPythonModel = PolicyPythonModel  # type: ignore[attr-defined]
+@functools.cache
+def _policy_python_model() -> Any:
+    from mlflow.pyfunc import PythonModel  # mypy does not see mlflow.pyfunc.PythonModel (mlflow.pyfunc is lazy)
+
+    from ..policy import model as _policy_model
+
+    class PolicyPythonModel(PythonModel):
+        """pyfunc wrapper: load_context restores the policy and its cost model from the logged artifacts."""
+
+        def load_context(self, context):
+            self.policy, self.cost_model, self.config = bundle_from_artifacts(context.artifacts)
+
+        def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:  # noqa: ARG002 (MLflow's signature)
+            from .. import schemas
+            from ..costmodel.scoring import placement_costs
+            from ..tableset import TableSet
+
+            params = params or {}
+            tables = TableSet.from_frame(schemas.validate(model_input, "tables", "<model input>"))
+            planner = LearnedPlanner(self.policy, self.cost_model)
+            placement = planner.plan(tables, int(params.get("num_devices", 4)),
+                                     int(params.get("memory_bytes_per_device", 80 * 2**30)),
+                                     str(params.get("task_id", "task")))
+            return placement.to_frame(placement_costs(self.cost_model, placement))
+
+    # Pickled by reference as embshard.planners.registered.PolicyPythonModel (this module's __getattr__ finds it).
+    PolicyPythonModel.__qualname__ = "PolicyPythonModel"
+    PolicyPythonModel.__module__ = __name__
+    # Versions registered before this class moved here (from policy.model) were pickled by reference as
+    # embshard.policy.model.PolicyPythonModel: that name points here, so an upgraded pipeline still loads the
+    # champion it must measure. (The policy package cannot import the planners; the planners put the old name back.)
+    _policy_model.PolicyPythonModel = PolicyPythonModel  # type: ignore[attr-defined]
+    return PolicyPythonModel
+
+
+def bundle_from_artifacts(a: dict[str, str]):
+    """(policy, cost_model, config) from the bundle's artifact files (policy.model.policy_artifacts)."""
+    from ..costmodel.ensemble import CostEnsemble
+    from ..policy.model import load_policy_files
+
+    policy, config = load_policy_files(a["policy_weights"], a["policy_config"])
+    cost_model = CostEnsemble.from_files({k[len("cost_"):]: v for k, v in a.items() if k.startswith("cost_")})
+    return policy, cost_model, config
+
+
+def _not_a_policy(uri: str, what: str):
+    from .. import registry
+    from ..errors import EmbshardError
+
+    return EmbshardError(f"this model is {what}, not a placement policy", path=uri, field="model",
+                         fix=f"give a version of '{registry.POLICY_MODEL}', e.g. {registry.POLICY_CHAMPION_URI} "
+                             "(a cost model goes to --cost-model)")
 
 
 def load_policy_bundle(uri: str):
-    """(policy, cost_model, config) of a registered learned planner."""
+    """(policy, cost_model, config) of a registered learned planner. From a local sqlite store the artifacts are
+    read directly (registry.local_artifacts: the alias resolved now, no MLflow import); else through MLflow."""
     from .. import registry
 
+    arts = registry.local_artifacts(uri)
+    if arts is not None:
+        if "policy_weights" not in arts:
+            raise _not_a_policy(uri, "a cost model (embshard-cost)" if "ensemble" in arts
+                                else "a model without policy weights")
+        return bundle_from_artifacts(arts)
+    cls = _policy_python_model()
     model = registry.load_python_model(uri)
-    if not isinstance(model, PolicyPythonModel):
-        from ..errors import EmbshardError
-
-        what = ("a cost model (embshard-cost)" if hasattr(model, "model") and not hasattr(model, "policy")
-                else f"a {type(model).__name__}")
-        raise EmbshardError(f"this model is {what}, not a placement policy", path=uri, field="model",
-                            fix=f"give a version of '{registry.POLICY_MODEL}', e.g. {registry.POLICY_CHAMPION_URI} "
-                                "(a cost model goes to --cost-model)")
+    if not isinstance(model, cls):
+        raise _not_a_policy(uri, "a cost model (embshard-cost)" if hasattr(model, "model") and
+                            not hasattr(model, "policy") else f"a {type(model).__name__}")
     return model.policy, model.cost_model, model.config
 
 

@@ -1,0 +1,174 @@
+"""`embshard place` is fast to get: what it loads, not how long it takes (benchmarks/place_wall_time.py times it).
+
+A heuristic loads no model and imports neither torch nor MLflow; the infeasible-memory error comes before any model
+load (no MLflow store needed); --cost-model still gives predicted costs; the learned planner and the cost model load
+from a local sqlite store without MLflow, with the alias resolved on every call.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from embshard import registry, schemas
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEAVY = ("torch", "mlflow", "torchrec", "airflow", "fbgemm_gpu")
+
+# Runs the CLI in a fresh interpreter and reports its exit code and the heavy modules it imported.
+_PROBE = f"""
+import json, sys
+from embshard.cli import main
+rc = main(sys.argv[2:])
+json.dump({{"rc": rc, "modules": sorted(m for m in {HEAVY!r} if m in sys.modules)}}, open(sys.argv[1], "w"))
+"""
+
+
+def run_cli(tmp_path, argv: list[str], store: str | None) -> tuple[dict, subprocess.CompletedProcess]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "components"), REPO])}
+    env.pop("MLFLOW_REGISTRY_URI", None)
+    env["MLFLOW_TRACKING_URI"] = store or f"sqlite:///{tmp_path}/no-store-here/mlflow.db"
+    report = tmp_path / f"probe-{len(os.listdir(tmp_path))}.json"
+    proc = subprocess.run([sys.executable, "-c", _PROBE, str(report), *argv], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert report.exists(), proc.stderr[-2000:]
+    return json.loads(report.read_text()), proc
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A local sqlite store with tiny untrained models: embshard-cost v1, v2 (champion: v1) and embshard-policy
+    v1 (champion) bundling cost v1."""
+    import mlflow
+
+    from embshard.costmodel.ensemble import CostEnsemble
+    from embshard.costmodel.model import CostModel, CostModelConfig
+    from embshard.costmodel.pyfunc import CostModelPyfunc
+    from embshard.features import FeatureScaler, feature_matrix
+    from embshard.ingest.synthetic import generate_tables
+    from embshard.planners.registered import PolicyPythonModel
+    from embshard.policy.core import PolicyNet
+    from embshard.policy.model import policy_artifacts
+
+    root = tmp_path_factory.mktemp("fast-store")
+    df = generate_tables(30, seed=5, bins_batch_size=1024)
+    tables = str(root / "tables.parquet")
+    schemas.write(df, tables, "tables")
+    uri = f"sqlite:///{root}/mlflow.db"
+    old = os.environ.get("MLFLOW_TRACKING_URI")
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        registry.use(root, experiment="fast-place")
+        feats = feature_matrix(df)
+        models = [CostEnsemble([CostModel.create(CostModelConfig(), FeatureScaler.fit(feats))]) for _ in range(2)]
+        for k, m in enumerate(models):
+            v = registry.log_and_register(CostModelPyfunc(), m.save(str(root / f"cost{k}")), registry.COST_MODEL, {})
+        registry.set_alias(registry.COST_MODEL, registry.CHAMPION, 1)
+        arts = policy_artifacts(PolicyNet(hidden=16), models[0], str(root / "bundle"))
+        v = registry.log_and_register(PolicyPythonModel(), arts, registry.POLICY_MODEL, {})
+        registry.set_alias(registry.POLICY_MODEL, registry.CHAMPION, v.version)
+    finally:
+        mlflow.set_tracking_uri(None)
+        if old is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = old
+    return {"uri": uri, "tables": tables, "feats": feats, "models": models, "root": str(root)}
+
+
+def _place(tables, out, planner, *extra, memory_gb="64"):
+    return ["place", "--tables", tables, "--devices", "4", "--memory-gb", memory_gb, "--planner", planner,
+            "--out", str(out), *extra]
+
+
+def test_help_imports_nothing_heavy(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "components")}
+    code = "import sys\nfrom embshard.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n" \
+           "print(sorted(m for m in ('torch', 'mlflow', 'pandas', 'airflow') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+    assert "place" in proc.stdout and "train-cost" in proc.stdout
+
+
+def test_heuristic_loads_no_model_and_needs_no_store(store, tmp_path):
+    out = tmp_path / "o"
+    got, proc = run_cli(tmp_path, _place(store["tables"], out, "lookup_greedy"), None)
+    assert got["rc"] == 0, proc.stderr[-2000:]
+    assert got["modules"] == [], f"a heuristic imported {got['modules']}"
+    assert "predicted costs: none" in proc.stdout and "--cost-model" in proc.stdout
+    assert schemas.read(out / "placements.parquet", "placements")["predicted_cost_ms"].isna().all()
+    assert not (tmp_path / "no-store-here").exists(), "a heuristic created an MLflow store"
+
+
+def test_infeasible_memory_is_reported_before_any_model_load(store, tmp_path):
+    """The learned planner (the default) with tables larger than all devices together and no MLflow store at all:
+    the one-line memory error, with neither torch nor MLflow imported."""
+    out = tmp_path / "o"
+    got, proc = run_cli(tmp_path, ["place", "--tables", store["tables"], "--devices", "2", "--memory-gb", "0.01",
+                                   "--out", str(out)], None)
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert got["rc"] == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("embshard place: error:") and "memory_bytes_per_device" in lines[0]
+    assert "GiB missing" in lines[0] and "tables.parquet" in lines[0]
+    assert got["modules"] == [] and not out.exists()
+
+
+def test_cost_model_given_gives_predicted_costs_without_mlflow(store, tmp_path):
+    out = tmp_path / "o"
+    got, proc = run_cli(tmp_path, _place(store["tables"], out, "lookup_greedy", "--cost-model",
+                                         registry.COST_CHAMPION_URI), store["uri"])
+    assert got["rc"] == 0, proc.stderr[-2000:]
+    assert "predicted costs: none" not in proc.stdout and "predicted step cost" in proc.stdout
+    assert "mlflow" not in got["modules"], "a local store's model loaded through MLflow"
+    assert schemas.read(out / "placements.parquet", "placements")["predicted_cost_ms"].notna().all()
+
+
+def test_learned_loads_from_a_local_store_without_mlflow(store, tmp_path):
+    out = tmp_path / "o"
+    got, proc = run_cli(tmp_path, _place(store["tables"], out, "learned", "--search-evaluations", "50"),
+                        store["uri"])
+    assert got["rc"] == 0, proc.stderr[-2000:]
+    assert "mlflow" not in got["modules"] and "torch" in got["modules"]
+    df = schemas.read(out / "placements.parquet", "placements")
+    assert set(df["planner"]) == {"learned"} and df["predicted_cost_ms"].notna().all()
+    # A cost model where the policy goes: the same one-line error as through MLflow.
+    got, proc = run_cli(tmp_path, _place(store["tables"], tmp_path / "o2", "learned", "--model",
+                                         registry.COST_CHAMPION_URI), store["uri"])
+    assert got["rc"] == 2 and "cost model" in proc.stderr and "embshard-policy" in proc.stderr, proc.stderr
+
+
+def test_fast_load_resolves_the_alias_every_call_and_matches_mlflow(store, monkeypatch):
+    import mlflow
+
+    from embshard.costmodel import load
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store["uri"])
+    mlflow.set_tracking_uri(store["uri"])
+    try:
+        shards = [np.array([0, 1, 2]), np.array([3]), np.arange(4, 12)]
+        want = [m.predict_shards(store["feats"], shards, 4) for m in store["models"]]
+        assert not np.array_equal(want[0], want[1])  # two versions the test can tell apart
+        first = registry.local_artifacts(registry.COST_CHAMPION_URI)
+        assert first is not None and all(os.path.isfile(p) for p in first.values())
+        assert np.array_equal(load(registry.COST_CHAMPION_URI).predict_shards(store["feats"], shards, 4), want[0])
+        # MLflow's own load of the same version gives the same model.
+        wrapper = registry.load_python_model(registry.COST_CHAMPION_URI)
+        assert np.array_equal(wrapper.model.predict_shards(store["feats"], shards, 4), want[0])
+        registry.set_alias(registry.COST_MODEL, registry.CHAMPION, 2)  # the champion moves: seen at once
+        try:
+            assert registry.local_artifacts(registry.COST_CHAMPION_URI) != first
+            assert np.array_equal(load(registry.COST_CHAMPION_URI).predict_shards(store["feats"], shards, 4),
+                                  want[1])
+            assert np.array_equal(load(f"models:/{registry.COST_MODEL}/1").predict_shards(store["feats"], shards, 4),
+                                  want[0])
+        finally:
+            registry.set_alias(registry.COST_MODEL, registry.CHAMPION, 1)
+        # Not plainly in the store: MLflow's path decides (and words the error).
+        assert registry.local_artifacts(f"models:/{registry.COST_MODEL}@nope") is None
+        assert registry.local_artifacts("runs:/abc/model") is None
+    finally:
+        mlflow.set_tracking_uri(None)
