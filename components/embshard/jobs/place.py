@@ -79,8 +79,8 @@ def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | N
     from ..planners.scoring import balanced_estimate, checked_balanced_estimate, placement_costs
 
     costs = placement_costs(model, placement)
-    splits = any(s.col_size is not None for s in placement.shards)
-    estimate = balanced_estimate(model, placement.tables, placement.num_devices, column_splits=splits)
+    # Every planner may cut tables, so the estimate treats each table as divisible (docs/method.md, "Splits").
+    estimate = balanced_estimate(model, placement.tables, placement.num_devices, column_splits=True)
     checked = checked_balanced_estimate(model, placement, estimate, costs)
     if checked is None:
         log.info("balanced estimate %.3f ms withheld: the cost model predicts a placement below it on these tables",

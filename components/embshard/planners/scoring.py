@@ -30,6 +30,10 @@ def checked_balanced_estimate(cost_model: CostEstimator, placement: Placement, e
     predicted below it.
     """
     witnesses = [float(np.max(device_costs))]
+    candidates = placement.meta.get("candidate_costs")
+    if candidates:  # a composed plan scored its candidates (the baselines' plans among them) already
+        witnesses += [float(c) for c in candidates.values()]
+        return None if min(witnesses) < estimate * (1 - 1e-9) else estimate
     for name in BASELINES:
         try:
             other = make_baseline(name).plan(placement.tables, placement.num_devices,
