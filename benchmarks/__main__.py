@@ -5,6 +5,7 @@
     python -m benchmarks --quick              # CI smoke test of the harness (< 2 min), writes to a temp folder
     python -m benchmarks --jobs quality,planning --run runs/local   # a subset of the reports
     python -m benchmarks --jobs quality --suite split --run runs/local   # the split suite -> quality_splits.md
+    python -m benchmarks --jobs quality --suite scale --run runs/local   # 500-1,000 tables -> quality_scale.md
 
 Reports (each a Markdown page naming the hardware, plus plots): quality.md/.png, planning_time.md/.png,
 costmodel.md (+ parity plot), pipeline.md, place_wall_time.md (`embshard place` start to exit; its own tiny models,
@@ -42,9 +43,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks-scale", type=int, default=1, metavar="K",
                    help="quality: K times the tasks of every suite (default 1: 3 per suite, 2 at 100-200 tables; "
                         "K=2 doubles the run's time and narrows the intervals)")
-    p.add_argument("--suite", choices=("main", "split"), default="main",
-                   help="quality: the main suites (quality.md) or the split suite (quality_splits.md: tables larger "
-                        "than a device and dominant tables on 8-32 devices)")
+    p.add_argument("--suite", choices=("main", "split", "scale"), default="main",
+                   help="quality: the main suites (quality.md), the split suite (quality_splits.md: tables larger "
+                        "than a device and dominant tables on 8-32 devices) or the scale suite (quality_scale.md: "
+                        "500-1,000 tables on 32-128 devices)")
     return p.parse_args(argv)
 
 
@@ -148,6 +150,19 @@ def _run(args, jobs: list[str], out: str, work: str) -> int:
                    quality.split_markdown(frame, cfg, hw_line, info.policy_uri, info.batch_size, secs, png))
         pages["quality_splits"] = {"md": "quality_splits.md", "png": "quality_splits.png",
                                    "headline": quality.headline(quality.summarize(frame), frame), "seconds": secs}
+    elif "quality" in jobs and args.suite == "scale":
+        cfg = quality.scale_config()
+        t0 = time.perf_counter()
+        frame = quality.run(info.policy_uri, cfg, os.path.join(work, "quality_scale"), info.batch_size,
+                            comm_root=info.root)
+        secs = time.perf_counter() - t0
+        frame.drop(columns=[c for c in ("error",) if c in frame.columns]).to_csv(
+            os.path.join(out, "raw", "quality_scale.csv"), index=False)
+        png = quality.plot(quality.summarize(frame), os.path.join(out, "quality_scale.png"), hw_line)
+        write_text(os.path.join(out, "quality_scale.md"),
+                   quality.markdown(frame, cfg, hw_line, info.policy_uri, info.batch_size, secs, png))
+        pages["quality_scale"] = {"md": "quality_scale.md", "png": "quality_scale.png",
+                                  "headline": quality.headline(quality.summarize(frame), frame), "seconds": secs}
     elif "quality" in jobs:
         cfg = quality.quick_config() if args.quick else quality.full_config(args.tasks_scale)
         t0 = time.perf_counter()
@@ -175,7 +190,7 @@ def _run(args, jobs: list[str], out: str, work: str) -> int:
                              "seconds": time.perf_counter() - t0}
 
     total = time.perf_counter() - t_start
-    if args.suite == "split":  # a page of its own: the results README (the main suites' headline) stays as it is
+    if args.suite != "main":  # a page of its own: the results README (the main suites' headline) stays as it is
         progress(f"harness: done in {total / 60:.1f} min; pages {', '.join(p['md'] for p in pages.values())}")
         return 0
     command = "python -m benchmarks" + (" --quick" if args.quick else "") + (f" --run {args.run}" if args.run else "")
