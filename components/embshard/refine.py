@@ -3,7 +3,8 @@ measured best returned with its interval.
 
 The candidates: the learned plan (always in), the other final drafts the composed planner kept
 (`Placement.alternatives`), the greedy baselines' plans and TorchRec's table-wise plan. Plans with the same shard
-sets (device numbers aside) cost the same and are measured once. The K best by predicted cost are measured in R
+sets (device numbers aside) cost the same and are measured once. The learned plan, the best predicted of each
+kind of candidate, then the best predicted of the rest (K in all) are measured in R
 ruler rounds (embshard.ruler: every distinct device shard once per round, in a fresh random order, paired per
 round); the winner is the lowest median cost, reported with the paired per-round ratio to the learned plan's first
 choice (median and 95% bootstrap interval). It measures on this machine, so it is a refinement only when this
@@ -118,7 +119,9 @@ def _torchrec():
 
 def select(cands: list[Candidate], k: int) -> list[Candidate]:
     """Duplicates (equal shard sets) dropped, keeping the first; the first (learned) candidate kept, then the best
-    k-1 others by predicted cost (unpredicted ones last, in their order)."""
+    predicted of each kind (the planner's other drafts, the greedy heuristics, TorchRec) and then the best
+    predicted of the rest, up to k. One of each kind first: the cost model is what the planner already trusted,
+    so ranking by it alone would measure little beyond its own choices (unpredicted candidates keep their order)."""
     seen: set = set()
     unique = []
     for c in cands:
@@ -129,7 +132,17 @@ def select(cands: list[Candidate], k: int) -> list[Candidate]:
     first, rest = unique[0], unique[1:]
     rest = sorted(rest, key=lambda c: (not np.isfinite(c.predicted_ms), c.predicted_ms
                                        if np.isfinite(c.predicted_ms) else 0.0))
-    return [first, *rest[: k - 1]]
+    leads: dict[str, Candidate] = {}
+    for c in rest:
+        leads.setdefault(_kind(c, first), c)
+    ordered = sorted(leads.values(), key=rest.index) + [c for c in rest if c not in leads.values()]
+    return [first, *ordered[: k - 1]]
+
+
+def _kind(c: Candidate, first: Candidate) -> str:
+    if c.label.startswith(f"{first.label}~"):
+        return "drafts"
+    return "torchrec" if c.label.startswith("torchrec") else "heuristics"
 
 
 def refine(learned: Placement, k: int, *, rounds: int = DEFAULT_ROUNDS, settings: MeasureSettings | None = None,
