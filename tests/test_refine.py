@@ -100,3 +100,19 @@ def test_place_refine_end_to_end_writes_the_refined_plan(small_tables_df, tmp_pa
     refined = plan["meta"]["refined"]
     assert refined["k"] == 2 and refined["rounds"] == 2 and refined["winner_origin"]
     assert refined["measured_on"].startswith("cpu")
+
+
+def test_export_stage_places_the_refined_plans_and_says_what_won(small_tables_path, tmp_path):
+    from embshard.jobs import tasks
+    from embshard.jobs.export import place_tasks
+    from embshard.planners.baselines import make_baseline
+
+    tasks_path = tasks.run(str(small_tables_path), str(tmp_path), num_tasks=2, tables_per_task="4-6", devices=2,
+                           memory_gb=64, seed=0)
+    out = place_tasks(str(small_tables_path), tasks_path, make_baseline("size_greedy"),
+                      str(tmp_path / "export" / "planned.parquet"), split="all", refine_k=2, refine_rounds=2,
+                      settings=SETTINGS)
+    df = schemas.read(out, "placements")
+    refined = json.loads((tmp_path / "export" / "refine.json").read_text())
+    assert set(refined) == set(df["task_id"]) and all(r["k"] == 2 and r["rounds"] == 2 for r in refined.values())
+    assert set(df["planner"]) == {"size_greedy"}  # the planner's refined answer, under its own name
