@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -95,7 +97,8 @@ def candidates(learned: Placement, cost_model=None, *, torchrec: bool = True, se
     for j, alt in enumerate(learned.alternatives):
         alt = dataclasses.replace(alt, task_id=tid, topology=topo, alternatives=[])
         out.append(Candidate(f"{name}~{j + 2}", f"{name} ({alt.meta.get('start_candidate', '?')})", alt))
-    others = [(b, lambda b=b: make_baseline(b, seed=seed)) for b in GREEDY_BASELINES]
+    others: list[tuple[str, Callable[[], Any]]] = [(b, lambda b=b: make_baseline(b, seed=seed))
+                                                    for b in GREEDY_BASELINES]
     if torchrec:
         others.append(("torchrec_table_wise", _torchrec))
     for label, make in others:

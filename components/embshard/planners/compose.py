@@ -357,7 +357,7 @@ class ComposedPlanner(Planner):
         """The best ALTERNATIVES distinct final drafts after the first (distinct: other sets of device shards), for
         a measured refinement (embshard.refine) to measure beside it; each with its start and predicted cost."""
         seen = {shard_sets(drafts[0].shards)}
-        out = []
+        out: list[Placement] = []
         for d in drafts[1:]:
             key = shard_sets(d.shards)
             if key in seen or len(out) >= ALTERNATIVES:
