@@ -19,6 +19,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -97,7 +98,7 @@ def candidates(learned: Placement, cost_model=None, *, torchrec: bool = True, se
     for j, alt in enumerate(learned.alternatives):
         alt = dataclasses.replace(alt, task_id=tid, topology=topo, alternatives=[])
         out.append(Candidate(f"{name}~{j + 2}", f"{name} ({alt.meta.get('start_candidate', '?')})", alt))
-    others: list[tuple[str, Callable[[], Any]]] = [(b, lambda b=b: make_baseline(b, seed=seed))
+    others: list[tuple[str, Callable[[], Any]]] = [(b, partial(make_baseline, b, seed=seed))
                                                     for b in GREEDY_BASELINES]
     if torchrec:
         others.append(("torchrec_table_wise", _torchrec))
