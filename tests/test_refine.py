@@ -50,7 +50,11 @@ def test_winner_is_a_candidate_with_the_lowest_median_and_duplicates_are_measure
     t = res.table
     assert len(t) == len(set(t["candidate"])) <= 4 and t.iloc[0]["candidate"] == pl.planner
     assert res.winner.label in set(t["candidate"])
-    assert t[t["winner"]]["measured_cost_ms"].iloc[0] == t["measured_cost_ms"].min()
+    lowest = t["measured_cost_ms"].idxmin()
+    if t.loc[lowest, "ratio_ci_high"] < 1.0:  # a measurably faster candidate wins ...
+        assert t.loc[lowest, "winner"]
+    else:  # ... else the first choice is kept, and the report says which one was lowest
+        assert t.iloc[0]["winner"] and (lowest == 0 or res.not_clear == t.loc[lowest, "candidate"])
     keys = [shard_sets(c.placement.shards) for c in select(candidates(pl, model, torchrec=False), 16)]
     assert len(keys) == len(set(keys))  # equal shard sets: one candidate, measured once
     dup = candidates(pl, model, torchrec=False)

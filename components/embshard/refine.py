@@ -4,11 +4,12 @@ measured best returned with its interval.
 The candidates: the learned plan (always in), the other final drafts the composed planner kept
 (`Placement.alternatives`), the greedy baselines' plans and TorchRec's table-wise plan. Plans with the same shard
 sets (device numbers aside) cost the same and are measured once. The learned plan, the best predicted of each
-kind of candidate, then the best predicted of the rest (K in all) are measured in R
-ruler rounds (embshard.ruler: every distinct device shard once per round, in a fresh random order, paired per
-round); the winner is the lowest median cost, reported with the paired per-round ratio to the learned plan's first
-choice (median and 95% bootstrap interval). It measures on this machine, so it is a refinement only when this
-machine is the hardware the plan is for: the CPU here, the GPU (torch backend) on a GPU host, same code.
+kind of candidate, then the best predicted of the rest (K in all) are measured in R ruler rounds (embshard.ruler:
+every distinct device shard once per round, in a fresh random order, paired per round). The winner is the lowest
+median cost when its paired per-round ratio to the learned plan's first choice has a 95% bootstrap interval below
+1, else the first choice; it is reported with that ratio and interval. It measures on this machine, so it is a
+refinement only when this machine is the hardware the plan is for: the CPU here, the GPU (torch backend) on a GPU
+host, same code.
 
 The winner is chosen on these rounds, so its ratio is optimistic (winner's curse); an evaluation re-measures the
 plan it is given independently, with fresh rounds, and never sees these numbers.
@@ -70,6 +71,7 @@ class Refinement:
     measured_on: str             # the hardware measured ("cpu:...", "cuda:...")
     ratio: tuple[float, float, float]  # winner / learned first choice: median, 95% low, high (paired per round)
     shard_measurements: int
+    not_clear: str | None = None  # the lowest median when it did not clear the first choice (which was kept)
 
     def meta(self, k: int) -> dict:
         """What plan.json's meta says about it."""
@@ -84,9 +86,10 @@ class Refinement:
         med, lo, hi = self.ratio
         with pd.option_context("display.width", 160, "display.float_format", "{:.3f}".format):
             body = self.table.drop(columns=["winner"]).to_string(index=False)
+        kept = (f" (kept: the lowest median, {self.not_clear}, is not measurably faster)" if self.not_clear else "")
         return (f"measured refinement on {self.measured_on} ({self.rounds} paired rounds, the hardware the plan is "
                 f"for only when it runs there):\n{body}\nwinner: {self.winner.label} ({self.winner.origin}), "
-                f"{med:.3f}x the learned plan's first choice [95%: {lo:.3f}, {hi:.3f}]")
+                f"{med:.3f}x the learned plan's first choice [95%: {lo:.3f}, {hi:.3f}]{kept}")
 
 
 def candidates(learned: Placement, cost_model=None, *, torchrec: bool = True, seed: int = 0) -> list[Candidate]:
@@ -159,8 +162,10 @@ def refine(learned: Placement, k: int, *, rounds: int = DEFAULT_ROUNDS, settings
     picked = select(candidates(learned, cost_model, torchrec=torchrec, seed=seed), k)
     entries = [Entry(c.label, c.placement) for c in picked]
     costs, _ = measure_rounds(entries, rounds, settings, seed=seed)
-    med = np.median(costs, axis=1)
-    w = int(np.argmin(med))  # ties: the earlier one, the learned plan first
+    best = int(np.argmin(np.median(costs, axis=1)))  # ties: the earlier one, the learned plan first
+    # A switch needs evidence: the best is taken only when its paired interval against the first choice is below
+    # 1 (on the run's test tasks, switches on an interval across 1 came out slower in the re-measurement).
+    w = best if best and stats.median_ci(costs[best] / costs[0])[2] < 1.0 else 0
     rows = []
     for j, c in enumerate(picked):
         m, lo, hi = stats.median_ci(costs[j])
@@ -169,7 +174,8 @@ def refine(learned: Placement, k: int, *, rounds: int = DEFAULT_ROUNDS, settings
                      "measured_cost_ms": m, "cost_ci_low": lo, "cost_ci_high": hi,
                      "ratio_to_first_choice": r[0], "ratio_ci_low": r[1], "ratio_ci_high": r[2], "winner": j == w})
     return Refinement(picked[w], picked[0], pd.DataFrame(rows), rounds, hardware(resolve_device(settings.device)),
-                      stats.median_ci(costs[w] / costs[0]), distinct_shards(entries) * rounds)
+                      stats.median_ci(costs[w] / costs[0]), distinct_shards(entries) * rounds,
+                      picked[best].label if best != w else None)
 
 
 def winner_placement(result: Refinement, k: int) -> Placement:
