@@ -44,7 +44,7 @@ def test_the_planner_keeps_distinct_final_drafts_as_alternatives(learned):
     assert "alternatives" not in pl.meta  # kept beside the plan, never written into plan.json
 
 
-def test_winner_is_a_candidate_with_the_lowest_median_and_duplicates_are_measured_once(learned):
+def test_winner_is_the_measurably_fastest_candidate_or_the_first_choice_and_duplicates_once(learned):
     pl, model = learned
     res = refine(pl, 4, rounds=2, settings=SETTINGS, cost_model=model, torchrec=False)
     t = res.table
