@@ -27,7 +27,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "jobs": ("embshard.jobs",),  # and every embshard.jobs.<name>
     "algorithms": ("embshard.bench", "embshard.costmodel", "embshard.policy", "embshard.planners", "embshard.export",
                    "embshard.ingest", "embshard.ruler", "embshard.evaluation", "embshard.placement_report",
-                   "embshard.heuristics", "embshard.torchrec_compat"),
+                   "embshard.heuristics", "embshard.torchrec_compat", "embshard.refine"),
     "types": ("embshard.types", "embshard.schemas", "embshard.errors", "embshard.checks", "embshard.storage",
               "embshard.features", "embshard.tableset", "embshard.placement", "embshard.hardware", "embshard.pools",
               "embshard.registry", "embshard.run_context", "embshard.stats", "embshard.version",
@@ -50,6 +50,9 @@ ALGORITHM_EDGES = {
     ("embshard.evaluation", "embshard.ruler"),    # the evaluation measures with the ruler ...
     ("embshard.evaluation", "embshard.bench"),    # ... and the balanced estimate with measure_placement ...
     ("embshard.evaluation", "embshard.planners"),  # ... the plans of the planners it compares
+    ("embshard.refine", "embshard.ruler"),        # a measured refinement measures its candidates with the ruler ...
+    ("embshard.refine", "embshard.bench"),        # ... on the settings and hardware the benchmark resolves ...
+    ("embshard.refine", "embshard.planners"),     # ... the candidates being the planners' plans
 }
 
 

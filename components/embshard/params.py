@@ -92,6 +92,10 @@ SPECS: dict[str, ParamSpec] = {
     "promotion_margin": ParamSpec(0.01, "The candidate must beat the champion by this fraction to be promoted "
                                   "(0-0.9).", {"type": "number", "minimum": 0, "maximum": 0.9}),
     "export_tasks": ParamSpec("test", "Which tasks get exported placements.", {"enum": ["test", "train", "all"]}),
+    "refine_k": ParamSpec(0, "Measured refinement of the exported plans: the K best distinct candidate plans of each "
+                          "task (the policy's, the search's, the greedy heuristics', TorchRec's) measured side by side "
+                          "on the run's device in eval_rounds paired rounds, the measured best exported (0 = off, "
+                          "1-16).", _int(0, 16)),
     "timeout_scale": ParamSpec(1.0, "Multiplies every task's time limit (sized from measured stage times and this "
                                "run's parameters; see docs/method.md). Raise it for a slow or shared machine "
                                "(0.001-1,000).", {"type": "number", "minimum": 0.001, "maximum": 1000}),
@@ -232,7 +236,9 @@ def stage_timeout_s(stage: str, params: dict | None) -> float:
         "measure_policy_plans": RATE_S["measure_policy_plans"] * 4 * size * gpu,
         "evaluate_and_promote": RATE_S["evaluate_and_promote"] * int(p["eval_tasks"]) * int(p["eval_rounds"])
         * (len(planners_of(p["eval_planners"])) + 3) * size * gpu,
-        "export_placements": RATE_S["export_placements"] * int(p["num_tasks"]) * 2 * size,
+        # refine_k measures K candidates per exported task in eval_rounds rounds, at the evaluation's rate
+        "export_placements": (RATE_S["export_placements"] + RATE_S["evaluate_and_promote"] * int(p["eval_rounds"])
+                              * int(p["refine_k"]) * gpu) * int(p["num_tasks"]) * 2 * size,
     }.get(stage, 0.0)
     return float(p["timeout_scale"]) * max(FLOOR_S.get(stage, 900), SAFETY * work)
 

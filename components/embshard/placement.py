@@ -26,6 +26,8 @@ class Placement:
     task_id: str = "task"
     meta: dict = field(default_factory=dict)
     topology: DeviceTopology | None = None  # the planner's; None: num_devices x memory on one host
+    # Other plans the planner kept (best first), for a measured refinement (embshard.refine); never written out.
+    alternatives: list[Placement] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def devices(self) -> DeviceTopology:

@@ -214,8 +214,11 @@ def export_placements(root: str, params: dict) -> dict:
     if registry.version_for_alias(registry.POLICY_MODEL, registry.CHAMPION) is None:
         # The gate kept every candidate so far from being champion: nothing a training job should load yet.
         raise StageSkipped("no embshard-policy@champion yet (the candidate was not promoted: see the decision)")
+    # refine_k > 0: each task's K best candidates measured here, on the run's device (embshard.refine)
     placements = place_tasks(path(root, "tables"), path(root, "tasks"), get_planner("learned@champion"),
-                             _join(path(root, "export"), "planned.parquet"), split=p["export_tasks"])
+                             _join(path(root, "export"), "planned.parquet"), split=p["export_tasks"],
+                             refine_k=int(p["refine_k"]), refine_rounds=int(p["eval_rounds"]),
+                             settings=measure_settings(root, p) if int(p["refine_k"]) else None)
     res = export_run(placements, path(root, "tables"), path(root, "export"), tasks=path(root, "tasks"))
     return _state(root, "export", {"placements": placements, **{k: v for k, v in res.items()
                                                                   if isinstance(v, (str, int, float))}})

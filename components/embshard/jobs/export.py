@@ -21,20 +21,37 @@ import os
 log = logging.getLogger(__name__)
 
 
-def place_tasks(tables: str, tasks: str, planner, out: str, split: str = "test") -> str:
-    """Place every task of `split` (or 'all') with `planner`; writes the placements contract file."""
+def place_tasks(tables: str, tasks: str, planner, out: str, split: str = "test", *, refine_k: int = 0,
+                refine_rounds: int = 5, settings=None) -> str:
+    """Place every task of `split` (or 'all') with `planner`; writes the placements contract file. `refine_k` > 0:
+    each task's K best distinct candidate plans are measured side by side with `settings` (embshard.refine; on the
+    hardware the plans are for only when this runs there) and the measured best is placed; what was measured is
+    written beside `out` as refine.json."""
+    import json
+
     import pandas as pd
 
-    from .. import schemas
+    from .. import schemas, storage
     from ..planners.scoring import placement_costs
     from ..types import load_tasks
 
-    frames = []
+    frames, refined = [], {}
     for t in load_tasks(tables, tasks, split):
         pl = planner.plan_task(t)
+        if refine_k:
+            from ..refine import refine, winner_placement
+
+            res = refine(pl, refine_k, rounds=refine_rounds, settings=settings,
+                         cost_model=getattr(planner, "cost_model", None))
+            log.info("%s", res.report())
+            pl = winner_placement(res, refine_k)
+            refined[t.task_id] = pl.meta["refined"]
         costs = placement_costs(planner.cost_model, pl) if getattr(planner, "cost_model", None) else None
         frames.append(pl.to_frame(costs))
     schemas.write(pd.concat(frames, ignore_index=True), out, "placements")
+    if refine_k:
+        storage.write_text(storage.join(os.path.dirname(os.fspath(out)) or ".", "refine.json"),
+                           json.dumps(refined, indent=1))
     return out
 
 

@@ -144,9 +144,10 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
           planner: str = "learned", model_uri: str = POLICY_CHAMPION_URI,
           cost_model_uri: str | None = None, tasks: str | None = None, task_id: str | None = None,
           time_budget_s: float | None = None, search_evaluations: int | None = None,
-          hardware: str | None = None) -> dict:
+          hardware: str | None = None, refine_k: int = 0, refine_rounds: int = 5) -> dict:
     """`hardware`: what the plan is for (default: this machine); a model measured on other hardware is warned
-    about in one line, since its predicted costs are for its own hardware."""
+    about in one line, since its predicted costs are for its own hardware. `refine_k` > 0: the K best distinct
+    candidate plans are measured here side by side (embshard.refine) and the measured best is written."""
     from ..export.plan_json import write_plan_json
     from ..placement_report import device_table, plot_device_costs
 
@@ -170,6 +171,9 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     except EmbshardError as exc:  # name the user's file, not the internal task name
         raise exc.at(where) from None
     _warn_hardware(getattr(p, "cost_model", None) or cost_model, hardware)
+    refined = None
+    if refine_k:
+        placement, refined = _refine(placement, p, cost_model, refine_k, refine_rounds, hardware, where)
     costs, lb = predicted(placement, p, cost_model)
     with storage.staged_dir(out) as stage:  # all three files or none
         write_plan_json(placement, os.path.join(stage, "plan.json"), device_costs=costs, balanced_estimate=lb)
@@ -180,7 +184,31 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
         report += "\n" + NO_COST_MODEL_NOTE
     return {"plot": storage.join(out, "devices.png"), "placement": placement, "device_costs": costs,
             "balanced_estimate": lb, "plan_json": storage.join(out, "plan.json"),
-            "placements": storage.join(out, "placements.parquet"), "report": report}
+            "placements": storage.join(out, "placements.parquet"), "refinement": refined, "report": report}
+
+
+def _refine(placement: Placement, planner, cost_model, k: int, rounds: int, hardware: str | None, where: str):
+    """The measured refinement (embshard.refine) on this machine, which must be the hardware the plan is for."""
+    from ..bench.backends import hardware as hardware_of
+    from ..bench.backends import resolve_device
+    from ..bench.comm import shared_calibration_dir
+    from ..bench.runner import MeasureSettings
+    from ..hardware import same_hardware
+    from ..refine import check_k, check_rounds, refine, winner_placement
+
+    k, rounds = check_k(k), check_rounds(rounds)
+    here = hardware_of(resolve_device("auto"))
+    if hardware and not same_hardware(here, hardware):
+        raise EmbshardError(f"--refine measures on this machine ({here}), but the plan is for {hardware}",
+                            field="refine", fix="run `embshard place --refine` on the target hardware, or drop "
+                                                "--refine (or --hardware)")
+    settings = MeasureSettings(device="auto", calibration_dir=shared_calibration_dir())
+    try:
+        result = refine(placement, k, rounds=rounds, settings=settings,
+                        cost_model=getattr(planner, "cost_model", None) or cost_model)
+    except EmbshardError as exc:
+        raise exc.at(where) from None
+    return winner_placement(result, k), result
 
 
 # --- `embshard place` ---------------------------------------------------------------------------
@@ -211,6 +239,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default=None,
                    help="the hardware the plan is for, e.g. 'cuda:NVIDIA H100' (default: this machine's GPU, else "
                         "its CPU); a warning when the model was measured on other hardware")
+    p.add_argument("--refine", type=int, default=None, metavar="K",
+                   help="measure the K best distinct candidate plans (the planner's, its other drafts, the greedy "
+                        "heuristics', TorchRec's) side by side on this machine and write the measured best (1-16); "
+                        "a refinement only when this machine is the hardware the plan is for")
+    p.add_argument("--refine-rounds", type=int, default=5, metavar="R",
+                   help="paired measuring rounds of --refine (default 5, the fewest for an interval)")
     p.add_argument("--out", required=True, help="output folder")
 
 
@@ -229,10 +263,19 @@ def main(args) -> int:
     if args.search_evaluations is not None and not 0 <= args.search_evaluations <= 10**10:
         raise EmbshardError(f"invalid value {args.search_evaluations}", field="search_evaluations",
                             fix="give an integer from 0 (no search) to 10^10")
+    refine_k = 0
+    if args.refine is not None:  # given: checked as given (0 is an error, not "off")
+        from ..refine import check_k, check_rounds
+
+        refine_k = check_k(args.refine)
+        check_rounds(args.refine_rounds)
     result = place(args.tables, args.out, devices=devices, memory_bytes=memory,
                    planner=args.planner, model_uri=args.model, cost_model_uri=args.cost_model,
                    tasks=args.tasks, task_id=args.task_id, time_budget_s=args.time_budget_s,
-                   search_evaluations=args.search_evaluations, hardware=args.hardware)
+                   search_evaluations=args.search_evaluations, hardware=args.hardware, refine_k=refine_k,
+                   refine_rounds=args.refine_rounds)
+    if result["refinement"] is not None:
+        print(result["refinement"].report())
     print(result["report"])
     print(f"wrote {result['plan_json']}, {result['placements']} and {result['plot']}")
     return 0

@@ -281,6 +281,17 @@ class Splits:
 
 
 # -- the planner -------------------------------------------------------------------------------------------------
+ALTERNATIVES = 7  # distinct final drafts kept beside the plan (a measured refinement's candidates)
+
+
+def shard_sets(shards: list[Shard]) -> frozenset:
+    """A plan's pieces grouped by device, device numbers left out: two plans with equal shard sets cost the same."""
+    by_device: dict[int, list[tuple]] = {}
+    for s in shards:
+        by_device.setdefault(s.device, []).append((s.table, s.col_offset, s.col_size, s.row_offset, s.row_size))
+    return frozenset(frozenset(v) for v in by_device.values())
+
+
 @dataclass
 class Composition:
     """What a composed planner is made of: proposers, fallbacks (asked only when no proposer has a plan) and
@@ -342,6 +353,21 @@ class ComposedPlanner(Planner):
                 drafts.append(Draft.of_shards(problem, p.name, out))
         return drafts
 
+    def _alternatives(self, problem: Problem, drafts: list[Draft]) -> list[Placement]:
+        """The best ALTERNATIVES distinct final drafts after the first (distinct: other sets of device shards), for
+        a measured refinement (embshard.refine) to measure beside it; each with its start and predicted cost."""
+        seen = {shard_sets(drafts[0].shards)}
+        out: list[Placement] = []
+        for d in drafts[1:]:
+            key = shard_sets(d.shards)
+            if key in seen or len(out) >= ALTERNATIVES:
+                continue
+            seen.add(key)
+            out.append(Placement(problem.tables, problem.topology.count, problem.memory, list(d.shards),
+                                 planner=self.name, model_uri=self.model_uri,
+                                 meta={"start_candidate": d.name, "predicted_ms": float(d.overall)}))
+        return out
+
     def _compose(self, problem: Problem) -> Placement:
         start = time.perf_counter()
         n = len(problem.tables)
@@ -362,6 +388,7 @@ class ComposedPlanner(Planner):
         best = drafts[0]
         placement = Placement(problem.tables, problem.topology.count, problem.memory, best.shards,
                               planner=self.name, model_uri=self.model_uri)
+        placement.alternatives = self._alternatives(problem, drafts)
         placement.meta.update({
             "start_candidate": best.name,
             "candidate_costs": candidate_costs,

@@ -1,0 +1,122 @@
+"""Measured refinement (embshard.refine, `embshard place --refine K`): the K best distinct candidates measured side
+by side with the ruler on real FBGEMM CPU kernels, the measured best returned."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from embshard import schemas
+from embshard.bench.runner import MeasureSettings
+from embshard.costmodel.reference import AnalyticEstimator
+from embshard.errors import EmbshardError
+from embshard.planners.compose import shard_sets
+from embshard.planners.learned import LearnedPlanner
+from embshard.refine import MAX_K, candidates, check_k, refine, select, winner_placement
+from embshard.tableset import TableSet
+
+SETTINGS = MeasureSettings(batch_size=256, iterations=10, warmup=2, comm_bandwidth_gbps=10.0, comm_latency_us=20.0,
+                           max_shard_gb=0.05)
+
+
+def analytic() -> AnalyticEstimator:
+    est = AnalyticEstimator()
+    est.batch_size = 512.0
+    est.coef = np.array([[2e-9, 0.05], [4e-9, 0.05], [1e-9, 0.05]])
+    return est
+
+
+@pytest.fixture(scope="module")
+def learned(small_tables_df):
+    tables = TableSet.from_frame(small_tables_df).subset(np.arange(10))
+    planner = LearnedPlanner(None, analytic(), composition_name="no_policy", search_evaluations=2000)
+    return planner.plan(tables, 3, 2**40, "t"), planner.cost_model
+
+
+def test_the_planner_keeps_distinct_final_drafts_as_alternatives(learned):
+    pl, _ = learned
+    keys = [shard_sets(p.shards) for p in [pl, *pl.alternatives]]
+    assert pl.alternatives and len(set(keys)) == len(keys)
+    assert "alternatives" not in pl.meta  # kept beside the plan, never written into plan.json
+
+
+def test_winner_is_the_measurably_fastest_candidate_or_the_first_choice_and_duplicates_once(learned):
+    pl, model = learned
+    res = refine(pl, 4, rounds=2, settings=SETTINGS, cost_model=model, torchrec=False)
+    t = res.table
+    assert len(t) == len(set(t["candidate"])) <= 4 and t.iloc[0]["candidate"] == pl.planner
+    assert res.winner.label in set(t["candidate"])
+    lowest = t["measured_cost_ms"].idxmin()
+    if t.loc[lowest, "ratio_ci_high"] < 1.0:  # a measurably faster candidate wins ...
+        assert t.loc[lowest, "winner"]
+    else:  # ... else the first choice is kept, and the report says which one was lowest
+        assert t.iloc[0]["winner"] and (lowest == 0 or res.not_clear == t.loc[lowest, "candidate"])
+    keys = [shard_sets(c.placement.shards) for c in select(candidates(pl, model, torchrec=False), 16)]
+    assert len(keys) == len(set(keys))  # equal shard sets: one candidate, measured once
+    dup = candidates(pl, model, torchrec=False)
+    assert len(select(dup + dup, 16)) == len(select(dup, 16))
+    out = winner_placement(res, 4)
+    assert out.meta["refined"]["k"] == 4 and out.meta["refined"]["winner"] == res.winner.label
+    assert out.planner == pl.planner and not out.alternatives
+    out.check()
+
+
+def test_k_1_returns_the_learned_plan(learned):
+    pl, model = learned
+    res = refine(pl, 1, rounds=2, settings=SETTINGS, cost_model=model, torchrec=False)
+    assert len(res.table) == 1 and res.winner.placement is pl
+    assert res.ratio[0] == 1.0
+
+
+@pytest.mark.parametrize("k", [0, -1, MAX_K + 1, 2.5, True])
+def test_bad_k_is_one_line_error(k):
+    with pytest.raises(EmbshardError) as exc:
+        check_k(k)
+    assert "refine" in str(exc.value) and len(str(exc.value).splitlines()) == 1
+
+
+def _cli(args, tmp_path):
+    env = {**os.environ, "EMBSHARD_CALIBRATION_DIR": str(tmp_path / "calib")}
+    return subprocess.run([sys.executable, "-m", "embshard", *args], capture_output=True, text=True, timeout=300,
+                          env=env)
+
+
+def test_place_refine_0_is_an_error_not_off(small_tables_path, tmp_path):
+    proc = _cli(["place", "--tables", str(small_tables_path), "--planner", "size_greedy", "--devices", "2",
+                 "--memory-gb", "64", "--refine", "0", "--out", str(tmp_path / "o")], tmp_path)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "refine" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_place_refine_end_to_end_writes_the_refined_plan(small_tables_df, tmp_path):
+    tables = str(tmp_path / "tables.parquet")
+    schemas.write(small_tables_df.head(6), tables, "tables")
+    out = tmp_path / "placed"
+    proc = _cli(["place", "--tables", tables, "--planner", "size_greedy", "--devices", "2", "--memory-gb", "64",
+                 "--refine", "2", "--refine-rounds", "2", "--out", str(out)], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "measured refinement on cpu" in proc.stdout and "winner:" in proc.stdout
+    plan = json.loads((out / "plan.json").read_text())
+    refined = plan["meta"]["refined"]
+    assert refined["k"] == 2 and refined["rounds"] == 2 and refined["winner_origin"]
+    assert refined["measured_on"].startswith("cpu")
+
+
+def test_export_stage_places_the_refined_plans_and_says_what_won(small_tables_path, tmp_path):
+    from embshard.jobs import tasks
+    from embshard.jobs.export import place_tasks
+    from embshard.planners.baselines import make_baseline
+
+    tasks_path = tasks.run(str(small_tables_path), str(tmp_path), num_tasks=2, tables_per_task="4-6", devices=2,
+                           memory_gb=64, seed=0)
+    out = place_tasks(str(small_tables_path), tasks_path, make_baseline("size_greedy"),
+                      str(tmp_path / "export" / "planned.parquet"), split="all", refine_k=2, refine_rounds=2,
+                      settings=SETTINGS)
+    df = schemas.read(out, "placements")
+    refined = json.loads((tmp_path / "export" / "refine.json").read_text())
+    assert set(refined) == set(df["task_id"]) and all(r["k"] == 2 and r["rounds"] == 2 for r in refined.values())
+    assert set(df["planner"]) == {"size_greedy"}  # the planner's refined answer, under its own name
