@@ -34,12 +34,16 @@ class TaskScorer:
     Used by the policy (rollouts) and the planners (candidates, search); it sits with the cost models so that
     neither of them imports the other."""
 
-    def __init__(self, cost_model: CostEstimator, features: np.ndarray, num_devices: int):
+    def __init__(self, cost_model: CostEstimator, features: np.ndarray | None, num_devices: int,
+                 enc: torch.Tensor | None = None):
         self.cost_model = cost_model
         self.num_devices = int(num_devices)
-        with torch.no_grad():
-            self.enc = cost_model.encode(np.asarray(features, dtype=np.float64)).float()  # (N, H)
+        if enc is None:
+            with torch.no_grad():
+                enc = cost_model.encode(np.asarray(features, dtype=np.float64)).float()
+        self.enc = enc  # (N, H)
         self.dim = self.enc.shape[1]
+        self._fused = _fused_heads(cost_model, self.num_devices)
 
     @property
     def has_members(self) -> bool:
@@ -49,13 +53,15 @@ class TaskScorer:
     @torch.no_grad()
     def member_totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """(K, ...) device totals per ensemble member (K = 1 for a single model); empty devices cost 0."""
-        out = self.cost_model.member_totals_from_sums(sums, self.num_devices)
+        out = (self._fused.member_totals(sums) if self._fused is not None
+               else self.cost_model.member_totals_from_sums(sums, self.num_devices))
         return torch.where(counts > 0, out, torch.zeros_like(out))
 
     @torch.no_grad()
     def totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Device totals (ms) from summed encodings (..., H) and table counts (...); empty devices cost 0."""
-        out = self.cost_model.totals_from_sums(sums, self.num_devices)
+        out = (self._fused.member_totals(sums).mean(0) if self._fused is not None
+               else self.cost_model.totals_from_sums(sums, self.num_devices))
         return torch.where(counts > 0, out, torch.zeros_like(out))
 
     def device_sums(self, assignment: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +77,92 @@ class TaskScorer:
     def single_costs(self) -> np.ndarray:
         """Predicted cost of each piece alone on a device."""
         return self.totals(self.enc, torch.ones(len(self.enc), dtype=torch.long)).numpy().astype(np.float64)
+
+
+class _FusedHeads:
+    """The device totals of a network cost model (CostModel, or a CostEnsemble of them) in a few batched ops.
+
+    The same function as the model's `totals_from_sums`: per member, fwd and bwd heads (MLP plus linear skip,
+    softplus) and the physical comm term, scaled; empty devices 0. The model evaluates it as ~40 small modules
+    and ops per member, which is what planning spends its time on (thousands of calls on a few hundred rows);
+    here the members' first layers and skips are one batched matmul and their second layers another. Built only
+    when it reproduces the model on a probe (`_fused_heads`), so a change of the network falls back to the
+    model itself."""
+
+    def __init__(self, nets: list, num_devices: int):
+        from .model import COUNT, DIMSUM, NUM_EXTRA
+
+        self.k = len(nets)
+        self.width = nets[0].fwd.skip.weight.shape[1]
+        hh = nets[0].fwd.mlp[0].weight.shape[0]
+        self.hh = hh
+        with torch.no_grad():
+            # (K, W, 2hh + 2): [fwd hidden | bwd hidden | fwd skip | bwd skip]
+            self.w1 = torch.stack([torch.cat([n.fwd.mlp[0].weight, n.bwd.mlp[0].weight, n.fwd.skip.weight,
+                                              n.bwd.skip.weight]).t() for n in nets]).contiguous()
+            self.b1 = torch.stack([torch.cat([n.fwd.mlp[0].bias, n.bwd.mlp[0].bias]) for n in nets]).unsqueeze(1)
+            w2 = torch.zeros(self.k, 2 * hh, 2)
+            for j, n in enumerate(nets):
+                w2[j, :hh, 0] = n.fwd.mlp[2].weight[0]
+                w2[j, hh:, 1] = n.bwd.mlp[2].weight[0]
+            self.w2 = w2
+            self.b2 = torch.stack([torch.cat([n.fwd.mlp[2].bias, n.bwd.mlp[2].bias]) for n in nets]).unsqueeze(1)
+            nd = torch.tensor(float(num_devices))
+            sp = torch.nn.functional.softplus
+            share = (nd.clamp(min=1.0) - 1.0) / nd.clamp(min=1.0)
+            on = float(num_devices > 1)
+            # comm = (dim_sum x rate x share + latency) x (D > 1), per member: (K, 1) coefficients
+            self.comm_rate = torch.stack([sp(n.comm_rate) * share * on for n in nets]).view(self.k, 1)
+            self.comm_lat = torch.stack([(sp(n.comm_latency) + sp(n.comm_latency_slope) * torch.log2(
+                nd.clamp(min=1.0))) * on for n in nets]).view(self.k, 1)
+            self.scale = torch.stack([n.target_scale.expand(3) for n in nets])  # (K, 3)
+        self.count_col = self.width - NUM_EXTRA + COUNT
+        self.dimsum_col = self.width - NUM_EXTRA + DIMSUM
+
+    def member_totals(self, sums: torch.Tensor) -> torch.Tensor:
+        """(K, ...) device totals per member from sums (..., K x W)."""
+        lead = sums.shape[:-1]
+        x = sums.reshape(-1, self.k, self.width).transpose(0, 1)  # (K, M, W)
+        h = torch.bmm(x, self.w1)  # (K, M, 2hh + 2)
+        hidden = torch.relu(h[..., : 2 * self.hh] + self.b1)
+        fb = torch.nn.functional.softplus(torch.baddbmm(self.b2, hidden, self.w2) + h[..., 2 * self.hh:])
+        comm = x[..., self.dimsum_col] * self.comm_rate + self.comm_lat  # (K, M)
+        s = self.scale
+        total = fb[..., 0] * s[:, :1] + fb[..., 1] * s[:, 1:2] + comm * s[:, 2:]
+        total = total * (x[..., self.count_col] > 0.5)
+        return total.reshape(self.k, *lead)
+
+
+_FUSED_CACHE: dict[tuple[int, int], tuple[object, _FusedHeads | None]] = {}
+
+
+def _fused_heads(cost_model, num_devices: int) -> _FusedHeads | None:
+    """The fused evaluator of this model at D devices, or None (another kind of model, or it does not reproduce
+    the model's totals to 1e-5 on a probe). Cached per model and D: planning builds many scorers."""
+    key = (id(cost_model), int(num_devices))
+    hit = _FUSED_CACHE.get(key)
+    if hit is not None and hit[0] is cost_model:
+        return hit[1]
+    members = getattr(cost_model, "members", None) or [cost_model]
+    nets = [getattr(m, "net", None) for m in members]
+    fused = None
+    try:
+        if all(n is not None and hasattr(n, "fwd") and hasattr(n, "comm_rate") for n in nets):
+            fused = _FusedHeads(nets, num_devices)
+            with torch.no_grad():
+                gen = torch.Generator().manual_seed(0)
+                probe = torch.rand(64, fused.k * fused.width, generator=gen) * 4
+                probe[:8] = 0.0  # empty devices
+                want = cost_model.member_totals_from_sums(probe, num_devices)
+                got = fused.member_totals(probe)
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+                fused = None
+    except (AttributeError, IndexError, RuntimeError, TypeError):
+        fused = None
+    if len(_FUSED_CACHE) > 64:
+        _FUSED_CACHE.clear()
+    _FUSED_CACHE[key] = (cost_model, fused)
+    return fused
 
 
 def piece_features(tables: TableSet, shards: list[Shard], num_devices: int | None = None) -> np.ndarray:
