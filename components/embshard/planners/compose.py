@@ -52,6 +52,7 @@ class Problem:
     seed: int = 0
     # Called with a short phase name as planning goes on (`embshard place` shows it on long plans).
     on_phase: Callable[[str], None] | None = None
+    _rollouts: dict = field(default_factory=dict, repr=False)
 
     def phase(self, text: str) -> None:
         if self.on_phase is not None:
@@ -72,6 +73,16 @@ class Problem:
     @property
     def memory(self) -> int:
         return self.topology.memory_bytes
+
+    def policy_rollouts(self, policy: PolicyNet, samples: int):
+        """One greedy and `samples` sampled rollouts (seeded by the problem's seed) in one batched pass, cached:
+        the greedy and the sampled proposers share it (each step's cost-model call is most of a rollout)."""
+        key = (id(policy), int(samples))
+        if key not in self._rollouts:
+            policy.eval()
+            gen = torch.Generator().manual_seed(self.seed)
+            self._rollouts[key] = rollout(policy, self.ctx, 1 + samples, "sample", gen, greedy=1)
+        return self._rollouts[key]
 
 
 @dataclass
@@ -137,12 +148,12 @@ class PolicyGreedy:
     """The policy's greedy rollout (its most likely device for each table)."""
 
     policy: PolicyNet
+    samples: int = 0  # sampled rollouts run in the same pass (PolicySampled's, when it is also proposed)
     name: str = "policy_greedy"
     phase: str = "policy rollouts"
 
     def propose(self, problem):
-        self.policy.eval()
-        ro = rollout(self.policy, problem.ctx, 1, "greedy")
+        ro = problem.policy_rollouts(self.policy, self.samples)
         return ro.assignment[0] if ro.feasible[0] else None
 
 
@@ -156,10 +167,8 @@ class PolicySampled:
     phase: str = "policy rollouts"
 
     def propose(self, problem):
-        self.policy.eval()
-        gen = torch.Generator().manual_seed(problem.seed)
-        ro = rollout(self.policy, problem.ctx, self.samples, "sample", gen)
-        ok = np.flatnonzero(ro.feasible)
+        ro = problem.policy_rollouts(self.policy, self.samples)
+        ok = 1 + np.flatnonzero(ro.feasible[1:])
         return ro.assignment[ok[np.argmin(ro.overall[ok])]] if len(ok) else None
 
 
@@ -383,7 +392,7 @@ def _learned(policy, *, num_samples=8, refine_top=3, policy_proposers=True, cost
              column_splits=True, row_splits=True, search=True, torchrec: str | None = None) -> Composition:
     proposers: list[Proposer] = []
     if policy is not None and policy_proposers:
-        proposers.append(PolicyGreedy(policy))
+        proposers.append(PolicyGreedy(policy, max(num_samples, 0)))
         if num_samples > 0:
             proposers.append(PolicySampled(policy, num_samples))
     if cost_greedy:

@@ -69,8 +69,10 @@ class Rollouts:
 
 
 def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample",
-            generator: torch.Generator | None = None) -> Rollouts:
-    """Run `batch` episodes of one task. mode: 'sample' (training/exploration) or 'greedy'."""
+            generator: torch.Generator | None = None, greedy: int = 0) -> Rollouts:
+    """Run `batch` episodes of one task. mode: 'sample' (training/exploration) or 'greedy'. With mode 'sample',
+    the first `greedy` episodes take the most likely device instead (one batched pass serves a planner's greedy
+    and sampled rollouts; the sampled ones draw exactly what they would alone)."""
     sc = ctx.scorer
     D, N, H = sc.num_devices, len(ctx.sizes), sc.dim
     sums = torch.zeros(batch, D, H)
@@ -113,6 +115,9 @@ def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample
         dist = torch.distributions.Categorical(logits=logits)
         if mode == "greedy":
             a = logits.argmax(dim=1)
+        elif greedy:
+            drawn = torch.multinomial(dist.probs[greedy:], 1, generator=generator).squeeze(1)
+            a = torch.cat([logits[:greedy].argmax(dim=1), drawn])
         else:
             a = dist.sample() if generator is None else torch.multinomial(dist.probs, 1, generator=generator).squeeze(1)
         log_prob = log_prob + dist.log_prob(a)
