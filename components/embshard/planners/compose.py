@@ -87,11 +87,16 @@ class Problem:
 
 @dataclass
 class Draft:
-    """A candidate plan: its pieces, the device of each piece, where it started, and its search state."""
+    """A candidate plan: its pieces, where it started, and its search state (whose assignment is the device of
+    each piece: `shards` reads them from it, so a search that moves pieces rebuilds no shards)."""
 
     name: str
-    shards: list[Shard]
+    pieces: list[Shard]
     state: SearchState
+
+    @property
+    def shards(self) -> list[Shard]:
+        return [s if s.device == a else replace(s, device=int(a)) for s, a in zip(self.pieces, self.state.assignment)]
 
     @property
     def overall(self) -> float:
@@ -263,8 +268,7 @@ class LocalSearch:
             sub = budget.share((total - budget.used) // (len(top) - k))
             state = local_search(d.state, sub) if sub.evaluations > 0 else d.state
             budget.absorb(sub)
-            out.append(Draft(d.name, [replace(s, device=int(a)) for s, a in zip(d.shards, state.assignment)],
-                             state))
+            out.append(Draft(d.name, d.pieces, state))
         return sorted(out, key=lambda d: d.overall)  # stable: ties keep the better-ranked start
 
 

@@ -258,7 +258,7 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
             trial_shards = shards[:p] + placed + shards[p + 1:]
             trial_assign = np.concatenate([state.assignment[:p], [c.device for c in placed],
                                            state.assignment[p + 1:]])
-            trial = _state(tables, trial_shards, trial_assign, cost_model, topology.count, memory)
+            trial = _cut_state(tables, state, p, placed, trial_assign, cost_model, topology.count)
             if (trial.used > memory).any():  # a row cut adds to every device; slices start where the piece was
                 continue
             sub = budget.share(per_cut)
@@ -297,8 +297,15 @@ def _cuts(tables: TableSet, piece: Shard, state: SearchState, topology: DeviceTo
     return out
 
 
-def _state(tables, shards, assignment, cost_model, num_devices, memory) -> SearchState:
-    feats = piece_features(tables, shards, num_devices)
-    sizes = feats[:, 3].astype(np.int64)
-    return SearchState(TaskScorer(cost_model, feats, num_devices), sizes, memory, assignment,
-                       movable=np.array([not is_row_piece(s) for s in shards]))
+def _cut_state(tables, state: SearchState, p: int, placed: list[Shard], assignment, cost_model, num_devices
+               ) -> SearchState:
+    """The state with piece p replaced by its cut `placed`: only the new pieces are encoded (a task's pieces
+    are encoded one by one, so the others keep theirs)."""
+    feats = piece_features(tables, placed, num_devices)
+    with torch.no_grad():
+        new = cost_model.encode(feats).float()
+    old = state.scorer.model_enc
+    scorer = TaskScorer(cost_model, None, num_devices, enc=torch.cat([old[:p], new, old[p + 1:]]))
+    sizes = np.concatenate([state.sizes[:p], feats[:, 3].astype(np.int64), state.sizes[p + 1:]])
+    movable = np.concatenate([state.movable[:p], [not is_row_piece(c) for c in placed], state.movable[p + 1:]])
+    return SearchState(scorer, sizes, state.memory, assignment, movable=movable)
