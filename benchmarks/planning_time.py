@@ -32,6 +32,7 @@ class PlanningConfig:
     stop_after_s: float = 60.0      # a planner slower than this at some T is not run at larger T (same D)
     seed: int = 0
     bins_batch_size: int = 4096     # planning does not measure kernels; bins only feed the features
+    cells: tuple | None = None      # only these (tables, devices) cells (a side-by-side check); None: the grid
 
 
 def full_config() -> PlanningConfig:
@@ -71,7 +72,7 @@ def run(policy_uri: str, cfg: PlanningConfig) -> pd.DataFrame:
         tables = population.subset(range(t))
         total, largest = int(tables.size_bytes.sum()), int(tables.size_bytes.max())
         for d in cfg.devices:
-            if d > t:
+            if d > t or (cfg.cells is not None and (t, d) not in cfg.cells):
                 continue
             if largest > mem or total > 0.95 * d * mem:
                 rows.append({"tables": t, "devices": d, "planner": "(all)", "skipped":
