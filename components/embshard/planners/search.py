@@ -307,5 +307,6 @@ def _cut_state(tables, state: SearchState, p: int, placed: list[Shard], assignme
     old = state.scorer.model_enc
     scorer = TaskScorer(cost_model, None, num_devices, enc=torch.cat([old[:p], new, old[p + 1:]]))
     sizes = np.concatenate([state.sizes[:p], feats[:, 3].astype(np.int64), state.sizes[p + 1:]])
-    movable = np.concatenate([state.movable[:p], [not is_row_piece(c) for c in placed], state.movable[p + 1:]])
+    was = np.ones(len(state.sizes), dtype=bool) if state.movable is None else state.movable
+    movable = np.concatenate([was[:p], [not is_row_piece(c) for c in placed], was[p + 1:]])
     return SearchState(scorer, sizes, state.memory, assignment, movable=movable)
