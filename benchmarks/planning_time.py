@@ -32,6 +32,7 @@ class PlanningConfig:
     stop_after_s: float = 60.0      # a planner slower than this at some T is not run at larger T (same D)
     seed: int = 0
     bins_batch_size: int = 4096     # planning does not measure kernels; bins only feed the features
+    cells: tuple | None = None      # only these (tables, devices) cells (a side-by-side check); None: the grid
 
 
 def full_config() -> PlanningConfig:
@@ -71,7 +72,7 @@ def run(policy_uri: str, cfg: PlanningConfig) -> pd.DataFrame:
         tables = population.subset(range(t))
         total, largest = int(tables.size_bytes.sum()), int(tables.size_bytes.max())
         for d in cfg.devices:
-            if d > t:
+            if d > t or (cfg.cells is not None and (t, d) not in cfg.cells):
                 continue
             if largest > mem or total > 0.95 * d * mem:
                 rows.append({"tables": t, "devices": d, "planner": "(all)", "skipped":
@@ -155,6 +156,21 @@ def pivot(df: pd.DataFrame) -> pd.DataFrame:
     return table.fillna("–").astype(str).rename(columns={"tables": "T"})
 
 
+def ratio_table(df: pd.DataFrame, a: str, b: str) -> pd.DataFrame:
+    """Tables x D grid of median(a) / median(b), as text cells; empty when either planner is missing."""
+    ok = df[df["planner"].isin([a, b])].pivot_table(index=["tables", "devices"], columns="planner",
+                                                    values="median_s", aggfunc="first")
+    if a not in ok.columns or b not in ok.columns:
+        return pd.DataFrame()
+    r = (ok[a] / ok[b]).dropna().rename("ratio").reset_index()
+    if r.empty:
+        return pd.DataFrame()
+    r["cell"] = [f"{v:.2f}" for v in r["ratio"]]
+    table = r.pivot_table(index="tables", columns="devices", values="cell", aggfunc="first")
+    table.columns = [f"D={d}" for d in table.columns]
+    return table.reset_index().fillna("–").astype(str).rename(columns={"tables": "T"})
+
+
 def markdown(df: pd.DataFrame, cfg: PlanningConfig, hw_line: str, policy_uri: str, png: str | None) -> str:
     lines = ["# Planning time scaling", "", f"Hardware: {hw_line}", "",
              f"Wall seconds of `plan()` (median of up to {cfg.repeats} runs while a cell stays under "
@@ -170,6 +186,11 @@ def markdown(df: pd.DataFrame, cfg: PlanningConfig, hw_line: str, policy_uri: st
             cols = ["T", *[c for c in piv.columns if c.startswith(name + " D=")]]
             sub = piv[cols].rename(columns={c: c.removeprefix(name + " ") for c in cols})
             lines += [f"## {name}", "", md_table(sub), ""]
+    ratio = ratio_table(df, "learned", "torchrec_table_wise")
+    if not ratio.empty:
+        lines += ["## learned / torchrec_table_wise", "",
+                  "Ratio of the median seconds of the two planners in the same cell of this run (under 1: the learned "
+                  "planner is faster).", "", md_table(ratio), ""]
     lines += ["`–`: not run (more devices than tables, tables that cannot fit the devices' memory, TorchRec's full "
               f"search above {cfg.full_max_tables} tables, or a planner already over {cfg.stop_after_s:g} s at a "
               "smaller T).", ""]

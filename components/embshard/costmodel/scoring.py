@@ -34,11 +34,17 @@ class TaskScorer:
     Used by the policy (rollouts) and the planners (candidates, search); it sits with the cost models so that
     neither of them imports the other."""
 
-    def __init__(self, cost_model: CostEstimator, features: np.ndarray, num_devices: int):
+    def __init__(self, cost_model: CostEstimator, features: np.ndarray | None, num_devices: int,
+                 enc: torch.Tensor | None = None):
         self.cost_model = cost_model
         self.num_devices = int(num_devices)
-        with torch.no_grad():
-            self.enc = cost_model.encode(np.asarray(features, dtype=np.float64)).float()  # (N, H)
+        if enc is None:
+            with torch.no_grad():
+                enc = cost_model.encode(np.asarray(features, dtype=np.float64)).float()
+        self.model_enc = enc  # (N, H) the cost model's encodings
+        self._fused = _fused_heads(cost_model, self.num_devices)
+        # What device sums add up: the encodings, or their projections when the fused evaluator applies.
+        self.enc = self.model_enc if self._fused is None else self._fused.project(enc)
         self.dim = self.enc.shape[1]
 
     @property
@@ -49,13 +55,15 @@ class TaskScorer:
     @torch.no_grad()
     def member_totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """(K, ...) device totals per ensemble member (K = 1 for a single model); empty devices cost 0."""
-        out = self.cost_model.member_totals_from_sums(sums, self.num_devices)
+        out = (self._fused.member_totals(sums) if self._fused is not None
+               else self.cost_model.member_totals_from_sums(sums, self.num_devices))
         return torch.where(counts > 0, out, torch.zeros_like(out))
 
     @torch.no_grad()
     def totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Device totals (ms) from summed encodings (..., H) and table counts (...); empty devices cost 0."""
-        out = self.cost_model.totals_from_sums(sums, self.num_devices)
+        out = (self._fused.member_totals(sums).mean(0) if self._fused is not None
+               else self.cost_model.totals_from_sums(sums, self.num_devices))
         return torch.where(counts > 0, out, torch.zeros_like(out))
 
     def device_sums(self, assignment: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +79,96 @@ class TaskScorer:
     def single_costs(self) -> np.ndarray:
         """Predicted cost of each piece alone on a device."""
         return self.totals(self.enc, torch.ones(len(self.enc), dtype=torch.long)).numpy().astype(np.float64)
+
+
+class _FusedHeads:
+    """The device totals of a network cost model (CostModel, or a CostEnsemble of them) from PROJECTED sums.
+
+    The heads' first layers (and their linear skips) are linear in the device sum, so a table can carry its
+    encoding already multiplied by them: a device's sum of projections is the projection of its sum, and
+    scoring a candidate device is then a relu, a small weighted sum and a softplus, with no matmul (the
+    model evaluates ~40 small modules and ops per member per call, which is what planning spent its time on).
+    Otherwise the same function as the model's `totals_from_sums`: fwd and bwd heads (MLP plus skip,
+    softplus), the physical comm term, scaled, empty devices 0, per member. Used only when it reproduces the
+    model on a probe (`_fused_heads`), so a change of the network falls back to the model itself."""
+
+    def __init__(self, nets: list, num_devices: int):
+        from .model import COUNT, DIMSUM, NUM_EXTRA
+
+        k = self.k = len(nets)
+        self.width = int(nets[0].fwd.skip.weight.shape[1])
+        hh = self.hh = int(nets[0].fwd.mlp[0].weight.shape[0])
+        self.pw = k * (2 * hh + 2)       # projected channels: per member [fwd hidden | bwd hidden | 2 skips]
+        self.dim = self.pw + 1 + k       # then the table count and each member's dim-sum channel
+        self.count_col = self.width - NUM_EXTRA + COUNT
+        self.dimsum_col = self.width - NUM_EXTRA + DIMSUM
+        sp = torch.nn.functional.softplus
+        with torch.no_grad():
+            self.w1 = torch.stack([torch.cat([n.fwd.mlp[0].weight, n.bwd.mlp[0].weight, n.fwd.skip.weight,
+                                              n.bwd.skip.weight]).t() for n in nets]).contiguous()  # (K, W, 2hh+2)
+            self.b1 = torch.stack([torch.cat([n.fwd.mlp[0].bias, n.bwd.mlp[0].bias]) for n in nets])  # (K, 2hh)
+            self.w2 = torch.stack([torch.cat([n.fwd.mlp[2].weight, n.bwd.mlp[2].weight]) for n in nets])  # (K,2,hh)
+            self.b2 = torch.stack([torch.cat([n.fwd.mlp[2].bias, n.bwd.mlp[2].bias]) for n in nets])  # (K, 2)
+            nd = torch.tensor(float(num_devices)).clamp(min=1.0)
+            on = float(num_devices > 1)  # one device: no comm
+            self.comm_rate = torch.stack([sp(n.comm_rate) * (nd - 1.0) / nd * on for n in nets])  # (K,)
+            self.comm_lat = torch.stack([(sp(n.comm_latency) + sp(n.comm_latency_slope) * torch.log2(nd)) * on
+                                         for n in nets])
+            self.scale = torch.stack([n.target_scale.expand(3) for n in nets])  # (K, 3)
+
+    def project(self, enc: torch.Tensor) -> torch.Tensor:
+        """(N, dim) projected encodings from the model's (N, K x W)."""
+        x = enc.reshape(-1, self.k, self.width).transpose(0, 1)  # (K, N, W)
+        h = torch.bmm(x, self.w1).transpose(0, 1).reshape(len(enc), self.pw)
+        return torch.cat([h, x[0, :, self.count_col:self.count_col + 1], x[:, :, self.dimsum_col].t()], dim=1)
+
+    def member_totals(self, proj: torch.Tensor) -> torch.Tensor:
+        """(K, ...) device totals per member from projected sums (..., dim)."""
+        lead = proj.shape[:-1]
+        p = proj.reshape(-1, self.dim)
+        m, k, hh = p.shape[0], self.k, self.hh
+        h = p[:, : self.pw].reshape(m, k, 2 * hh + 2)
+        hidden = torch.relu(h[..., : 2 * hh] + self.b1).reshape(m, k, 2, hh)
+        fb = torch.nn.functional.softplus((hidden * self.w2).sum(-1) + self.b2 + h[..., 2 * hh:])  # (M, K, 2)
+        comm = p[:, self.pw + 1:] * self.comm_rate + self.comm_lat  # (M, K)
+        s = self.scale
+        total = fb[..., 0] * s[:, 0] + fb[..., 1] * s[:, 1] + comm * s[:, 2]
+        total = total * (p[:, self.pw:self.pw + 1] > 0.5)
+        return total.t().reshape(k, *lead)
+
+
+_FUSED_CACHE: dict[tuple[int, int], tuple[object, _FusedHeads | None]] = {}
+
+
+def _fused_heads(cost_model, num_devices: int) -> _FusedHeads | None:
+    """The fused evaluator of this model at D devices, or None (another kind of model, or it does not reproduce
+    the model's totals to 1e-5 on a probe). Cached per model and D: planning builds many scorers."""
+    key = (id(cost_model), int(num_devices))
+    hit = _FUSED_CACHE.get(key)
+    if hit is not None and hit[0] is cost_model:
+        return hit[1]
+    members = getattr(cost_model, "members", None) or [cost_model]
+    nets = [getattr(m, "net", None) for m in members]
+    fused = None
+    try:
+        if all(n is not None and hasattr(n, "fwd") and hasattr(n, "comm_rate") for n in nets):
+            fused = _FusedHeads(nets, num_devices)
+            with torch.no_grad():
+                gen = torch.Generator().manual_seed(0)
+                probe = torch.rand(64, fused.k * fused.width, generator=gen) * 4
+                probe[:8] = 0.0  # empty devices
+                for j in range(1, fused.k):  # every member counts the same tables
+                    probe[:, j * fused.width + fused.count_col] = probe[:, fused.count_col]
+                want = cost_model.member_totals_from_sums(probe, num_devices)
+                got = fused.member_totals(fused.project(probe))
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+                fused = None
+    except (AttributeError, IndexError, RuntimeError, TypeError):
+        fused = None
+    if len(_FUSED_CACHE) > 64:
+        _FUSED_CACHE.clear()
+    _FUSED_CACHE[key] = (cost_model, fused)
+    return fused
 
 
 def piece_features(tables: TableSet, shards: list[Shard], num_devices: int | None = None) -> np.ndarray:
@@ -124,8 +222,8 @@ def balanced_estimate(cost_model: CostEstimator, tables: TableSet, num_devices: 
     """
     scorer = TaskScorer(cost_model, tables.features(), num_devices)
     with torch.no_grad():
-        fused = cost_model.heads_from_sums(scorer.enc.sum(0, keepdim=True), num_devices)[0]
-        singles = cost_model.heads_from_sums(scorer.enc, num_devices)
+        fused = cost_model.heads_from_sums(scorer.model_enc.sum(0, keepdim=True), num_devices)[0]
+        singles = cost_model.heads_from_sums(scorer.model_enc, num_devices)
     estimate = float(torch.minimum(fused, singles.sum(0)).sum()) / num_devices
     if not column_splits:
         estimate = max(estimate, float(singles.sum(1).max()))

@@ -149,8 +149,8 @@ def _trusted(state: SearchState, kind: str, p: int, q: int) -> bool:
         sums[dst] += sc.enc[piece]
         counts[src] -= 1
         counts[dst] += 1
-    before = sc.member_totals(state.sums, state.counts).amax(-1)  # (K,)
-    after = sc.member_totals(sums, counts).amax(-1)
+    both = sc.member_totals(torch.stack([state.sums, sums]), torch.stack([state.counts, counts])).amax(-1)  # (K, 2)
+    before, after = both[:, 0], both[:, 1]
     gain = (before - after).double()
     mean = float(gain.mean())
     if mean <= _REL_TOL * max(float(before.mean()), 1e-9):
@@ -166,18 +166,19 @@ def _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq):
     tol = _REL_TOL * max(cur_max, 1e-9)
     # Max over the devices other than b and d, for every d: from the top-3 costs.
     top_vals, top_idx = torch.topk(costs, k=min(3, D))
-    other_max = torch.empty(D, dtype=torch.float64)
-    for d in range(D):
-        vals = [float(v) for v, i in zip(top_vals, top_idx) if int(i) not in (b, d)]
-        other_max[d] = vals[0] if vals else 0.0
+    valid = (top_idx != b).unsqueeze(0) & (top_idx.unsqueeze(0) != torch.arange(D).unsqueeze(1))  # (D, k)
+    other_max = torch.where(valid, top_vals.unsqueeze(0), float("-inf")).amax(1).clamp(min=0.0)
     candidates = []  # (max, sumsq, kind, p, q)
     # Moves: piece p from b to device d.
     dsts = torch.tensor([d for d in range(D) if d != b])
     P = len(on_b)
     new_b = sc.totals(state.sums[b] - enc[on_b], state.counts[b].expand(P) - 1).double()  # (P,)
-    new_d = sc.totals(state.sums[dsts].unsqueeze(0) + enc[on_b].unsqueeze(1),
-                      (state.counts[dsts] + 1).unsqueeze(0).expand(P, -1)).double()  # (P, D-1)
     fits = (state.used[dsts].unsqueeze(0) + sizes_t[on_b].unsqueeze(1)) <= state.memory
+    # Only pairs whose b side ends at or below the current maximum can be better: the other side is scored
+    # for those alone (the rest could never be chosen, so the choice is the same as scoring the whole grid).
+    fits &= (new_b <= cur_max + tol).unsqueeze(1)
+    new_d = _scored_where(fits, lambda pi, qi: sc.totals(state.sums[dsts[qi]] + enc[on_b[pi]],
+                                                         state.counts[dsts[qi]] + 1))  # (P, D-1)
     mx = torch.maximum(torch.maximum(new_b.unsqueeze(1), new_d), other_max[dsts].unsqueeze(0))
     sq = cur_sq - costs[b] ** 2 - costs[dsts].unsqueeze(0) ** 2 + new_b.unsqueeze(1) ** 2 + new_d ** 2
     _collect(candidates, mx, sq, fits, "move", on_b, dsts)
@@ -187,11 +188,11 @@ def _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq):
         sums_b = state.sums[b] - enc[on_b]  # (P, H)
         nb = sc.totals(sums_b.unsqueeze(1) + enc[others].unsqueeze(0), state.counts[b].expand(P, len(others))).double()
         sums_d = state.sums[dev_q] - enc[others]  # (Q, H)
-        nd = sc.totals(sums_d.unsqueeze(0) + enc[on_b].unsqueeze(1),
-                       state.counts[dev_q].unsqueeze(0).expand(P, -1)).double()
+        counts_q = state.counts[dev_q]
         mem_b = state.used[b] - sizes_t[on_b].unsqueeze(1) + sizes_t[others].unsqueeze(0)
         mem_d = state.used[dev_q].unsqueeze(0) - sizes_t[others].unsqueeze(0) + sizes_t[on_b].unsqueeze(1)
-        fits = (mem_b <= state.memory) & (mem_d <= state.memory)
+        fits = (mem_b <= state.memory) & (mem_d <= state.memory) & (nb <= cur_max + tol)
+        nd = _scored_where(fits, lambda pi, qi: sc.totals(sums_d[qi] + enc[on_b[pi]], counts_q[qi]))
         mx = torch.maximum(torch.maximum(nb, nd), other_max[dev_q].unsqueeze(0))
         sq = cur_sq - costs[b] ** 2 - costs[dev_q].unsqueeze(0) ** 2 + nb ** 2 + nd ** 2
         _collect(candidates, mx, sq, fits, "swap", on_b, others)
@@ -201,6 +202,15 @@ def _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq):
         if better and (best is None or (m, s) < (best[0], best[1])):
             best = (m, s, kind, p, q)
     return None if best is None else best[2:]
+
+
+def _scored_where(keep: torch.Tensor, score) -> torch.Tensor:
+    """(P, Q) float64 grid of `score(rows, cols)` at the True entries of `keep`, +inf elsewhere."""
+    out = torch.full(keep.shape, float("inf"), dtype=torch.float64)
+    pi, qi = keep.nonzero(as_tuple=True)
+    if len(pi):
+        out[pi, qi] = score(pi, qi).double()
+    return out
 
 
 def _collect(out, mx, sq, fits, kind, rows, cols):
@@ -249,7 +259,7 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
             trial_shards = shards[:p] + placed + shards[p + 1:]
             trial_assign = np.concatenate([state.assignment[:p], [c.device for c in placed],
                                            state.assignment[p + 1:]])
-            trial = _state(tables, trial_shards, trial_assign, cost_model, topology.count, memory)
+            trial = _cut_state(tables, state, p, placed, trial_assign, cost_model, topology.count)
             if (trial.used > memory).any():  # a row cut adds to every device; slices start where the piece was
                 continue
             sub = budget.share(per_cut)
@@ -288,8 +298,16 @@ def _cuts(tables: TableSet, piece: Shard, state: SearchState, topology: DeviceTo
     return out
 
 
-def _state(tables, shards, assignment, cost_model, num_devices, memory) -> SearchState:
-    feats = piece_features(tables, shards, num_devices)
-    sizes = feats[:, 3].astype(np.int64)
-    return SearchState(TaskScorer(cost_model, feats, num_devices), sizes, memory, assignment,
-                       movable=np.array([not is_row_piece(s) for s in shards]))
+def _cut_state(tables, state: SearchState, p: int, placed: list[Shard], assignment, cost_model, num_devices
+               ) -> SearchState:
+    """The state with piece p replaced by its cut `placed`: only the new pieces are encoded (a task's pieces
+    are encoded one by one, so the others keep theirs)."""
+    feats = piece_features(tables, placed, num_devices)
+    with torch.no_grad():
+        new = cost_model.encode(feats).float()
+    old = state.scorer.model_enc
+    scorer = TaskScorer(cost_model, None, num_devices, enc=torch.cat([old[:p], new, old[p + 1:]]))
+    sizes = np.concatenate([state.sizes[:p], feats[:, 3].astype(np.int64), state.sizes[p + 1:]])
+    was = np.ones(len(state.sizes), dtype=bool) if state.movable is None else state.movable
+    movable = np.concatenate([was[:p], [not is_row_piece(c) for c in placed], was[p + 1:]])
+    return SearchState(scorer, sizes, state.memory, assignment, movable=movable)

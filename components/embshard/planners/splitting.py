@@ -159,9 +159,25 @@ def next_level(level: int, dim: int) -> int | None:
     return k if k <= max_column_parts(dim) else ROW_LEVEL
 
 
+_RECENT_VIEWS: list[tuple[TableSet, DeviceTopology, PieceView]] = []
+
+
 def split_to_fit(tables: TableSet, topology: DeviceTopology, task_id: str = "task") -> PieceView:
     """The fewest cuts that make the task pack (module docstring); tables stay whole where it packs so.
-    A one-line error when even every table cut row-wise over all devices does not fit."""
+    A one-line error when even every table cut row-wise over all devices does not fit.
+
+    The last few views are kept (by the identity of the tables, whose arrays are read-only): a learned plan asks
+    for the same view once for itself and once per heuristic, and each costs a first-fit pass over the pieces."""
+    for t, topo, view in _RECENT_VIEWS:
+        if t is tables and topo == topology:
+            return view
+    view = _split_to_fit(tables, topology, task_id)
+    _RECENT_VIEWS.insert(0, (tables, topology, view))
+    del _RECENT_VIEWS[4:]
+    return view
+
+
+def _split_to_fit(tables: TableSet, topology: DeviceTopology, task_id: str) -> PieceView:
     levels = np.zeros(len(tables), dtype=np.int64)
     for i in np.flatnonzero(tables.size_bytes > topology.memory_bytes):
         level: int | None = 0  # a table larger than a device: the fewest slices that each fit one

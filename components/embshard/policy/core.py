@@ -69,8 +69,10 @@ class Rollouts:
 
 
 def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample",
-            generator: torch.Generator | None = None) -> Rollouts:
-    """Run `batch` episodes of one task. mode: 'sample' (training/exploration) or 'greedy'."""
+            generator: torch.Generator | None = None, greedy: int = 0) -> Rollouts:
+    """Run `batch` episodes of one task. mode: 'sample' (training/exploration) or 'greedy'. With mode 'sample',
+    the first `greedy` episodes take the most likely device instead (one batched pass serves a planner's greedy
+    and sampled rollouts; the sampled ones draw exactly what they would alone)."""
     sc = ctx.scorer
     D, N, H = sc.num_devices, len(ctx.sizes), sc.dim
     sums = torch.zeros(batch, D, H)
@@ -110,13 +112,21 @@ def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample
             mask[stuck] = fits
             feasible[stuck.nonzero().squeeze(1)[none]] = False
         logits = policy(feats).masked_fill(~mask, float("-inf"))
-        dist = torch.distributions.Categorical(logits=logits)
+        # Categorical(logits)'s own arithmetic (same probabilities, draws, log-probabilities and entropy),
+        # without its per-step construction and argument checks.
+        norm = logits - logits.logsumexp(dim=1, keepdim=True)
+        probs = torch.softmax(norm, dim=1)
         if mode == "greedy":
             a = logits.argmax(dim=1)
+        elif greedy:
+            drawn = torch.multinomial(probs[greedy:], 1, generator=generator).squeeze(1)
+            a = torch.cat([logits[:greedy].argmax(dim=1), drawn])
+        elif generator is None:
+            a = torch.multinomial(probs, 1, True).squeeze(1)
         else:
-            a = dist.sample() if generator is None else torch.multinomial(dist.probs, 1, generator=generator).squeeze(1)
-        log_prob = log_prob + dist.log_prob(a)
-        entropy = entropy + dist.entropy()
+            a = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        log_prob = log_prob + norm.gather(1, a.unsqueeze(1)).squeeze(1)
+        entropy = entropy - (norm.clamp(min=torch.finfo(norm.dtype).min) * probs).sum(dim=1)
         assignment[:, i] = a.numpy()
         sums[rows, a] += sc.enc[i]
         counts[rows, a] += 1

@@ -1,0 +1,36 @@
+"""The scorer's fused evaluator (costmodel.scoring): device sums of projected encodings give the model's own
+device totals, for a single network and an ensemble, and it is actually used (a silent fallback to the model
+would only make planning slow again)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from embshard.costmodel.ensemble import CostEnsemble
+from embshard.costmodel.model import CostModel, CostModelConfig
+from embshard.costmodel.scoring import TaskScorer
+from embshard.features import FeatureScaler
+from embshard.ingest.synthetic import generate_tables
+from embshard.tableset import TableSet
+
+
+@pytest.mark.parametrize("members", [1, 3])
+@pytest.mark.parametrize("devices", [1, 2, 16])
+def test_fused_totals_match_the_model(members, devices):
+    torch.manual_seed(members)
+    ts = TableSet.from_frame(generate_tables(40, seed=3, bins_batch_size=512))
+    scaler = FeatureScaler.fit(ts.features())
+    models = [CostModel.create(CostModelConfig(), scaler) for _ in range(members)]
+    model = models[0] if members == 1 else CostEnsemble(models)
+    sc = TaskScorer(model, ts.features(), devices)
+    assert sc._fused is not None
+    assignment = np.arange(40) % devices
+    sums, counts = sc.device_sums(assignment)
+    model_sums = torch.zeros(devices, sc.model_enc.shape[1]).index_add_(0, torch.as_tensor(assignment), sc.model_enc)
+    want = model.totals_from_sums(model_sums, devices)
+    assert torch.allclose(sc.totals(sums, counts), want, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(sc.member_totals(sums, counts), model.member_totals_from_sums(model_sums, devices),
+                          rtol=1e-5, atol=1e-6)
+    single = model.totals_from_sums(sc.model_enc, devices).numpy()
+    assert np.allclose(sc.single_costs(), single, rtol=1e-5, atol=1e-6)
