@@ -13,6 +13,7 @@ import os
 from collections.abc import Callable
 
 _jobs: dict[str, tuple[int, Callable[[], object]]] = {}
+_at_end: list[Callable[[], None]] = []
 _futures: dict[str, concurrent.futures.Future] = {}
 # One worker: the jobs share the second core one after the other rather than all of them crowding it.
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="embshard-tests-background")
@@ -27,6 +28,12 @@ def job(fixture: str, order: int):
         _jobs[fixture] = (order, fn)
         return fn
     return register
+
+
+def at_end(fn: Callable[[], None]) -> Callable[[], None]:
+    """Register fn to run when the session ends (a failure, -x or Ctrl-C can end it before a job's tests ran)."""
+    _at_end.append(fn)
+    return fn
 
 
 def rank(fixtures: list[str]) -> int:
@@ -53,3 +60,10 @@ def result(fixture: str):
         except BaseException as exc:  # kept, so that every test using it sees the same failure
             fut.set_exception(exc)
     return fut.result()
+
+
+def finish() -> None:
+    """Drop the jobs not started yet, then run the at_end functions (a job still running ends on its own)."""
+    _pool.shutdown(wait=False, cancel_futures=True)
+    for fn in _at_end:
+        fn()

@@ -110,4 +110,12 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_collection_finish(session):
     import background
 
+    if session.config.option.collectonly:
+        return
     background.start({f for item in session.items for f in getattr(item, "fixturenames", ())})
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import background
+
+    background.finish()

@@ -62,6 +62,13 @@ def new_airflow():
 _AIRFLOW = new_airflow()
 
 
+@background.at_end
+def _stop_airflow() -> None:
+    """A session that ended before this module's tests ran (-x, Ctrl-C) leaves no Airflow behind."""
+    if _AIRFLOW.procs:
+        _AIRFLOW.stop()
+
+
 @background.job("airflow_runs", order=4)
 def _airflow_runs() -> dict:
     """Start Airflow, run the tiny DAG through a scheduler killed mid-run, then the bad conf (one real run serves
