@@ -23,7 +23,8 @@ ENV: dict[str, str] = dict(os.environ)
 
 
 def job(fixture: str, order: int):
-    """Register fn as the job that fixture `fixture` waits for; jobs are queued by `order`."""
+    """Register fn as the job that fixture `fixture` waits for (by that name: the name is how a selected test is
+    found to need it); jobs are queued by `order`."""
     def register(fn: Callable[[], object]) -> Callable[[], object]:
         _jobs[fixture] = (order, fn)
         return fn

@@ -69,7 +69,7 @@ def _stop_airflow() -> None:
         _AIRFLOW.stop()
 
 
-@background.job("airflow_runs", order=4)
+@background.job("runs", order=4)
 def _airflow_runs() -> dict:
     """Start Airflow, run the tiny DAG through a scheduler killed mid-run, then the bad conf (one real run serves
     both the end-to-end and the crash checks: each costs minutes). A failure after start() is kept for the tests
@@ -90,7 +90,7 @@ def _airflow_runs() -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    res = background.result("airflow_runs")
+    res = background.result("runs")
     print("\n".join(res["progress"]))
     return res
 

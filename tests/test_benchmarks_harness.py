@@ -41,7 +41,7 @@ def _harness(*args: str, base_env=None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)
 
 
-@background.job("quick_run", order=0)
+@background.job("quick", order=0)
 def _quick_run() -> dict:
     root = Path(tempfile.mkdtemp(prefix="embshard-harness-"))
     out, work = root / "results", root / "work"
@@ -53,7 +53,7 @@ def _quick_run() -> dict:
 
 @pytest.fixture(scope="module")
 def quick():
-    run = background.result("quick_run")
+    run = background.result("quick")
     proc = run["proc"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"out": run["out"], "work": run["work"], "stdout": proc.stdout}

@@ -93,7 +93,7 @@ with open(sys.argv[3], "wb") as f:
 """
 
 
-@background.job("two_runs_job", order=3)
+@background.job("two_runs", order=3)
 def _two_runs_job() -> dict:
     out = tempfile.mkdtemp(prefix="embshard-pipeline-e2e-")
     env = {**background.ENV, "AIRFLOW_HOME": os.path.join(out, "airflow"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
@@ -107,7 +107,7 @@ def _two_runs_job() -> dict:
 
 @pytest.fixture(scope="module")
 def two_runs():
-    job = background.result("two_runs_job")
+    job = background.result("two_runs")
     proc = job["proc"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(job["result"], "rb") as f:
