@@ -167,7 +167,9 @@ def test_triggered_run_succeeds_end_to_end(airflow, runs):
     assert len(list((root / "costs").glob("part-*.parquet"))) == TINY["bench_chunks"]
 
     # One MLflow store, every run tagged with the Airflow task that made it, versions described and typed.
+    # The registry too: a test before this one may have left this process's registry URI on its own store.
     mlflow.set_tracking_uri(airflow.env["MLFLOW_TRACKING_URI"])
+    mlflow.set_registry_uri(airflow.env["MLFLOW_TRACKING_URI"])
     try:
         runs = mlflow.search_runs(experiment_names=["embshard"], filter_string=f"tags.`airflow.run_id` = '{run_id}'")
         assert set(runs["tags.airflow.task_id"]) >= {"train_cost_model", "train_policy", "evaluate_and_promote"}
@@ -181,6 +183,7 @@ def test_triggered_run_succeeds_end_to_end(airflow, runs):
             assert info.signature is not None and info.signature.inputs is not None
     finally:
         mlflow.set_tracking_uri(None)
+        mlflow.set_registry_uri(None)
 
     # The decision is the task's return value (XCom) and a readable block in its log.
     decision = airflow._request("GET", f"/api/v2/dags/embshard_pipeline/dagRuns/{run_id}/taskInstances/"
