@@ -46,8 +46,9 @@ lint: install
 	$(BIN)/ruff check components dags benchmarks tests
 	$(BIN)/mypy components/embshard dags
 
+# The end-to-end runs (real Airflow, pipeline, harness) go in the background on the second core (tests/background.py).
 test: install lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # The edit loop: no lint, and without the tests marked slow (end-to-end runs, real Airflow).
 test-fast: install

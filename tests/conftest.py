@@ -96,3 +96,26 @@ def cost_model_uri(measured_world):
     res = run(measured_world["costs"], measured_world["tables"], os.path.join(measured_world["root"], "cm"),
               seed=0, max_epochs=150, patience=30)
     return res["model_uri"]
+
+
+# --- end-to-end jobs beside the tests (tests/background.py) ------------------------------------------------------
+def pytest_collection_modifyitems(session, config, items):
+    """Tests that wait for a background job run last, in the order the jobs are queued (a stable sort: the rest
+    keep their order)."""
+    import background
+
+    items.sort(key=lambda item: background.rank(list(getattr(item, "fixturenames", ()))))
+
+
+def pytest_collection_finish(session):
+    import background
+
+    if session.config.option.collectonly:
+        return
+    background.start({f for item in session.items for f in getattr(item, "fixturenames", ())})
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import background
+
+    background.finish()

@@ -6,15 +6,21 @@ It checks what dag.test() cannot: helpers that re-import the entry point die und
 must find the run's one data root and one MLflow store, the trigger form must submit with its defaults, and
 progress must not reach the task logs as ERROR lines. The browser test is skipped where Debian's chromium is
 absent.
+
+Airflow starts and both runs go in the background from the session's start (tests/background.py); the tests here
+run last and check what the runs left.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+import tempfile
 import time
 from pathlib import Path
 
+import background
 import pytest
 
 from embshard import stages
@@ -40,26 +46,70 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-@pytest.fixture(scope="module")
-def airflow(tmp_path_factory):
-    from embshard.airflow_local import LocalAirflow, session_members
+def new_airflow():
+    """A LocalAirflow of the installation's own folders, not the test session's (made here, in the main thread:
+    its folders are read from os.environ, which only this thread may change), inheriting the session's
+    environment as it is now rather than as the tests running beside it change it."""
+    from embshard.airflow_local import LocalAirflow
 
-    out = tmp_path_factory.mktemp("airflow-real")
+    out = tempfile.mkdtemp(prefix="embshard-airflow-real-")
     with pytest.MonkeyPatch.context() as mp:
-        for key in ENV:  # the installation's own folders, not the test session's
+        for key in ENV:
             mp.delenv(key, raising=False)
-        af = LocalAirflow(str(out), free_port())
-        af.start()
-        try:
-            yield af
-        finally:
-            sessions = af.sessions()  # restarted components' old sessions included
-            af.stop()
-            # Stopped by session: no component, nor anything it forked (task processes in groups of their own
-            # included), still runs after stop().
-            for sid in sessions:
-                assert session_members(sid) == [], f"session {sid} outlived stop()"
-            assert not listening(af.port)
+        return LocalAirflow(out, free_port(), base_env=dict(os.environ))
+
+
+_AIRFLOW = new_airflow()
+
+
+@background.at_end
+def _stop_airflow() -> None:
+    """A session that ended before this module's tests ran (-x, Ctrl-C) leaves no Airflow behind."""
+    if _AIRFLOW.procs:
+        _AIRFLOW.stop()
+
+
+@background.job("runs", order=4)
+def _airflow_runs() -> dict:
+    """Start Airflow, run the tiny DAG through a scheduler killed mid-run, then the bad conf (one real run serves
+    both the end-to-end and the crash checks: each costs minutes). A failure after start() is kept for the tests
+    (and Airflow left running for the fixture to stop)."""
+    af, lines = _AIRFLOW, []
+    af.start()
+    res: dict = {"progress": lines}
+    try:
+        res["run_id"] = af.trigger(dict(TINY))
+        res["api"] = kill_scheduler_while_a_task_runs(af, res["run_id"])
+        res["state"] = af.wait_run(res["run_id"], timeout_s=1200, progress=lines.append)
+        res["bad_run_id"] = af.trigger({"nosuch": 1, "tables_per_task": "60-20", "source": "spec"})
+        res["bad_state"] = af.wait_run(res["bad_run_id"], timeout_s=300, progress=lines.append)
+    except Exception as exc:
+        res["error"] = exc
+    return res
+
+
+@pytest.fixture(scope="module")
+def runs():
+    res = background.result("runs")
+    print("\n".join(res["progress"]))
+    return res
+
+
+@pytest.fixture(scope="module")
+def airflow(runs):
+    from embshard.airflow_local import session_members
+
+    af = _AIRFLOW
+    try:
+        yield af
+    finally:
+        sessions = af.sessions()  # restarted components' old sessions included
+        af.stop()
+        # Stopped by session: no component, nor anything it forked (task processes in groups of their own
+        # included), still runs after stop().
+        for sid in sessions:
+            assert session_members(sid) == [], f"session {sid} outlived stop()"
+        assert not listening(af.port)
 
 
 def test_components_listen_on_localhost_only(airflow):
@@ -94,13 +144,14 @@ def kill_scheduler_while_a_task_runs(airflow, run_id: str):
     return api
 
 
-def test_triggered_run_succeeds_end_to_end(airflow):
+def test_triggered_run_succeeds_end_to_end(airflow, runs):
     import mlflow
 
-    run_id = airflow.trigger(dict(TINY))
+    if "error" in runs and "state" not in runs:
+        raise runs["error"]
+    run_id = runs["run_id"]
     # The same run survives a crashed scheduler (one run serves both checks: each real run costs minutes).
-    api = kill_scheduler_while_a_task_runs(airflow, run_id)
-    state = airflow.wait_run(run_id, timeout_s=1200)
+    api, state = runs["api"], runs["state"]
     assert airflow.procs["api-server"] is api and api.poll() is None  # the UI never went down
     assert airflow.failed is None
     logs = Path(airflow.log_dir) / "dag_id=embshard_pipeline" / f"run_id={run_id}"
@@ -116,7 +167,9 @@ def test_triggered_run_succeeds_end_to_end(airflow):
     assert len(list((root / "costs").glob("part-*.parquet"))) == TINY["bench_chunks"]
 
     # One MLflow store, every run tagged with the Airflow task that made it, versions described and typed.
+    # The registry too: a test before this one may have left this process's registry URI on its own store.
     mlflow.set_tracking_uri(airflow.env["MLFLOW_TRACKING_URI"])
+    mlflow.set_registry_uri(airflow.env["MLFLOW_TRACKING_URI"])
     try:
         runs = mlflow.search_runs(experiment_names=["embshard"], filter_string=f"tags.`airflow.run_id` = '{run_id}'")
         assert set(runs["tags.airflow.task_id"]) >= {"train_cost_model", "train_policy", "evaluate_and_promote"}
@@ -130,6 +183,7 @@ def test_triggered_run_succeeds_end_to_end(airflow):
             assert info.signature is not None and info.signature.inputs is not None
     finally:
         mlflow.set_tracking_uri(None)
+        mlflow.set_registry_uri(None)
 
     # The decision is the task's return value (XCom) and a readable block in its log.
     decision = airflow._request("GET", f"/api/v2/dags/embshard_pipeline/dagRuns/{run_id}/taskInstances/"
@@ -159,11 +213,12 @@ def test_triggered_run_succeeds_end_to_end(airflow):
             assert entry.get("level") not in ("error", "critical"), f"{path}: {entry.get('event')}"
 
 
-def test_bad_conf_over_rest_fails_in_check_params(airflow):
+def test_bad_conf_over_rest_fails_in_check_params(airflow, runs):
     """A conf that Airflow's own schema lets through (an unknown key, a backwards range, a spec source without
     its file) fails in the run's first task, in seconds, naming every field and its fix; nothing else runs."""
-    run_id = airflow.trigger({"nosuch": 1, "tables_per_task": "60-20", "source": "spec"})
-    state = airflow.wait_run(run_id, timeout_s=300)
+    if "error" in runs and "bad_state" not in runs:
+        raise runs["error"]
+    run_id, state = runs["bad_run_id"], runs["bad_state"]
     states = airflow.task_states(run_id)
     assert state == "failed" and states["check_params"] == "failed", states
     assert states["ingest"] == "upstream_failed"

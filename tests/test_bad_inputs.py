@@ -431,7 +431,19 @@ def _bench_cmd(tables, out, batch="64", seed="0"):
             "--comm-bandwidth-gbps", "10", "--comm-latency-us", "20", "--no-progress"]
 
 
-def test_killed_bench_resumes_to_the_same_result_and_other_settings_are_refused(world, tmp_path):
+def _bench_here(capsys, cmd) -> subprocess.CompletedProcess:
+    """`cmd` (a _bench_cmd) run in this process: the refusals and the resume check what the job does, and a fresh
+    interpreter costs seconds each (the kill itself needs a process of its own)."""
+    capsys.readouterr()
+    try:
+        rc = cli(cmd[3:])
+    except SystemExit as exc:  # argparse
+        rc = exc.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(cmd, rc, out.out, out.err)
+
+
+def test_killed_bench_resumes_to_the_same_result_and_other_settings_are_refused(world, tmp_path, capsys):
     out = str(tmp_path / "run")
     partial = os.path.join(out, "costs", ".partial", "part-00000-of-00001")
     proc = subprocess.Popen(_bench_cmd(world["tables"], out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -448,14 +460,14 @@ def test_killed_bench_resumes_to_the_same_result_and_other_settings_are_refused(
     before = pd.concat([schemas.read(os.path.join(partial, f), "costs") for f in done])
 
     # Another batch size after the kill: refused, nothing added to the partial results.
-    res = subprocess.run(_bench_cmd(world["tables"], out, batch="128"), capture_output=True, text=True, timeout=300)
+    res = _bench_here(capsys, _bench_cmd(world["tables"], out, batch="128"))
     assert res.returncode == 2, res.stderr[-2000:]
     assert "batch_size" in res.stderr and "64 there, 128 now" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     assert sorted(f for f in os.listdir(partial) if f.endswith(".parquet")) == done
 
     # The same settings resume: all shards, the ones measured before the kill kept as they were.
-    res = subprocess.run(_bench_cmd(world["tables"], out), capture_output=True, text=True, timeout=300)
+    res = _bench_here(capsys, _bench_cmd(world["tables"], out))
     assert res.returncode == 0, res.stderr[-2000:]
     costs = schemas.read(os.path.join(out, "costs"), "costs")
     assert len(costs) == 8 and costs["sample_id"].is_unique and (costs["batch_size"] == 64).all()
@@ -469,9 +481,9 @@ def test_killed_bench_resumes_to_the_same_result_and_other_settings_are_refused(
     df.loc[0, "pooling_factor"] = df.loc[0, "pooling_factor"] + 1
     schemas.write(df, other_tables, "tables")
     for kw, what in (({"seed": "1"}, "seed 0 there, 1 now"), ({"batch": "128"}, "batch_size 64 there, 128 now")):
-        res = subprocess.run(_bench_cmd(world["tables"], out, **kw), capture_output=True, text=True, timeout=300)
+        res = _bench_here(capsys, _bench_cmd(world["tables"], out, **kw))
         assert res.returncode == 2 and what in res.stderr, res.stderr[-2000:]
-    res = subprocess.run(_bench_cmd(other_tables, out), capture_output=True, text=True, timeout=300)
+    res = _bench_here(capsys, _bench_cmd(other_tables, out))
     assert res.returncode == 2 and "field 'tables'" in res.stderr, res.stderr[-2000:]
     assert sorted(os.listdir(os.path.join(out, "costs"))) == finished
     again = schemas.read(os.path.join(out, "costs"), "costs")

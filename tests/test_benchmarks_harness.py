@@ -1,13 +1,17 @@
 """The benchmark harness end to end in its --quick mode: a real (tiny) Airflow pipeline run trains the models,
 real FBGEMM measurements of every planner, TorchRec's included, planning times, and the results pages.
 
-One harness run is shared by the tests of this module (it is the expensive part: about 1.5-2 minutes here)."""
+One harness run is shared by the tests of this module (it is the expensive part: about 1.5-2 minutes here); it runs
+in the background from the session's start (tests/background.py)."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
+import background
 import pandas as pd
 import pytest
 
@@ -20,8 +24,8 @@ STAGES = ["check_params", "ingest", "sample_shards", "benchmark", "train_cost_mo
 SKIPPED_ROUND = [f"{step}_r3" for step in ("measure_policy_plans", "refit_cost_model", "train_policy")]  # rounds=2
 
 
-def _env() -> dict:
-    env = dict(os.environ)
+def _env(base=None) -> dict:
+    env = dict(os.environ if base is None else base)
     # The harness's own pipeline run keeps its Airflow DB and MLflow store in its workdir, not the test session's.
     for key in ("AIRFLOW_HOME", "MLFLOW_TRACKING_URI", "EMBSHARD_DATA_ROOT"):
         env.pop(key, None)
@@ -32,18 +36,27 @@ def _env() -> dict:
     return env
 
 
-def _harness(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=900)
+def _harness(*args: str, base_env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=REPO, env=_env(base_env),
+                          capture_output=True, text=True, timeout=900)
+
+
+@background.job("quick", order=0)
+def _quick_run() -> dict:
+    root = Path(tempfile.mkdtemp(prefix="embshard-harness-"))
+    out, work = root / "results", root / "work"
+    out.mkdir()
+    work.mkdir()
+    proc = _harness("--quick", "--out", str(out), "--workdir", str(work), base_env=background.ENV)
+    return {"out": out, "work": work, "proc": proc}
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory):
-    out = tmp_path_factory.mktemp("results")
-    work = tmp_path_factory.mktemp("work")
-    proc = _harness("--quick", "--out", str(out), "--workdir", str(work))
+def quick():
+    run = background.result("quick")
+    proc = run["proc"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {"out": out, "work": work, "stdout": proc.stdout}
+    return {"out": run["out"], "work": run["work"], "stdout": proc.stdout}
 
 
 def test_quick_writes_every_page_and_plot(quick):

@@ -204,16 +204,30 @@ def test_predict_writes_costs_with_intervals(saved_ensemble):
     assert (df["working_set_bytes"] > 0).all() and "s1" in res.stdout
 
 
-def test_predict_bad_input_is_one_line_exit_2_and_writes_nothing(saved_ensemble):
+def _predict_here(capsys, *args) -> subprocess.CompletedProcess:
+    """`embshard predict` in this process, for what the job says on stderr (its error line is printed there;
+    its warnings are log lines, which pytest keeps from stderr, so those tests use the real command)."""
+    from embshard.cli import main
+
+    capsys.readouterr()
+    try:
+        rc = main(["predict", *args])
+    except SystemExit as exc:  # argparse
+        rc = exc.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["embshard", "predict", *args], rc, out.out, out.err)
+
+
+def test_predict_bad_input_is_one_line_exit_2_and_writes_nothing(saved_ensemble, capsys):
     root, ids = saved_ensemble
     pd.DataFrame({"sample_id": ["s1"], "table_ids": ["no-such-table"], "num_devices": [4]}).to_csv(
         root / "bad.csv", index=False)
     out = root / "never.parquet"
-    res = _predict("--tables", str(root / "tables.parquet"), "--shards", str(root / "bad.csv"),
+    res = _predict_here(capsys, "--tables", str(root / "tables.parquet"), "--shards", str(root / "bad.csv"),
                    "--model", str(root / "model"), "--out", str(out))
     assert res.returncode == 2 and "table_ids" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert not out.exists()
-    res = _predict("--tables", str(root / "tables.parquet"), "--shards", str(root / "bad.csv"),
+    res = _predict_here(capsys, "--tables", str(root / "tables.parquet"), "--shards", str(root / "bad.csv"),
                    "--model", str(root / "no-model"), "--out", str(out))
     assert res.returncode == 2 and not out.exists()
 

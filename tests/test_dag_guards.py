@@ -6,18 +6,20 @@
 - Every task's execution_timeout is sized when it starts from the run's params (measured stage times x work x
   timeout_scale); the run has a dagrun_timeout. A stuck stage is timed out by Airflow's own task runner.
 
-The two DAG runs here are real dag.test() runs in a fresh interpreter (Airflow reads its config at import).
+The two DAG runs here are real dag.test() runs in a fresh interpreter (Airflow reads its config at import), run in
+the background from the session's start (tests/background.py).
 The REST path (a bad conf triggered through the API fails in check_params) is in tests/test_airflow_real.py.
 """
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
+import background
 import pytest
 
 from embshard import params
@@ -140,8 +142,9 @@ RUNNER = textwrap.dedent("""
 """)
 
 
-def _dag_test(tmp_path, conf: dict, mode: str) -> tuple[dict, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "MLFLOW", "EMBSHARD_"))}
+def _dag_test(conf: dict, mode: str) -> tuple[dict, str]:
+    tmp_path = Path(tempfile.mkdtemp(prefix=f"embshard-dag-guard-{mode}-"))
+    env = {k: v for k, v in background.ENV.items() if not k.startswith(("AIRFLOW", "MLFLOW", "EMBSHARD_"))}
     env.update(AIRFLOW__CORE__LOAD_EXAMPLES="False", EMBSHARD_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", RUNNER, str(tmp_path), json.dumps(conf), mode], env=env,
                           capture_output=True, text=True, timeout=600, cwd=str(REPO))
@@ -152,9 +155,29 @@ def _dag_test(tmp_path, conf: dict, mode: str) -> tuple[dict, str]:
     return json.loads(lines[0][len("RESULT "):]), proc.stdout + proc.stderr + logs
 
 
+@background.job("bad_conf_run", order=1)
+def _bad_conf_run() -> tuple[dict, str]:
+    return _dag_test({"nosuch": 1, "tables_per_task": "60-20", "source": "spec"}, "normal")
+
+
+@background.job("stuck_run", order=2)
+def _stuck_run() -> tuple[dict, str]:
+    return _dag_test({"timeout_scale": 0.002}, "stuck")
+
+
+@pytest.fixture()
+def bad_conf_run():
+    return background.result("bad_conf_run")
+
+
+@pytest.fixture()
+def stuck_run():
+    return background.result("stuck_run")
+
+
 @pytest.mark.slow
-def test_bad_conf_fails_in_check_params_before_any_work(tmp_path):
-    result, out = _dag_test(tmp_path, {"nosuch": 1, "tables_per_task": "60-20", "source": "spec"}, "normal")
+def test_bad_conf_fails_in_check_params_before_any_work(bad_conf_run):
+    result, out = bad_conf_run
     assert result["state"] == "failed"
     assert result["tasks"]["check_params"] == "failed"
     assert result["tasks"]["ingest"] == "upstream_failed"
@@ -165,9 +188,9 @@ def test_bad_conf_fails_in_check_params_before_any_work(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_stuck_stage_is_timed_out(tmp_path):
+def test_a_stuck_stage_is_timed_out(stuck_run):
     """ingest hangs; with timeout_scale 0.002 its limit is 1.8 s (900 s floor): Airflow's task runner ends it."""
-    result, out = _dag_test(tmp_path, {"timeout_scale": 0.002}, "stuck")
+    result, out = stuck_run
     assert result["tasks"]["check_params"] == "success"
     assert result["tasks"]["ingest"] == "failed" and result["state"] == "failed"
     assert "Timeout" in out or "timed out" in out

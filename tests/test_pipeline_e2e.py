@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
+import subprocess
+import sys
+import tempfile
 
+import background
 import numpy as np
 import pytest
 
@@ -45,15 +50,14 @@ def digest(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-@pytest.fixture(scope="module")
-def two_runs(tmp_path_factory):
-    """Two pipeline runs into one output folder with its own MLflow store. Airflow reads AIRFLOW_HOME when it is
-    first imported, so the runs keep the session's (conftest) and only get a fresh DB schema from initdb()."""
+def run_twice(out: str) -> dict:
+    """Two pipeline runs into one output folder with its own MLflow store, in this (fresh) interpreter: Airflow
+    reads AIRFLOW_HOME when it is first imported, so the runs use the one the caller set, and the DB schema comes
+    from initdb()."""
     import mlflow
 
     from embshard import pipeline
 
-    out = tmp_path_factory.mktemp("pipeline")
     with pytest.MonkeyPatch.context() as mp:
         # setup_environment() writes these into os.environ: record them so they are restored afterwards.
         for key in ENV_KEYS:
@@ -79,9 +83,42 @@ def two_runs(tmp_path_factory):
     return {"out": str(out), "first": first, "second": second, "versions": versions, "promote_runs": promote_runs}
 
 
+# The two runs in a fresh interpreter beside the other tests (tests/background.py), with an Airflow home of their own.
+RUNNER = """
+import pickle, sys
+sys.path.insert(0, sys.argv[2])
+import test_pipeline_e2e
+with open(sys.argv[3], "wb") as f:
+    pickle.dump(test_pipeline_e2e.run_twice(sys.argv[1]), f)
+"""
+
+
+@background.job("two_runs", order=3)
+def _two_runs_job() -> dict:
+    out = tempfile.mkdtemp(prefix="embshard-pipeline-e2e-")
+    env = {**background.ENV, "AIRFLOW_HOME": os.path.join(out, "airflow"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
+    env.pop("AIRFLOW__CORE__DAGS_FOLDER", None)
+    result = os.path.join(out, "result.pkl")
+    proc = subprocess.run([sys.executable, "-c", RUNNER, os.path.join(out, "pipeline"),
+                           os.path.dirname(os.path.abspath(__file__)), result],
+                          env=env, capture_output=True, text=True, timeout=1500)
+    return {"proc": proc, "result": result, "airflow_home": env["AIRFLOW_HOME"]}
+
+
+@pytest.fixture(scope="module")
+def two_runs():
+    job = background.result("two_runs")
+    proc = job["proc"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(job["result"], "rb") as f:
+        runs = pickle.load(f)
+    return {**runs, "airflow_home": job["airflow_home"]}
+
+
 def test_run_uses_the_tests_airflow_home_and_its_own_stores(two_runs):
     first = two_runs["first"]
     assert first["state"] == "success"
+    assert first["env"]["AIRFLOW_HOME"] == two_runs["airflow_home"]
     assert first["env"]["MLFLOW_TRACKING_URI"] == f"sqlite:///{two_runs['out']}/mlflow.db"
     assert first["env"]["EMBSHARD_DATA_ROOT"] == os.path.join(two_runs["out"], "data")
     assert first["root"] == stages.run_root(os.path.join(two_runs["out"], "data"), first["run_id"])

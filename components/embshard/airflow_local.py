@@ -92,7 +92,11 @@ def environment(out: str, port: int) -> dict[str, str]:
 class LocalAirflow:
     """Start, reach and stop a local Airflow: `with LocalAirflow(out, port) as af: af.trigger(conf)`."""
 
-    def __init__(self, out: str = "runs/local", port: int = 8080, components=COMPONENTS, notify=None):
+    def __init__(self, out: str = "runs/local", port: int = 8080, components=COMPONENTS, notify=None,
+                 base_env: dict[str, str] | None = None):
+        # What the components inherit under self.env: this process's environment when each starts, unless given
+        # (the tests run an Airflow beside tests that change theirs).
+        self.base_env = base_env
         self.out = os.path.abspath(out)
         self.port = int(port)
         self.env = environment(self.out, self.port)
@@ -136,7 +140,7 @@ class LocalAirflow:
                                 fix="stop what listens there (an earlier `make ui`?) or pass --port")
         self.home.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.env}
+        env = self._component_env()
         self.password()
         migrate = subprocess.run(self._airflow("db", "migrate"), env=env, capture_output=True, text=True)
         if migrate.returncode != 0:
@@ -156,6 +160,9 @@ class LocalAirflow:
         self._supervisor.start()
         return self
 
+    def _component_env(self) -> dict[str, str]:
+        return {**(os.environ if self.base_env is None else self.base_env), **self.env}
+
     def _command(self, name: str) -> list[str]:
         args = {"api-server": ("api-server", "--host", "127.0.0.1", "--port", str(self.port)),
                 # No log servers on 0.0.0.0: with one machine, the API server reads task logs from files.
@@ -166,7 +173,7 @@ class LocalAirflow:
     def _spawn(self, name: str) -> subprocess.Popen:
         """Start one component in a session of its own: stop() ends it with everything it forked."""
         with open(self.log_dir / f"{name}.log", "ab") as log:
-            return subprocess.Popen(self._command(name), env={**os.environ, **self.env}, stdout=log,
+            return subprocess.Popen(self._command(name), env=self._component_env(), stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def _write_pids(self) -> None:
