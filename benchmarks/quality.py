@@ -54,6 +54,7 @@ class QualityConfig:
     torchrec_timeout_s: float = 30.0
     max_shard_gb: float | None = None
     seed: int = 0
+    batch_size: int | None = None    # None: the run's (what the cost model was measured with)
 
 
 # A table list's tasks are device counts: the first 3 by default, more with a larger tasks_scale.
@@ -106,9 +107,11 @@ def scale_config() -> QualityConfig:
     The population is 2,400 tables so that the held-out half holds 1,000; TorchRec's full search is left out (it
     times out beyond 100 tables, planning_time.md)."""
     planners = [p for p in MAIN_PLANNERS if p != "torchrec_full"]
+    # Batch 256 and 2 GiB per measurement: the balanced estimate fuses all ~900 tables on one device, whose batch
+    # of indices alone needs 12.9 GiB at the run's batch of 2,048 (ratios between plans stay paired per round).
     return QualityConfig(suites=[Suite("unseen tables T=500-1000 D=32-128", "synthetic", "500-1000", [32, 128],
                                        tasks=2, planners=planners)],
-                         population=2400, torchrec_timeout_s=30.0)
+                         population=2400, torchrec_timeout_s=30.0, batch_size=256, max_shard_gb=2.0)
 
 
 def quick_config() -> QualityConfig:
@@ -163,7 +166,7 @@ def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int,
     kw = {"bins_batch_size": cfg.bins_batch_size} if cfg.bins_batch_size else {}
     synthetic = generate_tables(cfg.population, seed=HELDOUT_SEED, **kw)
     # The run's batch size and communication calibration, so the cost model sees what it was trained on.
-    settings = MeasureSettings(batch_size=int(batch_size), calibration_dir=comm_root or None,
+    settings = MeasureSettings(batch_size=int(cfg.batch_size or batch_size), calibration_dir=comm_root or None,
                                max_shard_gb=cfg.max_shard_gb or None)
     frames = []
     for k, suite in enumerate(cfg.suites):
