@@ -47,10 +47,12 @@ NOTES = """\
 | torch import | ~1.2-1.6 | needed by the policy and the cost model; heuristics never import it |
 | registry load (alias read from sqlite, MLmodel, torch.load) | 0.03 | was 3.4 s + 2-3 s importing mlflow.pyfunc |
 | planning (planners/compose.py: policy rollouts, proposers, search) | ~2.0 | |
-| predicted costs + balanced-estimate check | ~1.1 | re-plans the 6 greedy baselines as witnesses (1) |
+| predicted costs + balanced-estimate check | ~1.1 | then re-planned the 6 greedy baselines as witnesses (1) |
 | devices.png (matplotlib.pyplot import + render) | ~0.9 | placement_report.py, not changed |
 
-(1) The candidates the planner already scored could serve as those witnesses (planners/scoring.py; not done).
+(1) Since then the check reuses the candidates the planner already scored (planners/scoring.py), and planning
+itself got 2-5x faster (fused batched scorer, batched rollouts: planning_time.md); the table above is the profile
+before those two changes.
 
 ## Before and after, same machine, same world (2 runs each after a warm-up, load average 3-5: noisy)
 
@@ -70,7 +72,8 @@ On a quiet machine (load average ~2, i.e. this job alone on the 2 cores) the sam
 (lookup_greedy), 3.86 s (learned), 4.66 s (torchrec_table_wise) and 0.43 s (the error): both goals met. Under a load
 average of 5-7 (three other workers) everything slows about 2.5x and the learned planner misses its 6 s goal, by
 about as much as TorchRec's table-wise planner slows; its ratio to it stays 0.8-0.9, the heuristic's 0.2-0.25 and
-the error's ~0.1. `load_1min` in the raw rows is the load average at each start.
+the error's ~0.1. `load_1min` in the raw rows is the load average at each start. The numbers at the top are
+the run after the faster planning and the reused witnesses (one benchmark job on the other core beside it).
 """
 
 
