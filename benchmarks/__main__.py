@@ -136,46 +136,25 @@ def _run(args, jobs: list[str], out: str, work: str) -> int:
             f"{s} compute MAPE learned {h['learned']['mape']:.1f}% vs sum-of-singles {h['sum_singles']['mape']:.1f}% "
             f"vs analytic {h['analytic']['mape']:.1f}%" for s, h in head.items()))
 
-    # 3. Placement quality, measured.
-    if "quality" in jobs and args.suite == "split":
-        cfg = quality.split_config()
+    # 3. Placement quality, measured: the main suites, or the split or scale suite on a page of its own.
+    if "quality" in jobs:
+        if args.suite == "split":
+            cfg, name, page = quality.split_config(), "quality_splits", quality.split_markdown
+        elif args.suite == "scale":
+            cfg, name, page = quality.scale_config(), "quality_scale", quality.markdown
+        else:
+            cfg = quality.quick_config() if args.quick else quality.full_config(args.tasks_scale)
+            name, page = "quality", quality.markdown
         t0 = time.perf_counter()
-        frame = quality.run(info.policy_uri, cfg, os.path.join(work, "quality_splits"), info.batch_size,
-                            comm_root=info.root)
+        frame = quality.run(info.policy_uri, cfg, os.path.join(work, name), info.batch_size, comm_root=info.root)
         secs = time.perf_counter() - t0
         frame.drop(columns=[c for c in ("error",) if c in frame.columns]).to_csv(
-            os.path.join(out, "raw", "quality_splits.csv"), index=False)
-        png = quality.plot(quality.summarize(frame), os.path.join(out, "quality_splits.png"), hw_line)
-        write_text(os.path.join(out, "quality_splits.md"),
-                   quality.split_markdown(frame, cfg, hw_line, info.policy_uri, info.batch_size, secs, png))
-        pages["quality_splits"] = {"md": "quality_splits.md", "png": "quality_splits.png",
-                                   "headline": quality.headline(quality.summarize(frame), frame), "seconds": secs}
-    elif "quality" in jobs and args.suite == "scale":
-        cfg = quality.scale_config()
-        t0 = time.perf_counter()
-        frame = quality.run(info.policy_uri, cfg, os.path.join(work, "quality_scale"), info.batch_size,
-                            comm_root=info.root)
-        secs = time.perf_counter() - t0
-        frame.drop(columns=[c for c in ("error",) if c in frame.columns]).to_csv(
-            os.path.join(out, "raw", "quality_scale.csv"), index=False)
-        png = quality.plot(quality.summarize(frame), os.path.join(out, "quality_scale.png"), hw_line)
-        write_text(os.path.join(out, "quality_scale.md"),
-                   quality.markdown(frame, cfg, hw_line, info.policy_uri, info.batch_size, secs, png))
-        pages["quality_scale"] = {"md": "quality_scale.md", "png": "quality_scale.png",
-                                  "headline": quality.headline(quality.summarize(frame), frame), "seconds": secs}
-    elif "quality" in jobs:
-        cfg = quality.quick_config() if args.quick else quality.full_config(args.tasks_scale)
-        t0 = time.perf_counter()
-        frame = quality.run(info.policy_uri, cfg, os.path.join(work, "quality"), info.batch_size,
-                            comm_root=info.root)
-        secs = time.perf_counter() - t0
-        frame.drop(columns=[c for c in ("error",) if c in frame.columns]).to_csv(
-            os.path.join(out, "raw", "quality.csv"), index=False)
-        png = quality.plot(quality.summarize(frame), os.path.join(out, "quality.png"), hw_line)
-        write_text(os.path.join(out, "quality.md"),
-                   quality.markdown(frame, cfg, hw_line, info.policy_uri, info.batch_size, secs, png))
-        pages["quality"] = {"md": "quality.md", "png": "quality.png",
-                            "headline": quality.headline(quality.summarize(frame), frame), "seconds": secs}
+            os.path.join(out, "raw", f"{name}.csv"), index=False)
+        png = quality.plot(quality.summarize(frame), os.path.join(out, f"{name}.png"), hw_line)
+        write_text(os.path.join(out, f"{name}.md"),
+                   page(frame, cfg, hw_line, info.policy_uri, info.batch_size, secs, png))
+        pages[name] = {"md": f"{name}.md", "png": f"{name}.png",
+                       "headline": quality.headline(quality.summarize(frame), frame), "seconds": secs}
 
     # 4. Planning time scaling (no kernels).
     if "planning" in jobs:
