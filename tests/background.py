@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import threading
 from collections.abc import Callable
 
 _jobs: dict[str, tuple[int, Callable[[], object]]] = {}
@@ -17,6 +18,12 @@ _at_end: list[Callable[[], None]] = []
 _futures: dict[str, concurrent.futures.Future] = {}
 # One worker: the jobs share the second core one after the other rather than all of them crowding it.
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="embshard-tests-background")
+# The session's measured world (conftest.measured_world: real kernel timings that the session's cost model, policy
+# and promotion tests learn from) is measured before any job starts: a pipeline or Airflow run on the other core
+# perturbs those timings (a fresh-clone run once trained a flat cost model from them and failed three tests).
+GATE_FIXTURE = "measured_world"
+GATE_TIMEOUT_S = 1200.0
+_gate = threading.Event()
 # The session's environment when the jobs were queued: a job reads this, never os.environ, which the tests running
 # beside it change (monkeypatch) while it runs.
 ENV: dict[str, str] = dict(os.environ)
@@ -43,9 +50,13 @@ def rank(fixtures: list[str]) -> int:
 
 
 def start(fixtures_used: set[str]) -> None:
-    """Queue the jobs that a selected test needs."""
+    """Queue the jobs that a selected test needs, behind the gate when a selected test measures the world."""
     ENV.clear()
     ENV.update(os.environ)
+    if GATE_FIXTURE in fixtures_used:
+        _pool.submit(_gate.wait, GATE_TIMEOUT_S)  # one worker: every job queues behind it
+    else:
+        _gate.set()
     for name, (_, fn) in sorted(_jobs.items(), key=lambda kv: kv[1][0]):
         if name in fixtures_used and name not in _futures:
             _futures[name] = _pool.submit(fn)
@@ -63,8 +74,14 @@ def result(fixture: str):
     return fut.result()
 
 
+def open_gate() -> None:
+    """The measured world is built (or failed): the jobs may start."""
+    _gate.set()
+
+
 def finish() -> None:
     """Drop the jobs not started yet, then run the at_end functions (a job still running ends on its own)."""
+    _gate.set()  # a gate still closed would hold the worker
     _pool.shutdown(wait=False, cancel_futures=True)
     for fn in _at_end:
         fn()

@@ -53,7 +53,17 @@ def mlflow_uri(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def measured_world(tmp_path_factory):
     """A tiny, real end-to-end data set: 40 synthetic tables, train/test tasks, and real FBGEMM measurements of
-    random shards plus the baselines' device shards (small batch and memory budget to stay fast)."""
+    random shards plus the baselines' device shards (small batch and memory budget to stay fast). Measured before
+    the background jobs start (tests/background.py), which wait for it."""
+    import background
+
+    try:
+        return _measure_world(tmp_path_factory)
+    finally:
+        background.open_gate()
+
+
+def _measure_world(tmp_path_factory):
     import pandas as pd
 
     from embshard import schemas
@@ -104,7 +114,9 @@ def pytest_collection_modifyitems(session, config, items):
     keep their order)."""
     import background
 
-    items.sort(key=lambda item: background.rank(list(getattr(item, "fixturenames", ()))))
+    # Among the first, the tests that measure the world go first: the background jobs wait for that measurement.
+    items.sort(key=lambda item: (background.rank(list(getattr(item, "fixturenames", ()))),
+                                 background.GATE_FIXTURE not in getattr(item, "fixturenames", ())))
 
 
 def pytest_collection_finish(session):
