@@ -12,7 +12,14 @@ from .errors import InfeasiblePlacementError
 from .tableset import TableSet
 from .types import COLUMN, REPLICATED, WHOLE, DeviceTopology, Shard
 
-__all__ = ["Placement", "Shard"]
+__all__ = ["Placement", "Shard", "piece_bytes"]
+
+
+def piece_bytes(tables: TableSet, s: Shard) -> int:
+    """Bytes of weights a piece holds: its rows (all, or its range) x its columns (all, or its slice)."""
+    rows = int(tables.rows[s.table]) if s.row_size is None else int(s.row_size)
+    dim = int(tables.dims[s.table]) if s.col_size is None else int(s.col_size)
+    return rows * dim * int(tables.bytes_per_element[s.table])
 
 
 @dataclass
@@ -46,10 +53,7 @@ class Placement:
                         dtype=np.int64)
 
     def shard_bytes(self) -> np.ndarray:
-        t = self.tables
-        return np.array([(t.rows[s.table] if s.row_size is None else s.row_size)
-                         * (t.dims[s.table] if s.col_size is None else s.col_size)
-                         * t.bytes_per_element[s.table] for s in self.shards], dtype=np.int64)
+        return np.array([piece_bytes(self.tables, s) for s in self.shards], dtype=np.int64)
 
     def device_of_shards(self) -> np.ndarray:
         return np.array([s.device for s in self.shards], dtype=np.int64)

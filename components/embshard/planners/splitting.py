@@ -20,6 +20,7 @@ import numpy as np
 
 from ..checks import GiB
 from ..errors import InfeasiblePlacementError
+from ..placement import piece_bytes
 from ..tableset import TableSet
 from ..types import ROW, DeviceTopology, Shard, row_blocks
 
@@ -86,12 +87,6 @@ def piece_table(tables: TableSet, shards: list[Shard]) -> TableSet:
     return replace(sub, dims=dims, rows=rows, pooling_factor=pooling, size_bytes=size.astype(np.int64))
 
 
-def shard_bytes(tables: TableSet, s: Shard) -> int:
-    rows = int(tables.rows[s.table]) if s.row_size is None else int(s.row_size)
-    dim = int(tables.dims[s.table]) if s.col_size is None else int(s.col_size)
-    return rows * dim * int(tables.bytes_per_element[s.table])
-
-
 @dataclass
 class PieceView:
     """A task's tables as the pieces planners place.
@@ -123,7 +118,7 @@ class PieceView:
                 free.extend(column_pieces(i, int(tables.dims[i]), int(level)))
         load = np.zeros(topology.count, dtype=np.int64)
         for s in pinned:
-            load[s.device] += shard_bytes(tables, s)
+            load[s.device] += piece_bytes(tables, s)
         pieces = piece_table(tables, free) if free else tables.subset([])
         return cls(tables, topology, np.asarray(levels, dtype=np.int64), free, pinned, pieces,
                    int(topology.memory_bytes - load.max()))
@@ -210,7 +205,7 @@ def first_fit(view: PieceView) -> tuple[bool, int | None]:
     D = view.topology.count
     free = np.full(D, view.topology.memory_bytes, dtype=np.int64)
     for s in view.pinned:
-        free[s.device] -= shard_bytes(view.tables, s)
+        free[s.device] -= piece_bytes(view.tables, s)
     for k in np.argsort(-view.pieces.size_bytes, kind="stable"):
         need = int(view.pieces.size_bytes[k])
         fits = np.flatnonzero(free >= need)
@@ -240,12 +235,11 @@ def unplaceable_error(tables: TableSet, topology: DeviceTopology, task_id: str) 
         path=task_id, field="memory_bytes_per_device", fix="add devices or raise memory per device")
 
 
-def place_with_cuts(tables: TableSet, topology: DeviceTopology, task_id: str, assign, start: PieceView | None = None
-                    ) -> list[Shard]:
+def place_with_cuts(tables: TableSet, topology: DeviceTopology, task_id: str, assign) -> list[Shard]:
     """Shards of a planner that places free pieces with `assign(view) -> (assignment, stuck piece or -1)`: when a
     piece fits nowhere, its table is cut one level finer and the planner runs again (as TorchRec splits a table
     only when it cannot place it)."""
-    view = start or split_to_fit(tables, topology, task_id)
+    view = split_to_fit(tables, topology, task_id)
     for _ in range(4 * len(tables) + 8):
         assignment, stuck = assign(view)
         if assignment is not None:
