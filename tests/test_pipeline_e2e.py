@@ -93,7 +93,7 @@ with open(sys.argv[3], "wb") as f:
 """
 
 
-@background.job("two_runs", order=3)
+@background.job("two_runs", order=3, alone=True)
 def _two_runs_job() -> dict:
     out = tempfile.mkdtemp(prefix="embshard-pipeline-e2e-")
     env = {**background.ENV, "AIRFLOW_HOME": os.path.join(out, "airflow"), "AIRFLOW__CORE__LOAD_EXAMPLES": "False"}
