@@ -21,10 +21,14 @@ from embshard import schemas, stages
 
 pytestmark = pytest.mark.slow
 
-# Smaller than pipeline.QUICK_PARAMS: 2 devices, 6-10 tables per task, one evaluated task.
+# Smaller than pipeline.QUICK_PARAMS: 2 devices, 6-10 tables per task, one evaluated task. The gate's baseline is
+# size_greedy (bytes only, blind to lookups), which the tiny learned planner beats by about 20% here: these tests
+# check the pipeline's mechanics and need run 1 to promote. Against the strong greedies the tiny planner measured
+# 0.995x on this machine and once 1.025x on a loaded CI machine (no champion, no export). The gate's rules
+# themselves are tested in test_promote.py.
 TINY = {"num_tables": 40, "num_tasks": 2, "tables_per_task": "6-10", "devices": 2, "memory_gb": 256,
         "bench_shards": 16, "bench_chunks": 2, "bench_batch_size": 256, "policy_iterations": 10, "eval_tasks": 1,
-        "eval_planners": ["dim_greedy", "size_lookup_greedy"]}
+        "eval_planners": ["size_greedy"]}
 POLICY, COST = "embshard-policy", "embshard-cost"
 ENV_KEYS = ("AIRFLOW_HOME", "AIRFLOW__CORE__LOAD_EXAMPLES", "AIRFLOW__CORE__DAGS_FOLDER", "EMBSHARD_DATA_ROOT",
             "MLFLOW_TRACKING_URI", "EMBSHARD_RUNNER")
@@ -162,8 +166,8 @@ def test_first_run_writes_every_output_and_each_validates(two_runs):
                 "planning_time_s", "predicted_cost_ms"):
         assert col in ev.columns, col
     policy = stages._state(root, "policy")
-    assert sorted(ev["planner"]) == sorted([f"learned/{policy['version']}", "dim_greedy", "size_lookup_greedy",
-                                            "dim_greedy#2"])
+    assert sorted(ev["planner"]) == sorted([f"learned/{policy['version']}", "size_greedy",
+                                            "size_greedy#2"])
     assert ev["feasible"].all() and np.isfinite(ev["measured_cost_ms"]).all() and (ev["measured_cost_ms"] > 0).all()
     assert set(ev["task_id"]) <= set(tasks.loc[tasks["split"] == "test", "task_id"])
     schemas.read(os.path.join(root, "evaluation", "placements.parquet"), "placements")
