@@ -23,8 +23,11 @@ HELDOUT_SEED = 2026  # the synthetic population of the suites: tables no pipelin
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "components", "embshard",
                         "ingest", "examples")
 BENCH_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-ALL_PLANNERS = ["learned", "policy_only", "random", "round_robin", "dim_greedy", "size_greedy", "lookup_greedy",
-                "size_lookup_greedy", "torchrec_table_wise", "torchrec_full"]
+# The learned plan refined by measuring 4 candidates on this machine (`embshard place --refine 4`; embshard.refine):
+# its planning time includes those rounds, and the suite re-measures its winner independently.
+REFINED = "learned+refine4"
+ALL_PLANNERS = ["learned", REFINED, "policy_only", "random", "round_robin", "dim_greedy", "size_greedy",
+                "lookup_greedy", "size_lookup_greedy", "torchrec_table_wise", "torchrec_full"]
 # Without the two weak baselines (they only lengthen the big suites: their ratios are far above 1).
 MAIN_PLANNERS = [p for p in ALL_PLANNERS if p not in ("random", "round_robin")]
 # Every suite also measures this baseline a second time, as its own entry (shards built and timed separately):
@@ -87,8 +90,8 @@ def full_config(tasks_scale: int = 1) -> QualityConfig:
 # The split suite (issue 24): learned (cuts where they lower the slowest device), learned without split
 # refinement (cuts only to fit), the greedy baselines (cut only what cannot be placed) and TorchRec's planners
 # (table-wise only; and with column-, row- and table-row-wise options).
-SPLIT_PLANNERS = ["learned", "no_splits", "dim_greedy", "lookup_greedy", "size_lookup_greedy", "torchrec_table_wise",
-                  "torchrec_full"]
+SPLIT_PLANNERS = ["learned", REFINED, "no_splits", "dim_greedy", "lookup_greedy", "size_lookup_greedy",
+                  "torchrec_table_wise", "torchrec_full"]
 
 
 def split_config() -> QualityConfig:
@@ -106,7 +109,7 @@ def scale_config() -> QualityConfig:
     """Production scale (issue 25): 500-1,000 unseen tables on 32-128 devices, 2 tasks, measured with the ruler.
     The population is 2,400 tables so that the held-out half holds 1,000; TorchRec's full search is left out (it
     times out beyond 100 tables, planning_time.md)."""
-    planners = [p for p in MAIN_PLANNERS if p != "torchrec_full"]
+    planners = [p for p in MAIN_PLANNERS if p not in ("torchrec_full", REFINED)]  # refining: 4 more plans to time
     # Batch 256 and 2 GiB per measurement: the balanced estimate fuses all ~900 tables on one device, whose batch
     # of indices alone needs 12.9 GiB at the run's batch of 2,048 (ratios between plans stay paired per round).
     return QualityConfig(suites=[Suite("unseen tables T=500-1000 D=32-128", "synthetic", "500-1000", [32, 128],
@@ -258,7 +261,7 @@ def headline(summary: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.Dat
         row = {"suite": suite, "tasks": int(g["tasks"].max())}
         first = suite_rows.get(suite)
         aa = first if first is not None and "aa_floor" in first.index else None
-        for p, key in (("learned", "learned"), ("policy_only", "policy_only")):
+        for p, key in (("learned", "learned"), (REFINED, REFINED), ("policy_only", "policy_only")):
             if p in g.index:
                 r = g.loc[p]
                 row[f"{key} / best baseline, median [95% CI]"] = _ci_text(r["ratio_best_median"],
@@ -269,10 +272,11 @@ def headline(summary: pd.DataFrame, frame: pd.DataFrame | None = None) -> pd.Dat
                                                 aa["aa_ci_high"] if aa is not None else np.nan)
                 if p == "learned":
                     row["learned Wilcoxon p"] = r["wilcoxon_p"]
-                    row["learned / best baseline (worst task)"] = r["ratio_best_worst"]
-                    row["learned / TorchRec (median)"] = r["ratio_torchrec_median"]
-                    row["learned / TorchRec (worst)"] = r["ratio_torchrec_worst"]
-                    row["learned gap to BE"] = r["gap_est_median"]
+                if p in ("learned", REFINED):
+                    row[f"{key} / best baseline (worst task)"] = r["ratio_best_worst"]
+                    row[f"{key} / TorchRec (median)"] = r["ratio_torchrec_median"]
+                    row[f"{key} / TorchRec (worst)"] = r["ratio_torchrec_worst"]
+                    row[f"{key} gap to BE"] = r["gap_est_median"]
         if aa is not None:
             row[f"A/A floor ({AA_PLANNER} vs itself) [95% CI]"] = _ci_text(aa["aa_floor"], aa["aa_ci_low"],
                                                                           aa["aa_ci_high"])
@@ -350,7 +354,9 @@ def markdown(frame: pd.DataFrame, cfg: QualityConfig, hw_line: str, policy_uri: 
              f"best of the four greedy heuristics on that task; the balanced estimate (BE) is all of a task's "
              f"tables as one fused shard / D (an estimate, not a bound: measured plans can cost less). Synthetic "
              f"suites draw their tables from the unseen half of a {cfg.population}-table population generated "
-             f"with seed {HELDOUT_SEED} (no training run saw these tables). "
+             f"with seed {HELDOUT_SEED} (no training run saw these tables). `{REFINED}` is the learned plan "
+             "refined by measuring 4 candidates on this machine (`embshard place --refine 4`), its winner then "
+             "re-measured with the others; its planning time includes that measuring. "
              f"Measured in {seconds / 60:.1f} min.", ""]
     if png:
         lines += [f"![quality]({os.path.basename(png)})", ""]
@@ -380,7 +386,9 @@ def split_markdown(frame: pd.DataFrame, cfg: QualityConfig, hw_line: str, policy
     lines = ["# Splits: row- and column-wise cuts, measured", "", f"Hardware: {hw_line}", "",
              f"Learned planner: `{policy_uri}`. Every placement is measured with real fused FBGEMM kernels (batch "
              f"{batch_size}, forward + backward, plus the all-to-all model) in {cfg.suites[0].rounds} ruler rounds; "
-             "a plan costs its slowest device. `no_splits` is the learned planner without split refinement (it cuts "
+             f"a plan costs its slowest device. `{REFINED}` is the learned plan refined by measuring 4 candidates "
+             "on this machine (its drafts, the cuts its split refinement tried, the heuristics', TorchRec's), then "
+             "re-measured here. `no_splits` is the learned planner without split refinement (it cuts "
              "only to fit); the greedy baselines and TorchRec's planners cut only what cannot be placed whole "
              "(`torchrec_table_wise` never cuts; `torchrec_full` may cut column-, row- and table-row-wise). BE: the "
              "measured balanced estimate with every table divisible (an estimate, not a bound). "
@@ -391,15 +399,18 @@ def split_markdown(frame: pd.DataFrame, cfg: QualityConfig, hw_line: str, policy
     for suite, g in frame.groupby("suite", sort=False):
         first = g.iloc[0]
         aa = (first.get("aa_floor", np.nan), first.get("aa_ci_low", np.nan), first.get("aa_ci_high", np.nan))
-        lr = g[g["planner"] == "learned"]
-        per_task = [np.asarray(v, dtype=float) for v in lr.get("vs_torchrec_full_round_ratios", [])
-                    if isinstance(v, (list, np.ndarray)) and len(v)]
-        med, lo, hi = stats.suite_ci(per_task) if per_task else (np.nan, np.nan, np.nan)
         failed = sorted(set(g.loc[~g["feasible"].astype(bool), "planner"]))
-        head.append({"suite": suite, "tasks": g["task_id"].nunique(),
-                     "learned / torchrec_full [95% CI]": _ci_text(med, lo, hi),
-                     f"A/A floor ({AA_PLANNER}) [95% CI]": _ci_text(*aa),
-                     "verdict": stats.floor_verdict(lo, hi, aa[1], aa[2]),
+        hrow = {"suite": suite, "tasks": g["task_id"].nunique()}
+        for p in ("learned", REFINED):
+            lr = g[g["planner"] == p]
+            per_task = [np.asarray(v, dtype=float) for v in lr.get("vs_torchrec_full_round_ratios", [])
+                        if isinstance(v, (list, np.ndarray)) and len(v)]
+            med, lo, hi = stats.suite_ci(per_task) if per_task else (np.nan, np.nan, np.nan)
+            if p == REFINED and not per_task:
+                continue
+            hrow[f"{p} / torchrec_full [95% CI]"] = _ci_text(med, lo, hi)
+            hrow[f"{p} verdict"] = stats.floor_verdict(lo, hi, aa[1], aa[2])
+        head.append({**hrow, f"A/A floor ({AA_PLANNER}) [95% CI]": _ci_text(*aa),
                      "planners that failed": ", ".join(failed) or "none"})
         for _task, t in g.groupby("task_id", sort=False):
             row = {"suite": suite, "devices": int(t["num_devices"].iloc[0]),

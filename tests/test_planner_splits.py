@@ -126,6 +126,31 @@ def test_the_learned_planner_cuts_a_dominant_table_and_predicts_lower_than_witho
     assert_row_layout(plans["no_policy"], topo)
 
 
+def test_the_cuts_not_kept_stay_as_alternatives_for_a_measured_refinement():
+    """The model may rank column slices and row-wise pieces wrongly on tables unlike its training data: the cuts
+    the split refinement tried and did not keep are alternatives (labelled by their cut) that refine measures,
+    one of each kind before the rest."""
+    from embshard.refine import _kind, candidates, select
+
+    ts = hot_tables()
+    topo = DeviceTopology(16, int(ts.size_bytes.sum()))
+    model = analytic()
+    plan = LearnedPlanner(None, model, composition_name="no_policy", search_evaluations=6000).plan(ts, topo)
+    cuts = [a for a in plan.alternatives if a.meta.get("cut")]
+    hot = str(ts.table_ids[int(np.argmax(ts.dims * ts.pooling_factor))])
+    assert cuts and all(a.meta["cut"].startswith(hot) for a in cuts[:1])
+    kept = {s.kind for s in plan.shards} - {"whole"}
+    other = {"row" if "row-wise" in a.meta["cut"] else "column" for a in cuts}
+    assert len(kept) == 1 and other | kept == {"row", "column"}  # both kinds tried on the hot table, one kept
+    for a in cuts:
+        a.check()
+        assert any(s.kind != "whole" for s in a.shards)
+    cands = candidates(plan, model, torchrec=False)
+    kinds = {_kind(c, cands[0]) for c in cands[1:]}
+    picked = select(cands, 1 + len(kinds))  # room for one of each kind: every kind is measured
+    assert {_kind(c, cands[0]) for c in picked[1:]} == kinds >= {f"cut: {k}" for k in other}
+
+
 def test_table_row_wise_cuts_stay_within_one_host():
     ts = hot_tables(seed=5)
     topo = DeviceTopology(8, int(ts.size_bytes.sum()), hosts=(0, 0, 0, 0, 1, 1, 1, 1))

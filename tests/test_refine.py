@@ -120,3 +120,32 @@ def test_export_stage_places_the_refined_plans_and_says_what_won(small_tables_pa
     refined = json.loads((tmp_path / "export" / "refine.json").read_text())
     assert set(refined) == set(df["task_id"]) and all(r["k"] == 2 and r["rounds"] == 2 for r in refined.values())
     assert set(df["planner"]) == {"size_greedy"}  # the planner's refined answer, under its own name
+
+
+def test_an_evaluation_entry_name_refine_k_measures_the_refined_plan(small_tables_path, tmp_path):
+    """`NAME+refineK`: NAME's plan refined by measuring K candidates, then measured by the evaluation like any
+    plan (its planning time includes the refinement's rounds)."""
+    from embshard import evaluation
+    from embshard.jobs import tasks
+
+    tasks_path = tasks.run(str(small_tables_path), str(tmp_path), num_tasks=2, tables_per_task="4-6", devices=2,
+                           memory_gb=64, seed=0)
+    res = evaluation.run(str(small_tables_path), tasks_path, str(tmp_path / "ev"), rounds=2, settings=SETTINGS,
+                         planners=["size_greedy+refine3", "size_greedy", "lookup_greedy"], max_tasks=1,
+                         progress=False)
+    df = res["frame"].set_index("planner")
+    assert df["feasible"].all() and np.isfinite(df["measured_cost_ms"]).all()
+    # size_greedy's own plan is the first candidate; the refinement measured it beside two others first
+    assert df.loc["size_greedy+refine3", "planning_time_s"] > 10 * df.loc["size_greedy", "planning_time_s"]
+    placed = schemas.read(str(tmp_path / "ev" / "placements.parquet"), "placements")
+    assert "size_greedy+refine3" in set(placed["planner"])
+
+
+@pytest.mark.parametrize("name, field_text", [("size_greedy+refine0", "1 to"), ("size_greedy+refine17", "1 to"),
+                                              ("nope+refine2", "unknown planner"), ("size_greedy+refine", "unknown")])
+def test_a_bad_refined_entry_name_is_a_one_line_error(name, field_text):
+    from embshard.evaluation import check_planner_names
+
+    with pytest.raises(EmbshardError) as exc:
+        check_planner_names([name])
+    assert field_text in str(exc.value) and len(str(exc.value).splitlines()) == 1

@@ -10,7 +10,9 @@ and writes the outputs. Planners are compared by paired per-round ratios (embsha
 - per planner over the tasks: the median of task ratios with an interval (bootstrap over tasks and rounds) and a
   Wilcoxon signed-rank p-value against 1.
 A planner named twice ("lookup_greedy,lookup_greedy") is measured as two entries whose shards are built and
-timed separately (an A/A test of the ruler: its ratio should be 1 within the noise floor). A planner that cannot
+timed separately (an A/A test of the ruler: its ratio should be 1 within the noise floor). An entry "NAME+refineK"
+is NAME's plan refined by measurement (embshard.refine: K candidates measured in rounds of their own; its planning
+time includes them), then measured here like any other plan. A planner that cannot
 place a task is recorded as failed and counted as such. The balanced estimate is measured too: all of a task's
 tables as one fused shard and each table alone: per cost head the smaller of the two, over the device count. It is
 an estimate of a perfectly balanced plan, not a bound: plans measured in rounds can come in below it.
@@ -39,7 +41,8 @@ log = logging.getLogger(__name__)
 # Every learned composition (planners.compose.COMPOSITIONS) takes @ALIAS or /VERSION like `learned`.
 PLANNER_NAMES = "learned, learned@ALIAS, learned/VERSION, " + ", ".join(
     c for c in LEARNED_COMPOSITIONS if c != "learned") + " (each also with @ALIAS or /VERSION), " + \
-    ", ".join(BASELINES) + ", torchrec_table_wise, torchrec_full"
+    ", ".join(BASELINES) + ", torchrec_table_wise, torchrec_full; any of them + refineK (e.g. learned+refine4: " \
+    "its plan refined by measuring K candidates here, as `embshard place --refine K`)"
 
 
 @dataclass
@@ -70,8 +73,15 @@ def entry_labels(planners: list[str]) -> list[tuple[str, str, str]]:
 
 def check_planner_names(planners: list[str]) -> None:
     from .planners import is_planner_name
+    from .refine import MAX_K, parse_refined
 
     for name in planners:
+        refined = parse_refined(name)
+        if refined is not None and is_planner_name(refined[0]):
+            if not 1 <= refined[1] <= MAX_K:
+                raise EmbshardError(f"{name!r} measures {refined[1]} candidates", field="planners",
+                                    fix=f"refine with 1 to {MAX_K} candidates, e.g. {refined[0]}+refine4")
+            continue
         if is_planner_name(name):
             continue
         raise EmbshardError(f"unknown planner {name!r}", field="planners", fix=f"use names from: {PLANNER_NAMES}")
@@ -170,7 +180,6 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     Returns the frames, the summary, each task's per-round costs and the cost model's ranking accuracy."""
     from tqdm import tqdm
 
-    from .planners import get_planner
     from .planners.base import check_feasible
 
     if not planners:
@@ -191,7 +200,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     single_settings = round_settings(settings)
     labels = entry_labels(planners)
     given = given or {}
-    planner_objs = {name: given[name] if name in given else get_planner(name, **(planner_kw or {}).get(name, {}))
+    planner_objs = {name: given[name] if name in given else _make_planner(name, planner_kw or {}, settings)
                     for name in dict.fromkeys(planners)}
     rows, placements, ratio_rows = [], [], []
     round_costs: dict[str, dict[str, list[float]]] = {}
@@ -388,6 +397,20 @@ def measured_balanced_estimate(tables: TableSet, num_devices: int, singles: np.n
     row = measure_placement(fused, settings).iloc[0]  # device 0 holds everything; its all-to-all is for D ranks
     fused_heads = np.array([sum(float(row[c]) for c in cols) for cols in HEAD_COLUMNS])
     return float(np.minimum(fused_heads, singles.sum(0)).sum()) / num_devices
+
+
+def _make_planner(name: str, planner_kw: dict, settings: MeasureSettings):
+    """A planner by entry name; "NAME+refineK" is NAME's plan refined by measuring K candidates on this machine,
+    with the evaluation's settings (its own rounds: the evaluation re-measures the winner independently)."""
+    from .planners import get_planner
+    from .refine import RefinedPlanner, parse_refined
+
+    refined = parse_refined(name)
+    if refined is None:
+        return get_planner(name, **planner_kw.get(name, {}))
+    base, k = refined
+    return RefinedPlanner(get_planner(base, **planner_kw.get(name, planner_kw.get(base, {}))), k,
+                          settings=settings, name=name)
 
 
 def _predicted(planner, placement: Placement):

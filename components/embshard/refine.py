@@ -2,7 +2,8 @@
 measured best returned with its interval.
 
 The candidates: the learned plan (always in), the other final drafts the composed planner kept
-(`Placement.alternatives`), the greedy baselines' plans and TorchRec's table-wise plan. Plans with the same shard
+(`Placement.alternatives`: other starts, and the cuts its split refinement tried but did not keep), the greedy
+baselines' plans and TorchRec's table-wise plan. Plans with the same shard
 sets (device numbers aside) cost the same and are measured once. The learned plan, the best predicted of each
 kind of candidate, then the best predicted of the rest (K in all) are measured in R ruler rounds (embshard.ruler:
 every distinct device shard once per round, in a fresh random order, paired per round). The winner is the lowest
@@ -30,6 +31,7 @@ from . import stats
 from .bench.runner import MeasureSettings
 from .errors import EmbshardError
 from .placement import Placement
+from .planners.base import Planner
 from .planners.baselines import GREEDY_BASELINES, make_baseline
 from .planners.compose import shard_sets
 from .ruler import DEFAULT_ROUNDS, Entry, distinct_shards, measure_rounds
@@ -37,6 +39,7 @@ from .ruler import DEFAULT_ROUNDS, Entry, distinct_shards, measure_rounds
 log = logging.getLogger(__name__)
 MAX_K = 16       # candidates measured; each adds its distinct device shards to every round
 MAX_ROUNDS = 100
+SUFFIX = "+refine"  # an evaluation entry "learned+refine4": the learned plan refined by measuring 4 candidates
 
 
 def check_k(k, field: str = "refine") -> int:
@@ -100,7 +103,8 @@ def candidates(learned: Placement, cost_model=None, *, torchrec: bool = True, se
     out = [Candidate(name, f"{name} ({learned.meta.get('start_candidate', 'first choice')})", learned)]
     for j, alt in enumerate(learned.alternatives):
         alt = dataclasses.replace(alt, task_id=tid, topology=topo, alternatives=[])
-        out.append(Candidate(f"{name}~{j + 2}", f"{name} ({alt.meta.get('start_candidate', '?')})", alt))
+        cut = f", cut {alt.meta['cut']}" if alt.meta.get("cut") else ""
+        out.append(Candidate(f"{name}~{j + 2}", f"{name} ({alt.meta.get('start_candidate', '?')}{cut})", alt))
     others: list[tuple[str, Callable[[], Any]]] = [(b, partial(make_baseline, b, seed=seed))
                                                     for b in GREEDY_BASELINES]
     if torchrec:
@@ -127,8 +131,9 @@ def _torchrec():
 def select(cands: list[Candidate], k: int) -> list[Candidate]:
     """Duplicates (equal shard sets) dropped, keeping the first; the first (learned) candidate kept, then the best
     predicted of each kind (the planner's other drafts, the greedy heuristics, TorchRec) and then the best
-    predicted of the rest, up to k. One of each kind first: the cost model is what the planner already trusted,
-    so ranking by it alone would measure little beyond its own choices (unpredicted candidates keep their order)."""
+    predicted of the rest, up to k (kinds: `_kind`). One of each kind first: the cost model is what the planner
+    already trusted, so ranking by it alone would measure little beyond its own choices (unpredicted candidates
+    keep their order)."""
     seen: set = set()
     unique = []
     for c in cands:
@@ -147,6 +152,11 @@ def select(cands: list[Candidate], k: int) -> list[Candidate]:
 
 
 def _kind(c: Candidate, first: Candidate) -> str:
+    """The planner's other drafts, its split variants by kind of cut (column slices / row-wise: the model may rank
+    the kinds wrongly on tables unlike its training data), the heuristics, TorchRec."""
+    cut = c.placement.meta.get("cut")
+    if cut and c.label.startswith(f"{first.label}~"):
+        return "cut: column" if "column" in cut else "cut: row"
     if c.label.startswith(f"{first.label}~"):
         return "drafts"
     return "torchrec" if c.label.startswith("torchrec") else "heuristics"
@@ -187,3 +197,29 @@ def winner_placement(result: Refinement, k: int) -> Placement:
                              meta={**src.meta, **result.meta(k)})
     pl.meta["refined"]["first_choice_cost_ms"] = float(first["measured_cost_ms"])
     return pl
+
+
+def parse_refined(name: str) -> tuple[str, int] | None:
+    """("learned", 4) for an entry name "learned+refine4" (any planner before the suffix), else None."""
+    base, sep, k = name.rpartition(SUFFIX)
+    if not sep or not base or not k.isdigit():
+        return None
+    return base, int(k)
+
+
+class RefinedPlanner(Planner):
+    """A planner whose plan is refined by measurement on this machine (`refine`, K candidates): what `embshard
+    place --refine K` returns, as an evaluation entry. Its planning time includes the measuring."""
+
+    def __init__(self, inner: Planner, k: int, *, rounds: int = DEFAULT_ROUNDS,
+                 settings: MeasureSettings | None = None, seed: int = 1, name: str | None = None):
+        self.inner, self.k, self.rounds, self.settings, self.seed = inner, check_k(k), rounds, settings, seed
+        self.name = name or f"{inner.name}{SUFFIX}{self.k}"
+        self.cost_model = getattr(inner, "cost_model", None)
+        self.last: Refinement | None = None
+
+    def _plan(self, tables, topology, task_id):
+        first = self.inner.plan(tables, topology, task_id=task_id)
+        self.last = refine(first, self.k, rounds=self.rounds, settings=self.settings, cost_model=self.cost_model,
+                           seed=self.seed)
+        return dataclasses.replace(winner_placement(self.last, self.k), planner=self.name)

@@ -106,6 +106,7 @@ class Draft:
     name: str
     pieces: list[Shard]
     state: SearchState
+    cut: str | None = None  # a split variant: the cut it tried (Splits), e.g. "cat_20 row-wise over 16 devices"
 
     @property
     def shards(self) -> list[Shard]:
@@ -291,7 +292,8 @@ class Splits:
     """Cut the most expensive movable piece of the slowest device while that lowers the predicted cost: into k
     column slices (k = 2, 4, ...), row-wise over all devices, or table-row-wise within one host (when the
     topology names hosts); each cut is followed by local search and the best cut is kept (search.try_splits).
-    Works on the best draft."""
+    Works on the best draft. The other cuts it tried stay as drafts (`Draft.cut` says which), ranked with the rest,
+    so a measured refinement can measure the best of each kind of cut."""
 
     max_splits: int = 8
     columns: bool = True
@@ -302,9 +304,12 @@ class Splits:
             return drafts
         best = drafts[0]
         problem.phase(f"splits ({budget.used:,} of {budget.evaluations:,} evaluations)")
+        tried: list = []
         shards, state = try_splits(problem.tables, best.shards, best.state, problem.cost_model, problem.topology,
-                                   budget, self.max_splits, columns=self.columns, rows=self.rows)
-        return [Draft(best.name, shards, state), *drafts[1:]]
+                                   budget, self.max_splits, columns=self.columns, rows=self.rows, variants=tried)
+        cuts = [Draft(best.name, pieces, trial, cut=label) for label, pieces, trial in tried]
+        # stable: at equal cost the other proposers' drafts come before the cut variants
+        return [Draft(best.name, shards, state), *sorted([*drafts[1:], *cuts], key=lambda d: d.overall)]
 
 
 # -- the planner -------------------------------------------------------------------------------------------------
@@ -392,7 +397,8 @@ class ComposedPlanner(Planner):
             seen.add(key)
             out.append(Placement(problem.tables, problem.topology.count, problem.memory, list(d.shards),
                                  planner=self.name, model_uri=self.model_uri,
-                                 meta={"start_candidate": d.name, "predicted_ms": float(d.overall)}))
+                                 meta={"start_candidate": d.name, "predicted_ms": float(d.overall),
+                                       **({"cut": d.cut} if d.cut else {})}))
         return out
 
     def _compose(self, problem: Problem) -> Placement:

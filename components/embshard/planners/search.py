@@ -228,7 +228,8 @@ def _collect(out, mx, sq, fits, kind, rows, cols):
 
 
 def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_model, topology: DeviceTopology,
-               budget: Budget, max_splits: int = 8, columns: bool = True, rows: bool = True
+               budget: Budget, max_splits: int = 8, columns: bool = True, rows: bool = True,
+               variants: list[tuple[str, list[Shard], SearchState]] | None = None
                ) -> tuple[list[Shard], SearchState]:
     """Cut the most expensive movable piece of the slowest device while that lowers the predicted overall cost.
 
@@ -236,7 +237,11 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
     splitting.MIN_SPEED_SLICE_BYTES), starting on the slowest
     device and spread by local search; row-wise over all devices; table-row-wise over one host's devices (the host
     whose devices cost least; only when the topology names hosts). The best cut after local search is kept when it
-    lowers the predicted overall cost. Returns (shards, state), unchanged when no cut helps."""
+    lowers the predicted overall cost. Returns (shards, state), unchanged when no cut helps.
+
+    `variants`, when given, receives every cut tried that fits memory, after its local search, as (label, pieces,
+    state), kept or not: a measured refinement (embshard.refine) measures the best of each kind, since the model
+    may rank the kinds of cut wrongly on tables unlike those it was trained on."""
     shards = list(shards)
     memory = state.memory
     for _ in range(max_splits):
@@ -265,12 +270,22 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
             sub = budget.share(per_cut)
             trial = local_search(trial, sub)
             budget.absorb(sub)
+            if variants is not None:
+                variants.append((cut_label(tables, cut), trial_shards, trial))
             if trial.overall < best_state.overall * (1 - 1e-4):
                 best_shards, best_state = trial_shards, trial
         if best_shards is None:
             break
         shards, state = best_shards, best_state
     return [replace(s, device=int(d)) for s, d in zip(shards, state.assignment)], state
+
+
+def cut_label(tables: TableSet, cut: list[Shard]) -> str:
+    """What a cut is, in words: 'cat_20 in 4 column slices', 'cat_20 row-wise over 16 devices'."""
+    name = str(tables.table_ids[cut[0].table])
+    if cut[0].kind == COLUMN:
+        return f"{name} in {len(cut)} column slices"
+    return f"{name} row-wise over {len({c.device for c in cut})} devices"
 
 
 def _cuts(tables: TableSet, piece: Shard, state: SearchState, topology: DeviceTopology, columns: bool,
