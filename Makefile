@@ -55,7 +55,7 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: install
-	$(BIN)/python -m benchmarks
+	$(BIN)/python -m benchmarks --suite all
 
 bench-quick: install
 	$(BIN)/python -m benchmarks --quick

@@ -6,6 +6,7 @@
     python -m benchmarks --jobs quality,planning --run runs/local   # a subset of the reports
     python -m benchmarks --jobs quality --suite split --run runs/local   # the split suite -> quality_splits.md
     python -m benchmarks --jobs quality --suite scale --run runs/local   # 500-1,000 tables -> quality_scale.md
+    python -m benchmarks --suite all          # `make bench`: everything, the three quality pages included
 
 Reports (each a Markdown page naming the hardware, plus plots): quality.md/.png, planning_time.md/.png,
 costmodel.md (+ parity plot), pipeline.md, place_wall_time.md (`embshard place` start to exit; its own tiny models,
@@ -24,6 +25,7 @@ import tempfile
 import time
 
 JOBS = ("quality", "planning", "costmodel", "pipeline", "place")
+SUITES = ("main", "split", "scale")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 
@@ -43,11 +45,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks-scale", type=int, default=1, metavar="K",
                    help="quality: K times the tasks of every suite (default 1: 3 per suite, 2 at 100-200 tables; "
                         "K=2 doubles the run's time and narrows the intervals)")
-    p.add_argument("--suite", choices=("main", "split", "scale"), default="main",
-                   help="quality: the main suites (quality.md), the split suite (quality_splits.md: tables larger "
-                        "than a device and dominant tables on 8-32 devices) or the scale suite (quality_scale.md: "
-                        "500-1,000 tables on 32-128 devices)")
-    return p.parse_args(argv)
+    p.add_argument("--suite", default="main",
+                   help="quality: main (the main suites, quality.md), split (quality_splits.md: tables larger "
+                        "than a device and dominant tables on 8-32 devices), scale (quality_scale.md: "
+                        "500-1,000 tables on 32-128 devices; about an hour on 2 cores), a comma-separated list of "
+                        "them, or all (what `make bench` runs)")
+    args = p.parse_args(argv)
+    args.suites = list(SUITES) if args.suite == "all" else [s for s in args.suite.split(",") if s]
+    if not args.suites or any(s not in SUITES for s in args.suites):
+        p.error(f"--suite: choose from {', '.join(SUITES)}, a comma-separated list of them, or all")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,10 +144,10 @@ def _run(args, jobs: list[str], out: str, work: str) -> int:
             f"vs analytic {h['analytic']['mape']:.1f}%" for s, h in head.items()))
 
     # 3. Placement quality, measured: the main suites, or the split or scale suite on a page of its own.
-    if "quality" in jobs:
-        if args.suite == "split":
+    for suite in args.suites if "quality" in jobs else []:
+        if suite == "split":
             cfg, name, page = quality.split_config(), "quality_splits", quality.split_markdown
-        elif args.suite == "scale":
+        elif suite == "scale":
             cfg, name, page = quality.scale_config(), "quality_scale", quality.markdown
         else:
             cfg = quality.quick_config() if args.quick else quality.full_config(args.tasks_scale)
@@ -169,7 +176,7 @@ def _run(args, jobs: list[str], out: str, work: str) -> int:
                              "seconds": time.perf_counter() - t0}
 
     total = time.perf_counter() - t_start
-    if args.suite != "main":  # a page of its own: the results README (the main suites' headline) stays as it is
+    if "main" not in args.suites:  # pages of their own: the results README (the main suites' headline) stays
         progress(f"harness: done in {total / 60:.1f} min; pages {', '.join(p['md'] for p in pages.values())}")
         return 0
     command = "python -m benchmarks" + (" --quick" if args.quick else "") + (f" --run {args.run}" if args.run else "")

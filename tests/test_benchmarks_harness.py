@@ -168,3 +168,20 @@ def test_tasks_scale_multiplies_every_suites_tasks_with_distinct_device_counts()
     with pytest.raises(ValueError, match="tasks_scale"):
         quality.full_config(0)
     assert harness.main(["--tasks-scale", "0", "--jobs", "quality"]) == 2
+
+
+def test_suite_all_runs_every_quality_page_and_a_bad_suite_is_refused(capsys):
+    """`make bench` runs `--suite all`: the main, split and scale suites, each to its page; the refined learned plan
+    is an entry of the main and split suites (not of the scale suite, where 4 more plans of 900 tables would double
+    an hour of measuring)."""
+    from benchmarks import __main__ as harness
+    from benchmarks import quality
+
+    assert harness.parse_args(["--suite", "all"]).suites == ["main", "split", "scale"]
+    assert harness.parse_args(["--suite", "split,scale"]).suites == ["split", "scale"]
+    assert harness.parse_args([]).suites == ["main"]
+    with pytest.raises(SystemExit) as exc:
+        harness.parse_args(["--suite", "main,bogus"])
+    assert exc.value.code == 2 and "--suite" in capsys.readouterr().err
+    assert quality.REFINED in quality.MAIN_PLANNERS and quality.REFINED in quality.SPLIT_PLANNERS
+    assert quality.REFINED not in quality.scale_config().suites[0].planners
