@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from .errors import EmbshardError
 
 MAX_POLICY_ROUNDS = 3  # the DAG has a task per step of each outer-loop round
+# The policy's curriculum of task shapes (policy.curriculum): growing stages of table counts, or off.
+DEFAULT_CURRICULUM = "10-50,50-200,200-1000"
+CURRICULUM_OFF = "off"
+MAX_CURRICULUM_TABLES = 10_000
 # Baselines the promotion may measure beside the candidate and the champion (embshard.planners names; a test
 # checks that each is a planner there).
 EVAL_PLANNER_CHOICES = ("random", "round_robin", "dim_greedy", "size_greedy", "lookup_greedy",
@@ -79,6 +83,14 @@ SPECS: dict[str, ParamSpec] = {
     "policy_rounds": ParamSpec(2, f"Outer rounds: measure the policy's plans, refit the cost model, retrain (the "
                                f"tasks of rounds beyond this are skipped; 1-{MAX_POLICY_ROUNDS}).",
                                _int(1, MAX_POLICY_ROUNDS)),
+    "policy_curriculum": ParamSpec(DEFAULT_CURRICULUM,
+                                   "Policy curriculum: growing stages of table counts (LO-HI, comma-separated) of "
+                                   "tasks generated from the training pool (2-128 devices scaled with the tables, "
+                                   "tight or loose memory), trained beside the run's own tasks and added to the "
+                                   "validation that picks the checkpoint; 'off' for the run's tasks only. Off "
+                                   "when a round has fewer than 10 updates per stage.",
+                                   {"type": "string"},
+                                   fix="give 'off' or growing LO-HI ranges like 10-50,50-200,200-1000"),
     "eval_tasks": ParamSpec(5, "Held-out tasks measured (1-1,000).", _int(1, 1000)),
     "eval_rounds": ParamSpec(5, "Measuring rounds of the evaluation (each measures every distinct device shard "
                              "once, in a fresh random order); intervals need 5 or more (1-100).", _int(1, 100)),
@@ -162,9 +174,35 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
         elif p["source"] == "synthetic" and "num_tables" not in bad and lo_n > int(p["num_tables"]):
             found.append(("tables_per_task", f"tasks of {lo_n}+ tables from {p['num_tables']} tables",
                           "lower tables_per_task or raise num_tables"))
+    if "policy_curriculum" not in bad:
+        try:
+            curriculum_stages(p["policy_curriculum"])
+        except EmbshardError as e:
+            found.append(("policy_curriculum", e.message, e.fix or ""))
     if "eval_planners" not in bad and len(set(p["eval_planners"])) != len(p["eval_planners"]):
         found.append(("eval_planners", "a planner is listed twice", "list each planner once"))
     return found
+
+
+def curriculum_stages(spec) -> list[tuple[int, int]]:
+    """'10-50,50-200' -> [(10, 50), (50, 200)]; 'off' (or empty/None) -> []. Ranges must be 2 <= LO <= HI <=
+    10,000 and must not shrink from one stage to the next."""
+    if spec is None or str(spec).strip().lower() in ("", CURRICULUM_OFF, "none", "false"):
+        return []
+    fix = f"give 'off' or comma-separated LO-HI table ranges that grow, e.g. {DEFAULT_CURRICULUM}"
+    stages = []
+    for part in str(spec).split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi or lo)
+        except ValueError:
+            raise EmbshardError(f"invalid stage {part.strip()!r}", field="policy_curriculum", fix=fix) from None
+        if not 2 <= a <= b <= MAX_CURRICULUM_TABLES:
+            raise EmbshardError(f"invalid stage {a}-{b}", field="policy_curriculum", fix=fix)
+        if stages and (a < stages[-1][0] or b < stages[-1][1]):
+            raise EmbshardError(f"stage {a}-{b} is smaller than the one before", field="policy_curriculum", fix=fix)
+        stages.append((a, b))
+    return stages
 
 
 def _says(message: str) -> str:
