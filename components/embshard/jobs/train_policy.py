@@ -21,10 +21,10 @@ import torch
 
 from .. import schemas
 from ..bench.runner import MeasureSettings
+from ..checks import CURRICULUM_OFF as OFF
+from ..checks import curriculum_stages as parse_stages
 from ..errors import EmbshardError
 from ..heuristics import PROXIES, greedy_assignment
-from ..params import CURRICULUM_OFF as OFF
-from ..params import curriculum_stages as parse_stages
 from ..planners.scoring import single_threaded
 from ..policy.core import PolicyNet, TrainConfig
 from ..policy.curriculum import generate_tasks, train_pool
