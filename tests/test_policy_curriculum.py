@@ -106,3 +106,32 @@ def test_the_chosen_checkpoint_is_the_best_on_validation_not_the_last(monkeypatc
     stages = [h["curriculum_stage"] for h in history]
     assert stages == sorted(stages) and set(stages) == {0.0, 1.0}
     assert all(h["rollouts"] >= 2 for h in history)
+
+
+def test_train_policy_with_the_curriculum_logs_its_learning_curve(measured_world, cost_model_uri, tmp_path):
+    """The job with a (tiny) curriculum: >= 10 validation tasks spanning its stages, the learning curve in MLflow
+    as metrics with steps (train reward, validation ratio per checkpoint, stage) and a PNG, the best checkpoint
+    kept; the same call with 'off' uses the run's tasks only."""
+    import mlflow
+
+    from embshard.jobs.train_policy import train_round
+
+    res = train_round(measured_world["tables"], measured_world["tasks"], str(tmp_path / "p"),
+                      cost_model_uri=cost_model_uri, iterations=20, rollouts_per_task=4, register=False,
+                      progress=False, curriculum="4-8,8-30")
+    assert res["curriculum"] == [[4, 8], [8, 30]] and res["val_tasks"] >= 10
+    client = mlflow.MlflowClient()
+    stage = client.get_metric_history(res["run_id"], "curriculum_stage")
+    assert [m.value for m in sorted(stage, key=lambda m: m.step)] == [0.0] * 10 + [1.0] * 10
+    val = client.get_metric_history(res["run_id"], "val_ratio_to_best_baseline")
+    assert len(val) == 20 and len(client.get_metric_history(res["run_id"], "reward_mean")) == 20
+    metrics = client.get_run(res["run_id"]).data.metrics
+    assert metrics["best_checkpoint_val_ratio"] <= min(m.value for m in val) + 1e-9
+    assert metrics["final_val_ratio_to_best_baseline"] == pytest.approx(metrics["best_checkpoint_val_ratio"])
+    assert {"final_val_ratio_run", "final_val_ratio_stage0", "final_val_ratio_stage1"} <= set(metrics)
+    assert "policy_learning_curve.png" in [a.path for a in client.list_artifacts(res["run_id"])]
+    off = train_round(measured_world["tables"], measured_world["tasks"], str(tmp_path / "q"),
+                      cost_model_uri=cost_model_uri, iterations=20, rollouts_per_task=4, register=False,
+                      progress=False, curriculum="off")
+    assert off["curriculum"] == [] and off["val_tasks"] < 10
+    assert not client.get_metric_history(off["run_id"], "curriculum_stage")
