@@ -1082,6 +1082,9 @@ CASES_26_TRAINING = {
         ["train-policy", "--tables", w["tables"], "--tasks", w["tasks"], "--rounds", "0"], ["rounds"]),
     "train-policy-zero-rollouts": lambda w, d: (
         ["train-policy", "--tables", w["tables"], "--tasks", w["tasks"], "--rollouts", "0"], ["rollouts", ">= 2"]),
+    "train-policy-shrinking-curriculum": lambda w, d: (
+        ["train-policy", "--tables", w["tables"], "--tasks", w["tasks"], "--curriculum", "50-200,10-50"],
+        ["policy_curriculum", "smaller"]),
     "train-policy-one-rollout": lambda w, d: (
         ["train-policy", "--tables", w["tables"], "--tasks", w["tasks"], "--rollouts", "1"], ["rollouts", ">= 2"]),
     "evaluate-zero-max-tasks": lambda w, d: (_evaluate(w, w["tasks"], "--max-tasks", "0"), ["max_tasks", "at least 1"]),

@@ -136,7 +136,8 @@ def loop_recorders(monkeypatch):
 
     def train_round(tables, tasks, out, **kw):
         calls.append(("train", {k: kw[k] for k in ("cost_model_uri", "iterations", "round_index", "init_policy",
-                                                   "seed", "register", "reward", "rollouts_per_task")}))
+                                                   "seed", "register", "reward", "rollouts_per_task",
+                                                   "curriculum")}))
         return {"policy_dir": f"{out}/round-{kw['round_index']}", "cost_model_uri": kw["cost_model_uri"],
                 "final_val_ratio": 1.0, "version": str(kw["round_index"]), "model_uri": "models:/p/1"}
 
@@ -175,7 +176,8 @@ def test_the_train_policy_command_runs_the_dags_outer_loop(tmp_path, loop_record
     dag = list(loop_recorders)
     loop_recorders.clear()
     outer_loop.run(tables, tasks, stages.path(root, "policy"), cost_model_uri="models:/embshard-cost/1",
-                   iterations=10, rounds=2, costs=stages.path(root, "costs"), seed=3, progress=False)
+                   iterations=10, rounds=2, costs=stages.path(root, "costs"), seed=3, progress=False,
+                   curriculum=outer_loop.DEFAULT_CURRICULUM)  # the CLI's default, as the DAG's
     cli = list(loop_recorders)
     # One difference by design: the CLI writes its refits under its own OUT (OUT/cost_model/round-<r>).
     dag_refit = next(c for c in dag if c[0] == "refit")

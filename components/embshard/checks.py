@@ -145,3 +145,30 @@ def positive_finite(value, *, field: str, path: str | None = None, upper: float 
         raise EmbshardError(f"invalid value {number(value)}", path=path, field=field,
                             fix=f"give a finite number > 0{limit}")
     return v
+
+
+# The policy's curriculum of task shapes (policy.curriculum): growing stages of table counts, or off.
+DEFAULT_CURRICULUM = "10-50,50-200,200-1000"
+CURRICULUM_OFF = "off"
+MAX_CURRICULUM_TABLES = 10_000
+
+
+def curriculum_stages(spec) -> list[tuple[int, int]]:
+    """'10-50,50-200' -> [(10, 50), (50, 200)]; 'off' (or empty/None) -> []. Ranges must be 2 <= LO <= HI <=
+    10,000 and must not shrink from one stage to the next."""
+    if spec is None or str(spec).strip().lower() in ("", CURRICULUM_OFF, "none", "false"):
+        return []
+    fix = f"give 'off' or comma-separated LO-HI table ranges that grow, e.g. {DEFAULT_CURRICULUM}"
+    stages = []
+    for part in str(spec).split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi or lo)
+        except ValueError:
+            raise EmbshardError(f"invalid stage {part.strip()!r}", field="policy_curriculum", fix=fix) from None
+        if not 2 <= a <= b <= MAX_CURRICULUM_TABLES:
+            raise EmbshardError(f"invalid stage {a}-{b}", field="policy_curriculum", fix=fix)
+        if stages and (a < stages[-1][0] or b < stages[-1][1]):
+            raise EmbshardError(f"stage {a}-{b} is smaller than the one before", field="policy_curriculum", fix=fix)
+        stages.append((a, b))
+    return stages

@@ -17,11 +17,13 @@ from dataclasses import dataclass
 
 from .bench.runner import MeasureSettings
 from .errors import EmbshardError
-from .params import DEFAULT_PARAMS
+from .params import CURRICULUM_OFF, DEFAULT_PARAMS
+from .params import curriculum_stages as parse_stages
 from .registry import COST_CHAMPION_URI
 from .run_layout import _join
 
 DEFAULT_MEMBERS = int(DEFAULT_PARAMS["cost_members"])  # the DAG's cost-model ensemble size, for the CLI too
+DEFAULT_CURRICULUM = str(DEFAULT_PARAMS["policy_curriculum"])  # the DAG's, for the CLI too
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ def train_policy_round(tables: str, tasks: str, layout: LoopLayout, *, cost_mode
                        rounds: int, round_index: int, init_policy: str | None, seed: int,
                        reward: str = "estimated", rollouts_per_task: int = 16, alias: str | None = None,
                        settings: MeasureSettings | None = None, register: bool = True,
-                       progress: bool = True) -> dict:
+                       progress: bool = True, curriculum: str = CURRICULUM_OFF) -> dict:
     """Round `round_index` of `rounds`: iterations // rounds REINFORCE updates from `init_policy`; the last round
     registers (when `register`)."""
     from .jobs.train_policy import train_round
@@ -56,7 +58,7 @@ def train_policy_round(tables: str, tasks: str, layout: LoopLayout, *, cost_mode
                        iterations=max(1, int(iterations) // int(rounds)), round_index=round_index,
                        init_policy=init_policy, reward=reward, rollouts_per_task=rollouts_per_task, seed=seed,
                        register=register and round_index == rounds, alias=alias, settings=settings,
-                       description=f" of {rounds}", progress=progress)
+                       description=f" of {rounds}", progress=progress, curriculum=curriculum)
 
 
 def measure_round(tables: str, tasks: str, layout: LoopLayout, *, policy_dir: str, cost_model_uri: str,
@@ -89,7 +91,7 @@ def run(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST_CHAMPIO
         rounds: int = 1, measure_tasks: int = 4, reward: str = "estimated", rollouts_per_task: int = 16,
         seed: int = 0, alias: str | None = None, costs: str | None = None,
         settings: MeasureSettings | None = None, members: int = DEFAULT_MEMBERS, register: bool = True,
-        progress: bool = True) -> dict:
+        progress: bool = True, curriculum: str = CURRICULUM_OFF) -> dict:
     """The whole loop in one process (`embshard train-policy`): round 1 against `cost_model_uri`, then for each
     later round the same measure, refit and train steps as the DAG's tasks. Writes OUT/round-<r>,
     OUT/measured-round-<r> and OUT/cost_model/round-<r>. `costs`: the benchmark's costs folder (needed when
@@ -98,6 +100,7 @@ def run(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST_CHAMPIO
     from .jobs.train_policy import check_training
 
     check_training(iterations, rounds, rollouts_per_task)
+    parse_stages(curriculum)  # a bad curriculum is refused before any work
     rounds = int(rounds)
     if rounds > 1 and costs is None:
         raise EmbshardError("the outer loop needs the costs folder", field="costs",
@@ -117,7 +120,8 @@ def run(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST_CHAMPIO
         res = train_policy_round(tables, tasks, layout, cost_model_uri=cost_model_uri, iterations=iterations,
                                  rounds=rounds, round_index=r, init_policy=res.get("policy_dir"), seed=seed,
                                  reward=reward, rollouts_per_task=rollouts_per_task, alias=alias,
-                                 settings=settings, register=register, progress=progress)
+                                 settings=settings, register=register, progress=progress,
+                                 curriculum=curriculum)
     return res
 
 
@@ -144,6 +148,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reward", choices=["estimated", "measured"], default="estimated",
                    help="estimated: cost-model rewards (DreamShard); measured: real kernels (AutoShard-style)")
     p.add_argument("--rollouts", type=int, default=16, help="rollouts per task and update (group baseline)")
+    p.add_argument("--curriculum", default=DEFAULT_CURRICULUM,
+                   help="task shapes the policy also trains on, in growing stages of table ranges (generated from "
+                        "the training pool: devices and tight or loose memory scale with the tables), or 'off'; "
+                        f"off below 10 updates per stage and round (default {DEFAULT_CURRICULUM})")
     p.add_argument("--alias", help="alias to set on the new version (e.g. challenger)")
     p.add_argument("--seed", type=int, default=0)
 
@@ -153,7 +161,7 @@ def main(args) -> int:
     res = run(args.tables, args.tasks, args.out, cost_model_uri=args.cost_model, iterations=args.iterations,
               rounds=args.rounds, measure_tasks=args.measure_tasks, reward=args.reward,
               rollouts_per_task=args.rollouts, seed=args.seed, alias=args.alias, costs=args.costs,
-              settings=settings, members=args.cost_members)
+              settings=settings, members=args.cost_members, curriculum=args.curriculum)
     print(f"policy trained: validation ratio to the best baseline (predicted) {res['final_val_ratio']:.3f}")
     if "version" in res:
         print(f"registered embshard-policy version {res['version']} ({res['model_uri']})"

@@ -170,7 +170,7 @@ def train_policy(root: str, params: dict, round_index: int = 1) -> dict:
     res = train_policy_round(path(root, "tables"), path(root, "tasks"), loop_layout(root),
                              cost_model_uri=cm["model_uri"], iterations=int(p["policy_iterations"]),
                              rounds=int(p["policy_rounds"]), round_index=round_index, init_policy=prev,
-                             seed=int(p["seed"]))
+                             seed=int(p["seed"]), curriculum=str(p["policy_curriculum"]))
     return _state(root, "policy", {"policy_dir": res["policy_dir"], "round": round_index,
                                    "model_uri": res.get("model_uri"), "version": res.get("version"),
                                    "cost_model_uri": res["cost_model_uri"], "val_ratio": res["final_val_ratio"]})

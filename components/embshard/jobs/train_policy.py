@@ -16,37 +16,49 @@ import os
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 from .. import schemas
 from ..bench.runner import MeasureSettings
+from ..checks import CURRICULUM_OFF as OFF
+from ..checks import curriculum_stages as parse_stages
 from ..errors import EmbshardError
+from ..heuristics import PROXIES, greedy_assignment
 from ..planners.scoring import single_threaded
 from ..policy.core import PolicyNet, TrainConfig
+from ..policy.curriculum import generate_tasks, train_pool
 from ..policy.train import (
+    Curriculum,
     best_baseline_cost,
     plot_learning_curve,
     task_contexts,
     train_estimated,
     train_measured,
-    validation_ratio,
+    validation_ratios,
 )
 from ..pools import split_train_tasks
 from ..registry import COST_CHAMPION_URI
 from ..types import Task
 
 log = logging.getLogger(__name__)
+MIN_STAGE_ITERATIONS = 10  # fewer updates per curriculum stage (tiny test runs): the curriculum is off
+STAGE_TASKS = 16           # generated training tasks per stage
+CURRICULUM_VAL_TASKS = 12  # validation tasks with the curriculum (the run's, then >= 3 per stage)
 
 
 def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST_CHAMPION_URI,
                 iterations: int = 300, round_index: int = 1, init_policy: str | None = None,
                 reward: str = "estimated", rollouts_per_task: int = 16, seed: int = 0, register: bool = True,
                 alias: str | None = None, settings: MeasureSettings | None = None, description: str = "",
-                progress: bool = True) -> dict:
+                progress: bool = True, curriculum: str = OFF) -> dict:
     """One round of policy training against one cost model: REINFORCE from `init_policy` (the previous round's
     OUT/round-<r-1>, else a fresh network), the weights saved to OUT/round-<r>, and, when `register`, a new
-    embshard-policy version (policy + this cost model). Returns {"policy_dir", "final_val_ratio",
-    "cost_model_uri", "run_id"[, "version", "model_uri"]}."""
+    embshard-policy version (policy + this cost model). `curriculum`: 'off' or table ranges of growing stages
+    (policy.curriculum; estimated rewards only, and only with >= MIN_STAGE_ITERATIONS updates per stage, else
+    off): generated training-pool tasks of those shapes train beside the run's, and validation (checkpoint choice)
+    adds CURRICULUM_VAL_TASKS of them. Returns {"policy_dir", "final_val_ratio", "cost_model_uri", "run_id",
+    "best_step", "curriculum"[, "version", "model_uri"]}."""
     import mlflow
 
     from .. import registry
@@ -66,30 +78,51 @@ def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST
         policy, _ = load_policy_files(os.path.join(init_policy, "policy.pt"), os.path.join(init_policy, "policy.json"))
     else:
         policy = PolicyNet(cfg.hidden)
+    stages = parse_stages(curriculum)
+    if reward != "estimated" or cfg.iterations < MIN_STAGE_ITERATIONS * len(stages):
+        stages = []
+    cur = None
+    if stages:
+        pool = train_pool(tables, seed)
+        cur = Curriculum(cost_model, generate_tasks(pool, stages, STAGE_TASKS, seed * 1000 + round_index))
+        per_stage = max(3, -(-(CURRICULUM_VAL_TASKS - len(val_tasks)) // len(stages)))
+        extra = generate_tasks(pool, stages, per_stage, seed, prefix="val", feasible=_greedy_feasible)
+        val_tasks = val_tasks + [t for st in extra for t in st]
+    info: dict = {}
     history: list[dict] = []
     start = time.perf_counter()
     with registry.start_run(run_name=f"train-policy-{reward}-round{round_index}") as run_, single_threaded():
         mlflow.log_params({"reward": reward, "iterations": iterations, "round": round_index, "seed": seed,
                            "rollouts_per_task": rollouts_per_task, "lr": cfg.lr, "hidden": cfg.hidden,
                            "train_tasks": len(fit_tasks), "val_tasks": len(val_tasks),
-                           "cost_model_uri": cost_model_uri, "init_policy": init_policy or ""})
+                           "cost_model_uri": cost_model_uri, "init_policy": init_policy or "",
+                           "curriculum": ",".join(f"{a}-{b}" for a, b in stages) or OFF})
         train_ctx = task_contexts(cost_model, fit_tasks)
         val_ctx = task_contexts(cost_model, val_tasks)
         if reward == "estimated":
             policy = train_estimated(policy, train_ctx, val_ctx, cfg, history,
-                                     step0=(round_index - 1) * cfg.iterations, progress=progress)
+                                     step0=(round_index - 1) * cfg.iterations, progress=progress,
+                                     curriculum=cur, info=info)
         else:
             measure = _measured_overall(settings or MeasureSettings())
             policy = train_measured(policy, train_ctx, cfg, history, measure, progress)
         for h in history:
             mlflow.log_metrics({k: v for k, v in h.items() if k != "step"}, step=int(h["step"]))
-        final_ratio = validation_ratio(policy, val_ctx, [best_baseline_cost(c, s) for _, s, c in val_ctx])
+        ratios = validation_ratios(policy, val_ctx, [best_baseline_cost(c, s) for _, s, c in val_ctx])
+        final_ratio = float(np.median(ratios))
+        groups = _val_groups([tid for tid, _, _ in val_ctx])
         mlflow.log_metrics({"final_val_ratio_to_best_baseline": final_ratio,
-                            "train_time_s": time.perf_counter() - start})
+                            "train_time_s": time.perf_counter() - start,
+                            **{f"final_val_ratio_{g}": float(np.median(ratios[ix])) for g, ix in groups.items()}})
+        if info:
+            mlflow.log_metrics({"best_checkpoint_step": info["best_step"],
+                                "best_checkpoint_val_ratio": info["best_val_ratio"]})
         policy_dir = os.path.join(out, f"round-{round_index}")
         save_policy(policy, policy_dir, {"reward": reward, "cost_model_uri": cost_model_uri})
         result = {"policy_dir": policy_dir, "run_id": run_.info.run_id, "final_val_ratio": final_ratio,
-                  "history_len": len(history), "cost_model_uri": cost_model_uri}
+                  "history_len": len(history), "cost_model_uri": cost_model_uri,
+                  "best_step": info.get("best_step"), "curriculum": [list(s) for s in stages],
+                  "val_tasks": len(val_ctx), "train_time_s": time.perf_counter() - start}
         with tempfile.TemporaryDirectory() as tmp:
             png = os.path.join(tmp, "policy_learning_curve.png")
             plot_learning_curve(history, png, reward)
@@ -115,6 +148,21 @@ def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST
                     registry.set_alias(REGISTERED_NAME, alias, mv.version)
                 result.update({"version": str(mv.version), "model_uri": f"models:/{REGISTERED_NAME}/{mv.version}"})
     return result
+
+
+def _greedy_feasible(task: Task) -> bool:
+    """Some greedy baseline places the task (validation compares the policy with the best of them)."""
+    return any(greedy_assignment(task.tables, p, task.num_devices, task.memory_bytes_per_device)[0] is not None
+               for p in PROXIES)
+
+
+def _val_groups(task_ids: list[str]) -> dict[str, np.ndarray]:
+    """Indices of the validation tasks by origin: the run's ('run') and each curriculum stage's ('stage<s>')."""
+    groups: dict[str, list[int]] = {}
+    for i, tid in enumerate(task_ids):
+        key = f"stage{tid.split('-')[1][1:]}" if tid.startswith("val-s") else "run"
+        groups.setdefault(key, []).append(i)
+    return {k: np.asarray(v) for k, v in groups.items()}
 
 
 def _measured_overall(settings: MeasureSettings):
