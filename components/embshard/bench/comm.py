@@ -13,6 +13,17 @@ table of that dim, so both paths count a row piece as an all-to-all of dim-wide 
 (D-1 adds per output element, B x dim floats) is not timed: on the measured path this is an approximation (an
 all_to_all_single of the same size stands in for the reduce-scatter), small next to the transfer.
 
+A replica (kind 'replicated', TorchRec's data_parallel) sends no pooled outputs (each device looks up its own
+B/D samples in its full copy), so its dim is left out of S; instead its gradient is all-reduced over the D
+devices every step: G = rows x dim x 4 bytes (dense FP32 gradients), of which a ring all-reduce moves
+2 x (D-1)/D x G per device (reduce-scatter then all-gather). All the replicas of a device share one all-reduce
+(TorchRec buckets data-parallel gradients), counted in the backward comm:
+- model: latency + 2 (D-1)/D G / bandwidth, with the same calibrated constants as the all-to-all
+  (`CommModel.allreduce_ms`; the all-to-all's calibration stands in for the all-reduce's: one ring step
+  moves bytes between the same processes or GPUs);
+- measured (a comm group exists): a real `all_reduce` among the group's W ranks of the size that makes each
+  rank move what a device of the D-device task moves (`allreduce_numel`); its latency is that of W ranks.
+
 - measured (comm_source='measured'): `CommGroup(n)` starts n-1 helper processes
   (`python -m embshard.bench.comm_rank`); with the main process they form
   a torch.distributed group (gloo on CPU, NCCL on GPUs) and time real `all_to_all_single` calls of that size.
@@ -47,6 +58,7 @@ log = logging.getLogger(__name__)
 NVLINK_DEFAULT = {"latency_s": 30e-6, "bandwidth_Bps": 100e9}
 CALIBRATION_FILE = "comm_calibration.json"
 _PROCESS_CACHE: dict[str, CommModel] = {}  # calibrations made by this process, per hardware
+OP_ALL_TO_ALL, OP_ALL_REDUCE = 0, 1  # the collectives a CommGroup times (comm_rank runs the same)
 _CALIBRATION_SIZES = [1 << 8, 1 << 20, 1 << 22]  # floats per rank: latency-bound to bandwidth-bound
 
 
@@ -61,6 +73,31 @@ class CommModel:
         if num_devices <= 1 or sum_dims <= 0:
             return 0.0
         return 1e3 * (self.latency_s + exchanged_bytes(batch_size, sum_dims, num_devices) / self.bandwidth_Bps)
+
+
+    def allreduce_ms(self, grad_bytes: float, num_devices: int) -> float:
+        """A ring all-reduce of `grad_bytes` over `num_devices` devices (a replica's gradient; module doc)."""
+        if num_devices <= 1 or grad_bytes <= 0:
+            return 0.0
+        return 1e3 * (self.latency_s + allreduce_bytes(grad_bytes, num_devices) / self.bandwidth_Bps)
+
+
+def allreduce_bytes(grad_bytes: float, num_devices: int) -> float:
+    """Bytes each device sends in a ring all-reduce of `grad_bytes`: 2 (D-1)/D of them."""
+    return 2.0 * float(grad_bytes) * (num_devices - 1) / num_devices if num_devices > 1 else 0.0
+
+
+def replica_grad_bytes(rows: int, dim: int) -> float:
+    """The dense FP32 gradient of a replica, all-reduced every step (module doc)."""
+    return float(rows) * float(dim) * 4.0
+
+
+def allreduce_numel(grad_bytes: float, num_devices: int, world: int) -> int:
+    """Floats of an all_reduce among `world` ranks in which each rank moves what a device of a `num_devices`-device
+    ring all-reduce of `grad_bytes` moves (0 when there is nothing to reduce)."""
+    if num_devices <= 1 or grad_bytes <= 0:
+        return 0
+    return int(math.ceil(grad_bytes / 4.0 * ((num_devices - 1) / num_devices) / ((world - 1) / world)))
 
 
 def exchanged_bytes(batch_size: int, sum_dims: int, num_devices: int) -> float:
@@ -114,11 +151,18 @@ class CommGroup:
 
     def all_to_all_ms(self, numel: int, warmup: int = 3, iterations: int = 10) -> np.ndarray:
         """Wall ms of each timed all_to_all_single of `numel` floats per rank (rounded up to a multiple of n)."""
+        return self._timed(OP_ALL_TO_ALL, numel, warmup, iterations)
+
+    def all_reduce_ms(self, numel: int, warmup: int = 3, iterations: int = 10) -> np.ndarray:
+        """Wall ms of each timed all_reduce (sum) of `numel` floats per rank (a replica's gradient)."""
+        return self._timed(OP_ALL_REDUCE, numel, warmup, iterations)
+
+    def _timed(self, op: int, numel: int, warmup: int, iterations: int) -> np.ndarray:
         import torch
         import torch.distributed as dist
 
         numel = max(self.world, -(-int(numel) // self.world) * self.world)
-        dist.broadcast(torch.tensor([numel, warmup, iterations], dtype=torch.int64, device=self.device), src=0)
+        dist.broadcast(torch.tensor([numel, warmup, iterations, op], dtype=torch.int64, device=self.device), src=0)
         x = torch.ones(numel, dtype=torch.float32, device=self.device)
         y = torch.empty_like(x)
         times = []
@@ -126,7 +170,10 @@ class CommGroup:
             if self.device != "cpu":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            dist.all_to_all_single(y, x)
+            if op == OP_ALL_REDUCE:
+                dist.all_reduce(x)
+            else:
+                dist.all_to_all_single(y, x)
             if self.device != "cpu":
                 torch.cuda.synchronize()
             if it >= warmup:
@@ -140,7 +187,7 @@ class CommGroup:
         if not dist.is_initialized():
             return
         try:
-            dist.broadcast(torch.zeros(3, dtype=torch.int64, device=self.device), src=0)
+            dist.broadcast(torch.zeros(4, dtype=torch.int64, device=self.device), src=0)
         finally:
             dist.destroy_process_group()
             for p in self.procs:
