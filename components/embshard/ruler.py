@@ -1,9 +1,10 @@
 """The ruler: measuring several placements of one task side by side, in rounds, so that their ratios can be trusted.
 
 - A placement is split into device shards. A shard's key is its tables with their column slices, row ranges,
-  whether each is a replica, and the device count (the all-to-all and all-reduce it pays); the batch and every other setting are the run's. Entries whose shards have the
-  same key share one measurement per round, except the repeats of one planner (an A/A test: "x" and "x#2"),
-  which live in their own namespace so that their shards are built and timed separately.
+  whether each is a replica, and the device count (the all-to-all and all-reduce it pays); the batch and every
+  other setting are the run's. Entries whose shards have the same key share one measurement per round, except
+  the repeats of one planner (an A/A test: "x" and "x#2"), which live in their own namespace so that their
+  shards are built and timed separately.
 - R rounds. Each round measures every distinct shard once, in a fresh seeded random order (drift over a round
   then spreads over all entries instead of biasing the ones measured last), each time with a freshly built
   operator and freshly made inputs.
