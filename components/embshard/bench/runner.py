@@ -510,7 +510,8 @@ class InputPrefetcher:
         while self.next < len(self.jobs) and self.next - done < self.ahead:
             k = self.next
             members, cols, where, ranges, reps = _job(self.jobs[k])
-            job = {"replicas": None if reps is None else [int(r) for r in reps], "members": [int(m) for m in members], "cols": None if cols is None else [
+            job = {"replicas": None if reps is None else [int(r) for r in reps],
+                   "members": [int(m) for m in members], "cols": None if cols is None else [
                 None if c is None else int(c) for c in cols], "where": where,
                 "rows": None if ranges is None else [None if r is None else [int(r[0]), int(r[1])] for r in ranges],
                 "path": os.path.join(self.tmp, f"{k:06d}.npz")}
