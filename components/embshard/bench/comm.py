@@ -44,64 +44,27 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 
 from .. import storage
+from ..collectives import (  # noqa: F401  (the formulas live beside the cost model; re-exported here)
+    NVLINK_DEFAULT,
+    CommModel,
+    allreduce_bytes,
+    allreduce_numel,
+    exchanged_bytes,
+    replica_grad_bytes,
+)
 from ..errors import EmbshardError
 
 log = logging.getLogger(__name__)
 
-# A GPU pod has one GPU and cannot measure NCCL; these are typical effective per-GPU all-to-all numbers of an
-# NVLink node (documented assumption, recorded as the model's source).
-NVLINK_DEFAULT = {"latency_s": 30e-6, "bandwidth_Bps": 100e9}
 CALIBRATION_FILE = "comm_calibration.json"
 _PROCESS_CACHE: dict[str, CommModel] = {}  # calibrations made by this process, per hardware
 OP_ALL_TO_ALL, OP_ALL_REDUCE = 0, 1  # the collectives a CommGroup times (comm_rank runs the same)
 _CALIBRATION_SIZES = [1 << 8, 1 << 20, 1 << 22]  # floats per rank: latency-bound to bandwidth-bound
-
-
-@dataclass(frozen=True)
-class CommModel:
-    latency_s: float
-    bandwidth_Bps: float
-    source: str  # how the constants were obtained
-    spread: float = 0.0  # largest relative range of either constant over the calibration's repeats
-
-    def time_ms(self, batch_size: int, sum_dims: int, num_devices: int) -> float:
-        if num_devices <= 1 or sum_dims <= 0:
-            return 0.0
-        return 1e3 * (self.latency_s + exchanged_bytes(batch_size, sum_dims, num_devices) / self.bandwidth_Bps)
-
-
-    def allreduce_ms(self, grad_bytes: float, num_devices: int) -> float:
-        """A ring all-reduce of `grad_bytes` over `num_devices` devices (a replica's gradient; module doc)."""
-        if num_devices <= 1 or grad_bytes <= 0:
-            return 0.0
-        return 1e3 * (self.latency_s + allreduce_bytes(grad_bytes, num_devices) / self.bandwidth_Bps)
-
-
-def allreduce_bytes(grad_bytes: float, num_devices: int) -> float:
-    """Bytes each device sends in a ring all-reduce of `grad_bytes`: 2 (D-1)/D of them."""
-    return 2.0 * float(grad_bytes) * (num_devices - 1) / num_devices if num_devices > 1 else 0.0
-
-
-def replica_grad_bytes(rows: int, dim: int) -> float:
-    """The dense FP32 gradient of a replica, all-reduced every step (module doc)."""
-    return float(rows) * float(dim) * 4.0
-
-
-def allreduce_numel(grad_bytes: float, num_devices: int, world: int) -> int:
-    """Floats of an all_reduce among `world` ranks in which each rank moves what a device of a `num_devices`-device
-    ring all-reduce of `grad_bytes` moves (0 when there is nothing to reduce)."""
-    if num_devices <= 1 or grad_bytes <= 0:
-        return 0
-    return int(math.ceil(grad_bytes / 4.0 * ((num_devices - 1) / num_devices) / ((world - 1) / world)))
-
-
-def exchanged_bytes(batch_size: int, sum_dims: int, num_devices: int) -> float:
-    return batch_size * sum_dims * 4.0 * (num_devices - 1) / num_devices
 
 
 def _free_port() -> int:
