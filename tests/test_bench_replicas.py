@@ -117,3 +117,64 @@ def test_measured_allreduce_among_a_comm_group(ts):
         runner.close_config(c)
     assert m["allreduce_ms"] > 0 and m["fwd_comm_ms"] == 0.0
     assert m["bwd_comm_ms"] == pytest.approx(m["allreduce_ms"])
+
+
+def test_plan_shards_replicate_small_hot_tables_and_bench_measures_them(tmp_path):
+    """The plan sampler replicates a plan's hottest small table sometimes; the benchmark measures those shards
+    (B/D samples, the all-reduce) and the cost data trains on them as planners score them (1/D of the lookups;
+    the comm target as if the replica sent its outputs: the scorer adds the all-reduce back)."""
+    import pandas as pd
+
+    from embshard import schemas
+    from embshard.costmodel.data import _piece_rows, comm_targets
+    from embshard.ingest.synthetic import generate_tables
+    from embshard.jobs.bench import run
+    from embshard.jobs.shards import plan_shards
+
+    tdf = generate_tables(120, seed=5, bins_batch_size=2048)
+    big = TableSet.from_frame(tdf)
+    a = plan_shards(big, 60, memory_bytes_per_device=2**40, seed=4)
+    reps = a[a["origin"].str.contains(r"\+replica")]
+    assert len(reps) and reps["replicas"].map(lambda v: v is not None and max(v) == 1).all()
+    assert a[~a["origin"].str.contains(r"\+replica")]["replicas"].map(lambda v: v is None).all()
+    for _, r in reps.iterrows():
+        for tid, flag in zip(r["table_ids"], r["replicas"]):
+            if flag == 1:
+                assert big.size_bytes[big.index_of([tid])[0]] <= 64 * 2**20
+    # measure a few shards with replicas and a few without
+    some = pd.concat([reps.head(3), a[~a["origin"].str.contains(r"\+replica")].head(2)], ignore_index=True)
+    schemas.write(tdf, tmp_path / "tables.parquet", "tables")
+    schemas.write(some, tmp_path / "shards.parquet", "shards")
+    parts = run(str(tmp_path / "tables.parquet"), str(tmp_path / "shards.parquet"), str(tmp_path / "run"),
+                settings=MeasureSettings(**FAST), progress=False)
+    cdf = pd.concat([schemas.read(p, "costs") for p in parts], ignore_index=True)
+    with_rep = cdf[cdf["replicas"].map(lambda v: v is not None and max(v) == 1)]
+    assert len(with_rep) == 3 and (with_rep["allreduce_ms"] > 0).all() and (with_rep["replica_a2a_ms"] > 0).all()
+    targets = comm_targets(cdf)
+    shards = [big.index_of(list(v)) for v in cdf["table_ids"]]
+    features, _, is_split = _piece_rows(tdf, cdf, shards)
+    for s in range(len(cdf)):
+        row = cdf.iloc[s]
+        comm = row["fwd_comm_ms"] + row["bwd_comm_ms"]
+        if row["replicas"] is not None and max(row["replicas"]) == 1:
+            assert targets[s] == pytest.approx(comm - row["allreduce_ms"] + row["replica_a2a_ms"])
+            k = list(row["replicas"]).index(1)
+            t = big.index_of([row["table_ids"][k]])[0]
+            assert features[shards[s][k]][2] == pytest.approx(big.pooling_factor[t] / int(row["num_devices"]))
+            assert is_split[s]
+        else:
+            assert targets[s] == pytest.approx(comm)
+
+
+def test_placement_shards_carry_replicas():
+    import pandas as pd
+
+    from embshard.bench.sampler import piece_key, placement_shards, replica_list
+
+    pdf = pd.DataFrame({"task_id": "t", "table_id": ["a", "b", "b", "c"], "device": [0, 0, 1, 1],
+                        "kind": ["whole", "replicated", "replicated", "whole"], "planner": "p"})
+    sh = placement_shards(pdf, 2)
+    assert sh["replicas"].tolist() == [[0, 1], [1, 0]]
+    assert replica_list(sh, 0) == [0, 2] and replica_list(sh, 1) == [2, 0]
+    whole = placement_shards(pdf.assign(kind="whole", table_id=["a", "b", "x", "c"]), 2)
+    assert piece_key(sh.iloc[0]) != piece_key(whole.iloc[0])

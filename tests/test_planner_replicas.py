@@ -101,10 +101,10 @@ def test_no_replica_when_its_copies_do_not_fit():
     on_b = np.flatnonzero(assign == b)
     roomy = SearchState(TaskScorer(model, feats, D), ts.size_bytes.copy(), int(used.max() + ts.size_bytes[t]), assign)
     single = roomy.scorer.single_costs()[on_b]
-    assert replica_candidate(ts, shards, roomy, model, b, on_b, single) == t
+    assert replica_candidate(ts, shards, roomy, model, on_b, single) == t
     tight_mem = int(max(used[d] for d in range(D) if d != b) + ts.size_bytes[t] - 1)
     tight = SearchState(TaskScorer(model, feats, D), ts.size_bytes.copy(), max(tight_mem, int(used[b])), assign)
-    assert replica_candidate(ts, shards, tight, model, b, on_b, single) != t
+    assert replica_candidate(ts, shards, tight, model, on_b, single) != t
 
 
 def test_baselines_never_replicate():

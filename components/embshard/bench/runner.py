@@ -407,26 +407,41 @@ def time_inputs(inputs: ShardInputs, cfg: BenchConfig, where: str = "shard") -> 
             "spread": float((q75 - q25) / max(np.median(total), 1e-9)), "weights_precision": precision}
 
 
-def _comm(cfg: BenchConfig, sum_dims: int, num_devices: int, grad_bytes: float = 0.0) -> dict:
-    """The all-to-all of `sum_dims`-wide outputs (fwd and bwd) and, for replicas, the all-reduce of their
-    `grad_bytes` of gradients (bwd; `allreduce_ms`). Measured among the comm group's ranks when it exists, else
-    the comm model (bench.comm)."""
+def _comm(cfg: BenchConfig, sum_dims: int, num_devices: int, grad_bytes=(), replica_dims: int = 0) -> dict:
+    """The all-to-all of `sum_dims`-wide outputs (fwd and bwd) and, for replicas, one all-reduce per replica of its
+    gradient (`grad_bytes`, one entry per replica; bwd; `allreduce_ms`). Measured among the comm group's ranks
+    when it exists, else the comm model (bench.comm). `replica_a2a_ms`: what the replicas' `replica_dims` would
+    add to the fwd + bwd all-to-all if they were whole tables (what the cost model's comm head charges them;
+    costmodel.data takes it back from the comm target, with the all-reduce)."""
     from .comm import allreduce_numel, group_numel
 
     B = cfg.batch_size
     nd = int(num_devices)
+    grads = [float(g) for g in np.atleast_1d(np.asarray(grad_bytes, dtype=np.float64))]
+    a2a_all = 0.0
     if cfg.comm_group is not None:
+        group = cfg.comm_group
+
+        def a2a(width: int) -> float:
+            numel = group_numel(B, width, nd, group.world)
+            return float(np.median(group.all_to_all_ms(numel))) if numel else 0.0
+
         # Among the group's ranks, each sending what a device of the shard's nd-device task sends.
-        numel = group_numel(B, sum_dims, nd, cfg.comm_group.world)
-        f_comm = float(np.median(cfg.comm_group.all_to_all_ms(numel))) if numel else 0.0
-        b_comm = float(np.median(cfg.comm_group.all_to_all_ms(numel))) if numel else 0.0
-        ar_numel = allreduce_numel(grad_bytes, nd, cfg.comm_group.world)
-        ar = float(np.median(cfg.comm_group.all_reduce_ms(ar_numel))) if ar_numel else 0.0
+        f_comm, b_comm = a2a(sum_dims), a2a(sum_dims)
+        ar = 0.0
+        for g in grads:
+            n = allreduce_numel(g, nd, group.world)
+            ar += float(np.median(group.all_reduce_ms(n))) if n else 0.0
+        if replica_dims:
+            a2a_all = a2a(sum_dims + replica_dims) + a2a(sum_dims + replica_dims)
     else:
         assert cfg.comm is not None  # make_config sets comm or comm_group
         f_comm = b_comm = cfg.comm.time_ms(B, sum_dims, nd)
-        ar = cfg.comm.allreduce_ms(grad_bytes, nd)
-    return {"fwd_comm_ms": f_comm, "bwd_comm_ms": b_comm + ar, "allreduce_ms": ar, "num_devices": nd}
+        ar = float(sum(cfg.comm.allreduce_ms(g, nd) for g in grads))
+        if replica_dims:
+            a2a_all = 2.0 * cfg.comm.time_ms(B, sum_dims + replica_dims, nd)
+    return {"fwd_comm_ms": f_comm, "bwd_comm_ms": b_comm + ar, "allreduce_ms": ar, "num_devices": nd,
+            "replica_a2a_ms": max(a2a_all - f_comm - b_comm, 0.0) if replica_dims else 0.0}
 
 
 def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: int, col_sizes=None,
@@ -435,7 +450,8 @@ def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: i
     """Measure one device shard (positions `members` into `tables`; pieces: `col_sizes`, `row_ranges`,
     `replicas` as shard_inputs takes them); returns the measured numbers. The communication counts each piece's
     output width (bench.comm: a column slice col_size, a row range the full dim of its partial sums); a replica
-    sends no outputs but all-reduces its full gradient (rows x dim x 4 bytes) in the backward (`allreduce_ms`).
+    sends no outputs but all-reduces its full gradient (rows x dim x 4 bytes) in the backward (`allreduce_ms`,
+    one all-reduce per replica, as costmodel.scoring prices it).
     `inputs`: the shard's inputs made beforehand (e.g. by a worker process), else made here."""
     from .comm import replica_grad_bytes
 
@@ -444,9 +460,9 @@ def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: i
     m = time_inputs(inputs, cfg, where)
     members = np.asarray(members, dtype=np.int64)
     reps = [k for k in range(len(members)) if _replica_of(replicas, k)]
-    sent = int(sum(inputs.dims)) - int(sum(inputs.dims[k] for k in reps))
-    grad = float(sum(replica_grad_bytes(int(tables.rows[members[k]]), int(tables.dims[members[k]])) for k in reps))
-    m.update(_comm(cfg, sent, num_devices, grad))
+    rep_dims = int(sum(inputs.dims[k] for k in reps))
+    grads = [replica_grad_bytes(int(tables.rows[members[k]]), int(tables.dims[members[k]])) for k in reps]
+    m.update(_comm(cfg, int(sum(inputs.dims)) - rep_dims, num_devices, grads, rep_dims))
     return m
 
 

@@ -7,9 +7,9 @@ slowest device's cost (or, at equal maximum, the spread), within memory; row pie
 row-wise layout fixes their devices) and never move. Splits cut the dominant piece of the slowest device into k
 column slices (NeuroShard's column-wise split, k-way), row-wise over all devices, or table-row-wise within a host,
 whichever lowers the predicted cost most after local search. Replicas: a small hot table of the slowest device
-may instead be replicated on every device (data-parallel: each device looks up its share of the batch, the
-gradient is all-reduced; `replica_candidate`) when its full bytes fit every device and that lowers the predicted
-slowest device.
+(or the best one anywhere) may instead be replicated on every device (data-parallel: each device looks up its
+share of the batch, the gradient is all-reduced; `replica_candidate`) when its full bytes fit every device and
+that lowers the predicted slowest device.
 
 The search does not exploit the model's errors: with an ensemble cost model (costmodel.ensemble) a move that
 claims to lower the slowest device is taken only when its predicted gain (the members' mean) exceeds
@@ -230,20 +230,26 @@ def _collect(out, mx, sq, fits, kind, rows, cols):
     out.append((float(mx[i, j]), float(sq[i, j]), kind, int(rows[i]), int(cols[j])))
 
 
-def replica_candidate(tables: TableSet, shards: list[Shard], state: SearchState, cost_model, b: int,
-                      on_b: np.ndarray, single: np.ndarray) -> int | None:
-    """The whole piece of device b best worth replicating, or None: its bytes fit the free memory of every other
-    device (b holds it already), and its predicted saving, (D-1)/D of its cost alone minus its all-reduce (less
-    the all-to-all it no longer sends: scoring.replica_extra_ms), is the largest and positive."""
+def replica_candidate(tables: TableSet, shards: list[Shard], state: SearchState, cost_model,
+                      pieces: np.ndarray, single: np.ndarray) -> int | None:
+    """The whole piece among `pieces` (their costs alone: `single`) best worth replicating, or None: its bytes
+    fit the free memory of every device but its own, and its predicted saving, (D-1)/D of its cost alone minus
+    its all-reduce (less the all-to-all it no longer sends: scoring.replica_extra_ms), is the largest and
+    positive."""
     D = state.scorer.num_devices
-    if D < 2:
+    if D < 2 or len(pieces) == 0:
         return None
-    free = state.memory - state.used.numpy()
-    free[b] = np.inf
-    ok = [j for j, p in enumerate(on_b) if shards[p].kind == WHOLE and state.sizes[p] <= free.min()]
+    used = state.used.numpy()
+    ok = []
+    for j, p in enumerate(pieces):
+        if shards[p].kind != WHOLE:
+            continue
+        others = np.delete(used, int(state.assignment[p]))
+        if (others + state.sizes[p] <= state.memory).all():
+            ok.append(j)
     if not ok:
         return None
-    cands = [int(on_b[j]) for j in ok]
+    cands = [int(pieces[j]) for j in ok]
     extra = replica_extra_ms(cost_model, tables, [replace(shards[p], kind="replicated") for p in cands], D)
     assert extra is not None
     gain = np.array([single[j] * (D - 1) / D for j in ok]) - extra
@@ -260,10 +266,10 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
     splitting.MIN_SPEED_SLICE_BYTES), starting on the slowest
     device and spread by local search; row-wise over all devices; table-row-wise over one host's devices (the host
     whose devices cost least; only when the topology names hosts); with `replicas`, a replica on every device of
-    the slowest device's `replica_candidate` (when there is one; searched like a cut, but its search is charged to
-    the budget only when it is kept, so tasks where no replica helps keep their plans and their work). The best
-    cut after local search is kept when it lowers the predicted overall cost. Returns (shards, state), unchanged
-    when no cut helps."""
+    the slowest device's `replica_candidate` and of the best one anywhere (when there are; searched like a cut,
+    but its search is charged to the budget only when it is kept, so tasks where no replica helps keep their
+    plans and their work). The best cut after local search is kept when it lowers the predicted overall cost.
+    Returns (shards, state), unchanged when no cut helps."""
     shards = list(shards)
     memory = state.memory
     for _ in range(max_splits):
@@ -278,8 +284,13 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
         best_shards, best_state, best_work = None, state, None
         trials = [(p0, cut) for cut in _cuts(tables, shards[p0], state, topology, columns, rows)]
         if replicas:
-            r = replica_candidate(tables, shards, state, cost_model, b, on_b, single)
-            if r is not None:
+            # The slowest device's best candidate, and the best anywhere (a hot table the search has isolated on
+            # a device of its own holds the others up without being on the slowest one).
+            movable = np.flatnonzero(state.movable)
+            for r in dict.fromkeys(x for x in (
+                    replica_candidate(tables, shards, state, cost_model, on_b, single),
+                    replica_candidate(tables, shards, state, cost_model, movable,
+                                      state.scorer.single_costs()[movable])) if x is not None):
                 trials.append((r, replica_pieces(shards[r].table, topology.count)))
         # Half of the work left goes to this piece's cuts, shared equally, so that every cut gets its search.
         # (A replica's search is charged only when it is kept, so it takes no share.)
