@@ -89,7 +89,7 @@ def test_plan_shards_are_devices_of_real_plans_and_their_neighbours():
     assert set(a["num_devices"]) <= {2, 4, 8, 16} and a["num_devices"].nunique() >= 3
     origins = a["origin"].str.removeprefix("plan:")
     assert origins.str.endswith("+move").any() and (~origins.str.endswith("+move")).any()
-    assert set(origins.str.removesuffix("+move").str.removesuffix("+split")) <= {
+    assert set(origins.str.removesuffix("+move").str.removesuffix("+replica").str.removesuffix("+split")) <= {
         "dim_greedy", "size_greedy", "lookup_greedy", "size_lookup_greedy"}
     # Tables that fit no device give no plan: one clear error, not an empty list.
     with pytest.raises(EmbshardError, match="memory"):

@@ -54,7 +54,8 @@ def _world(n, table_seed, devices, slack, members):
 
 
 def _pieces(p):
-    return [[s.table, s.device, s.col_offset, s.col_size, s.row_offset, s.row_size] for s in p.shards]
+    return [[s.table, s.device, s.col_offset, s.col_size, s.row_offset, s.row_size]
+            + (["replicated"] if s.kind == "replicated" else []) for s in p.shards]
 
 
 def _cost_greedy(ts, model, devices, mem):

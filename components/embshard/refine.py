@@ -152,11 +152,11 @@ def select(cands: list[Candidate], k: int) -> list[Candidate]:
 
 
 def _kind(c: Candidate, first: Candidate) -> str:
-    """The planner's other drafts, its split variants by kind of cut (column slices / row-wise: the model may rank
-    the kinds wrongly on tables unlike its training data), the heuristics, TorchRec."""
+    """The planner's other drafts, its split variants by kind of cut (column slices / row-wise / replica: the model
+    may rank the kinds wrongly on tables unlike its training data), the heuristics, TorchRec."""
     cut = c.placement.meta.get("cut")
     if cut and c.label.startswith(f"{first.label}~"):
-        return "cut: column" if "column" in cut else "cut: row"
+        return "cut: column" if "column" in cut else "cut: replica" if "replicated" in cut else "cut: row"
     if c.label.startswith(f"{first.label}~"):
         return "drafts"
     return "torchrec" if c.label.startswith("torchrec") else "heuristics"

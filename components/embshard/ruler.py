@@ -1,9 +1,10 @@
 """The ruler: measuring several placements of one task side by side, in rounds, so that their ratios can be trusted.
 
-- A placement is split into device shards. A shard's key is its tables with their column slices and the device
-  count (the all-to-all it pays); the batch and every other setting are the run's. Entries whose shards have the
-  same key share one measurement per round, except the repeats of one planner (an A/A test: "x" and "x#2"),
-  which live in their own namespace so that their shards are built and timed separately.
+- A placement is split into device shards. A shard's key is its tables with their column slices, row ranges,
+  whether each is a replica, and the device count (the all-to-all and all-reduce it pays); the batch and every
+  other setting are the run's. Entries whose shards have the same key share one measurement per round, except
+  the repeats of one planner (an A/A test: "x" and "x#2"), which live in their own namespace so that their
+  shards are built and timed separately.
 - R rounds. Each round measures every distinct shard once, in a fresh seeded random order (drift over a round
   then spreads over all entries instead of biasing the ones measured last), each time with a freshly built
   operator and freshly made inputs.
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .bench.runner import MeasureSettings, close_config, measure_shard, piece_args
+from .bench.runner import MeasureSettings, close_config, measure_shard, piece_args, replica_args
 from .placement import Placement
+from .types import REPLICATED
 
 DEFAULT_ROUNDS = 5
 # Timed work per shard and round on a CPU: the 300 ms of a single measurement spread over the rounds (each round
@@ -42,7 +44,8 @@ def shard_keys(entry: Entry) -> list[tuple | None]:
             keys.append(None)
             continue
         tables = tuple(sorted((str(pl.tables.table_ids[s.table]), s.col_offset or 0, s.col_size or -1,
-                               s.row_offset or 0, -1 if s.row_size is None else s.row_size) for s in shards))
+                               s.row_offset or 0, -1 if s.row_size is None else s.row_size,
+                               int(s.kind == REPLICATED)) for s in shards))
         keys.append((entry.namespace, pl.num_devices, tables))
     return keys
 
@@ -85,7 +88,8 @@ def measure_rounds(entries: list[Entry], rounds: int, settings: MeasureSettings 
                 pl, d, shards = where[key]
                 cols, ranges = piece_args(shards)
                 m = measure_shard(pl.tables, [s.table for s in shards], cfg, num_devices=pl.num_devices,
-                                  col_sizes=cols, row_ranges=ranges, where=f"{pl.task_id}/device {d}")
+                                  col_sizes=cols, row_ranges=ranges, where=f"{pl.task_id}/device {d}",
+                                  replicas=replica_args(shards, pl.num_devices))
                 total[key] = m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"]
             for j, keys in enumerate(per_entry):
                 for d, k in enumerate(keys):

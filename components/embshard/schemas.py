@@ -130,6 +130,11 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("col_sizes", pa.list_(pa.int32()), required=False, nullable=True),
         Column("row_offsets", pa.list_(pa.int64()), required=False, nullable=True),
         Column("row_sizes", pa.list_(pa.int64()), required=False, nullable=True),
+        Column("replicas", pa.list_(pa.int32()), required=False, nullable=True),  # 1 = a replica (-1/0: not)
+        # A replica's communication (bench.comm): the all-reduces of its gradients (in bwd_comm_ms), and what its
+        # outputs would have added to the fwd + bwd all-to-all as a whole table (costmodel.data's comm target).
+        Column("allreduce_ms", _F64, required=False, nullable=True),
+        Column("replica_a2a_ms", _F64, required=False, nullable=True),
     ],
     # Device shards to measure (bench): one row per shard, the tables one device holds.
     "shards": [
@@ -139,10 +144,11 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("origin", _STR),
         # Optional pieces, parallel to table_ids (docs/contracts.md, "Shard kinds"): col_sizes[i] is the width
         # measured for table_ids[i] (-1 = whole width); rows [row_offsets[i], row_offsets[i] + row_sizes[i])
-        # its row range (-1 = all rows).
+        # its row range (-1 = all rows); replicas[i] 1 when table_ids[i] is a replica over num_devices devices.
         Column("col_sizes", pa.list_(pa.int32()), required=False, nullable=True),
         Column("row_offsets", pa.list_(pa.int64()), required=False, nullable=True),
         Column("row_sizes", pa.list_(pa.int64()), required=False, nullable=True),
+        Column("replicas", pa.list_(pa.int32()), required=False, nullable=True),
     ],
     "placements": [
         Column("task_id", _STR, check=_valid_id, rule=f"an id of {checks.ID_RULE}"),
@@ -241,7 +247,7 @@ def _check_tables(df: pd.DataFrame, where: str) -> None:
                             field="bin_00..bin_16", fix="bins are fractions of unique indices and must sum to 1")
 
 
-PIECE_COLUMNS = ("col_sizes", "row_offsets", "row_sizes")
+PIECE_COLUMNS = ("col_sizes", "row_offsets", "row_sizes", "replicas")
 
 
 def _check_pieces(df: pd.DataFrame, where: str) -> None:
@@ -270,6 +276,11 @@ def _check_pieces(df: pd.DataFrame, where: str) -> None:
             if o < -1 or (o == -1) != (z == -1):
                 raise EmbshardError(f"row range offset {o} with size {z} in row {i}", path=where,
                                     field="row_offsets", fix="give an offset >= 0 with every size > 0, -1 with -1")
+            r = -1 if got.get("replicas") is None else int(got["replicas"][k])
+            c_k = -1 if got.get("col_sizes") is None else int(got["col_sizes"][k])
+            if r not in (-1, 0, 1) or (r == 1 and (z != -1 or c_k != -1)):
+                raise EmbshardError(f"replica flag {r} (column {c_k}, rows {z}) in row {i}", path=where,
+                                    field="replicas", fix="use 1 for a replica of the whole table, else 0 or -1")
 
 
 def _coerce(s: pd.Series, typ: pa.DataType) -> pd.Series:

@@ -4,8 +4,9 @@
   links, which devices share a host), in the spirit of TorchRec's `Topology`. Every planner gets one
   (`Planner.plan` builds it from (num_devices, memory) when a caller gives ints) and stores it on the Placement.
 - `Shard` and its kinds: a piece of one table on one device (the whole table, a column slice, a row slice, or a
-  replica). Planners place whole tables, column slices and row ranges (planners.splitting); replicas come from
-  user and TorchRec plans; the export writes all four as TorchRec shardings.
+  replica). Planners place whole tables, column slices and row ranges (planners.splitting); the learned planner
+  also replicates small hot tables (planners.search); user and TorchRec plans may hold replicas too; the export
+  writes all four as TorchRec shardings.
 - `CostEstimator`: what planners, the policy and the scorer call on a cost model (the network, the ensemble and
   the analytic reference implement it): SUM-decomposable encodings and costs from summed encodings.
 - `Task`: one placement problem (an id, its tables, its devices); `load_tasks` reads them from the tables and

@@ -13,6 +13,17 @@ table of that dim, so both paths count a row piece as an all-to-all of dim-wide 
 (D-1 adds per output element, B x dim floats) is not timed: on the measured path this is an approximation (an
 all_to_all_single of the same size stands in for the reduce-scatter), small next to the transfer.
 
+A replica (kind 'replicated', TorchRec's data_parallel) sends no pooled outputs (each device looks up its own
+B/D samples in its full copy), so its dim is left out of S; instead its gradient is all-reduced over the D
+devices every step: G = rows x dim x 4 bytes (dense FP32 gradients), of which a ring all-reduce moves
+2 x (D-1)/D x G per device (reduce-scatter then all-gather). One all-reduce per replica (its latency paid per
+replica, as costmodel.scoring prices it; TorchRec's DDP may bucket small ones), counted in the backward comm:
+- model: latency + 2 (D-1)/D G / bandwidth, with the same calibrated constants as the all-to-all
+  (`CommModel.allreduce_ms`; the all-to-all's calibration stands in for the all-reduce's: one ring step
+  moves bytes between the same processes or GPUs);
+- measured (a comm group exists): a real `all_reduce` among the group's W ranks of the size that makes each
+  rank move what a device of the D-device task moves (`allreduce_numel`); its latency is that of W ranks.
+
 - measured (comm_source='measured'): `CommGroup(n)` starts n-1 helper processes
   (`python -m embshard.bench.comm_rank`); with the main process they form
   a torch.distributed group (gloo on CPU, NCCL on GPUs) and time real `all_to_all_single` calls of that size.
@@ -33,38 +44,27 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 
 from .. import storage
+from ..collectives import (  # noqa: F401  (the formulas live beside the cost model; re-exported here)
+    NVLINK_DEFAULT,
+    CommModel,
+    allreduce_bytes,
+    allreduce_numel,
+    exchanged_bytes,
+    replica_grad_bytes,
+)
 from ..errors import EmbshardError
 
 log = logging.getLogger(__name__)
 
-# A GPU pod has one GPU and cannot measure NCCL; these are typical effective per-GPU all-to-all numbers of an
-# NVLink node (documented assumption, recorded as the model's source).
-NVLINK_DEFAULT = {"latency_s": 30e-6, "bandwidth_Bps": 100e9}
 CALIBRATION_FILE = "comm_calibration.json"
 _PROCESS_CACHE: dict[str, CommModel] = {}  # calibrations made by this process, per hardware
+OP_ALL_TO_ALL, OP_ALL_REDUCE = 0, 1  # the collectives a CommGroup times (comm_rank runs the same)
 _CALIBRATION_SIZES = [1 << 8, 1 << 20, 1 << 22]  # floats per rank: latency-bound to bandwidth-bound
-
-
-@dataclass(frozen=True)
-class CommModel:
-    latency_s: float
-    bandwidth_Bps: float
-    source: str  # how the constants were obtained
-    spread: float = 0.0  # largest relative range of either constant over the calibration's repeats
-
-    def time_ms(self, batch_size: int, sum_dims: int, num_devices: int) -> float:
-        if num_devices <= 1 or sum_dims <= 0:
-            return 0.0
-        return 1e3 * (self.latency_s + exchanged_bytes(batch_size, sum_dims, num_devices) / self.bandwidth_Bps)
-
-
-def exchanged_bytes(batch_size: int, sum_dims: int, num_devices: int) -> float:
-    return batch_size * sum_dims * 4.0 * (num_devices - 1) / num_devices
 
 
 def _free_port() -> int:
@@ -114,11 +114,18 @@ class CommGroup:
 
     def all_to_all_ms(self, numel: int, warmup: int = 3, iterations: int = 10) -> np.ndarray:
         """Wall ms of each timed all_to_all_single of `numel` floats per rank (rounded up to a multiple of n)."""
+        return self._timed(OP_ALL_TO_ALL, numel, warmup, iterations)
+
+    def all_reduce_ms(self, numel: int, warmup: int = 3, iterations: int = 10) -> np.ndarray:
+        """Wall ms of each timed all_reduce (sum) of `numel` floats per rank (a replica's gradient)."""
+        return self._timed(OP_ALL_REDUCE, numel, warmup, iterations)
+
+    def _timed(self, op: int, numel: int, warmup: int, iterations: int) -> np.ndarray:
         import torch
         import torch.distributed as dist
 
         numel = max(self.world, -(-int(numel) // self.world) * self.world)
-        dist.broadcast(torch.tensor([numel, warmup, iterations], dtype=torch.int64, device=self.device), src=0)
+        dist.broadcast(torch.tensor([numel, warmup, iterations, op], dtype=torch.int64, device=self.device), src=0)
         x = torch.ones(numel, dtype=torch.float32, device=self.device)
         y = torch.empty_like(x)
         times = []
@@ -126,7 +133,10 @@ class CommGroup:
             if self.device != "cpu":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            dist.all_to_all_single(y, x)
+            if op == OP_ALL_REDUCE:
+                dist.all_reduce(x)
+            else:
+                dist.all_to_all_single(y, x)
             if self.device != "cpu":
                 torch.cuda.synchronize()
             if it >= warmup:
@@ -140,7 +150,7 @@ class CommGroup:
         if not dist.is_initialized():
             return
         try:
-            dist.broadcast(torch.zeros(3, dtype=torch.int64, device=self.device), src=0)
+            dist.broadcast(torch.zeros(4, dtype=torch.int64, device=self.device), src=0)
         finally:
             dist.destroy_process_group()
             for p in self.procs:

@@ -10,20 +10,24 @@ import argparse
 
 
 def run_collectives(device: str, cmd_device: str) -> None:
-    """Wait for a command (numel, warmup, iters) from rank 0, run the all-to-alls, repeat; numel 0 stops."""
+    """Wait for a command (numel, warmup, iters, op) from rank 0, run the collectives (op 0: all-to-all,
+    1: all-reduce; comm.OP_*), repeat; numel 0 stops."""
     import torch
     import torch.distributed as dist
 
-    cmd = torch.zeros(3, dtype=torch.int64, device=cmd_device)
+    cmd = torch.zeros(4, dtype=torch.int64, device=cmd_device)
     while True:
         dist.broadcast(cmd, src=0)
-        numel, warmup, iters = (int(x) for x in cmd.tolist())
+        numel, warmup, iters, op = (int(x) for x in cmd.tolist())
         if numel == 0:
             return
         x = torch.ones(numel, dtype=torch.float32, device=device)
         y = torch.empty_like(x)
         for _ in range(warmup + iters):
-            dist.all_to_all_single(y, x)
+            if op == 1:
+                dist.all_reduce(x)
+            else:
+                dist.all_to_all_single(y, x)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,8 @@
 """An input worker of bench.runner.InputPrefetcher, run as `python -m embshard.bench.input_worker STATE.pkl`.
 
 STATE.pkl holds the tables and the benchmark settings. Each stdin line is a JSON job {members, cols, where,
-rows, path}: the worker makes that shard's inputs (bench.runner.shard_inputs), saves them to `path` and answers
-"ok <path>" (or "error <message>") on stdout, one line per job, in order. EOF ends it.
+rows, replicas, path}: the worker makes that shard's inputs (bench.runner.shard_inputs), saves them to `path`
+and answers "ok <path>" (or "error <message>") on stdout, one line per job, in order. EOF ends it.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         job = json.loads(line)
         try:
             path = shard_inputs(tables, job["members"], cfg, job["cols"], job["where"],
-                                job.get("rows")).save(job["path"])
+                                job.get("rows"), job.get("replicas")).save(job["path"])
             print(f"ok {path}", flush=True)
         except Exception as exc:  # reported to the timing process, which stops with it
             print(f"error {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", flush=True)

@@ -29,6 +29,11 @@ range of 1/k of the rows gets about 1/k of the lookups with the same hot/cold sh
 not spread evenly). The whole table's draw uses an rng of the table alone (seed, table id), the same for each
 of its pieces, so a table's k ranges partition one batch's lookups exactly. The op is built with row_size rows
 (then the memory rule above caps them like any table's; kept ids are remapped to distinct rows of the cap).
+
+Replicas (kind `replicated`, a full copy on every one of D devices; docs/contracts.md, "Shard kinds"). A device
+looks up only its own share of the batch: the table's batch of B samples is drawn as for a whole table and the
+bags of all samples but the first ceil(B/D) are emptied (`keep_samples`), so the fused op does the lookups of
+B/D samples of that table in its full table (rows capped by the memory rule like any table).
 """
 from __future__ import annotations
 
@@ -182,6 +187,19 @@ def keep_range(indices: np.ndarray, lengths: np.ndarray, offset: int, size: int)
     keep = (indices >= offset) & (indices < offset + size)
     owner = np.repeat(np.arange(len(lengths)), lengths)
     return (indices[keep] - offset).astype(np.int64), np.bincount(owner[keep], minlength=len(lengths)).astype(np.int64)
+
+
+def replica_share(batch_size: int, num_devices: int) -> int:
+    """Samples of a B-sample batch one device of a D-device replica serves: ceil(B/D)."""
+    return -(-int(batch_size) // max(int(num_devices), 1))
+
+
+def keep_samples(indices: np.ndarray, lengths: np.ndarray, share: int) -> tuple[np.ndarray, np.ndarray]:
+    """The lookups of the first `share` samples of one batch (the others' bags emptied; B stays the same)."""
+    lengths = np.asarray(lengths, dtype=np.int64).copy()
+    n = int(lengths[:share].sum())
+    lengths[share:] = 0
+    return np.asarray(indices, dtype=np.int64)[:n], lengths
 
 
 def row_range_batches(t: TableInput, batch_size: int, num_batches: int, rng: np.random.Generator

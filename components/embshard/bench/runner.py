@@ -247,6 +247,20 @@ def piece_args(shards) -> tuple[list, list]:
             [None if s.row_size is None else (int(s.row_offset), int(s.row_size)) for s in shards])
 
 
+def replica_args(shards, num_devices: int) -> list[int] | None:
+    """`replicas` of a device's Shards as measure_shard takes them: D for a replica over D devices, 0 for any
+    other piece; None when the device holds no replica."""
+    from ..types import REPLICATED
+
+    out = [int(num_devices) if s.kind == REPLICATED else 0 for s in shards]
+    return out if any(out) else None
+
+
+def _replica_of(replicas, k: int) -> int:
+    """D of member k when it is a replica over D devices, else 0."""
+    return 0 if replicas is None or not replicas[k] else int(replicas[k])
+
+
 @dataclass
 class ShardInputs:
     """Everything a shard's timing needs, made on the host (numpy only: a worker process can build it).
@@ -293,14 +307,20 @@ class ShardInputs:
 
 
 def shard_inputs(tables: TableSet, members, cfg: BenchConfig, col_sizes=None, where: str = "shard",
-                 row_ranges=None) -> ShardInputs:
+                 row_ranges=None, replicas=None) -> ShardInputs:
     """The rotated batches of one device shard and its row scaling (host work only; deterministic per shard).
     `col_sizes[k]`: the width measured for member k (None/-1: whole); `row_ranges[k]`: its (offset, size) row
-    range (None: all rows; see bench.inputs for how a range gets its lookups)."""
+    range (None: all rows; see bench.inputs for how a range gets its lookups); `replicas[k]` > 0: member k is a
+    replica over that many devices (full table, the lookups of its device's ceil(B/D) samples; bench.inputs)."""
     members = np.asarray(members, dtype=np.int64)
     specs = _table_inputs(tables, members, col_sizes, row_ranges, where)
+    for k, s in enumerate(specs):
+        if _replica_of(replicas, k) and (s.row_size is not None or s.dim != int(tables.dims[members[k]])):
+            raise EmbshardError(f"table {s.table_id}: a replica is the whole table", path=where, field="replicas",
+                                fix="give a replica no column slice or row range")
     key = ",".join(f"{s.table_id}:{s.dim}" + ("" if s.row_size is None else f":r{s.row_offset}+{s.row_size}")
-                   for s in specs)
+                   + (f":rep{_replica_of(replicas, k)}" if _replica_of(replicas, k) else "")
+                   for k, s in enumerate(specs))
     rng = np.random.default_rng([cfg.seed, zlib.crc32(key.encode())])  # same shard, same inputs
     B = cfg.batch_size
     # Row ranges: the whole table's batches (an rng of the table alone: every piece of a table filters the same
@@ -340,6 +360,10 @@ def shard_inputs(tables: TableSet, members, cfg: BenchConfig, col_sizes=None, wh
     # one (indices, lengths) pair per rotated batch for each table, drawn table by table (the rng's order)
     per_table = [(inp.fit_rows(ranged[t], s.measured_rows) if s.measured_rows < s.piece_rows else ranged[t])
                  if t in ranged else inp.table_batches(s, lengths[t], rng) for t, s in enumerate(specs)]
+    for t in range(len(specs)):
+        if _replica_of(replicas, t):  # a replica serves its device's share of the batch
+            share = inp.replica_share(B, _replica_of(replicas, t))
+            per_table[t] = [inp.keep_samples(i, ln, share) for i, ln in per_table[t]]
     batches = []
     for j in range(cfg.num_batches):
         idx = np.concatenate([pt[j][0] for pt in per_table]).astype(np.int64, copy=False)
@@ -383,32 +407,62 @@ def time_inputs(inputs: ShardInputs, cfg: BenchConfig, where: str = "shard") -> 
             "spread": float((q75 - q25) / max(np.median(total), 1e-9)), "weights_precision": precision}
 
 
-def _comm(cfg: BenchConfig, sum_dims: int, num_devices: int) -> dict:
-    from .comm import group_numel
+def _comm(cfg: BenchConfig, sum_dims: int, num_devices: int, grad_bytes=(), replica_dims: int = 0) -> dict:
+    """The all-to-all of `sum_dims`-wide outputs (fwd and bwd) and, for replicas, one all-reduce per replica of its
+    gradient (`grad_bytes`, one entry per replica; bwd; `allreduce_ms`). Measured among the comm group's ranks
+    when it exists, else the comm model (bench.comm). `replica_a2a_ms`: what the replicas' `replica_dims` would
+    add to the fwd + bwd all-to-all if they were whole tables (what the cost model's comm head charges them;
+    costmodel.data takes it back from the comm target, with the all-reduce)."""
+    from .comm import allreduce_numel, group_numel
 
     B = cfg.batch_size
     nd = int(num_devices)
+    grads = [float(g) for g in np.atleast_1d(np.asarray(grad_bytes, dtype=np.float64))]
+    a2a_all = 0.0
     if cfg.comm_group is not None:
+        group = cfg.comm_group
+
+        def a2a(width: int) -> float:
+            numel = group_numel(B, width, nd, group.world)
+            return float(np.median(group.all_to_all_ms(numel))) if numel else 0.0
+
         # Among the group's ranks, each sending what a device of the shard's nd-device task sends.
-        numel = group_numel(B, sum_dims, nd, cfg.comm_group.world)
-        f_comm = float(np.median(cfg.comm_group.all_to_all_ms(numel))) if numel else 0.0
-        b_comm = float(np.median(cfg.comm_group.all_to_all_ms(numel))) if numel else 0.0
+        f_comm, b_comm = a2a(sum_dims), a2a(sum_dims)
+        ar = 0.0
+        for g in grads:
+            n = allreduce_numel(g, nd, group.world)
+            ar += float(np.median(group.all_reduce_ms(n))) if n else 0.0
+        if replica_dims:
+            a2a_all = a2a(sum_dims + replica_dims) + a2a(sum_dims + replica_dims)
     else:
         assert cfg.comm is not None  # make_config sets comm or comm_group
         f_comm = b_comm = cfg.comm.time_ms(B, sum_dims, nd)
-    return {"fwd_comm_ms": f_comm, "bwd_comm_ms": b_comm, "num_devices": nd}
+        ar = float(sum(cfg.comm.allreduce_ms(g, nd) for g in grads))
+        if replica_dims:
+            a2a_all = 2.0 * cfg.comm.time_ms(B, sum_dims + replica_dims, nd)
+    return {"fwd_comm_ms": f_comm, "bwd_comm_ms": b_comm + ar, "allreduce_ms": ar, "num_devices": nd,
+            "replica_a2a_ms": max(a2a_all - f_comm - b_comm, 0.0) if replica_dims else 0.0}
 
 
 def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: int, col_sizes=None,
-                  where: str = "shard", inputs: ShardInputs | None = None, row_ranges=None) -> dict:
-    """Measure one device shard (positions `members` into `tables`; pieces: `col_sizes`, `row_ranges` as
-    shard_inputs takes them); returns the measured numbers. The communication counts each piece's output width
-    (bench.comm: a column slice col_size, a row range the full dim of its partial sums).
+                  where: str = "shard", inputs: ShardInputs | None = None, row_ranges=None,
+                  replicas=None) -> dict:
+    """Measure one device shard (positions `members` into `tables`; pieces: `col_sizes`, `row_ranges`,
+    `replicas` as shard_inputs takes them); returns the measured numbers. The communication counts each piece's
+    output width (bench.comm: a column slice col_size, a row range the full dim of its partial sums); a replica
+    sends no outputs but all-reduces its full gradient (rows x dim x 4 bytes) in the backward (`allreduce_ms`,
+    one all-reduce per replica, as costmodel.scoring prices it).
     `inputs`: the shard's inputs made beforehand (e.g. by a worker process), else made here."""
+    from .comm import replica_grad_bytes
+
     if inputs is None:
-        inputs = shard_inputs(tables, members, cfg, col_sizes, where, row_ranges)
+        inputs = shard_inputs(tables, members, cfg, col_sizes, where, row_ranges, replicas)
     m = time_inputs(inputs, cfg, where)
-    m.update(_comm(cfg, int(sum(inputs.dims)), num_devices))
+    members = np.asarray(members, dtype=np.int64)
+    reps = [k for k in range(len(members)) if _replica_of(replicas, k)]
+    rep_dims = int(sum(inputs.dims[k] for k in reps))
+    grads = [replica_grad_bytes(int(tables.rows[members[k]]), int(tables.dims[members[k]])) for k in reps]
+    m.update(_comm(cfg, int(sum(inputs.dims)) - rep_dims, num_devices, grads, rep_dims))
     return m
 
 
@@ -430,8 +484,8 @@ def input_workers(device: str) -> int:
 
 
 def _job(job: tuple) -> tuple:
-    """(members, col_sizes, where, row_ranges) of a prefetcher job (row_ranges optional: None)."""
-    return (*job, None) if len(job) == 3 else tuple(job)
+    """(members, col_sizes, where, row_ranges, replicas) of a prefetcher job (the last two optional: None)."""
+    return (*job, *([None] * (5 - len(job))))
 
 
 class InputPrefetcher:
@@ -471,8 +525,9 @@ class InputPrefetcher:
 
         while self.next < len(self.jobs) and self.next - done < self.ahead:
             k = self.next
-            members, cols, where, ranges = _job(self.jobs[k])
-            job = {"members": [int(m) for m in members], "cols": None if cols is None else [
+            members, cols, where, ranges, reps = _job(self.jobs[k])
+            job = {"replicas": None if reps is None else [int(r) for r in reps],
+                   "members": [int(m) for m in members], "cols": None if cols is None else [
                 None if c is None else int(c) for c in cols], "where": where,
                 "rows": None if ranges is None else [None if r is None else [int(r[0]), int(r[1])] for r in ranges],
                 "path": os.path.join(self.tmp, f"{k:06d}.npz")}
@@ -481,9 +536,9 @@ class InputPrefetcher:
             self.next += 1
 
     def get(self, k: int) -> ShardInputs:
-        members, cols, where, ranges = _job(self.jobs[k])
+        members, cols, where, ranges, reps = _job(self.jobs[k])
         if not self.workers:
-            return shard_inputs(self.tables, members, self.cfg, cols, where, ranges)
+            return shard_inputs(self.tables, members, self.cfg, cols, where, ranges, reps)
         answer = self.procs[k % self.workers].stdout.readline().strip()
         if not answer.startswith("ok "):
             raise EmbshardError(f"an input worker failed on {where}: {answer or 'it exited'}", field="shards",
@@ -521,15 +576,17 @@ class InputPrefetcher:
 def measure_placement(placement, settings: MeasureSettings | None = None) -> pd.DataFrame:
     """Measure every device of `placement` (one fused op per device shard; a column slice is measured as a
     table of dim=col_size, a row range as bench.inputs says). One row per device: device, table_ids, fwd/bwd
-    compute and comm ms, total_ms (an empty device costs 0), plus hardware, backend, comm_source, row_scale."""
+    compute and comm ms (a replica's all-reduce in bwd_comm_ms, also alone in allreduce_ms), total_ms (an empty
+    device costs 0), plus hardware, backend, comm_source, row_scale."""
     cfg = make_config(settings or MeasureSettings())
     rows = []
     device_shards = placement.device_shards()
     busy = [d for d, shards in enumerate(device_shards) if shards]
-    jobs: list[tuple] = []  # (members, col_sizes, where, row_ranges)
+    jobs: list[tuple] = []  # (members, col_sizes, where, row_ranges, replicas)
     for d in busy:
         cols, ranges = piece_args(device_shards[d])
-        jobs.append(([s.table for s in device_shards[d]], cols, f"{placement.task_id}/device {d}", ranges))
+        jobs.append(([s.table for s in device_shards[d]], cols, f"{placement.task_id}/device {d}", ranges,
+                     replica_args(device_shards[d], placement.num_devices)))
     try:
         with InputPrefetcher(placement.tables, cfg, jobs, input_workers(cfg.device) if len(jobs) > 1 else 0) as pre:
             for d, shards in enumerate(device_shards):
@@ -541,9 +598,10 @@ def measure_placement(placement, settings: MeasureSettings | None = None) -> pd.
                     k = busy.index(d)
                     m = measure_shard(placement.tables, jobs[k][0], cfg, num_devices=placement.num_devices,
                                       col_sizes=jobs[k][1], where=jobs[k][2], inputs=pre.get(k),
-                                      row_ranges=jobs[k][3])
+                                      row_ranges=jobs[k][3], replicas=jobs[k][4])
                 rows.append({"device": d, "table_ids": ids, **{k: m[k] for k in (
                     "fwd_compute_ms", "bwd_compute_ms", "fwd_comm_ms", "bwd_comm_ms")},
+                    "allreduce_ms": m.get("allreduce_ms", 0.0),
                     "total_ms": m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"],
                     "hardware": cfg.hardware, "cache_bytes": cfg.cache_bytes, "backend": cfg.backend,
                     "comm_source": cfg.comm_source,

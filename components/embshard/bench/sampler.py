@@ -110,7 +110,11 @@ def piece_key(row) -> tuple:
         v = row.get(c) if hasattr(row, "get") else None
         return [-1] * n if v is None or isinstance(v, float) else [int(x) for x in v]
 
-    return tuple(sorted(zip(map(str, row["table_ids"]), get("col_sizes"), get("row_offsets"), get("row_sizes"))))
+    keys = zip(map(str, row["table_ids"]), get("col_sizes"), get("row_offsets"), get("row_sizes"))
+    reps = [max(r, 0) for r in get("replicas")]
+    if any(reps):  # a replica is another shard than its whole table (keys without replicas stay as they were)
+        return tuple(sorted((*k, r) for k, r in zip(keys, reps)))
+    return tuple(sorted(keys))
 
 
 def placement_shards(placements_df: pd.DataFrame, num_devices: int | Mapping[str, int] | None = None) -> pd.DataFrame:
@@ -118,14 +122,12 @@ def placement_shards(placements_df: pd.DataFrame, num_devices: int | Mapping[str
 
     `num_devices`: one count for all tasks, a {task_id: count} map, or None to use max(device)+1 per task.
     Column-wise slices (col_size set) are kept in `col_sizes`, row ranges (row_size set) in `row_offsets` and
-    `row_sizes` (-1 = whole). Replicated pieces are not measured yet (an error says so).
+    `row_sizes` (-1 = whole), replicas in `replicas` (1 on every device's row).
     """
     df = schemas.validate(placements_df, "placements", "<placements>")
     has_cols = "col_size" in df.columns and df["col_size"].notna().any()
     has_rows = "row_size" in df.columns and df["row_size"].notna().any()
-    if "kind" in df.columns and (df["kind"] == "replicated").any():
-        raise EmbshardError("replicated pieces are not measured by the benchmark yet", field="kind",
-                            fix="measure placements without replicas")
+    has_reps = "kind" in df.columns and (df["kind"] == "replicated").any()
     rows = []
     for (task, planner), g in df.groupby(["task_id", "planner"], sort=True):
         if num_devices is None:
@@ -151,6 +153,8 @@ def placement_shards(placements_df: pd.DataFrame, num_devices: int | Mapping[str
                 offs = gd["row_offset"] if "row_offset" in gd.columns else [0] * len(sizes)
                 row["row_sizes"] = sizes
                 row["row_offsets"] = [-1 if z < 0 else (0 if pd.isna(o) else int(o)) for o, z in zip(offs, sizes)]
+            if has_reps:
+                row["replicas"] = [int(k == "replicated") for k in gd["kind"]]
             rows.append(row)
     return schemas.validate(pd.DataFrame(rows), "shards", "<placement shards>")
 
@@ -170,6 +174,18 @@ def piece_lists(shard_df: pd.DataFrame, i: int) -> tuple[list | None, list | Non
         if all(r is None for r in ranges):
             ranges = None
     return col_list, ranges
+
+
+def replica_list(shard_df: pd.DataFrame, i: int) -> list[int] | None:
+    """`replicas` of shard row i as bench.runner.measure_shard takes them (num_devices for a replica, else 0),
+    None when it holds none."""
+    if "replicas" not in shard_df.columns:
+        return None
+    row = shard_df.iloc[i]
+    v = row["replicas"]
+    if v is None or isinstance(v, float) or not any(int(x) == 1 for x in v):
+        return None
+    return [int(row["num_devices"]) if int(x) == 1 else 0 for x in v]
 
 
 def check_pieces(tables, members: list, pieces: list, shard_df: pd.DataFrame, where: str) -> None:

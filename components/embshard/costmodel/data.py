@@ -12,7 +12,9 @@ Split pieces (docs/contracts.md, "Shard kinds"): a costs row whose `col_sizes` /
 a column slice or a row range of a table gets, for that entry, a feature row of its own made by
 `costmodel.scoring.piece_features` (appended after the tables' rows; `piece_table` maps every feature row to its
 table), so training sees exactly the features planners score. `is_split` flags the shards holding any piece:
-the report gives their accuracy separately.
+the report gives their accuracy separately. A replica (`replicas` 1) is such a piece (1/D of the lookups); its
+shard's comm target leaves its all-reduce out and puts back the all-to-all of its outputs (`allreduce_ms`,
+`replica_a2a_ms`), which the scorer prices analytically instead (costmodel.scoring.replica_extra_ms).
 """
 from __future__ import annotations
 
@@ -111,7 +113,7 @@ def load(costs: str | list[str], tables: str, *, seed: int = 0, val_frac: float 
     shards = [np.fromiter((lookup[t] for t in v), dtype=np.int64, count=len(v)) for v in cdf["table_ids"]]
     features, piece_table, is_split = _piece_rows(tdf, cdf, shards)
     targets = np.stack([cdf["fwd_compute_ms"].to_numpy(float), cdf["bwd_compute_ms"].to_numpy(float),
-                        (cdf["fwd_comm_ms"] + cdf["bwd_comm_ms"]).to_numpy(float)], axis=1)
+                        comm_targets(cdf)], axis=1)
     nd = (cdf["num_devices"].to_numpy(np.int64) if "num_devices" in cdf.columns
           else np.ones(len(cdf), dtype=np.int64))
 
@@ -139,6 +141,27 @@ def load(costs: str | list[str], tables: str, *, seed: int = 0, val_frac: float 
                     cache_bytes=cache,
                     hardware=str(cdf["hardware"].iloc[0]), backend=str(cdf["backend"].iloc[0]),
                     dataset_hash=dataset_hash(cdf), dropped=dropped, piece_table=piece_table, is_split=is_split)
+
+
+def comm_targets(cdf: pd.DataFrame) -> np.ndarray:
+    """The comm head's target per costs row: fwd + bwd comm ms, less a replica's all-reduce plus the all-to-all
+    of its outputs (`allreduce_ms`, `replica_a2a_ms`): the scorer prices a replica's all-reduce analytically and
+    takes back the all-to-all the head charges for its dim (scoring.replica_extra_ms), so the head learns the
+    shard's comm as if its replicas sent their outputs (what its dim sum models)."""
+    comm = (cdf["fwd_comm_ms"] + cdf["bwd_comm_ms"]).to_numpy(float)
+    if "allreduce_ms" in cdf.columns:
+        ar = cdf["allreduce_ms"].fillna(0.0).to_numpy(float)
+        back = cdf["replica_a2a_ms"].fillna(0.0).to_numpy(float) if "replica_a2a_ms" in cdf.columns else 0.0
+        comm = comm - ar + back
+    return comm
+
+
+def entry_replicas(row: pd.Series, n: int) -> list[bool]:
+    """Whether each of a costs/shards row's n entries is a replica (its `replicas` list; none when absent)."""
+    v = row["replicas"] if "replicas" in row.index else None
+    if v is None or isinstance(v, float):
+        return [False] * n
+    return [int(x) == 1 for x in v]
 
 
 def entry_pieces(row: pd.Series, n: int) -> list[tuple[int | None, int, int | None]]:
@@ -172,18 +195,24 @@ def _piece_rows(tdf: pd.DataFrame, cdf: pd.DataFrame, shards: list[np.ndarray]
 
     keys: dict[tuple, int] = {}
     for s, rows in enumerate(shards):
-        for k, (c, o, z) in enumerate(entry_pieces(cdf.iloc[s], len(rows))):
-            if c is None and z is None:
+        row = cdf.iloc[s]
+        reps = entry_replicas(row, len(rows))
+        nd = int(row["num_devices"]) if "num_devices" in row.index else 1
+        for k, (c, o, z) in enumerate(entry_pieces(row, len(rows))):
+            if c is None and z is None and not reps[k]:
                 continue
-            key = (int(rows[k]), c, o, z)
+            key = (int(rows[k]), c, o, z, nd if reps[k] else 0)
             if key not in keys:
                 keys[key] = n_tables + len(keys)
             rows[k] = keys[key]
             is_split[s] = True
     if not keys:
         return base, np.arange(n_tables), is_split
-    pieces = [Shard(t, 0, col_size=c, row_offset=o, row_size=z) for (t, c, o, z) in keys]
+    pieces = [Shard(t, 0, col_size=c, row_offset=o, row_size=z) for (t, c, o, z, _) in keys]
     extra = piece_features(TableSet.from_frame(tdf), pieces)
+    for j, key in enumerate(keys):
+        if key[4]:  # a replica over D devices: 1/D of the lookups (piece_features)
+            extra[j, 2] = extra[j, 2] / key[4]
     piece_table = np.concatenate([np.arange(n_tables), [p.table for p in pieces]]).astype(np.int64)
     return np.concatenate([base, extra]), piece_table, is_split
 

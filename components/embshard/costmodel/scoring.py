@@ -3,6 +3,12 @@
 The cost model is SUM-decomposable: a device's cost is a function of the sum of its tables' encodings. So a
 task's tables are encoded once, and any candidate device content is scored from a sum of rows: adding or
 removing a table is one vector addition, and thousands of candidates are one batched call.
+
+Replicas (kind 'replicated'): the model prices a replica's compute from its features (1/D of the lookups,
+`piece_features`); its communication differs in kind from a table's, so it is an additive analytic term per
+piece (`replica_extra_ms`, carried as one more channel of the scorer's sums): minus the all-to-all the model
+would charge for its dim (a replica sends no pooled outputs) plus the ring all-reduce of its gradient
+(rows x dim x 4 bytes, latency + 2 (D-1)/D bytes / bandwidth), as the benchmark measures it (bench.comm).
 """
 from __future__ import annotations
 
@@ -35,7 +41,7 @@ class TaskScorer:
     neither of them imports the other."""
 
     def __init__(self, cost_model: CostEstimator, features: np.ndarray | None, num_devices: int,
-                 enc: torch.Tensor | None = None):
+                 enc: torch.Tensor | None = None, extra: np.ndarray | None = None):
         self.cost_model = cost_model
         self.num_devices = int(num_devices)
         if enc is None:
@@ -45,6 +51,10 @@ class TaskScorer:
         self._fused = _fused_heads(cost_model, self.num_devices)
         # What device sums add up: the encodings, or their projections when the fused evaluator applies.
         self.enc = self.model_enc if self._fused is None else self._fused.project(enc)
+        # Additive ms per piece (replicas' communication, replica_extra_ms): one more channel of the sums.
+        self.extra = None if extra is None else np.asarray(extra, dtype=np.float64)
+        if self.extra is not None:
+            self.enc = torch.cat([self.enc, torch.as_tensor(self.extra, dtype=self.enc.dtype).unsqueeze(1)], dim=1)
         self.dim = self.enc.shape[1]
 
     @property
@@ -55,15 +65,27 @@ class TaskScorer:
     @torch.no_grad()
     def member_totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """(K, ...) device totals per ensemble member (K = 1 for a single model); empty devices cost 0."""
+        sums, add = self._split_extra(sums)
         out = (self._fused.member_totals(sums) if self._fused is not None
                else self.cost_model.member_totals_from_sums(sums, self.num_devices))
+        if add is not None:
+            out = out + add.to(out.dtype)
         return torch.where(counts > 0, out, torch.zeros_like(out))
+
+    def _split_extra(self, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the model's sums, the summed additive ms or None)."""
+        if self.extra is None:
+            return sums, None
+        return sums[..., :-1], sums[..., -1]
 
     @torch.no_grad()
     def totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Device totals (ms) from summed encodings (..., H) and table counts (...); empty devices cost 0."""
+        sums, add = self._split_extra(sums)
         out = (self._fused.member_totals(sums).mean(0) if self._fused is not None
                else self.cost_model.totals_from_sums(sums, self.num_devices))
+        if add is not None:
+            out = out + add.to(out.dtype)
         return torch.where(counts > 0, out, torch.zeros_like(out))
 
     def device_sums(self, assignment: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,10 +222,71 @@ def piece_features(tables: TableSet, shards: list[Shard], num_devices: int | Non
     return feats
 
 
+def replica_comm_model(cost_model: CostEstimator, num_devices: int, a2a_ms: float = 0.0, dim: int = 0,
+                       latency_ms: float = 0.0):
+    """The (latency, bandwidth) a replica's all-reduce is priced with (collectives.CommModel): the calibration the
+    model's measurements used (its config's comm_calibration), else EMBSHARD_COMM_BANDWIDTH_GBPS/_LATENCY_US,
+    else the constants implied by the model's own all-to-all head: `a2a_ms` (fwd + bwd) for `dim`-wide outputs
+    at the model's batch size, `latency_ms` its comm head without them."""
+    import os
+
+    from ..collectives import NVLINK_DEFAULT, CommModel, exchanged_bytes
+
+    cal = getattr(getattr(cost_model, "config", None), "comm_calibration", None)
+    if cal and float(cal.get("bandwidth_Bps", 0)) > 0:
+        return CommModel(float(cal["latency_s"]), float(cal["bandwidth_Bps"]), str(cal.get("source", "")))
+    if os.environ.get("EMBSHARD_COMM_BANDWIDTH_GBPS"):
+        return CommModel(float(os.environ.get("EMBSHARD_COMM_LATENCY_US", "0")) * 1e-6,
+                         float(os.environ["EMBSHARD_COMM_BANDWIDTH_GBPS"]) * 1e9, "given")
+    batch = float(getattr(getattr(cost_model, "config", None), "batch_size", None)
+                  or getattr(cost_model, "batch_size", 0) or 0)
+    if a2a_ms > 0 and dim > 0 and batch > 0 and num_devices > 1:
+        one = a2a_ms / 2.0 * 1e-3  # the head holds the forward and the backward all-to-all
+        return CommModel(max(latency_ms, 0.0) / 2.0 * 1e-3, exchanged_bytes(int(batch), dim, num_devices) / one,
+                         "from the cost model's all-to-all head")
+    return CommModel(NVLINK_DEFAULT["latency_s"], NVLINK_DEFAULT["bandwidth_Bps"], "constants:nvlink")
+
+
+def _a2a_heads(cost_model: CostEstimator, feats: np.ndarray, num_devices: int) -> np.ndarray:
+    """The comm head (ms) of each piece alone on a device."""
+    with torch.no_grad():
+        enc = cost_model.encode(np.asarray(feats, dtype=np.float64)).float()
+        return cost_model.heads_from_sums(enc, num_devices)[..., 2].double().numpy()
+
+
+def replica_extra_ms(cost_model: CostEstimator, tables: TableSet, shards: list[Shard], num_devices: int,
+                     feats: np.ndarray | None = None) -> np.ndarray | None:
+    """Additive ms per piece (None when no piece is a replica): for a replica, the all-reduce of its gradient
+    (collectives.CommModel.allreduce_ms with `replica_comm_model`) minus the all-to-all the cost model charges for
+    its dim (its comm head with and without the dim: a replica sends no outputs); 0 for other pieces."""
+    from ..collectives import replica_grad_bytes
+
+    reps = [k for k, s in enumerate(shards) if s.kind == REPLICATED]
+    if not reps:
+        return None
+    if feats is None:
+        feats = piece_features(tables, shards, num_devices)
+    f = np.asarray(feats, dtype=np.float64)[reps]
+    no_dim = f.copy()
+    no_dim[:, 0], no_dim[:, 3] = 0.0, 0.0
+    sent = _a2a_heads(cost_model, np.concatenate([f, no_dim]), num_devices)
+    a2a = np.maximum(sent[: len(reps)] - sent[len(reps):], 0.0)
+    j = int(np.argmax(f[:, 0]))
+    model = replica_comm_model(cost_model, num_devices, float(a2a[j]), int(f[j, 0]), float(sent[len(reps) + j]))
+    out = np.zeros(len(shards))
+    for j, k in enumerate(reps):
+        t = shards[k].table
+        grad = replica_grad_bytes(int(tables.rows[t]), int(tables.dims[t]))
+        out[k] = model.allreduce_ms(grad, num_devices) - a2a[j]
+    return out
+
+
 def placement_costs(cost_model: CostEstimator, placement: Placement) -> np.ndarray:
-    """Predicted per-device total cost (ms) of any placement, column slices included."""
-    scorer = TaskScorer(cost_model, piece_features(placement.tables, placement.shards, placement.num_devices),
-                        placement.num_devices)
+    """Predicted per-device total cost (ms) of any placement, column slices and replicas included."""
+    feats = piece_features(placement.tables, placement.shards, placement.num_devices)
+    scorer = TaskScorer(cost_model, feats, placement.num_devices,
+                        extra=replica_extra_ms(cost_model, placement.tables, placement.shards,
+                                               placement.num_devices, feats))
     return scorer.device_costs(placement.device_of_shards())
 
 

@@ -30,7 +30,7 @@ from ..bench.runner import (
     measure_shard,
     resolve_settings,
 )
-from ..bench.sampler import check_pieces, load_shards, piece_lists
+from ..bench.sampler import check_pieces, load_shards, piece_lists, replica_list
 from ..errors import EmbshardError
 from ..tableset import TableSet
 
@@ -136,7 +136,8 @@ def run(tables, shards, out: str, settings: MeasureSettings | None = None, *, nu
         order += [(pi, idx[k]) for k in perm if idx[k] not in finished]
     jobs = []
     for _, i in order:
-        jobs.append((members[i], pieces[i][0], str(shard_df.iloc[i]["sample_id"]), pieces[i][1]))
+        jobs.append((members[i], pieces[i][0], str(shard_df.iloc[i]["sample_id"]), pieces[i][1],
+                     replica_list(shard_df, i)))
     workers = input_workers(cfg.device) if len(jobs) > 1 else 0
     if workers:
         log.info("bench: %d input worker processes", workers)
@@ -151,8 +152,11 @@ def run(tables, shards, out: str, settings: MeasureSettings | None = None, *, nu
                         raise RuntimeError(f"EMBSHARD_BENCH_FAIL_AFTER={fail_after}: simulated crash")
                     s = shard_df.iloc[i]
                     m = measure_shard(ts, members[i], cfg, num_devices=int(s["num_devices"]), col_sizes=jobs[k][1],
-                                      where=str(s["sample_id"]), inputs=pre.get(k), row_ranges=jobs[k][3])
+                                      where=str(s["sample_id"]), inputs=pre.get(k), row_ranges=jobs[k][3],
+                                      replicas=jobs[k][4])
                     row = _row(s["sample_id"], s["table_ids"], m, cfg, s["origin"], c)
+                    if jobs[k][4] is not None:  # a replica's comm terms (schemas: costs)
+                        row["allreduce_ms"], row["replica_a2a_ms"] = m["allreduce_ms"], m["replica_a2a_ms"]
                     for col in piece_cols:  # the pieces measured travel to the costs row (-1 = whole)
                         v = s[col]
                         row[col] = None if v is None else [int(x) for x in v]

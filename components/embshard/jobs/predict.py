@@ -95,27 +95,34 @@ def run(tables: str, shards: str, out: str, model_uri: str = COST_CHAMPION_URI,
 
 
 def _shard_features(ts, sdf: pd.DataFrame, row_of: dict[str, int]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The feature rows the shards index: the tables' own, plus one row per split piece (column slice or row
-    range, costmodel.scoring.piece_features) so that a piece is predicted as what it is, not as its whole table."""
-    from ..costmodel.data import entry_pieces
+    """The feature rows the shards index: the tables' own, plus one row per split piece (column slice, row range
+    or replica, costmodel.scoring.piece_features) so that a piece is predicted as what it is, not as its whole
+    table. (A replica's all-reduce is not in these per-shard heads: costmodel.scoring.replica_extra_ms.)"""
+    from ..costmodel.data import entry_pieces, entry_replicas
     from ..costmodel.scoring import piece_features
     from ..types import Shard
 
     base = ts.features()
     extra: list[Shard] = []
+    share: list[int] = []  # D of a replica piece (its 1/D of the lookups), else 1
     rows = []
     for _, srow in sdf.iterrows():
         ids = list(srow["table_ids"])
         idx = []
-        for t, (col, off, size) in zip(ids, entry_pieces(srow, len(ids))):
-            if col is None and size is None:
+        reps = entry_replicas(srow, len(ids))
+        for t, (col, off, size), rep in zip(ids, entry_pieces(srow, len(ids)), reps):
+            if col is None and size is None and not rep:
                 idx.append(row_of[t])
             else:
                 idx.append(len(base) + len(extra))
                 extra.append(Shard(row_of[t], 0, 0, col, off, size))
+                share.append(int(srow["num_devices"]) if rep else 1)
         rows.append(np.array(idx, dtype=np.int64))
-    feats = np.vstack([base, piece_features(ts, extra)]) if extra else base
-    return feats, rows
+    if not extra:
+        return base, rows
+    pf = piece_features(ts, extra)
+    pf[:, 2] = pf[:, 2] / np.asarray(share, dtype=np.float64)
+    return np.vstack([base, pf]), rows
 
 
 # What `embshard predict` writes and reads: its --out is checked before any work (cli.check_output).

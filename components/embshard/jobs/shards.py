@@ -34,6 +34,9 @@ MAX_PLAN_SHARD_TABLES = 60
 SHARDS_PER_PLAN = 2       # device shards kept per plan: more plans, less of the same plan
 NEIGHBOUR_SHARE = 0.5     # plans moved one search step (1-3 tables off the most loaded device) before sampling
 SPLIT_SHARE = 0.25        # plans whose heaviest table is split over the devices before sampling
+REPLICA_SHARE = 0.15      # plans whose hottest small table is replicated on every device before sampling
+REPLICA_MAX_BYTES = 64 * 2**20  # tables up to this size are replicated (the planner replicates small hot ones)
+_REPLICA_STREAM = 0x5EB1  # the rng stream of the replica draws
 
 
 def _piece_proxy(plan, table_proxy: np.ndarray) -> np.ndarray:
@@ -48,6 +51,29 @@ def _piece_proxy(plan, table_proxy: np.ndarray) -> np.ndarray:
             share *= p.row_size / float(t.rows[p.table])
         out.append(float(table_proxy[p.table]) * share)
     return np.asarray(out)
+
+
+def _replicate_hottest(plan):
+    """`plan` with its hottest small whole table (most lookup work, pooling x dim, among those of at most
+    REPLICA_MAX_BYTES) replicated on every device, as the learned planner replicates one; None when there is none
+    or its copies do not fit every device's memory."""
+    from ..placement import Placement
+    from ..types import REPLICATED, Shard
+
+    t, nd = plan.tables, plan.num_devices
+    cands = [j for j, s in enumerate(plan.shards)
+             if s.kind == "whole" and int(t.size_bytes[s.table]) <= REPLICA_MAX_BYTES]
+    if nd < 2 or not cands:
+        return None
+    j = max(cands, key=lambda j: float(t.pooling_factor[plan.shards[j].table] * t.dims[plan.shards[j].table]))
+    s = plan.shards[j]
+    used = np.bincount(plan.device_of_shards(), weights=plan.shard_bytes().astype(np.float64), minlength=nd)
+    size = float(t.size_bytes[s.table])
+    if any(used[d] + size > plan.memory_bytes_per_device for d in range(nd) if d != s.device):
+        return None
+    shards = [p for k, p in enumerate(plan.shards) if k != j] + [Shard(s.table, d, kind=REPLICATED)
+                                                               for d in range(nd)]
+    return Placement(t, nd, plan.memory_bytes_per_device, shards, planner=plan.planner, task_id=plan.task_id)
 
 
 def _split_heaviest(plan, table_proxy: np.ndarray, rng: np.random.Generator):
@@ -138,11 +164,12 @@ def plan_shards(tables: TableSet, n: int, *, memory_bytes_per_device: int, seed:
     Each plan: a task of `task_tables` random tables on one of `devices` (those that leave <= `max_shard_tables`
     per device on average), placed by a random greedy baseline; with probability NEIGHBOUR_SHARE it is moved one
     step the way local search moves (1-3 tables from the device with the largest proxy load to others, memory
-    kept). Before that, with probability SPLIT_SHARE, the plan's heaviest table (by the planner's proxy) is split
-    as a splitting planner would (_split_heaviest). Any plan's pieces are kept by kind (col_sizes, row_offsets,
-    row_sizes; -1 = whole); devices holding replicas are skipped (not measured yet). Up to SHARDS_PER_PLAN of its
-    device shards are kept, moved devices first; a set of pieces is kept once.
-    origin: 'plan:<planner>[+split][+move]'.
+    kept; replicas never move). Before that, with probability SPLIT_SHARE, the plan's heaviest table (by the
+    planner's proxy) is split as a splitting planner would (_split_heaviest), and with probability REPLICA_SHARE
+    its hottest small table is replicated on every device (_replicate_hottest). Any plan's pieces are kept by kind
+    (col_sizes, row_offsets, row_sizes; -1 = whole; replicas: 1). Up to SHARDS_PER_PLAN of its device shards are
+    kept, moved devices first; a set of pieces is kept once.
+    origin: 'plan:<planner>[+split][+replica][+move]'.
     """
     from ..bench.sampler import piece_key
     from ..planners.baselines import GREEDY_BASELINES, PROXIES, make_baseline
@@ -173,6 +200,11 @@ def plan_shards(tables: TableSet, n: int, *, memory_bytes_per_device: int, seed:
             split = _split_heaviest(plan, PROXIES[name.removesuffix("_greedy")](sub), rng)
             if split is not None:
                 plan, origin = split, origin + "+split"
+        # (its own stream: the other draws, and so the plans sampled without replicas, stay as they were)
+        if nd > 1 and np.random.default_rng([seed, attempt, _REPLICA_STREAM]).random() < REPLICA_SHARE:
+            replicated = _replicate_hottest(plan)
+            if replicated is not None:
+                plan, origin = replicated, origin + "+replica"
         pieces = plan.shards
         assign = plan.device_of_shards()
         moved: list[int] = []
@@ -180,7 +212,7 @@ def plan_shards(tables: TableSet, n: int, *, memory_bytes_per_device: int, seed:
             proxy = _piece_proxy(plan, PROXIES[name.removesuffix("_greedy")](sub))
             load = np.bincount(assign, weights=proxy, minlength=nd)
             src = int(np.argmax(load))
-            on_src = np.flatnonzero(assign == src)
+            on_src = np.flatnonzero((assign == src) & np.array([p.kind != REPLICATED for p in pieces]))
             trial = assign.copy()
             for t in rng.choice(on_src, size=min(len(on_src), int(rng.integers(1, 4))), replace=False):
                 trial[t] = int(rng.choice([d for d in range(nd) if d != src]))
@@ -192,14 +224,16 @@ def plan_shards(tables: TableSet, n: int, *, memory_bytes_per_device: int, seed:
         kept = 0
         for dev in order:
             on = [pieces[k] for k in np.flatnonzero(assign == dev)]
-            if not on or len(on) > max_shard_tables or any(p.kind == REPLICATED for p in on):
-                continue  # replicas are not measured yet (docs/contracts.md, "Shard kinds")
+            if not on or len(on) > max_shard_tables:
+                continue
             on.sort(key=lambda p: (str(sub.table_ids[p.table]), p.col_offset, p.row_offset))
             row = {"sample_id": f"plan-s{seed}-{len(rows):06d}",
                    "table_ids": [str(sub.table_ids[p.table]) for p in on], "num_devices": nd, "origin": origin,
                    "col_sizes": [-1 if p.col_size is None else int(p.col_size) for p in on],
                    "row_offsets": [-1 if p.row_size is None else int(p.row_offset) for p in on],
                    "row_sizes": [-1 if p.row_size is None else int(p.row_size) for p in on]}
+            if any(p.kind == REPLICATED for p in on):  # only then: shard lists without replicas stay as they were
+                row["replicas"] = [int(p.kind == REPLICATED) for p in on]
             key = piece_key(row)
             if key in seen:
                 continue

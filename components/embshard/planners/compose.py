@@ -34,9 +34,9 @@ from ..tableset import TableSet
 from ..types import WHOLE, CostEstimator, DeviceTopology
 from .base import Planner, no_room_error
 from .baselines import BASELINES, make_baseline
-from .scoring import TaskScorer, piece_features, single_threaded
+from .scoring import TaskScorer, piece_features, replica_extra_ms, single_threaded
 from .search import Budget, SearchState, local_search, try_splits
-from .splitting import PieceView, is_row_piece, split_to_fit
+from .splitting import PieceView, is_pinned, split_to_fit
 
 log = logging.getLogger(__name__)
 
@@ -135,13 +135,15 @@ class Draft:
 
 
 def pieces_state(problem: Problem, shards: list[Shard]) -> SearchState:
-    """The search state of any pieces: row pieces pinned (TorchRec's layout fixes their devices)."""
+    """The search state of any pieces: row pieces and replicas pinned (TorchRec's layouts fix their devices);
+    replicas carry their analytic communication (costmodel.scoring.replica_extra_ms)."""
     D = problem.topology.count
     feats = piece_features(problem.tables, shards, D)
-    scorer = TaskScorer(problem.cost_model, feats, D)
+    scorer = TaskScorer(problem.cost_model, feats, D,
+                        extra=replica_extra_ms(problem.cost_model, problem.tables, shards, D, feats))
     return SearchState(scorer, feats[:, 3].astype(np.int64), problem.memory,
                        np.array([s.device for s in shards], dtype=np.int64),
-                       movable=np.array([not is_row_piece(s) for s in shards]))
+                       movable=np.array([not is_pinned(s) for s in shards]))
 
 
 class Proposer(Protocol):
@@ -291,22 +293,24 @@ class LocalSearch:
 class Splits:
     """Cut the most expensive movable piece of the slowest device while that lowers the predicted cost: into k
     column slices (k = 2, 4, ...), row-wise over all devices, or table-row-wise within one host (when the
-    topology names hosts); each cut is followed by local search and the best cut is kept (search.try_splits).
-    Works on the best draft. The other cuts it tried stay as drafts (`Draft.cut` says which), ranked with the rest,
-    so a measured refinement can measure the best of each kind of cut."""
+    topology names hosts), or a replica on every device of a small hot table; each cut is followed by local search
+    and the best cut is kept (search.try_splits). Works on the best draft. The other cuts it tried stay as drafts
+    (`Draft.cut` says which), ranked with the rest, so a measured refinement can measure the best of each kind."""
 
     max_splits: int = 8
     columns: bool = True
     rows: bool = True
+    replicas: bool = True  # also try a replica on every device of a small hot table (search.replica_candidate)
 
     def refine(self, problem, drafts, budget):
-        if budget.exhausted() or not (self.columns or self.rows):
+        if budget.exhausted() or not (self.columns or self.rows or self.replicas):
             return drafts
         best = drafts[0]
         problem.phase(f"splits ({budget.used:,} of {budget.evaluations:,} evaluations)")
         tried: list = []
         shards, state = try_splits(problem.tables, best.shards, best.state, problem.cost_model, problem.topology,
-                                   budget, self.max_splits, columns=self.columns, rows=self.rows, variants=tried)
+                                   budget, self.max_splits, columns=self.columns, rows=self.rows,
+                                   replicas=self.replicas, variants=tried)
         cuts = [Draft(best.name, pieces, trial, cut=label) for label, pieces, trial in tried]
         # stable: at equal cost the other proposers' drafts come before the cut variants
         return [Draft(best.name, shards, state), *sorted([*drafts[1:], *cuts], key=lambda d: d.overall)]
@@ -320,7 +324,8 @@ def shard_sets(shards: list[Shard]) -> frozenset:
     """A plan's pieces grouped by device, device numbers left out: two plans with equal shard sets cost the same."""
     by_device: dict[int, list[tuple]] = {}
     for s in shards:
-        by_device.setdefault(s.device, []).append((s.table, s.col_offset, s.col_size, s.row_offset, s.row_size))
+        by_device.setdefault(s.device, []).append((s.table, s.col_offset, s.col_size, s.row_offset, s.row_size,
+                                                   s.kind))
     return frozenset(frozenset(v) for v in by_device.values())
 
 
@@ -428,6 +433,7 @@ class ComposedPlanner(Planner):
             "planning_time_s": time.perf_counter() - start,
             "column_splits": len({s.table for s in best.shards if s.kind == "column"}),
             "row_splits": len({s.table for s in best.shards if s.kind == "row"}),
+            "replicas": len({s.table for s in best.shards if s.kind == "replicated"}),
             "search_evaluations": budget.used, "search_budget": budget.evaluations,
             "time_cap_hit": budget.cap_hit, "search_guard_stops": budget.guard_stops,
         })
@@ -440,7 +446,8 @@ class ComposedPlanner(Planner):
 
 # -- the named compositions --------------------------------------------------------------------------------------
 def _learned(policy, *, num_samples=8, refine_top=3, policy_proposers=True, cost_greedy=True, portfolio=True,
-             column_splits=True, row_splits=True, search=True, torchrec: str | None = None) -> Composition:
+             column_splits=True, row_splits=True, replicas=True, search=True, torchrec: str | None = None
+             ) -> Composition:
     proposers: list[Proposer] = []
     if policy is not None and policy_proposers:
         proposers.append(PolicyGreedy(policy, max(num_samples, 0)))
@@ -452,31 +459,33 @@ def _learned(policy, *, num_samples=8, refine_top=3, policy_proposers=True, cost
     if torchrec:
         heuristics.append(TorchRecProposal(torchrec))
     refiners: list[Refiner] = []
-    splits = column_splits or row_splits
+    splits = column_splits or row_splits or replicas
     if search:
         # Splits get the last quarter of the work; the refined candidates share the rest equally.
         refiners.append(LocalSearch(refine_top, 0.75 if splits else 1.0))
     if splits:
-        refiners.append(Splits(columns=column_splits, rows=row_splits))
+        refiners.append(Splits(columns=column_splits, rows=row_splits, replicas=replicas))
     return Composition(proposers + (heuristics if portfolio else []), [] if portfolio else heuristics, refiners)
 
 
 # name -> (what it is, the settings of _learned it changes)
 COMPOSITIONS: dict[str, tuple[str, dict]] = {
-    "learned": ("policy rollouts, cost greedy and every heuristic; local search; column and row splits", {}),
+    "learned": ("policy rollouts, cost greedy and every heuristic; local search; column and row splits, replicas",
+                {}),
     "policy_only": ("the policy's greedy rollout alone (heuristics only when it has no plan); no search",
                     {"num_samples": 0, "cost_greedy": False, "portfolio": False, "column_splits": False,
-                     "row_splits": False, "search": False}),
-    "no_splits": ("learned without split refinement (tables are cut only to fit)",
-                  {"column_splits": False, "row_splits": False}),
+                     "row_splits": False, "replicas": False, "search": False}),
+    "no_splits": ("learned without split refinement (tables are cut only to fit, never replicated)",
+                  {"column_splits": False, "row_splits": False, "replicas": False}),
     "no_column_splits": ("learned without column splits (row-wise ones only)", {"column_splits": False}),
     "no_row_splits": ("learned without row-wise splits (column slices only)", {"row_splits": False}),
+    "no_replicas": ("learned without replicating small hot tables (data-parallel)", {"replicas": False}),
     "no_portfolio": ("learned without the heuristics as candidates", {"portfolio": False}),
     "no_cost_greedy": ("learned without the cost-model greedy candidate", {"cost_greedy": False}),
     "no_policy": ("learned without the policy's rollouts (cost greedy and heuristics, searched)",
                   {"policy_proposers": False}),
     "no_search": ("learned's candidates, the best one as it is",
-                  {"search": False, "column_splits": False, "row_splits": False}),
+                  {"search": False, "column_splits": False, "row_splits": False, "replicas": False}),
     "learned_with_torchrec": ("learned plus TorchRec's table-wise plan as a candidate (extra torchrec)",
                               {"torchrec": "table_wise"}),
 }

@@ -10,6 +10,7 @@ from ..costmodel.scoring import (  # noqa: F401  (the planners' scoring vocabula
     balanced_estimate,
     piece_features,
     placement_costs,
+    replica_extra_ms,
     single_threaded,
 )
 from ..errors import EmbshardError

@@ -6,7 +6,10 @@ every swap with a piece elsewhere, all scored in one batched call; it applies th
 slowest device's cost (or, at equal maximum, the spread), within memory; row pieces are pinned (TorchRec's
 row-wise layout fixes their devices) and never move. Splits cut the dominant piece of the slowest device into k
 column slices (NeuroShard's column-wise split, k-way), row-wise over all devices, or table-row-wise within a host,
-whichever lowers the predicted cost most after local search.
+whichever lowers the predicted cost most after local search. Replicas: a small hot table of the slowest device
+(or the best one anywhere) may instead be replicated on every device (data-parallel: each device looks up its
+share of the batch, the gradient is all-reduced; `replica_candidate`) when its full bytes fit every device and
+that lowers the predicted slowest device.
 
 The search does not exploit the model's errors: with an ensemble cost model (costmodel.ensemble) a move that
 claims to lower the slowest device is taken only when its predicted gain (the members' mean) exceeds
@@ -22,9 +25,9 @@ import torch
 
 from ..placement import Shard
 from ..tableset import TableSet
-from ..types import COLUMN, WHOLE, DeviceTopology
-from .scoring import TaskScorer, piece_features
-from .splitting import column_pieces, is_row_piece, max_speed_column_parts, row_pieces
+from ..types import COLUMN, REPLICATED, WHOLE, DeviceTopology
+from .scoring import TaskScorer, piece_features, replica_extra_ms
+from .splitting import column_pieces, is_pinned, max_speed_column_parts, replica_pieces, row_pieces
 
 _REL_TOL = 1e-6
 MIN_SPLIT_DIM = 4  # FBGEMM wants dims that are multiples of 4
@@ -227,17 +230,47 @@ def _collect(out, mx, sq, fits, kind, rows, cols):
     out.append((float(mx[i, j]), float(sq[i, j]), kind, int(rows[i]), int(cols[j])))
 
 
+def replica_candidate(tables: TableSet, shards: list[Shard], state: SearchState, cost_model,
+                      pieces: np.ndarray, single: np.ndarray) -> int | None:
+    """The whole piece among `pieces` (their costs alone: `single`) best worth replicating, or None: its bytes
+    fit the free memory of every device but its own, and its predicted saving, (D-1)/D of its cost alone minus
+    its all-reduce (less the all-to-all it no longer sends: scoring.replica_extra_ms), is the largest and
+    positive."""
+    D = state.scorer.num_devices
+    if D < 2 or len(pieces) == 0:
+        return None
+    used = state.used.numpy()
+    ok = []
+    for j, p in enumerate(pieces):
+        if shards[p].kind != WHOLE:
+            continue
+        others = np.delete(used, int(state.assignment[p]))
+        if (others + state.sizes[p] <= state.memory).all():
+            ok.append(j)
+    if not ok:
+        return None
+    cands = [int(pieces[j]) for j in ok]
+    extra = replica_extra_ms(cost_model, tables, [replace(shards[p], kind="replicated") for p in cands], D)
+    assert extra is not None
+    gain = np.array([single[j] * (D - 1) / D for j in ok]) - extra
+    k = int(np.argmax(gain))
+    return cands[k] if gain[k] > 0 else None
+
+
 def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_model, topology: DeviceTopology,
                budget: Budget, max_splits: int = 8, columns: bool = True, rows: bool = True,
-               variants: list[tuple[str, list[Shard], SearchState]] | None = None
+               replicas: bool = False, variants: list[tuple[str, list[Shard], SearchState]] | None = None
                ) -> tuple[list[Shard], SearchState]:
     """Cut the most expensive movable piece of the slowest device while that lowers the predicted overall cost.
 
     The cuts tried: k column slices (k = 2, 4, ..., at most the devices and slices of 128 bytes per row: see
     splitting.MIN_SPEED_SLICE_BYTES), starting on the slowest
     device and spread by local search; row-wise over all devices; table-row-wise over one host's devices (the host
-    whose devices cost least; only when the topology names hosts). The best cut after local search is kept when it
-    lowers the predicted overall cost. Returns (shards, state), unchanged when no cut helps.
+    whose devices cost least; only when the topology names hosts); with `replicas`, a replica on every device of
+    the slowest device's `replica_candidate` and of the best one anywhere (when there are; searched like a cut,
+    but its search is charged to the budget only when it is kept, so tasks where no replica helps keep their
+    plans and their work). The best cut after local search is kept when it lowers the predicted overall cost.
+    Returns (shards, state), unchanged when no cut helps.
 
     `variants`, when given, receives every cut tried that fits memory, after its local search, as (label, pieces,
     state), kept or not: a measured refinement (embshard.refine) measures the best of each kind, since the model
@@ -252,39 +285,57 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
         if len(on_b) == 0:
             break
         single = state.scorer.single_costs()[on_b]
-        p = int(on_b[np.argmax(single)])
-        best_shards, best_state = None, state
-        cuts = _cuts(tables, shards[p], state, topology, columns, rows)
+        p0 = int(on_b[np.argmax(single)])
+        best_shards, best_state, best_work = None, state, None
+        trials = [(p0, cut) for cut in _cuts(tables, shards[p0], state, topology, columns, rows)]
+        if replicas:
+            # The slowest device's best candidate, and the best anywhere (a hot table the search has isolated on
+            # a device of its own holds the others up without being on the slowest one).
+            movable = np.flatnonzero(state.movable)
+            for r in dict.fromkeys(x for x in (
+                    replica_candidate(tables, shards, state, cost_model, on_b, single),
+                    replica_candidate(tables, shards, state, cost_model, movable,
+                                      state.scorer.single_costs()[movable])) if x is not None):
+                trials.append((r, replica_pieces(shards[r].table, topology.count)))
         # Half of the work left goes to this piece's cuts, shared equally, so that every cut gets its search.
-        per_cut = max((budget.evaluations - budget.used) // (2 * max(len(cuts), 1)), 1)
-        for cut in cuts:
+        # (A replica's search is charged only when it is kept, so it takes no share.)
+        searched = sum(1 for _, cut in trials if cut[0].kind != REPLICATED)
+        per_cut = max((budget.evaluations - budget.used) // (2 * max(searched, 1)), 1)
+        for p, cut in trials:
             if budget.exhausted():
                 break
-            placed = [replace(c, device=b) if not is_row_piece(c) else c for c in cut]
+            placed = [replace(c, device=b) if not is_pinned(c) else c for c in cut]
             trial_shards = shards[:p] + placed + shards[p + 1:]
             trial_assign = np.concatenate([state.assignment[:p], [c.device for c in placed],
                                            state.assignment[p + 1:]])
             trial = _cut_state(tables, state, p, placed, trial_assign, cost_model, topology.count)
-            if (trial.used > memory).any():  # a row cut adds to every device; slices start where the piece was
+            if (trial.used > memory).any():  # row cuts and replicas add to every device; slices start on b
                 continue
+            replica = placed[0].kind == REPLICATED
             sub = budget.share(per_cut)
             trial = local_search(trial, sub)
-            budget.absorb(sub)
+            if not replica:
+                budget.absorb(sub)
             if variants is not None:
                 variants.append((cut_label(tables, cut), trial_shards, trial))
             if trial.overall < best_state.overall * (1 - 1e-4):
-                best_shards, best_state = trial_shards, trial
+                best_shards, best_state, best_work = trial_shards, trial, (sub if replica else None)
         if best_shards is None:
             break
+        if best_work is not None:  # a replica's search is charged only when it is kept (docstring)
+            budget.absorb(best_work)
         shards, state = best_shards, best_state
     return [replace(s, device=int(d)) for s, d in zip(shards, state.assignment)], state
 
 
 def cut_label(tables: TableSet, cut: list[Shard]) -> str:
-    """What a cut is, in words: 'cat_20 in 4 column slices', 'cat_20 row-wise over 16 devices'."""
+    """What a cut is, in words: 'cat_20 in 4 column slices', 'cat_20 row-wise over 16 devices', 'cat_3 replicated
+    on 8 devices'."""
     name = str(tables.table_ids[cut[0].table])
     if cut[0].kind == COLUMN:
         return f"{name} in {len(cut)} column slices"
+    if cut[0].kind == REPLICATED:
+        return f"{name} replicated on {len(cut)} devices"
     return f"{name} row-wise over {len({c.device for c in cut})} devices"
 
 
@@ -321,8 +372,14 @@ def _cut_state(tables, state: SearchState, p: int, placed: list[Shard], assignme
     with torch.no_grad():
         new = cost_model.encode(feats).float()
     old = state.scorer.model_enc
-    scorer = TaskScorer(cost_model, None, num_devices, enc=torch.cat([old[:p], new, old[p + 1:]]))
+    new_extra = replica_extra_ms(cost_model, tables, placed, num_devices, feats)
+    extra = None
+    if new_extra is not None or state.scorer.extra is not None:
+        was_extra = state.scorer.extra if state.scorer.extra is not None else np.zeros(len(state.sizes))
+        extra = np.concatenate([was_extra[:p], new_extra if new_extra is not None else np.zeros(len(placed)),
+                                was_extra[p + 1:]])
+    scorer = TaskScorer(cost_model, None, num_devices, enc=torch.cat([old[:p], new, old[p + 1:]]), extra=extra)
     sizes = np.concatenate([state.sizes[:p], feats[:, 3].astype(np.int64), state.sizes[p + 1:]])
     was = np.ones(len(state.sizes), dtype=bool) if state.movable is None else state.movable
-    movable = np.concatenate([was[:p], [not is_row_piece(c) for c in placed], was[p + 1:]])
+    movable = np.concatenate([was[:p], [not is_pinned(c) for c in placed], was[p + 1:]])
     return SearchState(scorer, sizes, state.memory, assignment, movable=movable)

@@ -22,7 +22,7 @@ from ..checks import GiB
 from ..errors import InfeasiblePlacementError
 from ..placement import piece_bytes
 from ..tableset import TableSet
-from ..types import ROW, DeviceTopology, Shard, row_blocks
+from ..types import REPLICATED, ROW, DeviceTopology, Shard, row_blocks
 
 MIN_SLICE_DIM = 4   # FBGEMM's kernels and TorchRec's column-wise sharding take widths that are multiples of 4
 # A slice cut for speed (not to fit) keeps at least 128 bytes of a row: a lookup fetches whole cache lines (64 B on
@@ -58,6 +58,11 @@ def row_pieces(table: int, rows: int, devices: list[int]) -> list[Shard]:
     devices when the table has few rows."""
     return [Shard(table, devices[k], row_offset=off, row_size=size)
             for k, (off, size) in enumerate(row_blocks(rows, min(len(devices), rows)))]
+
+
+def replica_pieces(table: int, num_devices: int) -> list[Shard]:
+    """One replica of `table` on every device (TorchRec's data_parallel); pinned like row pieces."""
+    return [Shard(table, d, kind=REPLICATED) for d in range(num_devices)]
 
 
 def max_column_parts(dim: int) -> int:
@@ -254,3 +259,8 @@ def place_with_cuts(tables: TableSet, topology: DeviceTopology, task_id: str, as
 def is_row_piece(s: Shard) -> bool:
     """Row pieces are pinned: TorchRec runs them only in the row_blocks layout over their devices."""
     return s.kind == ROW
+
+
+def is_pinned(s: Shard) -> bool:
+    """Pieces no search moves: row pieces (row_blocks layout) and replicas (one on every device)."""
+    return s.kind in (ROW, REPLICATED)

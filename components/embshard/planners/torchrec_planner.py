@@ -4,8 +4,8 @@ Two planners:
 - `torchrec_table_wise`: TorchRec's full proposer/partitioner search restricted to `table_wise` sharding.
 - `torchrec_full`: also `column_wise`, `table_column_wise` (its column splits), `row_wise` and `table_row_wise`
   (its row splits over all devices or over one host's, read back as row pieces). Data-parallel is not searched
-  (it needs a table on every device: TorchRec's planner weighs it for small tables against a gradient all-reduce
-  our cost model does not know), but a TorchRec plan holding it reads back as a replica on every device.
+  (the baselines do not replicate; the learned planner weighs replicas against their gradient all-reduce:
+  costmodel.scoring.replica_extra_ms), but a TorchRec plan holding it reads back as a replica on every device.
 
 How TorchRec sees a task: an EmbeddingBagCollection on the meta device with one table per row (name = our
 index, data type fp32/fp16 from bytes_per_element), `ParameterConstraints` per table (allowed sharding types,
