@@ -62,7 +62,7 @@ class TaskScorer:
     @torch.no_grad()
     def totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Device totals (ms) from summed encodings (..., H) and table counts (...); empty devices cost 0."""
-        out = (self._fused.member_totals(sums).mean(0) if self._fused is not None
+        out = (self._fused.mean_totals(sums) if self._fused is not None
                else self.cost_model.totals_from_sums(sums, self.num_devices))
         return torch.where(counts > 0, out, torch.zeros_like(out))
 
@@ -86,8 +86,10 @@ class _FusedHeads:
 
     The heads' first layers (and their linear skips) are linear in the device sum, so a table can carry its
     encoding already multiplied by them: a device's sum of projections is the projection of its sum, and
-    scoring a candidate device is then a relu, a small weighted sum and a softplus, with no matmul (the
-    model evaluates ~40 small modules and ops per member per call, which is what planning spent its time on).
+    scoring a candidate device is then a relu, two small matrix products and a softplus (the model evaluates
+    ~40 small modules and ops per member per call, which is what planning spent its time on). The projected
+    channels are laid out [every member's fwd and bwd hidden units | every member's two skips | the table count |
+    each member's dim-sum], so that one relu and one block-diagonal product serve all members at once.
     Otherwise the same function as the model's `totals_from_sums`: fwd and bwd heads (MLP plus skip,
     softplus), the physical comm term, scaled, empty devices 0, per member. Used only when it reproduces the
     model on a probe (`_fused_heads`), so a change of the network falls back to the model itself."""
@@ -98,7 +100,8 @@ class _FusedHeads:
         k = self.k = len(nets)
         self.width = int(nets[0].fwd.skip.weight.shape[1])
         hh = self.hh = int(nets[0].fwd.mlp[0].weight.shape[0])
-        self.pw = k * (2 * hh + 2)       # projected channels: per member [fwd hidden | bwd hidden | 2 skips]
+        self.nh = k * 2 * hh             # hidden channels of all members
+        self.pw = self.nh + 2 * k        # projected channels: hidden units, then 2 skips per member
         self.dim = self.pw + 1 + k       # then the table count and each member's dim-sum channel
         self.count_col = self.width - NUM_EXTRA + COUNT
         self.dimsum_col = self.width - NUM_EXTRA + DIMSUM
@@ -106,35 +109,63 @@ class _FusedHeads:
         with torch.no_grad():
             self.w1 = torch.stack([torch.cat([n.fwd.mlp[0].weight, n.bwd.mlp[0].weight, n.fwd.skip.weight,
                                               n.bwd.skip.weight]).t() for n in nets]).contiguous()  # (K, W, 2hh+2)
-            self.b1 = torch.stack([torch.cat([n.fwd.mlp[0].bias, n.bwd.mlp[0].bias]) for n in nets])  # (K, 2hh)
-            self.w2 = torch.stack([torch.cat([n.fwd.mlp[2].weight, n.bwd.mlp[2].weight]) for n in nets])  # (K,2,hh)
-            self.b2 = torch.stack([torch.cat([n.fwd.mlp[2].bias, n.bwd.mlp[2].bias]) for n in nets])  # (K, 2)
+            self.b1 = torch.cat([torch.cat([n.fwd.mlp[0].bias, n.bwd.mlp[0].bias]) for n in nets])  # (K*2hh,)
+            w2 = torch.zeros(self.nh, 2 * k)  # block-diagonal: member j's fwd/bwd hidden units -> its 2 outputs
+            for j, n in enumerate(nets):
+                w2[j * 2 * hh: j * 2 * hh + hh, 2 * j] = n.fwd.mlp[2].weight[0]
+                w2[j * 2 * hh + hh: (j + 1) * 2 * hh, 2 * j + 1] = n.bwd.mlp[2].weight[0]
+            self.w2 = w2
+            self.b2 = torch.cat([torch.cat([n.fwd.mlp[2].bias, n.bwd.mlp[2].bias]) for n in nets])  # (2K,)
             nd = torch.tensor(float(num_devices)).clamp(min=1.0)
             on = float(num_devices > 1)  # one device: no comm
-            self.comm_rate = torch.stack([sp(n.comm_rate) * (nd - 1.0) / nd * on for n in nets])  # (K,)
-            self.comm_lat = torch.stack([(sp(n.comm_latency) + sp(n.comm_latency_slope) * torch.log2(nd)) * on
-                                         for n in nets])
-            self.scale = torch.stack([n.target_scale.expand(3) for n in nets])  # (K, 3)
+            comm_rate = torch.stack([sp(n.comm_rate) * (nd - 1.0) / nd * on for n in nets])  # (K,)
+            comm_lat = torch.stack([(sp(n.comm_latency) + sp(n.comm_latency_slope) * torch.log2(nd)) * on
+                                    for n in nets])
+            scale = torch.stack([n.target_scale.expand(3) for n in nets])  # (K, 3)
+            # total_j = fwd_j * s_j0 + bwd_j * s_j1 + (dimsum_j * rate_j + lat_j) * s_j2: a (2K, K) product of
+            # the softplus outputs, a per-member rate on the dim-sums and a constant.
+            mix = torch.zeros(2 * k, k)
+            for j in range(k):
+                mix[2 * j, j] = scale[j, 0]
+                mix[2 * j + 1, j] = scale[j, 1]
+            self.mix = mix
+            self.rate = (comm_rate * scale[:, 2]).contiguous()
+            self.lat = (comm_lat * scale[:, 2]).contiguous()
+            # The members' mean in one pass (`mean_totals`).
+            self.mix_mean = (mix.sum(1) / k).unsqueeze(1)  # (2K, 1)
+            self.rate_mean = (self.rate / k).unsqueeze(1)   # (K, 1)
+            self.lat_mean = self.lat.mean().reshape(1)
 
     def project(self, enc: torch.Tensor) -> torch.Tensor:
         """(N, dim) projected encodings from the model's (N, K x W)."""
-        x = enc.reshape(-1, self.k, self.width).transpose(0, 1)  # (K, N, W)
-        h = torch.bmm(x, self.w1).transpose(0, 1).reshape(len(enc), self.pw)
-        return torch.cat([h, x[0, :, self.count_col:self.count_col + 1], x[:, :, self.dimsum_col].t()], dim=1)
+        n, k, hh = len(enc), self.k, self.hh
+        x = enc.reshape(-1, k, self.width).transpose(0, 1)  # (K, N, W)
+        h = torch.bmm(x, self.w1)  # (K, N, 2hh+2)
+        hidden = h[..., : 2 * hh].transpose(0, 1).reshape(n, self.nh)
+        skips = h[..., 2 * hh:].transpose(0, 1).reshape(n, 2 * k)
+        return torch.cat([hidden, skips, x[0, :, self.count_col:self.count_col + 1], x[:, :, self.dimsum_col].t()],
+                         dim=1)
+
+    def _heads(self, p: torch.Tensor) -> torch.Tensor:
+        """(M, 2K) softplus outputs (fwd, bwd per member) of projected sums (M, dim)."""
+        hidden = torch.relu_(p[:, : self.nh] + self.b1)
+        return torch.nn.functional.softplus(torch.addmm(self.b2, hidden, self.w2) + p[:, self.nh:self.pw])
 
     def member_totals(self, proj: torch.Tensor) -> torch.Tensor:
         """(K, ...) device totals per member from projected sums (..., dim)."""
         lead = proj.shape[:-1]
         p = proj.reshape(-1, self.dim)
-        m, k, hh = p.shape[0], self.k, self.hh
-        h = p[:, : self.pw].reshape(m, k, 2 * hh + 2)
-        hidden = torch.relu(h[..., : 2 * hh] + self.b1).reshape(m, k, 2, hh)
-        fb = torch.nn.functional.softplus((hidden * self.w2).sum(-1) + self.b2 + h[..., 2 * hh:])  # (M, K, 2)
-        comm = p[:, self.pw + 1:] * self.comm_rate + self.comm_lat  # (M, K)
-        s = self.scale
-        total = fb[..., 0] * s[:, 0] + fb[..., 1] * s[:, 1] + comm * s[:, 2]
+        total = torch.addmm(self.lat, self._heads(p), self.mix) + p[:, self.pw + 1:] * self.rate  # (M, K)
         total = total * (p[:, self.pw:self.pw + 1] > 0.5)
-        return total.t().reshape(k, *lead)
+        return total.t().reshape(self.k, *lead)
+
+    def mean_totals(self, proj: torch.Tensor) -> torch.Tensor:
+        """(...) the members' mean device total from projected sums (..., dim): member_totals(proj).mean(0)."""
+        lead = proj.shape[:-1]
+        p = proj.reshape(-1, self.dim)
+        total = torch.addmm(self.lat_mean, self._heads(p), self.mix_mean)
+        total = total.addmm_(p[:, self.pw + 1:], self.rate_mean)
+        return (total * (p[:, self.pw:self.pw + 1] > 0.5)).reshape(lead)
 
 
 _FUSED_CACHE: dict[tuple[int, int], tuple[object, _FusedHeads | None]] = {}
@@ -161,7 +192,9 @@ def _fused_heads(cost_model, num_devices: int) -> _FusedHeads | None:
                     probe[:, j * fused.width + fused.count_col] = probe[:, fused.count_col]
                 want = cost_model.member_totals_from_sums(probe, num_devices)
                 got = fused.member_totals(fused.project(probe))
-            if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+                got_mean = fused.mean_totals(fused.project(probe))
+            if not (torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+                    and torch.allclose(got_mean, want.mean(0), rtol=1e-5, atol=1e-6)):
                 fused = None
     except (AttributeError, IndexError, RuntimeError, TypeError):
         fused = None
