@@ -35,7 +35,7 @@ class TaskScorer:
     neither of them imports the other."""
 
     def __init__(self, cost_model: CostEstimator, features: np.ndarray | None, num_devices: int,
-                 enc: torch.Tensor | None = None):
+                 enc: torch.Tensor | None = None, projected: torch.Tensor | None = None):
         self.cost_model = cost_model
         self.num_devices = int(num_devices)
         if enc is None:
@@ -44,7 +44,9 @@ class TaskScorer:
         self.model_enc = enc  # (N, H) the cost model's encodings
         self._fused = _fused_heads(cost_model, self.num_devices)
         # What device sums add up: the encodings, or their projections when the fused evaluator applies.
-        self.enc = self.model_enc if self._fused is None else self._fused.project(enc)
+        # (`projected`: the caller's own projection of `enc`, e.g. a search state's with one piece cut.)
+        self.enc = (self.model_enc if self._fused is None
+                    else projected if projected is not None else self._fused.project(enc))
         self.dim = self.enc.shape[1]
 
     @property

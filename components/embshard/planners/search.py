@@ -250,16 +250,17 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
         p = int(on_b[np.argmax(single)])
         best_shards, best_state = None, state
         cuts = _cuts(tables, shards[p], state, topology, columns, rows)
+        encoded = _encode_cuts(tables, cuts, state.scorer, cost_model, topology.count)
         # Half of the work left goes to this piece's cuts, shared equally, so that every cut gets its search.
         per_cut = max((budget.evaluations - budget.used) // (2 * max(len(cuts), 1)), 1)
-        for cut in cuts:
+        for cut, enc in zip(cuts, encoded):
             if budget.exhausted():
                 break
             placed = [replace(c, device=b) if not is_row_piece(c) else c for c in cut]
             trial_shards = shards[:p] + placed + shards[p + 1:]
             trial_assign = np.concatenate([state.assignment[:p], [c.device for c in placed],
                                            state.assignment[p + 1:]])
-            trial = _cut_state(tables, state, p, placed, trial_assign, cost_model, topology.count)
+            trial = _cut_state(state, p, placed, trial_assign, cost_model, topology.count, enc)
             if (trial.used > memory).any():  # a row cut adds to every device; slices start where the piece was
                 continue
             sub = budget.share(per_cut)
@@ -298,15 +299,35 @@ def _cuts(tables: TableSet, piece: Shard, state: SearchState, topology: DeviceTo
     return out
 
 
-def _cut_state(tables, state: SearchState, p: int, placed: list[Shard], assignment, cost_model, num_devices
-               ) -> SearchState:
-    """The state with piece p replaced by its cut `placed`: only the new pieces are encoded (a task's pieces
-    are encoded one by one, so the others keep theirs)."""
-    feats = piece_features(tables, placed, num_devices)
+def _encode_cuts(tables, cuts: list[list[Shard]], scorer: TaskScorer, cost_model, num_devices: int) -> list:
+    """(features, model encodings, projected encodings) of each cut's pieces: one cost-model call for all cuts of
+    a piece (their pieces are encoded one by one, so each gets what it would get alone)."""
+    if not cuts:
+        return []
+    feats = piece_features(tables, [c for cut in cuts for c in cut], num_devices)
     with torch.no_grad():
-        new = cost_model.encode(feats).float()
+        model_enc = cost_model.encode(feats).float()
+        proj = None if scorer._fused is None else scorer._fused.project(model_enc)
+    out, start = [], 0
+    for cut in cuts:
+        end = start + len(cut)
+        out.append((feats[start:end], model_enc[start:end], None if proj is None else proj[start:end]))
+        start = end
+    return out
+
+
+def _cut_state(state: SearchState, p: int, placed: list[Shard], assignment, cost_model, num_devices, encoded
+               ) -> SearchState:
+    """The state with piece p replaced by its cut `placed` (encoded by `_encode_cuts`): only the new pieces are
+    encoded and projected, the others keep theirs."""
+    feats, new, new_proj = encoded
     old = state.scorer.model_enc
-    scorer = TaskScorer(cost_model, None, num_devices, enc=torch.cat([old[:p], new, old[p + 1:]]))
+    model_enc = torch.cat([old[:p], new, old[p + 1:]])
+    projected = None
+    if new_proj is not None:
+        old_proj = state.scorer.enc
+        projected = torch.cat([old_proj[:p], new_proj, old_proj[p + 1:]])
+    scorer = TaskScorer(cost_model, None, num_devices, enc=model_enc, projected=projected)
     sizes = np.concatenate([state.sizes[:p], feats[:, 3].astype(np.int64), state.sizes[p + 1:]])
     was = np.ones(len(state.sizes), dtype=bool) if state.movable is None else state.movable
     movable = np.concatenate([was[:p], [not is_row_piece(c) for c in placed], was[p + 1:]])
