@@ -88,10 +88,10 @@ class _FusedHeads:
 
     The heads' first layers (and their linear skips) are linear in the device sum, so a table can carry its
     encoding already multiplied by them: a device's sum of projections is the projection of its sum, and
-    scoring a candidate device is then a relu, two small matrix products and a softplus (the model evaluates
-    ~40 small modules and ops per member per call, which is what planning spent its time on). The projected
-    channels are laid out [every member's fwd and bwd hidden units | every member's two skips | the table count |
-    each member's dim-sum], so that one relu and one block-diagonal product serve all members at once.
+    scoring a candidate device is then a relu, a small weighted sum, a softplus and a tiny matrix product (the
+    model evaluates ~40 small modules and ops per member per call, which is what planning spent its time on). The
+    projected channels are laid out [every member's fwd and bwd hidden units | every member's two skips | the
+    table count | each member's dim-sum], so that each of those ops serves all members at once.
     Otherwise the same function as the model's `totals_from_sums`: fwd and bwd heads (MLP plus skip,
     softplus), the physical comm term, scaled, empty devices 0, per member. Used only when it reproduces the
     model on a probe (`_fused_heads`), so a change of the network falls back to the model itself."""
@@ -112,11 +112,9 @@ class _FusedHeads:
             self.w1 = torch.stack([torch.cat([n.fwd.mlp[0].weight, n.bwd.mlp[0].weight, n.fwd.skip.weight,
                                               n.bwd.skip.weight]).t() for n in nets]).contiguous()  # (K, W, 2hh+2)
             self.b1 = torch.cat([torch.cat([n.fwd.mlp[0].bias, n.bwd.mlp[0].bias]) for n in nets])  # (K*2hh,)
-            w2 = torch.zeros(self.nh, 2 * k)  # block-diagonal: member j's fwd/bwd hidden units -> its 2 outputs
-            for j, n in enumerate(nets):
-                w2[j * 2 * hh: j * 2 * hh + hh, 2 * j] = n.fwd.mlp[2].weight[0]
-                w2[j * 2 * hh + hh: (j + 1) * 2 * hh, 2 * j + 1] = n.bwd.mlp[2].weight[0]
-            self.w2 = w2
+            # (2K, hh): member j's fwd, then bwd output weights. A multiply and a sum over the hidden units (MKL's
+            # product with 2K output columns is ~10x slower on this machine's AMD CPU).
+            self.w2 = torch.cat([torch.cat([n.fwd.mlp[2].weight, n.bwd.mlp[2].weight]) for n in nets])
             self.b2 = torch.cat([torch.cat([n.fwd.mlp[2].bias, n.bwd.mlp[2].bias]) for n in nets])  # (2K,)
             nd = torch.tensor(float(num_devices)).clamp(min=1.0)
             on = float(num_devices > 1)  # one device: no comm
@@ -150,8 +148,8 @@ class _FusedHeads:
 
     def _heads(self, p: torch.Tensor) -> torch.Tensor:
         """(M, 2K) softplus outputs (fwd, bwd per member) of projected sums (M, dim)."""
-        hidden = torch.relu_(p[:, : self.nh] + self.b1)
-        return torch.nn.functional.softplus(torch.addmm(self.b2, hidden, self.w2) + p[:, self.nh:self.pw])
+        hidden = torch.relu_(p[:, : self.nh] + self.b1).view(len(p), 2 * self.k, self.hh)
+        return torch.nn.functional.softplus((hidden * self.w2).sum(-1) + self.b2 + p[:, self.nh:self.pw])
 
     def member_totals(self, proj: torch.Tensor) -> torch.Tensor:
         """(K, ...) device totals per member from projected sums (..., dim)."""
