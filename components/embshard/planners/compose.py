@@ -83,7 +83,7 @@ class Problem:
             gen = torch.Generator().manual_seed(self.seed)
             self._rollouts[key] = rollout(policy, self.ctx, 1 + sampled_rollouts(samples, len(self.ctx.sizes),
                                                                               self.topology.count),
-                                          "sample", gen, greedy=1)
+                                          "sample", gen, greedy=1, stats=False)
         return self._rollouts[key]
 
 
@@ -110,12 +110,23 @@ class Draft:
     each piece: `shards` reads them from it, so a search that moves pieces rebuilds no shards)."""
 
     name: str
-    pieces: list[Shard]
+    pieces: list[Shard] | None  # None: the task's tables, whole (piece i is table i; built only when asked for)
     state: SearchState
 
     @property
     def shards(self) -> list[Shard]:
+        if self.pieces is None:
+            return [Shard(i, int(a)) for i, a in enumerate(self.state.assignment)]
         return [s if s.device == a else replace(s, device=int(a)) for s, a in zip(self.pieces, self.state.assignment)]
+
+    def shard_sets(self) -> frozenset:
+        """`shard_sets(self.shards)`, without building the shards of a table-wise draft."""
+        if self.pieces is not None:
+            return shard_sets(self.shards)
+        by_device: dict[int, list[tuple]] = {}
+        for i, a in enumerate(self.state.assignment.tolist()):
+            by_device.setdefault(a, []).append((i, 0, None, 0, None))
+        return frozenset(frozenset(v) for v in by_device.values())
 
     @property
     def overall(self) -> float:
@@ -128,8 +139,7 @@ class Draft:
         if not view.is_whole:
             return cls.of_shards(problem, name, view.shards(assignment))
         ctx = problem.ctx
-        shards = [Shard(i, int(d)) for i, d in enumerate(assignment)]
-        return cls(name, shards, SearchState(ctx.scorer, ctx.sizes, problem.memory, assignment))
+        return cls(name, None, SearchState(ctx.scorer, ctx.sizes, problem.memory, assignment))
 
     @classmethod
     def of_shards(cls, problem: Problem, name: str, shards: list[Shard]) -> Draft:
@@ -389,10 +399,12 @@ class ComposedPlanner(Planner):
     def _alternatives(self, problem: Problem, drafts: list[Draft]) -> list[Placement]:
         """The best ALTERNATIVES distinct final drafts after the first (distinct: other sets of device shards), for
         a measured refinement (embshard.refine) to measure beside it; each with its start and predicted cost."""
-        seen = {shard_sets(drafts[0].shards)}
+        seen = {drafts[0].shard_sets()}
         out: list[Placement] = []
         for d in drafts[1:]:
-            key = shard_sets(d.shards)
+            if len(out) >= ALTERNATIVES:
+                break
+            key = d.shard_sets()
             if key in seen or len(out) >= ALTERNATIVES:
                 continue
             seen.add(key)

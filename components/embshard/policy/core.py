@@ -69,10 +69,11 @@ class Rollouts:
 
 
 def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample",
-            generator: torch.Generator | None = None, greedy: int = 0) -> Rollouts:
+            generator: torch.Generator | None = None, greedy: int = 0, stats: bool = True) -> Rollouts:
     """Run `batch` episodes of one task. mode: 'sample' (training/exploration) or 'greedy'. With mode 'sample',
     the first `greedy` episodes take the most likely device instead (one batched pass serves a planner's greedy
-    and sampled rollouts; the sampled ones draw exactly what they would alone)."""
+    and sampled rollouts; the sampled ones draw exactly what they would alone). `stats=False` (a planner): the
+    log-probabilities and entropies are not summed (left 0); the choices are the same."""
     sc = ctx.scorer
     D, N, H = sc.num_devices, len(ctx.sizes), sc.dim
     sums = torch.zeros(batch, D, H)
@@ -92,6 +93,7 @@ def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample
     feasible = torch.ones(batch, dtype=torch.bool)
     s = ctx.scale
     rows = torch.arange(batch)
+    rest_sum_f = rest_sum.tolist()
     sizes_f = [float(x) for x in ctx.sizes]
     singles = [float(x) / s for x in ctx.single]
     for step, i in enumerate(ctx.order):
@@ -112,15 +114,19 @@ def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample
         feats[..., 8] = step / N
         feats[..., 9] = singles[i]
         torch.div(new_overall - new_overall.min(dim=1, keepdim=True).values, s, out=feats[..., 10])
-        mask = _memory_mask(free, size_i, rest_sum[step], rest_max[step])
-        stuck = ~mask.any(dim=1)
-        if stuck.any():  # lookahead too strict: any device with room; none: infeasible, flagged
-            fits = free[stuck] >= size_i
-            none = ~fits.any(dim=1)
-            fits[none, :] = free[stuck][none] == free[stuck][none].max(dim=1, keepdim=True).values
-            mask[stuck] = fits
-            feasible[stuck.nonzero().squeeze(1)[none]] = False
-        logits = policy(feats).masked_fill(~mask, float("-inf"))
+        if float(free.min()) - size_i >= rest_sum_f[step]:
+            # Every device can take the table and still hold all the rest: the mask allows every device.
+            logits = policy(feats)
+        else:
+            mask = _memory_mask(free, size_i, rest_sum[step], rest_max[step])
+            stuck = ~mask.any(dim=1)
+            if stuck.any():  # lookahead too strict: any device with room; none: infeasible, flagged
+                fits = free[stuck] >= size_i
+                none = ~fits.any(dim=1)
+                fits[none, :] = free[stuck][none] == free[stuck][none].max(dim=1, keepdim=True).values
+                mask[stuck] = fits
+                feasible[stuck.nonzero().squeeze(1)[none]] = False
+            logits = policy(feats).masked_fill(~mask, float("-inf"))
         # Categorical(logits)'s own arithmetic (same probabilities, draws, log-probabilities and entropy),
         # without its per-step construction and argument checks.
         norm = logits - logits.logsumexp(dim=1, keepdim=True)
@@ -134,8 +140,9 @@ def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample
             a = torch.multinomial(probs, 1, True).squeeze(1)
         else:
             a = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-        log_prob = log_prob + norm.gather(1, a.unsqueeze(1)).squeeze(1)
-        entropy = entropy - (norm.clamp(min=torch.finfo(norm.dtype).min) * probs).sum(dim=1)
+        if stats:
+            log_prob = log_prob + norm.gather(1, a.unsqueeze(1)).squeeze(1)
+            entropy = entropy - (norm.clamp(min=torch.finfo(norm.dtype).min) * probs).sum(dim=1)
         assignment[:, i] = a.numpy()
         sums[rows, a] += sc.enc[i]
         counts[rows, a] += 1
