@@ -94,6 +94,9 @@ def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample
     s = ctx.scale
     rows = torch.arange(batch)
     rest_sum_f = rest_sum.tolist()
+    flat_sums = sums.view(batch * D, H)
+    ones = torch.ones(batch, 1, dtype=torch.long)
+    forward = policy if stats else _plain_forward(policy)
     sizes_f = [float(x) for x in ctx.sizes]
     singles = [float(x) / s for x in ctx.single]
     for step, i in enumerate(ctx.order):
@@ -116,7 +119,7 @@ def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample
         torch.div(new_overall - new_overall.min(dim=1, keepdim=True).values, s, out=feats[..., 10])
         if float(free.min()) - size_i >= rest_sum_f[step]:
             # Every device can take the table and still hold all the rest: the mask allows every device.
-            logits = policy(feats)
+            logits = forward(feats)
         else:
             mask = _memory_mask(free, size_i, rest_sum[step], rest_max[step])
             stuck = ~mask.any(dim=1)
@@ -126,7 +129,7 @@ def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample
                 fits[none, :] = free[stuck][none] == free[stuck][none].max(dim=1, keepdim=True).values
                 mask[stuck] = fits
                 feasible[stuck.nonzero().squeeze(1)[none]] = False
-            logits = policy(feats).masked_fill(~mask, float("-inf"))
+            logits = forward(feats).masked_fill(~mask, float("-inf"))
         # Categorical(logits)'s own arithmetic (same probabilities, draws, log-probabilities and entropy),
         # without its per-step construction and argument checks.
         norm = logits - logits.logsumexp(dim=1, keepdim=True)
@@ -144,13 +147,31 @@ def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample
             log_prob = log_prob + norm.gather(1, a.unsqueeze(1)).squeeze(1)
             entropy = entropy - (norm.clamp(min=torch.finfo(norm.dtype).min) * probs).sum(dim=1)
         assignment[:, i] = a.numpy()
-        sums[rows, a] += sc.enc[i]
-        counts[rows, a] += 1
-        cur[rows, a] = cand[rows, a]
-        free[rows, a] -= size_i
+        # Each episode's chosen device takes the table (flat index ops: ~5x cheaper than [rows, a] indexing).
+        a1 = a.unsqueeze(1)
+        flat_sums.index_add_(0, rows * D + a, sc.enc[i].expand(batch, H))
+        counts.scatter_add_(1, a1, ones)
+        cur.scatter_(1, a1, cand.gather(1, a1))
+        free.scatter_add_(1, a1, torch.full((batch, 1), -size_i, dtype=torch.float64))
     feasible &= (free >= 0).all(dim=1)
     return Rollouts(assignment, log_prob, entropy, feasible.numpy(), cur.max(dim=1).values.numpy().astype(np.float64),
                     cur.numpy().astype(np.float64))
+
+
+def _plain_forward(policy: PolicyNet):
+    """The policy's forward as plain functional calls (the same ops, without nn.Module's per-call overhead: a
+    rollout calls it once per table), or the policy itself when its network is not the standard MLP."""
+    layers = list(getattr(policy, "mlp", []))
+    kinds = [type(m) for m in layers]
+    if kinds != [nn.Linear, nn.ReLU, nn.Linear, nn.ReLU, nn.Linear] or type(policy).forward is not PolicyNet.forward:
+        return policy
+    (w1, b1), (w2, b2), (w3, b3) = [(m.weight, m.bias) for m in layers[::2]]
+    linear = torch.nn.functional.linear
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return linear(torch.relu(linear(torch.relu(linear(x, w1, b1)), w2, b2)), w3, b3).squeeze(-1)
+
+    return forward
 
 
 def _memory_mask(free: torch.Tensor, size: torch.Tensor, rest_sum: torch.Tensor, rest_max: torch.Tensor):
