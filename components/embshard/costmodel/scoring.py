@@ -68,6 +68,17 @@ class TaskScorer:
                else self.cost_model.totals_from_sums(sums, self.num_devices))
         return torch.where(counts > 0, out, torch.zeros_like(out))
 
+    @torch.no_grad()
+    def pair_totals(self, a: torch.Tensor, b: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:
+        """(P, Q) device totals of every sum a[p] + b[q] (a device's sum less one piece plus another: the search's
+        swaps), on a device holding `count` pieces; the same as `totals` of the (P, Q, H) sums, without building
+        them when the fused evaluator applies."""
+        if self._fused is None:
+            c = torch.as_tensor(count).expand(len(a), len(b))
+            return self.totals(a.unsqueeze(1) + b.unsqueeze(0), c)
+        out = self._fused.pair_mean_totals(a, b)
+        return out if int(count) > 0 else torch.zeros_like(out)
+
     def device_sums(self, assignment: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         a = torch.as_tensor(np.asarray(assignment), dtype=torch.long)
         sums = torch.zeros(self.num_devices, self.dim).index_add_(0, a, self.enc)
@@ -167,6 +178,18 @@ class _FusedHeads:
         total = total.addmm_(p[:, self.pw + 1:], self.rate_mean)
         return (total * (p[:, self.pw:self.pw + 1] > 0.5)).reshape(lead)
 
+    def pair_mean_totals(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """(P, Q) mean_totals of every a[p] + b[q] (projected, (P, dim) and (Q, dim)): only the hidden units are
+        computed per pair (the skips, dim-sums and counts are linear, so added per row and per column)."""
+        P, Q, nh = len(a), len(b), self.nh
+        hidden = torch.relu_((a[:, :nh] + self.b1).unsqueeze(1) + b[:, :nh].unsqueeze(0))  # (P, Q, nh)
+        pre = hidden.view(P, Q, 2 * self.k, self.hh).mul_(self.w2).sum(-1)  # (P, Q, 2K)
+        pre += (a[:, nh:self.pw] + self.b2).unsqueeze(1) + b[:, nh:self.pw].unsqueeze(0)
+        fb = torch.nn.functional.softplus(pre).view(P * Q, 2 * self.k)
+        total = torch.addmm(self.lat_mean, fb, self.mix_mean).view(P, Q)
+        total += a[:, self.pw + 1:] @ self.rate_mean + (b[:, self.pw + 1:] @ self.rate_mean).t()
+        return total * ((a[:, self.pw:self.pw + 1] + b[:, self.pw].unsqueeze(0)) > 0.5)
+
 
 _FUSED_CACHE: dict[tuple[int, int], tuple[object, _FusedHeads | None]] = {}
 
@@ -193,8 +216,12 @@ def _fused_heads(cost_model, num_devices: int) -> _FusedHeads | None:
                 want = cost_model.member_totals_from_sums(probe, num_devices)
                 got = fused.member_totals(fused.project(probe))
                 got_mean = fused.mean_totals(fused.project(probe))
+                proj = fused.project(probe)
+                got_pairs = fused.pair_mean_totals(proj[:8], proj[8:16])
+                want_pairs = fused.mean_totals(proj[:8].unsqueeze(1) + proj[8:16].unsqueeze(0))
             if not (torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-                    and torch.allclose(got_mean, want.mean(0), rtol=1e-5, atol=1e-6)):
+                    and torch.allclose(got_mean, want.mean(0), rtol=1e-5, atol=1e-6)
+                    and torch.allclose(got_pairs, want_pairs, rtol=1e-5, atol=1e-6)):
                 fused = None
     except (AttributeError, IndexError, RuntimeError, TypeError):
         fused = None

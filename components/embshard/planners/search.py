@@ -186,7 +186,7 @@ def _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq):
     if len(others):
         dev_q = torch.as_tensor(state.assignment[others.numpy()])
         sums_b = state.sums[b] - enc[on_b]  # (P, H)
-        nb = sc.totals(sums_b.unsqueeze(1) + enc[others].unsqueeze(0), state.counts[b].expand(P, len(others))).double()
+        nb = sc.pair_totals(sums_b, enc[others], state.counts[b]).double()  # (P, Q)
         sums_d = state.sums[dev_q] - enc[others]  # (Q, H)
         counts_q = state.counts[dev_q]
         mem_b = state.used[b] - sizes_t[on_b].unsqueeze(1) + sizes_t[others].unsqueeze(0)
