@@ -178,7 +178,8 @@ def _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq):
     # for those alone (the rest could never be chosen, so the choice is the same as scoring the whole grid).
     fits &= (new_b <= cur_max + tol).unsqueeze(1)
     new_d = _scored_where(fits, lambda pi, qi: sc.totals(state.sums[dsts[qi]] + enc[on_b[pi]],
-                                                         state.counts[dsts[qi]] + 1))  # (P, D-1)
+                                                         state.counts[dsts[qi]] + 1),
+                          lambda: sc.pair_totals(enc[on_b], state.sums[dsts], 1))  # (P, D-1)
     mx = torch.maximum(torch.maximum(new_b.unsqueeze(1), new_d), other_max[dsts].unsqueeze(0))
     sq = cur_sq - costs[b] ** 2 - costs[dsts].unsqueeze(0) ** 2 + new_b.unsqueeze(1) ** 2 + new_d ** 2
     _collect(candidates, mx, sq, fits, "move", on_b, dsts)
@@ -192,7 +193,8 @@ def _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq):
         mem_b = state.used[b] - sizes_t[on_b].unsqueeze(1) + sizes_t[others].unsqueeze(0)
         mem_d = state.used[dev_q].unsqueeze(0) - sizes_t[others].unsqueeze(0) + sizes_t[on_b].unsqueeze(1)
         fits = (mem_b <= state.memory) & (mem_d <= state.memory) & (nb <= cur_max + tol)
-        nd = _scored_where(fits, lambda pi, qi: sc.totals(sums_d[qi] + enc[on_b[pi]], counts_q[qi]))
+        nd = _scored_where(fits, lambda pi, qi: sc.totals(sums_d[qi] + enc[on_b[pi]], counts_q[qi]),
+                           lambda: sc.pair_totals(enc[on_b], sums_d, 1))
         mx = torch.maximum(torch.maximum(nb, nd), other_max[dev_q].unsqueeze(0))
         sq = cur_sq - costs[b] ** 2 - costs[dev_q].unsqueeze(0) ** 2 + nb ** 2 + nd ** 2
         _collect(candidates, mx, sq, fits, "swap", on_b, others)
@@ -204,10 +206,16 @@ def _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq):
     return None if best is None else best[2:]
 
 
-def _scored_where(keep: torch.Tensor, score) -> torch.Tensor:
-    """(P, Q) float64 grid of `score(rows, cols)` at the True entries of `keep`, +inf elsewhere."""
-    out = torch.full(keep.shape, float("inf"), dtype=torch.float64)
+DENSE_FROM = 0.25  # kept share of a grid from which scoring all of it (pair_totals) beats gathering the kept
+
+
+def _scored_where(keep: torch.Tensor, score, dense=None) -> torch.Tensor:
+    """(P, Q) float64 grid of `score(rows, cols)` at the True entries of `keep`, +inf elsewhere. `dense()`, when
+    given, scores the whole grid at once (the same values): used when most of it is kept."""
     pi, qi = keep.nonzero(as_tuple=True)
+    if dense is not None and len(pi) >= DENSE_FROM * keep.numel():
+        return torch.where(keep, dense().double(), float("inf"))
+    out = torch.full(keep.shape, float("inf"), dtype=torch.float64)
     if len(pi):
         out[pi, qi] = score(pi, qi).double()
     return out
