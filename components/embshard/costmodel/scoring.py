@@ -79,6 +79,13 @@ class TaskScorer:
         out = self._fused.pair_mean_totals(a, b)
         return out if int(count) > 0 else torch.zeros_like(out)
 
+    @torch.no_grad()
+    def totals_nonempty(self, sums: torch.Tensor) -> torch.Tensor:
+        """`totals` of devices that each hold at least one piece (a rollout's or a greedy's candidates)."""
+        if self._fused is not None:
+            return self._fused.mean_totals(sums)
+        return self.cost_model.totals_from_sums(sums, self.num_devices)
+
     def device_sums(self, assignment: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         a = torch.as_tensor(np.asarray(assignment), dtype=torch.long)
         sums = torch.zeros(self.num_devices, self.dim).index_add_(0, a, self.enc)

@@ -263,18 +263,16 @@ def cost_greedy(ctx: TaskContext) -> np.ndarray | None:
     sc = ctx.scorer
     D = sc.num_devices
     sums = torch.zeros(D, sc.dim)
-    counts = torch.zeros(D, dtype=torch.long)
     free = np.full(D, ctx.memory, dtype=np.int64)
     assignment = np.empty(len(ctx.sizes), dtype=np.int64)
     for i in ctx.order:
         fits = free >= ctx.sizes[i]
         if not fits.any():
             return None
-        cand = sc.totals(sums + sc.enc[i], counts + 1).numpy()
+        cand = sc.totals_nonempty(sums + sc.enc[i]).numpy()
         d = int(np.argmin(np.where(fits, cand, np.inf)))
         assignment[i] = d
         sums[d] += sc.enc[i]
-        counts[d] += 1
         free[d] -= ctx.sizes[i]
     return assignment
 

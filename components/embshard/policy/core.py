@@ -93,7 +93,7 @@ def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample
     feasible = torch.ones(batch, dtype=torch.bool)
     s = ctx.scale
     rows = torch.arange(batch)
-    rest_sum_f = rest_sum.tolist()
+    rest_sum_f, rest_max_f = rest_sum.tolist(), rest_max.tolist()
     flat_sums = sums.view(batch * D, H)
     ones = torch.ones(batch, 1, dtype=torch.long)
     forward = policy if stats else _plain_forward(policy)
@@ -102,7 +102,7 @@ def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample
     for step, i in enumerate(ctx.order):
         size_i = sizes_f[i]
         feats = torch.empty(batch, D, NUM_POLICY_FEATURES)  # fresh each step: training keeps it for backward
-        cand = sc.totals(sums + sc.enc[i], counts + 1)  # (B, D) cost of each device with the table
+        cand = sc.totals_nonempty(sums + sc.enc[i])  # (B, D) cost of each device with the table
         top = cur.max(dim=1, keepdim=True).values
         new_overall = torch.maximum(cand, top)
         # The 11 features, written in place (the same values as stacking them).
@@ -117,8 +117,11 @@ def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample
         feats[..., 8] = step / N
         feats[..., 9] = singles[i]
         torch.div(new_overall - new_overall.min(dim=1, keepdim=True).values, s, out=feats[..., 10])
-        if float(free.min()) - size_i >= rest_sum_f[step]:
-            # Every device can take the table and still hold all the rest: the mask allows every device.
+        low = float(free.min()) - size_i
+        if low >= rest_max_f[step] and (low >= rest_sum_f[step] or float(free.sum(1).min()) - D * size_i
+                                        >= rest_sum_f[step] * (1 + 1e-9) + 1.0):
+            # _memory_mask allows every device (each keeps room for the largest table left, and the rest fit;
+            # the margin covers the rounding of its own sum): skip it.
             logits = forward(feats)
         else:
             mask = _memory_mask(free, size_i, rest_sum[step], rest_max[step])
