@@ -83,7 +83,7 @@ class TaskScorer:
     def totals_nonempty(self, sums: torch.Tensor) -> torch.Tensor:
         """`totals` of devices that each hold at least one piece (a rollout's or a greedy's candidates)."""
         if self._fused is not None:
-            return self._fused.mean_totals(sums)
+            return self._fused.mean_totals(sums, nonempty=True)
         return self.cost_model.totals_from_sums(sums, self.num_devices)
 
     def device_sums(self, assignment: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,13 +177,16 @@ class _FusedHeads:
         total = total * (p[:, self.pw:self.pw + 1] > 0.5)
         return total.t().reshape(self.k, *lead)
 
-    def mean_totals(self, proj: torch.Tensor) -> torch.Tensor:
-        """(...) the members' mean device total from projected sums (..., dim): member_totals(proj).mean(0)."""
+    def mean_totals(self, proj: torch.Tensor, nonempty: bool = False) -> torch.Tensor:
+        """(...) the members' mean device total from projected sums (..., dim): member_totals(proj).mean(0).
+        `nonempty`: every sum holds a piece (no empty-device mask needed)."""
         lead = proj.shape[:-1]
         p = proj.reshape(-1, self.dim)
         total = torch.addmm(self.lat_mean, self._heads(p), self.mix_mean)
         total = total.addmm_(p[:, self.pw + 1:], self.rate_mean)
-        return (total * (p[:, self.pw:self.pw + 1] > 0.5)).reshape(lead)
+        if not nonempty:
+            total = total * (p[:, self.pw:self.pw + 1] > 0.5)
+        return total.reshape(lead)
 
     def pair_mean_totals(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """(P, Q) mean_totals of every a[p] + b[q] (projected, (P, dim) and (Q, dim)): only the hidden units are
