@@ -191,6 +191,8 @@ def markdown(df: pd.DataFrame, cfg: PlanningConfig, hw_line: str, policy_uri: st
         lines += ["## learned / torchrec_table_wise", "",
                   "Ratio of the median seconds of the two planners in the same cell of this run (under 1: the learned "
                   "planner is faster).", "", md_table(ratio), ""]
+    lines += ["5,000 tables on 1,024 devices (by simulation: wall time, peak memory, gap to the balanced estimate): "
+              "[planning_scale.md](planning_scale.md).", ""]
     lines += ["`–`: not run (more devices than tables, tables that cannot fit the devices' memory, TorchRec's full "
               f"search above {cfg.full_max_tables} tables, or a planner already over {cfg.stop_after_s:g} s at a "
               "smaller T).", ""]

@@ -34,3 +34,25 @@ def test_fused_totals_match_the_model(members, devices):
                           rtol=1e-5, atol=1e-6)
     single = model.totals_from_sums(sc.model_enc, devices).numpy()
     assert np.allclose(sc.single_costs(), single, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("members", [1, 3])
+def test_the_search_shortcuts_match_totals_with_and_without_replica_extras(members):
+    """pair_totals (a swap's sums without building them) and totals_nonempty give what totals gives, also when
+    pieces carry an additive extra channel (a replica's all-reduce, replica_extra_ms)."""
+    torch.manual_seed(members)
+    ts = TableSet.from_frame(generate_tables(30, seed=4, bins_batch_size=512))
+    scaler = FeatureScaler.fit(ts.features())
+    models = [CostModel.create(CostModelConfig(), scaler) for _ in range(members)]
+    model = models[0] if members == 1 else CostEnsemble(models)
+    for extra in (None, np.linspace(0.0, 2.0, 30)):
+        sc = TaskScorer(model, ts.features(), 4, extra=extra)
+        a, b = sc.enc[:5], sc.enc[10:17]
+        want = sc.totals(a.unsqueeze(1) + b.unsqueeze(0), torch.ones(5, 7, dtype=torch.long))
+        assert torch.allclose(sc.pair_totals(a, b, 1), want, rtol=1e-5, atol=1e-5)
+        sums = sc.enc[:6] + sc.enc[6:12]
+        assert torch.allclose(sc.totals_nonempty(sums), sc.totals(sums, torch.ones(6, dtype=torch.long)),
+                              rtol=1e-5, atol=1e-5)
+        if extra is not None:  # the extra is added on top of the model's totals
+            plain = TaskScorer(model, ts.features(), 4)
+            assert np.allclose(sc.single_costs(), plain.single_costs() + extra, rtol=1e-5, atol=1e-5)

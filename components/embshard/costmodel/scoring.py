@@ -41,7 +41,8 @@ class TaskScorer:
     neither of them imports the other."""
 
     def __init__(self, cost_model: CostEstimator, features: np.ndarray | None, num_devices: int,
-                 enc: torch.Tensor | None = None, extra: np.ndarray | None = None):
+                 enc: torch.Tensor | None = None, projected: torch.Tensor | None = None,
+                 extra: np.ndarray | None = None):
         self.cost_model = cost_model
         self.num_devices = int(num_devices)
         if enc is None:
@@ -50,7 +51,10 @@ class TaskScorer:
         self.model_enc = enc  # (N, H) the cost model's encodings
         self._fused = _fused_heads(cost_model, self.num_devices)
         # What device sums add up: the encodings, or their projections when the fused evaluator applies.
-        self.enc = self.model_enc if self._fused is None else self._fused.project(enc)
+        # (`projected`: the caller's own projection of `enc`, e.g. a search state's with one piece cut.)
+        self.enc = (self.model_enc if self._fused is None
+                    else projected if projected is not None else self._fused.project(enc))
+        self.projected = self.enc  # without the extra channel: what a search state's cut reuses
         # Additive ms per piece (replicas' communication, replica_extra_ms): one more channel of the sums.
         self.extra = None if extra is None else np.asarray(extra, dtype=np.float64)
         if self.extra is not None:
@@ -82,11 +86,33 @@ class TaskScorer:
     def totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Device totals (ms) from summed encodings (..., H) and table counts (...); empty devices cost 0."""
         sums, add = self._split_extra(sums)
-        out = (self._fused.member_totals(sums).mean(0) if self._fused is not None
+        out = (self._fused.mean_totals(sums) if self._fused is not None
                else self.cost_model.totals_from_sums(sums, self.num_devices))
         if add is not None:
             out = out + add.to(out.dtype)
         return torch.where(counts > 0, out, torch.zeros_like(out))
+
+    @torch.no_grad()
+    def pair_totals(self, a: torch.Tensor, b: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:
+        """(P, Q) device totals of every sum a[p] + b[q] (a device's sum less one piece plus another: the search's
+        swaps), on a device holding `count` pieces; the same as `totals` of the (P, Q, H) sums, without building
+        them when the fused evaluator applies."""
+        if self._fused is None:
+            c = torch.as_tensor(count).expand(len(a), len(b))
+            return self.totals(a.unsqueeze(1) + b.unsqueeze(0), c)
+        (a, add_a), (b, add_b) = self._split_extra(a), self._split_extra(b)
+        out = self._fused.pair_mean_totals(a, b)
+        if add_a is not None:
+            out = out + (add_a.unsqueeze(1) + add_b.unsqueeze(0)).to(out.dtype)
+        return out if int(count) > 0 else torch.zeros_like(out)
+
+    @torch.no_grad()
+    def totals_nonempty(self, sums: torch.Tensor) -> torch.Tensor:
+        """`totals` of devices that each hold at least one piece (a rollout's or a greedy's candidates)."""
+        sums, add = self._split_extra(sums)
+        out = (self._fused.mean_totals(sums, nonempty=True) if self._fused is not None
+               else self.cost_model.totals_from_sums(sums, self.num_devices))
+        return out if add is None else out + add.to(out.dtype)
 
     def device_sums(self, assignment: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         a = torch.as_tensor(np.asarray(assignment), dtype=torch.long)
@@ -108,8 +134,10 @@ class _FusedHeads:
 
     The heads' first layers (and their linear skips) are linear in the device sum, so a table can carry its
     encoding already multiplied by them: a device's sum of projections is the projection of its sum, and
-    scoring a candidate device is then a relu, a small weighted sum and a softplus, with no matmul (the
-    model evaluates ~40 small modules and ops per member per call, which is what planning spent its time on).
+    scoring a candidate device is then a relu, a small weighted sum, a softplus and a tiny matrix product (the
+    model evaluates ~40 small modules and ops per member per call, which is what planning spent its time on). The
+    projected channels are laid out [every member's fwd and bwd hidden units | every member's two skips | the
+    table count | each member's dim-sum], so that each of those ops serves all members at once.
     Otherwise the same function as the model's `totals_from_sums`: fwd and bwd heads (MLP plus skip,
     softplus), the physical comm term, scaled, empty devices 0, per member. Used only when it reproduces the
     model on a probe (`_fused_heads`), so a change of the network falls back to the model itself."""
@@ -120,7 +148,8 @@ class _FusedHeads:
         k = self.k = len(nets)
         self.width = int(nets[0].fwd.skip.weight.shape[1])
         hh = self.hh = int(nets[0].fwd.mlp[0].weight.shape[0])
-        self.pw = k * (2 * hh + 2)       # projected channels: per member [fwd hidden | bwd hidden | 2 skips]
+        self.nh = k * 2 * hh             # hidden channels of all members
+        self.pw = self.nh + 2 * k        # projected channels: hidden units, then 2 skips per member
         self.dim = self.pw + 1 + k       # then the table count and each member's dim-sum channel
         self.count_col = self.width - NUM_EXTRA + COUNT
         self.dimsum_col = self.width - NUM_EXTRA + DIMSUM
@@ -128,35 +157,76 @@ class _FusedHeads:
         with torch.no_grad():
             self.w1 = torch.stack([torch.cat([n.fwd.mlp[0].weight, n.bwd.mlp[0].weight, n.fwd.skip.weight,
                                               n.bwd.skip.weight]).t() for n in nets]).contiguous()  # (K, W, 2hh+2)
-            self.b1 = torch.stack([torch.cat([n.fwd.mlp[0].bias, n.bwd.mlp[0].bias]) for n in nets])  # (K, 2hh)
-            self.w2 = torch.stack([torch.cat([n.fwd.mlp[2].weight, n.bwd.mlp[2].weight]) for n in nets])  # (K,2,hh)
-            self.b2 = torch.stack([torch.cat([n.fwd.mlp[2].bias, n.bwd.mlp[2].bias]) for n in nets])  # (K, 2)
+            self.b1 = torch.cat([torch.cat([n.fwd.mlp[0].bias, n.bwd.mlp[0].bias]) for n in nets])  # (K*2hh,)
+            # (2K, hh): member j's fwd, then bwd output weights. A multiply and a sum over the hidden units (MKL's
+            # product with 2K output columns is ~10x slower on this machine's AMD CPU).
+            self.w2 = torch.cat([torch.cat([n.fwd.mlp[2].weight, n.bwd.mlp[2].weight]) for n in nets])
+            self.b2 = torch.cat([torch.cat([n.fwd.mlp[2].bias, n.bwd.mlp[2].bias]) for n in nets])  # (2K,)
             nd = torch.tensor(float(num_devices)).clamp(min=1.0)
             on = float(num_devices > 1)  # one device: no comm
-            self.comm_rate = torch.stack([sp(n.comm_rate) * (nd - 1.0) / nd * on for n in nets])  # (K,)
-            self.comm_lat = torch.stack([(sp(n.comm_latency) + sp(n.comm_latency_slope) * torch.log2(nd)) * on
-                                         for n in nets])
-            self.scale = torch.stack([n.target_scale.expand(3) for n in nets])  # (K, 3)
+            comm_rate = torch.stack([sp(n.comm_rate) * (nd - 1.0) / nd * on for n in nets])  # (K,)
+            comm_lat = torch.stack([(sp(n.comm_latency) + sp(n.comm_latency_slope) * torch.log2(nd)) * on
+                                    for n in nets])
+            scale = torch.stack([n.target_scale.expand(3) for n in nets])  # (K, 3)
+            # total_j = fwd_j * s_j0 + bwd_j * s_j1 + (dimsum_j * rate_j + lat_j) * s_j2: a (2K, K) product of
+            # the softplus outputs, a per-member rate on the dim-sums and a constant.
+            mix = torch.zeros(2 * k, k)
+            for j in range(k):
+                mix[2 * j, j] = scale[j, 0]
+                mix[2 * j + 1, j] = scale[j, 1]
+            self.mix = mix
+            self.rate = (comm_rate * scale[:, 2]).contiguous()
+            self.lat = (comm_lat * scale[:, 2]).contiguous()
+            # The members' mean in one pass (`mean_totals`).
+            self.mix_mean = (mix.sum(1) / k).unsqueeze(1)  # (2K, 1)
+            self.rate_mean = (self.rate / k).unsqueeze(1)   # (K, 1)
+            self.lat_mean = self.lat.mean().reshape(1)
 
     def project(self, enc: torch.Tensor) -> torch.Tensor:
         """(N, dim) projected encodings from the model's (N, K x W)."""
-        x = enc.reshape(-1, self.k, self.width).transpose(0, 1)  # (K, N, W)
-        h = torch.bmm(x, self.w1).transpose(0, 1).reshape(len(enc), self.pw)
-        return torch.cat([h, x[0, :, self.count_col:self.count_col + 1], x[:, :, self.dimsum_col].t()], dim=1)
+        n, k, hh = len(enc), self.k, self.hh
+        x = enc.reshape(-1, k, self.width).transpose(0, 1)  # (K, N, W)
+        h = torch.bmm(x, self.w1)  # (K, N, 2hh+2)
+        hidden = h[..., : 2 * hh].transpose(0, 1).reshape(n, self.nh)
+        skips = h[..., 2 * hh:].transpose(0, 1).reshape(n, 2 * k)
+        return torch.cat([hidden, skips, x[0, :, self.count_col:self.count_col + 1], x[:, :, self.dimsum_col].t()],
+                         dim=1)
+
+    def _heads(self, p: torch.Tensor) -> torch.Tensor:
+        """(M, 2K) softplus outputs (fwd, bwd per member) of projected sums (M, dim)."""
+        hidden = torch.relu_(p[:, : self.nh] + self.b1).view(len(p), 2 * self.k, self.hh)
+        return torch.nn.functional.softplus((hidden * self.w2).sum(-1) + self.b2 + p[:, self.nh:self.pw])
 
     def member_totals(self, proj: torch.Tensor) -> torch.Tensor:
         """(K, ...) device totals per member from projected sums (..., dim)."""
         lead = proj.shape[:-1]
         p = proj.reshape(-1, self.dim)
-        m, k, hh = p.shape[0], self.k, self.hh
-        h = p[:, : self.pw].reshape(m, k, 2 * hh + 2)
-        hidden = torch.relu(h[..., : 2 * hh] + self.b1).reshape(m, k, 2, hh)
-        fb = torch.nn.functional.softplus((hidden * self.w2).sum(-1) + self.b2 + h[..., 2 * hh:])  # (M, K, 2)
-        comm = p[:, self.pw + 1:] * self.comm_rate + self.comm_lat  # (M, K)
-        s = self.scale
-        total = fb[..., 0] * s[:, 0] + fb[..., 1] * s[:, 1] + comm * s[:, 2]
+        total = torch.addmm(self.lat, self._heads(p), self.mix) + p[:, self.pw + 1:] * self.rate  # (M, K)
         total = total * (p[:, self.pw:self.pw + 1] > 0.5)
-        return total.t().reshape(k, *lead)
+        return total.t().reshape(self.k, *lead)
+
+    def mean_totals(self, proj: torch.Tensor, nonempty: bool = False) -> torch.Tensor:
+        """(...) the members' mean device total from projected sums (..., dim): member_totals(proj).mean(0).
+        `nonempty`: every sum holds a piece (no empty-device mask needed)."""
+        lead = proj.shape[:-1]
+        p = proj.reshape(-1, self.dim)
+        total = torch.addmm(self.lat_mean, self._heads(p), self.mix_mean)
+        total = total.addmm_(p[:, self.pw + 1:], self.rate_mean)
+        if not nonempty:
+            total = total * (p[:, self.pw:self.pw + 1] > 0.5)
+        return total.reshape(lead)
+
+    def pair_mean_totals(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """(P, Q) mean_totals of every a[p] + b[q] (projected, (P, dim) and (Q, dim)): only the hidden units are
+        computed per pair (the skips, dim-sums and counts are linear, so added per row and per column)."""
+        P, Q, nh = len(a), len(b), self.nh
+        hidden = torch.relu_((a[:, :nh] + self.b1).unsqueeze(1) + b[:, :nh].unsqueeze(0))  # (P, Q, nh)
+        pre = hidden.view(P, Q, 2 * self.k, self.hh).mul_(self.w2).sum(-1)  # (P, Q, 2K)
+        pre += (a[:, nh:self.pw] + self.b2).unsqueeze(1) + b[:, nh:self.pw].unsqueeze(0)
+        fb = torch.nn.functional.softplus(pre).view(P * Q, 2 * self.k)
+        total = torch.addmm(self.lat_mean, fb, self.mix_mean).view(P, Q)
+        total += a[:, self.pw + 1:] @ self.rate_mean + (b[:, self.pw + 1:] @ self.rate_mean).t()
+        return total * ((a[:, self.pw:self.pw + 1] + b[:, self.pw].unsqueeze(0)) > 0.5)
 
 
 _FUSED_CACHE: dict[tuple[int, int], tuple[object, _FusedHeads | None]] = {}
@@ -183,7 +253,13 @@ def _fused_heads(cost_model, num_devices: int) -> _FusedHeads | None:
                     probe[:, j * fused.width + fused.count_col] = probe[:, fused.count_col]
                 want = cost_model.member_totals_from_sums(probe, num_devices)
                 got = fused.member_totals(fused.project(probe))
-            if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+                got_mean = fused.mean_totals(fused.project(probe))
+                proj = fused.project(probe)
+                got_pairs = fused.pair_mean_totals(proj[:8], proj[8:16])
+                want_pairs = fused.mean_totals(proj[:8].unsqueeze(1) + proj[8:16].unsqueeze(0))
+            if not (torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+                    and torch.allclose(got_mean, want.mean(0), rtol=1e-5, atol=1e-6)
+                    and torch.allclose(got_pairs, want_pairs, rtol=1e-5, atol=1e-6)):
                 fused = None
     except (AttributeError, IndexError, RuntimeError, TypeError):
         fused = None

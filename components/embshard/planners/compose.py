@@ -81,21 +81,27 @@ class Problem:
         if key not in self._rollouts:
             policy.eval()
             gen = torch.Generator().manual_seed(self.seed)
-            self._rollouts[key] = rollout(policy, self.ctx, 1 + sampled_rollouts(samples, len(self.ctx.sizes)),
-                                          "sample", gen, greedy=1)
+            self._rollouts[key] = rollout(policy, self.ctx, 1 + sampled_rollouts(samples, len(self.ctx.sizes),
+                                                                              self.topology.count),
+                                          "sample", gen, greedy=1, stats=False)
         return self._rollouts[key]
 
 
-SAMPLES_UP_TO = 250  # pieces up to which every sampled rollout asked for runs
+SAMPLES_UP_TO = 250  # pieces up to which every sampled rollout asked for runs (on up to SAMPLES_DEVICES devices)
+SAMPLES_DEVICES = 16  # above SAMPLES_UP_TO x SAMPLES_DEVICES piece-devices, proportionally fewer sampled rollouts
 
 
-def sampled_rollouts(samples: int, pieces: int) -> int:
-    """The sampled rollouts run for a task: all asked for up to SAMPLES_UP_TO pieces, proportionally fewer above
-    (at least one). Their work grows with pieces x devices x samples, and on larger tasks a sampled rollout
-    rarely beats the greedy ones (none did on the planning-time grid's 300 to 2,000 tables)."""
-    if samples <= 0 or pieces <= SAMPLES_UP_TO:
+def sampled_rollouts(samples: int, pieces: int, devices: int = 1) -> int:
+    """The sampled rollouts run for a task: all asked for up to SAMPLES_UP_TO pieces and SAMPLES_UP_TO x
+    SAMPLES_DEVICES piece-devices, proportionally fewer above (at least one). Their work grows with pieces x
+    devices x samples, and on larger tasks a sampled rollout rarely beats the greedy ones (none did on the
+    planning-time grid's 300 to 2,000 tables; on 100-200 tables over 32-128 devices, fewer samples left the
+    searched plans' predicted costs unchanged on 7 of 7 tasks)."""
+    limit = SAMPLES_UP_TO * max(min(devices, SAMPLES_DEVICES), 1)
+    work = pieces * max(devices, 1)
+    if samples <= 0 or work <= limit:
         return max(samples, 0)
-    return max(1, samples * SAMPLES_UP_TO // pieces)
+    return max(1, samples * limit // work)
 
 
 @dataclass
@@ -104,13 +110,24 @@ class Draft:
     each piece: `shards` reads them from it, so a search that moves pieces rebuilds no shards)."""
 
     name: str
-    pieces: list[Shard]
+    pieces: list[Shard] | None  # None: the task's tables, whole (piece i is table i; built only when asked for)
     state: SearchState
     cut: str | None = None  # a split variant: the cut it tried (Splits), e.g. "cat_20 row-wise over 16 devices"
 
     @property
     def shards(self) -> list[Shard]:
+        if self.pieces is None:
+            return [Shard(i, int(a)) for i, a in enumerate(self.state.assignment)]
         return [s if s.device == a else replace(s, device=int(a)) for s, a in zip(self.pieces, self.state.assignment)]
+
+    def shard_sets(self) -> frozenset:
+        """`shard_sets(self.shards)`, without building the shards of a table-wise draft."""
+        if self.pieces is not None:
+            return shard_sets(self.shards)
+        by_device: dict[int, list[tuple]] = {}
+        for i, a in enumerate(self.state.assignment.tolist()):
+            by_device.setdefault(a, []).append((i, 0, None, 0, None))
+        return frozenset(frozenset(v) for v in by_device.values())
 
     @property
     def overall(self) -> float:
@@ -123,8 +140,7 @@ class Draft:
         if not view.is_whole:
             return cls.of_shards(problem, name, view.shards(assignment))
         ctx = problem.ctx
-        shards = [Shard(i, int(d)) for i, d in enumerate(assignment)]
-        return cls(name, shards, SearchState(ctx.scorer, ctx.sizes, problem.memory, assignment))
+        return cls(name, None, SearchState(ctx.scorer, ctx.sizes, problem.memory, assignment))
 
     @classmethod
     def of_shards(cls, problem: Problem, name: str, shards: list[Shard]) -> Draft:
@@ -250,18 +266,16 @@ def cost_greedy(ctx: TaskContext) -> np.ndarray | None:
     sc = ctx.scorer
     D = sc.num_devices
     sums = torch.zeros(D, sc.dim)
-    counts = torch.zeros(D, dtype=torch.long)
     free = np.full(D, ctx.memory, dtype=np.int64)
     assignment = np.empty(len(ctx.sizes), dtype=np.int64)
     for i in ctx.order:
         fits = free >= ctx.sizes[i]
         if not fits.any():
             return None
-        cand = sc.totals(sums + sc.enc[i], counts + 1).numpy()
+        cand = sc.totals_nonempty(sums + sc.enc[i]).numpy()
         d = int(np.argmin(np.where(fits, cand, np.inf)))
         assignment[i] = d
         sums[d] += sc.enc[i]
-        counts[d] += 1
         free[d] -= ctx.sizes[i]
     return assignment
 
@@ -393,10 +407,12 @@ class ComposedPlanner(Planner):
     def _alternatives(self, problem: Problem, drafts: list[Draft]) -> list[Placement]:
         """The best ALTERNATIVES distinct final drafts after the first (distinct: other sets of device shards), for
         a measured refinement (embshard.refine) to measure beside it; each with its start and predicted cost."""
-        seen = {shard_sets(drafts[0].shards)}
+        seen = {drafts[0].shard_sets()}
         out: list[Placement] = []
         for d in drafts[1:]:
-            key = shard_sets(d.shards)
+            if len(out) >= ALTERNATIVES:
+                break
+            key = d.shard_sets()
             if key in seen or len(out) >= ALTERNATIVES:
                 continue
             seen.add(key)

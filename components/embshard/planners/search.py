@@ -181,7 +181,8 @@ def _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq):
     # for those alone (the rest could never be chosen, so the choice is the same as scoring the whole grid).
     fits &= (new_b <= cur_max + tol).unsqueeze(1)
     new_d = _scored_where(fits, lambda pi, qi: sc.totals(state.sums[dsts[qi]] + enc[on_b[pi]],
-                                                         state.counts[dsts[qi]] + 1))  # (P, D-1)
+                                                         state.counts[dsts[qi]] + 1),
+                          lambda: sc.pair_totals(enc[on_b], state.sums[dsts], 1))  # (P, D-1)
     mx = torch.maximum(torch.maximum(new_b.unsqueeze(1), new_d), other_max[dsts].unsqueeze(0))
     sq = cur_sq - costs[b] ** 2 - costs[dsts].unsqueeze(0) ** 2 + new_b.unsqueeze(1) ** 2 + new_d ** 2
     _collect(candidates, mx, sq, fits, "move", on_b, dsts)
@@ -189,13 +190,14 @@ def _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq):
     if len(others):
         dev_q = torch.as_tensor(state.assignment[others.numpy()])
         sums_b = state.sums[b] - enc[on_b]  # (P, H)
-        nb = sc.totals(sums_b.unsqueeze(1) + enc[others].unsqueeze(0), state.counts[b].expand(P, len(others))).double()
+        nb = sc.pair_totals(sums_b, enc[others], state.counts[b]).double()  # (P, Q)
         sums_d = state.sums[dev_q] - enc[others]  # (Q, H)
         counts_q = state.counts[dev_q]
         mem_b = state.used[b] - sizes_t[on_b].unsqueeze(1) + sizes_t[others].unsqueeze(0)
         mem_d = state.used[dev_q].unsqueeze(0) - sizes_t[others].unsqueeze(0) + sizes_t[on_b].unsqueeze(1)
         fits = (mem_b <= state.memory) & (mem_d <= state.memory) & (nb <= cur_max + tol)
-        nd = _scored_where(fits, lambda pi, qi: sc.totals(sums_d[qi] + enc[on_b[pi]], counts_q[qi]))
+        nd = _scored_where(fits, lambda pi, qi: sc.totals(sums_d[qi] + enc[on_b[pi]], counts_q[qi]),
+                           lambda: sc.pair_totals(enc[on_b], sums_d, 1))
         mx = torch.maximum(torch.maximum(nb, nd), other_max[dev_q].unsqueeze(0))
         sq = cur_sq - costs[b] ** 2 - costs[dev_q].unsqueeze(0) ** 2 + nb ** 2 + nd ** 2
         _collect(candidates, mx, sq, fits, "swap", on_b, others)
@@ -207,10 +209,16 @@ def _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq):
     return None if best is None else best[2:]
 
 
-def _scored_where(keep: torch.Tensor, score) -> torch.Tensor:
-    """(P, Q) float64 grid of `score(rows, cols)` at the True entries of `keep`, +inf elsewhere."""
-    out = torch.full(keep.shape, float("inf"), dtype=torch.float64)
+DENSE_FROM = 0.25  # kept share of a grid from which scoring all of it (pair_totals) beats gathering the kept
+
+
+def _scored_where(keep: torch.Tensor, score, dense=None) -> torch.Tensor:
+    """(P, Q) float64 grid of `score(rows, cols)` at the True entries of `keep`, +inf elsewhere. `dense()`, when
+    given, scores the whole grid at once (the same values): used when most of it is kept."""
     pi, qi = keep.nonzero(as_tuple=True)
+    if dense is not None and len(pi) >= DENSE_FROM * keep.numel():
+        return torch.where(keep, dense().double(), float("inf"))
+    out = torch.full(keep.shape, float("inf"), dtype=torch.float64)
     if len(pi):
         out[pi, qi] = score(pi, qi).double()
     return out
@@ -297,18 +305,19 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
                     replica_candidate(tables, shards, state, cost_model, movable,
                                       state.scorer.single_costs()[movable])) if x is not None):
                 trials.append((r, replica_pieces(shards[r].table, topology.count)))
+        encoded = _encode_cuts(tables, [cut for _, cut in trials], state.scorer, cost_model, topology.count)
         # Half of the work left goes to this piece's cuts, shared equally, so that every cut gets its search.
         # (A replica's search is charged only when it is kept, so it takes no share.)
         searched = sum(1 for _, cut in trials if cut[0].kind != REPLICATED)
         per_cut = max((budget.evaluations - budget.used) // (2 * max(searched, 1)), 1)
-        for p, cut in trials:
+        for (p, cut), enc in zip(trials, encoded):
             if budget.exhausted():
                 break
             placed = [replace(c, device=b) if not is_pinned(c) else c for c in cut]
             trial_shards = shards[:p] + placed + shards[p + 1:]
             trial_assign = np.concatenate([state.assignment[:p], [c.device for c in placed],
                                            state.assignment[p + 1:]])
-            trial = _cut_state(tables, state, p, placed, trial_assign, cost_model, topology.count)
+            trial = _cut_state(tables, state, p, placed, trial_assign, cost_model, topology.count, enc)
             if (trial.used > memory).any():  # row cuts and replicas add to every device; slices start on b
                 continue
             replica = placed[0].kind == REPLICATED
@@ -364,13 +373,28 @@ def _cuts(tables: TableSet, piece: Shard, state: SearchState, topology: DeviceTo
     return out
 
 
-def _cut_state(tables, state: SearchState, p: int, placed: list[Shard], assignment, cost_model, num_devices
-               ) -> SearchState:
-    """The state with piece p replaced by its cut `placed`: only the new pieces are encoded (a task's pieces
-    are encoded one by one, so the others keep theirs)."""
-    feats = piece_features(tables, placed, num_devices)
+def _encode_cuts(tables, cuts: list[list[Shard]], scorer: TaskScorer, cost_model, num_devices: int) -> list:
+    """(features, model encodings, projected encodings) of each cut's pieces: one cost-model call for all cuts of
+    a piece (their pieces are encoded one by one, so each gets what it would get alone)."""
+    if not cuts:
+        return []
+    feats = piece_features(tables, [c for cut in cuts for c in cut], num_devices)
     with torch.no_grad():
-        new = cost_model.encode(feats).float()
+        model_enc = cost_model.encode(feats).float()
+        proj = None if scorer._fused is None else scorer._fused.project(model_enc)
+    out, start = [], 0
+    for cut in cuts:
+        end = start + len(cut)
+        out.append((feats[start:end], model_enc[start:end], None if proj is None else proj[start:end]))
+        start = end
+    return out
+
+
+def _cut_state(tables, state: SearchState, p: int, placed: list[Shard], assignment, cost_model, num_devices,
+               encoded) -> SearchState:
+    """The state with piece p replaced by its cut `placed` (encoded by `_encode_cuts`): only the new pieces are
+    encoded and projected, the others keep theirs."""
+    feats, new, new_proj = encoded
     old = state.scorer.model_enc
     new_extra = replica_extra_ms(cost_model, tables, placed, num_devices, feats)
     extra = None
@@ -378,7 +402,12 @@ def _cut_state(tables, state: SearchState, p: int, placed: list[Shard], assignme
         was_extra = state.scorer.extra if state.scorer.extra is not None else np.zeros(len(state.sizes))
         extra = np.concatenate([was_extra[:p], new_extra if new_extra is not None else np.zeros(len(placed)),
                                 was_extra[p + 1:]])
-    scorer = TaskScorer(cost_model, None, num_devices, enc=torch.cat([old[:p], new, old[p + 1:]]), extra=extra)
+    model_enc = torch.cat([old[:p], new, old[p + 1:]])
+    projected = None
+    if new_proj is not None:
+        old_proj = state.scorer.projected  # without the extra channel, which is rebuilt from `extra`
+        projected = torch.cat([old_proj[:p], new_proj, old_proj[p + 1:]])
+    scorer = TaskScorer(cost_model, None, num_devices, enc=model_enc, projected=projected, extra=extra)
     sizes = np.concatenate([state.sizes[:p], feats[:, 3].astype(np.int64), state.sizes[p + 1:]])
     was = np.ones(len(state.sizes), dtype=bool) if state.movable is None else state.movable
     movable = np.concatenate([was[:p], [not is_pinned(c) for c in placed], was[p + 1:]])
