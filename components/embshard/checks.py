@@ -159,7 +159,7 @@ def curriculum_stages(spec) -> list[tuple[int, int]]:
     if spec is None or str(spec).strip().lower() in ("", CURRICULUM_OFF, "none", "false"):
         return []
     fix = f"give 'off' or comma-separated LO-HI table ranges that grow, e.g. {DEFAULT_CURRICULUM}"
-    stages = []
+    stages: list[tuple[int, int]] = []
     for part in str(spec).split(","):
         lo, _, hi = part.strip().partition("-")
         try:

@@ -102,7 +102,7 @@ class TaskScorer:
             return self.totals(a.unsqueeze(1) + b.unsqueeze(0), c)
         (a, add_a), (b, add_b) = self._split_extra(a), self._split_extra(b)
         out = self._fused.pair_mean_totals(a, b)
-        if add_a is not None:
+        if add_a is not None and add_b is not None:
             out = out + (add_a.unsqueeze(1) + add_b.unsqueeze(0)).to(out.dtype)
         return out if int(count) > 0 else torch.zeros_like(out)
 

@@ -299,7 +299,7 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
         if replicas:
             # The slowest device's best candidate, and the best anywhere (a hot table the search has isolated on
             # a device of its own holds the others up without being on the slowest one).
-            movable = np.flatnonzero(state.movable)
+            movable = np.flatnonzero(np.asarray(state.movable, dtype=bool))
             for r in dict.fromkeys(x for x in (
                     replica_candidate(tables, shards, state, cost_model, on_b, single),
                     replica_candidate(tables, shards, state, cost_model, movable,
