@@ -151,6 +151,31 @@ def test_the_cuts_not_kept_stay_as_alternatives_for_a_measured_refinement():
     assert {_kind(c, cands[0]) for c in picked[1:]} == kinds >= {f"cut: {k}" for k in other}
 
 
+def test_for_a_refinement_the_planner_carries_each_kind_of_first_cut_on_without_changing_its_plan():
+    """explore_cuts (set by embshard.refine.explore): the best first cut of each kind is carried on with more cuts
+    on an allowance of its own, as alternatives; the plan itself and its search work are the same as without."""
+    from embshard.planners.search import cut_kind
+
+    ts = hot_tables()
+    topo = DeviceTopology(16, int(ts.size_bytes.sum()))
+    model = analytic()
+    plain = LearnedPlanner(None, model, composition_name="no_policy", search_evaluations=6000)
+    branching = LearnedPlanner(None, model, composition_name="no_policy", search_evaluations=6000)
+    branching.explore_cuts = True
+    a, b = plain.plan(ts, topo), branching.plan(ts, topo)
+    assert [(s.table, s.device, s.kind, s.col_offset, s.row_offset) for s in a.shards] == \
+        [(s.table, s.device, s.kind, s.col_offset, s.row_offset) for s in b.shards]
+    assert a.meta["search_evaluations"] == b.meta["search_evaluations"]
+    branches = [p for p in b.alternatives if ", then " in p.meta.get("cut", "")]
+    assert branches and not any(", then " in p.meta.get("cut", "") for p in a.alternatives)
+    for p in branches:
+        p.check()
+        first = p.meta["cut"].split(", then ")[0]
+        assert cut_kind(p.meta["cut"]) == cut_kind(first)
+        cut_tables = {s.table for s in p.shards if s.kind != "whole"}
+        assert len(cut_tables) >= 2  # the first cut and at least one more
+
+
 def test_table_row_wise_cuts_stay_within_one_host():
     ts = hot_tables(seed=5)
     topo = DeviceTopology(8, int(ts.size_bytes.sum()), hosts=(0, 0, 0, 0, 1, 1, 1, 1))

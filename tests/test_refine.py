@@ -149,3 +149,16 @@ def test_a_bad_refined_entry_name_is_a_one_line_error(name, field_text):
     with pytest.raises(EmbshardError) as exc:
         check_planner_names([name])
     assert field_text in str(exc.value) and len(str(exc.value).splitlines()) == 1
+
+
+def test_a_refinement_asks_a_composed_planner_to_explore_its_cuts_and_leaves_others_alone(learned):
+    from embshard.planners.baselines import make_baseline
+    from embshard.refine import RefinedPlanner, explore
+
+    greedy = make_baseline("size_greedy")
+    explore(greedy)
+    assert not hasattr(greedy, "explore_cuts")
+    composed = LearnedPlanner(None, analytic(), composition_name="no_policy", search_evaluations=500)
+    assert composed.explore_cuts is False
+    RefinedPlanner(composed, 2)
+    assert composed.explore_cuts is True

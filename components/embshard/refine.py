@@ -34,6 +34,7 @@ from .placement import Placement
 from .planners.base import Planner
 from .planners.baselines import GREEDY_BASELINES, make_baseline
 from .planners.compose import shard_sets
+from .planners.search import cut_kind
 from .ruler import DEFAULT_ROUNDS, Entry, distinct_shards, measure_rounds
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ def _kind(c: Candidate, first: Candidate) -> str:
     may rank the kinds wrongly on tables unlike its training data), the heuristics, TorchRec."""
     cut = c.placement.meta.get("cut")
     if cut and c.label.startswith(f"{first.label}~"):
-        return "cut: column" if "column" in cut else "cut: replica" if "replicated" in cut else "cut: row"
+        return f"cut: {cut_kind(cut)}"
     if c.label.startswith(f"{first.label}~"):
         return "drafts"
     return "torchrec" if c.label.startswith("torchrec") else "heuristics"
@@ -199,6 +200,13 @@ def winner_placement(result: Refinement, k: int) -> Placement:
     return pl
 
 
+def explore(planner) -> None:
+    """Ask a composed planner to carry on the cuts it does not keep, one branch per kind, as alternatives for a
+    refinement to measure (planners.compose.Splits._branches); other planners are left as they are."""
+    if hasattr(planner, "explore_cuts"):
+        planner.explore_cuts = True
+
+
 def parse_refined(name: str) -> tuple[str, int] | None:
     """("learned", 4) for an entry name "learned+refine4" (any planner before the suffix), else None."""
     base, sep, k = name.rpartition(SUFFIX)
@@ -214,6 +222,7 @@ class RefinedPlanner(Planner):
     def __init__(self, inner: Planner, k: int, *, rounds: int = DEFAULT_ROUNDS,
                  settings: MeasureSettings | None = None, seed: int = 1, name: str | None = None):
         self.inner, self.k, self.rounds, self.settings, self.seed = inner, check_k(k), rounds, settings, seed
+        explore(inner)
         self.name = name or f"{inner.name}{SUFFIX}{self.k}"
         self.cost_model = getattr(inner, "cost_model", None)
         self.last: Refinement | None = None

@@ -36,6 +36,10 @@ def place_tasks(tables: str, tasks: str, planner, out: str, split: str = "test",
     from ..types import load_tasks
 
     frames, refined = [], {}
+    if refine_k:
+        from ..refine import explore
+
+        explore(planner)  # the cuts the planner does not keep, carried on, are candidates too
     for t in load_tasks(tables, tasks, split):
         pl = planner.plan_task(t)
         if refine_k:

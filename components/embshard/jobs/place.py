@@ -163,6 +163,10 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     learned = composition_of(planner) is not None
     cost_model = None if learned else load_cost_model_or_none(cost_model_uri)
     p = planner_for(planner, model_uri, time_budget_s, search_evaluations)
+    if refine_k:
+        from ..refine import explore
+
+        explore(p)  # the cuts the planner does not keep, carried on, are candidates too
     try:
         with PlanningProgress(f"planning {len(table_set):,} tables on {D:,} devices ({planner})") as progress:
             if hasattr(p, "on_phase"):

@@ -35,7 +35,7 @@ from ..types import WHOLE, CostEstimator, DeviceTopology
 from .base import Planner, no_room_error
 from .baselines import BASELINES, make_baseline
 from .scoring import TaskScorer, piece_features, replica_extra_ms, single_threaded
-from .search import Budget, SearchState, local_search, try_splits
+from .search import Budget, SearchState, cut_kind, local_search, try_splits
 from .splitting import PieceView, is_pinned, split_to_fit
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,8 @@ class Problem:
     seed: int = 0
     # Called with a short phase name as planning goes on (`embshard place` shows it on long plans).
     on_phase: Callable[[str], None] | None = None
+    # Carry on the cuts not kept, one branch per kind (Splits): only when a measured refinement will measure them.
+    explore_cuts: bool = False
     _rollouts: dict = field(default_factory=dict, repr=False)
 
     def phase(self, text: str) -> None:
@@ -326,12 +328,37 @@ class Splits:
                                    budget, self.max_splits, columns=self.columns, rows=self.rows,
                                    replicas=self.replicas, variants=tried)
         cuts = [Draft(best.name, pieces, trial, cut=label) for label, pieces, trial in tried]
+        if problem.explore_cuts:
+            cuts += self._branches(problem, cuts, budget)
         # stable: at equal cost the other proposers' drafts come before the cut variants
         return [Draft(best.name, shards, state), *sorted([*drafts[1:], *cuts], key=lambda d: d.overall)]
+
+    def _branches(self, problem, cuts: list[Draft], budget) -> list[Draft]:
+        """The best tried cut of each kind (column slices, row-wise, replica) carried on with more cuts, each on
+        an allowance of BRANCH_SHARE of the planner's work of its own (the plan itself is not touched): the model
+        may rank the kinds wrongly, and a kind's first cut alone is rarely the best plan of that kind (on the
+        MLPerf-like list at 16 devices, the hottest table row-wise measured 7.2 ms, and row-wise with the next
+        table in column halves 5.7 ms, against 7.8 ms for the column slices the model preferred)."""
+        lead: dict[str, Draft] = {}
+        for d in sorted(cuts, key=lambda d: d.overall):
+            lead.setdefault(cut_kind(d.cut or ""), d)
+        out = []
+        for d in lead.values():
+            allowance = Budget(int(budget.evaluations * BRANCH_SHARE), budget.deadline)
+            carried, state = try_splits(problem.tables, d.shards, d.state, problem.cost_model, problem.topology,
+                                        allowance, self.max_splits, columns=self.columns, rows=self.rows,
+                                        replicas=self.replicas)
+            cut_before = {p.table for p in d.shards if p.kind != WHOLE}
+            more = [p.table for p in carried if p.kind != WHOLE and p.table not in cut_before]
+            if more:
+                names = ", ".join(dict.fromkeys(str(problem.tables.table_ids[t]) for t in more))
+                out.append(Draft(d.name, carried, state, cut=f"{d.cut}, then {names} cut"))
+        return out
 
 
 # -- the planner -------------------------------------------------------------------------------------------------
 ALTERNATIVES = 7  # distinct final drafts kept beside the plan (a measured refinement's candidates)
+BRANCH_SHARE = 0.1  # each cut branch's own allowance of search work, a share of the planner's (Splits._branches)
 
 
 def shard_sets(shards: list[Shard]) -> frozenset:
@@ -368,6 +395,8 @@ class ComposedPlanner(Planner):
         self.model_uri = model_uri
         # Called with a short phase name as planning goes on (`embshard place` shows it on long plans).
         self.on_phase: Callable[[str], None] | None = None
+        # Set by a measured refinement (embshard.refine.explore): keep more cut variants as alternatives.
+        self.explore_cuts = False
 
     def evaluations_for(self, num_tables: int) -> int:
         """Search work (scored moves and swaps): the given budget, else 40,000 up to 250 tables, growing to
@@ -385,7 +414,8 @@ class ComposedPlanner(Planner):
 
     def _plan(self, tables, topology, task_id):
         with single_threaded(), torch.no_grad():
-            return self._compose(Problem(tables, topology, task_id, self.cost_model, self.seed, self.on_phase))
+            return self._compose(Problem(tables, topology, task_id, self.cost_model, self.seed, self.on_phase,
+                                         explore_cuts=self.explore_cuts))
 
     def _propose(self, problem: Problem, proposers: list[Proposer]) -> list[Draft]:
         drafts = []

@@ -280,12 +280,12 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
     plans and their work). The best cut after local search is kept when it lowers the predicted overall cost.
     Returns (shards, state), unchanged when no cut helps.
 
-    `variants`, when given, receives every cut tried that fits memory, after its local search, as (label, pieces,
-    state), kept or not: a measured refinement (embshard.refine) measures the best of each kind, since the model
-    may rank the kinds of cut wrongly on tables unlike those it was trained on."""
+    `variants`, when given, receives every first cut tried that fits memory, after its local search, as (label,
+    pieces, state), kept or not: a measured refinement (embshard.refine) measures the best of each kind, since the
+    model may rank the kinds of cut wrongly on tables unlike those it was trained on."""
     shards = list(shards)
     memory = state.memory
-    for _ in range(max_splits):
+    for it in range(max_splits):
         if budget.exhausted():
             break
         b = int(torch.argmax(state.costs))
@@ -325,7 +325,7 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
             trial = local_search(trial, sub)
             if not replica:
                 budget.absorb(sub)
-            if variants is not None:
+            if variants is not None and it == 0:  # the other first moves (later ones are tweaks of the plan)
                 variants.append((cut_label(tables, cut), trial_shards, trial))
             if trial.overall < best_state.overall * (1 - 1e-4):
                 best_shards, best_state, best_work = trial_shards, trial, (sub if replica else None)
@@ -346,6 +346,12 @@ def cut_label(tables: TableSet, cut: list[Shard]) -> str:
     if cut[0].kind == REPLICATED:
         return f"{name} replicated on {len(cut)} devices"
     return f"{name} row-wise over {len({c.device for c in cut})} devices"
+
+
+def cut_kind(label: str) -> str:
+    """The kind of a `cut_label` (its first cut, when a branch carried it on): column, row or replica."""
+    first = label.split(", then ")[0]
+    return "column" if "column slices" in first else "replica" if "replicated" in first else "row"
 
 
 def _cuts(tables: TableSet, piece: Shard, state: SearchState, topology: DeviceTopology, columns: bool,
