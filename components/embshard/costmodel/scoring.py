@@ -331,10 +331,12 @@ def _a2a_heads(cost_model: CostEstimator, feats: np.ndarray, num_devices: int) -
 
 
 def replica_extra_ms(cost_model: CostEstimator, tables: TableSet, shards: list[Shard], num_devices: int,
-                     feats: np.ndarray | None = None) -> np.ndarray | None:
+                     feats: np.ndarray | None = None, cache: dict | None = None) -> np.ndarray | None:
     """Additive ms per piece (None when no piece is a replica): for a replica, the all-reduce of its gradient
     (collectives.CommModel.allreduce_ms with `replica_comm_model`) minus the all-to-all the cost model charges for
-    its dim (its comm head with and without the dim: a replica sends no outputs); 0 for other pieces."""
+    its dim (its comm head with and without the dim: a replica sends no outputs); 0 for other pieces. `cache`
+    (table -> its two comm heads), kept by a caller that asks again about the same tables of one task: a piece
+    is encoded alone, so its heads do not depend on the others asked with it."""
     from ..collectives import replica_grad_bytes
 
     reps = [k for k, s in enumerate(shards) if s.kind == REPLICATED]
@@ -343,9 +345,20 @@ def replica_extra_ms(cost_model: CostEstimator, tables: TableSet, shards: list[S
     if feats is None:
         feats = piece_features(tables, shards, num_devices)
     f = np.asarray(feats, dtype=np.float64)[reps]
-    no_dim = f.copy()
-    no_dim[:, 0], no_dim[:, 3] = 0.0, 0.0
-    sent = _a2a_heads(cost_model, np.concatenate([f, no_dim]), num_devices)
+    cache = {} if cache is None else cache
+    first: dict[int, int] = {}  # a table's first replica here: its D copies have the same features
+    for j, k in enumerate(reps):
+        first.setdefault(shards[k].table, j)
+    todo = [j for t, j in first.items() if t not in cache]
+    if todo:
+        no_dim = f[todo].copy()
+        no_dim[:, 0], no_dim[:, 3] = 0.0, 0.0
+        heads = _a2a_heads(cost_model, np.concatenate([f[todo], no_dim]), num_devices)
+        for i, j in enumerate(todo):
+            cache[shards[reps[j]].table] = (heads[i], heads[len(todo) + i])
+    with_dim = np.array([cache[shards[k].table][0] for k in reps])
+    without = np.array([cache[shards[k].table][1] for k in reps])
+    sent = np.concatenate([with_dim, without])
     a2a = np.maximum(sent[: len(reps)] - sent[len(reps):], 0.0)
     j = int(np.argmax(f[:, 0]))
     model = replica_comm_model(cost_model, num_devices, float(a2a[j]), int(f[j, 0]), float(sent[len(reps) + j]))

@@ -239,7 +239,7 @@ def _collect(out, mx, sq, fits, kind, rows, cols):
 
 
 def replica_candidate(tables: TableSet, shards: list[Shard], state: SearchState, cost_model,
-                      pieces: np.ndarray, single: np.ndarray) -> int | None:
+                      pieces: np.ndarray, single: np.ndarray, cache: dict | None = None) -> int | None:
     """The whole piece among `pieces` (their costs alone: `single`) best worth replicating, or None: its bytes
     fit the free memory of every device but its own, and its predicted saving, (D-1)/D of its cost alone minus
     its all-reduce (less the all-to-all it no longer sends: scoring.replica_extra_ms), is the largest and
@@ -248,17 +248,17 @@ def replica_candidate(tables: TableSet, shards: list[Shard], state: SearchState,
     if D < 2 or len(pieces) == 0:
         return None
     used = state.used.numpy()
-    ok = []
-    for j, p in enumerate(pieces):
-        if shards[p].kind != WHOLE:
-            continue
-        others = np.delete(used, int(state.assignment[p]))
-        if (others + state.sizes[p] <= state.memory).all():
-            ok.append(j)
+    # The fullest device other than the piece's own: the fullest, or the second fullest where the piece is.
+    top = np.argsort(-used, kind="stable")[:2]
+    pieces = np.asarray(pieces)
+    fullest_other = np.where(state.assignment[pieces] == top[0], used[top[1]], used[top[0]])
+    whole = np.array([shards[p].kind == WHOLE for p in pieces], dtype=bool)
+    ok = np.flatnonzero(whole & (fullest_other + state.sizes[pieces] <= state.memory)).tolist()
     if not ok:
         return None
     cands = [int(pieces[j]) for j in ok]
-    extra = replica_extra_ms(cost_model, tables, [replace(shards[p], kind="replicated") for p in cands], D)
+    extra = replica_extra_ms(cost_model, tables, [replace(shards[p], kind="replicated") for p in cands], D,
+                             cache=cache)
     assert extra is not None
     gain = np.array([single[j] * (D - 1) / D for j in ok]) - extra
     k = int(np.argmax(gain))
@@ -285,6 +285,7 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
     model may rank the kinds of cut wrongly on tables unlike those it was trained on."""
     shards = list(shards)
     memory = state.memory
+    replica_heads: dict = {}  # each table's comm heads as a replica (scoring.replica_extra_ms), asked every round
     for it in range(max_splits):
         if budget.exhausted():
             break
@@ -301,9 +302,9 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
             # a device of its own holds the others up without being on the slowest one).
             movable = np.flatnonzero(np.asarray(state.movable, dtype=bool))
             for r in dict.fromkeys(x for x in (
-                    replica_candidate(tables, shards, state, cost_model, on_b, single),
+                    replica_candidate(tables, shards, state, cost_model, on_b, single, replica_heads),
                     replica_candidate(tables, shards, state, cost_model, movable,
-                                      state.scorer.single_costs()[movable])) if x is not None):
+                                      state.scorer.single_costs()[movable], replica_heads)) if x is not None):
                 trials.append((r, replica_pieces(shards[r].table, topology.count)))
         encoded = _encode_cuts(tables, [cut for _, cut in trials], state.scorer, cost_model, topology.count)
         # Half of the work left goes to this piece's cuts, shared equally, so that every cut gets its search.
@@ -317,7 +318,8 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
             trial_shards = shards[:p] + placed + shards[p + 1:]
             trial_assign = np.concatenate([state.assignment[:p], [c.device for c in placed],
                                            state.assignment[p + 1:]])
-            trial = _cut_state(tables, state, p, placed, trial_assign, cost_model, topology.count, enc)
+            trial = _cut_state(tables, state, p, placed, trial_assign, cost_model, topology.count, enc,
+                               replica_heads)
             if (trial.used > memory).any():  # row cuts and replicas add to every device; slices start on b
                 continue
             replica = placed[0].kind == REPLICATED
@@ -397,12 +399,12 @@ def _encode_cuts(tables, cuts: list[list[Shard]], scorer: TaskScorer, cost_model
 
 
 def _cut_state(tables, state: SearchState, p: int, placed: list[Shard], assignment, cost_model, num_devices,
-               encoded) -> SearchState:
+               encoded, replica_heads: dict | None = None) -> SearchState:
     """The state with piece p replaced by its cut `placed` (encoded by `_encode_cuts`): only the new pieces are
     encoded and projected, the others keep theirs."""
     feats, new, new_proj = encoded
     old = state.scorer.model_enc
-    new_extra = replica_extra_ms(cost_model, tables, placed, num_devices, feats)
+    new_extra = replica_extra_ms(cost_model, tables, placed, num_devices, feats, cache=replica_heads)
     extra = None
     if new_extra is not None or state.scorer.extra is not None:
         was_extra = state.scorer.extra if state.scorer.extra is not None else np.zeros(len(state.sizes))
