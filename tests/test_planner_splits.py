@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from fixed_models import analytic
 
 from embshard.checks import GiB
-from embshard.costmodel.reference import AnalyticEstimator
 from embshard.errors import InfeasiblePlacementError
 from embshard.ingest.spec import tables_from_spec
 from embshard.ingest.synthetic import generate_tables
@@ -23,15 +23,6 @@ from embshard.tableset import TableSet
 from embshard.types import DeviceTopology, row_blocks
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "components", "embshard", "ingest", "examples")
-
-
-def analytic() -> AnalyticEstimator:
-    """A fixed bandwidth model (ms per byte and a per-device constant, per head): a cut that spreads a hot table's
-    lookups lowers the slowest device, one that only adds pieces costs their constant and all-to-all bytes."""
-    est = AnalyticEstimator()
-    est.batch_size = 512.0
-    est.coef = np.array([[2e-9, 0.05], [4e-9, 0.05], [1e-9, 0.05]])
-    return est
 
 
 @pytest.fixture(scope="module")

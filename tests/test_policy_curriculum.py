@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from fixed_models import analytic
 
 from embshard import params, pools
 from embshard.errors import EmbshardError
@@ -13,15 +14,6 @@ from embshard.policy.curriculum import device_range, generate_tasks, rollouts_fo
 from embshard.tableset import TableSet
 
 STAGES = [(10, 50), (50, 200), (200, 1000)]
-
-
-def analytic():
-    from embshard.costmodel.reference import AnalyticEstimator
-
-    est = AnalyticEstimator()
-    est.batch_size = 512.0
-    est.coef = np.array([[2e-9, 0.05], [4e-9, 0.05], [1e-9, 0.05]])
-    return est
 
 
 @pytest.fixture(scope="module")

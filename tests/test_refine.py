@@ -9,10 +9,10 @@ import sys
 
 import numpy as np
 import pytest
+from fixed_models import analytic
 
 from embshard import schemas
 from embshard.bench.runner import MeasureSettings
-from embshard.costmodel.reference import AnalyticEstimator
 from embshard.errors import EmbshardError
 from embshard.planners.compose import shard_sets
 from embshard.planners.learned import LearnedPlanner
@@ -21,13 +21,6 @@ from embshard.tableset import TableSet
 
 SETTINGS = MeasureSettings(batch_size=256, iterations=10, warmup=2, comm_bandwidth_gbps=10.0, comm_latency_us=20.0,
                            max_shard_gb=0.05)
-
-
-def analytic() -> AnalyticEstimator:
-    est = AnalyticEstimator()
-    est.batch_size = 512.0
-    est.coef = np.array([[2e-9, 0.05], [4e-9, 0.05], [1e-9, 0.05]])
-    return est
 
 
 @pytest.fixture(scope="module")

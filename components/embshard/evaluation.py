@@ -73,14 +73,12 @@ def entry_labels(planners: list[str]) -> list[tuple[str, str, str]]:
 
 def check_planner_names(planners: list[str]) -> None:
     from .planners import is_planner_name
-    from .refine import MAX_K, parse_refined
+    from .refine import check_k, parse_refined
 
     for name in planners:
         refined = parse_refined(name)
         if refined is not None and is_planner_name(refined[0]):
-            if not 1 <= refined[1] <= MAX_K:
-                raise EmbshardError(f"{name!r} measures {refined[1]} candidates", field="planners",
-                                    fix=f"refine with 1 to {MAX_K} candidates, e.g. {refined[0]}+refine4")
+            check_k(refined[1], field="planners")
             continue
         if is_planner_name(name):
             continue

@@ -225,10 +225,9 @@ class RefinedPlanner(Planner):
         explore(inner)
         self.name = name or f"{inner.name}{SUFFIX}{self.k}"
         self.cost_model = getattr(inner, "cost_model", None)
-        self.last: Refinement | None = None
 
     def _plan(self, tables, topology, task_id):
         first = self.inner.plan(tables, topology, task_id=task_id)
-        self.last = refine(first, self.k, rounds=self.rounds, settings=self.settings, cost_model=self.cost_model,
-                           seed=self.seed)
-        return dataclasses.replace(winner_placement(self.last, self.k), planner=self.name)
+        result = refine(first, self.k, rounds=self.rounds, settings=self.settings, cost_model=self.cost_model,
+                        seed=self.seed)
+        return dataclasses.replace(winner_placement(result, self.k), planner=self.name)
