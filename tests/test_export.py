@@ -520,3 +520,48 @@ def test_export_job_writes_split_plans_with_hosts(tmp_path, tables_df, split_pla
     kinds = {n: p["sharding_type"] for n, p in doc["modules"][""].items()}
     assert [kinds[str(t)] for t in split_placement.tables.table_ids[:4]] == ["row_wise", "table_row_wise",
                                                                             "table_wise", "data_parallel"]
+
+
+def test_place_on_hosts_writes_hosts_and_refuses_an_uneven_layout(tmp_path, tables_df):
+    """`embshard place --devices-per-host L`: the plan is made for (and plan.json records) hosts of L devices, so
+    a table-row-wise cut can be exported without restating them; L that does not divide the devices is a one-line
+    error naming the field, before any planning, and writes nothing."""
+    from embshard.jobs.place import place
+
+    schemas.write(tables_df, tmp_path / "tables.parquet", "tables")
+    mem = int(tables_df["size_bytes"].sum())
+    out = place(str(tmp_path / "tables.parquet"), str(tmp_path / "on_hosts"), devices=D, memory_bytes=mem,
+                planner="size_lookup_greedy", devices_per_host=2)
+    assert out["placement"].devices.hosts == (0, 0, 1, 1)
+    assert read_plan_json(out["plan_json"])["hosts"] == [0, 0, 1, 1]
+    with pytest.raises(EmbshardError, match="4 devices do not split into hosts of 3") as err:
+        place(str(tmp_path / "tables.parquet"), str(tmp_path / "bad"), devices=D, memory_bytes=mem,
+              planner="size_lookup_greedy", devices_per_host=3)
+    assert err.value.field == "devices_per_host" and str(tmp_path / "tables.parquet") in str(err.value)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_tasks_devices_per_host_gives_the_task_its_hosts(tmp_path, tables_df):
+    """tasks.parquet's optional devices_per_host: a task on hosts of 2 plans for them (`place --task-id` too),
+    null means one host, and a value that does not divide num_devices names the file, the task and the field."""
+    import pandas as pd
+
+    from embshard.jobs.place import place
+    from embshard.types import load_tasks
+
+    schemas.write(tables_df, tmp_path / "tables.parquet", "tables")
+    mem = int(tables_df["size_bytes"].sum())
+    ids = list(tables_df["table_id"])
+    tasks = pd.DataFrame({"task_id": ["hosts-2", "one-host"], "split": ["test", "test"], "num_devices": [D, D],
+                          "memory_bytes_per_device": [mem, mem], "table_ids": [ids, ids],
+                          "devices_per_host": pd.array([2, None], dtype="Int32")})
+    schemas.write(tasks, tmp_path / "tasks.parquet", "tasks")
+    got = {t.task_id: t.devices.hosts for t in load_tasks(str(tmp_path / "tables.parquet"), tmp_path / "tasks.parquet")}
+    assert got == {"hosts-2": (0, 0, 1, 1), "one-host": None}
+    out = place(str(tmp_path / "tables.parquet"), str(tmp_path / "p"), tasks=str(tmp_path / "tasks.parquet"),
+                task_id="hosts-2", planner="size_lookup_greedy")
+    assert read_plan_json(out["plan_json"])["hosts"] == [0, 0, 1, 1]
+    tasks["devices_per_host"] = pd.array([3, None], dtype="Int32")
+    schemas.write(tasks, tmp_path / "bad.parquet", "tasks")
+    with pytest.raises(EmbshardError, match=r"bad.parquet \(task hosts-2\).*do not split into hosts of 3"):
+        load_tasks(str(tmp_path / "tables.parquet"), tmp_path / "bad.parquet")

@@ -105,6 +105,10 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("memory_bytes_per_device", pa.int64(), check=_positive, rule="an integer > 0"),
         Column("table_ids", pa.list_(_STR), check=_id_list,
                rule="a non-empty list of valid table ids, each listed once"),
+        # Hosts of that many devices in TorchRec's rank order (table-row-wise cuts stay within one); null or
+        # absent: all devices on one host. Dividing num_devices is checked where a task is read (types.load_tasks).
+        Column("devices_per_host", pa.int32(), required=False, nullable=True, check=_positive,
+               rule="an integer > 0 that divides num_devices, or null for one host"),
     ],
     "costs": [
         Column("sample_id", _STR, check=_non_empty_str, rule="a non-empty id"),

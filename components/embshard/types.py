@@ -64,6 +64,19 @@ class DeviceTopology:
     def same_host(self, a: int, b: int) -> bool:
         return self.hosts is None or self.hosts[a] == self.hosts[b]
 
+    @classmethod
+    def on_hosts(cls, count: int, memory_bytes: int, per_host: int | None) -> DeviceTopology:
+        """`count` devices on hosts of `per_host` each in TorchRec's rank order (host h holds devices h*L ..
+        h*L+L-1); None: one host. A `per_host` that does not divide the devices is an error."""
+        if per_host is None:
+            return cls(int(count), int(memory_bytes))
+        if per_host < 1 or count % per_host:
+            from .errors import EmbshardError
+
+            raise EmbshardError(f"{count} devices do not split into hosts of {per_host}", field="devices_per_host",
+                                fix="give a number of devices per host that divides the devices")
+        return cls(int(count), int(memory_bytes), hosts=tuple(k // int(per_host) for k in range(int(count))))
+
 
 
 @dataclass(frozen=True)
@@ -180,5 +193,20 @@ def load_tasks(tables: str | os.PathLike | TableSet, tasks: str | os.PathLike, s
     for t in df.itertuples():
         where = f"{os.fspath(tasks)} (task {t.task_id})"
         out.append(Task(str(t.task_id), table_set.select(list(t.table_ids), where),
-                        DeviceTopology(int(t.num_devices), int(t.memory_bytes_per_device)), str(t.split)))
+                        task_topology(t._asdict(), where), str(t.split)))
     return out
+
+
+def task_topology(row, where: str) -> DeviceTopology:
+    """The devices of a tasks.parquet row: num_devices x memory_bytes_per_device, on hosts of devices_per_host
+    when the row gives one (else one host)."""
+    import pandas as pd
+
+    from .errors import EmbshardError
+
+    per_host = row.get("devices_per_host")
+    per_host = None if per_host is None or pd.isna(per_host) else int(per_host)  # absent or null
+    try:
+        return DeviceTopology.on_hosts(int(row["num_devices"]), int(row["memory_bytes_per_device"]), per_host)
+    except EmbshardError as exc:
+        raise exc.at(where) from None

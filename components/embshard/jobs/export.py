@@ -102,6 +102,7 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     from ..export.plan_json import write_plan_json
     from ..export.torchrec_plan import check_module_path
     from ..tableset import TableSet
+    from ..types import DeviceTopology
 
     check_module_path(module_path)
     where = os.fspath(placements)
@@ -138,7 +139,11 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
         num_devices, memory = task_info.get(task_id, (None, None))
         placement = placement_from_frame(rows, table_set, num_devices, memory, where=at)
         if devices_per_host is not None:
-            placement.topology = _hosts(placement, int(devices_per_host), at)
+            try:
+                placement.topology = DeviceTopology.on_hosts(placement.num_devices, placement.memory_bytes_per_device,
+                                                             int(devices_per_host))
+            except EmbshardError as exc:
+                raise exc.at(at) from None
         checked.append((task_id, placement, device_costs_from_frame(rows, placement.num_devices)))
     plans: dict[str, dict[str, str]] = {}
     with storage.staged_dir(out) as stage:
@@ -200,18 +205,6 @@ def _check_complete(rows, task_tables: list[str], where: str, tasks: str) -> Non
     if foreign:
         raise EmbshardError(f"tables {', '.join(foreign[:3])} are placed but not part of the task in {tasks}",
                             path=where, field="table_id", fix="export the placements made for this tasks file")
-
-
-def _hosts(placement, per_host: int, where: str):
-    """The placement's devices on hosts of `per_host` devices each, in TorchRec's rank order."""
-    from ..errors import EmbshardError
-    from ..types import DeviceTopology
-
-    d = placement.num_devices
-    if per_host < 1 or d % per_host:
-        raise EmbshardError(f"{d} devices do not split into hosts of {per_host}", path=where,
-                            field="devices_per_host", fix="give a number of devices per host that divides the devices")
-    return DeviceTopology(d, placement.memory_bytes_per_device, hosts=tuple(k // per_host for k in range(d)))
 
 
 def _write_torchrec(placement, folder: str, module_path: str) -> dict[str, str]:

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from .. import schemas, storage
 from ..errors import EmbshardError, ModelNotFoundError
@@ -15,6 +16,7 @@ from ..planners import composition_of, get_planner, is_planner_name
 from ..planners.base import check_feasible
 from ..registry import COST_CHAMPION_URI, POLICY_CHAMPION_URI
 from ..tableset import TableSet
+from ..types import DeviceTopology
 
 # torch, MLflow, TorchRec and matplotlib are imported where they are used: a heuristic plan and every input error
 # come back without them (seconds, not tens of seconds, for `embshard place`).
@@ -24,14 +26,15 @@ NO_COST_MODEL_NOTE = ("predicted costs: none (this planner uses no cost model; g
 
 
 def resolve_task(tables: str, tasks: str | None, task_id: str | None, devices: int | None,
-                 memory_bytes: int | None) -> tuple[TableSet, int, int, str, str]:
-    """(tables, devices, memory per device, task id, where): `where` names the input file in errors."""
+                 memory_bytes: int | None) -> tuple[TableSet, int, int, str, str, int | None]:
+    """(tables, devices, memory per device, task id, where, devices per host of the task or None): `where` names
+    the input file in errors."""
     table_set = TableSet.read(tables)
     if task_id is None:
         if devices is None or memory_bytes is None:
             raise EmbshardError("devices and memory per device are required without a task id", field="devices",
                                 fix="give devices and memory_bytes, or tasks and task_id")
-        return table_set, int(devices), int(memory_bytes), "task", os.fspath(tables)
+        return table_set, int(devices), int(memory_bytes), "task", os.fspath(tables), None
     if tasks is None:
         raise EmbshardError("--task-id needs --tasks", field="tasks", fix="pass --tasks tasks.parquet")
     df = schemas.read(tasks, "tasks")
@@ -42,9 +45,11 @@ def resolve_task(tables: str, tasks: str | None, task_id: str | None, devices: i
     r = row.iloc[0]
     where = f"{os.fspath(tasks)} (task {task_id})"
     # A value given explicitly wins, also when it is wrong: the caller checked it (0 is not "not given").
+    per_host = r.get("devices_per_host")
     return (table_set.select(list(r["table_ids"]), where),
             int(r["num_devices"] if devices is None else devices),
-            int(r["memory_bytes_per_device"] if memory_bytes is None else memory_bytes), task_id, where)
+            int(r["memory_bytes_per_device"] if memory_bytes is None else memory_bytes), task_id, where,
+            None if per_host is None or pd.isna(per_host) else int(per_host))
 
 
 def load_cost_model_or_none(uri: str | None):
@@ -144,17 +149,21 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
           planner: str = "learned", model_uri: str = POLICY_CHAMPION_URI,
           cost_model_uri: str | None = None, tasks: str | None = None, task_id: str | None = None,
           time_budget_s: float | None = None, search_evaluations: int | None = None,
-          hardware: str | None = None, refine_k: int = 0, refine_rounds: int = 5) -> dict:
-    """`hardware`: what the plan is for (default: this machine); a model measured on other hardware is warned
+          hardware: str | None = None, refine_k: int = 0, refine_rounds: int = 5,
+          devices_per_host: int | None = None) -> dict:
+    """`devices_per_host`: the devices share hosts of that many (TorchRec's rank order), which lets a planner
+    cut a table row-wise over one host's devices (table-row-wise); None: the task's, else one host. `hardware`:
+    what the plan is for (default: this machine); a model measured on other hardware is warned
     about in one line, since its predicted costs are for its own hardware. `refine_k` > 0: the K best distinct
     candidate plans are measured here side by side (embshard.refine) and the measured best is written."""
     from ..export.plan_json import write_plan_json
     from ..placement_report import device_table, plot_device_costs
 
     # Every check that needs no model comes before any model is loaded (or torch imported).
-    table_set, D, mem, tid, where = resolve_task(tables, tasks, task_id, devices, memory_bytes)
+    table_set, D, mem, tid, where, task_per_host = resolve_task(tables, tasks, task_id, devices, memory_bytes)
     try:
         check_feasible(table_set, D, mem, tid)
+        topology = DeviceTopology.on_hosts(D, mem, task_per_host if devices_per_host is None else devices_per_host)
     except EmbshardError as exc:
         raise exc.at(where) from None
     if not is_planner_name(planner):
@@ -171,7 +180,7 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
         with PlanningProgress(f"planning {len(table_set):,} tables on {D:,} devices ({planner})") as progress:
             if hasattr(p, "on_phase"):
                 p.on_phase = progress.phase
-            placement = p.plan(table_set, D, mem, tid)
+            placement = p.plan(table_set, topology, task_id=tid)
     except EmbshardError as exc:  # name the user's file, not the internal task name
         raise exc.at(where) from None
     _warn_hardware(getattr(p, "cost_model", None) or cost_model, hardware)
@@ -249,6 +258,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "a refinement only when this machine is the hardware the plan is for")
     p.add_argument("--refine-rounds", type=int, default=5, metavar="R",
                    help="paired measuring rounds of --refine (default 5, the fewest for an interval)")
+    p.add_argument("--devices-per-host", type=int, default=None, metavar="L",
+                   help="devices per host (host h holds devices h*L .. h*L+L-1, TorchRec's rank order): a planner "
+                        "may then cut a table row-wise over one host (table_row_wise); written to plan.json as "
+                        "hosts (default: one host)")
     p.add_argument("--out", required=True, help="output folder")
 
 
@@ -277,7 +290,7 @@ def main(args) -> int:
                    planner=args.planner, model_uri=args.model, cost_model_uri=args.cost_model,
                    tasks=args.tasks, task_id=args.task_id, time_budget_s=args.time_budget_s,
                    search_evaluations=args.search_evaluations, hardware=args.hardware, refine_k=refine_k,
-                   refine_rounds=args.refine_rounds)
+                   refine_rounds=args.refine_rounds, devices_per_host=args.devices_per_host)
     if result["refinement"] is not None:
         print(result["refinement"].report())
     print(result["report"])
