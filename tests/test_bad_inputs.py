@@ -1039,10 +1039,10 @@ def test_long_planning_prints_progress(world, tmp_path, capsys, monkeypatch):
         cost_model = None
         on_phase = None
 
-        def plan(self, *args):
+        def plan(self, *args, **kw):
             self.on_phase("search from size_greedy")
             time.sleep(0.5)
-            return make_baseline("size_greedy").plan(*args)
+            return make_baseline("size_greedy").plan(*args, **kw)
 
     monkeypatch.setattr(place, "planner_for", lambda *a, **k: SlowPlanner())
     monkeypatch.setattr(place, "PROGRESS_AFTER_S", 0.1)
