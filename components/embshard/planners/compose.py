@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
 
@@ -120,7 +120,7 @@ class Draft:
     def shards(self) -> list[Shard]:
         if self.pieces is None:
             return [Shard(i, int(a)) for i, a in enumerate(self.state.assignment)]
-        return [s if s.device == a else replace(s, device=int(a)) for s, a in zip(self.pieces, self.state.assignment)]
+        return [s if s.device == a else s.on(a) for s, a in zip(self.pieces, self.state.assignment)]
 
     def shard_sets(self) -> frozenset:
         """`shard_sets(self.shards)`, without building the shards of a table-wise draft."""

@@ -18,7 +18,7 @@ GUARD_Z x the members' disagreement about that gain; otherwise the search stops 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -257,8 +257,8 @@ def replica_candidate(tables: TableSet, shards: list[Shard], state: SearchState,
     if not ok:
         return None
     cands = [int(pieces[j]) for j in ok]
-    extra = replica_extra_ms(cost_model, tables, [replace(shards[p], kind="replicated") for p in cands], D,
-                             cache=cache)
+    as_replicas = [Shard(shards[p].table, shards[p].device, kind=REPLICATED) for p in cands]  # whole pieces
+    extra = replica_extra_ms(cost_model, tables, as_replicas, D, cache=cache)
     assert extra is not None
     gain = np.array([single[j] * (D - 1) / D for j in ok]) - extra
     k = int(np.argmax(gain))
@@ -314,7 +314,7 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
         for (p, cut), enc in zip(trials, encoded):
             if budget.exhausted():
                 break
-            placed = [replace(c, device=b) if not is_pinned(c) else c for c in cut]
+            placed = [c.on(b) if not is_pinned(c) else c for c in cut]
             trial_shards = shards[:p] + placed + shards[p + 1:]
             trial_assign = np.concatenate([state.assignment[:p], [c.device for c in placed],
                                            state.assignment[p + 1:]])
@@ -336,7 +336,7 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
         if best_work is not None:  # a replica's search is charged only when it is kept (docstring)
             budget.absorb(best_work)
         shards, state = best_shards, best_state
-    return [replace(s, device=int(d)) for s, d in zip(shards, state.assignment)], state
+    return [s.on(d) for s, d in zip(shards, state.assignment)], state
 
 
 def cut_label(tables: TableSet, cut: list[Shard]) -> str:
