@@ -253,7 +253,10 @@ def _fused_heads(cost_model, num_devices: int) -> _FusedHeads | None:
     fused = None
     try:
         if all(n is not None and hasattr(n, "fwd") and hasattr(n, "comm_rate") for n in nets):
-            fused = _FusedHeads(nets, num_devices)
+            # Ordinary tensors even when a planner asks under inference_mode: the cache outlives the plan, and
+            # training (rollouts with autograd on) may read it later.
+            with torch.inference_mode(False):
+                fused = _FusedHeads(nets, num_devices)
             with torch.no_grad():
                 gen = torch.Generator().manual_seed(0)
                 probe = torch.rand(64, fused.k * fused.width, generator=gen) * 4
