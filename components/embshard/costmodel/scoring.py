@@ -362,27 +362,25 @@ def replica_extra_ms(cost_model: CostEstimator, tables: TableSet, shards: list[S
         feats = piece_features(tables, shards, num_devices)
     f = np.asarray(feats, dtype=np.float64)[reps]
     cache = {} if cache is None else cache
+    tabs = [shards[k].table for k in reps]
     first: dict[int, int] = {}  # a table's first replica here: its D copies have the same features
-    for j, k in enumerate(reps):
-        first.setdefault(shards[k].table, j)
+    for j, t in enumerate(tabs):
+        first.setdefault(t, j)
     todo = [j for t, j in first.items() if t not in cache]
     if todo:
         no_dim = f[todo].copy()
         no_dim[:, 0], no_dim[:, 3] = 0.0, 0.0
         heads = _a2a_heads(cost_model, np.concatenate([f[todo], no_dim]), num_devices)
         for i, j in enumerate(todo):
-            cache[shards[reps[j]].table] = (heads[i], heads[len(todo) + i])
-    with_dim = np.array([cache[shards[k].table][0] for k in reps])
-    without = np.array([cache[shards[k].table][1] for k in reps])
-    sent = np.concatenate([with_dim, without])
-    a2a = np.maximum(sent[: len(reps)] - sent[len(reps):], 0.0)
+            cache[tabs[j]] = (heads[i], heads[len(todo) + i])
+    sent = np.array([cache[t] for t in tabs])  # (R, 2): each replica's comm head with and without its dim
+    a2a = np.maximum(sent[:, 0] - sent[:, 1], 0.0)
     j = int(np.argmax(f[:, 0]))
-    model = replica_comm_model(cost_model, num_devices, float(a2a[j]), int(f[j, 0]), float(sent[len(reps) + j]))
+    model = replica_comm_model(cost_model, num_devices, float(a2a[j]), int(f[j, 0]), float(sent[j, 1]))
+    allreduce = {t: model.allreduce_ms(replica_grad_bytes(int(tables.rows[t]), int(tables.dims[t])), num_devices)
+                 for t in first}  # per table: its D copies all-reduce the same gradient
     out = np.zeros(len(shards))
-    for j, k in enumerate(reps):
-        t = shards[k].table
-        grad = replica_grad_bytes(int(tables.rows[t]), int(tables.dims[t]))
-        out[k] = model.allreduce_ms(grad, num_devices) - a2a[j]
+    out[reps] = np.array([allreduce[t] for t in tabs]) - a2a
     return out
 
 

@@ -275,7 +275,7 @@ def replica_candidate(tables: TableSet, shards: list[Shard], state: SearchState,
     as_replicas = [Shard(shards[p].table, shards[p].device, kind=REPLICATED) for p in cands]  # whole pieces
     extra = replica_extra_ms(cost_model, tables, as_replicas, D, cache=cache)
     assert extra is not None
-    gain = np.array([single[j] * (D - 1) / D for j in ok]) - extra
+    gain = np.asarray(single)[ok] * (D - 1) / D - extra
     k = int(np.argmax(gain))
     return cands[k] if gain[k] > 0 else None
 
