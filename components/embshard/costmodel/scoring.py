@@ -66,15 +66,20 @@ class TaskScorer:
         """Whether the cost model is an ensemble with more than one member (then it has an uncertainty)."""
         return self.cost_model.num_members > 1
 
-    @torch.no_grad()
+    # No torch.no_grad() around the fused evaluator: its weights and every encoding are made without autograd,
+    # and entering the context costs more than the op itself on the search's small tensors; the model's own
+    # forward (another kind of model) runs under it.
     def member_totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """(K, ...) device totals per ensemble member (K = 1 for a single model); empty devices cost 0."""
         sums, add = self._split_extra(sums)
-        out = (self._fused.member_totals(sums) if self._fused is not None
-               else self.cost_model.member_totals_from_sums(sums, self.num_devices))
+        if self._fused is not None:
+            out = self._fused.member_totals(sums)
+        else:
+            with torch.no_grad():
+                out = self.cost_model.member_totals_from_sums(sums, self.num_devices)
         if add is not None:
             out = out + add.to(out.dtype)
-        return torch.where(counts > 0, out, torch.zeros_like(out))
+        return out.masked_fill(counts <= 0, 0.0)
 
     def _split_extra(self, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the model's sums, the summed additive ms or None)."""
@@ -82,17 +87,20 @@ class TaskScorer:
             return sums, None
         return sums[..., :-1], sums[..., -1]
 
-    @torch.no_grad()
+    def _mean_totals(self, sums: torch.Tensor, nonempty: bool = False) -> torch.Tensor:
+        if self._fused is not None:
+            return self._fused.mean_totals(sums, nonempty=nonempty)
+        with torch.no_grad():
+            return self.cost_model.totals_from_sums(sums, self.num_devices)
+
     def totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Device totals (ms) from summed encodings (..., H) and table counts (...); empty devices cost 0."""
         sums, add = self._split_extra(sums)
-        out = (self._fused.mean_totals(sums) if self._fused is not None
-               else self.cost_model.totals_from_sums(sums, self.num_devices))
+        out = self._mean_totals(sums)
         if add is not None:
             out = out + add.to(out.dtype)
-        return torch.where(counts > 0, out, torch.zeros_like(out))
+        return out.masked_fill(counts <= 0, 0.0)
 
-    @torch.no_grad()
     def pair_totals(self, a: torch.Tensor, b: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:
         """(P, Q) device totals of every sum a[p] + b[q] (a device's sum less one piece plus another: the search's
         swaps), on a device holding `count` pieces; the same as `totals` of the (P, Q, H) sums, without building
@@ -106,12 +114,10 @@ class TaskScorer:
             out = out + (add_a.unsqueeze(1) + add_b.unsqueeze(0)).to(out.dtype)
         return out if int(count) > 0 else torch.zeros_like(out)
 
-    @torch.no_grad()
     def totals_nonempty(self, sums: torch.Tensor) -> torch.Tensor:
         """`totals` of devices that each hold at least one piece (a rollout's or a greedy's candidates)."""
         sums, add = self._split_extra(sums)
-        out = (self._fused.mean_totals(sums, nonempty=True) if self._fused is not None
-               else self.cost_model.totals_from_sums(sums, self.num_devices))
+        out = self._mean_totals(sums, nonempty=True)
         return out if add is None else out + add.to(out.dtype)
 
     def device_sums(self, assignment: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
