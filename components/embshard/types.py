@@ -103,6 +103,12 @@ class Shard:
             derived = ROW if self.row_size is not None else COLUMN if self.col_size is not None else WHOLE
             object.__setattr__(self, "kind", derived)
 
+    def on(self, device: int) -> Shard:
+        """This piece on `device`: `dataclasses.replace(self, device=device)` at a third of its cost (planners
+        move thousands of pieces per plan)."""
+        return Shard(self.table, int(device), self.col_offset, self.col_size, self.row_offset, self.row_size,
+                     self.kind)
+
 
 def row_blocks(rows: int, parts: int) -> list[tuple[int, int]]:
     """The row ranges (offset, size) of a table cut into `parts` row-wise pieces, in device order: each holds

@@ -66,15 +66,20 @@ class TaskScorer:
         """Whether the cost model is an ensemble with more than one member (then it has an uncertainty)."""
         return self.cost_model.num_members > 1
 
-    @torch.no_grad()
+    # No torch.no_grad() around the fused evaluator: its weights and every encoding are made without autograd,
+    # and entering the context costs more than the op itself on the search's small tensors; the model's own
+    # forward (another kind of model) runs under it.
     def member_totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """(K, ...) device totals per ensemble member (K = 1 for a single model); empty devices cost 0."""
         sums, add = self._split_extra(sums)
-        out = (self._fused.member_totals(sums) if self._fused is not None
-               else self.cost_model.member_totals_from_sums(sums, self.num_devices))
+        if self._fused is not None:
+            out = self._fused.member_totals(sums)
+        else:
+            with torch.no_grad():
+                out = self.cost_model.member_totals_from_sums(sums, self.num_devices)
         if add is not None:
             out = out + add.to(out.dtype)
-        return torch.where(counts > 0, out, torch.zeros_like(out))
+        return out.masked_fill(counts <= 0, 0.0)
 
     def _split_extra(self, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the model's sums, the summed additive ms or None)."""
@@ -82,17 +87,20 @@ class TaskScorer:
             return sums, None
         return sums[..., :-1], sums[..., -1]
 
-    @torch.no_grad()
+    def _mean_totals(self, sums: torch.Tensor, nonempty: bool = False) -> torch.Tensor:
+        if self._fused is not None:
+            return self._fused.mean_totals(sums, nonempty=nonempty)
+        with torch.no_grad():
+            return self.cost_model.totals_from_sums(sums, self.num_devices)
+
     def totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Device totals (ms) from summed encodings (..., H) and table counts (...); empty devices cost 0."""
         sums, add = self._split_extra(sums)
-        out = (self._fused.mean_totals(sums) if self._fused is not None
-               else self.cost_model.totals_from_sums(sums, self.num_devices))
+        out = self._mean_totals(sums)
         if add is not None:
             out = out + add.to(out.dtype)
-        return torch.where(counts > 0, out, torch.zeros_like(out))
+        return out.masked_fill(counts <= 0, 0.0)
 
-    @torch.no_grad()
     def pair_totals(self, a: torch.Tensor, b: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:
         """(P, Q) device totals of every sum a[p] + b[q] (a device's sum less one piece plus another: the search's
         swaps), on a device holding `count` pieces; the same as `totals` of the (P, Q, H) sums, without building
@@ -106,12 +114,10 @@ class TaskScorer:
             out = out + (add_a.unsqueeze(1) + add_b.unsqueeze(0)).to(out.dtype)
         return out if int(count) > 0 else torch.zeros_like(out)
 
-    @torch.no_grad()
     def totals_nonempty(self, sums: torch.Tensor) -> torch.Tensor:
         """`totals` of devices that each hold at least one piece (a rollout's or a greedy's candidates)."""
         sums, add = self._split_extra(sums)
-        out = (self._fused.mean_totals(sums, nonempty=True) if self._fused is not None
-               else self.cost_model.totals_from_sums(sums, self.num_devices))
+        out = self._mean_totals(sums, nonempty=True)
         return out if add is None else out + add.to(out.dtype)
 
     def device_sums(self, assignment: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,13 +226,26 @@ class _FusedHeads:
         """(P, Q) mean_totals of every a[p] + b[q] (projected, (P, dim) and (Q, dim)): only the hidden units are
         computed per pair (the skips, dim-sums and counts are linear, so added per row and per column)."""
         P, Q, nh = len(a), len(b), self.nh
-        hidden = torch.relu_((a[:, :nh] + self.b1).unsqueeze(1) + b[:, :nh].unsqueeze(0))  # (P, Q, nh)
-        pre = hidden.view(P, Q, 2 * self.k, self.hh).mul_(self.w2).sum(-1)  # (P, Q, 2K)
+        a_hidden, b_hidden = a[:, :nh] + self.b1, b[:, :nh].unsqueeze(0)
+        # The (P, Q, nh) hidden units a block of rows at a time, each block small enough to stay in cache (one
+        # pass over a grid of 100k pairs, 150 MB, was mostly memory traffic); the same values.
+        rows = max(1, PAIR_BLOCK // max(Q * nh, 1))
+        if rows >= P:  # one block: no copy
+            hidden = torch.relu_(a_hidden.unsqueeze(1) + b_hidden)  # (P, Q, nh)
+            pre = hidden.view(P, Q, 2 * self.k, self.hh).mul_(self.w2).sum(-1)  # (P, Q, 2K)
+        else:  # a loop into one output (blocks joined by torch.cat measured 6x slower)
+            pre = torch.empty(P, Q, 2 * self.k)
+            for r in range(0, P, rows):
+                hidden = torch.relu_(a_hidden[r:r + rows].unsqueeze(1) + b_hidden)
+                pre[r:r + rows] = hidden.view(len(hidden), Q, 2 * self.k, self.hh).mul_(self.w2).sum(-1)
         pre += (a[:, nh:self.pw] + self.b2).unsqueeze(1) + b[:, nh:self.pw].unsqueeze(0)
         fb = torch.nn.functional.softplus(pre).view(P * Q, 2 * self.k)
         total = torch.addmm(self.lat_mean, fb, self.mix_mean).view(P, Q)
         total += a[:, self.pw + 1:] @ self.rate_mean + (b[:, self.pw + 1:] @ self.rate_mean).t()
         return total * ((a[:, self.pw:self.pw + 1] + b[:, self.pw].unsqueeze(0)) > 0.5)
+
+
+PAIR_BLOCK = 1 << 18  # floats of hidden units per block of pair_mean_totals (1 MiB: within a core's L2)
 
 
 _FUSED_CACHE: dict[tuple[int, int], tuple[object, _FusedHeads | None]] = {}
@@ -244,7 +263,10 @@ def _fused_heads(cost_model, num_devices: int) -> _FusedHeads | None:
     fused = None
     try:
         if all(n is not None and hasattr(n, "fwd") and hasattr(n, "comm_rate") for n in nets):
-            fused = _FusedHeads(nets, num_devices)
+            # Ordinary tensors even when a planner asks under inference_mode: the cache outlives the plan, and
+            # training (rollouts with autograd on) may read it later.
+            with torch.inference_mode(False):
+                fused = _FusedHeads(nets, num_devices)
             with torch.no_grad():
                 gen = torch.Generator().manual_seed(0)
                 probe = torch.rand(64, fused.k * fused.width, generator=gen) * 4
@@ -346,27 +368,25 @@ def replica_extra_ms(cost_model: CostEstimator, tables: TableSet, shards: list[S
         feats = piece_features(tables, shards, num_devices)
     f = np.asarray(feats, dtype=np.float64)[reps]
     cache = {} if cache is None else cache
+    tabs = [shards[k].table for k in reps]
     first: dict[int, int] = {}  # a table's first replica here: its D copies have the same features
-    for j, k in enumerate(reps):
-        first.setdefault(shards[k].table, j)
+    for j, t in enumerate(tabs):
+        first.setdefault(t, j)
     todo = [j for t, j in first.items() if t not in cache]
     if todo:
         no_dim = f[todo].copy()
         no_dim[:, 0], no_dim[:, 3] = 0.0, 0.0
         heads = _a2a_heads(cost_model, np.concatenate([f[todo], no_dim]), num_devices)
         for i, j in enumerate(todo):
-            cache[shards[reps[j]].table] = (heads[i], heads[len(todo) + i])
-    with_dim = np.array([cache[shards[k].table][0] for k in reps])
-    without = np.array([cache[shards[k].table][1] for k in reps])
-    sent = np.concatenate([with_dim, without])
-    a2a = np.maximum(sent[: len(reps)] - sent[len(reps):], 0.0)
+            cache[tabs[j]] = (heads[i], heads[len(todo) + i])
+    sent = np.array([cache[t] for t in tabs])  # (R, 2): each replica's comm head with and without its dim
+    a2a = np.maximum(sent[:, 0] - sent[:, 1], 0.0)
     j = int(np.argmax(f[:, 0]))
-    model = replica_comm_model(cost_model, num_devices, float(a2a[j]), int(f[j, 0]), float(sent[len(reps) + j]))
+    model = replica_comm_model(cost_model, num_devices, float(a2a[j]), int(f[j, 0]), float(sent[j, 1]))
+    allreduce = {t: model.allreduce_ms(replica_grad_bytes(int(tables.rows[t]), int(tables.dims[t])), num_devices)
+                 for t in first}  # per table: its D copies all-reduce the same gradient
     out = np.zeros(len(shards))
-    for j, k in enumerate(reps):
-        t = shards[k].table
-        grad = replica_grad_bytes(int(tables.rows[t]), int(tables.dims[t]))
-        out[k] = model.allreduce_ms(grad, num_devices) - a2a[j]
+    out[reps] = np.array([allreduce[t] for t in tabs]) - a2a
     return out
 
 

@@ -18,7 +18,7 @@ GUARD_Z x the members' disagreement about that gain; otherwise the search stops 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -162,45 +162,50 @@ def _trusted(state: SearchState, kind: str, p: int, q: int) -> bool:
 
 
 def _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq):
+    # The float64 bookkeeping (memory, maxima, spreads) is numpy: the same elementwise arithmetic as torch, at a
+    # fraction of its per-call cost on these small arrays; only the cost model's scoring runs in torch.
     sc = state.scorer
     D = sc.num_devices
-    costs = state.costs
+    costs = state.costs.numpy()
+    used = state.used.numpy()
+    sizes = sizes_t.numpy()
     enc = sc.enc
     tol = _REL_TOL * max(cur_max, 1e-9)
-    # Max over the devices other than b and d, for every d: from the top-3 costs.
-    top_vals, top_idx = torch.topk(costs, k=min(3, D))
-    valid = (top_idx != b).unsqueeze(0) & (top_idx.unsqueeze(0) != torch.arange(D).unsqueeze(1))  # (D, k)
-    other_max = torch.where(valid, top_vals.unsqueeze(0), float("-inf")).amax(1).clamp(min=0.0)
+    other_max = _max_of_others(costs, b)
+    on_b_n = on_b.numpy()
     candidates = []  # (max, sumsq, kind, p, q)
     # Moves: piece p from b to device d.
-    dsts = torch.tensor([d for d in range(D) if d != b])
+    dsts_n = np.delete(np.arange(D), b)
+    dsts = torch.from_numpy(dsts_n)
     P = len(on_b)
-    new_b = sc.totals(state.sums[b] - enc[on_b], state.counts[b].expand(P) - 1).double()  # (P,)
-    fits = (state.used[dsts].unsqueeze(0) + sizes_t[on_b].unsqueeze(1)) <= state.memory
+    new_b = sc.totals(state.sums[b] - enc[on_b], state.counts[b].expand(P) - 1).double().numpy()  # (P,)
+    fits = (used[dsts_n][None, :] + sizes[on_b_n][:, None]) <= state.memory
     # Only pairs whose b side ends at or below the current maximum can be better: the other side is scored
     # for those alone (the rest could never be chosen, so the choice is the same as scoring the whole grid).
-    fits &= (new_b <= cur_max + tol).unsqueeze(1)
+    fits &= (new_b <= cur_max + tol)[:, None]
     new_d = _scored_where(fits, lambda pi, qi: sc.totals(state.sums[dsts[qi]] + enc[on_b[pi]],
                                                          state.counts[dsts[qi]] + 1),
                           lambda: sc.pair_totals(enc[on_b], state.sums[dsts], 1))  # (P, D-1)
-    mx = torch.maximum(torch.maximum(new_b.unsqueeze(1), new_d), other_max[dsts].unsqueeze(0))
-    sq = cur_sq - costs[b] ** 2 - costs[dsts].unsqueeze(0) ** 2 + new_b.unsqueeze(1) ** 2 + new_d ** 2
-    _collect(candidates, mx, sq, fits, "move", on_b, dsts)
+    mx = np.maximum(np.maximum(new_b[:, None], new_d), other_max[dsts_n][None, :])
+    sq = cur_sq - costs[b] ** 2 - costs[dsts_n][None, :] ** 2 + new_b[:, None] ** 2 + new_d ** 2
+    _collect(candidates, mx, sq, fits, "move", on_b_n, dsts_n)
     # Swaps: p on b with q on d.
     if len(others):
-        dev_q = torch.as_tensor(state.assignment[others.numpy()])
+        others_n = others.numpy()
+        dev_q_n = state.assignment[others_n]
+        dev_q = torch.from_numpy(dev_q_n)
         sums_b = state.sums[b] - enc[on_b]  # (P, H)
-        nb = sc.pair_totals(sums_b, enc[others], state.counts[b]).double()  # (P, Q)
+        nb = sc.pair_totals(sums_b, enc[others], state.counts[b]).double().numpy()  # (P, Q)
         sums_d = state.sums[dev_q] - enc[others]  # (Q, H)
         counts_q = state.counts[dev_q]
-        mem_b = state.used[b] - sizes_t[on_b].unsqueeze(1) + sizes_t[others].unsqueeze(0)
-        mem_d = state.used[dev_q].unsqueeze(0) - sizes_t[others].unsqueeze(0) + sizes_t[on_b].unsqueeze(1)
+        mem_b = used[b] - sizes[on_b_n][:, None] + sizes[others_n][None, :]
+        mem_d = used[dev_q_n][None, :] - sizes[others_n][None, :] + sizes[on_b_n][:, None]
         fits = (mem_b <= state.memory) & (mem_d <= state.memory) & (nb <= cur_max + tol)
         nd = _scored_where(fits, lambda pi, qi: sc.totals(sums_d[qi] + enc[on_b[pi]], counts_q[qi]),
                            lambda: sc.pair_totals(enc[on_b], sums_d, 1))
-        mx = torch.maximum(torch.maximum(nb, nd), other_max[dev_q].unsqueeze(0))
-        sq = cur_sq - costs[b] ** 2 - costs[dev_q].unsqueeze(0) ** 2 + nb ** 2 + nd ** 2
-        _collect(candidates, mx, sq, fits, "swap", on_b, others)
+        mx = np.maximum(np.maximum(nb, nd), other_max[dev_q_n][None, :])
+        sq = cur_sq - costs[b] ** 2 - costs[dev_q_n][None, :] ** 2 + nb ** 2 + nd ** 2
+        _collect(candidates, mx, sq, fits, "swap", on_b_n, others_n)
     best = None
     for m, s, kind, p, q in candidates:
         better = m < cur_max - tol or (m <= cur_max + tol and s < cur_sq - tol * cur_max)
@@ -209,32 +214,42 @@ def _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq):
     return None if best is None else best[2:]
 
 
+def _max_of_others(costs: np.ndarray, b: int) -> np.ndarray:
+    """(D,) for every device d, the largest cost of the devices other than b and d (0 when there is none)."""
+    rest = costs.copy()
+    rest[b] = -np.inf
+    first = int(np.argmax(rest))
+    out = np.full(len(costs), rest[first])
+    rest[first] = -np.inf
+    out[first] = rest.max()
+    return np.maximum(out, 0.0)
+
+
 DENSE_FROM = 0.25  # kept share of a grid from which scoring all of it (pair_totals) beats gathering the kept
 
 
-def _scored_where(keep: torch.Tensor, score, dense=None) -> torch.Tensor:
+def _scored_where(keep: np.ndarray, score, dense=None) -> np.ndarray:
     """(P, Q) float64 grid of `score(rows, cols)` at the True entries of `keep`, +inf elsewhere. `dense()`, when
     given, scores the whole grid at once (the same values): used when most of it is kept."""
-    pi, qi = keep.nonzero(as_tuple=True)
-    if dense is not None and len(pi) >= DENSE_FROM * keep.numel():
-        return torch.where(keep, dense().double(), float("inf"))
-    out = torch.full(keep.shape, float("inf"), dtype=torch.float64)
+    pi, qi = keep.nonzero()
+    if dense is not None and len(pi) >= DENSE_FROM * keep.size:
+        return np.where(keep, dense().double().numpy(), np.inf)
+    out = np.full(keep.shape, np.inf)
     if len(pi):
-        out[pi, qi] = score(pi, qi).double()
+        out[pi, qi] = score(torch.from_numpy(pi), torch.from_numpy(qi)).double().numpy()
     return out
 
 
 def _collect(out, mx, sq, fits, kind, rows, cols):
     """The best feasible candidate of a (P, Q) grid, appended to `out` as (max, sumsq, kind, p, q)."""
-    mx = torch.where(fits, mx, torch.full_like(mx, float("inf")))
-    if not torch.isfinite(mx).any():
+    mx = np.where(fits, mx, np.inf)
+    m = float(mx.min())
+    if not np.isfinite(m):
         return
     # Lexicographic (max, sumsq): among the minimal max (within a tolerance), the smallest spread.
-    m = mx.min()
-    near = mx <= m + _REL_TOL * max(float(m), 1e-9)
-    sq = torch.where(near, sq, torch.full_like(sq, float("inf")))
-    flat = int(torch.argmin(sq))
-    i, j = divmod(flat, mx.shape[1])
+    near = mx <= m + _REL_TOL * max(m, 1e-9)
+    sq = np.where(near, sq, np.inf)
+    i, j = divmod(int(np.argmin(sq)), mx.shape[1])
     out.append((float(mx[i, j]), float(sq[i, j]), kind, int(rows[i]), int(cols[j])))
 
 
@@ -257,10 +272,10 @@ def replica_candidate(tables: TableSet, shards: list[Shard], state: SearchState,
     if not ok:
         return None
     cands = [int(pieces[j]) for j in ok]
-    extra = replica_extra_ms(cost_model, tables, [replace(shards[p], kind="replicated") for p in cands], D,
-                             cache=cache)
+    as_replicas = [Shard(shards[p].table, shards[p].device, kind=REPLICATED) for p in cands]  # whole pieces
+    extra = replica_extra_ms(cost_model, tables, as_replicas, D, cache=cache)
     assert extra is not None
-    gain = np.array([single[j] * (D - 1) / D for j in ok]) - extra
+    gain = np.asarray(single)[ok] * (D - 1) / D - extra
     k = int(np.argmax(gain))
     return cands[k] if gain[k] > 0 else None
 
@@ -314,7 +329,7 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
         for (p, cut), enc in zip(trials, encoded):
             if budget.exhausted():
                 break
-            placed = [replace(c, device=b) if not is_pinned(c) else c for c in cut]
+            placed = [c.on(b) if not is_pinned(c) else c for c in cut]
             trial_shards = shards[:p] + placed + shards[p + 1:]
             trial_assign = np.concatenate([state.assignment[:p], [c.device for c in placed],
                                            state.assignment[p + 1:]])
@@ -336,7 +351,7 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
         if best_work is not None:  # a replica's search is charged only when it is kept (docstring)
             budget.absorb(best_work)
         shards, state = best_shards, best_state
-    return [replace(s, device=int(d)) for s, d in zip(shards, state.assignment)], state
+    return [s.on(d) for s, d in zip(shards, state.assignment)], state
 
 
 def cut_label(tables: TableSet, cut: list[Shard]) -> str:

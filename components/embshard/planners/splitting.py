@@ -135,7 +135,7 @@ class PieceView:
 
     def shards(self, assignment) -> list[Shard]:
         """The placement's shards: free piece k on device assignment[k], then the pinned row pieces."""
-        return [replace(s, device=int(d)) for s, d in zip(self.free, np.asarray(assignment))] + list(self.pinned)
+        return [s.on(d) for s, d in zip(self.free, np.asarray(assignment).tolist())] + list(self.pinned)
 
     def table_of_piece(self, k: int) -> int:
         return self.free[k].table

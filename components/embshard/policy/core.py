@@ -105,15 +105,12 @@ def rollout(policy: PolicyNet, ctx: TaskContext, batch: int, mode: str = "sample
         cand = sc.totals_nonempty(sums + sc.enc[i])  # (B, D) cost of each device with the table
         top = cur.max(dim=1, keepdim=True).values
         new_overall = torch.maximum(cand, top)
-        # The 11 features, written in place (the same values as stacking them).
-        torch.div(cur, s, out=feats[..., 0])
-        torch.div(cand, s, out=feats[..., 1])
-        torch.div(cand - cur, s, out=feats[..., 2])
-        torch.div(new_overall, s, out=feats[..., 3])
-        feats[..., 4] = top / s
+        # The 11 features, written in place (the same values as stacking them; the costs and the memory fills
+        # each in one op, as a rollout step is mostly per-op overhead).
+        torch.div(torch.stack([cur, cand, cand - cur, new_overall, top.expand(batch, D)], dim=2), s,
+                  out=feats[..., :5])
         torch.div(counts, N, out=feats[..., 5])
-        feats[..., 6] = 1 - free / ctx.memory
-        feats[..., 7] = 1 - (free - size_i) / ctx.memory
+        feats[..., 6:8] = 1 - torch.stack([free, free - size_i], dim=2) / ctx.memory
         feats[..., 8] = step / N
         feats[..., 9] = singles[i]
         torch.div(new_overall - new_overall.min(dim=1, keepdim=True).values, s, out=feats[..., 10])
