@@ -46,6 +46,7 @@ class Suite:
     rounds: int = 5              # measuring rounds (the ruler: paired per-round ratios with intervals)
     planners: list[str] = field(default_factory=lambda: list(ALL_PLANNERS))
     memory_gb: float | None = None  # per device, where the suite sets its own (None: the config's)
+    devices_per_host: int | None = None  # spec suites: hosts of that many devices (None: one host)
 
 
 @dataclass
@@ -97,11 +98,14 @@ SPLIT_PLANNERS = ["learned", REFINED, "no_splits", "dim_greedy", "lookup_greedy"
 def split_config() -> QualityConfig:
     """Table lists that need cuts: the MLPerf-like list on 8 devices of 16 GiB (five tables of 19 GiB do not fit
     one device), the same list with room on 8-32 devices (its hottest tables dominate), and a 40-table list
-    whose one hot table carries ~28% of the lookup bytes (benchmarks/data/hot_table_40.yaml) on 8-32 devices."""
+    whose one hot table carries ~28% of the lookup bytes (benchmarks/data/hot_table_40.yaml) on 8-32 devices, and
+    the MLPerf-like list on 16 devices in 4 hosts of 4, where table-row-wise cuts (one host's devices) exist."""
     return QualityConfig(suites=[
         Suite("MLPerf-like on 8 x 16 GiB", "mlperf_dlrm.yaml", None, [8], planners=SPLIT_PLANNERS, memory_gb=16.0),
         Suite("MLPerf-like D=8-32", "mlperf_dlrm.yaml", None, [8, 16, 32], planners=SPLIT_PLANNERS),
         Suite("hot table T=40 D=8-32", "data/hot_table_40.yaml", None, [8, 16, 32], planners=SPLIT_PLANNERS),
+        Suite("MLPerf-like D=16 on 4 hosts x 4", "mlperf_dlrm.yaml", None, [16], planners=SPLIT_PLANNERS,
+              devices_per_host=4),
     ], torchrec_timeout_s=20.0)
 
 
@@ -153,6 +157,8 @@ def _suite_files(suite: Suite, cfg: QualityConfig, folder: str, synthetic: pd.Da
         tasks = pd.DataFrame([{"task_id": f"test-d{d}", "split": "test", "num_devices": int(d),
                                "memory_bytes_per_device": int(memory_gb * GiB), "table_ids": ids}
                               for d in suite.devices])
+        if suite.devices_per_host is not None:
+            tasks["devices_per_host"] = int(suite.devices_per_host)
     schemas.write(tasks, tasks_path, "tasks")
     return tables_path, tasks_path
 

@@ -176,6 +176,25 @@ def test_table_row_wise_cuts_stay_within_one_host():
     assert_row_layout(p, topo)
 
 
+def test_on_hosts_row_wise_over_one_host_is_its_own_kind_of_cut_carried_on_for_a_refinement():
+    """Row-wise over all devices and over one host's (table-row-wise) send different all-to-alls and the model may
+    rank them wrongly, so each is a kind of its own: labelled apart, each carried on as its own branch."""
+    from embshard.planners.search import cut_kind, cut_label
+    from embshard.planners.splitting import row_pieces
+
+    ts = hot_tables(seed=5)
+    topo = DeviceTopology(8, int(ts.size_bytes.sum()), hosts=(0, 0, 0, 0, 1, 1, 1, 1))
+    rows = int(ts.rows[0])
+    over_all, over_host = row_pieces(0, rows, list(range(8))), row_pieces(0, rows, [4, 5, 6, 7])
+    assert cut_kind(cut_label(ts, over_all, topo)) == "row"
+    assert cut_kind(cut_label(ts, over_host, topo)) == "table-row"
+    assert cut_kind(cut_label(ts, row_pieces(0, rows, [0, 1, 2, 3]), DeviceTopology(8, 1))) == "row"  # one host
+    planner = LearnedPlanner(None, analytic(), composition_name="no_column_splits", search_evaluations=6000)
+    planner.explore_cuts = True
+    kinds = {cut_kind(p.meta["cut"]) for p in planner.plan(ts, topo).alternatives if p.meta.get("cut")}
+    assert {"row", "table-row"} <= kinds
+
+
 def test_local_search_never_moves_a_pinned_piece():
     from embshard.planners.scoring import TaskScorer, piece_features
     from embshard.planners.splitting import row_pieces

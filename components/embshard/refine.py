@@ -153,8 +153,8 @@ def select(cands: list[Candidate], k: int) -> list[Candidate]:
 
 
 def _kind(c: Candidate, first: Candidate) -> str:
-    """The planner's other drafts, its split variants by kind of cut (column slices / row-wise / replica: the model
-    may rank the kinds wrongly on tables unlike its training data), the heuristics, TorchRec."""
+    """The planner's other drafts, its split variants by kind of cut (column slices / row-wise / table-row-wise /
+    replica: the model may rank the kinds wrongly on tables unlike its training data), the heuristics, TorchRec."""
     cut = c.placement.meta.get("cut")
     if cut and c.label.startswith(f"{first.label}~"):
         return f"cut: {cut_kind(cut)}"

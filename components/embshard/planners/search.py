@@ -343,7 +343,7 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
             if not replica:
                 budget.absorb(sub)
             if variants is not None and it == 0:  # the other first moves (later ones are tweaks of the plan)
-                variants.append((cut_label(tables, cut), trial_shards, trial))
+                variants.append((cut_label(tables, cut, topology), trial_shards, trial))
             if trial.overall < best_state.overall * (1 - 1e-4):
                 best_shards, best_state, best_work = trial_shards, trial, (sub if replica else None)
         if best_shards is None:
@@ -354,21 +354,31 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
     return [s.on(d) for s, d in zip(shards, state.assignment)], state
 
 
-def cut_label(tables: TableSet, cut: list[Shard]) -> str:
-    """What a cut is, in words: 'cat_20 in 4 column slices', 'cat_20 row-wise over 16 devices', 'cat_3 replicated
-    on 8 devices'."""
+def cut_label(tables: TableSet, cut: list[Shard], topology: DeviceTopology | None = None) -> str:
+    """What a cut is, in words: 'cat_20 in 4 column slices', 'cat_20 row-wise over 16 devices', 'cat_20
+    table-row-wise over 4 devices' (rows on one host's devices, where `topology` names several hosts), 'cat_3
+    replicated on 8 devices'."""
     name = str(tables.table_ids[cut[0].table])
     if cut[0].kind == COLUMN:
         return f"{name} in {len(cut)} column slices"
     if cut[0].kind == REPLICATED:
         return f"{name} replicated on {len(cut)} devices"
-    return f"{name} row-wise over {len({c.device for c in cut})} devices"
+    devices = sorted({c.device for c in cut})
+    task_hosts = () if topology is None or topology.hosts is None else topology.hosts
+    one_host = len(set(task_hosts)) > 1 and len({task_hosts[d] for d in devices}) == 1
+    return f"{name} {'table-' if one_host else ''}row-wise over {len(devices)} devices"
 
 
 def cut_kind(label: str) -> str:
-    """The kind of a `cut_label` (its first cut, when a branch carried it on): column, row or replica."""
+    """The kind of a `cut_label` (its first cut, when a branch carried it on): column, row, table-row or replica.
+    Row-wise over all devices and over one host's are different kinds: their all-to-all differs (every device
+    sends partial sums, or one host's), and the model may rank them wrongly."""
     first = label.split(", then ")[0]
-    return "column" if "column slices" in first else "replica" if "replicated" in first else "row"
+    if "column slices" in first:
+        return "column"
+    if "replicated" in first:
+        return "replica"
+    return "table-row" if "table-row-wise" in first else "row"
 
 
 def _cuts(tables: TableSet, piece: Shard, state: SearchState, topology: DeviceTopology, columns: bool,
