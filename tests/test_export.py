@@ -542,8 +542,9 @@ def test_place_on_hosts_writes_hosts_and_refuses_an_uneven_layout(tmp_path, tabl
 
 
 def test_tasks_devices_per_host_gives_the_task_its_hosts(tmp_path, tables_df):
-    """tasks.parquet's optional devices_per_host: a task on hosts of 2 plans for them (`place --task-id` too),
-    null means one host, and a value that does not divide num_devices names the file, the task and the field."""
+    """tasks.parquet's optional devices_per_host: a task on hosts of 2 plans for them (`place --task-id` too) and
+    is exported on them, null means one host, and a value that does not divide num_devices names the file, the task
+    and the field."""
     import pandas as pd
 
     from embshard.jobs.place import place
@@ -561,6 +562,12 @@ def test_tasks_devices_per_host_gives_the_task_its_hosts(tmp_path, tables_df):
     out = place(str(tmp_path / "tables.parquet"), str(tmp_path / "p"), tasks=str(tmp_path / "tasks.parquet"),
                 task_id="hosts-2", planner="size_lookup_greedy")
     assert read_plan_json(out["plan_json"])["hosts"] == [0, 0, 1, 1]
+    # The export reads the task's hosts from the same tasks file (placements.parquet carries none).
+    from embshard.jobs.export import run
+
+    exported = run(out["placements"], str(tmp_path / "tables.parquet"), str(tmp_path / "exp"),
+                   tasks=str(tmp_path / "tasks.parquet"), torchrec=False)
+    assert read_plan_json(exported["plans"]["hosts-2"]["plan_json"])["hosts"] == [0, 0, 1, 1]
     tasks["devices_per_host"] = pd.array([3, None], dtype="Int32")
     schemas.write(tasks, tmp_path / "bad.parquet", "tasks")
     with pytest.raises(EmbshardError, match=r"bad.parquet \(task hosts-2\).*do not split into hosts of 3"):

@@ -75,7 +75,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "(default: the model is the EBC)")
     parser.add_argument("--devices-per-host", type=int, default=None, metavar="L",
                         help="devices per host (host h holds devices h*L .. h*L+L-1, TorchRec's rank order); "
-                             "written to plan.json as hosts and needed for table_row_wise tables (default: one host)")
+                             "written to plan.json as hosts and needed for table_row_wise tables (default: the "
+                             "tasks file's devices_per_host, else one host)")
     parser.add_argument("--no-torchrec", action="store_true", help="write plan.json and Parquet only")
 
 
@@ -96,6 +97,8 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     Complete or absent: every task is checked first (every table of the task, with --tasks exactly the task's
     tables, each column once, memory respected), all files are written into a temporary folder and published
     under `out` only when every one was written; on any error nothing is left behind."""
+    import pandas as pd
+
     from .. import schemas, storage
     from ..errors import EmbshardError
     from ..export.placements import device_costs_from_frame, placement_from_frame
@@ -110,10 +113,13 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     table_set = TableSet.read(tables)
     task_tables: dict[str, list[str]] = {}
     task_info: dict[str, tuple[int, int]] = {}
+    task_hosts: dict[str, int] = {}  # the tasks file's devices_per_host, where it gives one
     if tasks:
         tdf = schemas.read(tasks, "tasks")
         task_info = {str(r.task_id): (int(r.num_devices), int(r.memory_bytes_per_device))
                      for r in tdf.itertuples(index=False)}
+        if "devices_per_host" in tdf.columns:
+            task_hosts = {str(t): int(h) for t, h in zip(tdf["task_id"], tdf["devices_per_host"]) if pd.notna(h)}
         task_tables = {str(r.task_id): list(r.table_ids) for r in tdf.itertuples(index=False)}
     note = None
     if torchrec:
@@ -138,10 +144,11 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
             _check_complete(rows, task_tables[task_id], at, tasks)
         num_devices, memory = task_info.get(task_id, (None, None))
         placement = placement_from_frame(rows, table_set, num_devices, memory, where=at)
-        if devices_per_host is not None:
+        per_host = devices_per_host if devices_per_host is not None else task_hosts.get(task_id)
+        if per_host is not None:  # the flag, else the task's own hosts
             try:
                 placement.topology = DeviceTopology.on_hosts(placement.num_devices, placement.memory_bytes_per_device,
-                                                             int(devices_per_host))
+                                                             int(per_host))
             except EmbshardError as exc:
                 raise exc.at(at) from None
         checked.append((task_id, placement, device_costs_from_frame(rows, placement.num_devices)))
