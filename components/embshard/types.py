@@ -203,16 +203,21 @@ def load_tasks(tables: str | os.PathLike | TableSet, tasks: str | os.PathLike, s
     return out
 
 
+def devices_per_host_of(row) -> int | None:
+    """A tasks.parquet row's devices_per_host (a mapping: column -> value); None where it is absent or null."""
+    import pandas as pd
+
+    per_host = row.get("devices_per_host")
+    return None if per_host is None or pd.isna(per_host) else int(per_host)
+
+
 def task_topology(row, where: str) -> DeviceTopology:
     """The devices of a tasks.parquet row: num_devices x memory_bytes_per_device, on hosts of devices_per_host
     when the row gives one (else one host)."""
-    import pandas as pd
-
     from .errors import EmbshardError
 
-    per_host = row.get("devices_per_host")
-    per_host = None if per_host is None or pd.isna(per_host) else int(per_host)  # absent or null
     try:
-        return DeviceTopology.on_hosts(int(row["num_devices"]), int(row["memory_bytes_per_device"]), per_host)
+        return DeviceTopology.on_hosts(int(row["num_devices"]), int(row["memory_bytes_per_device"]),
+                                       devices_per_host_of(row))
     except EmbshardError as exc:
         raise exc.at(where) from None

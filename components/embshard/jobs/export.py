@@ -97,15 +97,13 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     Complete or absent: every task is checked first (every table of the task, with --tasks exactly the task's
     tables, each column once, memory respected), all files are written into a temporary folder and published
     under `out` only when every one was written; on any error nothing is left behind."""
-    import pandas as pd
-
     from .. import schemas, storage
     from ..errors import EmbshardError
     from ..export.placements import device_costs_from_frame, placement_from_frame
     from ..export.plan_json import write_plan_json
     from ..export.torchrec_plan import check_module_path
     from ..tableset import TableSet
-    from ..types import DeviceTopology
+    from ..types import DeviceTopology, devices_per_host_of
 
     check_module_path(module_path)
     where = os.fspath(placements)
@@ -118,8 +116,8 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
         tdf = schemas.read(tasks, "tasks")
         task_info = {str(r.task_id): (int(r.num_devices), int(r.memory_bytes_per_device))
                      for r in tdf.itertuples(index=False)}
-        if "devices_per_host" in tdf.columns:
-            task_hosts = {str(t): int(h) for t, h in zip(tdf["task_id"], tdf["devices_per_host"]) if pd.notna(h)}
+        task_hosts = {str(r["task_id"]): h for r in tdf.to_dict("records")
+                      if (h := devices_per_host_of(r)) is not None}
         task_tables = {str(r.task_id): list(r.table_ids) for r in tdf.itertuples(index=False)}
     note = None
     if torchrec:

@@ -7,7 +7,6 @@ import os
 from typing import Any
 
 import numpy as np
-import pandas as pd
 
 from .. import schemas, storage
 from ..errors import EmbshardError, ModelNotFoundError
@@ -16,7 +15,7 @@ from ..planners import composition_of, get_planner, is_planner_name
 from ..planners.base import check_feasible
 from ..registry import COST_CHAMPION_URI, POLICY_CHAMPION_URI
 from ..tableset import TableSet
-from ..types import DeviceTopology
+from ..types import DeviceTopology, devices_per_host_of
 
 # torch, MLflow, TorchRec and matplotlib are imported where they are used: a heuristic plan and every input error
 # come back without them (seconds, not tens of seconds, for `embshard place`).
@@ -45,11 +44,10 @@ def resolve_task(tables: str, tasks: str | None, task_id: str | None, devices: i
     r = row.iloc[0]
     where = f"{os.fspath(tasks)} (task {task_id})"
     # A value given explicitly wins, also when it is wrong: the caller checked it (0 is not "not given").
-    per_host = r.get("devices_per_host")
     return (table_set.select(list(r["table_ids"]), where),
             int(r["num_devices"] if devices is None else devices),
             int(r["memory_bytes_per_device"] if memory_bytes is None else memory_bytes), task_id, where,
-            None if per_host is None or pd.isna(per_host) else int(per_host))
+            devices_per_host_of(r))
 
 
 def load_cost_model_or_none(uri: str | None):
@@ -261,7 +259,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices-per-host", type=int, default=None, metavar="L",
                    help="devices per host (host h holds devices h*L .. h*L+L-1, TorchRec's rank order): a planner "
                         "may then cut a table row-wise over one host (table_row_wise); written to plan.json as "
-                        "hosts (default: one host)")
+                        "hosts (default: with --task-id the task's devices_per_host, else one host)")
     p.add_argument("--out", required=True, help="output folder")
 
 
