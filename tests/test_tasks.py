@@ -73,6 +73,18 @@ def test_tasks_cli(tmp_path, tables_path):
     assert schemas.read(again, "tasks").equals(df)
 
 
+def test_tasks_on_hosts_carry_devices_per_host_and_draw_the_same_tasks(tmp_path, tables_path):
+    """--devices-per-host: the same seeded tasks, each with its hosts (load_tasks gives the topology)."""
+    from embshard.types import load_tasks
+
+    plain = schemas.read(tasks.run(str(tables_path), str(tmp_path / "a"), 3, "3-8", "4,8", 4, seed=1), "tasks")
+    on_hosts = schemas.read(tasks.run(str(tables_path), str(tmp_path / "b"), 3, "3-8", "4,8", 4, seed=1,
+                                      devices_per_host=4), "tasks")
+    assert on_hosts.drop(columns="devices_per_host").equals(plain) and (on_hosts["devices_per_host"] == 4).all()
+    for t in load_tasks(str(tables_path), tmp_path / "b" / "tasks.parquet"):
+        assert t.devices.hosts == tuple(k // 4 for k in range(t.num_devices))
+
+
 def test_infeasible_tasks_are_errors_not_dropped(tmp_path, capsys):
     path = tmp_path / "tables.parquet"
     schemas.write(_tables([0.5] * 10 + [3.0] * 2), path, "tables")
@@ -101,6 +113,7 @@ def test_infeasible_tasks_are_errors_not_dropped(tmp_path, capsys):
     (["--devices", "four"], ["devices"]),
     (["--memory-gb", "0"], ["memory_gb"]),
     (["--num-tasks", "0"], ["num_tasks"]),
+    (["--devices", "4,6", "--devices-per-host", "4"], ["devices_per_host", "6 devices do not split into hosts of 4"]),
 ])
 def test_bad_requests(tmp_path, tables_path, capsys, argv, words):
     base = ["tasks", "--tables", str(tables_path), "--out", str(tmp_path / "out"), "--num-tasks", "2"]

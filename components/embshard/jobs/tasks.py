@@ -53,8 +53,9 @@ def parse_list(text, field: str, cast=int) -> list:
 
 
 def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb, seed: int,
-                 where: str = "<tables>"):
-    """A validated tasks frame: `num_tasks` tasks from each pool (ids train-0000.., test-0000..)."""
+                 where: str = "<tables>", devices_per_host: int | None = None):
+    """A validated tasks frame: `num_tasks` tasks from each pool (ids train-0000.., test-0000..); every task on
+    hosts of `devices_per_host` devices when given (None: one host, no devices_per_host column)."""
     import pandas as pd
 
     from .. import checks, pools, schemas
@@ -70,6 +71,11 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
 
     dev_choices = [checks.devices(d) for d in parse_list(devices, "devices", int)]
     mem_choices = [checks.memory_gb(m) for m in parse_list(memory_gb, "memory_gb", float)]
+    if devices_per_host is not None:  # every device count must split into whole hosts (DeviceTopology.on_hosts)
+        from ..types import DeviceTopology
+
+        for d in dev_choices:
+            DeviceTopology.on_hosts(d, 1, int(devices_per_host))
     if len(tables_df) < 2:
         raise EmbshardError(f"only {len(tables_df)} table: cannot split into train and test pools", path=where,
                             field="table_id", fix="ingest at least 2 tables")
@@ -113,11 +119,13 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
             fix=f"use --memory-gb >= {np.ceil(enough * 100) / 100:.2f} (fits every sampled task), "
                 f"more --devices, or fewer --tables-per-task")
     df = pd.DataFrame(rows)
+    if devices_per_host is not None:
+        df["devices_per_host"] = np.int32(devices_per_host)
     return schemas.validate(df, "tasks", where)
 
 
 def run(tables: str, out: str, num_tasks: int, tables_per_task=20, devices=4, memory_gb=16.0,
-        seed: int = 0) -> str:
+        seed: int = 0, devices_per_host: int | None = None) -> str:
     """Sample tasks from tables.parquet into `<out>/tasks.parquet`; returns that path.
 
     tables_per_task: an int, "20-60" or (20, 60); devices: an int, "4,8" or a list to draw from per task;
@@ -126,7 +134,8 @@ def run(tables: str, out: str, num_tasks: int, tables_per_task=20, devices=4, me
     from .. import schemas, storage
 
     df = schemas.read(tables, "tables")
-    tasks = sample_tasks(df, num_tasks, tables_per_task, devices, memory_gb, seed, where=os.fspath(tables))
+    tasks = sample_tasks(df, num_tasks, tables_per_task, devices, memory_gb, seed, where=os.fspath(tables),
+                         devices_per_host=devices_per_host)
     path = storage.join(out, schemas.TASKS_FILE)
     schemas.write(tasks, path, "tasks")
     return path
@@ -144,13 +153,16 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", default="4", help="devices per task: N or a list to draw from, e.g. 4,8")
     p.add_argument("--memory-gb", default="16", help="memory per device in GiB (a list draws per task)")
     p.add_argument("--seed", type=int, default=0, help="seed of the pool split and the sampling (default 0)")
+    p.add_argument("--devices-per-host", type=int, default=None, metavar="L",
+                   help="every task on hosts of L devices (each --devices value must be a multiple of L), so "
+                        "planners may cut table-row-wise within a host (default: one host)")
 
 
 def main(args: argparse.Namespace) -> int:
     from .. import schemas
 
     path = run(args.tables, args.out, args.num_tasks, args.tables_per_task, args.devices, args.memory_gb,
-               args.seed)
+               args.seed, args.devices_per_host)
     df = schemas.read(path, "tasks")
     n = df["table_ids"].map(len)
     print(f"wrote {path}: {int((df['split'] == 'train').sum())} train + {int((df['split'] == 'test').sum())} "
