@@ -39,6 +39,31 @@ def test_rounds_give_one_cost_per_entry_and_round_the_max_over_devices(tables):
     assert not np.allclose(costs[0], costs[2])  # the A/A copy was measured, not copied
 
 
+def test_input_workers_make_the_rounds_inputs_ahead_with_the_same_results(tables, monkeypatch):
+    # On a GPU helper processes make the next shards' inputs (EMBSHARD_BENCH_WORKERS forces them here): every
+    # measurement of every round still gets its inputs, and the entries' costs keep their shape.
+    import embshard.bench.runner as runner
+
+    pl = make_baseline("lookup_greedy").plan(tables, 3, 2**40, "t")
+    rr = make_baseline("round_robin").plan(tables, 3, 2**40, "t")
+    made = []
+    real = runner.InputPrefetcher.get
+
+    def counted(self, k):
+        made.append((k, self.workers))
+        return real(self, k)
+
+    monkeypatch.setattr(runner.InputPrefetcher, "get", counted)
+    monkeypatch.setenv("EMBSHARD_BENCH_WORKERS", "2")
+    costs, dev = measure_rounds([Entry("a", pl), Entry("b", rr)], 2, SETTINGS, seed=3)
+    n = distinct_shards([Entry("a", pl), Entry("b", rr)])
+    assert [k for k, _ in made] == list(range(2 * n)) and {w for _, w in made} == {2}
+    assert costs.shape == (2, 2) and (costs > 0).all() and np.allclose(costs, dev.max(axis=1))
+    with pytest.raises(ValueError, match="same tables"):
+        measure_rounds([Entry("a", pl), Entry("x", make_baseline("round_robin").plan(
+            tables.subset(np.arange(6)), 3, 2**40, "t"))], 1, SETTINGS)
+
+
 def test_statistics():
     med, lo, hi = stats.median_ci([1.0, 1.02, 0.98, 1.01, 0.99])
     assert lo <= med <= hi and lo < 1 < hi

@@ -17,7 +17,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .bench.runner import MeasureSettings, close_config, measure_shard, piece_args, replica_args
+from .bench.runner import (
+    InputPrefetcher,
+    MeasureSettings,
+    close_config,
+    input_workers,
+    measure_shard,
+    piece_args,
+    replica_args,
+)
 from .placement import Placement
 from .types import REPLICATED
 
@@ -78,23 +86,34 @@ def measure_rounds(entries: list[Entry], rounds: int, settings: MeasureSettings 
     D = max(e.placement.num_devices for e in entries)
     costs = np.zeros((len(entries), rounds))
     device_costs = np.zeros((len(entries), D, rounds))
+    # Every measurement of every round, in order: (key, its job for the input prefetcher). The rounds' orders are
+    # fixed up front (seeded), so on a GPU helper processes can make the next shards' inputs while one is timed.
+    plan = []
+    for r in range(rounds):
+        for i in np.random.default_rng([seed, r]).permutation(len(distinct)):
+            key = distinct[i]
+            pl, d, shards = where[key]
+            cols, ranges = piece_args(shards)
+            plan.append((r, key, ([s.table for s in shards], cols, f"{pl.task_id}/device {d}", ranges,
+                                  replica_args(shards, pl.num_devices))))
+    tables = entries[0].placement.tables  # one task: every entry places the same tables (shards index into them)
+    if any(list(e.placement.tables.table_ids) != list(tables.table_ids) for e in entries[1:]):
+        raise ValueError("measure_rounds compares placements of one task: every entry must place the same tables")
     cfg = settings.config()
     try:
-        for r in range(rounds):
-            order = np.random.default_rng([seed, r]).permutation(len(distinct))
+        with InputPrefetcher(tables, cfg, [job for _, _, job in plan], input_workers(cfg.device)) as pre:
             total: dict[tuple, float] = {}
-            for i in order:
-                key = distinct[i]
-                pl, d, shards = where[key]
-                cols, ranges = piece_args(shards)
-                m = measure_shard(pl.tables, [s.table for s in shards], cfg, num_devices=pl.num_devices,
-                                  col_sizes=cols, row_ranges=ranges, where=f"{pl.task_id}/device {d}",
-                                  replicas=replica_args(shards, pl.num_devices))
+            for n, (r, key, job) in enumerate(plan):
+                members, cols, label, ranges, reps = job
+                m = measure_shard(tables, members, cfg, num_devices=where[key][0].num_devices, col_sizes=cols,
+                                  row_ranges=ranges, where=label, replicas=reps, inputs=pre.get(n))
                 total[key] = m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"]
-            for j, keys in enumerate(per_entry):
-                for d, k in enumerate(keys):
-                    device_costs[j, d, r] = 0.0 if k is None else total[k]
-                costs[j, r] = device_costs[j, :, r].max()
+                if n + 1 == len(plan) or plan[n + 1][0] != r:  # the round is complete
+                    for j, keys in enumerate(per_entry):
+                        for d, k in enumerate(keys):
+                            device_costs[j, d, r] = 0.0 if k is None else total[k]
+                        costs[j, r] = device_costs[j, :, r].max()
+                    total = {}
     finally:
         close_config(cfg)
     return costs, device_costs
