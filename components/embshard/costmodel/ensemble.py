@@ -57,6 +57,11 @@ class CostEnsemble:
         raw = _as_raw(features)
         return torch.cat([m.encode(raw) for m in self.members], dim=-1)
 
+    def comm_encode(self, features) -> torch.Tensor:
+        """CostModel.comm_encode of every member, side by side (as `encode`)."""
+        raw = _as_raw(features)
+        return torch.cat([m.comm_encode(raw) for m in self.members], dim=-1)
+
     def member_heads_from_sums(self, sums: torch.Tensor, num_devices: int) -> torch.Tensor:
         """(K, ..., 3) ms per member."""
         return torch.stack([m.heads_from_sums(s, num_devices) for m, s in zip(self.members, self._split(sums))])

@@ -243,6 +243,16 @@ class CostModel:
         with torch.no_grad():
             return self.net.encode_scaled(self._scaled(raw), raw)
 
+    def comm_encode(self, features) -> torch.Tensor:
+        """(N, H) encodings holding only what the comm head reads, the count and dim-sum channels (the values
+        `encode` gives them), zeros elsewhere: `heads_from_sums(...)[..., 2]` of them is the comm head of
+        `encode(features)` without running the encoder (a replica's price asks for it on every split round)."""
+        raw = _as_raw(features)
+        out = torch.zeros(len(raw), self.width)
+        out[:, self.config.embed + COUNT] = 1.0
+        out[:, self.config.embed + DIMSUM] = raw[:, 0] / DIM_SCALE
+        return out
+
     def heads_from_sums(self, sums: torch.Tensor, num_devices: int) -> torch.Tensor:
         """(..., 3) ms (fwd compute, bwd compute, comm) from device sums (..., H)."""
         with torch.no_grad():

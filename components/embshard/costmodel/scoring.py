@@ -346,9 +346,10 @@ def replica_comm_model(cost_model: CostEstimator, num_devices: int, a2a_ms: floa
 
 
 def _a2a_heads(cost_model: CostEstimator, feats: np.ndarray, num_devices: int) -> np.ndarray:
-    """The comm head (ms) of each piece alone on a device."""
+    """The comm head (ms) of each piece alone on a device (from the channels it reads, where the model says which)."""
+    encode = getattr(cost_model, "comm_encode", cost_model.encode)
     with torch.no_grad():
-        enc = cost_model.encode(np.asarray(feats, dtype=np.float64)).float()
+        enc = encode(np.asarray(feats, dtype=np.float64)).float()
         return cost_model.heads_from_sums(enc, num_devices)[..., 2].double().numpy()
 
 
