@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device-side driver for the GPU measurements of issue 17 (run from the repo root of the device copy, with the
 # repo's components/tests/data, this driver and the reduced fbgemm-gpu copied under .gpu/ by benchmarks/gpu_stage.sh).
-# Phases: setup (install .gpu/whl, unpack the reduced fbgemm-gpu), test, costs, aa. Every step logs under $OUT; each bench step has a deadline so the call ends inside its limit.
+# Phases: setup (install .gpu/whl, unpack the reduced fbgemm-gpu), test, costs, aa, quality (benchmarks.gpu_quality). Every step logs under $OUT; each bench step has a deadline so the call ends inside its limit.
 # usage: gpu_device_run.sh SECONDS PHASE[:CAP_SECONDS]...
 set -u
 T0=$(date +%s); LIMIT=$1; shift
@@ -53,6 +53,13 @@ if fs:
     df.to_parquet(sys.argv[2], index=False); print(sys.argv[2], len(df), "rows from", len(fs), "files")
 PY
     ;;
+  quality)
+    # The split suite's plans (made on the dev machine: python -m benchmarks.gpu_quality plan --out .gpu/quality)
+    # measured here with the ruler, the refinement included; results are written after every task.
+    T=$(( $(left) - 20 )); [ $T -gt $CAP ] && T=$CAP; echo "quality for at most ${T}s" | tee -a $OUT/driver.log
+    mkdir -p $OUT/quality
+    timeout $T python3 -m benchmarks.gpu_quality measure --root .gpu/quality --out $OUT/quality --device cuda \
+        --batch-size ${EMBSHARD_GPU_BATCH:-65536} --rounds 5 --deadline-s $(( T - 30 )) 2>&1 | tee $OUT/quality.log ;;
   esac
 done
 echo "=== done at +$(( $(date +%s) - T0 ))s" | tee -a $OUT/driver.log

@@ -125,3 +125,15 @@ def test_evaluate_help_lists_only_names_it_accepts(capsys):
     assert "baselines" not in text.replace("greedy baselines", "")
     for name in ("learned@ALIAS", "policy_only", "lookup_greedy", "torchrec_full"):
         assert name in text
+
+
+def test_an_evaluation_on_a_host_without_mlflow_logs_nothing_instead_of_failing(monkeypatch, tmp_path):
+    # A bare GPU image measures without MLflow: the evaluation's results must not be lost to its logging step.
+    import sys
+
+    from embshard import evaluation
+
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # `import mlflow` raises ImportError
+    summary = pd.DataFrame({"median_ratio_best_baseline": [1.0], "worst_ratio_best_baseline": [1.0],
+                            "median_gap_to_estimate": [0.1]}, index=["learned"])
+    evaluation._log_to_mlflow(summary, str(tmp_path / "missing.png"))

@@ -166,11 +166,20 @@ def _kind(c: Candidate, first: Candidate) -> str:
 def refine(learned: Placement, k: int, *, rounds: int = DEFAULT_ROUNDS, settings: MeasureSettings | None = None,
            cost_model=None, torchrec: bool = True, seed: int = 0) -> Refinement:
     """Measure the k best distinct candidates of `learned`'s task side by side and return the measured best."""
+    k, rounds = check_k(k), check_rounds(rounds)
+    picked = select(candidates(learned, cost_model, torchrec=torchrec, seed=seed), k)
+    return measure_candidates(picked, rounds=rounds, settings=settings, seed=seed)
+
+
+def measure_candidates(picked: list[Candidate], *, rounds: int = DEFAULT_ROUNDS,
+                       settings: MeasureSettings | None = None, seed: int = 0) -> Refinement:
+    """Measure picked candidates (the learned plan's first choice first) side by side; the measured best wins
+    only when it is measurably faster than the first choice. Apart from `refine`, so that candidates chosen on
+    one machine can be measured on the hardware they are for (benchmarks.gpu_quality)."""
     from .bench.backends import hardware, resolve_device
 
-    k, rounds = check_k(k), check_rounds(rounds)
+    rounds = check_rounds(rounds)
     settings = settings or MeasureSettings()
-    picked = select(candidates(learned, cost_model, torchrec=torchrec, seed=seed), k)
     entries = [Entry(c.label, c.placement) for c in picked]
     costs, _ = measure_rounds(entries, rounds, settings, seed=seed)
     best = int(np.argmin(np.median(costs, axis=1)))  # ties: the earlier one, the learned plan first

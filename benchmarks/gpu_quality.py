@@ -1,0 +1,292 @@
+"""The split suite's plans measured on a GPU (issue 24: "the same suite measured there, beside the CPU numbers").
+
+A borrowed GPU machine has torch and (carried) FBGEMM but no MLflow, TorchRec or trained models, so the work is
+cut in two, with the plans travelling as Parquet:
+
+    python -m benchmarks.gpu_quality plan --run runs/local --out .gpu/quality        # here (CPU): every planner
+    python -m benchmarks.gpu_quality measure --root .gpu/quality --out DIR \\
+        --device cuda --batch-size 65536 --deadline-s 420                           # there: the ruler
+    python -m benchmarks.gpu_quality report --gpu DIR [--cpu DIR2] --out PAGE.md      # here: the page
+
+- plan: each selected task of the split suite (benchmarks.quality.split_config) is planned by the split suite's
+  planners with the run's models; the learned plan's refinement candidates (embshard.refine.select: the first
+  choice, its cut variants, the heuristics, TorchRec's table-wise plan; K=4) are kept too, unmeasured.
+- measure: on the hardware at hand, the candidates are measured and the winner picked exactly as `embshard place
+  --refine 4` does there (refine.measure_candidates), so `learned+refine4` is refined on the GPU itself; then every
+  plan, the refined one included, is measured by the evaluation (embshard.evaluation.run: R paired rounds, the
+  balanced estimate, dim_greedy measured twice for the A/A floor). Tasks go in priority order; a task that the
+  time left (--deadline-s, from the rate measured so far) cannot hold is skipped and listed. Results are
+  written after every task, so a call cut short keeps what it finished.
+- report: per task, each planner's measured cost, its paired ratio to TorchRec's full plan and to the best greedy
+  baseline with intervals, the gap to the balanced estimate, and the A/A floor; with --cpu the same plans measured
+  on this CPU beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import pandas as pd
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# (suite name in quality.split_config, device counts): the order of priority (the smallest first: its measured
+# rate budgets the rest).
+TASKS = [("MLPerf-like D=8-32", [8, 16]), ("hot table T=40 D=8-32", [16, 8]),
+         ("MLPerf-like D=16 on 4 hosts x 4", [16]), ("MLPerf-like D=8-32", [32])]
+PLANNERS = ["learned", "torchrec_full", "torchrec_table_wise", "lookup_greedy", "size_lookup_greedy", "dim_greedy"]
+REFINED, K = "learned+refine4", 4
+AA = "dim_greedy"
+
+
+def _task_dirs(root: str) -> list[str]:
+    with open(os.path.join(root, "order.json"), encoding="utf-8") as f:
+        return [os.path.join(root, d) for d in json.load(f)]
+
+
+def plan(run: str, out: str, torchrec_timeout_s: float = 20.0) -> None:
+    """Plan every selected task here and write ROOT/<task>/{tables,tasks,plans,candidates}.parquet."""
+    from benchmarks import pipeline_stages
+    from benchmarks.common import progress
+    from benchmarks.quality import _suite_files, split_config
+    from embshard import refine, schemas
+    from embshard.planners import get_planner
+    from embshard.types import load_tasks
+
+    info = pipeline_stages.reuse(run)
+    suites = {s.name: s for s in split_config().suites}
+    cfg = split_config()
+    os.makedirs(out, exist_ok=True)
+    order = []
+    for name, devices in TASKS:
+        suite = suites[name]
+        folder = os.path.join(out, "suites", f"{len(order):02d}")
+        tables_path, tasks_path = _suite_files(suite, cfg, folder, pd.DataFrame())
+        all_tasks = schemas.read(tasks_path, "tasks")
+        for D in devices:
+            tag = f"{name} / D={D}"
+            sub = os.path.join(out, f"task-{len(order):02d}")
+            os.makedirs(sub, exist_ok=True)
+            schemas.write(schemas.read(tables_path, "tables"), os.path.join(sub, "tables.parquet"), "tables")
+            one = all_tasks[all_tasks["num_devices"] == D].reset_index(drop=True)
+            schemas.write(one, os.path.join(sub, "tasks.parquet"), "tasks")
+            task = load_tasks(os.path.join(sub, "tables.parquet"), os.path.join(sub, "tasks.parquet"), "test")[0]
+            frames, cand_frames, cand_rows = [], [], []
+            for p in PLANNERS:
+                kw = {"model_uri": info.policy_uri} if p == "learned" else (
+                    {"timeout_s": torchrec_timeout_s} if p.startswith("torchrec") else {})
+                planner = get_planner(p, **kw)
+                if p == "learned":
+                    refine.explore(planner)  # its cut variants become candidates, as under --refine
+                t0 = time.perf_counter()
+                pl = planner.plan_task(task)
+                secs = time.perf_counter() - t0
+                frames.append(pl.to_frame().assign(entry=p, planning_time_s=secs))
+                if p == "learned":
+                    picked = refine.select(refine.candidates(pl, planner.cost_model, torchrec=True), K)
+                    for j, c in enumerate(picked):
+                        cand_frames.append(c.placement.to_frame().assign(entry=f"cand{j}"))
+                        cand_rows.append({"entry": f"cand{j}", "label": c.label, "origin": c.origin,
+                                          "predicted_ms": c.predicted_ms})
+                progress(f"gpu_quality plan: {tag}: {p} in {secs:.1f} s")
+            pd.concat(frames, ignore_index=True).to_parquet(os.path.join(sub, "plans.parquet"), index=False)
+            pd.concat(cand_frames, ignore_index=True).to_parquet(os.path.join(sub, "candidates.parquet"),
+                                                                 index=False)
+            pd.DataFrame(cand_rows).to_parquet(os.path.join(sub, "candidate_info.parquet"), index=False)
+            with open(os.path.join(sub, "task.json"), "w", encoding="utf-8") as f:
+                json.dump({"suite": name, "num_devices": D, "label": tag, "policy_uri": info.policy_uri,
+                           "cpu_batch_size": int(info.batch_size)}, f)
+            order.append(os.path.basename(sub))
+    with open(os.path.join(out, "order.json"), "w", encoding="utf-8") as f:
+        json.dump(order, f)
+
+
+class SavedPlan:
+    """A plan made elsewhere, as a planner for the evaluation (it only hands back its placement)."""
+
+    def __init__(self, placement, name: str):
+        self.placement, self.name = placement, name
+
+    def plan_task(self, task):
+        if task.task_id != self.placement.task_id:
+            raise ValueError(f"{self.name}: a plan of {self.placement.task_id}, asked for {task.task_id}")
+        return self.placement
+
+
+def _placements(path: str, tables, task) -> dict:
+    import dataclasses
+
+    from embshard.export.placements import placement_from_frame
+
+    df = pd.read_parquet(path)
+    out = {}
+    for entry, rows in df.groupby("entry", sort=False):
+        pl = placement_from_frame(rows, tables, task.num_devices, task.memory_bytes_per_device)
+        out[str(entry)] = dataclasses.replace(pl, topology=task.devices, task_id=task.task_id)
+    return out
+
+
+def measure(root: str, out: str, device: str, batch_size: int, rounds: int, deadline_s: float,
+            only: list[str] | None = None) -> None:
+    from embshard import evaluation, refine
+    from embshard.bench.backends import hardware, resolve_device
+    from embshard.bench.runner import MeasureSettings
+    from embshard.ruler import distinct_shards
+    from embshard.types import load_tasks
+
+    t_start = time.perf_counter()
+    settings = MeasureSettings(device=device, batch_size=batch_size)
+    hw = hardware(resolve_device(device))
+    os.makedirs(out, exist_ok=True)
+    evals, ratios, refines, skipped = [], [], [], []
+    measured, spent = 0, 0.0  # shard measurements and their seconds so far: the rate that budgets a task
+    for sub in _task_dirs(root):
+        if only and os.path.basename(sub) not in only:
+            continue
+        with open(os.path.join(sub, "task.json"), encoding="utf-8") as f:
+            info = json.load(f)
+        tables_path, tasks_path = os.path.join(sub, "tables.parquet"), os.path.join(sub, "tasks.parquet")
+        task = load_tasks(tables_path, tasks_path, "test")[0]
+        plans = _placements(os.path.join(sub, "plans.parquet"), task.tables, task)
+        cands = _placements(os.path.join(sub, "candidates.parquet"), task.tables, task)
+        cinfo = pd.read_parquet(os.path.join(sub, "candidate_info.parquet"))
+        picked = [refine.Candidate(r.label, r.origin, cands[r.entry], float(r.predicted_ms))
+                  for r in cinfo.itertuples(index=False)]
+        from embshard.ruler import Entry
+
+        n_eval = distinct_shards([Entry(k, p) for k, p in plans.items()]) + task.num_devices  # + the A/A copy
+        need = (distinct_shards([Entry(c.label, c.placement) for c in picked]) + n_eval) * rounds \
+            + len(task.tables) + 1
+        left = deadline_s - (time.perf_counter() - t_start)
+        if measured and need * spent / measured > left:
+            skipped.append({"task": info["label"], "shard_measurements": need,
+                            "estimated_s": need * spent / measured, "left_s": left})
+            print(f"skip {info['label']}: ~{need * spent / measured:.0f} s needed, {left:.0f} s left", flush=True)
+            continue
+        t0 = time.perf_counter()
+        try:
+            res = refine.measure_candidates(picked, rounds=rounds, settings=settings, seed=1)
+            won = refine.winner_placement(res, K)
+            given = {p: SavedPlan(pl, p) for p, pl in plans.items()}
+            given[REFINED] = SavedPlan(won, REFINED)
+            planners = [*plans, REFINED, AA]
+            ev = evaluation.run(tables_path, tasks_path, os.path.join(sub, f"eval-{device.split(':')[0]}"),
+                                planners=planners, given=given, rounds=rounds, settings=settings, progress=False)
+        except Exception as exc:  # one task's failure (e.g. out of memory) must not cost the others
+            import traceback
+
+            traceback.print_exc()
+            skipped.append({"task": info["label"], "shard_measurements": need, "estimated_s": np.nan,
+                            "left_s": f"failed: {type(exc).__name__}: {str(exc)[:200]}"})
+            continue
+        refines.append(res.table.assign(task=info["label"], suite=info["suite"], hardware=hw))
+        secs = time.perf_counter() - t0
+        measured += need
+        spent += secs
+        frame = ev["frame"].assign(task=info["label"], suite=info["suite"], hardware=hw, batch_size=batch_size,
+                                   wall_s=secs)
+        evals.append(frame)
+        ratios.append(ev["ratio_frame"].assign(task=info["label"], suite=info["suite"], hardware=hw))
+        pd.concat(evals, ignore_index=True).to_parquet(os.path.join(out, "evaluation.parquet"), index=False)
+        pd.concat(ratios, ignore_index=True).to_parquet(os.path.join(out, "ratios.parquet"), index=False)
+        pd.concat(refines, ignore_index=True).to_parquet(os.path.join(out, "refine.parquet"), index=False)
+        row = frame.set_index("planner")
+        print(f"{info['label']}: {secs:.0f} s ({need} shard measurements); measured ms: "
+              + ", ".join(f"{p} {row.loc[p, 'measured_cost_ms']:.3f}" for p in planners if p in row.index)
+              + f"; refine winner {res.winner.label}", flush=True)
+    pd.DataFrame(skipped, columns=["task", "shard_measurements", "estimated_s", "left_s"]).astype(
+        {"left_s": str}).to_parquet(os.path.join(out, "skipped.parquet"), index=False)
+    print(f"done in {time.perf_counter() - t_start:.0f} s on {hw}", flush=True)
+
+
+def _verdicts(out_dir: str) -> pd.DataFrame:
+    """One row per (task, planner): measured ms, gap to BE, ratio to TorchRec full [CI], to the best greedy
+    baseline [CI], and the task's A/A floor."""
+    from embshard import stats
+
+    ev = pd.read_parquet(os.path.join(out_dir, "evaluation.parquet"))
+    rf = pd.read_parquet(os.path.join(out_dir, "ratios.parquet"))
+    rows = []
+    for task, g in ev.groupby("task", sort=False):
+        r = rf[rf["task"] == task]
+        floor = stats.aa_floor(r.drop(columns=["task", "suite", "hardware"]), AA)
+        for row in g.itertuples(index=False):
+            if row.planner == f"{AA}#2":
+                continue
+            full = r[(r["planner"] == row.planner) & (r["versus"] == "torchrec_full")]
+            rows.append({"task": task, "planner": row.planner, "measured_ms": row.measured_cost_ms,
+                         "x_BE": row.measured_cost_ms / row.balanced_estimate_ms,
+                         "vs_torchrec_full": full["median_ratio"].iloc[0] if len(full) else np.nan,
+                         "vs_tr_lo": full["ci_low"].iloc[0] if len(full) else np.nan,
+                         "vs_tr_hi": full["ci_high"].iloc[0] if len(full) else np.nan,
+                         "vs_best_greedy": row.ratio_to_best_baseline, "vs_bg_lo": row.ratio_ci_low,
+                         "vs_bg_hi": row.ratio_ci_high, "aa": floor[0], "aa_lo": floor[1], "aa_hi": floor[2],
+                         "hardware": row.hardware, "batch_size": row.batch_size})
+    return pd.DataFrame(rows)
+
+
+def report(gpu: str, cpu: str | None, out: str) -> None:
+    from benchmarks.common import md_table, write_text
+
+    def ci(m, lo, hi):
+        return "–" if not np.isfinite(m) else f"{m:.3f} [{lo:.3f}, {hi:.3f}]"
+
+    g = _verdicts(gpu)
+    c = _verdicts(cpu) if cpu else None
+    lines = [f"# The split suite on a GPU ({g['hardware'].iloc[0]})", "",
+             "Written by `python -m benchmarks.gpu_quality report` from a device run (see the module docstring for "
+             "how the plans travel).", ""]
+    for task, t in g.groupby("task", sort=False):
+        rows = []
+        for r in t.itertuples(index=False):
+            row = {"planner": r.planner, "GPU ms": r.measured_ms, "GPU x BE": r.x_BE,
+                   "GPU vs TorchRec full [95%]": ci(r.vs_torchrec_full, r.vs_tr_lo, r.vs_tr_hi),
+                   "GPU vs best greedy [95%]": ci(r.vs_best_greedy, r.vs_bg_lo, r.vs_bg_hi)}
+            if c is not None:
+                m = c[(c["task"] == task) & (c["planner"] == r.planner)]
+                if len(m):
+                    x = m.iloc[0]
+                    row.update({"CPU x BE": x["x_BE"],
+                                "CPU vs TorchRec full [95%]": ci(x["vs_torchrec_full"], x["vs_tr_lo"], x["vs_tr_hi"])})
+            rows.append(row)
+        aa = t.iloc[0]
+        lines += [f"## {task}", "", f"A/A floor on the GPU ({AA} vs itself): {ci(aa.aa, aa.aa_lo, aa.aa_hi)}"
+                  + (f"; on the CPU: {ci(*c[c['task'] == task][['aa', 'aa_lo', 'aa_hi']].iloc[0])}"
+                     if c is not None and (c["task"] == task).any() else ""), "",
+                  md_table(pd.DataFrame(rows)), ""]
+    write_text(out, "\n".join(lines))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("plan")
+    p.add_argument("--run", required=True)
+    p.add_argument("--out", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--root", required=True)
+    m.add_argument("--out", required=True)
+    m.add_argument("--device", default="cuda")
+    m.add_argument("--batch-size", type=int, default=65536)
+    m.add_argument("--rounds", type=int, default=5)
+    m.add_argument("--deadline-s", type=float, default=420.0)
+    m.add_argument("--tasks", default=None, help="comma-separated task folders (task-00,...) to measure; default all")
+    r = sub.add_parser("report")
+    r.add_argument("--gpu", required=True)
+    r.add_argument("--cpu", default=None)
+    r.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    if a.cmd == "plan":
+        plan(a.run, a.out)
+    elif a.cmd == "measure":
+        measure(a.root, a.out, a.device, a.batch_size, a.rounds, a.deadline_s,
+                a.tasks.split(",") if a.tasks else None)
+    else:
+        report(a.gpu, a.cpu, a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
