@@ -56,6 +56,25 @@ def test_write_traces_rows_point_at_replayable_indices(tmp_path, layout):
         np.testing.assert_allclose(df.loc[t, schemas.BIN_COLUMNS].to_numpy(float), access_bins(idx))
 
 
+def test_hot_large_fraction_draws_large_multi_hot_tables_and_leaves_the_others_alone(tmp_path):
+    from embshard.ingest.synthetic import sample_population
+
+    base = sample_population(2000, seed=3)
+    hot = sample_population(2000, seed=3, hot_large_fraction=0.05)
+    changed = (hot[["rows", "pooling_factor", "zipf_alpha"]] != base[["rows", "pooling_factor", "zipf_alpha"]]).any(
+        axis=1)
+    drawn = hot[changed]
+    assert 0.03 < changed.mean() < 0.07           # about the fraction asked for; the other tables are untouched
+    assert (drawn["rows"] >= 10**7).all() and drawn["pooling_factor"].between(20, 120).all()
+    assert (drawn["pooling_factor"] >= 50).mean() > 0.3
+    assert ((base["rows"] >= 10**7) & (base["pooling_factor"] >= 50)).mean() < 0.003  # rare without it
+    assert (hot["dim"] == base["dim"]).all()        # a drawn table keeps its dim: cuts of every width get measured
+    assert cli(["ingest", "--source", "synthetic", "--num-tables", "40", "--hot-large-fraction", "0.1",
+                "--bins-batch-size", "256", "--out", str(tmp_path / "o"), "--no-progress"]) == 0
+    df = schemas.read(tmp_path / "o" / "tables.parquet", "tables")
+    assert ((df["rows"] >= 10**7) & (df["pooling_factor"] >= 20)).any()
+
+
 def test_bad_synthetic_requests(tmp_path, capsys):
     out = tmp_path / "out"
     assert cli(["ingest", "--source", "synthetic", "--num-tables", "0", "--out", str(out)]) == 2
@@ -64,4 +83,8 @@ def test_bad_synthetic_requests(tmp_path, capsys):
         run("synthetic", str(out), num_tables=3, write_traces=True, trace_layout="diagonal", progress=False)
     with pytest.raises(Exception, match="does not apply"):
         run("synthetic", str(out), num_tables=3, dim=16)
+    for bad in ("1.5", "nan", "-0.1"):
+        assert cli(["ingest", "--source", "synthetic", "--num-tables", "3", "--hot-large-fraction", bad,
+                    "--out", str(out)]) == 2
+        assert "hot_large_fraction" in capsys.readouterr().err
     assert not out.exists() or os.listdir(out) == []

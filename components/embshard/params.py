@@ -48,6 +48,10 @@ SPECS: dict[str, ParamSpec] = {
     "input": ParamSpec(None, "Spec or trace file for source spec/dlrm (a path or URI); empty for synthetic.",
                        {"type": ["null", "string"]}),
     "num_tables": ParamSpec(240, "Synthetic source: how many tables to generate (2-100,000).", _int(2, 100_000)),
+    "hot_large_fraction": ParamSpec(0.0, "Synthetic source: fraction of the tables drawn as large multi-hot "
+                                    "features (1e7-1e8 rows, 20-120 lookups per sample), which independent draws "
+                                    "of size and pooling almost never make (0-1).",
+                                    {"type": "number", "minimum": 0, "maximum": 1}),
     "seed": ParamSpec(0, "Seed of every random choice of the run (0-4,294,967,295).", _int(0, 2**32 - 1)),
     "num_tasks": ParamSpec(12, "Tasks sampled per split (train pool / unseen test pool; 1-10,000).",
                            _int(1, 10_000)),

@@ -77,8 +77,10 @@ def ingest(root: str, params: dict) -> dict:
     from .jobs.tasks import run as tasks_run
 
     p = merged(params)
+    synthetic = p["source"] == "synthetic"
     tables = ingest_run(p["source"], root, input=p["input"] or None, seed=int(p["seed"]),
-                        num_tables=int(p["num_tables"]) if p["source"] == "synthetic" else None)
+                        num_tables=int(p["num_tables"]) if synthetic else None,
+                        **({"hot_large_fraction": float(p["hot_large_fraction"])} if synthetic else {}))
     tasks = tasks_run(tables, root, num_tasks=int(p["num_tasks"]), tables_per_task=p["tables_per_task"],
                       devices=p["devices"], memory_gb=p["memory_gb"], seed=int(p["seed"]))
     return _state(root, "ingest", {"tables": tables, "tasks": tasks})

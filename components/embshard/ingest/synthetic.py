@@ -17,12 +17,20 @@ MIN_ROWS, MAX_ROWS = 10, 10**8
 DIMS = np.array([4, 8, 16, 32, 64, 128, 256])
 DIM_PROBS = np.array([0.04, 0.10, 0.18, 0.26, 0.22, 0.13, 0.07])
 MAX_POOLING = 120.0
+# Large multi-hot features (a user's history of item ids: tens of millions of rows and tens to a hundred lookups
+# per sample; public DLRM models have a few). Size and pooling drawn independently make one with 1e7+ rows and
+# 50+ lookups about 1 table in 900, too rare for the cost model to learn what a cut of one costs, so a fraction
+# of the population can be drawn as such (`hot_large_fraction`). Their own random stream: the other tables stay.
+HOT_LARGE_LOG10_ROWS = (7.0, 8.0)
+HOT_LARGE_POOLING = (20.0, MAX_POOLING)
+HOT_LARGE_ALPHA = (0.6, 1.2)
 # Batch on which the access bins are computed: the open DLRM dataset's 65,536 samples.
 BINS_BATCH_SIZE = 65_536
 
 
-def sample_population(num_tables: int, seed: int = 0) -> pd.DataFrame:
-    """Table shapes and access parameters (rows, dim, pooling_factor, zipf_alpha), no bins yet."""
+def sample_population(num_tables: int, seed: int = 0, hot_large_fraction: float = 0.0) -> pd.DataFrame:
+    """Table shapes and access parameters (rows, dim, pooling_factor, zipf_alpha), no bins yet; about
+    `hot_large_fraction` of the tables are large multi-hot features (HOT_LARGE_*)."""
     rng = np.random.default_rng(seed)
     # log10(rows) = 1 + 7 * u**1.6 puts most tables below 1e5 rows and a tail up to 1e8.
     u = rng.random(num_tables)
@@ -35,6 +43,13 @@ def sample_population(num_tables: int, seed: int = 0) -> pd.DataFrame:
     # Some features are missing for part of the samples: pooling slightly below 1 is realistic.
     pooling = np.where(one_hot & (rng.random(num_tables) < 0.3), rng.uniform(0.3, 1.0, num_tables), pooling)
     alpha = rng.uniform(0.0, 1.4, size=num_tables)
+    if hot_large_fraction > 0:
+        g = np.random.default_rng([seed, 0x407])
+        pick = g.random(num_tables) < hot_large_fraction
+        n = int(pick.sum())
+        rows[pick] = np.floor(10 ** g.uniform(*HOT_LARGE_LOG10_ROWS, n)).astype(np.int64)
+        pooling[pick] = np.exp(g.uniform(*np.log(HOT_LARGE_POOLING), n))
+        alpha[pick] = g.uniform(*HOT_LARGE_ALPHA, n)
     return pd.DataFrame({
         "table_id": [f"t{i:04d}" for i in range(num_tables)],
         "rows": rows, "dim": dims, "pooling_factor": np.round(pooling, 4), "zipf_alpha": np.round(alpha, 4),
@@ -74,13 +89,16 @@ def sample_table_batch(rows: int, pooling_factor: float, alpha: float, batch_siz
 
 
 def generate_tables(num_tables: int, seed: int = 0, bytes_per_element: int = 4,
-                    bins_batch_size: int = BINS_BATCH_SIZE) -> pd.DataFrame:
+                    bins_batch_size: int = BINS_BATCH_SIZE, hot_large_fraction: float = 0.0) -> pd.DataFrame:
     """A validated tables frame (tables contract + `zipf_alpha`) of `num_tables` synthetic tables."""
     from ..errors import EmbshardError
 
     if num_tables <= 0:
         raise EmbshardError("must be > 0", field="num_tables", fix="ask for at least one table")
-    pop = sample_population(num_tables, seed)
+    if not 0.0 <= float(hot_large_fraction) <= 1.0:  # also refuses NaN
+        raise EmbshardError(f"{hot_large_fraction} is not a fraction", field="hot_large_fraction",
+                            fix="give a value from 0 to 1 (e.g. 0.03)")
+    pop = sample_population(num_tables, seed, float(hot_large_fraction))
     rng = np.random.default_rng(seed + 1)
     bins = np.empty((num_tables, schemas.NUM_BINS))
     for i, t in enumerate(pop.itertuples()):

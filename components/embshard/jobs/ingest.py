@@ -114,9 +114,10 @@ def _synthetic(out: str, seed: int, num_tables: int, progress: bool, local_out: 
     layout = kw.pop("trace_layout", "flat")
     bins_batch = int(kw.pop("bins_batch_size", None) or BINS_BATCH_SIZE)
     bpe = int(kw.pop("bytes_per_element", 4))
+    hot_large = float(kw.pop("hot_large_fraction", 0.0))
     _no_extra(kw)
     df = generate_tables(num_tables, seed=seed, bytes_per_element=bpe,
-                         bins_batch_size=trace_batch if write_traces else bins_batch)
+                         bins_batch_size=trace_batch if write_traces else bins_batch, hot_large_fraction=hot_large)
     if not write_traces:
         return df
     if not local_out:
@@ -170,6 +171,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--write-traces", action="store_true",
                    help="also write OUT/traces.pt (DLRM format) and take pooling and bins from it, so the "
                         "benchmark replays the same indices")
+    g.add_argument("--hot-large-fraction", type=float, default=0.0,
+                   help="fraction of the tables drawn as large multi-hot features (1e7-1e8 rows, 20-120 lookups "
+                        "per sample; default 0: sizes and pooling drawn independently)")
     g.add_argument("--trace-batch-size", type=int, default=4096, help="samples per table in traces.pt")
     g.add_argument("--trace-layout", default="flat", choices=["flat", "per_table", "per_table_cumulative"],
                    help="offsets layout of traces.pt (default flat, as the open dataset)")
@@ -187,7 +191,8 @@ def main(args: argparse.Namespace) -> int:
     elif args.source == "synthetic":
         kw.update(write_traces=args.write_traces, trace_batch_size=args.trace_batch_size,
                   trace_layout=args.trace_layout, bins_batch_size=args.bins_batch_size,
-                  bytes_per_element=4 if args.data_type == "fp32" else 2)
+                  bytes_per_element=4 if args.data_type == "fp32" else 2,
+                  hot_large_fraction=args.hot_large_fraction)
     else:
         kw.update(bins_batch_size=args.bins_batch_size)
     path = run(args.source, args.out, input=args.input, seed=args.seed, num_tables=args.num_tables, **kw)
