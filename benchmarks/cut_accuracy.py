@@ -1,0 +1,126 @@
+"""The cost model on cuts of large multi-hot tables, measured: what the planner's cuts of a dominant table cost.
+
+    python -m benchmarks.cut_accuracy --runs runs/local,runs/heavy      # ~3 min on 2 cores -> cut_accuracy.md
+
+Tables: `--tables` unseen large multi-hot tables (1e7-1e8 rows, 20-120 lookups per sample; the synthetic
+generator's `hot_large_fraction` kind, drawn with a seed no run trains on, so no model saw them). Each table is cut
+the ways the planners cut a dominant table on `--devices` devices: whole, 2 and 4 column slices, and row-wise over
+2, 4 and 8 devices (TorchRec's even blocks). One piece of each cut (the first) is measured alone on a device with
+the ruler's settings (the run's batch), and every run's cost model predicts the same piece. Reported per kind of
+cut: the MAPE and the median ratio predicted / measured (below 1: the model thinks the cut is cheaper than it is,
+which makes a planner choose it). The balanced estimate is not involved: these are single pieces.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+import pandas as pd
+
+from benchmarks.common import git_commit, hardware, md_table, progress, write_text
+
+SEED = 7_2026   # a population no pipeline run draws (runs use their own seed, the suites 2026)
+CUTS = [("whole", 1, None), ("2 column slices", 2, "column"), ("4 column slices", 4, "column"),
+        ("row-wise over 2", 2, "row"), ("row-wise over 4", 4, "row"), ("row-wise over 8", 8, "row")]
+
+
+def pieces(tables, D: int):
+    """(table position, cut label, the measured piece as a Shard on device 0)."""
+    from embshard.types import Shard, row_blocks
+
+    out = []
+    for t in range(len(tables)):
+        dim, rows = int(tables.dims[t]), int(tables.rows[t])
+        for label, parts, kind in CUTS:
+            if kind is None:
+                out.append((t, label, Shard(t, 0)))
+            elif kind == "column" and dim // parts >= 4 and dim % parts == 0:
+                out.append((t, label, Shard(t, 0, 0, dim // parts)))
+            elif kind == "row" and parts <= D:
+                off, size = row_blocks(rows, parts)[0]
+                out.append((t, label, Shard(t, 0, row_offset=off, row_size=size)))
+    return out
+
+
+def run(runs: list[str], num_tables: int, D: int, rounds: int) -> pd.DataFrame:
+    from benchmarks import pipeline_stages
+    from embshard import costmodel
+    from embshard.bench.runner import MeasureSettings, measure_placement
+    from embshard.costmodel.scoring import placement_costs
+    from embshard.ingest.synthetic import generate_tables
+    from embshard.placement import Placement
+    from embshard.tableset import TableSet
+
+    models, batch, comm_root = {}, None, None
+    for r in runs:
+        info = pipeline_stages.reuse(r)  # sets the run's MLflow store: its models load from there
+        models[r] = costmodel.load(info.cost_model_uri)
+        batch, comm_root = batch or info.batch_size, comm_root or info.root  # the first run's calibration
+        if info.batch_size != batch:
+            raise SystemExit(f"{r}: batch {info.batch_size}, the first run's is {batch}: not comparable")
+    tables = TableSet.from_frame(generate_tables(num_tables, seed=SEED, hot_large_fraction=1.0))
+    settings = MeasureSettings(batch_size=int(batch), calibration_dir=comm_root)
+    rows = []
+    todo = pieces(tables, D)
+    t0 = time.perf_counter()
+    for k, (t, label, shard) in enumerate(todo):
+        pl = Placement(tables, D, 2**62, [shard], task_id=f"cut-{k}")
+        measured = [float(measure_placement(pl, settings)["total_ms"].iloc[0]) for _ in range(rounds)]
+        row = {"table": str(tables.table_ids[t]), "rows": int(tables.rows[t]), "dim": int(tables.dims[t]),
+               "pooling": float(tables.pooling_factor[t]), "cut": label, "measured_ms": float(np.median(measured))}
+        for r, m in models.items():
+            row[f"predicted_ms[{os.path.basename(r.rstrip('/'))}]"] = float(placement_costs(m, pl)[0])
+        rows.append(row)
+        if (k + 1) % 10 == 0 or k + 1 == len(todo):
+            progress(f"cut_accuracy: {k + 1}/{len(todo)} pieces measured ({time.perf_counter() - t0:.0f} s)")
+    return pd.DataFrame(rows)
+
+
+def summary(df: pd.DataFrame) -> pd.DataFrame:
+    out = []
+    cols = [c for c in df.columns if c.startswith("predicted_ms[")]
+    for cut, g in df.groupby("cut", sort=False):
+        row = {"cut": cut, "pieces": len(g)}
+        for c in cols:
+            name = c[len("predicted_ms["):-1]
+            ratio = g[c] / g["measured_ms"]
+            row[f"{name}: MAPE %"] = float(100 * np.mean(np.abs(ratio - 1)))
+            row[f"{name}: predicted / measured (median)"] = float(np.median(ratio))
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def markdown(df: pd.DataFrame, runs: list[str], D: int, rounds: int, secs: float) -> str:
+    return "\n".join([
+        "# The cost model on cuts of large multi-hot tables", "",
+        f"Generated by `python -m benchmarks.cut_accuracy --runs {','.join(runs)}` at commit `{git_commit()}` in "
+        f"{secs / 60:.1f} min. Hardware: {hardware().line()}.", "",
+        f"{df['table'].nunique()} unseen large multi-hot tables (rows {df['rows'].min():,}-{df['rows'].max():,}, "
+        f"dims {sorted(df['dim'].unique().tolist())}, {df['pooling'].min():.0f}-{df['pooling'].max():.0f} lookups "
+        f"per sample; seed {SEED}). One piece of each cut, on {D} devices, measured alone (median of {rounds}), "
+        "predicted by each run's cost model.", "",
+        md_table(summary(df)), "",
+        "Every piece:", "", md_table(df), ""])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", required=True, help="comma-separated run folders (`make run` --out), compared")
+    ap.add_argument("--tables", type=int, default=10)
+    ap.add_argument("--devices", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "cut_accuracy.md"))
+    a = ap.parse_args(argv)
+    runs = [r for r in a.runs.split(",") if r]
+    t0 = time.perf_counter()
+    df = run(runs, a.tables, a.devices, a.rounds)
+    write_text(a.out, markdown(df, runs, a.devices, a.rounds, time.perf_counter() - t0))
+    print(md_table(summary(df)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
