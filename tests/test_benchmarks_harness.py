@@ -185,3 +185,29 @@ def test_suite_all_runs_every_quality_page_and_a_bad_suite_is_refused(capsys):
     assert exc.value.code == 2 and "--suite" in capsys.readouterr().err
     assert quality.REFINED in quality.MAIN_PLANNERS and quality.REFINED in quality.SPLIT_PLANNERS
     assert quality.REFINED not in quality.scale_config().suites[0].planners
+
+
+def test_gpu_quality_plans_here_measures_elsewhere_and_reports(quick, tmp_path):
+    """benchmarks.gpu_quality: plans made with a run's models travel as Parquet, are measured (the refinement
+    included) by a process that builds no planner, and the report pairs them; here the 'elsewhere' is this CPU."""
+    root, out = tmp_path / "plans", tmp_path / "measured"
+
+    def gq(*args):
+        return subprocess.run([sys.executable, "-m", "benchmarks.gpu_quality", *args], cwd=REPO, env=_env(),
+                              capture_output=True, text=True, timeout=900)
+
+    proc = gq("plan", "--run", str(quick["work"] / "pipeline"), "--out", str(root), "--limit", "1")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    plans = pd.read_parquet(root / "task-00" / "plans.parquet")
+    assert {"learned", "torchrec_full", "dim_greedy"} <= set(plans["entry"])
+    proc = gq("measure", "--root", str(root), "--out", str(out), "--device", "cpu", "--batch-size", "128",
+              "--rounds", "2")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ev = pd.read_parquet(out / "evaluation.parquet")
+    assert {"learned", "learned+refine4", "dim_greedy#2"} <= set(ev["planner"]) and (ev["measured_cost_ms"] > 0).all()
+    assert pd.read_parquet(out / "refine.parquet")["winner"].sum() == 1   # one candidate won the refinement
+    page = tmp_path / "page.md"
+    proc = gq("report", "--gpu", str(out), "--cpu", str(out), "--out", str(page))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = page.read_text()
+    assert "A/A floor" in text and "learned+refine4" in text and "CPU vs TorchRec full" in text

@@ -48,7 +48,8 @@ def sample_population(num_tables: int, seed: int = 0, hot_large_fraction: float 
         pick = g.random(num_tables) < hot_large_fraction
         n = int(pick.sum())
         rows[pick] = np.floor(10 ** g.uniform(*HOT_LARGE_LOG10_ROWS, n)).astype(np.int64)
-        pooling[pick] = np.exp(g.uniform(*np.log(HOT_LARGE_POOLING), n))
+        lo, hi = np.log(HOT_LARGE_POOLING[0]), np.log(HOT_LARGE_POOLING[1])
+        pooling[pick] = np.exp(g.uniform(lo, hi, n))
         alpha[pick] = g.uniform(*HOT_LARGE_ALPHA, n)
     return pd.DataFrame({
         "table_id": [f"t{i:04d}" for i in range(num_tables)],
