@@ -131,13 +131,10 @@ def _torchrec():
 
 def select(cands: list[Candidate], k: int) -> list[Candidate]:
     """Duplicates (equal shard sets) dropped, keeping the first; the first (learned) candidate kept, then the best
-    predicted greedy heuristic, then the best predicted of each other kind (the planner's other drafts, its cuts
-    by kind, TorchRec) and then the best predicted of the rest, up to k (kinds: `_kind`). One of each kind first:
-    the cost model is what the planner already trusted, so ranking by it alone would measure little beyond its own
-    choices (unpredicted candidates keep their order). The heuristic before the others: every learned draft is
-    judged by the same model, so where the model misprices a list they are wrong together, and a plan made
-    without it is the one candidate whose error is not theirs (measured: on a 26-table list on 8 devices of 16 GiB
-    the model put the learned plan at 0.75x the best heuristic's cost, and it measured 1.33x)."""
+    predicted of each kind (the planner's other drafts, the greedy heuristics, TorchRec) and then the best
+    predicted of the rest, up to k (kinds: `_kind`). One of each kind first: the cost model is what the planner
+    already trusted, so ranking by it alone would measure little beyond its own choices (unpredicted candidates
+    keep their order)."""
     seen: set = set()
     unique = []
     for c in cands:
@@ -151,9 +148,7 @@ def select(cands: list[Candidate], k: int) -> list[Candidate]:
     leads: dict[str, Candidate] = {}
     for c in rest:
         leads.setdefault(_kind(c, first), c)
-    anchor = [leads.pop("heuristics")] if "heuristics" in leads else []
-    firsts = anchor + sorted(leads.values(), key=rest.index)
-    ordered = firsts + [c for c in rest if c not in firsts]
+    ordered = sorted(leads.values(), key=rest.index) + [c for c in rest if c not in leads.values()]
     return [first, *ordered[: k - 1]]
 
 
