@@ -57,8 +57,8 @@ def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None
     from embshard.types import load_tasks
 
     info = pipeline_stages.reuse(run)
-    suites = {s.name: s for s in split_config().suites}
     cfg = split_config()
+    suites = {s.name: s for s in cfg.suites}
     os.makedirs(out, exist_ok=True)
     order = []
     for name, devices in TASKS:
@@ -138,7 +138,7 @@ def measure(root: str, out: str, device: str, batch_size: int, rounds: int, dead
     from embshard import evaluation, refine
     from embshard.bench.backends import hardware, resolve_device
     from embshard.bench.runner import MeasureSettings
-    from embshard.ruler import distinct_shards
+    from embshard.ruler import Entry, distinct_shards
     from embshard.types import load_tasks
 
     t_start = time.perf_counter()
@@ -159,8 +159,6 @@ def measure(root: str, out: str, device: str, batch_size: int, rounds: int, dead
         cinfo = pd.read_parquet(os.path.join(sub, "candidate_info.parquet"))
         picked = [refine.Candidate(r.label, r.origin, cands[r.entry], float(r.predicted_ms))
                   for r in cinfo.itertuples(index=False)]
-        from embshard.ruler import Entry
-
         n_eval = distinct_shards([Entry(k, p) for k, p in plans.items()]) + task.num_devices  # + the A/A copy
         need = (distinct_shards([Entry(c.label, c.placement) for c in picked]) + n_eval) * rounds \
             + len(task.tables) + 1

@@ -102,18 +102,17 @@ def measure_rounds(entries: list[Entry], rounds: int, settings: MeasureSettings 
     cfg = settings.config()
     try:
         with InputPrefetcher(tables, cfg, [job for _, _, job in plan], input_workers(cfg.device)) as pre:
-            total: dict[tuple, float] = {}
+            total: dict[tuple, float] = {}  # (round, key) -> the shard's cost that round
             for n, (r, key, job) in enumerate(plan):
                 members, cols, label, ranges, reps = job
                 m = measure_shard(tables, members, cfg, num_devices=where[key][0].num_devices, col_sizes=cols,
                                   row_ranges=ranges, where=label, replicas=reps, inputs=pre.get(n))
-                total[key] = m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"]
-                if n + 1 == len(plan) or plan[n + 1][0] != r:  # the round is complete
-                    for j, keys in enumerate(per_entry):
-                        for d, k in enumerate(keys):
-                            device_costs[j, d, r] = 0.0 if k is None else total[k]
-                        costs[j, r] = device_costs[j, :, r].max()
-                    total = {}
+                total[r, key] = m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"]
+        for r in range(rounds):
+            for j, keys in enumerate(per_entry):
+                for d, k in enumerate(keys):
+                    device_costs[j, d, r] = 0.0 if k is None else total[r, k]
+                costs[j, r] = device_costs[j, :, r].max()
     finally:
         close_config(cfg)
     return costs, device_costs
