@@ -326,7 +326,7 @@ class Splits:
         tried: list = []
         shards, state = try_splits(problem.tables, best.shards, best.state, problem.cost_model, problem.topology,
                                    budget, self.max_splits, columns=self.columns, rows=self.rows,
-                                   replicas=self.replicas, variants=tried)
+                                   replicas=self.replicas, variants=tried, explore=problem.explore_cuts)
         cuts = [Draft(best.name, pieces, trial, cut=label) for label, pieces, trial in tried]
         if problem.explore_cuts:
             cuts += self._branches(problem, cuts, budget)

@@ -282,8 +282,8 @@ def replica_candidate(tables: TableSet, shards: list[Shard], state: SearchState,
 
 def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_model, topology: DeviceTopology,
                budget: Budget, max_splits: int = 8, columns: bool = True, rows: bool = True,
-               replicas: bool = False, variants: list[tuple[str, list[Shard], SearchState]] | None = None
-               ) -> tuple[list[Shard], SearchState]:
+               replicas: bool = False, variants: list[tuple[str, list[Shard], SearchState]] | None = None,
+               explore: bool = False) -> tuple[list[Shard], SearchState]:
     """Cut the most expensive movable piece of the slowest device while that lowers the predicted overall cost.
 
     The cuts tried: k column slices (k = 2, 4, ..., at most the devices and slices of 128 bytes per row: see
@@ -299,7 +299,10 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
 
     `variants`, when given, receives every first cut tried that fits memory, after its local search, as (label,
     pieces, state), kept or not: a measured refinement (embshard.refine) measures the best of each kind, since the
-    model may rank the kinds of cut wrongly on tables unlike those it was trained on."""
+    model may rank the kinds of cut wrongly on tables unlike those it was trained on. `explore` (a measured
+    refinement will measure them): the first round's skipped cuts are still searched, as variants only (never
+    kept, not charged: the plan is the same), so that every kind of cut is measured (a skipped table-row-wise cut
+    was the measured best on the MLPerf-like list on 4 hosts of 4)."""
     shards = list(shards)
     memory = state.memory
     replica_heads: dict = {}  # each table's comm heads as a replica (scoring.replica_extra_ms), asked every round
@@ -332,7 +335,10 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
         for (p, cut), enc in zip(trials, encoded):
             if budget.exhausted():
                 break
-            if coarser_cleared and cut[0].kind != REPLICATED:
+            # A cut skipped by the rule above is still searched as a variant when exploring (never kept: the plan
+            # stays the one without `explore`, and its search is not charged).
+            variant_only = coarser_cleared and cut[0].kind != REPLICATED
+            if variant_only and not (explore and it == 0 and variants is not None):
                 continue
             placed = [c.on(b) if not is_pinned(c) else c for c in cut]
             trial_shards = shards[:p] + placed + shards[p + 1:]
@@ -345,7 +351,7 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
             replica = placed[0].kind == REPLICATED
             sub = budget.share(per_cut)
             trial = local_search(trial, sub)
-            if not replica:
+            if not (replica or variant_only):
                 budget.absorb(sub)
             if cut[0].kind == COLUMN and int(torch.argmax(trial.costs)) not in trial.assignment[p:p + len(placed)]:
                 # After local search no slice is on the slowest device: the piece no longer sets the maximum, so a
@@ -353,7 +359,7 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
                 coarser_cleared = True
             if variants is not None and it == 0:  # the other first moves (later ones are tweaks of the plan)
                 variants.append((cut_label(tables, cut, topology), trial_shards, trial))
-            if trial.overall < best_state.overall * (1 - 1e-4):
+            if not variant_only and trial.overall < best_state.overall * (1 - 1e-4):
                 best_shards, best_state, best_work = trial_shards, trial, (sub if replica else None)
         if best_shards is None:
             break
