@@ -217,6 +217,19 @@ def test_for_a_refinement_the_cuts_the_search_skips_are_still_tried_as_variants_
         p.check()
 
 
+def test_the_plan_before_the_split_refinement_stays_an_alternative():
+    """The model may price cuts wrongly, so the best plan before the split refinement's cuts stays beside the cut
+    plan, a candidate a measured refinement can take."""
+    ts = hot_tables()
+    topo = DeviceTopology(16, int(ts.size_bytes.sum()))
+    plan = LearnedPlanner(None, analytic(), composition_name="no_policy", search_evaluations=6000).plan(ts, topo)
+    assert any(s.kind != "whole" for s in plan.shards)
+    before = [a for a in plan.alternatives if a.meta["start_candidate"].endswith(", before splits")]
+    assert len(before) == 1 and not before[0].meta.get("cut")
+    assert all(s.kind == "whole" for s in before[0].shards)
+    before[0].check()
+
+
 def test_local_search_never_moves_a_pinned_piece():
     from embshard.planners.scoring import TaskScorer, piece_features
     from embshard.planners.splitting import row_pieces
