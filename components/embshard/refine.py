@@ -2,9 +2,9 @@
 measured best returned with its interval.
 
 The candidates: the learned plan (always in), the other final drafts the composed planner kept
-(`Placement.alternatives`: other starts, and the cuts its split refinement tried but did not keep), the greedy
-baselines' plans and TorchRec's table-wise plan. Plans with the same shard
-sets (device numbers aside) cost the same and are measured once. The learned plan, the best predicted of each
+(`Placement.alternatives`: other starts, the cuts its split refinement tried but did not keep, and its plan
+before those cuts), the greedy baselines' plans and TorchRec's table-wise plan. Plans with the same shard sets
+(device numbers aside) cost the same and are measured once. The learned plan, the best predicted of each
 kind of candidate, then the best predicted of the rest (K in all) are measured in R ruler rounds (embshard.ruler:
 every distinct device shard once per round, in a fresh random order, paired per round). The winner is, of the
 candidates whose paired per-round ratio to the learned plan's first choice has a 95% bootstrap interval below 1,
