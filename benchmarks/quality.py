@@ -47,7 +47,6 @@ class Suite:
     planners: list[str] = field(default_factory=lambda: list(ALL_PLANNERS))
     memory_gb: float | None = None  # per device, where the suite sets its own (None: the config's)
     devices_per_host: int | None = None  # spec suites: hosts of that many devices (None: one host)
-    round_processes: bool = False  # each ruler round in a fresh process (ruler.py: process-to-process spread)
 
 
 @dataclass
@@ -100,18 +99,13 @@ def split_config() -> QualityConfig:
     """Table lists that need cuts: the MLPerf-like list on 8 devices of 16 GiB (five tables of 19 GiB do not fit
     one device), the same list with room on 8-32 devices (its hottest tables dominate), and a 40-table list
     whose one hot table carries ~28% of the lookup bytes (benchmarks/data/hot_table_40.yaml) on 8-32 devices, and
-    the MLPerf-like list on 16 devices in 4 hosts of 4, where table-row-wise cuts (one host's devices) exist.
-    Each round runs in a fresh process: with these large tables the same plans measure apart from one process to
-    the next (ruler.py), and one process per round puts that into the intervals."""
+    the MLPerf-like list on 16 devices in 4 hosts of 4, where table-row-wise cuts (one host's devices) exist."""
     return QualityConfig(suites=[
-        Suite("MLPerf-like on 8 x 16 GiB", "mlperf_dlrm.yaml", None, [8], planners=SPLIT_PLANNERS, memory_gb=16.0,
-              round_processes=True),
-        Suite("MLPerf-like D=8-32", "mlperf_dlrm.yaml", None, [8, 16, 32], planners=SPLIT_PLANNERS,
-              round_processes=True),
-        Suite("hot table T=40 D=8-32", "data/hot_table_40.yaml", None, [8, 16, 32], planners=SPLIT_PLANNERS,
-              round_processes=True),
+        Suite("MLPerf-like on 8 x 16 GiB", "mlperf_dlrm.yaml", None, [8], planners=SPLIT_PLANNERS, memory_gb=16.0),
+        Suite("MLPerf-like D=8-32", "mlperf_dlrm.yaml", None, [8, 16, 32], planners=SPLIT_PLANNERS),
+        Suite("hot table T=40 D=8-32", "data/hot_table_40.yaml", None, [8, 16, 32], planners=SPLIT_PLANNERS),
         Suite("MLPerf-like D=16 on 4 hosts x 4", "mlperf_dlrm.yaml", None, [16], planners=SPLIT_PLANNERS,
-              devices_per_host=4, round_processes=True),
+              devices_per_host=4),
     ], torchrec_timeout_s=20.0)
 
 
@@ -195,8 +189,7 @@ def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int,
                  f"{suite.rounds} rounds")
         planners = [*suite.planners, AA_PLANNER] if AA_PLANNER in suite.planners else list(suite.planners)
         res = evaluate.run(tables_path, tasks_path, os.path.join(folder, "eval"), planners=planners,
-                           split="test", rounds=suite.rounds,
-                           settings=settings.replace(round_processes=suite.round_processes), planner_kw=planner_kw,
+                           split="test", rounds=suite.rounds, settings=settings, planner_kw=planner_kw,
                            progress=False)
         df = res["frame"].copy()
         df = df[df["planner"] != AA_LABEL].copy()

@@ -10,15 +10,9 @@
   operator and freshly made inputs.
 - Per round, an entry's cost is the max over its devices of compute + communication; entries are then compared
   by paired per-round ratios (stats.py).
-- With `MeasureSettings.round_processes` (CPU), each round runs in a fresh process. Within one process the same
-  plans measure alike round after round, but between processes they do not: on a 40-table list with one hot
-  table at 32 devices, 8 separate evaluations of the same three plans put learned / TorchRec full anywhere from
-  0.92 to 1.12, each with a tight interval of its own, and one benchmark run that had measured 20 GB tables
-  before it read 0.61. Fresh processes put that spread into the rounds, hence into the intervals.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,20 +101,13 @@ def measure_rounds(entries: list[Entry], rounds: int, settings: MeasureSettings 
         raise ValueError("measure_rounds compares placements of one task: every entry must place the same tables")
     cfg = settings.config()
     try:
-        total: dict[tuple, float] = {}  # (round, key) -> the shard's cost that round
-        if settings.round_processes and cfg.device == "cpu":
-            if cfg.comm_group is not None:
-                raise ValueError("round_processes needs the modelled all-to-all (no comm_ranks): a measured one "
-                                 "would start its ranks in every round's process")
-            for r in range(rounds):
-                mine = [(key, job) for rr, key, job in plan if rr == r]
-                costs_r = _round_in_fresh_process(tables, [(job, where[key][0].num_devices) for key, job in mine],
-                                                  cfg)
-                total.update({(r, key): c for (key, _), c in zip(mine, costs_r)})
-        else:
-            with InputPrefetcher(tables, cfg, [job for _, _, job in plan], input_workers(cfg.device)) as pre:
-                for n, (r, key, job) in enumerate(plan):
-                    total[r, key] = _shard_cost(tables, job, where[key][0].num_devices, cfg, pre.get(n))
+        with InputPrefetcher(tables, cfg, [job for _, _, job in plan], input_workers(cfg.device)) as pre:
+            total: dict[tuple, float] = {}  # (round, key) -> the shard's cost that round
+            for n, (r, key, job) in enumerate(plan):
+                members, cols, label, ranges, reps = job
+                m = measure_shard(tables, members, cfg, num_devices=where[key][0].num_devices, col_sizes=cols,
+                                  row_ranges=ranges, where=label, replicas=reps, inputs=pre.get(n))
+                total[r, key] = m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"]
         for r in range(rounds):
             for j, keys in enumerate(per_entry):
                 for d, k in enumerate(keys):
@@ -129,35 +116,6 @@ def measure_rounds(entries: list[Entry], rounds: int, settings: MeasureSettings 
     finally:
         close_config(cfg)
     return costs, device_costs
-
-
-def _shard_cost(tables, job, num_devices: int, cfg, inputs=None) -> float:
-    """One measurement of a round: the shard's compute + communication (ms)."""
-    members, cols, label, ranges, reps = job
-    m = measure_shard(tables, members, cfg, num_devices=num_devices, col_sizes=cols, row_ranges=ranges,
-                      where=label, replicas=reps, inputs=inputs)
-    return m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"]
-
-
-def _round_in_fresh_process(tables, jobs: list, cfg) -> list[float]:
-    """A round's measurements (jobs: (job, num_devices)) in a process spawned for it (nothing of this process's
-    heap), with this process's config (its batch, timer and communication model: nothing is recalibrated)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pid, costs = pool.submit(_measure_round, tables, jobs, cfg).result()
-    if pid == os.getpid():  # a spawned worker is never this process
-        raise RuntimeError("round_processes: the round was measured in the calling process")
-    return costs
-
-
-def _measure_round(tables, jobs: list, cfg) -> tuple[int, list[float]]:
-    """In the round's process: (its pid, each job's cost)."""
-    import torch
-
-    torch.set_num_threads(cfg.threads)
-    return os.getpid(), [_shard_cost(tables, job, n, cfg) for job, n in jobs]
 
 
 def distinct_shards(entries: list[Entry]) -> int:

@@ -66,9 +66,6 @@ class MeasureSettings:
     comm_latency_us: float | None = None
     min_time_ms: float | None = None           # timed work per measurement (DEFAULT_MIN_TIME_MS of the device)
     statistic: str = "median"                  # of the timed iterations: median or min
-    # The ruler (embshard.ruler): each round in a fresh process (CPU), so that what a process fixes for its whole
-    # life (where its heap puts the weights of large tables) varies between rounds and shows in the intervals.
-    round_processes: bool = False
 
     def replace(self, **changes) -> MeasureSettings:
         return dataclasses.replace(self, **changes)

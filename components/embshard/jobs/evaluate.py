@@ -49,10 +49,6 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="CPU clock (auto: thread CPU time at 1 thread)")
     p.add_argument("--statistic", default="median", choices=["median", "min"],
                    help="of a shard's timed iterations within a round (median, or min-of-k)")
-    p.add_argument("--round-processes", action="store_true",
-                   help="measure each round in a fresh process (CPU; about 5 s more per round): a process keeps "
-                        "where its heap put large tables for its life, so plans can measure apart from one "
-                        "process to the next; this puts that spread into the intervals")
     p.add_argument("--out", required=True, help="output folder: evaluation.parquet, ratios.parquet, plot")
 
 
@@ -71,7 +67,7 @@ def main(args) -> int:
     res = run(args.tables, args.tasks, args.out, planners=planners, given=given,
               split=args.split, max_tasks=args.max_tasks, rounds=args.rounds,
               settings=MeasureSettings(batch_size=args.batch_size or None, timer=args.timer,
-                                       statistic=args.statistic, round_processes=args.round_processes))
+                                       statistic=args.statistic))
     print(res["summary_text"])
     rk = res["ranking"]
     if rk["pairs"]:
