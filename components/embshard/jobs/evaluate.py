@@ -49,10 +49,16 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="CPU clock (auto: thread CPU time at 1 thread)")
     p.add_argument("--statistic", default="median", choices=["median", "min"],
                    help="of a shard's timed iterations within a round (median, or min-of-k)")
+    p.add_argument("--calibration-dir", default=None, metavar="DIR",
+                   help="folder of the comm_calibration.json the all-to-all model uses, e.g. a run's "
+                        "RUN/calibration (default: EMBSHARD_CALIBRATION_DIR, else calibrated now: a fresh "
+                        "calibration moves from one call to the next, so compare evaluations that share one)")
     p.add_argument("--out", required=True, help="output folder: evaluation.parquet, ratios.parquet, plot")
 
 
 def main(args) -> int:
+    from ..bench.comm import shared_calibration_dir
+
     planners = [p for p in args.planners.split(",") if p]
     given = {}
     if getattr(args, "plan", None):
@@ -67,7 +73,8 @@ def main(args) -> int:
     res = run(args.tables, args.tasks, args.out, planners=planners, given=given,
               split=args.split, max_tasks=args.max_tasks, rounds=args.rounds,
               settings=MeasureSettings(batch_size=args.batch_size or None, timer=args.timer,
-                                       statistic=args.statistic))
+                                       statistic=args.statistic,
+                                       calibration_dir=args.calibration_dir or shared_calibration_dir()))
     print(res["summary_text"])
     rk = res["ranking"]
     if rk["pairs"]:
