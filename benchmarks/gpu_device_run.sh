@@ -56,10 +56,11 @@ PY
   quality)
     # The split suite's plans (made on the dev machine: python -m benchmarks.gpu_quality plan --out .gpu/quality)
     # measured here with the ruler, the refinement included; results are written after every task.
+    # EMBSHARD_GPU_TASKS=task-01,task-04 measures those tasks only, in that order.
     T=$(( $(left) - 20 )); [ $T -gt $CAP ] && T=$CAP; echo "quality for at most ${T}s" | tee -a $OUT/driver.log
     mkdir -p $OUT/quality
     timeout $T python3 -m benchmarks.gpu_quality measure --root .gpu/quality --out $OUT/quality --device cuda \
-        --batch-size ${EMBSHARD_GPU_BATCH:-65536} --rounds 5 --deadline-s $(( T - 30 )) 2>&1 | tee $OUT/quality.log ;;
+        --batch-size ${EMBSHARD_GPU_BATCH:-65536} --rounds 5 --deadline-s $(( T - 30 )) ${EMBSHARD_GPU_TASKS:+--tasks $EMBSHARD_GPU_TASKS} 2>&1 | tee $OUT/quality.log ;;
   esac
 done
 echo "=== done at +$(( $(date +%s) - T0 ))s" | tee -a $OUT/driver.log

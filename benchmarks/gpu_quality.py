@@ -134,7 +134,7 @@ def _placements(path: str, tables, task) -> dict:
 
 
 def measure(root: str, out: str, device: str, batch_size: int, rounds: int, deadline_s: float,
-            only: list[str] | None = None) -> None:
+            only: list[str] | None = None, calibration_dir: str | None = None) -> None:
     from embshard import evaluation, refine
     from embshard.bench.backends import hardware, resolve_device
     from embshard.bench.runner import MeasureSettings
@@ -142,14 +142,16 @@ def measure(root: str, out: str, device: str, batch_size: int, rounds: int, dead
     from embshard.types import load_tasks
 
     t_start = time.perf_counter()
-    settings = MeasureSettings(device=device, batch_size=batch_size)
+    # One communication calibration for every task (a CPU run: the pipeline run's; a GPU has its fixed formula).
+    settings = MeasureSettings(device=device, batch_size=batch_size, calibration_dir=calibration_dir)
     hw = hardware(resolve_device(device))
     os.makedirs(out, exist_ok=True)
     evals, ratios, refines, skipped = [], [], [], []
     measured, spent = 0, 0.0  # shard measurements and their seconds so far: the rate that budgets a task
-    for sub in _task_dirs(root):
-        if only and os.path.basename(sub) not in only:
-            continue
+    dirs = _task_dirs(root)
+    if only:  # the named tasks, in the order given (the first sets the rate that budgets the rest)
+        dirs = [os.path.join(root, t) for t in only]
+    for sub in dirs:
         with open(os.path.join(sub, "task.json"), encoding="utf-8") as f:
             info = json.load(f)
         tables_path, tasks_path = os.path.join(sub, "tables.parquet"), os.path.join(sub, "tasks.parquet")
@@ -283,7 +285,9 @@ def main(argv=None) -> int:
     m.add_argument("--batch-size", type=int, default=65536)
     m.add_argument("--rounds", type=int, default=5)
     m.add_argument("--deadline-s", type=float, default=420.0)
-    m.add_argument("--tasks", default=None, help="comma-separated task folders (task-00,...) to measure; default all")
+    m.add_argument("--tasks", default=None, help="comma-separated task folders (task-00,...) to measure, in this order; default all")
+    m.add_argument("--calibration-dir", default=os.environ.get("EMBSHARD_CALIBRATION_DIR"),
+                   help="the run's comm_calibration.json folder (default EMBSHARD_CALIBRATION_DIR)")
     r = sub.add_parser("report")
     r.add_argument("--gpu", required=True)
     r.add_argument("--cpu", default=None)
@@ -293,7 +297,7 @@ def main(argv=None) -> int:
         plan(a.run, a.out, limit=a.limit)
     elif a.cmd == "measure":
         measure(a.root, a.out, a.device, a.batch_size, a.rounds, a.deadline_s,
-                a.tasks.split(",") if a.tasks else None)
+                a.tasks.split(",") if a.tasks else None, a.calibration_dir)
     else:
         report(a.gpu, a.cpu, a.out)
     return 0
