@@ -285,7 +285,8 @@ def main(argv=None) -> int:
     m.add_argument("--batch-size", type=int, default=65536)
     m.add_argument("--rounds", type=int, default=5)
     m.add_argument("--deadline-s", type=float, default=420.0)
-    m.add_argument("--tasks", default=None, help="comma-separated task folders (task-00,...) to measure, in this order; default all")
+    m.add_argument("--tasks", default=None,
+                   help="comma-separated task folders (task-00,...) to measure, in this order; default all")
     m.add_argument("--calibration-dir", default=os.environ.get("EMBSHARD_CALIBRATION_DIR"),
                    help="the run's comm_calibration.json folder (default EMBSHARD_CALIBRATION_DIR)")
     r = sub.add_parser("report")

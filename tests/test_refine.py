@@ -72,6 +72,32 @@ def test_winner_is_the_measurably_fastest_candidate_or_the_first_choice_and_dupl
     out.check()
 
 
+def test_from_k_3_one_candidate_is_a_plan_the_model_did_not_make(learned):
+    """Where the planner's own kinds are all predicted cheaper than every heuristic, one of k >= 3 slots still goes
+    to the best predicted heuristic (on a GPU the model's plans can all lose to one); k = 2 stays the best
+    predicted alternative, and a heuristic already picked is not picked twice."""
+    import dataclasses
+
+    pl, model = learned
+    cands = candidates(pl, model, torchrec=False)
+    first = cands[0]
+    own = [c for c in cands[1:] if c.label.startswith(f"{first.label}~")]
+    heur = [c for c in cands[1:] if not c.label.startswith(f"{first.label}~")]
+    assert own and len(heur) >= 2
+    # The planner's drafts predicted cheapest, the heuristics dearer (the second one the cheaper of them).
+    fake = [first] + [dataclasses.replace(c, predicted_ms=1.0 + 0.01 * j) for j, c in enumerate(own)] + \
+        [dataclasses.replace(c, predicted_ms=50.0 - j) for j, c in enumerate(heur)]
+    for k in (3, 4, 6):
+        picked = select(fake, k)
+        outside = [c for c in picked[1:] if not c.label.startswith(f"{first.label}~")]
+        assert len(picked) == min(k, len(fake)) and picked[0] is first
+        assert outside and outside[0].label == heur[-1].label  # the best predicted heuristic
+    assert select(fake, 2)[1].label == own[0].label  # k = 2: the best predicted alternative only
+    mixed = [first, dataclasses.replace(heur[0], predicted_ms=0.5)] + fake[1:1 + len(own)]
+    assert [c.label for c in select(mixed, 3)][:2] == [first.label, heur[0].label]
+    assert sum(not c.label.startswith(f"{first.label}~") for c in select(mixed, 3)[1:]) == 1
+
+
 def test_k_1_returns_the_learned_plan(learned):
     pl, model = learned
     res = refine(pl, 1, rounds=2, settings=SETTINGS, cost_model=model, torchrec=False)

@@ -87,6 +87,23 @@ def test_evaluate_uses_the_calibration_it_is_given(monkeypatch, capsys, flag, en
     assert job.main(args) == 0 and seen["dir"] == want
 
 
+def test_rounds_in_fresh_processes_measure_every_shard_of_every_round_there(tables, monkeypatch):
+    """round_processes: each round in a process spawned for it (ruler.py: the spread between processes then
+    shows in the intervals); nothing is measured in this process, and the costs keep their shape."""
+    import embshard.ruler as ruler
+
+    pl = make_baseline("lookup_greedy").plan(tables, 3, 2**40, "t")
+    rr = make_baseline("round_robin").plan(tables, 3, 2**40, "t")
+    here = []
+    monkeypatch.setattr(ruler, "measure_shard", lambda *a, **k: here.append(1))  # only this process sees it
+    costs, dev = measure_rounds([Entry("a", pl), Entry("b", rr)], 2, SETTINGS.replace(round_processes=True), seed=3)
+    assert not here
+    assert costs.shape == (2, 2) and (costs > 0).all() and np.allclose(costs, dev.max(axis=1))
+    with pytest.raises(ValueError, match="modelled all-to-all"):
+        measure_rounds([Entry("a", pl)], 1, SETTINGS.replace(round_processes=True, comm_ranks=2,
+                                                             comm_bandwidth_gbps=None, comm_latency_us=None))
+
+
 def test_statistics():
     med, lo, hi = stats.median_ci([1.0, 1.02, 0.98, 1.01, 0.99])
     assert lo <= med <= hi and lo < 1 < hi

@@ -135,7 +135,10 @@ def select(cands: list[Candidate], k: int) -> list[Candidate]:
     predicted of each kind (the planner's other drafts, the greedy heuristics, TorchRec) and then the best
     predicted of the rest, up to k (kinds: `_kind`). One of each kind first: the cost model is what the planner
     already trusted, so ranking by it alone would measure little beyond its own choices (unpredicted candidates
-    keep their order)."""
+    keep their order). From k = 3 on, one of the k is a plan the model did not make (the best predicted heuristic
+    or TorchRec plan) even where the planner's own kinds fill the others: on hardware unlike the model's training
+    data its plans can all lose to a heuristic (the hot-table list on 8 H100s: lookup_greedy measured 0.96x the
+    learned plan, and its 3 cut variants took the other slots)."""
     seen: set = set()
     unique = []
     for c in cands:
@@ -150,7 +153,14 @@ def select(cands: list[Candidate], k: int) -> list[Candidate]:
     for c in rest:
         leads.setdefault(_kind(c, first), c)
     ordered = sorted(leads.values(), key=rest.index) + [c for c in rest if c not in leads.values()]
-    return [first, *ordered[: k - 1]]
+    picked = ordered[: k - 1]
+    outside = [c for c in ordered if _kind(c, first) in OUTSIDE_KINDS]
+    if k >= 3 and outside and not any(c in outside for c in picked):
+        picked[-1] = outside[0]
+    return [first, *picked]
+
+
+OUTSIDE_KINDS = ("heuristics", "torchrec")  # plans the learned planner's model did not make (select)
 
 
 def _kind(c: Candidate, first: Candidate) -> str:

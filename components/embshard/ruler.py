@@ -10,9 +10,20 @@
   operator and freshly made inputs.
 - Per round, an entry's cost is the max over its devices of compute + communication; entries are then compared
   by paired per-round ratios (stats.py).
+- With `MeasureSettings.round_processes` (CPU), each round runs in a fresh process. In one process a shard's
+  cost depends on what the process measured before: once it has measured for a while, shards of large,
+  latency-bound tables measure faster. On the 40-table list with one hot table, its three tasks evaluated in one
+  process, the 32-device task's learned plan measured 5.52-5.68 ms and lookup_greedy's 13.2-14.0 ms; the same
+  task alone in a fresh process 6.63-6.78 ms and 15.7-16.3 ms (three processes). TorchRec's plan, whose slowest
+  device is mostly the modelled all-to-all, measured 9.5-9.7 ms either way, so learned / TorchRec full read 0.59
+  or 0.69 depending on the order of the tasks. Measured with the heap's recycling off (backends.
+  recycle_host_memory: every operator on fresh pages), the same three tasks in one process read 6.70 ms and
+  15.3 ms: the recycled heap is what carries the history. A fresh process per round takes it out (about 2.5 s
+  per round to start one), at a smaller cost than fresh pages for every shard (1.7x the measuring time).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,13 +112,20 @@ def measure_rounds(entries: list[Entry], rounds: int, settings: MeasureSettings 
         raise ValueError("measure_rounds compares placements of one task: every entry must place the same tables")
     cfg = settings.config()
     try:
-        with InputPrefetcher(tables, cfg, [job for _, _, job in plan], input_workers(cfg.device)) as pre:
-            total: dict[tuple, float] = {}  # (round, key) -> the shard's cost that round
-            for n, (r, key, job) in enumerate(plan):
-                members, cols, label, ranges, reps = job
-                m = measure_shard(tables, members, cfg, num_devices=where[key][0].num_devices, col_sizes=cols,
-                                  row_ranges=ranges, where=label, replicas=reps, inputs=pre.get(n))
-                total[r, key] = m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"]
+        total: dict[tuple, float] = {}  # (round, key) -> the shard's cost that round
+        if settings.round_processes and cfg.device == "cpu":
+            if cfg.comm_group is not None:
+                raise ValueError("round_processes needs the modelled all-to-all (no comm_ranks): a measured one "
+                                 "would start its ranks in every round's process")
+            for r in range(rounds):
+                mine = [(key, job) for rr, key, job in plan if rr == r]
+                costs_r = _round_in_fresh_process(tables, [(job, where[key][0].num_devices) for key, job in mine],
+                                                  cfg)
+                total.update({(r, key): c for (key, _), c in zip(mine, costs_r)})
+        else:
+            with InputPrefetcher(tables, cfg, [job for _, _, job in plan], input_workers(cfg.device)) as pre:
+                for n, (r, key, job) in enumerate(plan):
+                    total[r, key] = _shard_cost(tables, job, where[key][0].num_devices, cfg, pre.get(n))
         for r in range(rounds):
             for j, keys in enumerate(per_entry):
                 for d, k in enumerate(keys):
@@ -116,6 +134,35 @@ def measure_rounds(entries: list[Entry], rounds: int, settings: MeasureSettings 
     finally:
         close_config(cfg)
     return costs, device_costs
+
+
+def _shard_cost(tables, job, num_devices: int, cfg, inputs=None) -> float:
+    """One measurement of a round: the shard's compute + communication (ms)."""
+    members, cols, label, ranges, reps = job
+    m = measure_shard(tables, members, cfg, num_devices=num_devices, col_sizes=cols, row_ranges=ranges,
+                      where=label, replicas=reps, inputs=inputs)
+    return m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"]
+
+
+def _round_in_fresh_process(tables, jobs: list, cfg) -> list[float]:
+    """A round's measurements (jobs: (job, num_devices)) in a process spawned for it (nothing of this process's
+    heap), with this process's config (its batch, timer and communication model: nothing is recalibrated)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pid, costs = pool.submit(_measure_round, tables, jobs, cfg).result()
+    if pid == os.getpid():  # a spawned worker is never this process
+        raise RuntimeError("round_processes: the round was measured in the calling process")
+    return costs
+
+
+def _measure_round(tables, jobs: list, cfg) -> tuple[int, list[float]]:
+    """In the round's process: (its pid, each job's cost)."""
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    return os.getpid(), [_shard_cost(tables, job, n, cfg) for job, n in jobs]
 
 
 def distinct_shards(entries: list[Entry]) -> int:
