@@ -134,7 +134,7 @@ def _placements(path: str, tables, task) -> dict:
 
 
 def measure(root: str, out: str, device: str, batch_size: int, rounds: int, deadline_s: float,
-            only: list[str] | None = None, calibration_dir: str | None = None) -> None:
+            only: list[str] | None = None, calibration_dir: str | None = None, round_processes: bool = False) -> None:
     from embshard import evaluation, refine
     from embshard.bench.backends import hardware, resolve_device
     from embshard.bench.runner import MeasureSettings
@@ -143,7 +143,8 @@ def measure(root: str, out: str, device: str, batch_size: int, rounds: int, dead
 
     t_start = time.perf_counter()
     # One communication calibration for every task (a CPU run: the pipeline run's; a GPU has its fixed formula).
-    settings = MeasureSettings(device=device, batch_size=batch_size, calibration_dir=calibration_dir)
+    settings = MeasureSettings(device=device, batch_size=batch_size, calibration_dir=calibration_dir,
+                               round_processes=round_processes)  # CPU: each round in a fresh process (ruler.py)
     hw = hardware(resolve_device(device))
     os.makedirs(out, exist_ok=True)
     evals, ratios, refines, skipped = [], [], [], []
@@ -289,6 +290,8 @@ def main(argv=None) -> int:
                    help="comma-separated task folders (task-00,...) to measure, in this order; default all")
     m.add_argument("--calibration-dir", default=os.environ.get("EMBSHARD_CALIBRATION_DIR"),
                    help="the run's comm_calibration.json folder (default EMBSHARD_CALIBRATION_DIR)")
+    m.add_argument("--round-processes", action="store_true",
+                   help="CPU: each ruler round in a fresh process, as the suites measure (ruler.py)")
     r = sub.add_parser("report")
     r.add_argument("--gpu", required=True)
     r.add_argument("--cpu", default=None)
@@ -298,7 +301,7 @@ def main(argv=None) -> int:
         plan(a.run, a.out, limit=a.limit)
     elif a.cmd == "measure":
         measure(a.root, a.out, a.device, a.batch_size, a.rounds, a.deadline_s,
-                a.tasks.split(",") if a.tasks else None, a.calibration_dir)
+                a.tasks.split(",") if a.tasks else None, a.calibration_dir, a.round_processes)
     else:
         report(a.gpu, a.cpu, a.out)
     return 0
