@@ -68,6 +68,7 @@ def test_winner_is_the_measurably_fastest_candidate_or_the_first_choice_and_dupl
     assert len(select(dup + dup, 16)) == len(select(dup, 16))
     out = winner_placement(res, 4)
     assert out.meta["refined"]["k"] == 4 and out.meta["refined"]["winner"] == res.winner.label
+    assert [m["candidate"] for m in out.meta["refined"]["measured"]] == list(t["candidate"])
     assert out.planner == pl.planner and not out.alternatives
     out.check()
 
@@ -170,6 +171,10 @@ def test_an_evaluation_entry_name_refine_k_measures_the_refined_plan(small_table
     assert df["feasible"].all() and np.isfinite(df["measured_cost_ms"]).all()
     # size_greedy's own plan is the first candidate; the refinement measured it beside two others first
     assert df.loc["size_greedy+refine3", "planning_time_s"] > 10 * df.loc["size_greedy", "planning_time_s"]
+    # what the refinement measured is in its row, to read back (the other entries have none)
+    measured = json.loads(df.loc["size_greedy+refine3", "refinement"])["measured"]
+    assert measured[0]["candidate"] == "size_greedy" and measured[0]["ratio_to_first_choice"][0] == 1.0
+    assert 1 <= len(measured) <= 3 and df.drop(index="size_greedy+refine3")["refinement"].isna().all()
     placed = schemas.read(str(tmp_path / "ev" / "placements.parquet"), "placements")
     assert "size_greedy+refine3" in set(placed["planner"])
 

@@ -19,6 +19,7 @@ an estimate of a perfectly balanced plan, not a bound: plans measured in rounds 
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -144,6 +145,8 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
         row["gap_to_estimate"] = med / est_split - 1.0  # negative: measured below the estimate
         pred = _predicted(planner_objs[e.label.split("#")[0]], e.placement)
         row["predicted_cost_ms"] = float(pred.max()) if pred is not None else np.nan
+        if "refined" in e.placement.meta:  # a refined entry: what its refinement measured, to read back later
+            row["refinement"] = json.dumps(e.placement.meta["refined"])
         if best_cost is not None:
             r_med, r_lo, r_hi = stats.median_ci(c / best_cost)
             row.update(best_baseline=max(set(best_names), key=best_names.count),

@@ -84,7 +84,12 @@ class Refinement:
                             "winner": self.winner.label, "winner_origin": self.winner.origin,
                             "measured_cost_ms": float(w["measured_cost_ms"]),
                             "ratio_to_first_choice": [float(x) for x in self.ratio],
-                            "candidates": int(len(self.table))}}
+                            "candidates": int(len(self.table)),
+                            # what was measured: each candidate's paired ratio to the first choice [95% CI]
+                            "measured": [{"candidate": r.candidate, "origin": r.origin,
+                                          "ratio_to_first_choice": [float(r.ratio_to_first_choice),
+                                                                    float(r.ratio_ci_low), float(r.ratio_ci_high)]}
+                                         for r in self.table.itertuples(index=False)]}}
 
     def report(self) -> str:
         med, lo, hi = self.ratio
