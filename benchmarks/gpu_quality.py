@@ -6,6 +6,8 @@ cut in two, with the plans travelling as Parquet:
     python -m benchmarks.gpu_quality plan --run runs/local --out .gpu/quality        # here (CPU): every planner
     python -m benchmarks.gpu_quality measure --root .gpu/quality --out DIR \\
         --device cuda --batch-size 65536 --deadline-s 420                           # there: the ruler
+    python -m benchmarks.gpu_quality measure --root .gpu/quality --out DIR2 --device cpu --batch-size 2048 \
+        --calibration-dir runs/local/calibration --round-processes                    # here: the CPU counterpart
     python -m benchmarks.gpu_quality report --gpu DIR [--cpu DIR2] --out PAGE.md      # here: the page
 
 - plan: each selected task of the split suite (benchmarks.quality.split_config) is planned by the split suite's
