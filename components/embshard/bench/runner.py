@@ -68,6 +68,7 @@ class MeasureSettings:
     statistic: str = "median"                  # of the timed iterations: median or min
     # The ruler (embshard.ruler): each round in a fresh process (CPU), so that no measurement depends on what the
     # process measured before it (its recycled heap makes large tables measure up to ~15% faster over time).
+    # Spawned, not forked (a fork would inherit that heap): a script that sets it needs a __main__ guard.
     round_processes: bool = False
 
     def replace(self, **changes) -> MeasureSettings:
