@@ -47,7 +47,6 @@ class Suite:
     planners: list[str] = field(default_factory=lambda: list(ALL_PLANNERS))
     memory_gb: float | None = None  # per device, where the suite sets its own (None: the config's)
     devices_per_host: int | None = None  # spec suites: hosts of that many devices (None: one host)
-    round_processes: bool = False  # each ruler round in a fresh process (ruler.py: a process's measuring history)
 
 
 @dataclass
@@ -60,6 +59,8 @@ class QualityConfig:
     max_shard_gb: float | None = None
     seed: int = 0
     batch_size: int | None = None    # None: the run's (what the cost model was measured with)
+    # Each ruler round in a fresh process (ruler.py: what a long process measured before moves large tables' costs).
+    round_processes: bool = False
 
 
 # A table list's tasks are device counts: the first 3 by default, more with a larger tasks_scale.
@@ -77,21 +78,16 @@ def full_config(tasks_scale: int = 1) -> QualityConfig:
         raise ValueError(f"tasks_scale must be 1-{MAX_TASKS_SCALE}, got {tasks_scale}")
     k = tasks_scale
     spec_devices = sorted(SPEC_DEVICES[:3 * k])
-    # Each round in a fresh process (ruler.py: what a long process measured before moves large tables' costs).
     suites = [
-        Suite("unseen tables T=20-60 D=4", "synthetic", "20-60", [4], tasks=3 * k, planners=MAIN_PLANNERS,
-              round_processes=True),
-        Suite("unseen tables T=20-60 D=8-16", "synthetic", "20-60", [8, 16], tasks=3 * k, planners=MAIN_PLANNERS,
-              round_processes=True),
-        Suite("unseen tables T=100-200 D=4-16", "synthetic", "100-200", [4, 8, 16], tasks=2 * k, planners=MAIN_PLANNERS,
-              round_processes=True),
+        Suite("unseen tables T=20-60 D=4", "synthetic", "20-60", [4], tasks=3 * k, planners=MAIN_PLANNERS),
+        Suite("unseen tables T=20-60 D=8-16", "synthetic", "20-60", [8, 16], tasks=3 * k, planners=MAIN_PLANNERS),
+        Suite("unseen tables T=100-200 D=4-16", "synthetic", "100-200", [4, 8, 16], tasks=2 * k,
+              planners=MAIN_PLANNERS),
         # One 26-table list each: its tasks are the device counts.
-        Suite("Criteo-like (26 tables)", "criteo_26.csv", None, spec_devices, planners=MAIN_PLANNERS,
-              round_processes=True),
-        Suite("MLPerf-DLRM-like (26 tables)", "mlperf_dlrm.yaml", None, spec_devices, planners=MAIN_PLANNERS,
-              round_processes=True),
+        Suite("Criteo-like (26 tables)", "criteo_26.csv", None, spec_devices, planners=MAIN_PLANNERS),
+        Suite("MLPerf-DLRM-like (26 tables)", "mlperf_dlrm.yaml", None, spec_devices, planners=MAIN_PLANNERS),
     ]
-    return QualityConfig(suites=suites, torchrec_timeout_s=20.0)
+    return QualityConfig(suites=suites, torchrec_timeout_s=20.0, round_processes=True)
 
 
 # The split suite (issue 24): learned (cuts where they lower the slowest device), learned without split
@@ -109,15 +105,12 @@ def split_config() -> QualityConfig:
     Each round runs in a fresh process: in one long process, large tables measure faster once it has measured for a
     while (ruler.py), which moved the hot-table list's 32-device ratios from 0.69 to 0.59."""
     return QualityConfig(suites=[
-        Suite("MLPerf-like on 8 x 16 GiB", "mlperf_dlrm.yaml", None, [8], planners=SPLIT_PLANNERS, memory_gb=16.0,
-              round_processes=True),
-        Suite("MLPerf-like D=8-32", "mlperf_dlrm.yaml", None, [8, 16, 32], planners=SPLIT_PLANNERS,
-              round_processes=True),
-        Suite("hot table T=40 D=8-32", "data/hot_table_40.yaml", None, [8, 16, 32], planners=SPLIT_PLANNERS,
-              round_processes=True),
+        Suite("MLPerf-like on 8 x 16 GiB", "mlperf_dlrm.yaml", None, [8], planners=SPLIT_PLANNERS, memory_gb=16.0),
+        Suite("MLPerf-like D=8-32", "mlperf_dlrm.yaml", None, [8, 16, 32], planners=SPLIT_PLANNERS),
+        Suite("hot table T=40 D=8-32", "data/hot_table_40.yaml", None, [8, 16, 32], planners=SPLIT_PLANNERS),
         Suite("MLPerf-like D=16 on 4 hosts x 4", "mlperf_dlrm.yaml", None, [16], planners=SPLIT_PLANNERS,
-              devices_per_host=4, round_processes=True),
-    ], torchrec_timeout_s=20.0)
+              devices_per_host=4),
+    ], torchrec_timeout_s=20.0, round_processes=True)
 
 
 def scale_config() -> QualityConfig:
@@ -187,7 +180,7 @@ def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int,
     synthetic = generate_tables(cfg.population, seed=HELDOUT_SEED, **kw)
     # The run's batch size and communication calibration, so the cost model sees what it was trained on.
     settings = MeasureSettings(batch_size=int(cfg.batch_size or batch_size), calibration_dir=comm_root or None,
-                               max_shard_gb=cfg.max_shard_gb or None)
+                               max_shard_gb=cfg.max_shard_gb or None, round_processes=cfg.round_processes)
     frames = []
     for k, suite in enumerate(cfg.suites):
         t0 = time.perf_counter()
@@ -200,8 +193,7 @@ def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int,
                  f"{suite.rounds} rounds")
         planners = [*suite.planners, AA_PLANNER] if AA_PLANNER in suite.planners else list(suite.planners)
         res = evaluate.run(tables_path, tasks_path, os.path.join(folder, "eval"), planners=planners,
-                           split="test", rounds=suite.rounds,
-                           settings=settings.replace(round_processes=suite.round_processes), planner_kw=planner_kw,
+                           split="test", rounds=suite.rounds, settings=settings, planner_kw=planner_kw,
                            progress=False)
         df = res["frame"].copy()
         df = df[df["planner"] != AA_LABEL].copy()

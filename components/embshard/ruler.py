@@ -23,7 +23,6 @@
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,18 +150,15 @@ def _round_in_fresh_process(tables, jobs: list, cfg) -> list[float]:
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        pid, costs = pool.submit(_measure_round, tables, jobs, cfg).result()
-    if pid == os.getpid():  # a spawned worker is never this process
-        raise RuntimeError("round_processes: the round was measured in the calling process")
-    return costs
+        return pool.submit(_measure_round, tables, jobs, cfg).result()
 
 
-def _measure_round(tables, jobs: list, cfg) -> tuple[int, list[float]]:
-    """In the round's process: (its pid, each job's cost)."""
+def _measure_round(tables, jobs: list, cfg) -> list[float]:
+    """In the round's process: each job's cost."""
     import torch
 
     torch.set_num_threads(cfg.threads)
-    return os.getpid(), [_shard_cost(tables, job, n, cfg) for job, n in jobs]
+    return [_shard_cost(tables, job, n, cfg) for job, n in jobs]
 
 
 def distinct_shards(entries: list[Entry]) -> int:
