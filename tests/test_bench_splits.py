@@ -233,29 +233,3 @@ def test_plan_shards_keep_the_pieces_of_split_plans():
     assert has_piece.any()
     unsplit = a[~a["origin"].str.contains(r"\+split")]
     assert unsplit.apply(lambda r: max(r["col_sizes"]) < 0 and max(r["row_sizes"]) < 0, axis=1).all()
-
-
-def test_cut_ladders_measure_the_heaviest_large_tables_alone_at_every_way_a_plan_cuts_them(ts):
-    from embshard.bench.sampler import CUT_COLUMN_WAYS, CUT_MIN_ROWS, ROW_WAYS, cut_ladders
-
-    ids = [str(t) for t in ts.table_ids]
-    df = cut_ladders(ts, ids, 3, seed=5, num_devices=8)
-    assert df.equals(cut_ladders(ts, ids, 3, seed=5, num_devices=8))  # deterministic
-    work = np.asarray(ts.pooling_factor, float) * np.asarray(ts.dims, float)
-    size = np.asarray(ts.rows, float) * np.asarray(ts.dims, float)
-    big = [i for i in range(len(ids)) if ts.rows[i] >= CUT_MIN_ROWS and ts.dims[i] >= 8]
-    hottest = sorted(big, key=lambda i: -work[i])[:2]
-    largest = [i for i in sorted(big, key=lambda i: -size[i]) if i not in hottest][:1]
-    want = {ids[i] for i in hottest + largest}
-    assert {t[0] for t in df["table_ids"]} == want and len(want) == 3
-    assert (df["origin"] == "cut").all() and (df["num_devices"] == 8).all()
-    for tid, g in df.groupby(df["table_ids"].str[0]):
-        i = ids.index(tid)
-        rows = g[g["row_sizes"].str[0] > 0]
-        ways = sorted(round(int(ts.rows[i]) / z) for z in rows["row_sizes"].str[0])
-        assert ways == sorted(ROW_WAYS)  # one range per k
-        assert all(o + z <= ts.rows[i] for o, z in zip(rows["row_offsets"].str[0], rows["row_sizes"].str[0]))
-        cols = g[g["col_sizes"].str[0] > 0]["col_sizes"].str[0]
-        assert len(cols) == sum(int(ts.dims[i]) // 4 >= k for k in CUT_COLUMN_WAYS)
-        assert all(c % 4 == 0 and 0 < c < ts.dims[i] for c in cols)
-    assert cut_ladders(ts, ids, 0).empty  # none asked: nothing added

@@ -71,53 +71,6 @@ def draw_piece(rng: np.random.Generator, rows: int, dim: int) -> tuple[int | Non
     return int(widths[int(rng.integers(k))]), 0, None
 
 
-CUT_COLUMN_WAYS = (2, 4, 8)
-CUT_MIN_ROWS = 4096  # tables smaller than this are cheap whole; plans cut the large, hot ones
-_CUT_STREAM = 0xC07
-
-
-def cut_ladders(tables, members: Sequence[str], n_tables: int, seed: int = 0, num_devices: int = 4
-                ) -> pd.DataFrame:
-    """Single-piece shards: `n_tables` members of at least CUT_MIN_ROWS rows, half those with the most lookup work
-    (pooling_factor x dim), half the largest (rows x dim), each alone as one of k row ranges (k in ROW_WAYS, the
-    range drawn) and as one of k equal column slices (k in CUT_COLUMN_WAYS, widths multiples of 4).
-    Why: a planner compares a table whole with its cuts, so the cost model must price how a table's cost falls
-    with k; random and plan shards hold too few such pieces for that (3 single-piece shards of 464 in a default
-    run, and its model priced row ranges of large tables 1.2x too high: benchmarks/results/cut_accuracy.md).
-    Cheap: one table per shard. Origin 'cut'; col_sizes / row_offsets / row_sizes as split_shards writes them;
-    deterministic for a seed."""
-    pos = {str(t): i for i, t in enumerate(tables.table_ids)}
-    idx = [pos[str(t)] for t in members if str(t) in pos]
-    rows_of = np.asarray(tables.rows, dtype=np.int64)
-    work = np.asarray(tables.pooling_factor, float) * np.asarray(tables.dims, float)
-    size = rows_of.astype(float) * np.asarray(tables.dims, float)
-    big = [i for i in idx if rows_of[i] >= CUT_MIN_ROWS and int(tables.dims[i]) >= 8]
-    n = min(max(int(n_tables), 0), len(big))
-    by_work = sorted(big, key=lambda i: (-work[i], str(tables.table_ids[i])))
-    by_size = sorted(big, key=lambda i: (-size[i], str(tables.table_ids[i])))
-    picked = by_work[: (n + 1) // 2]  # half the hottest, half the largest: plans cut both (to balance, to fit)
-    picked += [i for i in by_size if i not in picked][: n - len(picked)]
-    rng = np.random.default_rng([int(seed), _CUT_STREAM])
-    out = []
-    for i in picked:
-        tid, rows, dim = str(tables.table_ids[i]), int(rows_of[i]), int(tables.dims[i])
-        for k in ROW_WAYS:
-            if k > rows:
-                continue
-            j = int(rng.integers(k))
-            off = j * rows // k
-            out.append({"sample_id": f"cut-{tid}-r{k}", "table_ids": [tid], "col_sizes": [-1],
-                        "row_offsets": [off], "row_sizes": [(j + 1) * rows // k - off]})
-        for k in CUT_COLUMN_WAYS:
-            if dim // 4 >= k:
-                out.append({"sample_id": f"cut-{tid}-c{k}", "table_ids": [tid], "col_sizes": [dim // 4 // k * 4],
-                            "row_offsets": [-1], "row_sizes": [-1]})
-    df = pd.DataFrame(out, columns=["sample_id", "table_ids", "col_sizes", "row_offsets", "row_sizes"])
-    df.insert(2, "num_devices", int(num_devices))
-    df.insert(3, "origin", "cut")
-    return schemas.validate(df, "shards", "<cut pieces>") if len(df) else df  # none: nothing to add
-
-
 def split_shards(df: pd.DataFrame, tables, share: float = SPLIT_SHARE, seed: int = 0) -> pd.DataFrame:
     """`df` (shards) with a `share` of its rows holding one split piece instead of a whole table: a table of the
     shard drawn with probability proportional to pooling_factor x dim (lookup work: the hot, large tables plans

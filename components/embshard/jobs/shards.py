@@ -11,10 +11,7 @@ Every mapped benchmark chunk reads this list instead of recomputing it. The budg
   tables most often), a quarter of the plans split their heaviest table over the devices (plan_shards), and
   any plan's pieces are kept as they are (col_sizes, row_offsets, row_sizes);
 - every train-pool table alone, and every test-pool table of the test shards alone (cheap; the single-table
-  reference of the cost-model report needs them);
-- the heaviest tables of each pool (CUT_TABLES) alone as one row range and one column slice of every way a plan
-  cuts them (bench.sampler.cut_ladders; cheap too): how a table's cost falls with its cuts, which the planner's
-  split refinement weighs.
+  reference of the cost-model report needs them).
 """
 from __future__ import annotations
 
@@ -40,7 +37,6 @@ SPLIT_SHARE = 0.25        # plans whose heaviest table is split over the devices
 REPLICA_SHARE = 0.15      # plans whose hottest small table is replicated on every device before sampling
 REPLICA_MAX_BYTES = 64 * 2**20  # tables up to this size are replicated (the planner replicates small hot ones)
 _REPLICA_STREAM = 0x5EB1  # the rng stream of the replica draws
-CUT_TABLES = {"train": 8, "test": 4}  # tables per pool measured alone at every way of cutting (cut_ladders)
 
 
 def _piece_proxy(plan, table_proxy: np.ndarray) -> np.ndarray:
@@ -120,7 +116,7 @@ def run(tables: str, tasks: str, out: str, *, num_shards: int, seed: int = 0,
         max_tables: int = MAX_RANDOM_TABLES) -> str:
     """Write OUT/shards.parquet (shards contract) and return its path; an existing list is kept (the list is a
     pure function of the inputs, so a rerun or a retried task sees the same one)."""
-    from ..bench.sampler import cut_ladders, piece_key, random_shards, split_shards
+    from ..bench.sampler import piece_key, random_shards, split_shards
     from ..types import load_tasks
 
     target = storage.join(out, SHARDS_FILE)
@@ -145,7 +141,6 @@ def run(tables: str, tasks: str, out: str, *, num_shards: int, seed: int = 0,
         if n_plan:
             parts.append(plan_shards(table_set.select(members), n_plan, seed=seed,
                                      memory_bytes_per_device=train_tasks[0].memory_bytes_per_device))
-        parts.append(cut_ladders(table_set, members, CUT_TABLES[pool], seed=seed, num_devices=num_devices))
         df = pd.concat(parts, ignore_index=True)
         frames.append(df.assign(sample_id=f"{pool}-" + df["sample_id"]))
     alone = set(pools.members(tdf, "train", seed))
