@@ -97,8 +97,8 @@ def test_pipeline_stages_measure_on_the_gpu(tmp_path, monkeypatch):
 
     monkeypatch.setenv("EMBSHARD_CALIBRATION_DIR", str(tmp_path / "calibration"))
     root = str(tmp_path / "run")
-    params = {"device": "cuda", "num_tables": 30, "num_tasks": 2, "tables_per_task": "6-10", "devices": 2,
-              "memory_gb": 64, "bench_shards": 12, "bench_chunks": 2, "bench_batch_size": 4096}
+    params = {"device": "cuda", "num_tables": 30, "hot_large_fraction": 0.0, "num_tasks": 2, "tables_per_task": "6-10",
+              "devices": 2, "memory_gb": 64, "bench_shards": 12, "bench_chunks": 2, "bench_batch_size": 4096}
     stages.run("ingest", root, params)
     stages.run("sample_shards", root, params)
     res = stages.run("benchmark", root, params, chunk=0)
