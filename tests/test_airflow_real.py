@@ -30,9 +30,8 @@ pytest.importorskip("airflow", reason="airflow extra")
 
 # A tiny run: 2 devices, 6-10 tables per task, one evaluated task, one outer round.
 TINY = {"num_tables": 40, "hot_large_fraction": 0.0, "num_tasks": 2, "tables_per_task": "6-10", "devices": 2,
-        "memory_gb": 256,
-        "bench_shards": 16, "bench_chunks": 2, "bench_batch_size": 256, "policy_iterations": 10, "policy_rounds": 1,
-        "eval_tasks": 1, "eval_planners": ["dim_greedy", "size_lookup_greedy"]}
+        "memory_gb": 256, "bench_shards": 16, "bench_chunks": 2, "bench_batch_size": 256, "policy_iterations": 10,
+        "policy_rounds": 1, "eval_tasks": 1, "eval_planners": ["dim_greedy", "size_lookup_greedy"]}
 ENV = ("AIRFLOW_HOME", "EMBSHARD_DATA_ROOT", "MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "AIRFLOW__CORE__DAGS_FOLDER")
 
 

@@ -27,9 +27,8 @@ pytestmark = pytest.mark.slow
 # 0.995x on this machine and once 1.025x on a loaded CI machine (no champion, no export). The gate's rules
 # themselves are tested in test_promote.py.
 TINY = {"num_tables": 40, "hot_large_fraction": 0.0, "num_tasks": 2, "tables_per_task": "6-10", "devices": 2,
-        "memory_gb": 256,
-        "bench_shards": 16, "bench_chunks": 2, "bench_batch_size": 256, "policy_iterations": 10, "eval_tasks": 1,
-        "eval_planners": ["size_greedy"]}
+        "memory_gb": 256, "bench_shards": 16, "bench_chunks": 2, "bench_batch_size": 256, "policy_iterations": 10,
+        "eval_tasks": 1, "eval_planners": ["size_greedy"]}
 POLICY, COST = "embshard-policy", "embshard-cost"
 ENV_KEYS = ("AIRFLOW_HOME", "AIRFLOW__CORE__LOAD_EXAMPLES", "AIRFLOW__CORE__DAGS_FOLDER", "EMBSHARD_DATA_ROOT",
             "MLFLOW_TRACKING_URI", "EMBSHARD_RUNNER")

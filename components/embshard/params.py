@@ -48,9 +48,9 @@ SPECS: dict[str, ParamSpec] = {
     "input": ParamSpec(None, "Spec or trace file for source spec/dlrm (a path or URI); empty for synthetic.",
                        {"type": ["null", "string"]}),
     "num_tables": ParamSpec(240, "Synthetic source: how many tables to generate (2-100,000).", _int(2, 100_000)),
-    # 0.04 by default: a cost model that never measured such tables mis-prices their cuts, and they are the
-    # tables that must be cut (benchmarks/results/quality_splits.md: the split suite 0.39-0.72x TorchRec full
-    # with them in training, 0.50-0.82x without).
+    # 0.04 by default for coverage: they are the tables a plan must cut, and a cost model that never measured
+    # one mis-prices their cuts (benchmarks/results/cut_accuracy.md). The split suite's gain is not established:
+    # of two training runs with them, one beat the run without them and one did not (quality_splits.md).
     "hot_large_fraction": ParamSpec(0.04, "Synthetic source: fraction of the tables drawn as large multi-hot "
                                     "features (1e7-1e8 rows, 20-120 lookups per sample), which independent draws "
                                     "of size and pooling almost never make (0-1).",
