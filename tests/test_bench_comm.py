@@ -107,3 +107,41 @@ def test_one_calibration_per_hardware_is_shared_by_runs_and_redone_only_when_ask
     assert comm.adopt_calibration(str(tmp_path / "run4"), "cpu:x") == third  # the new one is kept
     other = comm.adopt_calibration(str(tmp_path / "run5"), "cpu:y")  # another machine: its own
     assert len(calls) == 3 and other.latency_s == pytest.approx(3e-5)
+
+
+def test_busy_cores_sees_another_process_spinning():
+    """The load a calibration records is read from /proc/stat: a process spinning on one core is about one core
+    (a lower bound only: the test machine may be busier still)."""
+    import os
+    import subprocess
+    import sys
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        busy = comm.busy_cores(1.0)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert busy is not None and 0.7 <= busy <= (os.cpu_count() or 1) + 1e-9
+
+
+def test_a_calibration_on_a_busy_machine_waits_then_is_flagged(monkeypatch, caplog):
+    """Calibrating waits (a bounded while) for other processes to leave the cores it needs; when they do not, the
+    calibration records their load and the run warns in one line how to fix it. Old files without the record
+    still read (as quiet)."""
+    import logging
+
+    monkeypatch.setattr(comm.os, "cpu_count", lambda: 2)
+    assert comm.busy_limit(2) == 0.5
+    loads = iter([1.5, 1.2, 0.1])
+    monkeypatch.setattr(comm, "busy_cores", lambda seconds=0.5: next(loads))
+    assert comm.wait_for_quiet(2, max_wait_s=60) == 0.1  # waited through two busy samples
+    monkeypatch.setattr(comm, "busy_cores", lambda seconds=0.5: 1.3)
+    assert comm.wait_for_quiet(2, max_wait_s=0) == 1.3  # gave up at once: the load is recorded, not hidden
+    with caplog.at_level(logging.WARNING, logger=comm.log.name):
+        comm.warn_if_busy(comm.CommModel(2e-4, 7e8, "calibrated:gloo-2proc", 0.5, busy_cores=1.3), "every run")
+        comm.warn_if_busy(comm.CommModel(2e-4, 2e9, "calibrated:gloo-2proc", 0.1, busy_cores=0.1), "every run")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "1.3 of 2 cores" in warned[0] and "recalibrate_comm=true" in warned[0]
+    old = {"latency_s": 2e-4, "bandwidth_Bps": 7e8, "source": "calibrated:gloo-2proc", "spread": 0.5}
+    assert comm._from_dict(old).busy_cores == 0.0

@@ -19,6 +19,7 @@ class CommModel:
     bandwidth_Bps: float
     source: str  # how the constants were obtained
     spread: float = 0.0  # largest relative range of either constant over the calibration's repeats
+    busy_cores: float = 0.0  # cores other processes kept busy just before a CPU calibration (bench.comm)
 
     def time_ms(self, batch_size: int, sum_dims: int, num_devices: int) -> float:
         if num_devices <= 1 or sum_dims <= 0:

@@ -185,11 +185,54 @@ def group_numel(batch_size: int, sum_dims: int, num_devices: int, world: int) ->
     return int(math.ceil(batch_size * sum_dims * (num_devices - 1) / num_devices * world / (world - 1)))
 
 
+QUIET_WAIT_S = 10.0  # how long a CPU calibration waits for other processes to leave it the cores it needs
+
+
+def busy_cores(seconds: float = 0.5) -> float | None:
+    """Cores kept busy by every process (this one sleeps meanwhile) over `seconds`, from /proc/stat; None where
+    it cannot be read (not Linux)."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat", encoding="ascii") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+        return sum(v), v[3] + v[4]
+
+    try:
+        t0, i0 = sample()
+        time.sleep(seconds)
+        t1, i1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    if t1 <= t0:
+        return 0.0
+    return max(0.0, 1.0 - (i1 - i0) / (t1 - t0)) * (os.cpu_count() or 1)
+
+
+def busy_limit(world_size: int = 2) -> float:
+    """Other processes' load (cores) from which a calibration among `world_size` local ranks is flagged: when it
+    leaves them less than world_size - 0.5 free cores (on 2 cores: anything above half a core)."""
+    return max(0.5, (os.cpu_count() or 1) - world_size + 0.5)
+
+
+def wait_for_quiet(world_size: int = 2, max_wait_s: float = QUIET_WAIT_S) -> float:
+    """The other processes' load (cores) once it is below busy_limit, or after `max_wait_s`: a gloo calibration
+    on a busy 2-core machine reads the load, not the machine (pipeline runs stored 0.66-1.48 GB/s, quiet
+    calibrations read 1.7-2.0: benchmarks/results/comm_calibration.md), and every later run inherits it."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        busy = busy_cores()
+        if busy is None:
+            return 0.0
+        if busy < busy_limit(world_size) or time.monotonic() >= deadline:
+            return busy
+
+
 def calibrate(world_size: int = 2, repeats: int = 3, device: str = "cpu") -> CommModel:
     """Latency = the smallest all-to-all's median time; bandwidth = the slope between the smallest and the
     largest (all-to-alls between local processes, gloo on the CPU or NCCL among GPUs, medians of 7). Done
     `repeats` times: the constants are the medians, `spread` the largest relative range (how far a single
     calibration can be trusted)."""
+    # Other processes' load first: it slows the gloo all-to-all on a small machine (recorded, warned about).
+    busy = wait_for_quiet(world_size) if device == "cpu" else 0.0
     lat, bw = [], []
     with CommGroup(world_size, device) as group:
         for _ in range(max(1, repeats)):
@@ -203,11 +246,22 @@ def calibrate(world_size: int = 2, repeats: int = 3, device: str = "cpu") -> Com
             lat.append(max(ys[0], 1e-6))
     spread = max((max(v) - min(v)) / float(np.median(v)) for v in (lat, bw))
     return CommModel(latency_s=float(np.median(lat)), bandwidth_Bps=float(np.median(bw)),
-                     source=f"calibrated:{group.backend}-{world_size}proc", spread=float(spread))
+                     source=f"calibrated:{group.backend}-{world_size}proc", spread=float(spread),
+                     busy_cores=float(busy))
 
 
 def _from_dict(c: dict) -> CommModel:
-    return CommModel(float(c["latency_s"]), float(c["bandwidth_Bps"]), str(c["source"]), float(c.get("spread", 0.0)))
+    return CommModel(float(c["latency_s"]), float(c["bandwidth_Bps"]), str(c["source"]), float(c.get("spread", 0.0)),
+                     float(c.get("busy_cores", 0.0)))
+
+
+def warn_if_busy(model: CommModel, where: str) -> None:
+    """One warning when a calibration was made on a busy machine: its all-to-all reads slow, for every run after."""
+    if model.busy_cores >= busy_limit():
+        log.warning("the machine was busy while calibrating the all-to-all (%.1f of %d cores used by other "
+                    "processes): its bandwidth (%.2f GB/s) may read low, and %s keeps it (fix: calibrate again on a "
+                    "quiet machine, recalibrate_comm=true)", model.busy_cores, os.cpu_count() or 1,
+                    model.bandwidth_Bps / 1e9, where)
 
 
 def shared_calibration_dir() -> str | None:
@@ -252,14 +306,16 @@ def adopt_calibration(run_root: str, hardware: str, *, device: str = "cpu",
         log.info("calibrating the communication model for %s (%s)", hardware,
                  "asked for" if recalibrate else "none stored yet")
         model = _calibrate_for(device)
+        warn_if_busy(model, f"every later run of {hardware} (in {shared})")
         table[hardware] = asdict(model)
         storage.write_text(src, json.dumps(table, indent=2))
     model = _from_dict(table[hardware])
     run_table = json.loads(storage.read_text(dst)) if storage.exists(dst) else {}
     run_table[hardware] = asdict(model)
     storage.write_text(dst, json.dumps(run_table, indent=2))
-    log.info("comm model %s: latency %.1f us, bandwidth %.2f GB/s, spread over repeats %.0f%%", model.source,
-             model.latency_s * 1e6, model.bandwidth_Bps / 1e9, 100 * model.spread)
+    log.info("comm model %s: latency %.1f us, bandwidth %.2f GB/s, spread over repeats %.0f%%, other processes"
+             " busy on %.1f cores when calibrated", model.source,
+             model.latency_s * 1e6, model.bandwidth_Bps / 1e9, 100 * model.spread, model.busy_cores)
     return model
 
 
@@ -303,6 +359,7 @@ def comm_model(hardware: str, device: str, *, out: str | None = None, bandwidth_
         model = calibrate(2)
         log.info("comm model: latency %.1f us, bandwidth %.2f GB/s", model.latency_s * 1e6,
                  model.bandwidth_Bps / 1e9)
+        warn_if_busy(model, "this run")
     _PROCESS_CACHE[hardware] = model
     if path is not None:
         cached[hardware] = asdict(model)
