@@ -42,6 +42,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the harness's own pipeline run and suite files go (default runs/bench, or a "
                         "temporary folder with --quick)")
     p.add_argument("--jobs", default=",".join(JOBS), help=f"comma-separated subset of {', '.join(JOBS)}")
+    p.add_argument("--calibration-dir", default=None, metavar="DIR",
+                   help="quality: the folder whose comm_calibration.json prices the CPU's all-to-all (default: the "
+                        "run's own, what its models were trained with). Runs calibrated apart measure different "
+                        "networks; give one folder to compare several runs' models on one ruler")
     p.add_argument("--tasks-scale", type=int, default=1, metavar="K",
                    help="quality: K times the tasks of every suite (default 1: 3 per suite, 2 at 100-200 tables; "
                         "K=2 doubles the run's time and narrows the intervals)")
@@ -153,13 +157,15 @@ def _run(args, jobs: list[str], out: str, work: str) -> int:
             cfg = quality.quick_config() if args.quick else quality.full_config(args.tasks_scale)
             name, page = "quality", quality.markdown
         t0 = time.perf_counter()
-        frame = quality.run(info.policy_uri, cfg, os.path.join(work, name), info.batch_size, comm_root=info.root)
+        comm_root = args.calibration_dir or info.root
+        frame = quality.run(info.policy_uri, cfg, os.path.join(work, name), info.batch_size, comm_root=comm_root)
         secs = time.perf_counter() - t0
         frame.drop(columns=[c for c in ("error",) if c in frame.columns]).to_csv(
             os.path.join(out, "raw", f"{name}.csv"), index=False)
         png = quality.plot(quality.summarize(frame), os.path.join(out, f"{name}.png"), hw_line)
         write_text(os.path.join(out, f"{name}.md"),
-                   page(frame, cfg, hw_line, info.policy_uri, info.batch_size, secs, png))
+                   page(frame, cfg, hw_line, info.policy_uri, info.batch_size, secs, png)
+                   + quality.calibration_note(comm_root, info.root))
         pages[name] = {"md": f"{name}.md", "png": f"{name}.png",
                        "headline": quality.headline(quality.summarize(frame), frame), "seconds": secs}
 

@@ -167,6 +167,24 @@ def _suite_files(suite: Suite, cfg: QualityConfig, folder: str, synthetic: pd.Da
     return tables_path, tasks_path
 
 
+def calibration_note(comm_root: str, run_root: str) -> str:
+    """The page's line on which all-to-all formula priced the CPU's communication, and the one the models were
+    trained with (runs calibrated apart measure different networks: compare runs on one calibration)."""
+    from embshard.bench.backends import hardware as hardware_tag
+    from embshard.bench.comm import run_calibration
+
+    tag = hardware_tag("cpu")
+
+    def desc(root: str) -> str:
+        c = run_calibration(root, tag)
+        return "none" if c is None else f"{c['latency_s'] * 1e6:.0f} us + bytes / {c['bandwidth_Bps'] / 1e9:.2f} GB/s"
+
+    ruler, trained = desc(comm_root), desc(run_root)
+    same = "the one the models were trained with" if ruler == trained else f"the models were trained with {trained}"
+    return (f"\n\nCommunication on the CPU (the all-to-all formula of `{comm_root}/comm_calibration.json`): {ruler}; "
+            f"{same}.\n")
+
+
 def run(policy_uri: str, cfg: QualityConfig, workdir: str, batch_size: int,
         comm_root: str | None = None) -> pd.DataFrame:
     """Measure every suite; one row per (suite, task, planner) with evaluate.run's columns plus suite facts."""
