@@ -190,6 +190,32 @@ def test_mlflow_run_has_curves_metrics_and_plots(trained):
     assert {"parity.png", "learning_curves.png", "report.json"} <= names
 
 
+def test_the_model_records_the_network_it_was_priced_for(measured, tmp_path, monkeypatch):
+    """The run's communication calibration goes into the model (scoring prices comm with it) and into the MLflow
+    run's params, so two registry versions trained on calibrations apart can be told apart."""
+    import json
+
+    import mlflow
+
+    from embshard.bench.comm import CALIBRATION_FILE
+    from embshard.costmodel.data import load
+    from embshard.jobs.train_cost import run
+
+    hardware = load(measured["costs"], measured["tables"], seed=0).hardware
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    (calib / CALIBRATION_FILE).write_text(json.dumps({hardware: {
+        "latency_s": 2.4e-4, "bandwidth_Bps": 6.6e8, "source": "calibrated:gloo-2proc", "spread": 0.7,
+        "busy_cores": 1.2}}))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    res = run(measured["costs"], measured["tables"], str(tmp_path / "out"), max_epochs=3, members=1,
+              calibration_dir=str(calib))
+    assert res["model"].members[0].config.comm_calibration["bandwidth_Bps"] == 6.6e8
+    params = mlflow.MlflowClient(tracking_uri=res["tracking_uri"]).get_run(res["run_id"]).data.params
+    assert (params["comm_bandwidth_gbps"], params["comm_latency_us"], params["comm_busy_cores"]) == (
+        "0.66", "240.0", "1.2")
+
+
 def test_training_is_seeded(measured, tmp_path):
     from embshard.costmodel.data import load
     from embshard.costmodel.train import TrainParams, fit

@@ -265,12 +265,19 @@ def run(costs: str | list[str], tables: str, out: str | None = None, *, seed: in
     data = load(costs, tables, seed=seed)
     params = TrainParams(seed=seed, max_epochs=max_epochs, patience=patience)
     model, hist = fit_ensemble(data, params, members)
+    calibration = None
     if calibration_dir is not None:
         from ..bench.comm import run_calibration
 
         calibration = run_calibration(calibration_dir, data.hardware)
         for m in model.members:
             m.config.comm_calibration = calibration
+    # The network the model was priced for, beside its other params: two versions trained on calibrations apart
+    # price every all-to-all differently (bench.comm.warn_if_busy says why a CPU calibration can be off).
+    comm_params = {} if not calibration else {
+        "comm_bandwidth_gbps": round(float(calibration["bandwidth_Bps"]) / 1e9, 4),
+        "comm_latency_us": round(float(calibration["latency_s"]) * 1e6, 2),
+        "comm_busy_cores": round(float(calibration.get("busy_cores", 0.0)), 2)}
     analytic = AnalyticEstimator().fit(data, data.index("train"))
     report = evaluate(model, data, analytic, seed=seed)
     flat = _flat_metrics(report)
@@ -301,8 +308,8 @@ def run(costs: str | list[str], tables: str, out: str | None = None, *, seed: in
                                "embed": params.embed, "head_hidden": params.head_hidden,
                                "batch_shards": params.batch_shards,
                                "costs": costs, "tables": tables, "batch_size": data.batch_size,
-                               **{f"n_{k}": v for k, v in counts.items()}, **{f"dropped_{k}": v
-                                                                             for k, v in data.dropped.items()}})
+                               **comm_params, **{f"n_{k}": v for k, v in counts.items()},
+                               **{f"dropped_{k}": v for k, v in data.dropped.items()}})
             for name, series in (("train_loss", hist.train_loss), ("val_loss", hist.val_loss),
                                  ("overall_train_loss", hist.overall_train_loss),
                                  ("overall_val_loss", hist.overall_val_loss)):
