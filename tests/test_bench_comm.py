@@ -145,3 +145,16 @@ def test_a_calibration_on_a_busy_machine_waits_then_is_flagged(monkeypatch, capl
     assert len(warned) == 1 and "1.3 of 2 cores" in warned[0] and "recalibrate_comm=true" in warned[0]
     old = {"latency_s": 2e-4, "bandwidth_Bps": 7e8, "source": "calibrated:gloo-2proc", "spread": 0.5}
     assert comm._from_dict(old).busy_cores == 0.0
+
+
+def test_a_model_priced_for_another_network_is_named_with_the_factor():
+    """A cost model records the calibration it was trained on; where this machine's differs by more than 25%, one
+    line says by how much its predicted communication is off and what to do (the split suite moved 0.767 -> 0.543
+    with the calibration alone)."""
+    here = comm.CommModel(2.4e-4, 0.66e9, "calibrated:gloo-2proc")
+    trained = {"latency_s": 1.5e-4, "bandwidth_Bps": 1.48e9, "source": "calibrated:gloo-2proc"}
+    msg = comm.calibration_mismatch(trained, here)
+    assert msg is not None and "1.48 GB/s" in msg and "0.66 GB/s" in msg and "(0.45x)" in msg and "fix:" in msg
+    assert comm.calibration_mismatch({**trained, "bandwidth_Bps": 0.75e9}, here) is None  # within 25%
+    assert comm.calibration_mismatch(None, here) is None  # a model without a record: nothing to compare
+    assert comm.calibration_mismatch({**trained, "bandwidth_Bps": 0.5e9}, here) is not None  # 1.32x the other way

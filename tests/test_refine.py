@@ -200,3 +200,24 @@ def test_a_refinement_asks_a_composed_planner_to_explore_its_cuts_and_leaves_oth
     assert composed.explore_cuts is False
     RefinedPlanner(composed, 2)
     assert composed.explore_cuts is True
+
+
+def test_place_refine_warns_when_the_model_was_priced_for_another_network(tmp_path, caplog):
+    """`place --refine` measures with this machine's stored calibration; a model trained on one 2.2x apart is named
+    in one warning (and nothing is calibrated just to check: no stored calibration, no warning)."""
+    import json
+    import logging
+    from types import SimpleNamespace
+
+    from embshard.bench.comm import CALIBRATION_FILE
+    from embshard.jobs import place
+
+    trained = {"latency_s": 1.5e-4, "bandwidth_Bps": 1.48e9, "source": "calibrated:gloo-2proc"}
+    model = SimpleNamespace(config=SimpleNamespace(comm_calibration=trained))
+    with caplog.at_level(logging.WARNING, logger=place.log.name):
+        place._warn_if_priced_for_another_network(model, "cpu:test", str(tmp_path / "none"))
+        assert not caplog.records
+        (tmp_path / CALIBRATION_FILE).write_text(json.dumps({"cpu:test": {
+            "latency_s": 2.4e-4, "bandwidth_Bps": 0.66e9, "source": "calibrated:gloo-2proc"}}))
+        place._warn_if_priced_for_another_network(model, "cpu:test", str(tmp_path))
+    assert len(caplog.records) == 1 and "1.48 GB/s" in caplog.records[0].getMessage()

@@ -264,6 +264,21 @@ def warn_if_busy(model: CommModel, where: str) -> None:
                     model.bandwidth_Bps / 1e9, where)
 
 
+def calibration_mismatch(trained: dict | None, current: CommModel, tolerance: float = 0.25) -> str | None:
+    """One line when a cost model was priced for another all-to-all than the one this machine's calibration gives
+    (bandwidths more than `tolerance` apart, relative), else None: its predicted communication is then off by that
+    factor (benchmarks/results/split_runs.md: the same models read 0.767 and 0.543 on two calibrations)."""
+    if not trained or float(trained.get("bandwidth_Bps", 0) or 0) <= 0 or current.bandwidth_Bps <= 0:
+        return None
+    ratio = current.bandwidth_Bps / float(trained["bandwidth_Bps"])
+    if abs(math.log(ratio)) <= math.log1p(tolerance):
+        return None
+    return (f"the cost model was priced for a {float(trained['bandwidth_Bps']) / 1e9:.2f} GB/s all-to-all, this "
+            f"machine's calibration ({current.source}) says {current.bandwidth_Bps / 1e9:.2f} GB/s ({ratio:.2f}x): its "
+            "predicted communication is off by that much; measured costs use the calibration (fix: retrain on this "
+            "calibration, or recalibrate_comm on a quiet machine if the calibration is the odd one)")
+
+
 def shared_calibration_dir() -> str | None:
     """EMBSHARD_CALIBRATION_DIR: where one calibration per hardware is kept for every run (None: per run)."""
     return os.environ.get("EMBSHARD_CALIBRATION_DIR") or None

@@ -198,6 +198,20 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
             "placements": storage.join(out, "placements.parquet"), "refinement": refined, "report": report}
 
 
+def _warn_if_priced_for_another_network(cost_model, hardware: str, calibration_dir: str | None) -> None:
+    """The refinement measures with this machine's all-to-all calibration; say so when the model that chose the
+    candidates was trained on another (only where a calibration is already stored: none is made here for this)."""
+    from ..bench.comm import CALIBRATION_FILE, calibration_mismatch, comm_model
+
+    trained = getattr(getattr(cost_model, "config", None), "comm_calibration", None)
+    if not trained or calibration_dir is None or not storage.exists(storage.join(calibration_dir, CALIBRATION_FILE)):
+        return
+    current = comm_model(hardware, "cpu" if hardware.startswith("cpu") else "cuda", out=calibration_dir)
+    msg = calibration_mismatch(trained, current)
+    if msg:
+        log.warning("place --refine: %s", msg)
+
+
 def _refine(placement: Placement, planner, cost_model, k: int, rounds: int, hardware: str | None, where: str):
     """The measured refinement (embshard.refine) on this machine, which must be the hardware the plan is for."""
     from ..bench.backends import hardware as hardware_of
@@ -214,9 +228,10 @@ def _refine(placement: Placement, planner, cost_model, k: int, rounds: int, hard
                             field="refine", fix="run `embshard place --refine` on the target hardware, or drop "
                                                 "--refine (or --hardware)")
     settings = MeasureSettings(device="auto", calibration_dir=shared_calibration_dir())
+    model = getattr(planner, "cost_model", None) or cost_model
+    _warn_if_priced_for_another_network(model, here, settings.calibration_dir)
     try:
-        result = refine(placement, k, rounds=rounds, settings=settings,
-                        cost_model=getattr(planner, "cost_model", None) or cost_model)
+        result = refine(placement, k, rounds=rounds, settings=settings, cost_model=model)
     except EmbshardError as exc:
         raise exc.at(where) from None
     return winner_placement(result, k), result
