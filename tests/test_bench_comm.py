@@ -144,7 +144,7 @@ def test_a_calibration_on_a_busy_machine_waits_then_is_flagged(monkeypatch, capl
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and "1.3 of 2 cores" in warned[0] and "recalibrate_comm=true" in warned[0]
     old = {"latency_s": 2e-4, "bandwidth_Bps": 7e8, "source": "calibrated:gloo-2proc", "spread": 0.5}
-    assert comm._from_dict(old).busy_cores == 0.0
+    assert comm.model_from_dict(old).busy_cores == 0.0
 
 
 def test_a_model_priced_for_another_network_is_named_with_the_factor():

@@ -250,7 +250,8 @@ def calibrate(world_size: int = 2, repeats: int = 3, device: str = "cpu") -> Com
                      busy_cores=float(busy))
 
 
-def _from_dict(c: dict) -> CommModel:
+def model_from_dict(c: dict) -> CommModel:
+    """A CommModel from its comm_calibration.json entry (older entries lack spread and busy_cores: 0)."""
     return CommModel(float(c["latency_s"]), float(c["bandwidth_Bps"]), str(c["source"]), float(c.get("spread", 0.0)),
                      float(c.get("busy_cores", 0.0)))
 
@@ -324,7 +325,7 @@ def adopt_calibration(run_root: str, hardware: str, *, device: str = "cpu",
         warn_if_busy(model, f"every later run of {hardware} (in {shared})")
         table[hardware] = asdict(model)
         storage.write_text(src, json.dumps(table, indent=2))
-    model = _from_dict(table[hardware])
+    model = model_from_dict(table[hardware])
     run_table = json.loads(storage.read_text(dst)) if storage.exists(dst) else {}
     run_table[hardware] = asdict(model)
     storage.write_text(dst, json.dumps(run_table, indent=2))
@@ -366,7 +367,7 @@ def comm_model(hardware: str, device: str, *, out: str | None = None, bandwidth_
         except (ValueError, OSError):
             cached = {}
         if hardware in cached:
-            return _from_dict(cached[hardware])
+            return model_from_dict(cached[hardware])
     if device != "cpu":
         model = CommModel(NVLINK_DEFAULT["latency_s"], NVLINK_DEFAULT["bandwidth_Bps"], "constants:nvlink")
     else:

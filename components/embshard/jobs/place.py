@@ -200,14 +200,14 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
 
 def _warn_if_priced_for_another_network(cost_model, hardware: str, calibration_dir: str | None) -> None:
     """The refinement measures with this machine's all-to-all calibration; say so when the model that chose the
-    candidates was trained on another (only where a calibration is already stored: none is made here for this)."""
-    from ..bench.comm import CALIBRATION_FILE, calibration_mismatch, comm_model
+    candidates was trained on another (only where one is already stored: none is made here for this)."""
+    from ..bench.comm import calibration_mismatch, model_from_dict, run_calibration
 
     trained = getattr(getattr(cost_model, "config", None), "comm_calibration", None)
-    if not trained or calibration_dir is None or not storage.exists(storage.join(calibration_dir, CALIBRATION_FILE)):
+    stored = run_calibration(calibration_dir, hardware) if trained and calibration_dir is not None else None
+    if not stored:
         return
-    current = comm_model(hardware, "cpu" if hardware.startswith("cpu") else "cuda", out=calibration_dir)
-    msg = calibration_mismatch(trained, current)
+    msg = calibration_mismatch(trained, model_from_dict(stored))
     if msg:
         log.warning("place --refine: %s", msg)
 
