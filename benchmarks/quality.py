@@ -90,11 +90,11 @@ def full_config(tasks_scale: int = 1) -> QualityConfig:
     return QualityConfig(suites=suites, torchrec_timeout_s=20.0, round_processes=True)
 
 
-# The split suite (issue 24): learned (cuts where they lower the slowest device), learned without split
-# refinement (cuts only to fit), the greedy baselines (cut only what cannot be placed) and TorchRec's planners
+# The split suite (issue 24): learned (cuts where they lower the slowest device), learned keeping only its best
+# first cut (no branches), learned without split refinement (cuts only to fit), the greedy baselines (cut only what cannot be placed) and TorchRec's planners
 # (table-wise only; and with column-, row- and table-row-wise options).
-SPLIT_PLANNERS = ["learned", REFINED, "no_splits", "dim_greedy", "lookup_greedy", "size_lookup_greedy",
-                  "torchrec_table_wise", "torchrec_full"]
+SPLIT_PLANNERS = ["learned", REFINED, "no_branches", "no_splits", "dim_greedy", "lookup_greedy",
+                  "size_lookup_greedy", "torchrec_table_wise", "torchrec_full"]
 
 
 def split_config() -> QualityConfig:
@@ -416,7 +416,9 @@ def split_markdown(frame: pd.DataFrame, cfg: QualityConfig, hw_line: str, policy
              f"{batch_size}, forward + backward, plus the all-to-all model) in {cfg.suites[0].rounds} ruler rounds; "
              f"a plan costs its slowest device. `{REFINED}` is the learned plan refined by measuring 4 candidates "
              "on this machine (its drafts, the cuts its split refinement tried, the heuristics', TorchRec's), then "
-             "re-measured here. `no_splits` is the learned planner without split refinement (it cuts "
+             "re-measured here. `no_branches` is the learned planner keeping only its best first cut (the other "
+             "kinds of first cut not carried on as branches); `no_splits` is the learned planner without split "
+             "refinement (it cuts "
              "only to fit); the greedy baselines and TorchRec's planners cut only what cannot be placed whole "
              "(`torchrec_table_wise` never cuts; `torchrec_full` may cut column-, row- and table-row-wise). BE: the "
              "measured balanced estimate with every table divisible (an estimate, not a bound). "

@@ -142,9 +142,10 @@ def test_the_cuts_not_kept_stay_as_alternatives_for_a_measured_refinement():
     assert {_kind(c, cands[0]) for c in picked[1:]} == kinds >= {f"cut: {k}" for k in other}
 
 
-def test_for_a_refinement_the_planner_carries_each_kind_of_first_cut_on_without_changing_its_plan():
-    """explore_cuts (set by embshard.refine.explore): the best first cut of each kind is carried on with more cuts
-    on an allowance of its own, as alternatives; the plan itself and its search work are the same as without."""
+def test_each_kind_of_first_cut_is_carried_on_and_a_refinement_does_not_change_the_plan():
+    """The best first cut of each kind is carried on with more cuts on an allowance of its own (a branch); the
+    branches not chosen stay as alternatives. A refinement's exploring (explore_cuts) adds alternatives only: the
+    plan and its search work are the same as without."""
     from embshard.planners.search import cut_kind
 
     ts = hot_tables()
@@ -158,13 +159,36 @@ def test_for_a_refinement_the_planner_carries_each_kind_of_first_cut_on_without_
         [(s.table, s.device, s.kind, s.col_offset, s.row_offset) for s in b.shards]
     assert a.meta["search_evaluations"] == b.meta["search_evaluations"]
     branches = [p for p in b.alternatives if ", then " in p.meta.get("cut", "")]
-    assert branches and not any(", then " in p.meta.get("cut", "") for p in a.alternatives)
+    assert branches
+    plan_ms = float(placement_costs(model, a).max())
     for p in branches:
         p.check()
+        assert p.meta["predicted_ms"] >= plan_ms * (1 - 1e-6)  # the plan is the best of the line and the branches
         first = p.meta["cut"].split(", then ")[0]
         assert cut_kind(p.meta["cut"]) == cut_kind(first)
         cut_tables = {s.table for s in p.shards if s.kind != "whole"}
         assert len(cut_tables) >= 2  # the first cut and at least one more
+
+
+def test_a_branch_beats_the_kept_first_cut_where_keeping_it_was_myopic():
+    """The greedy split search keeps the best first cut; here (a random cost model, 30 tables with a hot one, 16
+    devices) replicating a small table first and cutting two more ends lower, so the plan is that branch, named in
+    its meta, and predicted below the planner without branches (`no_branches`)."""
+    import torch
+
+    from embshard.costmodel.model import CostModel, CostModelConfig
+    from embshard.features import FeatureScaler
+
+    ts = hot_tables(30, seed=10)
+    torch.manual_seed(10)
+    model = CostModel.create(CostModelConfig(), FeatureScaler.fit(ts.features()))
+    topo = DeviceTopology(16, int(ts.size_bytes.sum()))
+    with_branches = LearnedPlanner(None, model, composition_name="no_policy", search_evaluations=6000).plan(ts, topo)
+    kept_line = LearnedPlanner(None, model, composition_name="no_branches", search_evaluations=6000).plan(ts, topo)
+    with_branches.check()
+    assert "replicated on 16 devices, then " in with_branches.meta["cut"]
+    assert "cut" not in kept_line.meta
+    assert placement_costs(model, with_branches).max() < 0.95 * placement_costs(model, kept_line).max()
 
 
 def test_table_row_wise_cuts_stay_within_one_host():

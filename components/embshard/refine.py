@@ -236,8 +236,8 @@ def winner_placement(result: Refinement, k: int) -> Placement:
 
 
 def explore(planner) -> None:
-    """Ask a composed planner to carry on the cuts it does not keep, one branch per kind, as alternatives for a
-    refinement to measure (planners.compose.Splits._branches); other planners are left as they are."""
+    """Ask a composed planner to also search the first cuts its split search skips and carry each kind on, as
+    alternatives for a refinement to measure (planners.compose.Splits); other planners are left as they are."""
     if hasattr(planner, "explore_cuts"):
         planner.explore_cuts = True
 

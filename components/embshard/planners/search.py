@@ -82,6 +82,7 @@ class Budget:
     used: int = 0
     cap_hit: bool = False
     guard_stops: int = 0  # searches stopped because the best move's gain was inside the model's uncertainty
+    side: int = 0  # work done on allowances of their own (compose.Splits' branches), not counted in `used`
 
     def spend(self, n: int) -> None:
         self.used += int(n)
@@ -298,11 +299,12 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
     Returns (shards, state), unchanged when no cut helps.
 
     `variants`, when given, receives every first cut tried that fits memory, after its local search, as (label,
-    pieces, state), kept or not: a measured refinement (embshard.refine) measures the best of each kind, since the
-    model may rank the kinds of cut wrongly on tables unlike those it was trained on. `explore` (a measured
-    refinement will measure them): the first round's skipped cuts are still searched, as variants only (never
-    kept, not charged: the plan is the same), so that every kind of cut is measured (a skipped table-row-wise cut
-    was the measured best on the MLPerf-like list on 4 hosts of 4)."""
+    pieces, state, variant_only), kept or not: the planner carries the best of each kind on (compose.Splits), and a
+    measured refinement (embshard.refine) measures them, since the model may rank the kinds of cut wrongly on
+    tables unlike those it was trained on. `variant_only`: searched only because of `explore`. `explore` (a
+    measured refinement will measure them): the first round's skipped cuts are still searched, as variants only
+    (never kept, not charged: the plan is the same), so that every kind of cut is measured (a skipped
+    table-row-wise cut was the measured best on the MLPerf-like list on 4 hosts of 4)."""
     shards = list(shards)
     memory = state.memory
     replica_heads: dict = {}  # each table's comm heads as a replica (scoring.replica_extra_ms), asked every round
@@ -358,7 +360,7 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
                 # finer or row cut of it would end on the same one (it did in most rounds seen at 10-200 tables).
                 coarser_cleared = True
             if variants is not None and it == 0:  # the other first moves (later ones are tweaks of the plan)
-                variants.append((cut_label(tables, cut, topology), trial_shards, trial))
+                variants.append((cut_label(tables, cut, topology), trial_shards, trial, variant_only))
             if not variant_only and trial.overall < best_state.overall * (1 - 1e-4):
                 best_shards, best_state, best_work = trial_shards, trial, (sub if replica else None)
         if best_shards is None:
