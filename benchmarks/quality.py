@@ -91,8 +91,8 @@ def full_config(tasks_scale: int = 1) -> QualityConfig:
 
 
 # The split suite (issue 24): learned (cuts where they lower the slowest device), learned keeping only its best
-# first cut (no branches), learned without split refinement (cuts only to fit), the greedy baselines (cut only what cannot be placed) and TorchRec's planners
-# (table-wise only; and with column-, row- and table-row-wise options).
+# first cut (no branches), learned without split refinement (cuts only to fit), the greedy baselines (cut only what
+# cannot be placed) and TorchRec's planners (table-wise only; and with column-, row- and table-row-wise options).
 SPLIT_PLANNERS = ["learned", REFINED, "no_branches", "no_splits", "dim_greedy", "lookup_greedy",
                   "size_lookup_greedy", "torchrec_table_wise", "torchrec_full"]
 
