@@ -283,7 +283,7 @@ def replica_candidate(tables: TableSet, shards: list[Shard], state: SearchState,
 
 def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_model, topology: DeviceTopology,
                budget: Budget, max_splits: int = 8, columns: bool = True, rows: bool = True,
-               replicas: bool = False, variants: list[tuple[str, list[Shard], SearchState]] | None = None,
+               replicas: bool = False, variants: list[tuple[str, list[Shard], SearchState, bool]] | None = None,
                explore: bool = False) -> tuple[list[Shard], SearchState]:
     """Cut the most expensive movable piece of the slowest device while that lowers the predicted overall cost.
 
