@@ -189,6 +189,11 @@ def test_a_branch_beats_the_kept_first_cut_where_keeping_it_was_myopic():
     assert "replicated on 16 devices, then " in with_branches.meta["cut"]
     assert "cut" not in kept_line.meta
     assert placement_costs(model, with_branches).max() < 0.95 * placement_costs(model, kept_line).max()
+    # `place` says where the plan came from, under its device table
+    from embshard.placement_report import device_table
+
+    assert f"(the split search's branch: {with_branches.meta['cut']})" in device_table(with_branches)
+    assert "the split search's branch" not in device_table(kept_line)
 
 
 def test_table_row_wise_cuts_stay_within_one_host():

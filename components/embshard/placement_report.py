@@ -130,4 +130,7 @@ def split_summary(placement: Placement, limit: int = 6) -> str:
                      else f" on devices {devices[0]}..{devices[-1]}")
         parts.append(f"{placement.tables.table_ids[t]} in {len(pieces)} {words.get(kind, kind)}{where}")
     more = f" and {len(by_table) - limit} more" if len(by_table) > limit else ""
-    return f"cut tables ({len(by_table)}): " + "; ".join(parts) + more
+    # A plan from a branch of the split search (planners.compose.Splits) says which first cut it carried on.
+    branch = placement.meta.get("cut")
+    found = f" (the split search's branch: {branch})" if branch else ""
+    return f"cut tables ({len(by_table)}): " + "; ".join(parts) + more + found
