@@ -345,21 +345,18 @@ class Splits:
         if kept_first is not None and kept_first.overall >= best.overall * (1 - 1e-4):
             kept_first = None
         plan_leads = [d for d in _kind_leads(own) if d is not kept_first] if self.branches else []
-        leads = [d for d in _kind_leads(cuts) if d is not kept_first] if problem.explore_cuts else plan_leads
-        own_ids = {id(d) for d in plan_leads}
-        carried = {}  # id(lead) -> its branch or None (a lead both lists share is carried on once)
-        for d in plan_leads + leads:
-            if id(d) not in carried:
-                carried[id(d)] = self._carry_on(problem, d, budget, charged=id(d) in own_ids)
-        branches = [b for b in carried.values() if b is not None]
+        extra_leads = [d for d in _kind_leads(cuts) if d is not kept_first and all(d is not p for p in plan_leads)
+                       ] if problem.explore_cuts else []
+        plan_branches = [b for d in plan_leads if (b := self._carry_on(problem, d, budget, charged=True)) is not None]
+        extra_branches = [b for d in extra_leads
+                          if (b := self._carry_on(problem, d, budget, charged=False)) is not None]
         kept = Draft(best.name, shards, state)
-        contenders = [kept, *(carried[id(d)] for d in plan_leads if carried[id(d)] is not None)]
-        plan = min(contenders, key=lambda d: d.overall)  # the first of equals: the kept line
+        plan = min([kept, *plan_branches], key=lambda d: d.overall)  # the first of equals: the kept line
         # The plan before these cuts stays a draft too (its state is not changed by try_splits): the model may
         # price the cuts wrongly (on the MLPerf-like list on 8 x 16 GiB, the learned planner without split
         # refinement measured 0.92x the learned plan).
         uncut = Draft(f"{best.name}, before splits", best.pieces, best.state)
-        others = [d for d in [kept, *branches] if d is not plan]
+        others = [d for d in [kept, *plan_branches, *extra_branches] if d is not plan]
         # stable: at equal cost the other proposers' drafts come before the cut variants
         return [plan, *sorted([uncut, *drafts[1:], *others, *cuts], key=lambda d: d.overall)]
 
