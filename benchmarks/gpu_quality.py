@@ -8,7 +8,7 @@ cut in two, with the plans travelling as Parquet:
         --device cuda --batch-size 65536 --deadline-s 420                           # there: the ruler
     python -m benchmarks.gpu_quality measure --root .gpu/quality --out DIR2 --device cpu --batch-size 2048 \
         --calibration-dir runs/local/calibration --round-processes                    # here: the CPU counterpart
-    python -m benchmarks.gpu_quality report --gpu DIR [--cpu DIR2] --out PAGE.md      # here: the page
+    python -m benchmarks.gpu_quality report --gpu DIR... [--cpu DIR2...] --out PAGE.md   # here: the page
 
 - plan: each selected task of the split suite (benchmarks.quality.split_config) is planned by the split suite's
   planners with the run's models; the learned plan's refinement candidates (embshard.refine.select: the first
@@ -36,10 +36,13 @@ import pandas as pd
 HERE = os.path.dirname(os.path.abspath(__file__))
 # (suite name in quality.split_config, device counts): the order of priority (the smallest first: its measured
 # rate budgets the rest).
-TASKS = [("MLPerf-like D=8-32", [8, 16]), ("hot table T=40 D=8-32", [16, 8]),
+TASKS = [("MLPerf-like D=8-32", [8, 16]), ("hot table T=40 D=8-32", [16, 8, 32]),
          ("MLPerf-like D=16 on 4 hosts x 4", [16]), ("MLPerf-like D=8-32", [32])]
-PLANNERS = ["learned", "torchrec_full", "torchrec_table_wise", "lookup_greedy", "size_lookup_greedy", "dim_greedy"]
+# no_branches: the learned planner without the split search's branches, measured beside it (paired, in the report)
+PLANNERS = ["learned", "no_branches", "torchrec_full", "torchrec_table_wise", "lookup_greedy", "size_lookup_greedy",
+            "dim_greedy"]
 REFINED, K = "learned+refine4", 4
+LEARNED = ("learned", "no_branches")  # the planners that load the run's policy
 AA = "dim_greedy"
 
 
@@ -82,7 +85,7 @@ def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None
             task = load_tasks(os.path.join(sub, "tables.parquet"), os.path.join(sub, "tasks.parquet"), "test")[0]
             frames, cand_frames, cand_rows = [], [], []
             for p in PLANNERS:
-                kw = {"model_uri": info.policy_uri} if p == "learned" else (
+                kw = {"model_uri": info.policy_uri} if p in LEARNED else (
                     {"timeout_s": torchrec_timeout_s} if p.startswith("torchrec") else {})
                 planner = get_planner(p, **kw)
                 if p == "learned":
@@ -209,20 +212,23 @@ def measure(root: str, out: str, device: str, batch_size: int, rounds: int, dead
     print(f"done in {time.perf_counter() - t_start:.0f} s on {hw}", flush=True)
 
 
-def _verdicts(out_dir: str) -> pd.DataFrame:
-    """One row per (task, planner): measured ms, gap to BE, ratio to TorchRec full [CI], to the best greedy
-    baseline [CI], and the task's A/A floor."""
+def _verdicts(out_dirs: list[str]) -> pd.DataFrame:
+    """One row per (task, planner) over the measure calls' folders: measured ms, gap to BE, ratio to TorchRec full
+    [CI], to the best greedy baseline [CI], to `no_branches` [CI] (paired per round), and the task's A/A floor."""
     from embshard import stats
 
-    ev = pd.read_parquet(os.path.join(out_dir, "evaluation.parquet"))
-    rf = pd.read_parquet(os.path.join(out_dir, "ratios.parquet"))
+    ev = pd.concat([pd.read_parquet(os.path.join(d, "evaluation.parquet")) for d in out_dirs], ignore_index=True)
+    rf = pd.concat([pd.read_parquet(os.path.join(d, "ratios.parquet")) for d in out_dirs], ignore_index=True)
     rows = []
     for task, g in ev.groupby("task", sort=False):
         r = rf[rf["task"] == task]
         floor = stats.aa_floor(r.drop(columns=["task", "suite", "hardware"]), AA)
+        unbranched = g[g["planner"] == "no_branches"]["round_costs_ms"]
         for row in g.itertuples(index=False):
             if row.planner == f"{AA}#2":
                 continue
+            vs_nb = (stats.median_ci(np.asarray(row.round_costs_ms) / np.asarray(unbranched.iloc[0]))
+                     if len(unbranched) and row.planner != "no_branches" else (np.nan,) * 3)
             full = r[(r["planner"] == row.planner) & (r["versus"] == "torchrec_full")]
             rows.append({"task": task, "planner": row.planner, "measured_ms": row.measured_cost_ms,
                          "x_BE": row.measured_cost_ms / row.balanced_estimate_ms,
@@ -230,12 +236,13 @@ def _verdicts(out_dir: str) -> pd.DataFrame:
                          "vs_tr_lo": full["ci_low"].iloc[0] if len(full) else np.nan,
                          "vs_tr_hi": full["ci_high"].iloc[0] if len(full) else np.nan,
                          "vs_best_greedy": row.ratio_to_best_baseline, "vs_bg_lo": row.ratio_ci_low,
-                         "vs_bg_hi": row.ratio_ci_high, "aa": floor[0], "aa_lo": floor[1], "aa_hi": floor[2],
+                         "vs_bg_hi": row.ratio_ci_high, "vs_nb": vs_nb[0], "vs_nb_lo": vs_nb[1], "vs_nb_hi": vs_nb[2],
+                         "aa": floor[0], "aa_lo": floor[1], "aa_hi": floor[2],
                          "hardware": row.hardware, "batch_size": row.batch_size})
     return pd.DataFrame(rows)
 
 
-def report(gpu: str, cpu: str | None, out: str) -> None:
+def report(gpu: list[str], cpu: list[str] | None, out: str) -> None:
     from benchmarks.common import md_table, write_text
 
     def ci(m, lo, hi):
@@ -258,13 +265,15 @@ def report(gpu: str, cpu: str | None, out: str) -> None:
         for r in t.itertuples(index=False):
             row = {"planner": r.planner, "GPU ms": r.measured_ms, "GPU x BE": r.x_BE,
                    "GPU vs TorchRec full [95%]": ci(r.vs_torchrec_full, r.vs_tr_lo, r.vs_tr_hi),
-                   "GPU vs best greedy [95%]": ci(r.vs_best_greedy, r.vs_bg_lo, r.vs_bg_hi)}
+                   "GPU vs best greedy [95%]": ci(r.vs_best_greedy, r.vs_bg_lo, r.vs_bg_hi),
+                   "GPU vs no_branches [95%]": ci(r.vs_nb, r.vs_nb_lo, r.vs_nb_hi)}
             if c is not None:
                 m = c[(c["task"] == task) & (c["planner"] == r.planner)]
                 if len(m):
                     x = m.iloc[0]
                     row.update({"CPU x BE": x["x_BE"],
-                                "CPU vs TorchRec full [95%]": ci(x["vs_torchrec_full"], x["vs_tr_lo"], x["vs_tr_hi"])})
+                                "CPU vs TorchRec full [95%]": ci(x["vs_torchrec_full"], x["vs_tr_lo"], x["vs_tr_hi"]),
+                                "CPU vs no_branches [95%]": ci(x["vs_nb"], x["vs_nb_lo"], x["vs_nb_hi"])})
             rows.append(row)
         aa = t.iloc[0]
         lines += [f"## {task}", "", f"A/A floor on the GPU ({AA} vs itself): {ci(aa.aa, aa.aa_lo, aa.aa_hi)}"
@@ -295,8 +304,8 @@ def main(argv=None) -> int:
     m.add_argument("--round-processes", action="store_true",
                    help="CPU: each ruler round in a fresh process, as the suites measure (ruler.py)")
     r = sub.add_parser("report")
-    r.add_argument("--gpu", required=True)
-    r.add_argument("--cpu", default=None)
+    r.add_argument("--gpu", required=True, nargs="+", help="the measure calls' --out folders on the GPU")
+    r.add_argument("--cpu", default=None, nargs="+", help="the same on this CPU")
     r.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.cmd == "plan":
