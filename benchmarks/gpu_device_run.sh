@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Device-side driver for the GPU measurements of issue 17 (run from the repo root of the device copy, with the
 # repo's components/tests/data, this driver and the reduced fbgemm-gpu copied under .gpu/ by benchmarks/gpu_stage.sh).
-# Phases: setup (install .gpu/whl, unpack the reduced fbgemm-gpu), test, costs, aa, quality (benchmarks.gpu_quality). Every step logs under $OUT; each bench step has a deadline so the call ends inside its limit.
+# Phases: setup (install .gpu/whl, unpack the reduced fbgemm-gpu), test, costs, aa, splitcosts (a pipeline run's shard
+# sample with split pieces, for a GPU cost model), quality (benchmarks.gpu_quality). Every step logs under $OUT; each
+# bench step has a deadline so the call ends inside its limit.
 # usage: gpu_device_run.sh SECONDS PHASE[:CAP_SECONDS]...
 set -u
 T0=$(date +%s); LIMIT=$1; shift
@@ -39,11 +41,17 @@ PY
     ;;
   test)
     timeout $(( $(left) - 10 )) python3 -m pytest -q -rA -p no:cacheprovider .gpu/tests/test_bench_cuda.py 2>&1 | tee $OUT/pytest_cuda.txt ;;
-  costs|aa)
-    if [ $phase = costs ]; then S=$G/shards.parquet; R=/tmp/run_costs; else S=$G/aa_shards.parquet; R=/tmp/run_aa; fi
+  costs|aa|splitcosts)
+    # splitcosts: a pipeline run's shard sample, split pieces included (.gpu/data/split), for a GPU cost model
+    TB=$G/tables.parquet; TK=$G/tasks.parquet
+    case $phase in
+      costs) S=$G/shards.parquet; R=/tmp/run_costs ;;
+      aa) S=$G/aa_shards.parquet; R=/tmp/run_aa ;;
+      splitcosts) S=$G/split/shards.parquet; TB=$G/split/tables.parquet; TK=$G/split/tasks.parquet; R=/tmp/run_split ;;
+    esac
     BK=fbgemm; python3 -c "from embshard.bench import backends; import sys; sys.exit(backends.fbgemm_status('cuda') is not None)" || BK=torch
     T=$(( $(left) - 25 )); [ $T -gt $CAP ] && T=$CAP; echo "bench $phase backend $BK for at most ${T}s" | tee -a $OUT/driver.log
-    [ $T -gt 20 ] && timeout $T python3 -m embshard bench --tables $G/tables.parquet --tasks $G/tasks.parquet \
+    [ $T -gt 20 ] && timeout $T python3 -m embshard bench --tables $TB --tasks $TK \
         --shards $S --out $R --device cuda --backend $BK --num-chunks 4 --no-progress 2>&1 | tee -a $OUT/bench_$phase.log
     python3 - $R $OUT/${phase}_gpu.parquet <<'PY' 2>&1 | tee -a $OUT/driver.log
 import glob, sys, pandas as pd
@@ -56,10 +64,11 @@ PY
   quality)
     # The split suite's plans (made on the dev machine: python -m benchmarks.gpu_quality plan --out .gpu/quality)
     # measured here with the ruler, the refinement included; results are written after every task.
-    # EMBSHARD_GPU_TASKS=task-01,task-04 measures those tasks only, in that order.
+    # EMBSHARD_GPU_TASKS=task-01,task-04 measures those tasks only, in that order; EMBSHARD_GPU_ROOT another plan
+    # folder (default .gpu/quality), e.g. plans searched with a GPU cost model.
     T=$(( $(left) - 20 )); [ $T -gt $CAP ] && T=$CAP; echo "quality for at most ${T}s" | tee -a $OUT/driver.log
     mkdir -p $OUT/quality
-    timeout $T python3 -m benchmarks.gpu_quality measure --root .gpu/quality --out $OUT/quality --device cuda \
+    timeout $T python3 -m benchmarks.gpu_quality measure --root ${EMBSHARD_GPU_ROOT:-.gpu/quality} --out $OUT/quality --device cuda \
         --batch-size ${EMBSHARD_GPU_BATCH:-65536} --rounds 5 --deadline-s $(( T - 30 )) ${EMBSHARD_GPU_TASKS:+--tasks $EMBSHARD_GPU_TASKS} 2>&1 | tee $OUT/quality.log ;;
   esac
 done

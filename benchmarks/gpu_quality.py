@@ -10,6 +10,15 @@ cut in two, with the plans travelling as Parquet:
         --calibration-dir runs/local/calibration --round-processes                    # here: the CPU counterpart
     python -m benchmarks.gpu_quality report --gpu DIR... [--cpu DIR2...] --out PAGE.md   # here: the page
 
+Planned with a cost model trained on the GPU's own measurements (the CPU-trained one prices the CPU's ratio of
+compute to all-to-all; see split_runs/run3-branches/gpu-quality-nvidia-h100.md), one more device call first:
+
+    bash .gpu/gpu_device_run.sh 300 setup splitcosts                                 # there: splitcosts_gpu.parquet
+    embshard train-cost --costs splitcosts_gpu.parquet \
+        --tables benchmarks/data/gpu-h100-split/tables.parquet --out /tmp/gpu-cost --no-register  # here
+    python -m benchmarks.gpu_quality plan --run runs/local --out .gpu/quality-gpucm --cost-model /tmp/gpu-cost/model
+    EMBSHARD_GPU_ROOT=.gpu/quality-gpucm bash .gpu/gpu_device_run.sh 550 setup quality  # there
+
 - plan: each selected task of the split suite (benchmarks.quality.split_config) is planned by the split suite's
   planners with the run's models; the learned plan's refinement candidates (embshard.refine.select: the first
   choice, its cut variants, the heuristics, TorchRec's table-wise plan; K=4) are kept too, unmeasured.
@@ -51,17 +60,21 @@ def _task_dirs(root: str) -> list[str]:
         return [os.path.join(root, d) for d in json.load(f)]
 
 
-def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None = None) -> None:
+def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None = None,
+         cost_model: str | None = None) -> None:
     """Plan the selected tasks (the first `limit` of them) here and write ROOT/<task>/{tables,tasks,plans,
-    candidates}.parquet."""
+    candidates}.parquet. `cost_model` (a model folder of `embshard train-cost --out` or a model URI): the learned
+    planners search with it instead of the cost model their policy was trained against (a model trained on the
+    GPU's own measurements; the policy only proposes)."""
     from benchmarks import pipeline_stages
     from benchmarks.common import progress
     from benchmarks.quality import _suite_files, split_config
-    from embshard import refine, schemas
+    from embshard import costmodel, refine, schemas
     from embshard.planners import get_planner
     from embshard.types import load_tasks
 
     info = pipeline_stages.reuse(run)
+    searched_with = costmodel.load(cost_model) if cost_model else None
     cfg = split_config()
     suites = {s.name: s for s in cfg.suites}
     os.makedirs(out, exist_ok=True)
@@ -88,6 +101,8 @@ def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None
                 kw = {"model_uri": info.policy_uri} if p in LEARNED else (
                     {"timeout_s": torchrec_timeout_s} if p.startswith("torchrec") else {})
                 planner = get_planner(p, **kw)
+                if searched_with is not None and p in LEARNED:
+                    planner.cost_model = searched_with
                 if p == "learned":
                     refine.explore(planner)  # its cut variants become candidates, as under --refine
                 t0 = time.perf_counter()
@@ -107,7 +122,7 @@ def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None
             pd.DataFrame(cand_rows).to_parquet(os.path.join(sub, "candidate_info.parquet"), index=False)
             with open(os.path.join(sub, "task.json"), "w", encoding="utf-8") as f:
                 json.dump({"suite": name, "num_devices": D, "label": tag, "policy_uri": info.policy_uri,
-                           "cpu_batch_size": int(info.batch_size)}, f)
+                           "cpu_batch_size": int(info.batch_size), "cost_model": cost_model or "the policy's"}, f)
             order.append(os.path.basename(sub))
     with open(os.path.join(out, "order.json"), "w", encoding="utf-8") as f:
         json.dump(order, f)
@@ -260,26 +275,33 @@ def report(gpu: list[str], cpu: list[str] | None, out: str) -> None:
              f"measuring its 4 candidates there.{cpu_line} Ratios are paired per round, with 95% intervals; BE is the "
              "balanced estimate (every table fused on one device, over D). A ratio whose interval overlaps the "
              "A/A floor is no difference.", ""]
-    for task, t in g.groupby("task", sort=False):
+    # The GPU's tasks in their measured order, then any that only the CPU measured (a GPU call ran out of time).
+    tasks = list(dict.fromkeys([*g["task"], *(c["task"] if c is not None else [])]))
+    for task in tasks:
+        t = g[g["task"] == task]
+        tc = c[c["task"] == task] if c is not None else g.iloc[:0]
         rows = []
-        for r in t.itertuples(index=False):
-            row = {"planner": r.planner, "GPU ms": r.measured_ms, "GPU x BE": r.x_BE,
-                   "GPU vs TorchRec full [95%]": ci(r.vs_torchrec_full, r.vs_tr_lo, r.vs_tr_hi),
-                   "GPU vs best greedy [95%]": ci(r.vs_best_greedy, r.vs_bg_lo, r.vs_bg_hi),
-                   "GPU vs no_branches [95%]": ci(r.vs_nb, r.vs_nb_lo, r.vs_nb_hi)}
-            if c is not None:
-                m = c[(c["task"] == task) & (c["planner"] == r.planner)]
-                if len(m):
-                    x = m.iloc[0]
-                    row.update({"CPU x BE": x["x_BE"],
-                                "CPU vs TorchRec full [95%]": ci(x["vs_torchrec_full"], x["vs_tr_lo"], x["vs_tr_hi"]),
-                                "CPU vs no_branches [95%]": ci(x["vs_nb"], x["vs_nb_lo"], x["vs_nb_hi"])})
+        for name in dict.fromkeys([*t["planner"], *tc["planner"]]):
+            row = {"planner": name}
+            m = t[t["planner"] == name]
+            if len(m):
+                r = m.iloc[0]
+                row.update({"GPU ms": r.measured_ms, "GPU x BE": r.x_BE,
+                            "GPU vs TorchRec full [95%]": ci(r.vs_torchrec_full, r.vs_tr_lo, r.vs_tr_hi),
+                            "GPU vs best greedy [95%]": ci(r.vs_best_greedy, r.vs_bg_lo, r.vs_bg_hi),
+                            "GPU vs no_branches [95%]": ci(r.vs_nb, r.vs_nb_lo, r.vs_nb_hi)})
+            m = tc[tc["planner"] == name]
+            if len(m):
+                x = m.iloc[0]
+                row.update({"CPU x BE": x["x_BE"],
+                            "CPU vs TorchRec full [95%]": ci(x["vs_torchrec_full"], x["vs_tr_lo"], x["vs_tr_hi"]),
+                            "CPU vs no_branches [95%]": ci(x["vs_nb"], x["vs_nb_lo"], x["vs_nb_hi"])})
             rows.append(row)
-        aa = t.iloc[0]
-        lines += [f"## {task}", "", f"A/A floor on the GPU ({AA} vs itself): {ci(aa.aa, aa.aa_lo, aa.aa_hi)}"
-                  + (f"; on the CPU: {ci(*c[c['task'] == task][['aa', 'aa_lo', 'aa_hi']].iloc[0])}"
-                     if c is not None and (c["task"] == task).any() else ""), "",
-                  md_table(pd.DataFrame(rows)), ""]
+        floors = [f"on the {hw}: {ci(*f[['aa', 'aa_lo', 'aa_hi']].iloc[0])}" for hw, f in (("GPU", t), ("CPU", tc))
+                  if len(f)]
+        lines += [f"## {task}", "", f"A/A floor ({AA} vs itself) " + "; ".join(floors)
+                  + ("" if len(t) else " (not measured on the GPU: the device call's time ran out)"), "",
+                  md_table(pd.DataFrame(rows).fillna("–")), ""]
     write_text(out, "\n".join(lines))
 
 
@@ -290,6 +312,9 @@ def main(argv=None) -> int:
     p.add_argument("--run", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--limit", type=int, default=None, help="plan only the first N tasks (in priority order)")
+    p.add_argument("--cost-model", default=None,
+                   help="the learned planners search with this cost model (a train-cost --out model folder or a "
+                        "model URI) instead of their policy's, e.g. one trained on the GPU's measurements")
     m = sub.add_parser("measure")
     m.add_argument("--root", required=True)
     m.add_argument("--out", required=True)
@@ -309,7 +334,7 @@ def main(argv=None) -> int:
     r.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.cmd == "plan":
-        plan(a.run, a.out, limit=a.limit)
+        plan(a.run, a.out, limit=a.limit, cost_model=a.cost_model)
     elif a.cmd == "measure":
         measure(a.root, a.out, a.device, a.batch_size, a.rounds, a.deadline_s,
                 a.tasks.split(",") if a.tasks else None, a.calibration_dir, a.round_processes)

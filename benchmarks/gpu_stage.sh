@@ -2,6 +2,7 @@
 # Stage what a borrowed GPU machine needs into CHECKOUT/.gpu (the checkout the device tool sends; .gpu is
 # git-ignored through .git/info/exclude and named in the run's `carry`), from this source tree:
 #   .gpu/components  .gpu/tests  .gpu/data  .gpu/gpu_device_run.sh   this tree's code, tests, driver, GPU inputs
+#                         (.gpu/data/split: the shard sample of benchmarks/data/gpu-h100-split, split pieces included)
 #   .gpu/whl/*.whl        packages the device image lacks (jsonschema and its needs, cp312 manylinux)
 #   .gpu/fbgemm-red.tar.xz, .gpu/fbgemm.sha256   the reduced fbgemm-gpu 1.6.0 (benchmarks/gpu_pack_fbgemm.py;
 #                         kept when already there: it takes about 5 minutes to build)
@@ -16,6 +17,7 @@ cp -a components "$G/components"; cp -a tests "$G/tests"
 find "$G/components" "$G/tests" \( -name __pycache__ -o -name '*.egg-info' \) -prune -exec rm -rf {} +
 cp benchmarks/gpu_device_run.sh "$G/"
 cp benchmarks/data/gpu-h100/{tables,tasks,shards,aa_shards}.parquet "$G/data/"
+mkdir -p "$G/data/split"; cp benchmarks/data/gpu-h100-split/{tables,tasks,shards}.parquet "$G/data/split/"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$G/whl" \
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
