@@ -218,3 +218,9 @@ def test_gpu_quality_plans_here_measures_elsewhere_and_reports(quick, tmp_path):
     text = page.read_text()
     assert "A/A floor" in text and "learned+refine4" in text and "CPU vs TorchRec full" in text
     assert "GPU vs no_branches" in text   # the branches' paired effect, on both machines
+    # predict: the measured plans beside two cost models' predictions (the policy's and a model folder)
+    proc = gq("predict", "--root", str(root), "--measured", str(out), "--model", "own=policy",
+              f"folder={cost_dir}", "--run", str(quick["work"] / "pipeline"), "--out", str(tmp_path / "pred.md"))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    pred = (tmp_path / "pred.md").read_text()
+    assert "own: Spearman" in pred and "folder predicted ms" in pred
