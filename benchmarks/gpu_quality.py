@@ -10,14 +10,17 @@ cut in two, with the plans travelling as Parquet:
         --calibration-dir runs/local/calibration --round-processes                    # here: the CPU counterpart
     python -m benchmarks.gpu_quality report --gpu DIR... [--cpu DIR2...] --out PAGE.md   # here: the page
 
-Planned with a cost model trained on the GPU's own measurements (the CPU-trained one prices the CPU's ratio of
-compute to all-to-all; see split_runs/run3-branches/gpu-quality-nvidia-h100.md), one more device call first:
+Beside plans searched with a cost model trained on the GPU's own measurements (the CPU-trained one prices the
+CPU's balance of lookups and all-to-all; split_runs/run3-branches/gpu-quality-nvidia-h100.md), in one device call
+that also measures cut pieces for the next such model:
 
-    bash .gpu/gpu_device_run.sh 300 setup splitcosts                                 # there: splitcosts_gpu.parquet
+    python -m benchmarks.gpu_quality plan --run runs/local --out .gpu/quality \
+        --cost-model gpu-whole=benchmarks/data/gpu-h100/costmodel-whole                  # adds learned@gpu-whole
+    EMBSHARD_GPU_TASKS=task-04,task-01,task-00 bash .gpu/gpu_device_run.sh 570 setup splitcosts:150 quality
     embshard train-cost --costs splitcosts_gpu.parquet \
-        --tables benchmarks/data/gpu-h100-split/tables.parquet --out /tmp/gpu-cost --no-register  # here
-    python -m benchmarks.gpu_quality plan --run runs/local --out .gpu/quality-gpucm --cost-model /tmp/gpu-cost/model
-    EMBSHARD_GPU_ROOT=.gpu/quality-gpucm bash .gpu/gpu_device_run.sh 550 setup quality  # there
+        --tables benchmarks/data/gpu-h100-split/tables.parquet --out /tmp/gpu-cost --no-register  # here, after
+    python -m benchmarks.gpu_quality predict --root .gpu/quality --measured DIR \
+        --model cpu=policy gpu=/tmp/gpu-cost/model --run runs/local --out PAGE.md      # each model's ranking
 
 - plan: each selected task of the split suite (benchmarks.quality.split_config) is planned by the split suite's
   planners with the run's models; the learned plan's refinement candidates (embshard.refine.select: the first
@@ -52,6 +55,7 @@ PLANNERS = ["learned", "no_branches", "torchrec_full", "torchrec_table_wise", "l
             "dim_greedy"]
 REFINED, K = "learned+refine4", 4
 LEARNED = ("learned", "no_branches")  # the planners that load the run's policy
+PAIRED = ("no_branches", "learned")  # every plan's paired ratio to these is in the report
 AA = "dim_greedy"
 
 
@@ -61,11 +65,12 @@ def _task_dirs(root: str) -> list[str]:
 
 
 def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None = None,
-         cost_model: str | None = None) -> None:
+         cost_models: list[str] | None = None) -> None:
     """Plan the selected tasks (the first `limit` of them) here and write ROOT/<task>/{tables,tasks,plans,
-    candidates}.parquet. `cost_model` (a model folder of `embshard train-cost --out` or a model URI): the learned
-    planners search with it instead of the cost model their policy was trained against (a model trained on the
-    GPU's own measurements; the policy only proposes)."""
+    candidates}.parquet. `cost_models`: LABEL=PATH (a model folder of `embshard train-cost --out` or a model URI)
+    each adds the entry `learned@LABEL`, the learned planner searching with that model instead of the one its
+    policy was trained against (e.g. a model trained on the GPU's own measurements; the policy only proposes),
+    measured beside the others."""
     from benchmarks import pipeline_stages
     from benchmarks.common import progress
     from benchmarks.quality import _suite_files, split_config
@@ -74,7 +79,12 @@ def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None
     from embshard.types import load_tasks
 
     info = pipeline_stages.reuse(run)
-    searched_with = costmodel.load(cost_model) if cost_model else None
+    searched_with = {}  # entry -> the cost model it searches with
+    for spec in cost_models or []:
+        label, _, where = spec.partition("=")
+        if not label or not where:
+            raise SystemExit(f"gpu_quality plan: --cost-model wants LABEL=PATH, got {spec!r}")
+        searched_with[f"{LEARNED[0]}@{label}"] = costmodel.load(where)
     cfg = split_config()
     suites = {s.name: s for s in cfg.suites}
     os.makedirs(out, exist_ok=True)
@@ -97,12 +107,12 @@ def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None
             schemas.write(one, os.path.join(sub, "tasks.parquet"), "tasks")
             task = load_tasks(os.path.join(sub, "tables.parquet"), os.path.join(sub, "tasks.parquet"), "test")[0]
             frames, cand_frames, cand_rows = [], [], []
-            for p in PLANNERS:
-                kw = {"model_uri": info.policy_uri} if p in LEARNED else (
+            for p in [*PLANNERS, *searched_with]:
+                kw = {"model_uri": info.policy_uri} if p in LEARNED or p in searched_with else (
                     {"timeout_s": torchrec_timeout_s} if p.startswith("torchrec") else {})
-                planner = get_planner(p, **kw)
-                if searched_with is not None and p in LEARNED:
-                    planner.cost_model = searched_with
+                planner = get_planner(p.split("@")[0], **kw)
+                if p in searched_with:
+                    planner.cost_model = searched_with[p]
                 if p == "learned":
                     refine.explore(planner)  # its cut variants become candidates, as under --refine
                 t0 = time.perf_counter()
@@ -122,7 +132,7 @@ def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None
             pd.DataFrame(cand_rows).to_parquet(os.path.join(sub, "candidate_info.parquet"), index=False)
             with open(os.path.join(sub, "task.json"), "w", encoding="utf-8") as f:
                 json.dump({"suite": name, "num_devices": D, "label": tag, "policy_uri": info.policy_uri,
-                           "cpu_batch_size": int(info.batch_size), "cost_model": cost_model or "the policy's"}, f)
+                           "cpu_batch_size": int(info.batch_size), "cost_models": cost_models or []}, f)
             order.append(os.path.basename(sub))
     with open(os.path.join(out, "order.json"), "w", encoding="utf-8") as f:
         json.dump(order, f)
@@ -229,7 +239,7 @@ def measure(root: str, out: str, device: str, batch_size: int, rounds: int, dead
 
 def _verdicts(out_dirs: list[str]) -> pd.DataFrame:
     """One row per (task, planner) over the measure calls' folders: measured ms, gap to BE, ratio to TorchRec full
-    [CI], to the best greedy baseline [CI], to `no_branches` [CI] (paired per round), and the task's A/A floor."""
+    [CI], to the best greedy baseline [CI], to each of PAIRED [CI] (paired per round), and the task's A/A floor."""
     from embshard import stats
 
     ev = pd.concat([pd.read_parquet(os.path.join(d, "evaluation.parquet")) for d in out_dirs], ignore_index=True)
@@ -238,12 +248,15 @@ def _verdicts(out_dirs: list[str]) -> pd.DataFrame:
     for task, g in ev.groupby("task", sort=False):
         r = rf[rf["task"] == task]
         floor = stats.aa_floor(r.drop(columns=["task", "suite", "hardware"]), AA)
-        unbranched = g[g["planner"] == "no_branches"]["round_costs_ms"]
+        rounds = {p: g[g["planner"] == p]["round_costs_ms"] for p in PAIRED}
         for row in g.itertuples(index=False):
             if row.planner == f"{AA}#2":
                 continue
-            vs_nb = (stats.median_ci(np.asarray(row.round_costs_ms) / np.asarray(unbranched.iloc[0]))
-                     if len(unbranched) and row.planner != "no_branches" else (np.nan,) * 3)
+            paired = {}
+            for p, other in rounds.items():
+                m = (stats.median_ci(np.asarray(row.round_costs_ms) / np.asarray(other.iloc[0]))
+                     if len(other) and row.planner != p else (np.nan,) * 3)
+                paired.update({f"vs {p}": m[0], f"vs {p} lo": m[1], f"vs {p} hi": m[2]})
             full = r[(r["planner"] == row.planner) & (r["versus"] == "torchrec_full")]
             rows.append({"task": task, "planner": row.planner, "measured_ms": row.measured_cost_ms,
                          "x_BE": row.measured_cost_ms / row.balanced_estimate_ms,
@@ -251,8 +264,7 @@ def _verdicts(out_dirs: list[str]) -> pd.DataFrame:
                          "vs_tr_lo": full["ci_low"].iloc[0] if len(full) else np.nan,
                          "vs_tr_hi": full["ci_high"].iloc[0] if len(full) else np.nan,
                          "vs_best_greedy": row.ratio_to_best_baseline, "vs_bg_lo": row.ratio_ci_low,
-                         "vs_bg_hi": row.ratio_ci_high, "vs_nb": vs_nb[0], "vs_nb_lo": vs_nb[1], "vs_nb_hi": vs_nb[2],
-                         "aa": floor[0], "aa_lo": floor[1], "aa_hi": floor[2],
+                         "vs_bg_hi": row.ratio_ci_high, **paired, "aa": floor[0], "aa_lo": floor[1], "aa_hi": floor[2],
                          "hardware": row.hardware, "batch_size": row.batch_size})
     return pd.DataFrame(rows)
 
@@ -277,6 +289,8 @@ def report(gpu: list[str], cpu: list[str] | None, out: str) -> None:
              "A/A floor is no difference.", ""]
     # The GPU's tasks in their measured order, then any that only the CPU measured (a GPU call ran out of time).
     tasks = list(dict.fromkeys([*g["task"], *(c["task"] if c is not None else [])]))
+    # no_branches always; `learned` where an entry searched with another cost model (learned@LABEL) is there
+    shown = [p for p in PAIRED if p != LEARNED[0] or g["planner"].str.startswith(f"{LEARNED[0]}@").any()]
     for task in tasks:
         t = g[g["task"] == task]
         tc = c[c["task"] == task] if c is not None else g.iloc[:0]
@@ -288,14 +302,15 @@ def report(gpu: list[str], cpu: list[str] | None, out: str) -> None:
                 r = m.iloc[0]
                 row.update({"GPU ms": r.measured_ms, "GPU x BE": r.x_BE,
                             "GPU vs TorchRec full [95%]": ci(r.vs_torchrec_full, r.vs_tr_lo, r.vs_tr_hi),
-                            "GPU vs best greedy [95%]": ci(r.vs_best_greedy, r.vs_bg_lo, r.vs_bg_hi),
-                            "GPU vs no_branches [95%]": ci(r.vs_nb, r.vs_nb_lo, r.vs_nb_hi)})
+                            "GPU vs best greedy [95%]": ci(r.vs_best_greedy, r.vs_bg_lo, r.vs_bg_hi)})
+                row.update({f"GPU vs {p} [95%]": ci(r[f"vs {p}"], r[f"vs {p} lo"], r[f"vs {p} hi"])
+                            for p in shown})
             m = tc[tc["planner"] == name]
             if len(m):
                 x = m.iloc[0]
                 row.update({"CPU x BE": x["x_BE"],
-                            "CPU vs TorchRec full [95%]": ci(x["vs_torchrec_full"], x["vs_tr_lo"], x["vs_tr_hi"]),
-                            "CPU vs no_branches [95%]": ci(x["vs_nb"], x["vs_nb_lo"], x["vs_nb_hi"])})
+                            "CPU vs TorchRec full [95%]": ci(x["vs_torchrec_full"], x["vs_tr_lo"], x["vs_tr_hi"])})
+                row.update({f"CPU vs {p} [95%]": ci(x[f"vs {p}"], x[f"vs {p} lo"], x[f"vs {p} hi"]) for p in shown})
             rows.append(row)
         floors = [f"on the {hw}: {ci(*f[['aa', 'aa_lo', 'aa_hi']].iloc[0])}" for hw, f in (("GPU", t), ("CPU", tc))
                   if len(f)]
@@ -382,9 +397,9 @@ def main(argv=None) -> int:
     p.add_argument("--run", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--limit", type=int, default=None, help="plan only the first N tasks (in priority order)")
-    p.add_argument("--cost-model", default=None,
-                   help="the learned planners search with this cost model (a train-cost --out model folder or a "
-                        "model URI) instead of their policy's, e.g. one trained on the GPU's measurements")
+    p.add_argument("--cost-model", nargs="+", default=None, dest="cost_models",
+                   help="LABEL=PATH (a train-cost --out model folder or a model URI): adds the entry learned@LABEL, "
+                        "the learned planner searching with that model, e.g. one trained on the GPU's measurements")
     m = sub.add_parser("measure")
     m.add_argument("--root", required=True)
     m.add_argument("--out", required=True)
@@ -411,7 +426,7 @@ def main(argv=None) -> int:
     q.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.cmd == "plan":
-        plan(a.run, a.out, limit=a.limit, cost_model=a.cost_model)
+        plan(a.run, a.out, limit=a.limit, cost_models=a.cost_models)
     elif a.cmd == "measure":
         measure(a.root, a.out, a.device, a.batch_size, a.rounds, a.deadline_s,
                 a.tasks.split(",") if a.tasks else None, a.calibration_dir, a.round_processes)

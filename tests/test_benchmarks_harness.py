@@ -197,15 +197,15 @@ def test_gpu_quality_plans_here_measures_elsewhere_and_reports(quick, tmp_path):
         return subprocess.run([sys.executable, "-m", "benchmarks.gpu_quality", *args], cwd=REPO, env=_env(),
                               capture_output=True, text=True, timeout=900)
 
-    # --cost-model: the learned planners search with a model folder of `embshard train-cost --out` (on a GPU
-    # session, one trained on the GPU's measurements); here the run's own, so the plans are the run's.
+    # --cost-model LABEL=PATH adds learned@LABEL, the learned planner searching with a model folder of `embshard
+    # train-cost --out` (on a GPU session, one trained on the GPU's measurements); here the run's own.
     cost_dir = next((quick["work"] / "pipeline" / "data").glob("*/cost_model/model"))
     proc = gq("plan", "--run", str(quick["work"] / "pipeline"), "--out", str(root), "--limit", "1",
-              "--cost-model", str(cost_dir))
+              "--cost-model", f"own={cost_dir}")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     plans = pd.read_parquet(root / "task-00" / "plans.parquet")
-    assert {"learned", "no_branches", "torchrec_full", "dim_greedy"} <= set(plans["entry"])
-    assert json.loads((root / "task-00" / "task.json").read_text())["cost_model"] == str(cost_dir)
+    assert {"learned", "no_branches", "learned@own", "torchrec_full", "dim_greedy"} <= set(plans["entry"])
+    assert json.loads((root / "task-00" / "task.json").read_text())["cost_models"] == [f"own={cost_dir}"]
     proc = gq("measure", "--root", str(root), "--out", str(out), "--device", "cpu", "--batch-size", "128",
               "--rounds", "2")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -218,6 +218,7 @@ def test_gpu_quality_plans_here_measures_elsewhere_and_reports(quick, tmp_path):
     text = page.read_text()
     assert "A/A floor" in text and "learned+refine4" in text and "CPU vs TorchRec full" in text
     assert "GPU vs no_branches" in text   # the branches' paired effect, on both machines
+    assert "GPU vs learned [95%]" in text and "| learned@own |" in text   # the other cost model's plan, paired
     # predict: the measured plans beside two cost models' predictions (the policy's and a model folder)
     proc = gq("predict", "--root", str(root), "--measured", str(out), "--model", "own=policy",
               f"folder={cost_dir}", "--run", str(quick["work"] / "pipeline"), "--out", str(tmp_path / "pred.md"))
