@@ -320,11 +320,6 @@ def report(gpu: list[str], cpu: list[str] | None, out: str) -> None:
     write_text(out, "\n".join(lines))
 
 
-def _fingerprint(placement) -> tuple:
-    cols = ["table_id", "device", "kind", "col_offset", "col_size", "row_offset", "row_size"]
-    return tuple(sorted(map(tuple, placement.to_frame()[cols].astype(str).values.tolist())))
-
-
 def predict(root: str, measured: list[str], models: list[str], run: str | None, out: str) -> None:
     """Every distinct plan and refinement candidate that `measured` (measure calls' folders) holds: its measured
     cost there and the slowest device each cost model predicts, with each model's per-task rank correlation
@@ -335,6 +330,7 @@ def predict(root: str, measured: list[str], models: list[str], run: str | None, 
     from benchmarks.common import md_table, write_text
     from embshard import costmodel
     from embshard.planners.scoring import placement_costs
+    from embshard.ruler import Entry, shard_keys
     from embshard.types import load_tasks
 
     estimators = {}
@@ -367,8 +363,8 @@ def predict(root: str, measured: list[str], models: list[str], run: str | None, 
         measured_here += [(f"candidate {r.candidate}", cands[cinfo[r.candidate]], r.measured_cost_ms)
                           for r in rf[rf["task"] == label].itertuples()]
         seen, task_rows = set(), []
-        for what, placement, ms in measured_here:  # one row per distinct placement, its first measurement
-            key = _fingerprint(placement)
+        for what, placement, ms in measured_here:  # one row per distinct plan (up to device order), measured first
+            key = tuple(sorted(map(str, shard_keys(Entry(what, placement)))))
             if key in seen:
                 continue
             seen.add(key)
