@@ -267,7 +267,10 @@ def test_hardware_names_match_by_prefix_and_case():
     assert not same_hardware("", "cpu:x")
     assert mismatch_warning("", "cpu:x", asked=False) is None  # a model that does not say: nothing to warn about
     line = mismatch_warning("cpu:AMD EPYC", "cuda:NVIDIA H200", asked=True)
-    assert line is not None and "\n" not in line and "fix:" in line
+    assert line is not None and "\n" not in line and "fix:" in line and "--refine" not in line
+    # a model that chose the plan: its cuts are the other hardware's too, and refining on the target is a fix
+    line = mismatch_warning("cpu:AMD EPYC", "cuda:NVIDIA H200", asked=True, planning=True)
+    assert line is not None and "\n" not in line and "cuts" in line and "--refine K" in line
 
 
 def test_predict_costs_a_split_piece_as_the_piece_not_its_whole_table(saved_ensemble, tmp_path):

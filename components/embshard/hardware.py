@@ -77,13 +77,21 @@ def same_hardware(a: str, b: str) -> bool:
     return bool(a and b) and (a.startswith(b) or b.startswith(a))
 
 
-def mismatch_warning(model_hardware: str, target: str, *, asked: bool) -> str | None:
+def mismatch_warning(model_hardware: str, target: str, *, asked: bool, planning: bool = False) -> str | None:
     """One line when a model measured on one hardware is asked to plan or predict for another (None when they
-    agree or the model does not say). `asked`: the target came from --hardware, else from this machine."""
+    agree or the model does not say). `asked`: the target came from --hardware, else from this machine.
+    `planning`: the model chooses a plan (embshard place), so the line also says that its cuts are the model's."""
     if not model_hardware or not target or same_hardware(model_hardware, target):
         return None
     source = "--hardware" if asked else "this machine"
-    return (f"warning: the model was measured on {model_hardware} but {source} is {target}: its predicted costs "
-            f"are for {model_hardware} (fix: use a model trained on the target hardware, e.g. a pipeline run "
-            f"with device=cuda there, or pass --hardware to name the target)")
+    if not planning:
+        return (f"warning: the model was measured on {model_hardware} but {source} is {target}: its predicted costs "
+                f"are for {model_hardware} (fix: use a model trained on the target hardware, e.g. a pipeline run "
+                f"with device=cuda there, or pass --hardware to name the target)")
+    # Which cuts pay differs between machines: a CPU-trained plan measured 1.25x slower on an H100 than the plan it
+    # rejected (benchmarks/results/split_runs/run3-branches/gpu-quality-nvidia-h100.md), so the fix names --refine.
+    return (f"warning: the model was measured on {model_hardware} but {source} is {target}: its predicted costs, "
+            f"and so the cuts its plans choose, are for {model_hardware} (fix: use a model trained on the target "
+            f"hardware, e.g. a pipeline run with device=cuda there, run `embshard place --refine K` on the target, "
+            f"or pass --hardware to name the target)")
 

@@ -91,14 +91,14 @@ def resolve_device(device: str = "auto") -> str:
     return check_device(device)
 
 
-def check_target(model_hardware: str, target: str | None) -> str | None:
+def check_target(model_hardware: str, target: str | None, planning: bool = False) -> str | None:
     """The one-line warning when a model measured on `model_hardware` is used for `target` (a --hardware value;
-    None: this machine, its GPU if it has one, else its CPU); None when they agree."""
+    None: this machine, its GPU if it has one, else its CPU); None when they agree. `planning`: it chooses a plan."""
     from ..hardware import mismatch_warning
 
     if target is None:
-        return mismatch_warning(model_hardware, hardware(resolve_device("auto")), asked=False)
-    return mismatch_warning(model_hardware, target, asked=True)
+        return mismatch_warning(model_hardware, hardware(resolve_device("auto")), asked=False, planning=planning)
+    return mismatch_warning(model_hardware, target, asked=True, planning=planning)
 
 
 def gpu_count(device: str) -> int:

@@ -91,10 +91,11 @@ def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | N
     return costs, checked
 
 
-def _warn_hardware(model, hardware: str | None) -> None:
+def _warn_hardware(model, hardware: str | None, planning: bool = False) -> None:
+    """`planning`: the planner chose the plan with this model (else it only predicts the plan's costs)."""
     from ..bench.backends import check_target
 
-    line = check_target(str(getattr(getattr(model, "config", None), "hardware", "") or ""), hardware) \
+    line = check_target(str(getattr(getattr(model, "config", None), "hardware", "") or ""), hardware, planning) \
         if model is not None else None
     if line:
         log.warning(line)
@@ -181,7 +182,8 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
             placement = p.plan(table_set, topology, task_id=tid)
     except EmbshardError as exc:  # name the user's file, not the internal task name
         raise exc.at(where) from None
-    _warn_hardware(getattr(p, "cost_model", None) or cost_model, hardware)
+    own = getattr(p, "cost_model", None)
+    _warn_hardware(own or cost_model, hardware, planning=own is not None)
     refined = None
     if refine_k:
         placement, refined = _refine(placement, p, cost_model, refine_k, refine_rounds, hardware, where)
