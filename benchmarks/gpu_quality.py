@@ -64,6 +64,14 @@ def _task_dirs(root: str) -> list[str]:
         return [os.path.join(root, d) for d in json.load(f)]
 
 
+def _labelled(spec: str, option: str) -> tuple[str, str]:
+    """(LABEL, WHERE) of a LABEL=WHERE argument; a one-line exit otherwise."""
+    label, _, where = spec.partition("=")
+    if not label or not where:
+        raise SystemExit(f"gpu_quality: {option} wants LABEL=PATH, got {spec!r}")
+    return label, where
+
+
 def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None = None,
          cost_models: list[str] | None = None) -> None:
     """Plan the selected tasks (the first `limit` of them) here and write ROOT/<task>/{tables,tasks,plans,
@@ -81,9 +89,7 @@ def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None
     info = pipeline_stages.reuse(run)
     searched_with = {}  # entry -> the cost model it searches with
     for spec in cost_models or []:
-        label, _, where = spec.partition("=")
-        if not label or not where:
-            raise SystemExit(f"gpu_quality plan: --cost-model wants LABEL=PATH, got {spec!r}")
+        label, where = _labelled(spec, "--cost-model")
         searched_with[f"{LEARNED[0]}@{label}"] = costmodel.load(where)
     cfg = split_config()
     suites = {s.name: s for s in cfg.suites}
@@ -335,7 +341,7 @@ def predict(root: str, measured: list[str], models: list[str], run: str | None, 
 
     estimators = {}
     for spec in models:
-        label, _, where = spec.partition("=")
+        label, where = _labelled(spec, "--model")
         if where == "policy":
             from benchmarks import pipeline_stages
             from embshard.planners import get_planner

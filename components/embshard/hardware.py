@@ -84,14 +84,11 @@ def mismatch_warning(model_hardware: str, target: str, *, asked: bool, planning:
     if not model_hardware or not target or same_hardware(model_hardware, target):
         return None
     source = "--hardware" if asked else "this machine"
-    if not planning:
-        return (f"warning: the model was measured on {model_hardware} but {source} is {target}: its predicted costs "
-                f"are for {model_hardware} (fix: use a model trained on the target hardware, e.g. a pipeline run "
-                f"with device=cuda there, or pass --hardware to name the target)")
     # Which cuts pay differs between machines: a CPU-trained plan measured 1.25x slower on an H100 than the plan it
     # rejected (benchmarks/results/split_runs/run3-branches/gpu-quality-nvidia-h100.md), so the fix names --refine.
-    return (f"warning: the model was measured on {model_hardware} but {source} is {target}: its predicted costs, "
-            f"and so the cuts its plans choose, are for {model_hardware} (fix: use a model trained on the target "
-            f"hardware, e.g. a pipeline run with device=cuda there, run `embshard place --refine K` on the target, "
-            f"or pass --hardware to name the target)")
+    what = "its predicted costs, and so the cuts its plans choose, are" if planning else "its predicted costs are"
+    refine = "run `embshard place --refine K` on the target, " if planning else ""
+    return (f"warning: the model was measured on {model_hardware} but {source} is {target}: {what} for "
+            f"{model_hardware} (fix: use a model trained on the target hardware, e.g. a pipeline run with "
+            f"device=cuda there, {refine}or pass --hardware to name the target)")
 
