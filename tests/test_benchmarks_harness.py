@@ -188,6 +188,24 @@ def test_suite_all_runs_every_quality_page_and_a_bad_suite_is_refused(capsys):
     assert quality.REFINED not in quality.scale_config().suites[0].planners
 
 
+def test_split_page_gives_paired_multiples_of_the_estimate_when_it_was_measured_in_the_rounds():
+    """The split suite measures BE in its rounds (issue 24's 1.5x target is judged on it): the page's multiples
+    are the entries' paired per-round ratios, with an interval, not measured ms / BE ms."""
+    from benchmarks import quality
+
+    cfg = quality.split_config()
+    assert cfg.estimate_in_rounds and not quality.full_config().estimate_in_rounds
+    rows = [{"suite": "s", "task_id": "t0", "planner": p, "num_devices": 16, "feasible": True,
+             "measured_cost_ms": ms, "balanced_estimate_ms": 5.0, "estimate_ratio": x, "estimate_ratio_ci_low": lo,
+             "estimate_ratio_ci_high": hi, "column_splits": 1, "row_splits": 0}
+            for p, ms, x, lo, hi in [("learned", 8.0, 1.52, 1.47, 1.58), (quality.REFINED, 7.5, 1.43, 1.40, 1.49),
+                                     ("dim_greedy", 12.0, 2.31, 2.2, 2.4)]]
+    page = quality.split_markdown(pd.DataFrame(rows), cfg, "hw", "models:/p/1", 2048, 60.0, None)
+    assert "8.00 (1.52x)" in page and "12.00 (2.31x)" in page  # the paired median, not 8.00 / 5.0
+    assert "1.520 [1.470, 1.580]" in page and "1.430 [1.400, 1.490]" in page
+    assert "measured in every round" in page
+
+
 def test_gpu_quality_plans_here_measures_elsewhere_and_reports(quick, tmp_path):
     """benchmarks.gpu_quality: plans made with a run's models travel as Parquet, are measured (the refinement
     included) by a process that builds no planner, and the report pairs them; here the 'elsewhere' is this CPU."""

@@ -9,7 +9,7 @@ import pytest
 from embshard import stats
 from embshard.bench.runner import MeasureSettings
 from embshard.planners.baselines import make_baseline
-from embshard.ruler import Entry, distinct_shards, measure_rounds
+from embshard.ruler import Entry, distinct_shards, measure_probed, measure_rounds
 from embshard.tableset import TableSet
 
 SETTINGS = MeasureSettings(batch_size=256, iterations=10, warmup=2, comm_bandwidth_gbps=10.0, comm_latency_us=20.0,
@@ -62,6 +62,36 @@ def test_input_workers_make_the_rounds_inputs_ahead_with_the_same_results(tables
     with pytest.raises(ValueError, match="same tables"):
         measure_rounds([Entry("a", pl), Entry("x", make_baseline("round_robin").plan(
             tables.subset(np.arange(6)), 3, 2**40, "t"))], 1, SETTINGS)
+
+
+def test_probes_are_measured_in_every_round_sharing_a_plans_identical_shard(tables, monkeypatch):
+    """The balanced estimate's shards as probes (evaluation.estimate_probes): measured once per round beside the
+    entries' shards, in the same order draw; a probe equal to a plan's device shard is that measurement."""
+    import embshard.ruler as ruler
+    from embshard.evaluation import FUSED_PROBE, balanced_estimate_rounds, estimate_probes
+    from embshard.types import Shard
+
+    from embshard.placement import Placement
+
+    # table 0 alone on device 0, the others on devices 1 and 2
+    pl = Placement.from_assignment(tables, np.array([0] + [1, 2] * 5 + [1]), 3, 2**40, planner="x", task_id="t")
+    timed = []
+    real = ruler.measure_shard
+    monkeypatch.setattr(ruler, "measure_shard", lambda *a, **k: timed.append(k["where"]) or real(*a, **k))
+    alone, t_alone = 0, 0
+    probes = estimate_probes(tables)
+    out = measure_probed([Entry("a", pl)], 2, SETTINGS, seed=1, probes=probes)
+    # 3 plan shards + the fused one + 12 singles, less the single the plan already holds alone, per round
+    assert len(timed) == 2 * (3 + 1 + 12 - 1)
+    assert set(out.probes) == set(probes) and all(v.shape == (2, 3) for v in out.probes.values())
+    assert (out.probes[FUSED_PROBE] > 0).all()
+    # the shared single is the plan's device, round by round (heads summed: the device's cost)
+    assert np.allclose(out.probes[f"alone:{t_alone}"].sum(1), out.device_costs[0, alone])
+    est, table_wise = balanced_estimate_rounds(out.probes, len(tables), 3)
+    singles = np.stack([out.probes[f"alone:{i}"] for i in range(len(tables))])
+    want = np.minimum(out.probes[FUSED_PROBE], singles.sum(0)).sum(1) / 3
+    assert np.allclose(est, want) and (table_wise >= est).all()
+    assert probes[FUSED_PROBE] == [Shard(i, 0) for i in range(len(tables))]
 
 
 @pytest.mark.parametrize("flag, env, want", [(["--calibration-dir", "RUNCAL"], None, "RUNCAL"),
@@ -154,6 +184,28 @@ def test_a_planner_named_twice_is_an_a_a_test(measured_world, tmp_path, capsys):
     f_med, f_lo, f_hi = stats.aa_floor(ratios, "lookup_greedy")
     assert f_med == pytest.approx(aa["median_ratio"]) and f_lo <= f_med <= f_hi
     assert all(np.isnan(stats.aa_floor(ratios, "dim_greedy")))  # no repeat measured: no floor
+
+
+def test_evaluate_can_pair_the_balanced_estimate_with_the_plans_round_by_round(measured_world, tmp_path):
+    """--estimate-in-rounds: the estimate's shards are measured in every round, so a plan's multiple of it is a
+    paired ratio with an interval; without it the multiple has no interval (measured once, outside the rounds)."""
+    from embshard.cli import main
+
+    rows = {}
+    for flag in ([], ["--estimate-in-rounds"]):
+        out = tmp_path / ("paired" if flag else "once")
+        assert main(["evaluate", "--tables", measured_world["tables"], "--tasks", measured_world["tasks"],
+                     "--planners", "lookup_greedy,dim_greedy", "--rounds", "3", "--batch-size", "256",
+                     "--max-tasks", "1", "--out", str(out), *flag]) == 0
+        rows[bool(flag)] = pd.read_parquet(out / "evaluation.parquet")
+    once, paired = rows[False], rows[True]
+    assert not once["estimate_in_rounds"].any() and once["estimate_ratio_ci_low"].isna().all()
+    assert np.allclose(once["estimate_ratio"], once["measured_cost_ms"] / once["balanced_estimate_ms"])
+    assert paired["estimate_in_rounds"].all()
+    assert (paired["estimate_ratio_ci_low"] <= paired["estimate_ratio"]).all()
+    assert (paired["estimate_ratio"] <= paired["estimate_ratio_ci_high"]).all()
+    assert np.allclose(paired["gap_to_estimate"], paired["estimate_ratio"] - 1.0)
+    assert (paired["balanced_estimate_table_wise_ms"] >= paired["balanced_estimate_ms"]).all()
 
 
 def test_evaluate_help_lists_only_names_it_accepts(capsys):

@@ -15,7 +15,10 @@ is NAME's plan refined by measurement (embshard.refine: K candidates measured in
 time includes them), then measured here like any other plan. A planner that cannot
 place a task is recorded as failed and counted as such. The balanced estimate is measured too: all of a task's
 tables as one fused shard and each table alone: per cost head the smaller of the two, over the device count. It is
-an estimate of a perfectly balanced plan, not a bound: plans measured in rounds can come in below it.
+an estimate of a perfectly balanced plan, not a bound: plans measured in rounds can come in below it. By default
+its shards are measured once per task, outside the rounds; with `estimate_in_rounds` they are measured in every
+round beside the plans' shards (the same processes, the same drift), so that a plan's multiple of the estimate is
+a paired per-round ratio with an interval, like any other ratio here (`estimate_ratio`, `estimate_ratio_ci_*`).
 """
 from __future__ import annotations
 
@@ -34,9 +37,9 @@ from .errors import EmbshardError
 from .placement import Placement
 from .planners import LEARNED_COMPOSITIONS
 from .planners.baselines import BASELINES, GREEDY_BASELINES
-from .ruler import DEFAULT_ROUNDS, Entry, distinct_shards, measure_rounds, round_settings
+from .ruler import DEFAULT_ROUNDS, Entry, distinct_shards, measure_probed, round_settings
 from .tableset import TableSet
-from .types import Task, load_tasks
+from .types import Shard, Task, load_tasks
 
 log = logging.getLogger(__name__)
 # Every learned composition (planners.compose.COMPOSITIONS) takes @ALIAS or /VERSION like `learned`.
@@ -88,12 +91,13 @@ def check_planner_names(planners: list[str]) -> None:
 
 def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: dict, *, rounds: int,
                   settings: MeasureSettings, single_settings: MeasureSettings, judge=None,
-                  singles_cache: dict | None = None, seed: int = 0) -> TaskResult:
+                  singles_cache: dict | None = None, seed: int = 0, estimate_in_rounds: bool = False) -> TaskResult:
     """One task: every entry plans it, the placements are measured side by side in `rounds` ruler rounds, the
-    balanced estimate is measured (with `single_settings`: a round's timed work), and the rows are assembled: one
-    per entry (costs, intervals, ratios to the best greedy baseline and to TorchRec, the gap to the estimate), paired
-    ratios to the baselines (and A/A), the placement frames with measured device costs. `judge`: the cost model
-    whose ranking of the placements is checked against the ruler."""
+    balanced estimate is measured (with `single_settings`: a round's timed work; in every round with
+    `estimate_in_rounds`), and the rows are assembled: one per entry (costs, intervals, ratios to the best greedy
+    baseline and to TorchRec, the multiple of the estimate), paired ratios to the baselines (and A/A), the
+    placement frames with measured device costs. `judge`: the cost model whose ranking of the placements is checked
+    against the ruler."""
     sub, D, mem = task.tables, task.num_devices, task.memory_bytes_per_device
     res = TaskResult()
     planned: dict[str, Placement] = {}
@@ -109,7 +113,9 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
         row["planning_time_s"] = time.perf_counter() - t0
         res.rows.append(row)
     entries = [Entry(label, planned[label], ns) for label, _, ns in labels if label in planned]
-    costs, device_costs = measure_rounds(entries, int(rounds), settings, seed=seed) if entries else (
+    probes = estimate_probes(sub) if entries and estimate_in_rounds else None
+    measured = measure_probed(entries, int(rounds), settings, seed=seed, probes=probes) if entries else None
+    costs, device_costs = (measured.costs, measured.device_costs) if entries else (
         np.zeros((0, int(rounds))), np.zeros((0, D, int(rounds))))
     res.shard_measurements = distinct_shards(entries) * int(rounds) if entries else 0
     by_label = {e.label: costs[j] for j, e in enumerate(entries)}
@@ -118,10 +124,16 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
         res.pairs, res.correct = ranking_agreement(judged, costs)
         res.judged = [(p, float(np.median(costs[j]))) for j, p in judged.items()]
     res.round_costs = {k: [float(x) for x in v] for k, v in by_label.items()}
-    # The balanced estimate (once per task): each table alone, and all tables fused on one device.
-    singles = measured_singles(sub, D, single_settings, singles_cache)
-    est_split = measured_balanced_estimate(sub, D, singles, single_settings, task.task_id)
-    est_table = max(est_split, float(singles.sum(1).max()))
+    # The balanced estimate: each table alone, and all tables fused on one device; per round when its shards were
+    # measured in the rounds (est_rounds), else once per task.
+    if probes is not None:
+        est_rounds, table_rounds = balanced_estimate_rounds(measured.probes, len(sub), D)
+        est_split, est_table = float(np.median(est_rounds)), float(np.median(table_rounds))
+    else:
+        singles = measured_singles(sub, D, single_settings, singles_cache)
+        est_split = measured_balanced_estimate(sub, D, singles, single_settings, task.task_id)
+        est_table = max(est_split, float(singles.sum(1).max()))
+        est_rounds = None
     # Comparators: the greedy baselines measured here (first entries of their names) and TorchRec's plans.
     greedy = {lbl: by_label[lbl] for lbl, name, ns in labels if name in GREEDY_BASELINES and not ns
               and lbl in by_label}
@@ -142,7 +154,13 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
         row["row_splits"] = len({s.table for s in e.placement.shards if s.kind == "row"})
         row["balanced_estimate_ms"] = est_split
         row["balanced_estimate_table_wise_ms"] = est_table
-        row["gap_to_estimate"] = med / est_split - 1.0  # negative: measured below the estimate
+        if est_rounds is not None:  # paired: this entry's cost over the estimate of the same round
+            e_med, e_lo, e_hi = stats.median_ci(c / est_rounds)
+        else:
+            e_med, e_lo, e_hi = med / est_split, np.nan, np.nan
+        row.update(estimate_ratio=e_med, estimate_ratio_ci_low=e_lo, estimate_ratio_ci_high=e_hi,
+                   estimate_in_rounds=est_rounds is not None)
+        row["gap_to_estimate"] = e_med - 1.0  # negative: measured below the estimate
         pred = _predicted(planner_objs[e.label.split("#")[0]], e.placement)
         row["predicted_cost_ms"] = float(pred.max()) if pred is not None else np.nan
         if "refined" in e.placement.meta:  # a refined entry: what its refinement measured, to read back later
@@ -174,11 +192,12 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
 def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = "test",
         max_tasks: int | None = None, rounds: int = DEFAULT_ROUNDS, settings: MeasureSettings | None = None,
         planner_kw: dict | None = None, progress: bool = True, seed: int = 0,
-        given: dict | None = None) -> dict:
+        given: dict | None = None, estimate_in_rounds: bool = False) -> dict:
     """Evaluate `planners` on the tasks of `split` (evaluate_task per task) and write OUT/evaluation.parquet,
     ratios.parquet, placements.parquet and evaluation.png (all or none). `given`: planner objects built by the
     caller (name -> anything with `plan_task`, e.g. a user's plan file), listed in `planners` by that name.
-    Returns the frames, the summary, each task's per-round costs and the cost model's ranking accuracy."""
+    `estimate_in_rounds`: measure the balanced estimate in every round (evaluate_task), each table alone included:
+    about one more measurement per table and round, so opt-in. Returns the frames, the summary, each task's per-round costs and the cost model's ranking accuracy."""
     from tqdm import tqdm
 
     from .planners.base import check_feasible
@@ -216,7 +235,8 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     bar = tqdm(total=len(task_list), desc="evaluate (measured rounds)", unit="task", disable=not progress)
     for t in task_list:
         one = evaluate_task(t, labels, planner_objs, rounds=int(rounds), settings=settings,
-                            single_settings=single_settings, judge=judge, singles_cache=singles_cache, seed=seed)
+                            single_settings=single_settings, judge=judge, singles_cache=singles_cache, seed=seed,
+                            estimate_in_rounds=estimate_in_rounds)
         rows += one.rows
         ratio_rows += one.ratio_rows
         placements += one.placements
@@ -380,6 +400,26 @@ def measured_singles(tables: TableSet, num_devices: int, settings: MeasureSettin
             cache[key] = [sum(float(row[c]) for c in cols) for cols in HEAD_COLUMNS]
         out[i] = cache[key]
     return out
+
+
+FUSED_PROBE = "all tables fused"
+
+
+def estimate_probes(tables: TableSet) -> dict[str, list[Shard]]:
+    """The balanced estimate's shards as ruler probes (ruler.measure_probed): all tables fused on one device, and
+    each table alone (a plan's device holding just that table shares its measurement)."""
+    return {FUSED_PROBE: [Shard(i, 0) for i in range(len(tables))],
+            **{f"alone:{i}": [Shard(i, 0)] for i in range(len(tables))}}
+
+
+def balanced_estimate_rounds(probes: dict[str, np.ndarray], num_tables: int,
+                             num_devices: int) -> tuple[np.ndarray, np.ndarray]:
+    """(R,) the balanced estimate of each round from its probes' heads (estimate_probes), the same formula as
+    `measured_balanced_estimate`; and (R,) the table-wise one (at least the largest table alone)."""
+    fused = probes[FUSED_PROBE]                                             # (R, 3)
+    singles = np.stack([probes[f"alone:{i}"] for i in range(num_tables)])  # (N, R, 3)
+    est = np.minimum(fused, singles.sum(0)).sum(1) / num_devices
+    return est, np.maximum(est, singles.sum(2).max(0))
 
 
 def measured_balanced_estimate(tables: TableSet, num_devices: int, singles: np.ndarray,

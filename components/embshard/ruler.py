@@ -23,7 +23,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -37,7 +37,7 @@ from .bench.runner import (
     replica_args,
 )
 from .placement import Placement
-from .types import REPLICATED
+from .types import REPLICATED, Shard
 
 DEFAULT_ROUNDS = 5
 # Timed work per shard and round on a CPU: the 300 ms of a single measurement spread over the rounds (each round
@@ -56,16 +56,24 @@ class Entry:
 def shard_keys(entry: Entry) -> list[tuple | None]:
     """One key per device (None for an empty device)."""
     pl = entry.placement
-    keys: list[tuple | None] = []
-    for shards in pl.device_shards():
-        if not shards:
-            keys.append(None)
-            continue
-        tables = tuple(sorted((str(pl.tables.table_ids[s.table]), s.col_offset or 0, s.col_size or -1,
-                               s.row_offset or 0, -1 if s.row_size is None else s.row_size,
-                               int(s.kind == REPLICATED)) for s in shards))
-        keys.append((entry.namespace, pl.num_devices, tables))
-    return keys
+    return [_device_key(pl, entry.namespace, shards) if shards else None for shards in pl.device_shards()]
+
+
+def _device_key(pl: Placement, namespace: str, shards: list[Shard]) -> tuple:
+    """What a device shard's measurement depends on (module docstring): equal keys share one measurement."""
+    tables = tuple(sorted((str(pl.tables.table_ids[s.table]), s.col_offset or 0, s.col_size or -1,
+                           s.row_offset or 0, -1 if s.row_size is None else s.row_size,
+                           int(s.kind == REPLICATED)) for s in shards))
+    return (namespace, pl.num_devices, tables)
+
+
+@dataclass
+class RoundCosts:
+    """What `measure_probed` measured: the entries' costs and each probe's heads, per round."""
+
+    costs: np.ndarray          # (E, R) each entry's max device cost per round
+    device_costs: np.ndarray   # (E, D, R)
+    probes: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (R, 3): fwd, bwd compute, comm (ms)
 
 
 def round_settings(settings: MeasureSettings | None) -> MeasureSettings:
@@ -83,15 +91,30 @@ def measure_rounds(entries: list[Entry], rounds: int, settings: MeasureSettings 
                    seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Measure `entries` (placements of one task) in `rounds` rounds. Returns (costs (E, R): each entry's max
     device cost per round, device_costs (E, D, R))."""
+    out = measure_probed(entries, rounds, settings, seed)
+    return out.costs, out.device_costs
+
+
+def measure_probed(entries: list[Entry], rounds: int, settings: MeasureSettings | None = None, seed: int = 0,
+                   probes: dict[str, list[Shard]] | None = None) -> RoundCosts:
+    """`measure_rounds`, and `probes` too: named device shards of the same task (pieces on one device of the
+    entries' D), measured in every round beside the entries' shards (one measurement where a key is shared), so
+    that a reference made of them (the balanced estimate: evaluation.balanced_estimate_rounds) is paired with the
+    entries round by round. Each probe's heads per round come back in `RoundCosts.probes`."""
     settings = round_settings(settings)
     per_entry = [shard_keys(e) for e in entries]
-    # One representative (placement, device, its shards) per distinct key, measured once per round.
-    where: dict[tuple, tuple[Placement, int, list]] = {}
+    # One representative (its D, a label, its shards) per distinct key, measured once per round.
+    where: dict[tuple, tuple[int, str, list]] = {}
     for e, keys in zip(entries, per_entry):
         device_shards = e.placement.device_shards()
         for d, k in enumerate(keys):
             if k is not None and k not in where:
-                where[k] = (e.placement, d, device_shards[d])
+                where[k] = (e.placement.num_devices, f"{e.placement.task_id}/device {d}", device_shards[d])
+    probe_keys: dict[str, tuple] = {}
+    for name, shards in (probes or {}).items():
+        first = entries[0].placement
+        probe_keys[name] = k = _device_key(first, "", shards)
+        where.setdefault(k, (first.num_devices, f"{first.task_id}/{name}", shards))
     distinct = list(where)
     D = max(e.placement.num_devices for e in entries)
     costs = np.zeros((len(entries), rounds))
@@ -102,48 +125,49 @@ def measure_rounds(entries: list[Entry], rounds: int, settings: MeasureSettings 
     for r in range(rounds):
         for i in np.random.default_rng([seed, r]).permutation(len(distinct)):
             key = distinct[i]
-            pl, d, shards = where[key]
+            _, label, shards = where[key]
             cols, ranges = piece_args(shards)
-            plan.append((r, key, ([s.table for s in shards], cols, f"{pl.task_id}/device {d}", ranges,
-                                  replica_args(shards, pl.num_devices))))
+            plan.append((r, key, ([s.table for s in shards], cols, label, ranges,
+                                  replica_args(shards, where[key][0]))))
     tables = entries[0].placement.tables  # one task: every entry places the same tables (shards index into them)
     if any(list(e.placement.tables.table_ids) != list(tables.table_ids) for e in entries[1:]):
         raise ValueError("measure_rounds compares placements of one task: every entry must place the same tables")
     cfg = settings.config()
     try:
-        total: dict[tuple, float] = {}  # (round, key) -> the shard's cost that round
+        heads: dict[tuple, np.ndarray] = {}  # (round, key) -> the shard's (fwd, bwd compute, comm) that round
         if settings.round_processes and cfg.device == "cpu":
             if cfg.comm_group is not None:
                 raise ValueError("round_processes needs the modelled all-to-all (no comm_ranks): a measured one "
                                  "would start its ranks in every round's process")
             for r in range(rounds):
                 mine = [(key, job) for rr, key, job in plan if rr == r]
-                costs_r = _round_in_fresh_process(tables, [(job, where[key][0].num_devices) for key, job in mine],
-                                                  cfg)
-                total.update({(r, key): c for (key, _), c in zip(mine, costs_r)})
+                heads_r = _round_in_fresh_process(tables, [(job, where[key][0]) for key, job in mine], cfg)
+                heads.update({(r, key): h for (key, _), h in zip(mine, heads_r)})
         else:
             with InputPrefetcher(tables, cfg, [job for _, _, job in plan], input_workers(cfg.device)) as pre:
                 for n, (r, key, job) in enumerate(plan):
-                    total[r, key] = _shard_cost(tables, job, where[key][0].num_devices, cfg, pre.get(n))
+                    heads[r, key] = _shard_heads(tables, job, where[key][0], cfg, pre.get(n))
         for r in range(rounds):
             for j, keys in enumerate(per_entry):
                 for d, k in enumerate(keys):
-                    device_costs[j, d, r] = 0.0 if k is None else total[r, k]
+                    device_costs[j, d, r] = 0.0 if k is None else float(heads[r, k].sum())
                 costs[j, r] = device_costs[j, :, r].max()
     finally:
         close_config(cfg)
-    return costs, device_costs
+    return RoundCosts(costs, device_costs,
+                      {name: np.stack([heads[r, k] for r in range(rounds)]) for name, k in probe_keys.items()})
 
 
-def _shard_cost(tables, job, num_devices: int, cfg, inputs=None) -> float:
-    """One measurement of a round: the shard's compute + communication (ms)."""
+def _shard_heads(tables, job, num_devices: int, cfg, inputs=None) -> np.ndarray:
+    """One measurement of a round: the shard's (fwd compute, bwd compute, communication) ms; its cost is their
+    sum."""
     members, cols, label, ranges, reps = job
     m = measure_shard(tables, members, cfg, num_devices=num_devices, col_sizes=cols, row_ranges=ranges,
                       where=label, replicas=reps, inputs=inputs)
-    return m["fwd_compute_ms"] + m["bwd_compute_ms"] + m["fwd_comm_ms"] + m["bwd_comm_ms"]
+    return np.array([m["fwd_compute_ms"], m["bwd_compute_ms"], m["fwd_comm_ms"] + m["bwd_comm_ms"]])
 
 
-def _round_in_fresh_process(tables, jobs: list, cfg) -> list[float]:
+def _round_in_fresh_process(tables, jobs: list, cfg) -> list[np.ndarray]:
     """A round's measurements (jobs: (job, num_devices)) in a process spawned for it (nothing of this process's
     heap), with this process's config (its batch, timer and communication model: nothing is recalibrated)."""
     import multiprocessing
@@ -153,12 +177,12 @@ def _round_in_fresh_process(tables, jobs: list, cfg) -> list[float]:
         return pool.submit(_measure_round, tables, jobs, cfg).result()
 
 
-def _measure_round(tables, jobs: list, cfg) -> list[float]:
-    """In the round's process: each job's cost."""
+def _measure_round(tables, jobs: list, cfg) -> list[np.ndarray]:
+    """In the round's process: each job's heads."""
     import torch
 
     torch.set_num_threads(cfg.threads)
-    return [_shard_cost(tables, job, n, cfg) for job, n in jobs]
+    return [_shard_heads(tables, job, n, cfg) for job, n in jobs]
 
 
 def distinct_shards(entries: list[Entry]) -> int:

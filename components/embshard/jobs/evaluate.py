@@ -58,6 +58,11 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "process, large tables measure up to 15-20%% faster once it has measured for a while "
                         "(its recycled heap), so a task's ratios depend on what was measured before it; "
                         "fresh processes take that history out")
+    p.add_argument("--estimate-in-rounds", action="store_true",
+                   help="measure the balanced estimate (all tables fused, each table alone) in every round beside "
+                        "the plans, so that each plan's multiple of it is a paired ratio with an interval "
+                        "(estimate_ratio, estimate_ratio_ci_low/high); about one more measurement per table and "
+                        "round (default: measured once per task, outside the rounds)")
     p.add_argument("--out", required=True, help="output folder: evaluation.parquet, ratios.parquet, plot")
 
 
@@ -79,7 +84,8 @@ def main(args) -> int:
               split=args.split, max_tasks=args.max_tasks, rounds=args.rounds,
               settings=MeasureSettings(batch_size=args.batch_size or None, timer=args.timer,
                                        statistic=args.statistic, round_processes=args.round_processes,
-                                       calibration_dir=args.calibration_dir or shared_calibration_dir()))
+                                       calibration_dir=args.calibration_dir or shared_calibration_dir()),
+              estimate_in_rounds=args.estimate_in_rounds)
     print(res["summary_text"])
     rk = res["ranking"]
     if rk["pairs"]:
