@@ -69,9 +69,8 @@ def test_probes_are_measured_in_every_round_sharing_a_plans_identical_shard(tabl
     entries' shards, in the same order draw; a probe equal to a plan's device shard is that measurement."""
     import embshard.ruler as ruler
     from embshard.evaluation import FUSED_PROBE, balanced_estimate_rounds, estimate_probes
-    from embshard.types import Shard
-
     from embshard.placement import Placement
+    from embshard.types import Shard
 
     # table 0 alone on device 0, the others on devices 1 and 2
     pl = Placement.from_assignment(tables, np.array([0] + [1, 2] * 5 + [1]), 3, 2**40, planner="x", task_id="t")

@@ -197,7 +197,8 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     ratios.parquet, placements.parquet and evaluation.png (all or none). `given`: planner objects built by the
     caller (name -> anything with `plan_task`, e.g. a user's plan file), listed in `planners` by that name.
     `estimate_in_rounds`: measure the balanced estimate in every round (evaluate_task), each table alone included:
-    about one more measurement per table and round, so opt-in. Returns the frames, the summary, each task's per-round costs and the cost model's ranking accuracy."""
+    about one more measurement per table and round, so opt-in. Returns the frames, the summary, each task's
+    per-round costs and the cost model's ranking accuracy."""
     from tqdm import tqdm
 
     from .planners.base import check_feasible
