@@ -28,7 +28,7 @@ that also measures cut pieces for the next such model:
 - measure: on the hardware at hand, the candidates are measured and the winner picked exactly as `embshard place
   --refine 4` does there (refine.measure_candidates), so `learned+refine4` is refined on the GPU itself; then every
   plan, the refined one included, is measured by the evaluation (embshard.evaluation.run: R paired rounds, the
-  balanced estimate, dim_greedy measured twice for the A/A floor). Tasks go in priority order; a task that the
+  balanced estimate's shards in every round, dim_greedy measured twice for the A/A floor). Tasks go in priority order; a task that the
   time left (--deadline-s, from the rate measured so far) cannot hold is skipped and listed. Results are
   written after every task, so a call cut short keeps what it finished.
 - report: per task, each planner's measured cost, its paired ratio to TorchRec's full plan and to the best greedy
@@ -199,8 +199,9 @@ def measure(root: str, out: str, device: str, batch_size: int, rounds: int, dead
         picked = [refine.Candidate(r.label, r.origin, cands[r.entry], float(r.predicted_ms))
                   for r in cinfo.itertuples(index=False)]
         n_eval = distinct_shards([Entry(k, p) for k, p in plans.items()]) + task.num_devices  # + the A/A copy
-        need = (distinct_shards([Entry(c.label, c.placement) for c in picked]) + n_eval) * rounds \
-            + len(task.tables) + 1
+        # + the balanced estimate's shards (each table alone, all fused), measured in every round (paired x BE)
+        need = (distinct_shards([Entry(c.label, c.placement) for c in picked]) + n_eval + len(task.tables) + 1) \
+            * rounds
         left = deadline_s - (time.perf_counter() - t_start)
         if measured and need * spent / measured > left:
             skipped.append({"task": info["label"], "shard_measurements": need,
@@ -215,7 +216,8 @@ def measure(root: str, out: str, device: str, batch_size: int, rounds: int, dead
             given[REFINED] = SavedPlan(won, REFINED)
             planners = [*plans, REFINED, AA]
             ev = evaluation.run(tables_path, tasks_path, os.path.join(sub, f"eval-{device.split(':')[0]}"),
-                                planners=planners, given=given, rounds=rounds, settings=settings, progress=False)
+                                planners=planners, given=given, rounds=rounds, settings=settings, progress=False,
+                                estimate_in_rounds=True)
         except Exception as exc:  # one task's failure (e.g. out of memory) must not cost the others
             import traceback
 
@@ -265,7 +267,9 @@ def _verdicts(out_dirs: list[str]) -> pd.DataFrame:
                 paired.update({f"vs {p}": m[0], f"vs {p} lo": m[1], f"vs {p} hi": m[2]})
             full = r[(r["planner"] == row.planner) & (r["versus"] == "torchrec_full")]
             rows.append({"task": task, "planner": row.planner, "measured_ms": row.measured_cost_ms,
-                         "x_BE": row.measured_cost_ms / row.balanced_estimate_ms,
+                         # paired (the estimate measured in the rounds) where the folder has it
+                         "x_BE": (row.estimate_ratio if np.isfinite(getattr(row, "estimate_ratio", np.nan))
+                                  else row.measured_cost_ms / row.balanced_estimate_ms),
                          "vs_torchrec_full": full["median_ratio"].iloc[0] if len(full) else np.nan,
                          "vs_tr_lo": full["ci_low"].iloc[0] if len(full) else np.nan,
                          "vs_tr_hi": full["ci_high"].iloc[0] if len(full) else np.nan,
@@ -291,8 +295,9 @@ def report(gpu: list[str], cpu: list[str] | None, out: str) -> None:
              f"travel). Each task's plans measured on {g['hardware'].iloc[0]} with FBGEMM's CUDA kernels at batch "
              f"{int(g['batch_size'].iloc[0])} (CUDA events), 5 paired ruler rounds; `learned+refine4` is refined by "
              f"measuring its 4 candidates there.{cpu_line} Ratios are paired per round, with 95% intervals; BE is the "
-             "balanced estimate (every table fused on one device, over D). A ratio whose interval overlaps the "
-             "A/A floor is no difference.", ""]
+             "balanced estimate (every table fused on one device, over D; x BE is the median of per-round ratios "
+             "where its shards were measured in the rounds, as `measure` now does). A ratio whose interval overlaps "
+             "the A/A floor is no difference.", ""]
     # The GPU's tasks in their measured order, then any that only the CPU measured (a GPU call ran out of time).
     tasks = list(dict.fromkeys([*g["task"], *(c["task"] if c is not None else [])]))
     # no_branches always; `learned` where an entry searched with another cost model (learned@LABEL) is there
