@@ -7,7 +7,12 @@ made them. The rest of the tables are laid out by longest-processing-time first 
 (whole, or every table in two 64-column halves, which evens out the all-to-all width each device sends). A layout
 is only as good as that simple filler, so each row is an upper bound on what its kind of cut can reach.
 
-    python -m benchmarks.split_floor --run runs/local     # ~5 min on 2 cores -> benchmarks/results/split_floor.md
+Measured as the split suite measures: each ruler round in a fresh process, the balanced estimate's shards in every
+round (so x BE is a paired ratio with an interval), the run's all-to-all calibration. Each layout also gets the
+learned planner's predicted slowest device: a layout the model ranks above the learned plan but the ruler does not
+(or the reverse) is a cost-model error, not a search one.
+
+    python -m benchmarks.split_floor --run runs/pinned    # ~5 min on 2 cores -> benchmarks/results/split_floor.md
 """
 from __future__ import annotations
 
@@ -20,9 +25,9 @@ import numpy as np
 from benchmarks.common import git_commit, hardware, progress, write_text
 from embshard import stats
 from embshard.bench.runner import MeasureSettings, measure_placement
-from embshard.evaluation import measured_balanced_estimate, measured_singles
+from embshard.evaluation import balanced_estimate_rounds, estimate_probes
 from embshard.placement import Placement
-from embshard.ruler import Entry, measure_rounds
+from embshard.ruler import Entry, measure_probed
 from embshard.tableset import TableSet
 from embshard.types import DeviceTopology, Shard, row_blocks
 
@@ -82,21 +87,24 @@ def fill(tables: TableSet, fixed: list[Shard], halves: bool, settings: MeasureSe
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run", default="runs/local", help="pipeline folder whose registered models and calibration "
-                                                        "are used (default runs/local)")
+    ap.add_argument("--run", default="runs/pinned", help="pipeline folder whose registered models and calibration "
+                                                         "are used (default runs/pinned)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "split_floor.md"))
     args = ap.parse_args(argv)
-    os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{os.path.abspath(os.path.join(args.run, 'mlflow.db'))}")
+    from benchmarks.pipeline_stages import reuse
     from embshard.ingest.spec import tables_from_spec
     from embshard.planners import get_planner
     from embshard.planners.registered import load_planner
+    from embshard.planners.scoring import placement_costs
 
+    info = reuse(args.run)  # the run's MLflow store, its models and the calibration it trained with
     t0 = time.perf_counter()
     tables = TableSet.from_frame(tables_from_spec(SPEC, progress=False))
     hot = list(tables.table_ids).index(HOT)
-    settings = MeasureSettings(batch_size=2048, calibration_dir=os.path.join(args.run, "calibration"))
-    entries = [Entry("learned", load_planner().plan(tables, D, MEMORY, "mlperf-d16")),
+    settings = MeasureSettings(batch_size=info.batch_size, calibration_dir=info.root, round_processes=True)
+    learned = load_planner(info.policy_uri)
+    entries = [Entry("learned", learned.plan(tables, D, MEMORY, "mlperf-d16")),
                Entry("torchrec_full", get_planner("torchrec_full").plan(tables, D, MEMORY, "mlperf-d16"))]
     runs_on = {"learned": "its own cuts, one host", "torchrec_full": "TorchRec's choice, one host"}
     cache: dict = {}
@@ -110,22 +118,28 @@ def main(argv: list[str] | None = None) -> int:
             entries.append(Entry(name, pl))
             runs_on[name] = torchrec
         progress(f"split_floor: built {label} ({time.perf_counter() - t0:.0f} s)")
-    costs, _ = measure_rounds(entries, args.rounds, settings)
-    singles = measured_singles(tables, D, settings)
-    be = measured_balanced_estimate(tables, D, singles, settings, "mlperf-d16")
+    out = measure_probed(entries, args.rounds, settings, probes=estimate_probes(tables))
+    costs = out.costs
+    be_rounds, _ = balanced_estimate_rounds(out.probes, len(tables), D)
+    be = float(np.median(be_rounds))
+    predicted = [float(placement_costs(learned.cost_model, e.placement).max()) for e in entries]
     minutes = (time.perf_counter() - t0) / 60
     lines = ["# What each cut of the hottest table reaches at 16 devices (MLPerf-like list)", "",
              f"Hardware: {hardware().line()}", "",
              f"{__doc__.split(chr(10) + chr(10))[1]}", "",
-             f"Balanced estimate (BE, every table divisible): {be:.3f} ms. {args.rounds} ruler rounds, paired ratios "
-             f"to the learned plan (median, 95% CI). Measured in {minutes:.1f} min at commit `{git_commit()}` "
+             f"Balanced estimate (BE, every table divisible): {be:.3f} ms (median over rounds). {args.rounds} ruler "
+             f"rounds, each in a fresh process; x BE and the ratios to the learned plan are paired per round (median, "
+             f"95% CI). Learned planner `{info.policy_uri}` of `{args.run}`; predicted: its cost model's slowest "
+             f"device. Measured in {minutes:.1f} min at commit `{git_commit()}` "
              f"(`python -m benchmarks.split_floor --run {args.run}`).", "",
-             "| layout | TorchRec runs it as | measured ms | x BE | / learned [95% CI] |",
-             "| --- | --- | ---: | ---: | --- |"]
+             "| layout | TorchRec runs it as | predicted ms | measured ms | x BE [95% CI] | / learned [95% CI] |",
+             "| --- | --- | ---: | ---: | --- | --- |"]
     for j, e in enumerate(entries):
         m = float(np.median(costs[j]))
+        x, xlo, xhi = stats.median_ci(costs[j] / be_rounds)
         r, lo, hi = stats.median_ci(costs[j] / costs[0])
-        lines.append(f"| {e.label} | {runs_on[e.label]} | {m:.2f} | {m / be:.2f}x | {r:.3f} [{lo:.3f}, {hi:.3f}] |")
+        lines.append(f"| {e.label} | {runs_on[e.label]} | {predicted[j]:.2f} | {m:.2f} | {x:.2f} [{xlo:.2f}, "
+                     f"{xhi:.2f}] | {r:.3f} [{lo:.3f}, {hi:.3f}] |")
     write_text(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
