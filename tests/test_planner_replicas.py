@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
 
 from embshard.bench.comm import CommModel, replica_grad_bytes
 from embshard.costmodel.reference import AnalyticEstimator
@@ -114,49 +113,3 @@ def test_baselines_never_replicate():
     ts, _ = tiny_hot()
     for name in ("size_greedy", "lookup_greedy"):
         assert not any(s.kind == "replicated" for s in make_baseline(name).plan(ts, D, int(ts.size_bytes.sum())).shards)
-
-
-class NonMonotone(AnalyticEstimator):
-    """The analytic model with a discount per table beyond the first on a device (0.4 ms each, at most the compute
-    head): adding a table can lower a device's predicted cost, as a learned network's fused correction can."""
-
-    def heads_from_sums(self, sums, num_devices):
-        out = super().heads_from_sums(sums, num_devices).clone()
-        discount = 0.4 * (sums[..., 2] - 1.0).clamp(min=0.0)
-        out[..., 0] = out[..., 0] - torch.minimum(discount, out[..., 0])
-        return out
-
-
-def nonmonotone() -> NonMonotone:
-    est = NonMonotone()
-    est.batch_size, est.coef = analytic().batch_size, analytic().coef
-    return est
-
-
-def idle_tiny() -> tuple[TableSet, int]:
-    """`tiny_hot`'s tables with the tiny table almost never looked up and 4 columns wide: replicating it saves
-    next to nothing (no lookups to spread, 16 bytes per sample of all-to-all)."""
-    ts, t = tiny_hot()
-    pooling, dims, size = ts.pooling_factor.copy(), ts.dims.copy(), ts.size_bytes.copy()
-    pooling[t], dims[t] = 1e-3, 4
-    size[t] = int(ts.rows[t]) * 4 * int(ts.bytes_per_element[t])
-    return replace(ts, pooling_factor=pooling, dims=dims, size_bytes=size), t
-
-
-def test_replicas_never_lower_a_devices_predicted_cost():
-    """A device holding replicas costs at least what it costs without them plus their all-reduce, whatever the
-    model says about the sum (a network is not monotone: on the MLPerf-like list three small replicas lowered the
-    predicted cost of a device by 0.6 ms, and the search chose them)."""
-    ts, t = idle_tiny()
-    model = nonmonotone()
-    others = [Shard(i, i % D) for i in range(len(ts)) if i != t]
-    with_reps = Placement(ts, D, 1 << 40, others + [Shard(t, d, kind="replicated") for d in range(D)], task_id="t")
-    ring = CommModel(20e-6, 10e9, "given").allreduce_ms(replica_grad_bytes(int(ts.rows[t]), int(ts.dims[t])), D)
-    without = TaskScorer(model, piece_features(ts, others, D), D).device_costs(np.array([s.device for s in others]))
-    floored = placement_costs(model, with_reps)
-    assert (floored >= without + ring - 1e-5).all()
-    # the unfloored sum is below that floor on some device: the model alone would have said the replica helps
-    feats = piece_features(ts, with_reps.shards, D)
-    plain = TaskScorer(model, feats, D, extra=replica_extra_ms(model, ts, with_reps.shards, D))
-    assert (plain.device_costs(with_reps.device_of_shards()) < without + ring - 1e-3).any()
-

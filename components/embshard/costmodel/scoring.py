@@ -9,12 +9,6 @@ Replicas (kind 'replicated'): the model prices a replica's compute from its feat
 piece (`replica_extra_ms`, carried as one more channel of the scorer's sums): minus the all-to-all the model
 would charge for its dim (a replica sends no pooled outputs) plus the ring all-reduce of its gradient
 (rows x dim x 4 bytes, latency + 2 (D-1)/D bytes / bandwidth), as the benchmark measures it (bench.comm).
-
-Replicas are floored: a device holding replicas costs at least what it costs without them plus their all-reduce
-(`TaskScorer`, `allreduce`). A replica adds lookups to its device, so it cannot make the device faster, but the
-network is not monotone in its inputs: on the MLPerf-like list at 16 devices, three small replicas lowered the
-predicted cost of the device holding a slice of the hottest table from 7.96 to 7.36 ms, and the search chose
-them there (measured 10.8-11.6 ms on those devices).
 """
 from __future__ import annotations
 
@@ -48,7 +42,7 @@ class TaskScorer:
 
     def __init__(self, cost_model: CostEstimator, features: np.ndarray | None, num_devices: int,
                  enc: torch.Tensor | None = None, projected: torch.Tensor | None = None,
-                 extra: np.ndarray | None = None, allreduce: np.ndarray | None = None):
+                 extra: np.ndarray | None = None):
         self.cost_model = cost_model
         self.num_devices = int(num_devices)
         if enc is None:
@@ -66,15 +60,6 @@ class TaskScorer:
         if self.extra is not None:
             self.enc = torch.cat([self.enc, torch.as_tensor(self.extra, dtype=self.enc.dtype).unsqueeze(1)], dim=1)
         self.dim = self.enc.shape[1]
-        # (N,) each replica row's all-reduce ms, NaN for the other rows (replica_terms), and the floor it gives: every
-        # device holds one copy of each replicated table (D identical rows), so the replicas' sum on any device is
-        # their rows' sum / D, and a device's floor is its cost without that sum plus their all-reduce.
-        self.allreduce = None if allreduce is None else np.asarray(allreduce, dtype=np.float64)
-        self._floor: tuple[torch.Tensor, float] | None = None
-        if self.allreduce is not None and (~np.isnan(self.allreduce)).any():
-            rows = torch.as_tensor(~np.isnan(self.allreduce))
-            self._floor = (self.enc[rows].sum(0) / self.num_devices,
-                           float(np.nansum(self.allreduce)) / self.num_devices)
 
     @property
     def has_members(self) -> bool:
@@ -86,20 +71,15 @@ class TaskScorer:
     # forward (another kind of model) runs under it.
     def member_totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """(K, ...) device totals per ensemble member (K = 1 for a single model); empty devices cost 0."""
-        out = self._member_totals(sums)
-        if self._floor is not None:
-            replicas, allreduce = self._floor
-            out = torch.maximum(out, self._member_totals(sums - replicas) + allreduce)
-        return out.masked_fill(counts <= 0, 0.0)
-
-    def _member_totals(self, sums: torch.Tensor) -> torch.Tensor:
         sums, add = self._split_extra(sums)
         if self._fused is not None:
             out = self._fused.member_totals(sums)
         else:
             with torch.no_grad():
                 out = self.cost_model.member_totals_from_sums(sums, self.num_devices)
-        return out if add is None else out + add.to(out.dtype)
+        if add is not None:
+            out = out + add.to(out.dtype)
+        return out.masked_fill(counts <= 0, 0.0)
 
     def _split_extra(self, sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the model's sums, the summed additive ms or None)."""
@@ -113,24 +93,13 @@ class TaskScorer:
         with torch.no_grad():
             return self.cost_model.totals_from_sums(sums, self.num_devices)
 
-    def totals(self, sums: torch.Tensor, counts: torch.Tensor, floor: bool = True) -> torch.Tensor:
-        """Device totals (ms) from summed encodings (..., H) and table counts (...); empty devices cost 0. `floor`:
-        the sums are devices', holding every replica (module docstring); False for pieces scored alone."""
-        out = self._plain_totals(sums)
-        if floor and self._floor is not None:
-            out = torch.maximum(out, self._floor_totals(sums))
-        return out.masked_fill(counts <= 0, 0.0)
-
-    def _plain_totals(self, sums: torch.Tensor) -> torch.Tensor:
+    def totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Device totals (ms) from summed encodings (..., H) and table counts (...); empty devices cost 0."""
         sums, add = self._split_extra(sums)
         out = self._mean_totals(sums)
-        return out if add is None else out + add.to(out.dtype)
-
-    def _floor_totals(self, sums: torch.Tensor) -> torch.Tensor:
-        """What devices with these sums cost at least: without their replicas, plus the replicas' all-reduce.
-        (The extra channel less the replicas' is the other pieces' additive ms: none today.)"""
-        replicas, allreduce = self._floor
-        return self._plain_totals(sums - replicas) + allreduce
+        if add is not None:
+            out = out + add.to(out.dtype)
+        return out.masked_fill(counts <= 0, 0.0)
 
     def pair_totals(self, a: torch.Tensor, b: torch.Tensor, count: torch.Tensor | int) -> torch.Tensor:
         """(P, Q) device totals of every sum a[p] + b[q] (a device's sum less one piece plus another: the search's
@@ -139,22 +108,14 @@ class TaskScorer:
         if self._fused is None:
             c = torch.as_tensor(count).expand(len(a), len(b))
             return self.totals(a.unsqueeze(1) + b.unsqueeze(0), c)
-        out = self._pair_plain(a, b)
-        if self._floor is not None:  # a[p] + b[q] is a device's sum: it holds every replica once
-            out = torch.maximum(out, self._pair_plain(a - self._floor[0], b) + self._floor[1])
-        return out if int(count) > 0 else torch.zeros_like(out)
-
-    def _pair_plain(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         (a, add_a), (b, add_b) = self._split_extra(a), self._split_extra(b)
         out = self._fused.pair_mean_totals(a, b)
         if add_a is not None and add_b is not None:
             out = out + (add_a.unsqueeze(1) + add_b.unsqueeze(0)).to(out.dtype)
-        return out
+        return out if int(count) > 0 else torch.zeros_like(out)
 
     def totals_nonempty(self, sums: torch.Tensor) -> torch.Tensor:
         """`totals` of devices that each hold at least one piece (a rollout's or a greedy's candidates)."""
-        if self._floor is not None:  # a device holding only replicas is empty without them: the general path
-            return self.totals(sums, torch.ones(sums.shape[:-1], dtype=torch.long))
         sums, add = self._split_extra(sums)
         out = self._mean_totals(sums, nonempty=True)
         return out if add is None else out + add.to(out.dtype)
@@ -171,8 +132,7 @@ class TaskScorer:
 
     def single_costs(self) -> np.ndarray:
         """Predicted cost of each piece alone on a device."""
-        return self.totals(self.enc, torch.ones(len(self.enc), dtype=torch.long),
-                           floor=False).numpy().astype(np.float64)
+        return self.totals(self.enc, torch.ones(len(self.enc), dtype=torch.long)).numpy().astype(np.float64)
 
 
 class _FusedHeads:
@@ -400,15 +360,6 @@ def replica_extra_ms(cost_model: CostEstimator, tables: TableSet, shards: list[S
     its dim (its comm head with and without the dim: a replica sends no outputs); 0 for other pieces. `cache`
     (table -> its two comm heads), kept by a caller that asks again about the same tables of one task: a piece
     is encoded alone, so its heads do not depend on the others asked with it."""
-    terms = replica_terms(cost_model, tables, shards, num_devices, feats, cache)
-    return None if terms is None else terms[0]
-
-
-def replica_terms(cost_model: CostEstimator, tables: TableSet, shards: list[Shard], num_devices: int,
-                  feats: np.ndarray | None = None, cache: dict | None = None
-                  ) -> tuple[np.ndarray, np.ndarray] | None:
-    """(`replica_extra_ms`, the all-reduce ms of each replica with NaN for the other pieces: TaskScorer's
-    `allreduce`, which floors a device's cost), or None when no piece is a replica."""
     from ..collectives import replica_grad_bytes
 
     reps = [k for k, s in enumerate(shards) if s.kind == REPLICATED]
@@ -436,18 +387,16 @@ def replica_terms(cost_model: CostEstimator, tables: TableSet, shards: list[Shar
     allreduce = {t: model.allreduce_ms(replica_grad_bytes(int(tables.rows[t]), int(tables.dims[t])), num_devices)
                  for t in first}  # per table: its D copies all-reduce the same gradient
     out = np.zeros(len(shards))
-    reduce = np.full(len(shards), np.nan)
-    reduce[reps] = [allreduce[t] for t in tabs]
-    out[reps] = reduce[reps] - a2a
-    return out, reduce
+    out[reps] = np.array([allreduce[t] for t in tabs]) - a2a
+    return out
 
 
 def placement_costs(cost_model: CostEstimator, placement: Placement) -> np.ndarray:
     """Predicted per-device total cost (ms) of any placement, column slices and replicas included."""
     feats = piece_features(placement.tables, placement.shards, placement.num_devices)
-    terms = replica_terms(cost_model, placement.tables, placement.shards, placement.num_devices, feats)
-    extra, allreduce = (None, None) if terms is None else terms
-    scorer = TaskScorer(cost_model, feats, placement.num_devices, extra=extra, allreduce=allreduce)
+    scorer = TaskScorer(cost_model, feats, placement.num_devices,
+                        extra=replica_extra_ms(cost_model, placement.tables, placement.shards,
+                                               placement.num_devices, feats))
     return scorer.device_costs(placement.device_of_shards())
 
 

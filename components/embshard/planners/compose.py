@@ -34,7 +34,7 @@ from ..tableset import TableSet
 from ..types import WHOLE, CostEstimator, DeviceTopology
 from .base import Planner, no_room_error
 from .baselines import BASELINES, make_baseline
-from .scoring import TaskScorer, piece_features, replica_terms, single_threaded
+from .scoring import TaskScorer, piece_features, replica_extra_ms, single_threaded
 from .search import Budget, SearchState, cut_kind, local_search, try_splits
 from .splitting import PieceView, is_pinned, split_to_fit
 
@@ -157,8 +157,8 @@ def pieces_state(problem: Problem, shards: list[Shard]) -> SearchState:
     replicas carry their analytic communication (costmodel.scoring.replica_extra_ms)."""
     D = problem.topology.count
     feats = piece_features(problem.tables, shards, D)
-    extra, allreduce = replica_terms(problem.cost_model, problem.tables, shards, D, feats) or (None, None)
-    scorer = TaskScorer(problem.cost_model, feats, D, extra=extra, allreduce=allreduce)
+    scorer = TaskScorer(problem.cost_model, feats, D,
+                        extra=replica_extra_ms(problem.cost_model, problem.tables, shards, D, feats))
     return SearchState(scorer, feats[:, 3].astype(np.int64), problem.memory,
                        np.array([s.device for s in shards], dtype=np.int64),
                        movable=np.array([not is_pinned(s) for s in shards]))

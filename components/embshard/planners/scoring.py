@@ -11,7 +11,6 @@ from ..costmodel.scoring import (  # noqa: F401  (the planners' scoring vocabula
     piece_features,
     placement_costs,
     replica_extra_ms,
-    replica_terms,
     single_threaded,
 )
 from ..errors import EmbshardError

@@ -26,7 +26,7 @@ import torch
 from ..placement import Shard
 from ..tableset import TableSet
 from ..types import COLUMN, REPLICATED, WHOLE, DeviceTopology
-from .scoring import TaskScorer, piece_features, replica_extra_ms, replica_terms
+from .scoring import TaskScorer, piece_features, replica_extra_ms
 from .splitting import column_pieces, is_pinned, max_speed_column_parts, replica_pieces, row_pieces
 
 _REL_TOL = 1e-6
@@ -446,24 +446,18 @@ def _cut_state(tables, state: SearchState, p: int, placed: list[Shard], assignme
     encoded and projected, the others keep theirs."""
     feats, new, new_proj = encoded
     old = state.scorer.model_enc
-    terms = replica_terms(cost_model, tables, placed, num_devices, feats, cache=replica_heads)
-    new_extra, new_reduce = (None, None) if terms is None else terms
-    extra = allreduce = None
+    new_extra = replica_extra_ms(cost_model, tables, placed, num_devices, feats, cache=replica_heads)
+    extra = None
     if new_extra is not None or state.scorer.extra is not None:
         was_extra = state.scorer.extra if state.scorer.extra is not None else np.zeros(len(state.sizes))
         extra = np.concatenate([was_extra[:p], new_extra if new_extra is not None else np.zeros(len(placed)),
                                 was_extra[p + 1:]])
-        # each replica's all-reduce (NaN for the other pieces): the scorer floors devices with it
-        was = state.scorer.allreduce if state.scorer.allreduce is not None else np.full(len(state.sizes), np.nan)
-        allreduce = np.concatenate([was[:p], new_reduce if new_reduce is not None else np.full(len(placed), np.nan),
-                                    was[p + 1:]])
     model_enc = torch.cat([old[:p], new, old[p + 1:]])
     projected = None
     if new_proj is not None:
         old_proj = state.scorer.projected  # without the extra channel, which is rebuilt from `extra`
         projected = torch.cat([old_proj[:p], new_proj, old_proj[p + 1:]])
-    scorer = TaskScorer(cost_model, None, num_devices, enc=model_enc, projected=projected, extra=extra,
-                        allreduce=allreduce)
+    scorer = TaskScorer(cost_model, None, num_devices, enc=model_enc, projected=projected, extra=extra)
     sizes = np.concatenate([state.sizes[:p], feats[:, 3].astype(np.int64), state.sizes[p + 1:]])
     was = np.ones(len(state.sizes), dtype=bool) if state.movable is None else state.movable
     movable = np.concatenate([was[:p], [not is_pinned(c) for c in placed], was[p + 1:]])
