@@ -28,9 +28,9 @@ that also measures cut pieces for the next such model:
 - measure: on the hardware at hand, the candidates are measured and the winner picked exactly as `embshard place
   --refine 4` does there (refine.measure_candidates), so `learned+refine4` is refined on the GPU itself; then every
   plan, the refined one included, is measured by the evaluation (embshard.evaluation.run: R paired rounds, the
-  balanced estimate's shards in every round, dim_greedy measured twice for the A/A floor). Tasks go in priority order; a task that the
-  time left (--deadline-s, from the rate measured so far) cannot hold is skipped and listed. Results are
-  written after every task, so a call cut short keeps what it finished.
+  balanced estimate's shards in every round, dim_greedy measured twice for the A/A floor). Tasks go in priority
+  order; a task that the time left (--deadline-s, from the rate measured so far) cannot hold is skipped and
+  listed. Results are written after every task, so a call cut short keeps what it finished.
 - report: per task, each planner's measured cost, its paired ratio to TorchRec's full plan and to the best greedy
   baseline with intervals, the gap to the balanced estimate, and the A/A floor; with --cpu the same plans measured
   on this CPU beside them.

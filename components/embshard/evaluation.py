@@ -37,7 +37,7 @@ from .errors import EmbshardError
 from .placement import Placement
 from .planners import LEARNED_COMPOSITIONS
 from .planners.baselines import BASELINES, GREEDY_BASELINES
-from .ruler import DEFAULT_ROUNDS, Entry, distinct_shards, measure_probed, round_settings
+from .ruler import DEFAULT_ROUNDS, Entry, measure_probed, round_settings
 from .tableset import TableSet
 from .types import Shard, Task, load_tasks
 
@@ -117,7 +117,7 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
     measured = measure_probed(entries, int(rounds), settings, seed=seed, probes=probes) if entries else None
     costs, device_costs = (measured.costs, measured.device_costs) if entries else (
         np.zeros((0, int(rounds))), np.zeros((0, D, int(rounds))))
-    res.shard_measurements = distinct_shards(entries) * int(rounds) if entries else 0
+    res.shard_measurements = measured.per_round * int(rounds) if entries else 0
     by_label = {e.label: costs[j] for j, e in enumerate(entries)}
     if judge is not None:
         judged = judged_costs(judge, entries)

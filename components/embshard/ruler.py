@@ -10,6 +10,8 @@
   operator and freshly made inputs.
 - Per round, an entry's cost is the max over its devices of compute + communication; entries are then compared
   by paired per-round ratios (stats.py).
+- Probes (`measure_probed`): named device shards that belong to no entry, measured in every round like the
+  entries' shards, so that a reference built from them (the balanced estimate) pairs with the entries per round.
 - With `MeasureSettings.round_processes` (CPU), each round runs in a fresh process. In one process a shard's
   cost depends on what the process measured before: once it has measured for a while, shards of large,
   latency-bound tables measure faster. On the 40-table list with one hot table, its three tasks evaluated in one
@@ -74,6 +76,7 @@ class RoundCosts:
     costs: np.ndarray          # (E, R) each entry's max device cost per round
     device_costs: np.ndarray   # (E, D, R)
     probes: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (R, 3): fwd, bwd compute, comm (ms)
+    per_round: int = 0         # distinct shard measurements in one round, the probes' included
 
 
 def round_settings(settings: MeasureSettings | None) -> MeasureSettings:
@@ -155,7 +158,8 @@ def measure_probed(entries: list[Entry], rounds: int, settings: MeasureSettings 
     finally:
         close_config(cfg)
     return RoundCosts(costs, device_costs,
-                      {name: np.stack([heads[r, k] for r in range(rounds)]) for name, k in probe_keys.items()})
+                      {name: np.stack([heads[r, k] for r in range(rounds)]) for name, k in probe_keys.items()},
+                      per_round=len(distinct))
 
 
 def _shard_heads(tables, job, num_devices: int, cfg, inputs=None) -> np.ndarray:
