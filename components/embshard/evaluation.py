@@ -37,7 +37,7 @@ from .errors import EmbshardError
 from .placement import Placement
 from .planners import LEARNED_COMPOSITIONS
 from .planners.baselines import BASELINES, GREEDY_BASELINES
-from .ruler import DEFAULT_ROUNDS, Entry, measure_probed, round_settings
+from .ruler import DEFAULT_ROUNDS, Entry, RoundCosts, measure_probed, round_settings
 from .tableset import TableSet
 from .types import Shard, Task, load_tasks
 
@@ -114,10 +114,10 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
         res.rows.append(row)
     entries = [Entry(label, planned[label], ns) for label, _, ns in labels if label in planned]
     probes = estimate_probes(sub) if entries and estimate_in_rounds else None
-    measured = measure_probed(entries, int(rounds), settings, seed=seed, probes=probes) if entries else None
-    costs, device_costs = (measured.costs, measured.device_costs) if entries else (
-        np.zeros((0, int(rounds))), np.zeros((0, D, int(rounds))))
-    res.shard_measurements = measured.per_round * int(rounds) if entries else 0
+    measured = (measure_probed(entries, int(rounds), settings, seed=seed, probes=probes) if entries else
+                RoundCosts(np.zeros((0, int(rounds))), np.zeros((0, D, int(rounds)))))
+    costs, device_costs = measured.costs, measured.device_costs
+    res.shard_measurements = measured.per_round * int(rounds)
     by_label = {e.label: costs[j] for j, e in enumerate(entries)}
     if judge is not None:
         judged = judged_costs(judge, entries)
