@@ -417,10 +417,14 @@ def balanced_estimate_rounds(probes: dict[str, np.ndarray], num_tables: int,
                              num_devices: int) -> tuple[np.ndarray, np.ndarray]:
     """(R,) the balanced estimate of each round from its probes' heads (estimate_probes), the same formula as
     `measured_balanced_estimate`; and (R,) the table-wise one (at least the largest table alone)."""
-    fused = probes[FUSED_PROBE]                                             # (R, 3)
     singles = np.stack([probes[f"alone:{i}"] for i in range(num_tables)])  # (N, R, 3)
-    est = np.minimum(fused, singles.sum(0)).sum(1) / num_devices
+    est = _estimate(probes[FUSED_PROBE], singles.sum(0), num_devices)
     return est, np.maximum(est, singles.sum(2).max(0))
+
+
+def _estimate(fused_heads: np.ndarray, singles_sum: np.ndarray, num_devices: int):
+    """The balanced estimate's formula over the last axis (the heads): sum of min(fused, sum of singles) / D."""
+    return np.minimum(fused_heads, singles_sum).sum(-1) / num_devices
 
 
 def measured_balanced_estimate(tables: TableSet, num_devices: int, singles: np.ndarray,
@@ -438,7 +442,7 @@ def measured_balanced_estimate(tables: TableSet, num_devices: int, singles: np.n
                                       planner="balanced_estimate", task_id=task_id)
     row = measure_placement(fused, settings).iloc[0]  # device 0 holds everything; its all-to-all is for D ranks
     fused_heads = np.array([sum(float(row[c]) for c in cols) for cols in HEAD_COLUMNS])
-    return float(np.minimum(fused_heads, singles.sum(0)).sum()) / num_devices
+    return float(_estimate(fused_heads, singles.sum(0), num_devices))
 
 
 def _make_planner(name: str, planner_kw: dict, settings: MeasureSettings):

@@ -114,8 +114,8 @@ def measure_probed(entries: list[Entry], rounds: int, settings: MeasureSettings 
             if k is not None and k not in where:
                 where[k] = (e.placement.num_devices, f"{e.placement.task_id}/device {d}", device_shards[d])
     probe_keys: dict[str, tuple] = {}
+    first = entries[0].placement  # probes are shards of the entries' task
     for name, shards in (probes or {}).items():
-        first = entries[0].placement
         probe_keys[name] = k = _device_key(first, "", shards)
         where.setdefault(k, (first.num_devices, f"{first.task_id}/{name}", shards))
     distinct = list(where)
