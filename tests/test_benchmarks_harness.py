@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import background
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -204,6 +205,36 @@ def test_split_page_gives_paired_multiples_of_the_estimate_when_it_was_measured_
     assert "8.00 (1.52x)" in page and "12.00 (2.31x)" in page  # the paired median, not 8.00 / 5.0
     assert "1.520 [1.470, 1.580]" in page and "1.430 [1.400, 1.490]" in page
     assert "measured in every round" in page
+
+
+def test_split_page_pools_every_list_into_the_whole_suite_against_the_widest_floor(tmp_path):
+    """Issue 24 asks for learned <= 0.70x TorchRec full "on the splitting suite": the page gives each table list
+    and, below them, every task of every list pooled (median of task medians, the suite interval), judged against
+    the widest of the lists' A/A floors."""
+    from benchmarks import quality
+    from embshard import stats
+
+    ratios = {("a", "t0"): [0.50, 0.52, 0.51], ("a", "t1"): [0.60, 0.62, 0.58], ("b", "t0"): [0.82, 0.80, 0.85]}
+    floors = {"a": (1.0, 0.98, 1.01), "b": (1.0, 0.95, 1.06)}
+    rows = [{"suite": s, "task_id": t, "planner": "learned", "num_devices": 8, "feasible": True,
+             "measured_cost_ms": 5.0, "balanced_estimate_ms": 4.0, "estimate_ratio": 1.25, "column_splits": 0,
+             "row_splits": 0, "vs_torchrec_full_round_ratios": r, "aa_floor": floors[s][0],
+             "aa_ci_low": floors[s][1], "aa_ci_high": floors[s][2]} for (s, t), r in ratios.items()]
+    page = quality.split_markdown(pd.DataFrame(rows), quality.split_config(), "hw", "models:/p/1", 2048, 60.0, None)
+    whole = next(line for line in page.splitlines() if "the whole split suite" in line)
+    med, lo, hi = stats.suite_ci([np.asarray(r) for r in ratios.values()])
+    assert f"| 3 | {med:.3f} [{lo:.3f}, {hi:.3f}] | faster |" in whole
+    assert "1.000 [0.950, 1.060]" in whole   # the widest floor of the two lists
+    one = next(line for line in page.splitlines() if line.startswith("| b |"))
+    assert "| 1 |" in one and "1.000 [0.950, 1.060]" in one
+    # Runs measured before the page had the pooled row: benchmarks.split_pooled reads their raw CSVs.
+    from benchmarks import split_pooled
+
+    path = tmp_path / "quality_splits.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)  # as the harness writes raw/ (lists as text)
+    row = split_pooled.pooled(split_pooled.read_raw(str(path)))
+    assert row["learned / torchrec_full [95% CI]"] == f"{med:.3f} [{lo:.3f}, {hi:.3f}]"
+    assert row["learned verdict"] == "faster" and row["A/A floor (widest list)"] == "1.000 [0.950, 1.060]"
 
 
 def test_gpu_quality_plans_here_measures_elsewhere_and_reports(quick, tmp_path):
