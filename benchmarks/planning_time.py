@@ -23,7 +23,8 @@ from .common import md_table, progress, pyplot
 class PlanningConfig:
     tables: tuple = (10, 30, 100, 200, 300, 1000, 2000)
     devices: tuple = (2, 8, 32, 64, 128)
-    planners: tuple = ("learned", "torchrec_table_wise", "torchrec_full")
+    # no_splits: the learned planner without split refinement, so that the page shows what the split search costs
+    planners: tuple = ("learned", "no_splits", "torchrec_table_wise", "torchrec_full")
     memory_gb: float = 128.0
     torchrec_timeout_s: float = 20.0
     full_max_tables: int = 200      # TorchRec's full search only up to this many tables
@@ -40,7 +41,7 @@ def full_config() -> PlanningConfig:
 
 
 def quick_config() -> PlanningConfig:
-    return PlanningConfig(tables=(10, 30), devices=(2, 4), planners=("learned", "torchrec_table_wise"),
+    return PlanningConfig(tables=(10, 30), devices=(2, 4), planners=("learned", "no_splits", "torchrec_table_wise"),
                           torchrec_timeout_s=10.0, repeats=2, repeat_budget_s=2.0)
 
 
@@ -50,6 +51,16 @@ def _planner(name: str, policy_uri: str, cfg: PlanningConfig):
     if name.startswith("torchrec_"):
         return get_planner(name, timeout_s=cfg.torchrec_timeout_s)
     return get_planner(name, model_uri=policy_uri)
+
+
+def _predicted_ms(planner, placement) -> float:
+    """The plan's predicted slowest device by the planner's own cost model (NaN for planners without one)."""
+    cost_model = getattr(planner, "cost_model", None)
+    if cost_model is None:
+        return float("nan")
+    from embshard.costmodel.scoring import placement_costs
+
+    return float(placement_costs(cost_model, placement).max())
 
 
 def run(policy_uri: str, cfg: PlanningConfig) -> pd.DataFrame:
@@ -86,7 +97,7 @@ def run(policy_uri: str, cfg: PlanningConfig) -> pd.DataFrame:
                                  "spread_s": np.nan, "timed_out": False,
                                  "error": f"not run: over {cfg.stop_after_s:g} s at T={too_slow[(name, d)]}"})
                     continue
-                times, err, meta = [], None, {}
+                times, err, meta, predicted = [], None, {}, np.nan
                 while len(times) < cfg.repeats and (not times or sum(times) < cfg.repeat_budget_s):
                     t0 = time.perf_counter()
                     try:
@@ -96,11 +107,12 @@ def run(policy_uri: str, cfg: PlanningConfig) -> pd.DataFrame:
                         break
                     times.append(time.perf_counter() - t0)
                     meta = pl.meta
+                    predicted = _predicted_ms(planner, pl)
                 row = {"tables": t, "devices": d, "planner": name, "runs": len(times),
                        "median_s": float(np.median(times)) if times else np.nan,
                        "spread_s": float(np.ptp(times)) if times else np.nan,
                        "timed_out": bool(meta.get("torchrec_timed_out", False) or meta.get("torchrec_fallback")),
-                       "error": err}
+                       "predicted_ms": predicted, "error": err}
                 rows.append(row)
                 if times and row["median_s"] > cfg.stop_after_s:
                     too_slow[(name, d)] = t
@@ -114,8 +126,8 @@ def plot(df: pd.DataFrame, path: str, cfg: PlanningConfig, hw_line: str) -> str:
     plt = pyplot()
     ok = df[(df["planner"] != "(all)") & df["median_s"].notna()]
     fig, ax = plt.subplots(figsize=(9, 6))
-    colors = {"learned": "tab:blue", "policy_only": "tab:cyan", "torchrec_table_wise": "tab:orange",
-              "torchrec_full": "tab:red"}
+    colors = {"learned": "tab:blue", "no_splits": "tab:green", "policy_only": "tab:cyan",
+              "torchrec_table_wise": "tab:orange", "torchrec_full": "tab:red"}
     markers = ["o", "s", "^", "D", "v", "P", "X"]
     devs = sorted(ok["devices"].unique())
     for name in dict.fromkeys(ok["planner"]):
@@ -171,6 +183,23 @@ def ratio_table(df: pd.DataFrame, a: str, b: str) -> pd.DataFrame:
     return table.reset_index().fillna("–").astype(str).rename(columns={"tables": "T"})
 
 
+def split_gain_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Tables x D grid of the learned plan's predicted cost over no_splits' (empty without both)."""
+    if "predicted_ms" not in df.columns:
+        return pd.DataFrame()
+    ok = df[df["planner"].isin(["learned", "no_splits"])].pivot_table(
+        index=["tables", "devices"], columns="planner", values="predicted_ms", aggfunc="first")
+    if "learned" not in ok.columns or "no_splits" not in ok.columns:
+        return pd.DataFrame()
+    r = (ok["learned"] / ok["no_splits"]).dropna().rename("ratio").reset_index()
+    if r.empty:
+        return pd.DataFrame()
+    r["cell"] = [f"{v:.2f}" for v in r["ratio"]]
+    table = r.pivot_table(index="tables", columns="devices", values="cell", aggfunc="first")
+    table.columns = [f"D={d}" for d in table.columns]
+    return table.reset_index().fillna("–").astype(str).rename(columns={"tables": "T"})
+
+
 def markdown(df: pd.DataFrame, cfg: PlanningConfig, hw_line: str, policy_uri: str, png: str | None) -> str:
     lines = ["# Planning time scaling", "", f"Hardware: {hw_line}", "",
              f"Wall seconds of `plan()` (median of up to {cfg.repeats} runs while a cell stays under "
@@ -191,6 +220,18 @@ def markdown(df: pd.DataFrame, cfg: PlanningConfig, hw_line: str, policy_uri: st
         lines += ["## learned / torchrec_table_wise", "",
                   "Ratio of the median seconds of the two planners in the same cell of this run (under 1: the learned "
                   "planner is faster).", "", md_table(ratio), ""]
+    ratio = ratio_table(df, "no_splits", "torchrec_table_wise")
+    if not ratio.empty:
+        lines += ["## no_splits / torchrec_table_wise", "",
+                  "The learned planner without its split refinement (it cuts only what cannot be placed whole), "
+                  "against TorchRec's table-wise planner in the same cell: what the learned planner's time is without "
+                  "the search for column, row and replica cuts.", "", md_table(ratio), ""]
+    gain = split_gain_table(df)
+    if not gain.empty:
+        lines += ["## What the split refinement buys: predicted cost, learned / no_splits", "",
+                  "The learned plan's predicted slowest device over no_splits' in the same cell (the cost model's "
+                  "view, not a measurement: the split suite measures cuts, quality_splits.md).", "", md_table(gain),
+                  ""]
     lines += ["5,000 tables on 1,024 devices (by simulation: wall time, peak memory, gap to the balanced estimate): "
               "[planning_scale.md](planning_scale.md).", ""]
     lines += ["`–`: not run (more devices than tables, tables that cannot fit the devices' memory, TorchRec's full "

@@ -114,6 +114,13 @@ def test_planning_times_and_cost_model_pages(quick):
     assert set(ran["planner"]) == set(cfg.planners)
     assert set(ran["tables"]) == set(cfg.tables)
     assert (ran["median_s"] > 0).all() and (ran["runs"] >= 1).all()
+    # no_splits beside learned shows what the split search costs and buys: splits are kept only when they lower
+    # the predicted slowest device, so the learned plan is never predicted worse than no_splits'.
+    pred = ran.pivot_table(index=["tables", "devices"], columns="planner", values="predicted_ms")
+    assert (pred["learned"] <= pred["no_splits"] * (1 + 1e-6)).all()
+    assert ran.loc[ran["planner"] == "torchrec_table_wise", "predicted_ms"].isna().all()  # no cost model of ours
+    page = (quick["out"] / "planning_time.md").read_text()
+    assert "## no_splits / torchrec_table_wise" in page and "learned / no_splits" in page
     cm = (quick["out"] / "costmodel.md").read_text()
     assert "learned MAPE %" in cm and "sum_singles" in cm and "analytic" in cm
 
