@@ -122,3 +122,44 @@ def test_bad_parquet_and_other_files(tmp_path, capsys):
     assert cli(["ingest", "--source", "spec", "--out", str(out)]) == 2
     assert "--input" in capsys.readouterr().err
     assert not (out / "tables.parquet").exists()
+
+
+def test_place_predict_and_export_read_a_spec_and_the_other_commands_say_how(tmp_path, capsys):
+    """`embshard place --tables my_tables.yaml`: a user's spec is read as `embshard ingest --source spec` reads it
+    (same seed: the same tables, so the same plan); a spec given where only a tables.parquet is read (tasks,
+    evaluate, ...) is refused in one line that names the ingest command, not called a corrupt Parquet file."""
+    yaml_spec = tmp_path / "my_tables.yaml"
+    yaml_spec.write_text("tables:\n" + "".join(
+        f"  - {{name: t{i}, num_embeddings: {1000 * (i + 1)}, embedding_dim: {4 * (1 + i % 4)}, "
+        f"pooling_factor: {1 + i % 3}}}\n" for i in range(8)))
+    ingested = tmp_path / "ingested"
+    assert cli(["ingest", "--source", "spec", "--input", str(yaml_spec), "--out", str(ingested), "--no-progress"]) == 0
+    placements = {}
+    for name, tables in (("spec", yaml_spec), ("parquet", ingested / "tables.parquet")):
+        out = tmp_path / f"plan-{name}"
+        assert cli(["place", "--tables", str(tables), "--devices", "2", "--memory-gb", "1",
+                    "--planner", "size_lookup_greedy", "--out", str(out)]) == 0
+        placements[name] = pd.read_parquet(out / "placements.parquet")
+    pd.testing.assert_frame_equal(placements["spec"], placements["parquet"])
+    assert cli(["export", "--placements", str(tmp_path / "plan-spec" / "placements.parquet"), "--tables",
+                str(yaml_spec), "--out", str(tmp_path / "export")]) == 0
+    assert spec.is_spec_path(yaml_spec) and not spec.is_spec_path(ingested / "tables.parquet")
+    # A Parquet spec (TorchRec's names) is a spec too; a bad one gets the spec reader's one-line error.
+    pq_spec = tmp_path / "spec.parquet"
+    pd.DataFrame({"name": ["a"], "num_embeddings": [10], "embedding_dim": [4], "pooling_factor": [1.0]}).to_parquet(
+        pq_spec)
+    assert spec.is_spec_path(pq_spec) and len(spec.read_tables(pq_spec)) == 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tables:\n  - {name: a, num_embeddings: -5, embedding_dim: 4, pooling_factor: 1}\n")
+    capsys.readouterr()
+    assert cli(["place", "--tables", str(bad), "--devices", "2", "--memory-gb", "1", "--planner", "size_greedy",
+                "--out", str(tmp_path / "bad-out")]) == 2
+    err = capsys.readouterr().err
+    assert "bad.yaml" in err and "num_embeddings" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "bad-out" / "plan.json").exists()
+    for spec_file in (yaml_spec, pq_spec):
+        assert cli(["tasks", "--tables", str(spec_file), "--num-tasks", "1", "--devices", "2",
+                    "--out", str(tmp_path / "tasks")]) == 2
+        err = capsys.readouterr().err
+        assert "a table spec, not a tables file" in err and "embshard ingest --source spec" in err, err
+        assert "corrupt" not in err

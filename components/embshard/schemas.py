@@ -352,8 +352,19 @@ def read(path: str | os.PathLike, kind: str) -> pd.DataFrame:
         df = pd.concat(frames, ignore_index=True)
     else:
         checks.input_file(where, fix=f"give the {kind} Parquet file")  # a FIFO would block; permission denied
+        if kind == "tables" and os.path.splitext(where)[1].lower() in (".csv", ".yaml", ".yml"):
+            raise _spec_not_tables(where)
         df = _read_one(where)
+    if kind == "tables" and "num_embeddings" in df.columns and "table_id" not in df.columns:
+        raise _spec_not_tables(where)
     return validate(df, kind, where)
+
+
+def _spec_not_tables(where: str) -> EmbshardError:
+    """A table spec (TorchRec's names, CSV/YAML/Parquet) given where a tables.parquet is read."""
+    return EmbshardError("a table spec, not a tables file", path=where,
+                         fix=f"ingest it first: embshard ingest --source spec --input {where} --out DIR, then give "
+                             "DIR/tables.parquet (embshard place, predict and export read a spec directly)")
 
 
 def _read_one(where: str) -> pd.DataFrame:

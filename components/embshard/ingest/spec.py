@@ -319,3 +319,35 @@ def tables_from_spec(path: str, seed: int = 0, bins_batch_size: int | None = Non
     df["source"] = sources
     df["zipf_alpha"] = alpha
     return schemas.validate(df, "tables", path)
+
+
+SPEC_TEXT_SUFFIXES = (".csv", ".yaml", ".yml")  # a tables contract is Parquet: these can only be specs
+
+
+def is_spec_path(path) -> bool:
+    """Whether `path` is a table spec rather than a tables.parquet: a CSV or YAML file, or a Parquet file with
+    TorchRec's column names (`num_embeddings`) and no `table_id`."""
+    path = os.fspath(path)
+    ext = os.path.splitext(path)[1].lower()
+    if ext in SPEC_TEXT_SUFFIXES:
+        return True
+    if ext not in (".parquet", ".pq") or not os.path.isfile(path):
+        return False
+    import pyarrow.parquet as pq
+
+    try:
+        names = set(pq.read_schema(path).names)
+    except Exception:  # not readable as Parquet: the tables reader says why
+        return False
+    return "num_embeddings" in names and "table_id" not in names
+
+
+def read_tables(path, seed: int = 0):
+    """The TableSet of a tables.parquet, or of a table spec read here as `embshard ingest --source spec` reads it
+    (the same seed, so the same tables): what `embshard place`, `predict` and `export` take as --tables."""
+    from ..tableset import TableSet
+
+    if is_spec_path(path):
+        return TableSet.from_frame(tables_from_spec(os.fspath(path), seed=seed, progress=False))
+    return TableSet.read(path)
+

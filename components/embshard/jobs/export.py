@@ -66,7 +66,8 @@ OUTPUT = {"kind": "folder", "inputs": ("placements", "tables", "tasks"),
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placements", required=True, help="placements.parquet (one or more tasks)")
-    parser.add_argument("--tables", required=True, help="tables.parquet")
+    parser.add_argument("--tables", required=True,
+                        help="tables.parquet, or the table spec the plan was made from")
     parser.add_argument("--tasks", default=None,
                         help="tasks.parquet, for each task's devices and memory (else inferred from the rows)")
     parser.add_argument("--out", required=True, help="output folder (local path, file:// or s3://)")
@@ -102,13 +103,13 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     from ..export.placements import device_costs_from_frame, placement_from_frame
     from ..export.plan_json import write_plan_json
     from ..export.torchrec_plan import check_module_path
-    from ..tableset import TableSet
+    from ..ingest.spec import read_tables
     from ..types import DeviceTopology, devices_per_host_of
 
     check_module_path(module_path)
     where = os.fspath(placements)
     df = schemas.read(placements, "placements")
-    table_set = TableSet.read(tables)
+    table_set = read_tables(tables)
     task_tables: dict[str, list[str]] = {}
     task_info: dict[str, tuple[int, int]] = {}
     task_hosts: dict[str, int] = {}  # the tasks file's devices_per_host, where it gives one

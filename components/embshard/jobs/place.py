@@ -10,6 +10,7 @@ import numpy as np
 
 from .. import schemas, storage
 from ..errors import EmbshardError, ModelNotFoundError
+from ..ingest.spec import read_tables
 from ..placement import Placement
 from ..planners import composition_of, get_planner, is_planner_name
 from ..planners.base import check_feasible
@@ -28,7 +29,7 @@ def resolve_task(tables: str, tasks: str | None, task_id: str | None, devices: i
                  memory_bytes: int | None) -> tuple[TableSet, int, int, str, str, int | None]:
     """(tables, devices, memory per device, task id, where, devices per host of the task or None): `where` names
     the input file in errors."""
-    table_set = TableSet.read(tables)
+    table_set = read_tables(tables)
     if task_id is None:
         if devices is None or memory_bytes is None:
             raise EmbshardError("devices and memory per device are required without a task id", field="devices",
@@ -246,7 +247,9 @@ OUTPUT = {"kind": "folder", "writes": ("plan.json", "placements.parquet", "devic
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tables", required=True, help="tables.parquet (all its tables are placed unless --task-id)")
+    p.add_argument("--tables", required=True,
+                   help="tables.parquet, or a table spec (CSV/YAML/Parquet with TorchRec's names, read as "
+                        "`embshard ingest --source spec` reads it); all its tables are placed unless --task-id")
     p.add_argument("--tasks", help="tasks.parquet, with --task-id: place that task's tables")
     p.add_argument("--task-id", help="the task to place (its devices/memory are used unless given)")
     p.add_argument("--devices", type=int, help="number of devices")

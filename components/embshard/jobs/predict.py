@@ -49,9 +49,9 @@ def run(tables: str, shards: str, out: str, model_uri: str = COST_CHAMPION_URI,
     from .. import costmodel
     from ..bench.backends import check_target
     from ..features import working_set_bytes
-    from ..tableset import TableSet
+    from ..ingest.spec import read_tables
 
-    ts = TableSet.read(tables)
+    ts = read_tables(tables)
     sdf = read_shards(shards)
     if len(sdf) == 0:
         raise EmbshardError("no shards", path=shards, fix="list at least one shard")
@@ -130,7 +130,8 @@ OUTPUT = {"kind": "file", "inputs": ("tables", "shards", "model")}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tables", required=True, help="tables.parquet (or a spec the ingest stage wrote)")
+    p.add_argument("--tables", required=True,
+                   help="tables.parquet, or a table spec (read as `embshard ingest --source spec` reads it)")
     p.add_argument("--shards", required=True, help="shards file: Parquet (shards contract) or CSV "
                                                    "(sample_id, table_ids separated by spaces, num_devices)")
     p.add_argument("--model", default=COST_CHAMPION_URI, help=f"cost model URI or folder (default {COST_CHAMPION_URI})")
