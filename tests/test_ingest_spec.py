@@ -141,6 +141,9 @@ def test_place_predict_and_export_read_a_spec_and_the_other_commands_say_how(tmp
                     "--planner", "size_lookup_greedy", "--out", str(out)]) == 0
         placements[name] = pd.read_parquet(out / "placements.parquet")
     pd.testing.assert_frame_equal(placements["spec"], placements["parquet"])
+    # the report's header names no task when --task-id was not given (it once read "task task: 8 tables ...")
+    header = next(line for line in capsys.readouterr().out.splitlines() if "tables on 2 devices" in line)
+    assert header.startswith("8 tables on 2 devices, planner size_lookup_greedy"), header
     assert cli(["export", "--placements", str(tmp_path / "plan-spec" / "placements.parquet"), "--tables",
                 str(yaml_spec), "--out", str(tmp_path / "export")]) == 0
     assert spec.is_spec_path(yaml_spec) and not spec.is_spec_path(ingested / "tables.parquet")

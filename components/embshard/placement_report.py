@@ -28,7 +28,9 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
     saying how many were left out and where the full table is (`full_table`)."""
     mem = placement.memory_per_device()
     shards = placement.device_shards()
-    lines = [f"task {placement.task_id}: {len(placement.tables)} tables on {placement.num_devices} devices, "
+    # `place` without --task-id names its one task "task": no "task task:" header then
+    named = f"task {placement.task_id}: " if placement.task_id and placement.task_id != "task" else ""
+    lines = [f"{named}{len(placement.tables)} tables on {placement.num_devices} devices, "
              f"planner {placement.planner}" + (f" ({placement.model_uri})" if placement.model_uri else "")]
     head = f"{'device':>6} {'tables':>6} {'splits':>6} {'memory GiB':>11} {'mem %':>6}"
     if device_costs is not None:
