@@ -350,4 +350,3 @@ def read_tables(path, seed: int = 0):
     if is_spec_path(path):
         return TableSet.from_frame(tables_from_spec(os.fspath(path), seed=seed, progress=False))
     return TableSet.read(path)
-
