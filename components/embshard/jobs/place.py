@@ -256,7 +256,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-gb", type=float, help="memory per device, GiB")
     p.add_argument("--planner", default="learned", help="learned (default, from the registry) or a baseline: "
                    "random, round_robin, dim_greedy, size_greedy, lookup_greedy, size_lookup_greedy, "
-                   "torchrec_table_wise, torchrec_full")
+                   "torchrec_table_wise, torchrec_full; or another composition of the learned planner's model: "
+                   "no_splits (no split search: it cuts only what cannot fit; 0.2-1.0x the learned planner's time), "
+                   "policy_only (the policy's rollout alone), or an ablation (no_replicas, no_branches, ...)")
     p.add_argument("--model", default=POLICY_CHAMPION_URI, help="learned planner's model URI")
     p.add_argument("--cost-model", default=None,
                    help="cost model for predicted costs of non-learned planners, e.g. "
