@@ -168,30 +168,16 @@ def pivot(df: pd.DataFrame) -> pd.DataFrame:
     return table.fillna("–").astype(str).rename(columns={"tables": "T"})
 
 
-def ratio_table(df: pd.DataFrame, a: str, b: str) -> pd.DataFrame:
-    """Tables x D grid of median(a) / median(b), as text cells; empty when either planner is missing."""
+def ratio_table(df: pd.DataFrame, a: str, b: str, value: str = "median_s") -> pd.DataFrame:
+    """Tables x D grid of a's `value` / b's (median seconds, or `predicted_ms`: the plans' predicted slowest
+    device), as text cells; empty when either planner or the column is missing."""
+    if value not in df.columns:
+        return pd.DataFrame()
     ok = df[df["planner"].isin([a, b])].pivot_table(index=["tables", "devices"], columns="planner",
-                                                    values="median_s", aggfunc="first")
+                                                    values=value, aggfunc="first")
     if a not in ok.columns or b not in ok.columns:
         return pd.DataFrame()
     r = (ok[a] / ok[b]).dropna().rename("ratio").reset_index()
-    if r.empty:
-        return pd.DataFrame()
-    r["cell"] = [f"{v:.2f}" for v in r["ratio"]]
-    table = r.pivot_table(index="tables", columns="devices", values="cell", aggfunc="first")
-    table.columns = [f"D={d}" for d in table.columns]
-    return table.reset_index().fillna("–").astype(str).rename(columns={"tables": "T"})
-
-
-def split_gain_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Tables x D grid of the learned plan's predicted cost over no_splits' (empty without both)."""
-    if "predicted_ms" not in df.columns:
-        return pd.DataFrame()
-    ok = df[df["planner"].isin(["learned", "no_splits"])].pivot_table(
-        index=["tables", "devices"], columns="planner", values="predicted_ms", aggfunc="first")
-    if "learned" not in ok.columns or "no_splits" not in ok.columns:
-        return pd.DataFrame()
-    r = (ok["learned"] / ok["no_splits"]).dropna().rename("ratio").reset_index()
     if r.empty:
         return pd.DataFrame()
     r["cell"] = [f"{v:.2f}" for v in r["ratio"]]
@@ -226,7 +212,7 @@ def markdown(df: pd.DataFrame, cfg: PlanningConfig, hw_line: str, policy_uri: st
                   "The learned planner without its split refinement (it cuts only what cannot be placed whole), "
                   "against TorchRec's table-wise planner in the same cell: what the learned planner's time is without "
                   "the search for column, row and replica cuts.", "", md_table(ratio), ""]
-    gain = split_gain_table(df)
+    gain = ratio_table(df, "learned", "no_splits", value="predicted_ms")
     if not gain.empty:
         lines += ["## What the split refinement buys: predicted cost, learned / no_splits", "",
                   "The learned plan's predicted slowest device over no_splits' in the same cell (the cost model's "
