@@ -124,10 +124,11 @@ def test_bad_parquet_and_other_files(tmp_path, capsys):
     assert not (out / "tables.parquet").exists()
 
 
-def test_place_predict_and_export_read_a_spec_and_the_other_commands_say_how(tmp_path, capsys):
-    """`embshard place --tables my_tables.yaml`: a user's spec is read as `embshard ingest --source spec` reads it
-    (same seed: the same tables, so the same plan); a spec given where only a tables.parquet is read (tasks,
-    evaluate, ...) is refused in one line that names the ingest command, not called a corrupt Parquet file."""
+def test_place_and_export_read_a_spec_and_the_other_commands_say_how(tmp_path, capsys):
+    """`embshard place --tables my_tables.yaml` (and export; predict reads through the same helper): a user's spec
+    is read as `embshard ingest --source spec` reads it (same seed: the same tables, so the same plan); a spec
+    given where only a tables.parquet is read (tasks, evaluate, ...) is refused in one line that names the ingest
+    command, not called a corrupt Parquet file."""
     yaml_spec = tmp_path / "my_tables.yaml"
     yaml_spec.write_text("tables:\n" + "".join(
         f"  - {{name: t{i}, num_embeddings: {1000 * (i + 1)}, embedding_dim: {4 * (1 + i % 4)}, "
