@@ -290,3 +290,23 @@ def test_predict_costs_a_split_piece_as_the_piece_not_its_whole_table(saved_ense
     whole = df.loc["whole", "working_set_bytes"]
     assert df.loc["row", "working_set_bytes"] < whole and df.loc["col", "working_set_bytes"] < whole
     assert df.loc["row", "total_ms"] != df.loc["whole", "total_ms"] != df.loc["col", "total_ms"]
+
+
+def test_predict_reads_a_table_spec_as_the_ingest_stage_does(saved_ensemble, tmp_path):
+    """`embshard predict --tables my_tables.csv`: a spec is read as `embshard ingest --source spec` reads it, so the
+    predictions are those of the ingested tables.parquet."""
+    from embshard.cli import main
+    from embshard.jobs import predict
+
+    root, _ = saved_ensemble
+    spec_csv = tmp_path / "my_tables.csv"
+    spec_csv.write_text("name,num_embeddings,embedding_dim,pooling_factor\nu0,5000,16,2.0\nu1,200000,64,4.0\n")
+    assert main(["ingest", "--source", "spec", "--input", str(spec_csv), "--out", str(tmp_path / "in"),
+                 "--no-progress"]) == 0
+    pd.DataFrame({"sample_id": ["both"], "table_ids": ["u0 u1"], "num_devices": [4]}).to_csv(
+        tmp_path / "shards.csv", index=False)
+    got = {name: predict.run(str(tables), str(tmp_path / "shards.csv"), str(tmp_path / f"{name}.parquet"),
+                             model_uri=str(root / "model"))
+           for name, tables in (("spec", spec_csv), ("parquet", tmp_path / "in" / "tables.parquet"))}
+    pd.testing.assert_frame_equal(got["spec"], got["parquet"])
+    assert got["spec"]["total_ms"].iloc[0] > 0

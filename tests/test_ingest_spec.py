@@ -125,7 +125,7 @@ def test_bad_parquet_and_other_files(tmp_path, capsys):
 
 
 def test_place_and_export_read_a_spec_and_the_other_commands_say_how(tmp_path, capsys):
-    """`embshard place --tables my_tables.yaml` (and export; predict reads through the same helper): a user's spec
+    """`embshard place --tables my_tables.yaml` (and export; predict: test_costmodel_uncertainty): a user's spec
     is read as `embshard ingest --source spec` reads it (same seed: the same tables, so the same plan); a spec
     given where only a tables.parquet is read (tasks, evaluate, ...) is refused in one line that names the ingest
     command, not called a corrupt Parquet file."""
