@@ -53,18 +53,9 @@ def _planner(name: str, policy_uri: str, cfg: PlanningConfig):
     return get_planner(name, model_uri=policy_uri)
 
 
-def _predicted_ms(planner, placement) -> float:
-    """The plan's predicted slowest device by the planner's own cost model (NaN for planners without one)."""
-    cost_model = getattr(planner, "cost_model", None)
-    if cost_model is None:
-        return float("nan")
-    from embshard.costmodel.scoring import placement_costs
-
-    return float(placement_costs(cost_model, placement).max())
-
-
 def run(policy_uri: str, cfg: PlanningConfig) -> pd.DataFrame:
     from embshard.errors import EmbshardError
+    from embshard.evaluation import predicted_device_costs
     from embshard.ingest.synthetic import generate_tables
     from embshard.tableset import TableSet
 
@@ -97,7 +88,7 @@ def run(policy_uri: str, cfg: PlanningConfig) -> pd.DataFrame:
                                  "spread_s": np.nan, "timed_out": False,
                                  "error": f"not run: over {cfg.stop_after_s:g} s at T={too_slow[(name, d)]}"})
                     continue
-                times, err, meta, predicted = [], None, {}, np.nan
+                times, err, meta, pl = [], None, {}, None
                 while len(times) < cfg.repeats and (not times or sum(times) < cfg.repeat_budget_s):
                     t0 = time.perf_counter()
                     try:
@@ -107,7 +98,9 @@ def run(policy_uri: str, cfg: PlanningConfig) -> pd.DataFrame:
                         break
                     times.append(time.perf_counter() - t0)
                     meta = pl.meta
-                    predicted = _predicted_ms(planner, pl)
+                # the plan's predicted slowest device, once (repeats give the same plan); None: no cost model
+                pred = predicted_device_costs(planner, pl) if pl is not None else None
+                predicted = float(pred.max()) if pred is not None else np.nan
                 row = {"tables": t, "devices": d, "planner": name, "runs": len(times),
                        "median_s": float(np.median(times)) if times else np.nan,
                        "spread_s": float(np.ptp(times)) if times else np.nan,

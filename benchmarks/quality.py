@@ -421,7 +421,7 @@ def whole_suite_floor(frame: pd.DataFrame) -> tuple[float, float, float]:
             float(np.nanmax(floors["aa_ci_high"])))
 
 
-def _vs_torchrec_full_row(name: str, g: pd.DataFrame, aa: tuple) -> dict:
+def vs_torchrec_full_row(name: str, g: pd.DataFrame, aa: tuple) -> dict:
     """One row of the split page's head table: the learned (and refined) plans / TorchRec full over the tasks of
     `g`, median of the task medians with the suite interval, its verdict against the A/A floor `aa`."""
     from embshard import stats
@@ -467,7 +467,7 @@ def split_markdown(frame: pd.DataFrame, cfg: QualityConfig, hw_line: str, policy
     for suite, g in groups:
         first = g.iloc[0]
         aa = (first.get("aa_floor", np.nan), first.get("aa_ci_low", np.nan), first.get("aa_ci_high", np.nan))
-        head.append(_vs_torchrec_full_row(suite, g, aa))
+        head.append(vs_torchrec_full_row(suite, g, aa))
         for _task, t in g.groupby("task_id", sort=False):
             row = {"suite": suite, "devices": int(t["num_devices"].iloc[0]),
                    "BE ms": float(t["balanced_estimate_ms"].dropna().iloc[0]) if t["balanced_estimate_ms"].notna().any()
@@ -497,7 +497,7 @@ def split_markdown(frame: pd.DataFrame, cfg: QualityConfig, hw_line: str, policy
     if len(groups) > 1:
         # The issue's target reads "on the splitting suite": every task of every list, pooled, against the widest
         # of the lists' A/A floors (each list's floor is its own tasks'; the widest is the cautious one).
-        head.append(_vs_torchrec_full_row("**the whole split suite** (every task above; floor: the widest)", frame,
+        head.append(vs_torchrec_full_row("**the whole split suite** (every task above; floor: the widest)", frame,
                                           whole_suite_floor(frame)))
     lines += ["## Learned against TorchRec's full planner", "", md_table(pd.DataFrame(head)), "",
               "The suite interval resamples tasks, then rounds; a ratio counts as a difference only when its interval "

@@ -30,19 +30,19 @@ def read_raw(path: str) -> pd.DataFrame:
 
 
 def pooled(frame: pd.DataFrame) -> dict:
-    """The pooled row of one run (quality._vs_torchrec_full_row over every task, the widest list floor), and the
+    """The pooled row of one run (quality.vs_torchrec_full_row over every task, the widest list floor), and the
     hot-table list's own median for contrast."""
-    from .quality import REFINED, _vs_torchrec_full_row, whole_suite_floor
+    from .quality import AA_PLANNER, REFINED, vs_torchrec_full_row, whole_suite_floor
 
-    row = _vs_torchrec_full_row("all", frame, whole_suite_floor(frame))
+    row = vs_torchrec_full_row("all", frame, whole_suite_floor(frame))
     hot = frame[frame["suite"].str.startswith("hot table")]
     out = {"tasks": row["tasks"], "learned / torchrec_full [95% CI]": row["learned / torchrec_full [95% CI]"],
            "learned verdict": row["learned verdict"]}
     if f"{REFINED} / torchrec_full [95% CI]" in row:
         out[f"{REFINED} / torchrec_full [95% CI]"] = row[f"{REFINED} / torchrec_full [95% CI]"]
-    out["A/A floor (widest list)"] = row[next(k for k in row if k.startswith("A/A floor"))]
+    out["A/A floor (widest list)"] = row[f"A/A floor ({AA_PLANNER}) [95% CI]"]
     if len(hot):
-        out["hot-table list alone (learned)"] = _vs_torchrec_full_row("hot", hot, (np.nan,) * 3)[
+        out["hot-table list alone (learned)"] = vs_torchrec_full_row("hot", hot, (np.nan,) * 3)[
             "learned / torchrec_full [95% CI]"]
     return out
 

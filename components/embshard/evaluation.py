@@ -161,7 +161,7 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
         row.update(estimate_ratio=e_med, estimate_ratio_ci_low=e_lo, estimate_ratio_ci_high=e_hi,
                    estimate_in_rounds=est_rounds is not None)
         row["gap_to_estimate"] = e_med - 1.0  # negative: measured below the estimate
-        pred = _predicted(planner_objs[e.label.split("#")[0]], e.placement)
+        pred = predicted_device_costs(planner_objs[e.label.split("#")[0]], e.placement)
         row["predicted_cost_ms"] = float(pred.max()) if pred is not None else np.nan
         if "refined" in e.placement.meta:  # a refined entry: what its refinement measured, to read back later
             row["refinement"] = json.dumps(e.placement.meta["refined"])
@@ -459,7 +459,9 @@ def _make_planner(name: str, planner_kw: dict, settings: MeasureSettings):
                           settings=settings, name=name)
 
 
-def _predicted(planner, placement: Placement):
+def predicted_device_costs(planner, placement: Placement):
+    """Each device's predicted cost (ms) of `placement` by the planner's own cost model; None for a planner
+    without one (the heuristics, TorchRec's)."""
     model = getattr(planner, "cost_model", None)
     if model is None:
         return None

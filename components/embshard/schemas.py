@@ -352,12 +352,22 @@ def read(path: str | os.PathLike, kind: str) -> pd.DataFrame:
         df = pd.concat(frames, ignore_index=True)
     else:
         checks.input_file(where, fix=f"give the {kind} Parquet file")  # a FIFO would block; permission denied
-        if kind == "tables" and os.path.splitext(where)[1].lower() in (".csv", ".yaml", ".yml"):
+        if kind == "tables" and os.path.splitext(where)[1].lower() in SPEC_SUFFIXES:
             raise _spec_not_tables(where)
         df = _read_one(where)
-    if kind == "tables" and "num_embeddings" in df.columns and "table_id" not in df.columns:
+    if kind == "tables" and spec_columns(df.columns):
         raise _spec_not_tables(where)
     return validate(df, kind, where)
+
+
+SPEC_SUFFIXES = (".csv", ".yaml", ".yml")  # a tables contract is Parquet: files named so can only be table specs
+
+
+def spec_columns(names) -> bool:
+    """Whether a frame's columns are a table spec's (TorchRec's names: ingest.spec) rather than the tables
+    contract's."""
+    names = set(names)
+    return "num_embeddings" in names and "table_id" not in names
 
 
 def _spec_not_tables(where: str) -> EmbshardError:

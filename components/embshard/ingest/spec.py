@@ -321,25 +321,21 @@ def tables_from_spec(path: str, seed: int = 0, bins_batch_size: int | None = Non
     return schemas.validate(df, "tables", path)
 
 
-SPEC_TEXT_SUFFIXES = (".csv", ".yaml", ".yml")  # a tables contract is Parquet: these can only be specs
-
-
 def is_spec_path(path) -> bool:
     """Whether `path` is a table spec rather than a tables.parquet: a CSV or YAML file, or a Parquet file with
-    TorchRec's column names (`num_embeddings`) and no `table_id`."""
+    TorchRec's column names (schemas.spec_columns; only its footer is read)."""
     path = os.fspath(path)
     ext = os.path.splitext(path)[1].lower()
-    if ext in SPEC_TEXT_SUFFIXES:
+    if ext in schemas.SPEC_SUFFIXES:
         return True
     if ext not in (".parquet", ".pq") or not os.path.isfile(path):
         return False
     import pyarrow.parquet as pq
 
     try:
-        names = set(pq.read_schema(path).names)
+        return schemas.spec_columns(pq.read_schema(path).names)
     except Exception:  # not readable as Parquet: the tables reader says why
         return False
-    return "num_embeddings" in names and "table_id" not in names
 
 
 def read_tables(path, seed: int = 0):
