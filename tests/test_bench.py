@@ -335,3 +335,30 @@ def test_sample_shards_splits_the_budget_between_random_and_plan_shards_inside_e
     assert df[kind == "plan"]["table_ids"].map(len).max() > 15   # larger than any random shard
     assert (kind == "single").sum() >= len(pools.members(tdf, "train", 0))
     assert not df.apply(piece_key, axis=1).duplicated().any()
+
+
+def test_sample_shards_reuses_its_list_only_for_the_same_inputs(tmp_path):
+    """A retried stage gets the same list; a root re-ingested with other tables gets a new one drawn from them
+    (the old list would put tables of today's test pool into train shards)."""
+    from embshard import pools
+    from embshard.ingest.synthetic import generate_tables
+    from embshard.jobs import shards as shards_job
+    from embshard.jobs import tasks
+
+    tables = str(tmp_path / "tables.parquet")
+
+    def sample(seed: int) -> pd.DataFrame:
+        schemas.write(generate_tables(40, seed=seed, bins_batch_size=2048), tables, "tables")
+        tasks_path = tasks.run(tables, str(tmp_path), num_tasks=2, tables_per_task="6-10", devices=2, memory_gb=512,
+                               seed=seed)
+        return schemas.read(shards_job.run(tables, tasks_path, str(tmp_path), num_shards=9, seed=seed), "shards")
+
+    first = sample(0)
+    target = tmp_path / shards_job.SHARDS_FILE
+    mtime = target.stat().st_mtime_ns
+    assert sample(0).equals(first) and target.stat().st_mtime_ns == mtime  # same inputs: the same file, kept
+    again = sample(5)
+    test_pool = set(pools.members(schemas.read(tables, "tables"), "test", 5))
+    train_rows = again[again["sample_id"].str.startswith("train-")]
+    assert not any(set(ids) & test_pool for ids in train_rows["table_ids"])
+    assert not again.equals(first)

@@ -6,6 +6,7 @@ import json
 import sys
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from embshard import schemas
@@ -234,13 +235,23 @@ def test_placement_from_frame_inverts_to_frame(placement, tables):
         [(s.device, s.col_offset, s.col_size) for s in placement.shards]
     assert list(back.tables.table_ids) == list(tables.table_ids)
     assert device_costs_from_frame(df, D).tolist() == COSTS.tolist()
-    inferred = placement_from_frame(df, tables)
+    own = placement_from_frame(df, tables)  # the rows carry the devices they were planned for
+    assert (own.num_devices, own.memory_bytes_per_device) == (D, placement.memory_bytes_per_device)
+    assert not own.meta
+    with pytest.raises(EmbshardError, match="made for memory per device"):
+        placement_from_frame(df, tables, D, 10)
+    with pytest.raises(EmbshardError, match="made for devices 4, the tasks file gives 2"):
+        placement_from_frame(df, tables, 2, placement.memory_bytes_per_device)
+    old = df.drop(columns=["num_devices", "memory_bytes_per_device", "devices_per_host"])  # an older file
+    inferred = placement_from_frame(old, tables)
     assert inferred.num_devices == D and inferred.meta["memory_bytes_per_device_inferred"]
     assert inferred.memory_bytes_per_device == int(placement.memory_per_device().max())
     with pytest.raises(EmbshardError, match="over"):
-        placement_from_frame(df, tables, D, 10)
+        placement_from_frame(old, tables, D, 10)
     with pytest.raises(EmbshardError, match="device 3 used"):
-        placement_from_frame(df, tables, 2, placement.memory_bytes_per_device)
+        placement_from_frame(old, tables, 2, placement.memory_bytes_per_device)
+    with pytest.raises(EmbshardError, match="plans of 2 planners"):  # an evaluation's rows: export one planner's
+        placement_from_frame(pd.concat([df, df.assign(planner="other")]), tables)
 
 
 def _write_inputs(tmp_path, tables_df, placement):
@@ -498,13 +509,16 @@ def test_row_layouts_torchrec_cannot_run_are_refused(split_placement, tables):
 @needs_torchrec
 def test_export_job_writes_split_plans_with_hosts(tmp_path, tables_df, split_placement):
     """placements.parquet rows of every kind -> plan.json v3 with hosts and a TorchRec plan; the table-row-wise
-    table needs the hosts (--devices-per-host), and without them nothing is written."""
+    table needs the hosts: the rows' own, or --devices-per-host for rows without them (an older file), and
+    without any nothing is written."""
     import pandas as pd
 
     from embshard.jobs.export import run
 
     schemas.write(tables_df, tmp_path / "tables.parquet", "tables")
-    schemas.write(split_placement.to_frame(), tmp_path / "placements.parquet", "placements")
+    rows = split_placement.to_frame()
+    assert set(rows["devices_per_host"]) == {2}
+    schemas.write(rows.drop(columns="devices_per_host"), tmp_path / "placements.parquet", "placements")
     tasks = pd.DataFrame({"task_id": ["task-s"], "split": ["test"], "num_devices": [D],
                           "memory_bytes_per_device": [split_placement.memory_bytes_per_device],
                           "table_ids": [list(split_placement.tables.table_ids)]})
@@ -520,6 +534,9 @@ def test_export_job_writes_split_plans_with_hosts(tmp_path, tables_df, split_pla
     kinds = {n: p["sharding_type"] for n, p in doc["modules"][""].items()}
     assert [kinds[str(t)] for t in split_placement.tables.table_ids[:4]] == ["row_wise", "table_row_wise",
                                                                             "table_wise", "data_parallel"]
+    schemas.write(rows, tmp_path / "own.parquet", "placements")  # the rows' own hosts: no flag, no tasks file
+    own = run(str(tmp_path / "own.parquet"), args[1], str(tmp_path / "own"))
+    assert read_plan_json(own["plans"]["task-s"]["plan_json"])["hosts"] == [0, 0, 1, 1]
 
 
 def test_place_on_hosts_writes_hosts_and_refuses_an_uneven_layout(tmp_path, tables_df):
@@ -539,6 +556,23 @@ def test_place_on_hosts_writes_hosts_and_refuses_an_uneven_layout(tmp_path, tabl
               planner="size_lookup_greedy", devices_per_host=3)
     assert err.value.field == "devices_per_host" and str(tmp_path / "tables.parquet") in str(err.value)
     assert not (tmp_path / "bad").exists()
+
+
+def test_place_then_export_keeps_the_devices_without_a_tasks_file(tmp_path, tables_df):
+    """`place` on 8 devices (the last ones left empty) then `export` of its placements.parquet: the plan stays one
+    for 8 devices of the asked memory on hosts of 4 (it became 4 or fewer devices of the fullest one's memory)."""
+    from embshard.jobs.export import run
+    from embshard.jobs.place import place
+
+    schemas.write(tables_df.head(3), tmp_path / "tables.parquet", "tables")
+    mem = 4 * int(tables_df["size_bytes"].sum())
+    out = place(str(tmp_path / "tables.parquet"), str(tmp_path / "placed"), devices=8, memory_bytes=mem,
+                planner="size_greedy", devices_per_host=4)
+    assert out["placement"].memory_per_device()[3:].sum() == 0  # 3 tables: most devices are empty
+    res = run(out["placements"], str(tmp_path / "tables.parquet"), str(tmp_path / "exported"), torchrec=False)
+    plan = read_plan_json(next(iter(res["plans"].values()))["plan_json"])
+    assert (plan["num_devices"], plan["memory_bytes_per_device"]) == (8, mem)
+    assert plan["hosts"] == [0] * 4 + [1] * 4 and not plan["meta"].get("num_devices_inferred")
 
 
 def test_tasks_devices_per_host_gives_the_task_its_hosts(tmp_path, tables_df):

@@ -54,6 +54,8 @@ def recorders(monkeypatch):
 
 
 def _run_measuring_stages(root: str, params: dict) -> None:
+    for key in ("tables", "tasks"):  # sample_shards checks that ingest wrote them (the faked jobs do not read them)
+        open(stages.path(root, key), "w").close()
     stages._state(root, "shards", {"shards": "shards.parquet", "chunks": [0]})
     stages._state(root, "policy", {"policy_dir": "p", "cost_model_uri": "c", "version": "1"})
     stages.run("sample_shards", root, params)
@@ -117,6 +119,26 @@ def test_stage_command_with_cuda_and_no_gpu_exits_2_with_one_line(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "device" in lines[0] and "CUDA is not available" in lines[0], proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_stage_inputs_and_state_are_checked_in_one_line_before_any_work(tmp_path, recorders, capsys):
+    """sample_shards without ingest's files fails before it calibrates (it used to calibrate for ~15 s and write
+    the shared calibration first); a corrupt state file, or params that are not an object, are one line."""
+    from embshard import cli
+
+    with pytest.raises(EmbshardError, match="tables.parquet: missing stage output .*run the ingest stage"):
+        stages.run("sample_shards", str(tmp_path), {"device": "cpu"})
+    assert recorders == {}
+    state = tmp_path / "state"
+    state.mkdir()
+    for text in ('{"shards": ', "{}", "[1]"):
+        (state / "shards.json").write_text(text)
+        with pytest.raises(EmbshardError, match=r"shards.json: corrupt stage output \(not an object with shards\)"):
+            stages.run("benchmark", str(tmp_path), {"device": "cpu"}, chunk=0)
+    assert cli.main(["stage", "ingest", "--root", str(tmp_path / "r"), "--params", "[1]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "field 'params': a JSON list, not an object" in err
+    assert not (tmp_path / "r").exists()
 
 
 def test_unknown_device_is_refused():

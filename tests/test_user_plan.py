@@ -112,6 +112,76 @@ def test_a_plan_that_is_not_the_tasks_is_one_line_naming_the_file(tmp_path, plac
         UserPlan(tmp_path / "other.json").plan_task(_task(tables))
 
 
+def _edited(tmp_path, placement, name: str, edit) -> str:
+    """A plan.json of `placement` changed by `edit` (a function of the JSON document), written as NAME."""
+    write_plan_json(placement, tmp_path / "plan.json")
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    edit(doc)
+    (tmp_path / name).write_text(json.dumps(doc))
+    return str(tmp_path / name)
+
+
+def _slices(doc, widths):
+    t = doc["tables"][1]  # 32 columns in two slices of 16
+    off = 0
+    for s, w in zip(t["shards"], widths):
+        s["col_offset"], s["col_size"] = off, w
+        s["memory_bytes"] = w * t["rows"] * t["bytes_per_element"]
+        off += w
+    _recount(doc)
+
+
+def _other_table(doc, **fields):
+    """Table 0 (whole on device 0) made another table, its sizes consistent: a plan of other tables."""
+    t = doc["tables"][0]
+    t.update(fields)
+    t["size_bytes"] = t["rows"] * t["dim"] * t["bytes_per_element"]
+    t["shards"][0].update(col_size=t["dim"], row_size=t["rows"], memory_bytes=t["size_bytes"])
+    _recount(doc)
+
+
+def _recount(doc):
+    for dev in doc["devices"]:  # the devices' memory agrees with their shards again
+        dev["memory_bytes"] = sum(s["memory_bytes"] for t in doc["tables"] for s in t["shards"]
+                                  if s["device"] == dev["device"])
+        dev["memory_used_fraction"] = dev["memory_bytes"] / doc["memory_bytes_per_device"]
+
+
+@pytest.mark.parametrize("name, edit, match", [
+    ("not4.json", lambda d: _slices(d, [14, 18]), r"field 'table_id': table \S+: a column slice of 14 columns"),
+    ("rows.json", lambda d: _other_table(d, rows=7), r"field 'tables.0.rows': .*plan's rows is 7"),
+    ("bpe.json", lambda d: _other_table(d, bytes_per_element=2), "field 'tables.0.bytes_per_element'"),
+    ("nan.json", lambda d: d["tables"][2].update(pooling_factor=float("nan")),
+     "field 'tables.2.pooling_factor': not a finite number"),
+    ("huge.json", lambda d: d.update(memory_bytes_per_device=10**30),
+     "field 'memory_bytes_per_device': .*greater than the maximum"),
+    ("relabelled.json", lambda d: d.update(schema="embshard.torchrec_plan/v1"), "field 'modules'"),
+])
+def test_a_plan_of_other_tables_or_unrunnable_is_one_line_before_measuring(tmp_path, placement, tables, name, edit,
+                                                                           match):
+    """Refused as plans of other tables, widths FBGEMM and TorchRec cannot run, numbers out of range, and a plan
+    labelled a TorchRec plan: each one line naming the file and the field (they used to be measured, or crash
+    mid-measurement)."""
+    path = _edited(tmp_path, placement, name, edit)
+    with pytest.raises(EmbshardError, match=f"{name}.*{match}") as err:
+        UserPlan(path).plan_task(_task(tables))
+    assert "\n" not in str(err.value)
+
+
+def test_a_torchrec_plan_with_a_bad_world_size_or_a_folder_is_one_line(tmp_path, placement, tables):
+    pytest.importorskip("torchrec")
+    from embshard.export.torchrec_plan import plan_to_json, to_torchrec_plan
+
+    doc = plan_to_json(to_torchrec_plan(placement), world_size=D,
+                       tables={str(n): (int(r), int(d)) for n, r, d in zip(tables.table_ids, tables.rows, tables.dims)})
+    for world in ("two", [2], True):
+        (tmp_path / "w.json").write_text(json.dumps({**doc, "world_size": world}))
+        with pytest.raises(EmbshardError, match="w.json: field 'world_size'"):
+            UserPlan(tmp_path / "w.json").plan_task(_task(tables))
+    with pytest.raises(EmbshardError, match="field 'plan': cannot be read"):
+        UserPlan(tmp_path).plan_task(_task(tables))
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """Six small tables, one test task of 3 tables on 2 devices, and a size_greedy plan of it."""

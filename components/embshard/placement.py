@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
+from .checks import DIM_MULTIPLE
 from .errors import InfeasiblePlacementError
 from .tableset import TableSet
 from .types import COLUMN, REPLICATED, WHOLE, DeviceTopology, Shard
@@ -89,8 +90,9 @@ class Placement:
             problem = self._coverage_problem(i, pieces)
             if problem:
                 raise InfeasiblePlacementError(f"table {self.tables.table_ids[i]}: {problem}", path=where,
-                                               field="table_id", fix="place every column (or every row) of every "
-                                               "table exactly once, or one replica on every device")
+                                               field="table_id", fix="place every column (in slices of multiples of "
+                                               f"{DIM_MULTIPLE}) or every row of every table exactly once, or one "
+                                               "replica on every device")
         mem = self.memory_per_device()
         over = mem - self.memory_bytes_per_device
         if (over > 0).any():
@@ -125,14 +127,18 @@ class Placement:
         for off, size in sorted(spans):
             if size <= 0:
                 return f"a {kind} piece of {size} {unit}"
+            if kind == COLUMN and size % DIM_MULTIPLE:  # FBGEMM's kernels and TorchRec take such widths only
+                return f"a column slice of {size} columns (slices must be multiples of {DIM_MULTIPLE} columns)"
             if off != nxt:
                 return f"{unit} {min(off, nxt)}..{max(off, nxt)} are {'missing' if off > nxt else 'placed twice'}"
             nxt = off + size
         return None if nxt == total else f"{nxt} of {total} {unit} placed"
 
     def to_frame(self, device_costs: np.ndarray | None = None) -> pd.DataFrame:
-        """Rows of the placements contract (predicted_cost_ms = predicted cost of the row's device)."""
+        """Rows of the placements contract (predicted_cost_ms = predicted cost of the row's device; every row carries
+        the devices: their count, memory and devices per host)."""
         t = self.tables
+        per_host = self.devices.devices_per_host()
         rows = []
         for s in self.shards:
             rows.append({
@@ -142,5 +148,7 @@ class Placement:
                 "row_offset": s.row_offset if s.row_size is not None else None, "row_size": s.row_size,
                 "planner": self.planner, "model_uri": self.model_uri,
                 "predicted_cost_ms": None if device_costs is None else float(device_costs[s.device]),
+                "num_devices": self.num_devices, "memory_bytes_per_device": self.memory_bytes_per_device,
+                "devices_per_host": per_host,
             })
         return pd.DataFrame(rows)

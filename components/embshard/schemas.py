@@ -168,6 +168,11 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("model_uri", _STR, required=False, nullable=True),
         Column("predicted_cost_ms", _F64, required=False, nullable=True),  # cost of this row's device
         Column("measured_cost_ms", _F64, required=False, nullable=True),   # measured cost of this row's device
+        # The devices the plan is for (the same on every row of a task), so that `export` keeps them without a
+        # tasks file; files written before these columns have none (then --tasks, or they are inferred).
+        Column("num_devices", pa.int32(), required=False, nullable=True),
+        Column("memory_bytes_per_device", pa.int64(), required=False, nullable=True),
+        Column("devices_per_host", pa.int32(), required=False, nullable=True),
     ],
 }
 

@@ -44,7 +44,7 @@ def merged(params: dict | None) -> dict:
     return params_mod.check(params, check_files=False)
 
 
-def _state(root: str, name: str, value: dict | None = None) -> dict:
+def _state(root: str, name: str, value: dict | None = None, keys: tuple[str, ...] | None = None) -> dict:
     """Small JSON facts one stage leaves for the next (e.g. which model version it registered)."""
     from . import storage
 
@@ -54,7 +54,25 @@ def _state(root: str, name: str, value: dict | None = None) -> dict:
         return value
     if not storage.exists(target):
         raise EmbshardError("missing stage output", path=target, fix=f"run the stage that writes {name} first")
-    return json.loads(storage.read_text(target))
+    try:
+        state = json.loads(storage.read_text(target))
+    except (ValueError, UnicodeDecodeError):
+        state = None
+    if not isinstance(state, dict) or (keys is not None and not set(keys) <= set(state)):
+        need = f"an object with {', '.join(keys)}" if keys else "a JSON object"
+        raise EmbshardError(f"corrupt stage output (not {need})", path=target,
+                            fix=f"run the stage that writes {name} again")
+    return state
+
+
+def _existing(root: str, key: str, stage: str) -> str:
+    """The path of a run file an earlier stage wrote; missing: the one-line error that names that stage."""
+    from . import storage
+
+    target = path(root, key)
+    if not storage.exists(target):
+        raise EmbshardError("missing stage output", path=target, fix=f"run the {stage} stage first")
+    return target
 
 
 class StageSkipped(Exception):
@@ -102,11 +120,11 @@ def sample_shards(root: str, params: dict) -> dict:
 
     p = merged(params)
     device = measuring_device(p)
+    tables, tasks = _existing(root, "tables", "ingest"), _existing(root, "tasks", "ingest")  # before calibrating
     # Before any chunk measures: the run takes the shared communication calibration of the hardware it measures
     # on (one per hardware, reused by every run, recalibrated only when asked), so runs and models agree on comm.
     comm.adopt_calibration(root, backends.hardware(device), device=device, recalibrate=bool(p["recalibrate_comm"]))
-    shards = shards_run(path(root, "tables"), path(root, "tasks"), root, num_shards=int(p["bench_shards"]),
-                        seed=int(p["seed"]))
+    shards = shards_run(tables, tasks, root, num_shards=int(p["bench_shards"]), seed=int(p["seed"]))
     return _state(root, "shards", {"shards": shards, "chunks": list(range(int(p["bench_chunks"])))})
 
 
@@ -115,7 +133,8 @@ def benchmark(root: str, params: dict, chunk: int) -> dict:
 
     p = merged(params)
     st = measure_settings(root, p)
-    shards = _state(root, "shards")["shards"]  # sampled once by sample_shards; every chunk reads the same list
+    # sampled once by sample_shards; every chunk reads the same list
+    shards = _state(root, "shards", keys=("shards",))["shards"]
     parts = bench_run(path(root, "tables"), shards, root, settings=st, chunk=int(chunk),
                       num_chunks=int(p["bench_chunks"]))
     return {"chunk": int(chunk), "parts": parts, "device": st.device}
@@ -167,8 +186,8 @@ def train_policy(root: str, params: dict, round_index: int = 1) -> dict:
 
     p = merged(params)
     _check_round(p, round_index)
-    cm = _state(root, "cost_model")
-    prev = _state(root, "policy")["policy_dir"] if round_index > 1 else None
+    cm = _state(root, "cost_model", keys=("model_uri",))
+    prev = _state(root, "policy", keys=("policy_dir",))["policy_dir"] if round_index > 1 else None
     res = train_policy_round(path(root, "tables"), path(root, "tasks"), loop_layout(root),
                              cost_model_uri=cm["model_uri"], iterations=int(p["policy_iterations"]),
                              rounds=int(p["policy_rounds"]), round_index=round_index, init_policy=prev,
@@ -184,7 +203,7 @@ def measure_policy_plans(root: str, params: dict, round_index: int = 2) -> dict:
 
     p = merged(params)
     _check_round(p, round_index)
-    pol = _state(root, "policy")
+    pol = _state(root, "policy", keys=("policy_dir", "cost_model_uri"))
     costs = measure_round(path(root, "tables"), path(root, "tasks"), loop_layout(root),
                           policy_dir=pol["policy_dir"], cost_model_uri=pol["cost_model_uri"],
                           round_index=round_index, num_tasks=MEASURED_PLAN_TASKS,
@@ -196,7 +215,7 @@ def evaluate_and_promote(root: str, params: dict) -> dict:
     from .jobs.promote import evaluate_and_promote as promote
 
     p = merged(params)
-    pol = _state(root, "policy")
+    pol = _state(root, "policy", keys=("version",))
     decision = promote(path(root, "tables"), path(root, "tasks"), path(root, "evaluation"),
                        candidate_version=pol["version"],
                        baselines=params_mod.planners_of(p["eval_planners"]),
@@ -313,6 +332,9 @@ def main(args) -> int:
         params = json.loads(args.params)
     except json.JSONDecodeError as exc:
         raise EmbshardError(f"not valid JSON ({exc.msg})", field="params", fix="pass a JSON object") from None
+    if not isinstance(params, dict):
+        raise EmbshardError(f"a JSON {type(params).__name__}, not an object", field="params",
+                            fix='pass a JSON object of run params, e.g. \'{"num_tables": 64}\'')
     try:
         res = run(args.name, args.root, params, args.chunk, args.round_index)
     except StageSkipped as exc:

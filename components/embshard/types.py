@@ -61,6 +61,14 @@ class DeviceTopology:
             return self.count
         return max(self.hosts.count(h) for h in set(self.hosts))
 
+    def devices_per_host(self) -> int | None:
+        """L when the hosts are `on_hosts(count, memory, L)`'s (TorchRec's rank order), else None (one host, or
+        another layout)."""
+        if self.hosts is None:
+            return None
+        per_host = self.local_world_size
+        return per_host if self.hosts == tuple(k // per_host for k in range(self.count)) else None
+
     def same_host(self, a: int, b: int) -> bool:
         return self.hosts is None or self.hosts[a] == self.hosts[b]
 

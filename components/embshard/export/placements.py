@@ -18,10 +18,11 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
     """The Placement of one task's placements.parquet rows (Placement.to_frame's inverse).
 
     `tables` may hold more tables than the task; the placement's TableSet is the task's tables in row order.
-    Without `num_devices`, it is the highest device + 1 (an empty last device is then lost); without
-    `memory_bytes_per_device`, the fullest device's memory (recorded in meta as inferred). The result is
-    checked (every column placed once, memory respected). `where` names the input in errors (default the
-    task id).
+    The devices are the rows' own (`num_devices`, `memory_bytes_per_device` columns, written since they exist);
+    given ones (a tasks file's) must agree with them. A file without them: without `num_devices`, the highest
+    device + 1 (an empty last device is then lost); without `memory_bytes_per_device`, the fullest device's memory
+    (recorded in meta as inferred). The result is checked (every column placed once, memory respected). `where`
+    names the input in errors (default the task id).
     """
     if df_task is None or len(df_task) == 0:
         raise EmbshardError("no placement rows", field="task_id", fix="give the rows of one task")
@@ -31,6 +32,11 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
                             fix="pass the rows of one task (df[df.task_id == ...])")
     task_id = str(task_ids[0])
     where = where or task_id
+    planners = df_task["planner"].astype(str).unique()
+    if len(planners) != 1:  # e.g. an evaluation's placements.parquet: every planner's plan of each task
+        raise EmbshardError(f"task {task_id} has the plans of {len(planners)} planners ({', '.join(planners[:4])})",
+                            path=where, field="planner",
+                            fix="export one planner's rows (e.g. df[df.planner == 'learned/1'])")
     ids: list[str] = []
     for t in df_task["table_id"].astype(str):
         if t not in ids:
@@ -48,6 +54,9 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
                             None if size is None else int(size), int(roff or 0),
                             None if rsize is None else int(rsize), "replicated" if kind == "replicated" else ""))
     meta: dict = {}
+    num_devices = _own_value(df_task, "num_devices", num_devices, where, "devices")
+    memory_bytes_per_device = _own_value(df_task, "memory_bytes_per_device", memory_bytes_per_device, where,
+                                         "memory per device")
     devices = int(df_task["device"].max()) + 1
     if num_devices is None:
         num_devices = devices
@@ -55,7 +64,6 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
     elif devices > num_devices:
         raise EmbshardError(f"device {devices - 1} used but the task has {num_devices} devices", path=where,
                             field="device", fix="use devices 0..num_devices-1")
-    planners = df_task["planner"].astype(str).unique()
     uris = [u for u in (df_task["model_uri"] if "model_uri" in df_task.columns else []) if _value(u) is not None]
     placement = Placement(sub, int(num_devices), 1, shards, planner=str(planners[0]),
                           model_uri=str(uris[0]) if uris else None, task_id=task_id, meta=meta)
@@ -65,6 +73,27 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
     placement.memory_bytes_per_device = int(memory_bytes_per_device)
     placement.check(where)
     return placement
+
+
+def own_devices_per_host(df_task: pd.DataFrame) -> int | None:
+    """The devices per host a task's rows carry (None: one host, or a file written before the column)."""
+    return _own_value(df_task, "devices_per_host", None, "", "devices per host")
+
+
+def _own_value(df_task: pd.DataFrame, column: str, given: int | None, where: str, what: str) -> int | None:
+    """A task's value of `column` (the same on each of its rows), or `given` where the rows have none; rows and a
+    given value that disagree are an error."""
+    if column not in df_task.columns or df_task[column].isna().all():
+        return given
+    values = df_task[column].dropna().astype("int64").unique()
+    if len(values) != 1 or df_task[column].isna().any():
+        raise EmbshardError(f"the task's rows give {len(values)} different values", path=where, field=column,
+                            fix="give each task's rows one value (the devices the plan was made for)")
+    own = int(values[0])
+    if given is not None and int(given) != own:
+        raise EmbshardError(f"the placements were made for {what} {own:,}, the tasks file gives {int(given):,}",
+                            path=where, field=column, fix="pass the tasks.parquet the placements were made for")
+    return own
 
 
 def device_costs_from_frame(df_task: pd.DataFrame, num_devices: int, column: str = "predicted_cost_ms"):

@@ -183,6 +183,10 @@ def validate_plan(plan: Any, where: str = "<plan.json>") -> None:
 
 
 def _schema_check(plan: Any, schema: dict, where: str) -> None:
+    bad = _non_finite(plan, "")
+    if bad is not None:  # JSON Schema takes NaN and Infinity (Python's json reads them) as numbers
+        raise EmbshardError("not a finite number (NaN or Infinity)", path=where, field=bad or "<root>",
+                            fix="give a finite number")
     try:
         import jsonschema
     except ImportError:  # jsonschema comes with the airflow extra; without it the built-in subset checker runs
@@ -201,6 +205,18 @@ def _schema_check(plan: Any, schema: dict, where: str) -> None:
         field = ".".join(parts) or "<root>"
         raise EmbshardError(e.message[:200], path=where, field=field,
                             fix=f"follow the {SCHEMA_VERSION} schema (embshard/export/{SCHEMA_FILE})")
+
+
+def _non_finite(value: Any, at: str) -> str | None:
+    """The path of the first NaN or infinite number in a JSON value, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return at
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, sub in items:
+        bad = _non_finite(sub, f"{at}.{key}" if at else str(key))
+        if bad is not None:
+            return bad
+    return None
 
 
 _TYPES: dict[str, type] = {"object": dict, "array": list, "string": str, "null": type(None), "boolean": bool}
@@ -228,6 +244,9 @@ def _mini_validate(value: Any, schema: dict, at: str) -> tuple[str, str] | None:
     if (isinstance(value, (int, float)) and not isinstance(value, bool) and "minimum" in schema
             and value < schema["minimum"]):
         return at, f"{value} is less than the minimum of {schema['minimum']}"
+    if (isinstance(value, (int, float)) and not isinstance(value, bool) and "maximum" in schema
+            and value > schema["maximum"]):
+        return at, f"{value} is greater than the maximum of {schema['maximum']}"
     if isinstance(value, str) and len(value) < schema.get("minLength", 0):
         return at, "must not be empty"
     if isinstance(value, dict):
@@ -376,13 +395,21 @@ def _json_safe(value: Any) -> Any:
     return str(value)
 
 
-def placement_from_plan(plan: Mapping, tables: TableSet) -> Placement:
+def placement_from_plan(plan: Mapping, tables: TableSet, where: str | None = None) -> Placement:
     """Rebuild the Placement of a (validated) plan.json of any version over `tables` (a TableSet holding at least
-    the plan's tables); its topology carries the plan's hosts."""
+    the plan's tables, with the plan's rows, dims and element sizes: a plan of other tables is refused); its
+    topology carries the plan's hosts. `where` names the plan in errors (default its task id)."""
     from ..types import DeviceTopology
 
+    where = where or str(plan.get("task_id", "plan.json"))
     ids = [t["table_id"] for t in plan["tables"]]
-    sub = tables.select(ids, where=plan.get("task_id", "plan.json"))
+    sub = tables.select(ids, where=where)
+    for k, t in enumerate(plan["tables"]):
+        for key, theirs in (("rows", sub.rows), ("dim", sub.dims), ("bytes_per_element", sub.bytes_per_element)):
+            if int(t[key]) != int(theirs[k]):
+                raise EmbshardError(f"table {t['table_id']}: the plan's {key} is {t[key]}, the table's "
+                                    f"{int(theirs[k])}", path=where, field=f"tables.{k}.{key}",
+                                    fix="give a plan made for these tables (or re-ingest the tables it was made for)")
     shards = []
     for i, pieces in enumerate(shard_spans(plan)):
         for s in pieces:
@@ -398,5 +425,5 @@ def placement_from_plan(plan: Mapping, tables: TableSet) -> Placement:
     placement = Placement(sub, d, mem, shards, planner=plan["planner"], model_uri=plan["model_uri"],
                           task_id=plan["task_id"], meta=dict(plan.get("meta", {})),
                           topology=DeviceTopology(d, mem, hosts=hosts))
-    placement.check()
+    placement.check(where)
     return placement

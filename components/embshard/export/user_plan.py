@@ -43,26 +43,42 @@ class UserPlan:
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise EmbshardError(f"not valid JSON ({str(exc)[:80]})", path=self.path, field="plan",
                                     fix=_FIX) from None
+            except OSError as exc:  # a folder, or unreadable
+                raise EmbshardError(f"cannot be read ({exc.strerror or exc})", path=self.path, field="plan",
+                                    fix=_FIX) from None
             schema = str(doc.get("schema", "")) if isinstance(doc, dict) else ""
             if schema.startswith("embshard.plan/"):
                 from .plan_json import read_plan_json
 
                 doc = read_plan_json(self.path)
-            elif not schema.startswith("embshard.torchrec_plan/"):
+            elif schema.startswith("embshard.torchrec_plan/"):
+                self._check_torchrec_doc(doc)
+            else:
                 raise EmbshardError(f"schema {schema[:40]!r} is neither embshard.plan nor embshard.torchrec_plan",
                                     path=self.path, field="schema", fix=_FIX)
             self._doc = doc
         return self._doc
 
-    def table_ids(self) -> list[str]:
-        doc = self.document()
-        if "modules" not in doc:
-            return [str(t["table_id"]) for t in doc["tables"]]
+    def _check_torchrec_doc(self, doc: dict) -> None:
+        """What this reader needs of a TorchRec plan before any task is applied (the rest is checked by
+        torchrec_plan.plan_from_json against the task's tables): one module of named tables, an integer world."""
         modules = doc.get("modules")
         if not isinstance(modules, dict) or len(modules) != 1 or not isinstance(next(iter(modules.values())), dict):
             raise EmbshardError("a TorchRec plan of one EmbeddingBagCollection has exactly one module",
                                 path=self.path, field="modules", fix=_FIX)
-        return [str(n) for n in next(iter(modules.values()))]
+        world = doc.get("world_size")
+        if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
+            raise EmbshardError(f"world_size {str(world)[:20]!r} is not a device count", path=self.path,
+                                field="world_size", fix="give the number of ranks, an integer >= 1")
+
+    def is_torchrec(self) -> bool:
+        return str(self.document().get("schema", "")).startswith("embshard.torchrec_plan/")
+
+    def table_ids(self) -> list[str]:
+        doc = self.document()
+        if not self.is_torchrec():
+            return [str(t["table_id"]) for t in doc["tables"]]
+        return [str(n) for n in next(iter(doc["modules"].values()))]
 
     def plan_task(self, task: Task) -> Placement:
         """The file's placement of `task` (checked against its tables, devices and memory)."""
@@ -88,7 +104,7 @@ class UserPlan:
         if world is not None and int(world) != topology.count:
             raise EmbshardError(f"the plan is for {world} devices, task {task_id} has {topology.count}",
                                 path=self.path, field="num_devices", fix=_FIX)
-        if "modules" in doc:
+        if self.is_torchrec():
             from .torchrec_plan import placement_from_sharding_plan, plan_from_json
 
             sharding_plan = plan_from_json(self.path, tables=tables, world_size=topology.count)
@@ -98,7 +114,7 @@ class UserPlan:
         else:
             from .plan_json import placement_from_plan
 
-            theirs = placement_from_plan(doc, tables)
+            theirs = placement_from_plan(doc, tables, where=where)
             pos = {t: k for k, t in enumerate(task_ids)}
             shards = [dataclasses.replace(s, table=pos[str(theirs.tables.table_ids[s.table])]) for s in theirs.shards]
             placement = Placement(tables, topology.count, topology.memory_bytes, shards,
@@ -107,6 +123,6 @@ class UserPlan:
         try:  # the task's memory, not the file's: a plan for bigger devices breaks it
             placement.check(where)
         except InfeasiblePlacementError as exc:
-            raise InfeasiblePlacementError(exc.message, path=where, field=exc.field,
-                                           fix="give a plan that fits this task's memory per device") from None
+            fix = "give a plan that fits this task's memory per device" if exc.field == "memory" else exc.fix
+            raise InfeasiblePlacementError(exc.message, path=where, field=exc.field, fix=fix) from None
         return placement

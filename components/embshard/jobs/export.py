@@ -69,7 +69,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tables", required=True,
                         help="tables.parquet, or the table spec the plan was made from")
     parser.add_argument("--tasks", default=None,
-                        help="tasks.parquet, for each task's devices and memory (else inferred from the rows)")
+                        help="tasks.parquet, for each task's devices and memory (else the devices the rows "
+                             "carry; for files without them, inferred from the rows)")
     parser.add_argument("--out", required=True, help="output folder (local path, file:// or s3://)")
     parser.add_argument("--module-path", default="",
                         help="path of the EmbeddingBagCollection in your model for the TorchRec plan "
@@ -100,7 +101,7 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     under `out` only when every one was written; on any error nothing is left behind."""
     from .. import schemas, storage
     from ..errors import EmbshardError
-    from ..export.placements import device_costs_from_frame, placement_from_frame
+    from ..export.placements import device_costs_from_frame, own_devices_per_host, placement_from_frame
     from ..export.plan_json import write_plan_json
     from ..export.torchrec_plan import check_module_path
     from ..ingest.spec import read_tables
@@ -143,8 +144,9 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
             _check_complete(rows, task_tables[task_id], at, tasks)
         num_devices, memory = task_info.get(task_id, (None, None))
         placement = placement_from_frame(rows, table_set, num_devices, memory, where=at)
-        per_host = devices_per_host if devices_per_host is not None else task_hosts.get(task_id)
-        if per_host is not None:  # the flag, else the task's own hosts
+        per_host = devices_per_host if devices_per_host is not None else task_hosts.get(task_id,
+                                                                                      own_devices_per_host(rows))
+        if per_host is not None:  # the flag, else the task's own hosts, else the hosts the rows were planned for
             try:
                 placement.topology = DeviceTopology.on_hosts(placement.num_devices, placement.memory_bytes_per_device,
                                                              int(per_host))
@@ -156,7 +158,10 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
         for task_id, placement, costs in checked:
             write_plan_json(placement, os.path.join(stage, task_id, "plan.json"), device_costs=costs)
             if torchrec:
-                _write_torchrec(placement, os.path.join(stage, task_id), module_path)
+                try:
+                    _write_torchrec(placement, os.path.join(stage, task_id), module_path)
+                except EmbshardError as exc:  # a layout TorchRec cannot run: name the input and the task
+                    raise (exc.at(f"{where} (task {task_id})") if exc.path is None else exc) from None
         schemas.write(df, os.path.join(stage, "placements.parquet"), "placements")
         for task_id, _, _ in checked:
             names = ["plan.json"] + (["torchrec_plan.json", "torchrec_plan.pt"] if torchrec else [])

@@ -25,6 +25,7 @@ from ..errors import EmbshardError
 from ..tableset import TableSet
 
 SHARDS_FILE = "shards.parquet"
+SHARDS_INPUTS_FILE = "shards.inputs.json"  # what the list was drawn from (run: reused only for the same inputs)
 MAX_RANDOM_TABLES = 15     # largest random shard
 # Plan shards: synthetic tasks the size of the quality suites', so the cost model trains on devices as crowded as
 # the ones it must rank (a 200-table task on 4 devices puts ~50 tables on each).
@@ -114,19 +115,37 @@ def _split_heaviest(plan, table_proxy: np.ndarray, rng: np.random.Generator):
 
 def run(tables: str, tasks: str, out: str, *, num_shards: int, seed: int = 0,
         max_tables: int = MAX_RANDOM_TABLES) -> str:
-    """Write OUT/shards.parquet (shards contract) and return its path; an existing list is kept (the list is a
-    pure function of the inputs, so a rerun or a retried task sees the same one)."""
+    """Write OUT/shards.parquet (shards contract) and return its path. An existing list drawn from the same
+    inputs is kept (the list is a pure function of them, so a rerun or a retried task sees the same one); one drawn
+    from other tables, tasks or options (the root re-ingested, say) is drawn again, never reused: its pools would
+    no longer be this run's (OUT/shards.inputs.json holds what it was drawn from)."""
+    import json
+    import logging
+
+    from ..bench.fingerprint import tables_hash
     from ..bench.sampler import piece_key, random_shards, split_shards
     from ..types import load_tasks
 
-    target = storage.join(out, SHARDS_FILE)
-    if storage.exists(target):
-        return target
     if int(num_shards) < 3:
         raise EmbshardError(f"{num_shards} shards", field="bench_shards", fix="measure at least 3 shards")
     tdf = schemas.read(tables, "tables")
     table_set = TableSet.from_frame(tdf)
     train_tasks = load_tasks(table_set, tasks, "train")
+    target, inputs_file = storage.join(out, SHARDS_FILE), storage.join(out, SHARDS_INPUTS_FILE)
+    pool_column = [str(p) for p in tdf["pool"]] if "pool" in tdf.columns else None
+    inputs = {"tables_sha256": tables_hash(table_set), "pools": pool_column,
+              "tasks": [[t.task_id, t.num_devices, t.memory_bytes_per_device, list(map(str, t.tables.table_ids))]
+                        for t in train_tasks],
+              "num_shards": int(num_shards), "seed": int(seed), "max_tables": int(max_tables)}
+    if storage.exists(target):
+        try:
+            same = json.loads(storage.read_text(inputs_file)) == inputs
+        except (OSError, ValueError, UnicodeDecodeError):
+            same = False
+        if same:
+            return target
+        logging.getLogger(__name__).warning("%s was drawn from other tables, tasks or options: drawing it again",
+                                            target)
     num_devices = train_tasks[0].num_devices
     n_test = int(num_shards) // 3
     frames = []
@@ -153,6 +172,7 @@ def run(tables: str, tasks: str, out: str, *, num_shards: int, seed: int = 0,
     # The same table set drawn twice is measured once.
     shards = shards[~shards.apply(piece_key, axis=1).duplicated()].reset_index(drop=True)
     schemas.write(shards, target, "shards")
+    storage.write_text(inputs_file, json.dumps(inputs) + "\n")  # after the list: a kill between leaves a redraw
     return target
 
 
