@@ -90,6 +90,20 @@ def test_a_narrow_table_too_large_for_a_device_is_cut_row_wise():
         assert p.memory_per_device().max() <= topo.memory_bytes
 
 
+def test_a_task_whose_every_table_is_cut_to_fit_is_placed_by_the_learned_planner_too():
+    """Nothing left for the proposers to place (one width-4 table larger than a device): the row-wise cut is the
+    plan, as the heuristics make it (the learned planner used to stop with a traceback)."""
+    ts = TableSet.from_frame(generate_tables(1, seed=1, bins_batch_size=512))
+    rows, dims = np.array([2_000_000], dtype=np.int64), np.array([4], dtype=np.int64)
+    ts = replace(ts, rows=rows, dims=dims, bytes_per_element=np.array([4]), size_bytes=rows * dims * 4)
+    topo = DeviceTopology(4, int(ts.size_bytes[0] * 0.3))
+    for composition in ("no_policy", "no_splits", "no_search"):
+        p = LearnedPlanner(None, analytic(), composition_name=composition, search_evaluations=500).plan(ts, topo)
+        p.check()
+        assert_row_layout(p, topo)
+        assert [s.device for s in p.shards] == [0, 1, 2, 3], composition
+
+
 def test_every_planner_places_the_mlperf_list_on_8_devices_of_16_gib(mlperf):
     topo = DeviceTopology(8, 16 * GiB)
     for name in BASELINES:

@@ -496,8 +496,11 @@ class ComposedPlanner(Planner):
         cap = self.time_cap_for()
         budget = Budget(self.evaluations_for(n), deadline=start + cap)
         problem.phase("encoding the tables with the cost model")
-        _ = problem.ctx  # built here (every draft is scored with it) so that its time shows as its own phase
-        drafts = self._propose(problem, self.composition.proposers)
+        if not problem.view.free:  # every table cut row-wise to fit: those pinned pieces are the one plan there is
+            drafts = [Draft.of_shards(problem, "cut to fit", list(problem.view.pinned))]
+        else:
+            _ = problem.ctx  # built here (every draft is scored with it) so that its time shows as its own phase
+            drafts = self._propose(problem, self.composition.proposers)
         if not drafts:
             drafts = self._propose(problem, self.composition.fallbacks)
         if not drafts:
