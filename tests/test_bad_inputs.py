@@ -397,7 +397,7 @@ def test_bad_input(case, world, tmp_path, capsys):
     inputs = tmp_path / "in"
     inputs.mkdir()
     argv, words = CASES[case](world, str(inputs))
-    out = tmp_path / "out"
+    out = tmp_path / ("out.csv" if argv[0] == "predict" else "out")  # predict writes a .csv or .parquet file
     argv = argv + ["--out", str(out)]
     before = snapshot(str(inputs), world["root"])
     capsys.readouterr()
@@ -650,6 +650,12 @@ OUTPUT_CASES = {
     "predict-out-is-its-shards": lambda w, d: (
         ["predict", "--tables", w["tables"], "--shards", _shards_csv(w, d), "--out", os.path.join(d, "shards.csv")],
         ["shards.csv", "--shards input"]),
+    "predict-out-json": lambda w, d: (
+        ["predict", "--tables", w["tables"], "--shards", _shards_csv(w, d), "--out", os.path.join(d, "o.json")],
+        ["o.json", "field 'out'", ".parquet or .csv"]),
+    "ingest-out-under-proc": lambda w, d: (
+        ["ingest", "--source", "synthetic", "--num-tables", "4", "--out", "/proc/embshard-out"],
+        ["/proc/embshard-out", "field 'out'", "nothing can be created"]),
     "predict-out-is-a-folder": lambda w, d: (
         ["predict", "--tables", w["tables"], "--shards", _shards_csv(w, d), "--out", d], ["out", "is a folder"]),
     "place-out-is-its-tables": lambda w, d: (
@@ -953,7 +959,54 @@ CASES_26_DATA = {
         _predict(w, d, f"sample_id,table_ids,num_devices\ns0,{' '.join([first_ids(w, 1)[0]] * 3)},2\n"),
         ["shards.csv", "table_ids", "3 times"]),
 }
-CASES_26 = {**CASES_26_EXPORT, **CASES_26_DATA}
+
+
+def _trace_with_index(d, index: int) -> str:
+    import torch
+
+    indices = torch.arange(8, dtype=torch.int64) % 3
+    indices[0] = index
+    path = os.path.join(d, "t.pt")
+    torch.save((indices, torch.arange(9, dtype=torch.int64), torch.ones(2, 4, dtype=torch.int64)), path)
+    return path
+
+
+def _placements_with_kind(w, d, kind: str) -> str:
+    df = w["placements_df"].copy()
+    df.loc[0, "kind"] = kind
+    return raw_parquet(df, os.path.join(d, "placements.parquet"))
+
+
+# Found by a user's session of bad inputs (the eleventh): each used to pass, or end in a traceback.
+CASES_S11 = {
+    "s11-dlrm-raw-id-index": lambda w, d: (["ingest", "--source", "dlrm", "--input", _trace_with_index(d, 2**63 - 1)],
+                                           ["t.pt", "field 'indices'", "2^62"]),
+    "s11-dlrm-rows-file-over-2^62": lambda w, d: (
+        ["ingest", "--source", "dlrm", "--input", trace(d), "--rows-file", spec(d, "4611686018427387905 3", "r.txt")],
+        ["r.txt", "field 'rows'", "over 2^62"]),
+    # rows x dim x bytes wraps around int64 to 512: the old check compared it with size_bytes 512 and passed
+    "s11-tables-size-wraps-around": lambda w, d: (
+        ["place", "--tables", tables_with(w, d, rows=(0, 4611686018427387905), dim=(0, 128),
+                                          bytes_per_element=(0, 4), size_bytes=(0, 512)),
+         "--planner", "size_greedy", "--devices", "2", "--memory-gb", "8"], ["tables.parquet", "field 'rows'"]),
+    "s11-yaml-name-not-text": lambda w, d: (
+        ingest_spec("tables:\n  - {name: yes, num_embeddings: 10, embedding_dim: 4, pooling_factor: 1}\n",
+                    "spec.yaml")(w, d)[0], ["spec.yaml", "field 'name'", "not text"]),
+    "s11-predict-devices-over-max": lambda w, d: (
+        _predict(w, d, f"sample_id,table_ids,num_devices\ns0,{first_ids(w, 1)[0]},100000000000\n"),
+        ["shards.csv", "num_devices"]),
+    "s11-predict-devices-bool": lambda w, d: (
+        _predict(w, d, f"sample_id,table_ids,num_devices\ns0,{first_ids(w, 1)[0]},true\n"),
+        ["shards.csv", "num_devices", "boolean"]),
+    "s11-export-unknown-kind": lambda w, d: (_export(w, _placements_with_kind(w, d, "bogus")),
+                                             ["placements.parquet", "field 'kind'"]),
+    "s11-synthetic-trace-batch-negative": lambda w, d: (
+        ["ingest", "--source", "synthetic", "--num-tables", "4", "--write-traces", "--trace-batch-size", "-1"],
+        ["trace_batch_size"]),
+    "s11-synthetic-with-dlrm-dim": lambda w, d: (["ingest", "--source", "synthetic", "--num-tables", "4", "--dim", "8"],
+                                                 ["--dim", "--source synthetic"]),
+}
+CASES_26 = {**CASES_26_EXPORT, **CASES_26_DATA, **CASES_S11}
 
 
 @pytest.mark.parametrize("case", sorted(CASES_26))

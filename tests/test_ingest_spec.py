@@ -167,3 +167,13 @@ def test_place_and_export_read_a_spec_and_the_other_commands_say_how(tmp_path, c
         err = capsys.readouterr().err
         assert "a table spec, not a tables file" in err and "embshard ingest --source spec" in err, err
         assert "corrupt" not in err
+
+
+def test_names_are_kept_as_written(tmp_path):
+    """A CSV's names are text, never numbers or missing values ('007' stayed '7', 'NA' was refused as empty), and a
+    byte-order mark (Excel's UTF-8 CSV) is not part of the first column's name."""
+    path = tmp_path / "names.csv"
+    path.write_bytes("\ufeffname,num_embeddings,embedding_dim,pooling_factor\n007,10,4,1\nNA,10,4,1\n1e3,10,4,2\n"
+                     "7,10,4,1\n1.50,10,4,1\n".encode())
+    df = spec.tables_from_spec(str(path), bins_batch_size=64, progress=False)
+    assert list(df["table_id"]) == ["007", "NA", "1e3", "7", "1.50"]

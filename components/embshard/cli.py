@@ -89,8 +89,8 @@ def quiet_third_party() -> None:
 
 def check_output(args: argparse.Namespace) -> None:
     """The one place every command's --out is checked before any work (storage.check_output): a module's
-    OUTPUT = {"kind": "folder" | "file", "writes": names under the folder, "inputs": option names it reads}
-    says what it writes and reads."""
+    OUTPUT = {"kind": "folder" | "file", "writes": names under the folder, "inputs": option names it reads,
+    "suffixes": the file formats it writes} says what it writes and reads."""
     spec = getattr(args, "_output", None)
     if not spec or getattr(args, "out", None) is None:
         return
@@ -98,7 +98,7 @@ def check_output(args: argparse.Namespace) -> None:
 
     inputs = {"--" + name.replace("_", "-"): getattr(args, name, None) for name in spec.get("inputs", ())}
     storage.check_output(args.out, kind=spec.get("kind", "folder"), writes=tuple(spec.get("writes", ())),
-                         inputs=inputs)
+                         inputs=inputs, suffixes=tuple(spec.get("suffixes", ())))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,19 @@ def _non_negative(s: pd.Series) -> pd.Series:
     return s >= 0
 
 
+def _device_count(s: pd.Series) -> pd.Series:
+    return (s > 0) & (s <= checks.MAX_DEVICES)
+
+
+DEVICE_RULE = f"an integer from 1 to {checks.MAX_DEVICES:,}"
+
+
+def _shard_kind(s: pd.Series) -> pd.Series:
+    from .types import SHARD_KINDS  # here: types imports the tables' modules, which import this one
+
+    return s.isin(["", *SHARD_KINDS])
+
+
 def _finite_non_negative(s: pd.Series) -> pd.Series:
     return np.isfinite(s.astype("float64")) & (s >= 0)
 
@@ -100,8 +113,7 @@ SCHEMAS: dict[str, list[Column]] = {
     "tasks": [
         Column("task_id", _STR, check=_valid_id, rule=f"a unique id of {checks.ID_RULE}"),
         Column("split", _STR, check=lambda s: s.isin(["train", "test"]), rule="'train' or 'test'"),
-        Column("num_devices", pa.int32(), check=lambda s: (s > 0) & (s <= checks.MAX_DEVICES),
-               rule=f"an integer from 1 to {checks.MAX_DEVICES:,}"),
+        Column("num_devices", pa.int32(), check=_device_count, rule=DEVICE_RULE),
         Column("memory_bytes_per_device", pa.int64(), check=_positive, rule="an integer > 0"),
         Column("table_ids", pa.list_(_STR), check=_id_list,
                rule="a non-empty list of valid table ids, each listed once"),
@@ -123,7 +135,7 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("iterations", pa.int32(), check=_positive, rule="an integer > 0"),
         Column("measured_at", pa.timestamp("us", tz="UTC")),
         # Extras beyond the minimal contract: how the row was made, so results stay interpretable.
-        Column("num_devices", pa.int32(), required=False, check=_positive, rule="an integer > 0"),
+        Column("num_devices", pa.int32(), required=False, check=_device_count, rule=DEVICE_RULE),
         Column("comm_source", _STR, required=False, nullable=True),  # 'measured' | 'model'
         Column("row_scale", _F64, required=False, nullable=True),    # rows scaled to fit memory (1.0 = none)
         Column("cache_bytes", pa.int64(), required=False, nullable=True),  # last-level cache of the hardware
@@ -144,7 +156,7 @@ SCHEMAS: dict[str, list[Column]] = {
     "shards": [
         Column("sample_id", _STR, check=_non_empty_str, rule="a non-empty, unique id"),
         Column("table_ids", pa.list_(_STR), check=_non_empty_list, rule="a non-empty list of table ids"),
-        Column("num_devices", pa.int32(), check=_positive, rule="an integer > 0"),
+        Column("num_devices", pa.int32(), check=_device_count, rule=DEVICE_RULE),
         Column("origin", _STR),
         # Optional pieces, parallel to table_ids (docs/contracts.md, "Shard kinds"): col_sizes[i] is the width
         # measured for table_ids[i] (-1 = whole width); rows [row_offsets[i], row_offsets[i] + row_sizes[i])
@@ -161,7 +173,8 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("col_offset", pa.int32(), required=False, nullable=True),
         Column("col_size", pa.int32(), required=False, nullable=True),
         # Shard kinds (docs/contracts.md): 'whole' | 'column' | 'row' | 'replicated'; a row piece's row range.
-        Column("kind", _STR, required=False, nullable=True),
+        Column("kind", _STR, required=False, nullable=True, check=_shard_kind,
+               rule="whole, column, row or replicated (empty: whole)"),
         Column("row_offset", pa.int64(), required=False, nullable=True),
         Column("row_size", pa.int64(), required=False, nullable=True),
         Column("planner", _STR),
@@ -241,6 +254,12 @@ def _show(value) -> str:
 
 
 def _check_tables(df: pd.DataFrame, where: str) -> None:
+    # In floats first: the int64 product wraps around for absurd rows and could then match a wrong size_bytes.
+    approx = df["rows"].astype(float) * df["dim"].astype(float) * df["bytes_per_element"].astype(float)
+    if (approx >= checks.MAX_TABLE_BYTES).any():
+        i = approx[approx >= checks.MAX_TABLE_BYTES].index[0]
+        raise EmbshardError(f"rows*dim*bytes_per_element is {approx.loc[i]:.3g} bytes in row {i}, over 2^62",
+                            path=where, field="rows", fix="give hash-table sizes (rows), or re-ingest the tables")
     expected = df["rows"].astype("int64") * df["dim"].astype("int64") * df["bytes_per_element"].astype("int64")
     bad = expected != df["size_bytes"]
     if bad.any():
@@ -302,6 +321,8 @@ def _coerce(s: pd.Series, typ: pa.DataType) -> pd.Series:
     if pa.types.is_string(typ):
         return s.map(lambda v: None if v is None or (isinstance(v, float) and np.isnan(v)) else str(v)).astype(object)
     if pa.types.is_integer(typ):
+        if s.dtype.kind == "b":  # True would count as 1 (a CSV's 'true')
+            raise TypeError("boolean, not a number")
         if s.isna().any():
             return s.astype("Int64")
         if s.dtype.kind == "f" and (not np.all(np.isfinite(s)) or not np.all(s == np.round(s))):

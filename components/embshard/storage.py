@@ -171,14 +171,14 @@ def _local(text: str) -> str | None:
 
 
 def check_output(out: str | os.PathLike, *, kind: str = "folder", writes: tuple[str, ...] = (),
-                 inputs: dict[str, object] | None = None, field: str = "out") -> None:
+                 inputs: dict[str, object] | None = None, field: str = "out", suffixes: tuple[str, ...] = ()) -> None:
     """Refuse, before any work, an output a command could not write or that would destroy one of its inputs.
 
     `kind` "folder" (the command writes `writes` under it) or "file"; `inputs` maps option names (e.g.
     "--tables") to the paths the command reads (None, a path, or a list of paths). Checks, each one line naming
     the path, the option and the fix: the output is none of the inputs (nor is any file it writes), an existing
     file is not given as a folder nor a folder as a file, a folder the command writes is not a file and a file
-    is not a folder,
+    is not a folder, a file has one of `suffixes` (when given),
     the nearest existing folder is writable, and a remote store (s3://) answers.
     """
     from .errors import EmbshardError
@@ -221,6 +221,9 @@ def check_output(out: str | os.PathLike, *, kind: str = "folder", writes: tuple[
     if kind == "file" and os.path.isdir(path):
         raise EmbshardError("is a folder, not a file", path=text, field=field,
                             fix=f"give {flag} a file name (e.g. {os.path.join(text, 'out.parquet')})")
+    if kind == "file" and suffixes and not text.lower().endswith(suffixes):  # the suffix chooses the format
+        raise EmbshardError("unknown output format", path=text, field=field,
+                            fix=f"name the file {' or '.join(suffixes)}")
     if kind == "folder":
         if os.path.exists(path) and not os.path.isdir(path):
             raise EmbshardError("is a file, not a folder", path=text, field=field,
@@ -239,6 +242,11 @@ def check_output(out: str | os.PathLike, *, kind: str = "folder", writes: tuple[
     if not os.access(existing, os.W_OK | os.X_OK):
         raise EmbshardError(f"folder {existing} is not writable", path=text, field=field,
                             fix=f"write {flag} to a folder you can write to, or change its permissions")
+    try:  # what os.access cannot tell (a read-only or virtual file system such as /proc, root's access)
+        os.rmdir(tempfile.mkdtemp(prefix=".embshard-probe-", dir=existing))
+    except OSError as exc:
+        raise EmbshardError(f"nothing can be created in {existing} ({exc.strerror or exc})", path=text,
+                            field=field, fix=f"write {flag} to a folder you can write to") from None
 
 
 def write_text(uri: str | os.PathLike, text: str) -> None:

@@ -367,10 +367,15 @@ def read_rows_file(path: str, num_tables: int) -> np.ndarray:
         raise EmbshardError(f"cannot read this file ({getattr(exc, 'strerror', None) or type(exc).__name__})",
                             path=path, field="rows", fix="give a text file of integer hash sizes") from None
     try:
-        rows = np.array([int(x) for x in text], dtype=np.int64)
+        values = [int(x) for x in text]
     except ValueError as exc:
         raise EmbshardError(f"not an integer ({str(exc).split(':')[-1].strip()})", path=path, field="rows",
                             fix="list one integer hash size per table") from None
+    big = [k for k, v in enumerate(values) if v >= checks.MAX_TABLE_BYTES]
+    if big:  # before int64 (it would overflow); the size bound itself is checked with the dims
+        raise EmbshardError(f"hash size {values[big[0]]:,} of table {big[0]} is over 2^62", path=path, field="rows",
+                            fix="give the hash-table sizes (rows), not byte counts")
+    rows = np.array(values, dtype=np.int64)
     if rows.size < num_tables:
         raise EmbshardError(f"has {rows.size} hash sizes for {num_tables} tables", path=path, field="rows",
                             fix="list one hash size per table of the trace")
@@ -433,6 +438,12 @@ def tables_from_trace(path: str, options: TraceOptions | None = None, *, rows: n
         out_rows = np.empty(T, dtype=np.int64)
         pooling = np.empty(T)
         bins = np.empty((T, schemas.NUM_BINS))
+        if rows is not None:
+            over = [t for t in range(T) if int(rows[t]) * int(dims[t]) * bpe >= checks.MAX_TABLE_BYTES]
+            if over:
+                raise EmbshardError(f"table {over[0]}: {int(rows[over[0]]):,} rows x {int(dims[over[0]])} columns "
+                                    "would need 2^62 bytes or more", path=opt.rows_file or path, field="rows",
+                                    fix="give the hash-table sizes (rows), not byte counts")
         for t in tqdm(range(T), desc="ingest tables", unit="table", disable=not progress or None,
                       mininterval=1.0):
             idx, lengths = trace.table(t)
@@ -444,7 +455,13 @@ def tables_from_trace(path: str, options: TraceOptions | None = None, *, rows: n
                                         path=opt.rows_file or path, field="rows",
                                         fix="give hash sizes larger than every index, or omit --rows-file")
             else:
-                out_rows[t] = top
+                n = top
+                if n * int(dims[t]) * bpe >= checks.MAX_TABLE_BYTES:  # Python ints: never wraps around
+                    raise EmbshardError(f"table {t} uses index {top - 1}: {n:,} rows x {int(dims[t])} columns would "
+                                        "need 2^62 bytes or more", path=path, field="indices",
+                                        fix="remap the ids to hash-table rows (the trace holds raw ids), or give "
+                                            "--rows-file")
+                out_rows[t] = n
             pooling[t] = lengths.sum() / trace.batch_size
             bins[t] = table_bins(idx, int(out_rows[t]))
             del idx, lengths

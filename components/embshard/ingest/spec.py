@@ -56,6 +56,11 @@ def read_spec_file(path: str) -> pd.DataFrame:
             if not isinstance(doc, list) or not all(isinstance(r, dict) for r in doc):
                 raise EmbshardError("expected a list of tables (mappings), or a mapping with a 'tables' list",
                                     path=path, field="tables", fix="write one mapping per table under 'tables:'")
+            for i, r in enumerate(doc):  # YAML reads yes/no, 012 (octal), 1_000, dates as other types
+                if r.get("name") is not None and not isinstance(r["name"], str):
+                    raise EmbshardError(f"table name {r['name']!r} in row {i} is not text (YAML read it as a "
+                                        f"{type(r['name']).__name__})", path=path, field="name",
+                                        fix="quote the name as written, e.g. name: '012'")
             df = pd.DataFrame(doc)
         else:
             raise EmbshardError(f"unknown file type {ext or '(none)'!r}", path=path,
@@ -83,7 +88,7 @@ def _read_csv(path: str) -> pd.DataFrame:
     import csv
     import io
 
-    with open(path, encoding="utf-8", newline="") as f:
+    with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark (Excel writes one) is dropped
         lines = [(n, line) for n, line in enumerate(f.read().splitlines(), start=1)
                  if line.strip() and not line.lstrip().startswith("#")]
     if not lines:
@@ -98,7 +103,11 @@ def _read_csv(path: str) -> pd.DataFrame:
                                 f"({', '.join(header)})", path=path, field="columns",
                                 fix="give one value per header column (quote a value that contains a comma)")
     text = "\n".join(line for _, line in lines)
-    return pd.read_csv(io.StringIO(text), skipinitialspace=True, usecols=range(len(header)))
+    df = pd.read_csv(io.StringIO(text), skipinitialspace=True, usecols=range(len(header)))
+    if "name" in header:  # names as written: no number parsing ('007', '1e3') and no NA words ('NA', 'nan')
+        df["name"] = pd.read_csv(io.StringIO(text), skipinitialspace=True, usecols=["name"], dtype=str,
+                                 keep_default_na=False)["name"]
+    return df
 
 
 def _check_columns(columns: list[str], path: str) -> None:

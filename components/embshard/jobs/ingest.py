@@ -85,7 +85,7 @@ def _drop_stale_tasks(out: str) -> None:
                                             "run `embshard tasks` again", stale)
 
 
-def _positive_int(value, field: str) -> int:
+def _positive_int(value, field: str, default: int = 65536) -> int:
     from ..errors import EmbshardError
 
     try:
@@ -93,7 +93,7 @@ def _positive_int(value, field: str) -> int:
     except (TypeError, ValueError, OverflowError):
         ok = False
     if not ok:
-        raise EmbshardError(f"invalid value {value!r}", field=field, fix="give an integer >= 1 (default 65536)")
+        raise EmbshardError(f"invalid value {value!r}", field=field, fix=f"give an integer >= 1 (default {default})")
     return int(value)
 
 
@@ -110,7 +110,7 @@ def _synthetic(out: str, seed: int, num_tables: int, progress: bool, local_out: 
     from ..ingest.synthetic import BINS_BATCH_SIZE, generate_tables, write_dlrm_traces
 
     write_traces = bool(kw.pop("write_traces", False))
-    trace_batch = int(kw.pop("trace_batch_size", 4096))
+    trace_batch = _positive_int(kw.pop("trace_batch_size", 4096), "trace_batch_size", default=4096)
     layout = kw.pop("trace_layout", "flat")
     bins_batch = int(kw.pop("bins_batch_size", None) or BINS_BATCH_SIZE)
     bpe = int(kw.pop("bytes_per_element", 4))
@@ -182,9 +182,23 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+# (option, argparse dest, its default, the sources it applies to)
+SOURCE_OPTIONS = (("--input", "input", None, ("dlrm", "spec")), ("--dim", "dim", "mixed", ("dlrm",)),
+                  ("--rows-file", "rows_file", None, ("dlrm",)),
+                  ("--write-traces", "write_traces", False, ("synthetic",)),
+                  ("--hot-large-fraction", "hot_large_fraction", 0.0, ("synthetic",)),
+                  ("--trace-batch-size", "trace_batch_size", 4096, ("synthetic",)),
+                  ("--trace-layout", "trace_layout", "flat", ("synthetic",)))
+
+
 def main(args: argparse.Namespace) -> int:
     from .. import schemas
+    from ..errors import EmbshardError
 
+    for option, dest, default, sources in SOURCE_OPTIONS:  # an option of another source is a mistake, not a no-op
+        if args.source not in sources and getattr(args, dest) != default:
+            raise EmbshardError(f"does not apply to --source {args.source}", field=option,
+                                fix=f"drop {option} (it is for --source {' or '.join(sources)})")
     kw: dict = {"progress": not args.no_progress}
     if args.source == "dlrm":
         kw.update(dim=args.dim, data_type=args.data_type, rows_file=args.rows_file)

@@ -126,7 +126,7 @@ def _shard_features(ts, sdf: pd.DataFrame, row_of: dict[str, int]) -> tuple[np.n
 
 
 # What `embshard predict` writes and reads: its --out is checked before any work (cli.check_output).
-OUTPUT = {"kind": "file", "inputs": ("tables", "shards", "model")}
+OUTPUT = {"kind": "file", "inputs": ("tables", "shards", "model"), "suffixes": (".parquet", ".csv")}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
