@@ -984,6 +984,12 @@ CASES_S11 = {
     "s11-dlrm-rows-file-over-2^62": lambda w, d: (
         ["ingest", "--source", "dlrm", "--input", trace(d), "--rows-file", spec(d, "4611686018427387905 3", "r.txt")],
         ["r.txt", "field 'rows'", "over 2^62"]),
+    "s11-dlrm-rows-file-extra-sizes": lambda w, d: (
+        ["ingest", "--source", "dlrm", "--input", trace(d), "--rows-file", spec(d, "10 10 10", "r.txt")],
+        ["r.txt", "3 hash sizes for 2 tables"]),
+    "s11-dlrm-more-tables-than-the-trace": lambda w, d: (
+        ["ingest", "--source", "dlrm", "--input", trace(d), "--num-tables", "5"],
+        ["trace.pt", "num_tables", "holds 2"]),
     # rows x dim x bytes wraps around int64 to 512: the old check compared it with size_bytes 512 and passed
     "s11-tables-size-wraps-around": lambda w, d: (
         ["place", "--tables", tables_with(w, d, rows=(0, 4611686018427387905), dim=(0, 128),
@@ -1003,6 +1009,8 @@ CASES_S11 = {
     "s11-synthetic-trace-batch-negative": lambda w, d: (
         ["ingest", "--source", "synthetic", "--num-tables", "4", "--write-traces", "--trace-batch-size", "-1"],
         ["trace_batch_size"]),
+    "s11-place-refine-rounds-alone": lambda w, d: (
+        _place(w, "--devices", "2", "--memory-gb", "8", "--refine-rounds", "3"), ["refine_rounds", "--refine K"]),
     "s11-synthetic-with-dlrm-dim": lambda w, d: (["ingest", "--source", "synthetic", "--num-tables", "4", "--dim", "8"],
                                                  ["--dim", "--source synthetic"]),
 }

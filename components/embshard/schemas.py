@@ -52,9 +52,12 @@ def _device_count(s: pd.Series) -> pd.Series:
 DEVICE_RULE = f"an integer from 1 to {checks.MAX_DEVICES:,}"
 
 
-def _shard_kind(s: pd.Series) -> pd.Series:
-    from .types import SHARD_KINDS  # here: types imports the tables' modules, which import this one
+# A piece of a table on one device (docs/contracts.md, "Shard kinds"); embshard.types re-exports them.
+WHOLE, COLUMN, ROW, REPLICATED = "whole", "column", "row", "replicated"
+SHARD_KINDS = (WHOLE, COLUMN, ROW, REPLICATED)
 
+
+def _shard_kind(s: pd.Series) -> pd.Series:
     return s.isin(["", *SHARD_KINDS])
 
 
@@ -174,7 +177,7 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("col_size", pa.int32(), required=False, nullable=True),
         # Shard kinds (docs/contracts.md): 'whole' | 'column' | 'row' | 'replicated'; a row piece's row range.
         Column("kind", _STR, required=False, nullable=True, check=_shard_kind,
-               rule="whole, column, row or replicated (empty: whole)"),
+               rule=f"one of {', '.join(SHARD_KINDS)} (empty: whole)"),
         Column("row_offset", pa.int64(), required=False, nullable=True),
         Column("row_size", pa.int64(), required=False, nullable=True),
         Column("planner", _STR),

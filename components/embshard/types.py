@@ -18,15 +18,14 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+# The shard kinds belong to the placements contract (schemas checks them); re-exported for the placing code.
+from .schemas import COLUMN, REPLICATED, ROW, SHARD_KINDS, WHOLE  # noqa: F401
 from .tableset import TableSet
 
 if TYPE_CHECKING:
     import torch
 
 SPLITS = ("train", "test", "all")
-
-WHOLE, COLUMN, ROW, REPLICATED = "whole", "column", "row", "replicated"
-SHARD_KINDS = (WHOLE, COLUMN, ROW, REPLICATED)
 
 
 @dataclass(frozen=True)

@@ -355,8 +355,9 @@ class TraceOptions:
     tmp_tag: str | None = None          # names the output the decompressed temp serves (temp_tag)
 
 
-def read_rows_file(path: str, num_tables: int) -> np.ndarray:
-    """Hash sizes from a text file: integers separated by commas, spaces or newlines, one per table."""
+def read_rows_file(path: str, num_tables: int, trace_tables: int | None = None) -> np.ndarray:
+    """Hash sizes from a text file: integers separated by commas, spaces or newlines, one per table: the
+    `num_tables` read, or all `trace_tables` of the trace (the first `num_tables` are used)."""
     if os.path.isdir(path):
         raise EmbshardError("is a folder, not a file", path=path, field="rows", fix="give the rows file itself")
     checks.input_file(path, field="rows", fix="check the --rows-file path")
@@ -376,7 +377,7 @@ def read_rows_file(path: str, num_tables: int) -> np.ndarray:
         raise EmbshardError(f"hash size {values[big[0]]:,} of table {big[0]} is over 2^62", path=path, field="rows",
                             fix="give the hash-table sizes (rows), not byte counts")
     rows = np.array(values, dtype=np.int64)
-    if rows.size < num_tables:
+    if rows.size not in (num_tables, trace_tables or num_tables):  # more is a file of another trace, not spare
         raise EmbshardError(f"has {rows.size} hash sizes for {num_tables} tables", path=path, field="rows",
                             fix="list one hash size per table of the trace")
     if (rows[:num_tables] <= 0).any():
@@ -430,8 +431,11 @@ def tables_from_trace(path: str, options: TraceOptions | None = None, *, rows: n
         T = trace.num_tables if opt.num_tables is None else min(int(opt.num_tables), trace.num_tables)
         if T <= 0:
             raise EmbshardError("must be > 0", field="num_tables", fix="ask for at least one table")
+        if opt.num_tables is not None and int(opt.num_tables) > trace.num_tables:
+            raise EmbshardError(f"asked for {int(opt.num_tables)} tables, the trace holds {trace.num_tables}",
+                                path=path, field="num_tables", fix=f"ask for at most {trace.num_tables}, or omit it")
         if rows is None and opt.rows_file:
-            rows = read_rows_file(opt.rows_file, T)
+            rows = read_rows_file(opt.rows_file, T, trace.num_tables)
         if dims is None:
             dims = choose_dims(opt.dim, T, opt.seed)
         ids = table_ids or [f"t{i:04d}" for i in range(T)]

@@ -306,6 +306,9 @@ def main(args) -> int:
 
         refine_k = check_k(args.refine)
         check_rounds(args.refine_rounds)
+    elif args.refine_rounds != 5:  # its default: a rounds count without --refine measures nothing
+        raise EmbshardError("has no effect without --refine", field="refine_rounds",
+                            fix="add --refine K, or drop --refine-rounds")
     result = place(args.tables, args.out, devices=devices, memory_bytes=memory,
                    planner=args.planner, model_uri=args.model, cost_model_uri=args.cost_model,
                    tasks=args.tasks, task_id=args.task_id, time_budget_s=args.time_budget_s,
