@@ -5,7 +5,10 @@ regenerated once for row- and k-way column splits (issue 24: before regenerating
 `no_column_splits` plans piece for piece and every baseline its former plan, except round-robin on t80_d8_ens,
 which used to fail and now cuts a table to fit), and once when the split search began carrying other kinds of first
 cut on as branches (t40_d4 `no_cost_greedy` now takes the branch that replicates a table first; every other plan
-and all search work unchanged). A change of any placement (device, column or row range of any
+and all search work unchanged), and once when slices of a table side by side on one device began to be joined
+(splitting.merge_shared_slices: t40_d4 `learned` and t80_d8_ens `no_cost_greedy` each had a table cut into slices
+that all sat on one device; that table is now whole, every other piece, start and search work unchanged). A change
+of any placement (device, column or row range of any
 piece), the candidate the search started from or the search work it did fails here. Regenerate only for an
 intended change of plans:
     EMBSHARD_REGEN_GOLDEN=1 python -m pytest tests/test_planner_golden.py

@@ -307,3 +307,35 @@ def test_the_device_table_names_the_cut_tables(mlperf):
     assert "cut tables (5): t_cat_0 in 4 column slices" in text
     whole = make_baseline("lookup_greedy").plan(mlperf, DeviceTopology(8, 128 * GiB))
     assert "cut tables" not in device_table(whole)
+
+
+def test_slices_side_by_side_on_one_device_are_joined():
+    """A device holding adjacent slices of a table does the same lookups over the same columns as one slice:
+    they are joined, the table whole when one slice is left (measured on 9 such devices of learned plans: the joined
+    device 0.75-0.99x as slow, every one faster)."""
+    from embshard.planners.splitting import merge_shared_slices
+    from embshard.types import Shard
+
+    dims = np.array([128, 64])
+    shards = [Shard(0, 1, 0, 32), Shard(0, 1, 32, 32), Shard(0, 2, 64, 32), Shard(0, 1, 96, 32), Shard(1, 0)]
+    joined = merge_shared_slices(shards, dims)
+    assert sorted((s.device, s.col_offset, s.col_size) for s in joined if s.table == 0) == \
+        [(1, 0, 64), (1, 96, 32), (2, 64, 32)]  # 96..128 is not beside 0..64: it stays a slice of its own
+    alone = merge_shared_slices([Shard(1, 3, 0, 32), Shard(1, 3, 32, 32)], dims)
+    assert alone == [Shard(1, 3)]  # every slice on one device: the table whole
+    apart = [Shard(0, 0, 0, 64), Shard(0, 1, 64, 64)]
+    assert merge_shared_slices(apart, dims) is apart
+
+
+def test_no_learned_plan_keeps_slices_of_a_table_side_by_side_on_one_device():
+    ts = TableSet.from_frame(generate_tables(60, seed=4, bins_batch_size=1024))
+    for topo in (DeviceTopology(16, int(ts.size_bytes.sum())), DeviceTopology(32, int(ts.size_bytes.sum()))):
+        p = LearnedPlanner(None, analytic(), composition_name="no_policy", search_evaluations=6000).plan(ts, topo)
+        p.check()
+        slices: dict[int, list] = {}
+        for s in p.shards:
+            if s.kind == "column":
+                slices.setdefault(s.table, []).append(s)
+        for pieces in slices.values():
+            pieces.sort(key=lambda s: s.col_offset)
+            assert all(a.device != b.device for a, b in zip(pieces, pieces[1:])), pieces

@@ -36,7 +36,7 @@ from .base import Planner, no_room_error
 from .baselines import BASELINES, make_baseline
 from .scoring import TaskScorer, piece_features, replica_extra_ms, single_threaded
 from .search import Budget, SearchState, cut_kind, local_search, try_splits
-from .splitting import PieceView, is_pinned, split_to_fit
+from .splitting import PieceView, is_pinned, merge_shared_slices, split_to_fit
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +115,7 @@ class Draft:
     pieces: list[Shard] | None  # None: the task's tables, whole (piece i is table i; built only when asked for)
     state: SearchState
     cut: str | None = None  # a split variant: the cut it tried (Splits), e.g. "cat_20 row-wise over 16 devices"
+    alternative: bool = False  # kept for a measured refinement only: never the plan (Splits' explore_cuts)
 
     @property
     def shards(self) -> list[Shard]:
@@ -334,7 +335,8 @@ class Splits:
         shards, state = try_splits(problem.tables, best.shards, best.state, problem.cost_model, problem.topology,
                                    budget, self.max_splits, columns=self.columns, rows=self.rows,
                                    replicas=self.replicas, variants=tried, explore=problem.explore_cuts)
-        cuts = [Draft(best.name, pieces, trial, cut=label) for label, pieces, trial, _ in tried]
+        cuts = [Draft(best.name, pieces, trial, cut=label, alternative=variant_only)
+                for label, pieces, trial, variant_only in tried]
         # The plan's branches start from the cuts the search tried for itself; with explore_cuts (a measured
         # refinement) the cuts it only tried as variants are carried on too, as alternatives only, so that the
         # plan is the same with and without a refinement.
@@ -350,6 +352,8 @@ class Splits:
         plan_branches = [b for d in plan_leads if (b := self._carry_on(problem, d, budget, charged=True)) is not None]
         extra_branches = [b for d in extra_leads
                           if (b := self._carry_on(problem, d, budget, charged=False)) is not None]
+        for b in extra_branches:
+            b.alternative = True
         kept = Draft(best.name, shards, state)
         plan = min([kept, *plan_branches], key=lambda d: d.overall)  # the first of equals: the kept line
         # The plan before these cuts stays a draft too (its state is not changed by try_splits): the model may
@@ -379,6 +383,19 @@ class Splits:
             return None
         names = ", ".join(dict.fromkeys(str(problem.tables.table_ids[t]) for t in more))
         return Draft(lead.name, carried, state, cut=f"{lead.cut}, then {names} cut")
+
+
+def _joined(problem: Problem, draft: Draft) -> Draft:
+    """`draft` with its column slices that share a device joined (itself when there are none), re-scored."""
+    if draft.pieces is None:
+        return draft
+    shards = draft.shards
+    joined = merge_shared_slices(shards, problem.tables.dims)
+    if joined is shards:
+        return draft
+    out = Draft.of_shards(problem, draft.name, joined)
+    out.cut, out.alternative = draft.cut, draft.alternative
+    return out
 
 
 def _kind_leads(cuts: list[Draft]) -> list[Draft]:
@@ -510,7 +527,12 @@ class ComposedPlanner(Planner):
         candidate_costs = {d.name: d.overall for d in drafts}
         for refiner in self.composition.refiners:
             drafts = refiner.refine(problem, drafts, budget)
-        best = drafts[0]
+        # Slices a search left side by side on one device are joined back (splitting.merge_shared_slices), then
+        # the plan chosen again among the drafts that may be the plan: a cut whose gain was only that model error
+        # no longer wins. Without joins it is drafts[0] (the first of equals), as the refiners ranked it.
+        joined = [_joined(problem, d) for d in drafts]
+        best = min((d for d in joined if not d.alternative), key=lambda d: d.overall)
+        drafts = [best, *sorted((d for d in joined if d is not best), key=lambda d: d.overall)]
         placement = Placement(problem.tables, problem.topology.count, problem.memory, best.shards,
                               planner=self.name, model_uri=self.model_uri)
         placement.alternatives = self._alternatives(problem, drafts)
