@@ -265,6 +265,7 @@ def test_gpu_quality_plans_here_measures_elsewhere_and_reports(quick, tmp_path):
     proc = gq("measure", "--root", str(root), "--out", str(out), "--device", "cpu", "--batch-size", "128",
               "--rounds", "2")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert (out / "evaluation.parquet").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]  # a task failed: why
     ev = pd.read_parquet(out / "evaluation.parquet")
     assert {"learned", "learned+refine4", "dim_greedy#2"} <= set(ev["planner"]) and (ev["measured_cost_ms"] > 0).all()
     assert pd.read_parquet(out / "refine.parquet")["winner"].sum() == 1   # one candidate won the refinement

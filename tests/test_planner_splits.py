@@ -321,6 +321,7 @@ def test_slices_side_by_side_on_one_device_are_joined():
     joined = merge_shared_slices(shards, dims)
     assert sorted((s.device, s.col_offset, s.col_size) for s in joined if s.table == 0) == \
         [(1, 0, 64), (1, 96, 32), (2, 64, 32)]  # 96..128 is not beside 0..64: it stays a slice of its own
+    assert [s.table for s in joined] == [0, 0, 0, 1]  # the tables keep their order (plans are read back by it)
     alone = merge_shared_slices([Shard(1, 3, 0, 32), Shard(1, 3, 32, 32)], dims)
     assert alone == [Shard(1, 3)]  # every slice on one device: the table whole
     apart = [Shard(0, 0, 0, 64), Shard(0, 1, 64, 64)]

@@ -289,4 +289,11 @@ def merge_shared_slices(shards: list[Shard], dims) -> list[Shard]:
             joined[t] = [Shard(t, out[0].device)] if len(out) == 1 and out[0].col_size == int(dims[t]) else out
     if not joined:
         return shards
-    return [s for s in shards if s.table not in joined] + [s for pieces in joined.values() for s in pieces]
+    out, done = [], set()
+    for s in shards:  # the order of the pieces kept: a joined table's pieces where its first piece was
+        if s.table not in joined:
+            out.append(s)
+        elif s.table not in done:
+            out.extend(joined[s.table])
+            done.add(s.table)
+    return out
