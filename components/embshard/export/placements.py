@@ -75,9 +75,9 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
     return placement
 
 
-def own_devices_per_host(df_task: pd.DataFrame) -> int | None:
+def own_devices_per_host(df_task: pd.DataFrame, where: str) -> int | None:
     """The devices per host a task's rows carry (None: one host, or a file written before the column)."""
-    return _own_value(df_task, "devices_per_host", None, "", "devices per host")
+    return _own_value(df_task, "devices_per_host", None, where, "devices per host")
 
 
 def _own_value(df_task: pd.DataFrame, column: str, given: int | None, where: str, what: str) -> int | None:

@@ -60,16 +60,16 @@ class UserPlan:
         return self._doc
 
     def _check_torchrec_doc(self, doc: dict) -> None:
-        """What this reader needs of a TorchRec plan before any task is applied (the rest is checked by
-        torchrec_plan.plan_from_json against the task's tables): one module of named tables, an integer world."""
-        modules = doc.get("modules")
-        if not isinstance(modules, dict) or len(modules) != 1 or not isinstance(next(iter(modules.values())), dict):
+        """A TorchRec plan's structure as a training job checks it (torchrec_plan.check_plan_doc: modules, world
+        size, shards; the task's tables come later, in plan_from_json), and exactly one module of named tables."""
+        from .torchrec_plan import check_plan_doc, require_torchrec
+
+        require_torchrec()
+        check_plan_doc(doc, self.path)
+        modules = doc["modules"]
+        if len(modules) != 1 or not isinstance(next(iter(modules.values())), dict):
             raise EmbshardError("a TorchRec plan of one EmbeddingBagCollection has exactly one module",
                                 path=self.path, field="modules", fix=_FIX)
-        world = doc.get("world_size")
-        if world is not None and (isinstance(world, bool) or not isinstance(world, int) or world < 1):
-            raise EmbshardError(f"world_size {str(world)[:20]!r} is not a device count", path=self.path,
-                                field="world_size", fix="give the number of ranks, an integer >= 1")
 
     def is_torchrec(self) -> bool:
         return str(self.document().get("schema", "")).startswith("embshard.torchrec_plan/")

@@ -145,7 +145,7 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
         num_devices, memory = task_info.get(task_id, (None, None))
         placement = placement_from_frame(rows, table_set, num_devices, memory, where=at)
         per_host = devices_per_host if devices_per_host is not None else task_hosts.get(task_id,
-                                                                                      own_devices_per_host(rows))
+                                                                                      own_devices_per_host(rows, at))
         if per_host is not None:  # the flag, else the task's own hosts, else the hosts the rows were planned for
             try:
                 placement.topology = DeviceTopology.on_hosts(placement.num_devices, placement.memory_bytes_per_device,
