@@ -149,8 +149,9 @@ def _unique_key_loader():
     return Loader
 
 
-def _numbers(df: pd.DataFrame, col: str, path: str, integer: bool) -> pd.Series:
-    """A numeric column, or an error naming the first value that is not a number (or not an integer)."""
+def _numbers(df: pd.DataFrame, col: str, path: str, integer: bool, required: bool = True) -> pd.Series:
+    """A numeric column, or an error naming the first value that is not a number (or not an integer), or the first
+    empty one of a `required` column (a short CSV row or a YAML table without the key reads as empty)."""
     s = df[col]
     if s.dtype == bool:
         raise EmbshardError("is boolean, not a number", path=path, field=col, fix="give numbers")
@@ -160,12 +161,13 @@ def _numbers(df: pd.DataFrame, col: str, path: str, integer: bool) -> pd.Series:
         i = int(np.flatnonzero(bad.to_numpy())[0])
         raise EmbshardError(f"value {_show(s.iloc[i])} in row {i} ({_name(df, i)}) is not a number", path=path,
                             field=col, fix="give a number" if not integer else "give an integer")
-    if integer:
+    if required:
         missing = num.isna()
         if missing.any():
             i = int(np.flatnonzero(missing.to_numpy())[0])
-            raise EmbshardError(f"empty value in row {i} ({_name(df, i)})", path=path, field=col,
-                                fix="give an integer for every table")
+            raise EmbshardError(f"empty or NaN value in row {i} ({_name(df, i)})", path=path, field=col,
+                                fix=f"give {'an integer' if integer else 'a number'} for every table")
+    if integer:
         frac = num != np.round(num)
         if frac.any():
             i = int(np.flatnonzero(frac.to_numpy())[0])
@@ -251,7 +253,7 @@ def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
         raise EmbshardError(f"{_name(df, i)} would need {size.iloc[i]:.3g} bytes", path=path, field="num_embeddings",
                             fix="give a table below 2^62 bytes (num_embeddings x embedding_dim x bytes per value)")
     if "zipf_alpha" in df.columns:
-        za = _numbers(df, "zipf_alpha", path, integer=False)
+        za = _numbers(df, "zipf_alpha", path, integer=False, required=False)
         bad = za.notna() & (~np.isfinite(za) | (za < 0))
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])
@@ -266,7 +268,7 @@ def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
             missing = [c for c in schemas.BIN_COLUMNS if c not in df.columns]
             raise EmbshardError(f"only {len(present)} of the 17 bins given", path=path, field=missing[0],
                                 fix="give all of bin_00..bin_16, or none (use zipf_alpha instead)")
-        bins = pd.DataFrame({c: _numbers(df, c, path, integer=False) for c in schemas.BIN_COLUMNS})
+        bins = pd.DataFrame({c: _numbers(df, c, path, integer=False, required=False) for c in schemas.BIN_COLUMNS})
         given = bins.notna().all(axis=1)
         partial = bins.notna().any(axis=1) & ~given
         if partial.any():
