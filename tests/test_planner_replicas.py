@@ -62,6 +62,27 @@ def test_the_scorer_adds_the_allreduce_and_drops_the_replicas_all_to_all():
     assert placement_costs(model, pl) == pytest.approx(base + ring - a2a, rel=1e-5)
 
 
+def test_replica_costs_asked_again_from_the_task_cache_are_the_same():
+    """The split search keeps each table's comm heads for the task (search.CutCache) and asks about many candidate
+    tables at once (replica_extras): the same ms as asking about each table's replicas alone, without a cache."""
+    from embshard.planners.scoring import replica_extras
+
+    ts, t = tiny_hot()
+    model = analytic()
+    tabs = np.array([t, 0, 3, t, 5], dtype=np.int64)
+    cache: dict = {}
+    first = replica_extras(model, ts, tabs[:3], ts.dims[tabs[:3]], D, cache=cache)
+    again = replica_extras(model, ts, tabs, ts.dims[tabs], D, cache=cache)  # 5 new, the others cached
+    alone = [replica_extra_ms(model, ts, [Shard(int(x), d, kind="replicated") for d in range(D)], D)[0]
+             for x in tabs]
+    assert again[:3] == pytest.approx(first, rel=1e-12)
+    assert again == pytest.approx(np.array(alone), rel=1e-9)
+    ring = CommModel(20e-6, 10e9, "given")
+    grads = np.array([replica_grad_bytes(int(ts.rows[x]), int(ts.dims[x])) for x in tabs])
+    assert ring.allreduce_ms(grads, D) == pytest.approx([ring.allreduce_ms(float(g), D) for g in grads], rel=1e-15)
+    assert (ring.allreduce_ms(grads, 1) == 0).all() and ring.allreduce_ms(np.zeros(2), D).tolist() == [0.0, 0.0]
+
+
 def test_a_recorded_calibration_prices_the_allreduce():
     from embshard.costmodel.scoring import replica_comm_model
 

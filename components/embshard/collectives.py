@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 # A GPU pod has one GPU and cannot measure NCCL; these are typical effective per-GPU all-to-all numbers of an
 # NVLink node (documented assumption, recorded as the model's source).
 NVLINK_DEFAULT = {"latency_s": 30e-6, "bandwidth_Bps": 100e9}
@@ -26,20 +28,27 @@ class CommModel:
             return 0.0
         return 1e3 * (self.latency_s + exchanged_bytes(batch_size, sum_dims, num_devices) / self.bandwidth_Bps)
 
-    def allreduce_ms(self, grad_bytes: float, num_devices: int) -> float:
-        """A ring all-reduce of `grad_bytes` over `num_devices` devices (a replica's gradient; bench.comm)."""
+    def allreduce_ms(self, grad_bytes, num_devices: int):
+        """A ring all-reduce of `grad_bytes` over `num_devices` devices (a replica's gradient; bench.comm); of
+        each of an array of gradients too."""
+        if isinstance(grad_bytes, np.ndarray):
+            ms = 1e3 * (self.latency_s + allreduce_bytes(grad_bytes, num_devices) / self.bandwidth_Bps)
+            return np.where((grad_bytes > 0) & (num_devices > 1), ms, 0.0)
         if num_devices <= 1 or grad_bytes <= 0:
             return 0.0
         return 1e3 * (self.latency_s + allreduce_bytes(grad_bytes, num_devices) / self.bandwidth_Bps)
 
 
-def allreduce_bytes(grad_bytes: float, num_devices: int) -> float:
-    """Bytes each device sends in a ring all-reduce of `grad_bytes`: 2 (D-1)/D of them."""
-    return 2.0 * float(grad_bytes) * (num_devices - 1) / num_devices if num_devices > 1 else 0.0
+def allreduce_bytes(grad_bytes, num_devices: int):
+    """Bytes each device sends in a ring all-reduce of `grad_bytes` (a number or an array): 2 (D-1)/D of them."""
+    g = grad_bytes if isinstance(grad_bytes, np.ndarray) else float(grad_bytes)
+    return 2.0 * g * (num_devices - 1) / num_devices if num_devices > 1 else 0.0 * g
 
 
-def replica_grad_bytes(rows: int, dim: int) -> float:
-    """The dense FP32 gradient of a replica, all-reduced every step (bench.comm)."""
+def replica_grad_bytes(rows, dim):
+    """The dense FP32 gradient of a replica (or of each of arrays of them), all-reduced every step (bench.comm)."""
+    if isinstance(rows, np.ndarray):
+        return rows.astype(np.float64) * np.asarray(dim, dtype=np.float64) * 4.0
     return float(rows) * float(dim) * 4.0
 
 

@@ -355,40 +355,58 @@ def _a2a_heads(cost_model: CostEstimator, feats: np.ndarray, num_devices: int) -
 
 def replica_extra_ms(cost_model: CostEstimator, tables: TableSet, shards: list[Shard], num_devices: int,
                      feats: np.ndarray | None = None, cache: dict | None = None) -> np.ndarray | None:
-    """Additive ms per piece (None when no piece is a replica): for a replica, the all-reduce of its gradient
-    (collectives.CommModel.allreduce_ms with `replica_comm_model`) minus the all-to-all the cost model charges for
-    its dim (its comm head with and without the dim: a replica sends no outputs); 0 for other pieces. `cache`
-    (table -> its two comm heads), kept by a caller that asks again about the same tables of one task: a piece
-    is encoded alone, so its heads do not depend on the others asked with it."""
-    from ..collectives import replica_grad_bytes
-
+    """Additive ms per piece (None when no piece is a replica): a replica's `replica_extras`, 0 for other pieces.
+    `feats`: the pieces' features where the caller has them."""
     reps = [k for k, s in enumerate(shards) if s.kind == REPLICATED]
     if not reps:
         return None
-    if feats is None:
-        feats = piece_features(tables, shards, num_devices)
-    f = np.asarray(feats, dtype=np.float64)[reps]
-    cache = {} if cache is None else cache
-    tabs = [shards[k].table for k in reps]
-    first: dict[int, int] = {}  # a table's first replica here: its D copies have the same features
-    for j, t in enumerate(tabs):
-        first.setdefault(t, j)
-    todo = [j for t, j in first.items() if t not in cache]
-    if todo:
-        no_dim = f[todo].copy()
-        no_dim[:, 0], no_dim[:, 3] = 0.0, 0.0
-        heads = _a2a_heads(cost_model, np.concatenate([f[todo], no_dim]), num_devices)
-        for i, j in enumerate(todo):
-            cache[tabs[j]] = (heads[i], heads[len(todo) + i])
-    sent = np.array([cache[t] for t in tabs])  # (R, 2): each replica's comm head with and without its dim
-    a2a = np.maximum(sent[:, 0] - sent[:, 1], 0.0)
-    j = int(np.argmax(f[:, 0]))
-    model = replica_comm_model(cost_model, num_devices, float(a2a[j]), int(f[j, 0]), float(sent[j, 1]))
-    allreduce = {t: model.allreduce_ms(replica_grad_bytes(int(tables.rows[t]), int(tables.dims[t])), num_devices)
-                 for t in first}  # per table: its D copies all-reduce the same gradient
+    pieces = [shards[k] for k in reps]
     out = np.zeros(len(shards))
-    out[reps] = np.array([allreduce[t] for t in tabs]) - a2a
+    out[reps] = replica_extras(cost_model, tables, np.array([s.table for s in pieces], dtype=np.int64),
+                               np.array([_width(tables, s) for s in pieces], dtype=np.int64), num_devices,
+                               cache=cache, pieces=pieces,
+                               feats=None if feats is None else np.asarray(feats, dtype=np.float64)[reps])
     return out
+
+
+def _width(tables: TableSet, s: Shard) -> int:
+    return int(s.col_size) if s.col_size is not None else int(tables.dims[s.table])
+
+
+def replica_extras(cost_model: CostEstimator, tables: TableSet, tabs: np.ndarray, widths: np.ndarray,
+                   num_devices: int, cache: dict | None = None, pieces: list[Shard] | None = None,
+                   feats: np.ndarray | None = None) -> np.ndarray:
+    """The additive ms of replicas of tables `tabs` (`widths` wide; `pieces`: the replica pieces themselves, else
+    whole replicas) asked together: the all-reduce of the table's gradient (collectives.CommModel.allreduce_ms
+    with `replica_comm_model`, priced from the widest of them) minus the all-to-all the cost model charges for
+    its width (its comm head with and without the width: a replica sends no outputs).
+
+    `cache`, kept by a caller that asks again about the same tables of one task, holds each table's two comm
+    heads (a piece is encoded alone, so its heads do not depend on the others asked with it); only tables not
+    in it are encoded."""
+    from ..collectives import replica_grad_bytes
+
+    tabs = np.asarray(tabs, dtype=np.int64)
+    cache = {} if cache is None else cache
+    heads = cache.get("heads")
+    if heads is None:
+        heads = cache["heads"] = np.full((len(tables), 2), np.nan)
+    _, first = np.unique(tabs, return_index=True)  # a table's first replica here: its copies have one feature row
+    todo = np.sort(first[np.isnan(heads[tabs[first], 0])])
+    if len(todo):
+        f = (feats[todo] if feats is not None else piece_features(
+            tables, [pieces[j] if pieces is not None else Shard(int(tabs[j]), 0, kind=REPLICATED) for j in todo],
+            num_devices))
+        no_dim = f.copy()
+        no_dim[:, 0], no_dim[:, 3] = 0.0, 0.0
+        h = _a2a_heads(cost_model, np.concatenate([f, no_dim]), num_devices)
+        heads[tabs[todo], 0], heads[tabs[todo], 1] = h[: len(todo)], h[len(todo):]
+    sent = heads[tabs]  # (R, 2): each replica's comm head with and without its width
+    a2a = np.maximum(sent[:, 0] - sent[:, 1], 0.0)
+    j = int(np.argmax(widths))
+    model = replica_comm_model(cost_model, num_devices, float(a2a[j]), int(widths[j]), float(sent[j, 1]))
+    grad = replica_grad_bytes(tables.rows[tabs].astype(np.float64), tables.dims[tabs].astype(np.float64))
+    return model.allreduce_ms(grad, num_devices) - a2a
 
 
 def placement_costs(cost_model: CostEstimator, placement: Placement) -> np.ndarray:

@@ -35,7 +35,7 @@ from ..types import WHOLE, CostEstimator, DeviceTopology
 from .base import Planner, no_room_error
 from .baselines import BASELINES, make_baseline
 from .scoring import TaskScorer, piece_features, replica_extra_ms, single_threaded
-from .search import Budget, SearchState, cut_kind, local_search, try_splits
+from .search import Budget, CutCache, SearchState, cut_kind, local_search, try_splits
 from .splitting import PieceView, is_pinned, merge_shared_slices, split_to_fit
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,8 @@ class Problem:
     # Carry on the cuts not kept, one branch per kind (Splits): only when a measured refinement will measure them.
     explore_cuts: bool = False
     _rollouts: dict = field(default_factory=dict, repr=False)
+    # The split search's encodings of cut pieces and replica costs, shared by its kept line and branches.
+    cuts: CutCache = field(default_factory=CutCache, repr=False)
 
     def phase(self, text: str) -> None:
         if self.on_phase is not None:
@@ -334,7 +336,8 @@ class Splits:
         tried: list = []
         shards, state = try_splits(problem.tables, best.shards, best.state, problem.cost_model, problem.topology,
                                    budget, self.max_splits, columns=self.columns, rows=self.rows,
-                                   replicas=self.replicas, variants=tried, explore=problem.explore_cuts)
+                                   replicas=self.replicas, variants=tried, explore=problem.explore_cuts,
+                                   cache=problem.cuts)
         cuts = [Draft(best.name, pieces, trial, cut=label, alternative=variant_only)
                 for label, pieces, trial, variant_only in tried]
         # The plan's branches start from the cuts the search tried for itself; with explore_cuts (a measured
@@ -372,7 +375,7 @@ class Splits:
         allowance = Budget(int(budget.evaluations * BRANCH_SHARE), budget.deadline)
         carried, state = try_splits(problem.tables, lead.shards, lead.state, problem.cost_model, problem.topology,
                                     allowance, self.max_splits, columns=self.columns, rows=self.rows,
-                                    replicas=self.replicas)
+                                    replicas=self.replicas, cache=problem.cuts)
         if charged:
             budget.side += allowance.used
             budget.cap_hit |= allowance.cap_hit

@@ -11,6 +11,7 @@ from ..costmodel.scoring import (  # noqa: F401  (the planners' scoring vocabula
     piece_features,
     placement_costs,
     replica_extra_ms,
+    replica_extras,
     single_threaded,
 )
 from ..errors import EmbshardError

@@ -18,7 +18,7 @@ GUARD_Z x the members' disagreement about that gain; otherwise the search stops 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ import torch
 from ..placement import Shard
 from ..tableset import TableSet
 from ..types import COLUMN, REPLICATED, WHOLE, DeviceTopology
-from .scoring import TaskScorer, piece_features, replica_extra_ms
+from .scoring import TaskScorer, piece_features, replica_extra_ms, replica_extras
 from .splitting import column_pieces, is_pinned, max_speed_column_parts, replica_pieces, row_pieces
 
 _REL_TOL = 1e-6
@@ -103,6 +103,23 @@ class Budget:
         self.used += sub.used
         self.cap_hit |= sub.cap_hit
         self.guard_stops += sub.guard_stops
+
+
+@dataclass
+class CutCache:
+    """What the split search asks again and again about one task, kept for the task (the planner makes one per
+    plan): the encodings of every cut piece it has scored (a piece's features depend on its table, width, rows
+    and kind alone, so a cut asked again in a later round or another branch is not encoded again; a row-wise or
+    replica cut's D pieces are a few distinct ones) and each table's comm heads and all-reduce as a replica
+    (scoring.replica_extra_ms)."""
+
+    pieces: dict = field(default_factory=dict)  # piece_key -> (features (F,), model encoding (H,), projected or None)
+    replica: dict = field(default_factory=dict)  # scoring.replica_extra_ms's cache
+
+
+def piece_key(s: Shard) -> tuple:
+    """What a piece's features depend on (scoring.piece_features): its table, width, rows and kind."""
+    return (s.table, s.col_size, s.row_size, s.kind)
 
 
 def local_search(state: SearchState, budget: Budget, max_rounds: int = 10_000) -> SearchState:
@@ -269,22 +286,21 @@ def replica_candidate(tables: TableSet, shards: list[Shard], state: SearchState,
     pieces = np.asarray(pieces)
     fullest_other = np.where(state.assignment[pieces] == top[0], used[top[1]], used[top[0]])
     whole = np.array([shards[p].kind == WHOLE for p in pieces], dtype=bool)
-    ok = np.flatnonzero(whole & (fullest_other + state.sizes[pieces] <= state.memory)).tolist()
-    if not ok:
+    ok = np.flatnonzero(whole & (fullest_other + state.sizes[pieces] <= state.memory))
+    if not len(ok):
         return None
-    cands = [int(pieces[j]) for j in ok]
-    as_replicas = [Shard(shards[p].table, shards[p].device, kind=REPLICATED) for p in cands]  # whole pieces
-    extra = replica_extra_ms(cost_model, tables, as_replicas, D, cache=cache)
-    assert extra is not None
+    cands = pieces[ok]
+    tabs = np.array([shards[p].table for p in cands.tolist()], dtype=np.int64)
+    extra = replica_extras(cost_model, tables, tabs, tables.dims[tabs], D, cache=cache)  # as whole replicas
     gain = np.asarray(single)[ok] * (D - 1) / D - extra
     k = int(np.argmax(gain))
-    return cands[k] if gain[k] > 0 else None
+    return int(cands[k]) if gain[k] > 0 else None
 
 
 def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_model, topology: DeviceTopology,
                budget: Budget, max_splits: int = 8, columns: bool = True, rows: bool = True,
                replicas: bool = False, variants: list[tuple[str, list[Shard], SearchState, bool]] | None = None,
-               explore: bool = False) -> tuple[list[Shard], SearchState]:
+               explore: bool = False, cache: CutCache | None = None) -> tuple[list[Shard], SearchState]:
     """Cut the most expensive movable piece of the slowest device while that lowers the predicted overall cost.
 
     The cuts tried: k column slices (k = 2, 4, ..., at most the devices and slices of 128 bytes per row: see
@@ -304,10 +320,12 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
     tables unlike those it was trained on. `variant_only`: searched only because of `explore`. `explore` (a
     measured refinement will measure them): the first round's skipped cuts are still searched, as variants only
     (never kept, not charged: the plan is the same), so that every kind of cut is measured (a skipped
-    table-row-wise cut was the measured best on the MLPerf-like list on 4 hosts of 4)."""
+    table-row-wise cut was the measured best on the MLPerf-like list on 4 hosts of 4). `cache`: the task's
+    CutCache, shared by the planner's calls (the kept line and its branches)."""
     shards = list(shards)
     memory = state.memory
-    replica_heads: dict = {}  # each table's comm heads as a replica (scoring.replica_extra_ms), asked every round
+    cache = CutCache() if cache is None else cache
+    replica_heads = cache.replica
     for it in range(max_splits):
         if budget.exhausted():
             break
@@ -328,7 +346,7 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
                     replica_candidate(tables, shards, state, cost_model, movable,
                                       state.scorer.single_costs()[movable], replica_heads)) if x is not None):
                 trials.append((r, replica_pieces(shards[r].table, topology.count)))
-        encoded = _encode_cuts(tables, [cut for _, cut in trials], state.scorer, cost_model, topology.count)
+        encoded = _encode_cuts(tables, [cut for _, cut in trials], state.scorer, cost_model, topology.count, cache)
         # Half of the work left goes to this piece's cuts, shared equally, so that every cut gets its search.
         # (A replica's search is charged only when it is kept, so it takes no share.)
         searched = sum(1 for _, cut in trials if cut[0].kind != REPLICATED)
@@ -423,20 +441,31 @@ def _cuts(tables: TableSet, piece: Shard, state: SearchState, topology: DeviceTo
     return out
 
 
-def _encode_cuts(tables, cuts: list[list[Shard]], scorer: TaskScorer, cost_model, num_devices: int) -> list:
-    """(features, model encodings, projected encodings) of each cut's pieces: one cost-model call for all cuts of
-    a piece (their pieces are encoded one by one, so each gets what it would get alone)."""
+def _encode_cuts(tables, cuts: list[list[Shard]], scorer: TaskScorer, cost_model, num_devices: int,
+                 cache: CutCache) -> list:
+    """(features, model encodings, projected encodings) of each cut's pieces. The pieces not in `cache` are
+    encoded in one cost-model call (one by one: each gets what it would get alone), then kept there."""
     if not cuts:
         return []
-    feats = piece_features(tables, [c for cut in cuts for c in cut], num_devices)
-    with torch.no_grad():
-        model_enc = cost_model.encode(feats).float()
-        proj = None if scorer._fused is None else scorer._fused.project(model_enc)
-    out, start = [], 0
+    known = cache.pieces
+    new: dict[tuple, Shard] = {}
     for cut in cuts:
-        end = start + len(cut)
-        out.append((feats[start:end], model_enc[start:end], None if proj is None else proj[start:end]))
-        start = end
+        for c in cut:
+            k = piece_key(c)
+            if k not in known:
+                new.setdefault(k, c)
+    if new:
+        feats = piece_features(tables, list(new.values()), num_devices)
+        with torch.no_grad():
+            model_enc = cost_model.encode(feats).float()
+            proj = None if scorer._fused is None else scorer._fused.project(model_enc)
+        for i, k in enumerate(new):
+            known[k] = (feats[i], model_enc[i], None if proj is None else proj[i])
+    out = []
+    for cut in cuts:
+        rows = [known[piece_key(c)] for c in cut]
+        out.append((np.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]),
+                    None if rows[0][2] is None else torch.stack([r[2] for r in rows])))
     return out
 
 
