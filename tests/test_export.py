@@ -606,3 +606,66 @@ def test_tasks_devices_per_host_gives_the_task_its_hosts(tmp_path, tables_df):
     schemas.write(tasks, tmp_path / "bad.parquet", "tasks")
     with pytest.raises(EmbshardError, match=r"bad.parquet \(task hosts-2\).*do not split into hosts of 3"):
         load_tasks(str(tmp_path / "tables.parquet"), tmp_path / "bad.parquet")
+
+
+@needs_torchrec
+def test_a_rank_holding_slices_of_one_table_of_unequal_widths_is_refused(placement):
+    """TorchRec 1.8 views a rank's rows of a table at one width: a plan giving a rank slices of 32 and 32 columns
+    runs, slices of 64 and 32 fail in DistributedModelParallel (a shape error). `export` and the check a training
+    job runs on torchrec_plan.json refuse them, naming the table and the rank."""
+    from embshard.export import to_torchrec_plan
+    from embshard.export.torchrec_plan import check_plan_doc, plan_to_json
+
+    equal = copy.deepcopy(placement)  # table 0's two halves on one rank: one width, TorchRec runs it
+    equal.shards = [s.on(0) if s.table == 0 else s for s in equal.shards]
+    to_torchrec_plan(equal)
+    mixed = copy.deepcopy(placement)  # table 2: 64 columns on device 3, then its 32-column slice from device 0
+    mixed.shards = [s.on(3) if (s.table, s.col_offset) == (2, 64) else s for s in mixed.shards]
+    with pytest.raises(EmbshardError, match=r"device 3 holds column slices of widths \[64, 32\]") as err:
+        to_torchrec_plan(mixed)
+    assert err.value.field == "col_size"
+    name = str(placement.tables.table_ids[2])
+    doc = plan_to_json(to_torchrec_plan(placement), world_size=D)
+    shards = doc["modules"][""][name]["shards"]
+    moved = next(k for k, s in enumerate(shards) if s["offsets"][1] == 64)
+    shards[moved]["placement"] = shards[moved]["placement"].replace("rank:0/", "rank:3/").replace("cpu:0", "cpu:3")
+    doc["modules"][""][name]["ranks"][moved] = 3
+    with pytest.raises(EmbshardError, match=r"rank 3 holds column slices of widths") as err:
+        check_plan_doc(doc, "torchrec_plan.json")
+    assert "torchrec_plan.json" in str(err.value)
+
+
+@needs_torchrec
+def test_a_table_of_fewer_rows_than_devices_row_wise_as_torchrec_lays_it_out(tables):
+    """TorchRec's own row_wise() of a 3-row table on 4 ranks gives ranks 0-2 a row each and rank 3 nothing (its
+    planner, torchrec_full, does this): the export hands it on as row_wise."""
+    from dataclasses import replace
+
+    from embshard.export import to_torchrec_plan
+    from embshard.torchrec_compat import ROW_WISE, row_layout
+
+    assert row_layout(3, [(2, 1, 2), (0, 1, 0), (1, 1, 1)], 4) == (ROW_WISE, None)
+    assert row_layout(3, [(0, 1, 1), (1, 1, 2), (2, 1, 3)], 4) is None  # not from rank 0
+    rows = tables.rows.copy()
+    rows[5] = 3
+    tiny = replace(tables, rows=rows, size_bytes=rows * tables.dims * tables.bytes_per_element)
+    shards = [Shard(5, d, row_offset=d, row_size=1) for d in range(3)] + [Shard(i, i % D) for i in range(10) if i != 5]
+    p = Placement(tiny, D, int(tiny.size_bytes.sum()), shards, task_id="tiny")
+    ps = to_torchrec_plan(p).plan[""][str(tiny.table_ids[5])]
+    assert ps.sharding_type == "row_wise"
+    assert [(int(m.shard_offsets[0]), int(m.shard_sizes[0]), m.placement.rank()) for m in ps.sharding_spec.shards
+            if int(m.shard_sizes[0])] == [(0, 1, 0), (1, 1, 1), (2, 1, 2)]
+
+
+def test_export_refuses_devices_per_host_other_than_the_placements_own(tmp_path, tables_df, split_placement):
+    """A placements file planned for hosts of 2, exported with --devices-per-host 1: a one-line error naming the
+    conflict and the fix (it read as a row layout TorchRec cannot run), nothing written."""
+    from embshard.jobs.export import run
+
+    schemas.write(tables_df, tmp_path / "tables.parquet", "tables")
+    schemas.write(split_placement.to_frame(), tmp_path / "placements.parquet", "placements")
+    with pytest.raises(EmbshardError, match="gives 1 devices per host, but the placements were planned for hosts "
+                                            "of 2") as err:
+        run(str(tmp_path / "placements.parquet"), str(tmp_path / "tables.parquet"), str(tmp_path / "out"),
+            devices_per_host=1, torchrec=False)
+    assert err.value.field == "devices_per_host" and not (tmp_path / "out").exists()

@@ -181,7 +181,9 @@ def test_first_run_writes_every_output_and_each_validates(two_runs):
     placements = schemas.read(os.path.join(root, "export", "placements.parquet"), "placements")
     test_ids = sorted(tasks.loc[tasks["split"] == "test", "task_id"])
     assert sorted(placements["task_id"].unique()) == test_ids
-    assert (placements["model_uri"] == f"models:/{POLICY}@champion").all()
+    # The plans record the version the champion alias named when they were made (the alias moves on).
+    champion = stages._state(root, "promotion")["champion_version_after"]
+    assert (placements["model_uri"] == f"models:/{POLICY}/{champion}").all()
     for task_id in test_ids:
         folder = os.path.join(root, "export", task_id)
         plan = read_plan_json(os.path.join(folder, "plan.json"))

@@ -20,7 +20,7 @@ from embshard.planners.scoring import placement_costs
 from embshard.planners.search import Budget, SearchState, local_search
 from embshard.planners.splitting import ROW_LEVEL, column_widths, split_to_fit
 from embshard.tableset import TableSet
-from embshard.types import DeviceTopology, row_blocks
+from embshard.types import DeviceTopology, Shard, row_blocks
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "components", "embshard", "ingest", "examples")
 
@@ -276,7 +276,6 @@ def test_the_plan_before_the_split_refinement_stays_an_alternative():
 def test_local_search_never_moves_a_pinned_piece():
     from embshard.planners.scoring import TaskScorer, piece_features
     from embshard.planners.splitting import row_pieces
-    from embshard.types import Shard
 
     ts = hot_tables(12)
     shards = [Shard(i, 0) for i in range(1, len(ts))] + row_pieces(0, int(ts.rows[0]), [0, 1, 2])
@@ -309,26 +308,30 @@ def test_the_device_table_names_the_cut_tables(mlperf):
     assert "cut tables" not in device_table(whole)
 
 
-def test_slices_side_by_side_on_one_device_are_joined():
-    """A device holding adjacent slices of a table does the same lookups over the same columns as one slice:
+def test_slices_of_a_table_on_one_device_are_joined():
+    """A device holding slices of a table does the same lookups over the same columns as one slice:
     they are joined, the table whole when one slice is left (measured on 9 such devices of learned plans: the joined
     device 0.75-0.99x as slow, every one faster)."""
     from embshard.planners.splitting import merge_shared_slices
-    from embshard.types import Shard
 
     dims = np.array([128, 64])
     shards = [Shard(0, 1, 0, 32), Shard(0, 1, 32, 32), Shard(0, 2, 64, 32), Shard(0, 1, 96, 32), Shard(1, 0)]
     joined = merge_shared_slices(shards, dims)
-    assert sorted((s.device, s.col_offset, s.col_size) for s in joined if s.table == 0) == \
-        [(1, 0, 64), (1, 96, 32), (2, 64, 32)]  # 96..128 is not beside 0..64: it stays a slice of its own
-    assert [s.table for s in joined] == [0, 0, 0, 1]  # the tables keep their order (plans are read back by it)
+    # Device 1's three slices (0..64 and 96..128, not side by side) become one 96-column slice: the columns are
+    # laid out again, device 1's first (its first slice came first), then device 2's.
+    assert [(s.device, s.col_offset, s.col_size) for s in joined if s.table == 0] == [(1, 0, 96), (2, 96, 32)]
+    assert [s.table for s in joined] == [0, 0, 1]  # the tables keep their order (plans are read back by it)
+    # Unequal widths on one device (TorchRec cannot run them): joined too.
+    mixed = [Shard(0, 0, 0, 32), Shard(0, 1, 32, 64), Shard(0, 0, 96, 16), Shard(0, 2, 112, 16)]
+    assert [(s.device, s.col_offset, s.col_size) for s in merge_shared_slices(mixed, dims)] == \
+        [(0, 0, 48), (1, 48, 64), (2, 112, 16)]
     alone = merge_shared_slices([Shard(1, 3, 0, 32), Shard(1, 3, 32, 32)], dims)
     assert alone == [Shard(1, 3)]  # every slice on one device: the table whole
     apart = [Shard(0, 0, 0, 64), Shard(0, 1, 64, 64)]
     assert merge_shared_slices(apart, dims) is apart
 
 
-def test_no_learned_plan_keeps_slices_of_a_table_side_by_side_on_one_device():
+def test_no_plan_of_ours_keeps_two_slices_of_a_table_on_one_device():
     ts = TableSet.from_frame(generate_tables(60, seed=4, bins_batch_size=1024))
     for topo in (DeviceTopology(16, int(ts.size_bytes.sum())), DeviceTopology(32, int(ts.size_bytes.sum()))):
         p = LearnedPlanner(None, analytic(), composition_name="no_policy", search_evaluations=6000).plan(ts, topo)
@@ -338,5 +341,35 @@ def test_no_learned_plan_keeps_slices_of_a_table_side_by_side_on_one_device():
             if s.kind == "column":
                 slices.setdefault(s.table, []).append(s)
         for pieces in slices.values():
-            pieces.sort(key=lambda s: s.col_offset)
-            assert all(a.device != b.device for a, b in zip(pieces, pieces[1:])), pieces
+            assert len({s.device for s in pieces}) == len(pieces), pieces
+
+
+def test_the_device_table_counts_tables_not_pieces(mlperf):
+    """A device holding two slices of one table (a user's plan) holds one table: the `tables` column says 1, the
+    `splits` column 2 (its pieces of cut tables)."""
+    from embshard.placement import Placement
+    from embshard.placement_report import device_table
+
+    t = 1
+    dim = int(mlperf.dims[t])
+    shards = [Shard(t, 0, 0, dim // 4), Shard(t, 0, dim // 4, dim // 4), Shard(t, 1, dim // 2, dim // 2)]
+    shards += [Shard(i, i % 2) for i in range(len(mlperf)) if i != t]
+    p = Placement(mlperf, 2, 1 << 50, shards)
+    rows = {line.split()[0]: line.split()[1:3] for line in device_table(p).splitlines()[2:4]}
+    assert rows["0"] == [str(1 + sum(1 for i in range(len(mlperf)) if i != t and i % 2 == 0)), "2"]
+
+
+def test_a_branch_label_names_only_the_tables_still_cut():
+    """A branch 'X ..., then Y, Z cut' whose Z slices were joined back on one device (Z whole again) names Y only;
+    with none left, the first cut alone."""
+    from embshard.planners.compose import _still_cut
+
+    ts = TableSet.from_frame(generate_tables(4, seed=1, bins_batch_size=256))
+    a, b, c = (str(x) for x in ts.table_ids[:3])
+    cut = [Shard(0, d, kind="replicated") for d in range(2)] + [Shard(1, 0, 0, 4), Shard(1, 1, 4, int(ts.dims[1]) - 4),
+                                                                 Shard(2, 0), Shard(3, 1)]
+    label = f"{a} replicated on 2 devices, then {b}, {c} cut"
+    assert _still_cut(ts, label, cut) == f"{a} replicated on 2 devices, then {b} cut"
+    whole = [Shard(0, d, kind="replicated") for d in range(2)] + [Shard(i, i % 2) for i in (1, 2, 3)]
+    assert _still_cut(ts, label, whole) == f"{a} replicated on 2 devices"
+    assert _still_cut(ts, f"{a} in 2 column slices", whole) == f"{a} in 2 column slices"

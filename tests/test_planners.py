@@ -222,6 +222,10 @@ def test_train_policy_registers_and_place_uses_the_registry(measured_world, cost
     assert plan["num_devices"] == 2
     df = schemas.read(out / "placements.parquet", "placements")
     assert set(df["planner"]) == {"learned"} and df["predicted_cost_ms"].notna().all()
+    # The plan records the version the champion alias named (the alias moves on; a plan's model does not).
+    assert plan["model_uri"] == f"models:/embshard-policy/{res['version']}"
+    assert set(df["model_uri"]) == {plan["model_uri"]}
+    assert registry.pinned("models:/embshard-policy@no-such-alias") == "models:/embshard-policy@no-such-alias"
 
 
 def test_place_without_a_registered_model_says_how_to_train(small_tables_path, tmp_path):

@@ -41,7 +41,7 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
     for k, d in enumerate(shown):
         if k and d != shown[k - 1] + 1:
             lines.append(f"{'...':>6}")
-        row = (f"{d:>6} {len(shards[d]):>6} {sum(s.kind != 'whole' for s in shards[d]):>6} "
+        row = (f"{d:>6} {len({s.table for s in shards[d]}):>6} {sum(s.kind != 'whole' for s in shards[d]):>6} "
                f"{mem[d] / GiB:>11.3f} {100 * mem[d] / placement.memory_bytes_per_device:>5.1f}%")
         if device_costs is not None:
             row += f" {device_costs[d]:>9.3f} {device_costs[d] / mean if mean else 0:>7.2f}x"

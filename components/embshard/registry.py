@@ -220,6 +220,30 @@ def version_for_alias(name: str, alias: str):
         return None
 
 
+def pinned(uri: str) -> str:
+    """`models:/name@alias` as the version it points to now, `models:/name/<version>` (what a plan records: an
+    alias moves, a version does not); any other URI, or an alias that does not resolve, unchanged (loading it
+    then words the error). From a local sqlite store the alias is read directly (no MLflow import)."""
+    import sqlite3
+
+    if not uri.startswith("models:/") or "@" not in uri:
+        return uri
+    name, alias = uri[len("models:/"):].split("@", 1)
+    store = _store_uri()
+    if store.startswith("sqlite:///"):
+        if _no_store_error(uri, store) is not None:
+            return uri
+        try:
+            with contextlib.closing(sqlite3.connect(f"file:{store[len('sqlite:///'):]}?mode=ro", uri=True)) as db:
+                rows = db.execute("SELECT version FROM registered_model_aliases WHERE name = ? AND alias = ?",
+                                  (name, alias)).fetchall()
+        except sqlite3.Error:
+            rows = []
+        return f"models:/{name}/{rows[0][0]}" if len(rows) == 1 else uri
+    mv = version_for_alias(name, alias)
+    return f"models:/{name}/{mv.version}" if mv is not None else uri
+
+
 def _store_uri() -> str:
     """The registry store this process uses, without importing MLflow when it is not imported yet (MLflow's own
     order: a URI set in-process, MLFLOW_REGISTRY_URI, MLFLOW_TRACKING_URI, then sqlite mlflow.db here)."""

@@ -38,21 +38,28 @@ def torchrec_hosts(num_devices: int, hosts) -> int | None:
 
 def row_layout(rows: int, pieces, num_devices: int, hosts=None) -> tuple[str, int | None] | None:
     """(sharding type, host index) of a table's row pieces [(row_offset, row_size, device), ...] when TorchRec
-    1.8 can run them: row_wise = types.row_blocks over all devices on ranks 0, 1, ... in order (host None);
-    table_row_wise = row_blocks over the devices of one host h, in rank order (host h). Else None."""
-    from .types import row_blocks
-
+    1.8 can run them: row_wise = its row blocks over all devices on ranks 0, 1, ... in order (host None);
+    table_row_wise = its row blocks over the devices of one host h, in rank order (host h). Else None.
+    A table of fewer rows than devices leaves the last ranks empty, as TorchRec's own planner does."""
     ordered = sorted((int(o), int(s), int(d)) for o, s, d in pieces)
     spans, devs = [(o, s) for o, s, _ in ordered], [d for *_, d in ordered]
-    if num_devices <= rows and spans == row_blocks(rows, num_devices) and devs == list(range(len(spans))):
+    if spans == torchrec_row_blocks(rows, num_devices) and devs == list(range(len(spans))):
         return ROW_WISE, None
     local = torchrec_hosts(num_devices, hosts)
-    if local is None or local > rows or spans != row_blocks(rows, local):
+    if local is None or spans != torchrec_row_blocks(rows, local):
         return None
     host = devs[0] // local
     if devs != list(range(host * local, host * local + len(spans))):
         return None
     return TABLE_ROW_WISE, host
+
+
+def torchrec_row_blocks(rows: int, parts: int) -> list[tuple[int, int]]:
+    """The non-empty row ranges (offset, size) TorchRec 1.8 gives `parts` ranks of a `rows`-row table: blocks of
+    ceil(rows / parts) rows, the last the rest, ranks past the rows empty (types.row_blocks where rows >= parts,
+    the layout our planners cut)."""
+    block = -(-int(rows) // max(int(parts), 1))
+    return [(o, min(block, rows - o)) for o in range(0, int(rows), block)] if rows > 0 else []
 
 
 def require_torchrec():

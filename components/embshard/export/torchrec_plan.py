@@ -131,6 +131,12 @@ def to_torchrec_plan(plan_or_placement, *, module=None, module_path: str = "", c
         if kind == "whole":
             generators[name] = table_wise(rank=int(shards[0]["device"]), compute_kernel=FUSED)
         elif kind == "column":
+            mixed = unequal_widths_on_a_rank([(int(s["device"]), int(s["col_size"])) for s in shards])
+            if mixed is not None:
+                raise EmbshardError(f"table {name}: device {mixed[0]} holds column slices of widths {mixed[1]}, "
+                                    "which TorchRec cannot run (a rank's slices of one table must be one width)",
+                                    field="col_size", fix="give that device one slice of the table (or slices of "
+                                    "one width); embshard's planners join a table's slices on one device")
             generators[name] = _column_wise_generator(sorted(shards, key=lambda s: s["col_offset"]))
         elif kind == "replicated":
             generators[name] = data_parallel()
@@ -140,7 +146,8 @@ def to_torchrec_plan(plan_or_placement, *, module=None, module_path: str = "", c
             if layout is None:
                 pieces = sorted((int(s["row_offset"]), int(s["row_size"]), int(s["device"])) for s in shards)
                 raise EmbshardError(
-                    f"table {name}: row ranges (offset, rows, device) {pieces[:4]} are not a layout TorchRec can "
+                    f"table {name}: row ranges (offset, rows, device) {str(pieces[:4])[:-1]}"
+                    f"{', ...]' if len(pieces) > 4 else ']'} are not a layout TorchRec can "
                     "run", field="row_offset", fix="cut rows with types.row_blocks over all devices in rank order "
                     "(row_wise) or over the devices of one whole host (table_row_wise)")
             generators[name] = row_wise(compute_kernel=FUSED) if layout[0] == ROW_WISE else \
@@ -156,6 +163,19 @@ def to_torchrec_plan(plan_or_placement, *, module=None, module_path: str = "", c
         if ps.sharding_type == TABLE_ROW_WISE:  # table_row_wise() has no kernel argument; weights in HBM as ours
             ps.compute_kernel = FUSED
     return ShardingPlan({module_path: module_plan})
+
+
+def unequal_widths_on_a_rank(slices) -> tuple[int, list[int]] | None:
+    """(rank, widths) of the first rank holding column slices [(rank, width), ...] of one table of unequal
+    widths, else None. TorchRec 1.8's fused kernel views a rank's rows of a table at one width: such a plan
+    fails in DistributedModelParallel (a shape error, or weights of the wrong shape)."""
+    widths: dict[int, list[int]] = {}
+    for rank, width in slices:
+        widths.setdefault(int(rank), []).append(int(width))
+    for rank, ws in sorted(widths.items()):
+        if len(set(ws)) > 1:
+            return rank, ws
+    return None
 
 
 def _column_wise_generator(shards: list[dict]):
@@ -434,6 +454,10 @@ def _check_shards(f: str, kind: str, shards, ranks: list[int], bad, is_int) -> t
                   "split a table by rows (row_wise, table_row_wise) or by columns, not both")
     if any(size == 0 for _, size, _, _ in spans) and not by_rows:
         raise bad(f"{f}.shards", "an empty column slice")
+    if not by_rows and (mixed := unequal_widths_on_a_rank([(r, cs) for _, _, _, cs, r in placed])) is not None:
+        raise bad(f"{f}.shards", f"rank {mixed[0]} holds column slices of widths {mixed[1]}, which TorchRec cannot "
+                  "run (a rank's slices of one table must be one width)",
+                  "give that rank one slice of the table (or slices of one width), or re-plan with embshard place")
     nxt = 0
     for off, size, _, _ in sorted(spans, key=lambda x: (x[0], x[1] == 0)):
         if off != nxt:

@@ -144,8 +144,15 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
             _check_complete(rows, task_tables[task_id], at, tasks)
         num_devices, memory = task_info.get(task_id, (None, None))
         placement = placement_from_frame(rows, table_set, num_devices, memory, where=at)
-        per_host = devices_per_host if devices_per_host is not None else task_hosts.get(task_id,
-                                                                                      own_devices_per_host(rows, at))
+        own_hosts = own_devices_per_host(rows, at)  # the hosts the rows were planned for (None: not recorded)
+        for given, what, fix in ((devices_per_host, "--devices-per-host", "leave --devices-per-host out (the "
+                                  "placements' hosts are used), or plan again with this --devices-per-host"),
+                                 (task_hosts.get(task_id), f"the tasks file {tasks}",
+                                  "pass the tasks file the placements were made with")):
+            if given is not None and own_hosts is not None and int(given) != own_hosts:
+                raise EmbshardError(f"{what} gives {given} devices per host, but the placements were planned for "
+                                    f"hosts of {own_hosts}", path=at, field="devices_per_host", fix=fix)
+        per_host = devices_per_host if devices_per_host is not None else task_hosts.get(task_id, own_hosts)
         if per_host is not None:  # the flag, else the task's own hosts, else the hosts the rows were planned for
             try:
                 placement.topology = DeviceTopology.on_hosts(placement.num_devices, placement.memory_bytes_per_device,

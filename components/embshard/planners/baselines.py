@@ -13,7 +13,7 @@ from ..heuristics import GREEDY_BASELINES, PROXIES, greedy_assignment
 from ..placement import Placement
 from ..types import DeviceTopology
 from .base import Planner
-from .splitting import PieceView, place_with_cuts
+from .splitting import PieceView, merge_shared_slices, place_with_cuts
 
 __all__ = ["BASELINES", "GREEDY_BASELINES", "PROXIES", "GreedyPlanner", "RandomPlanner", "RoundRobinPlanner",
            "make_baseline"]
@@ -87,7 +87,9 @@ class RoundRobinPlanner(Planner):
 
 
 def _placement(tables, topology: DeviceTopology, shards) -> Placement:
-    return Placement(tables, topology.count, topology.memory_bytes, shards)
+    # Slices of a table cut to fit that landed on one device are joined (TorchRec runs a rank's slices of one
+    # table only at one width; splitting.merge_shared_slices).
+    return Placement(tables, topology.count, topology.memory_bytes, merge_shared_slices(shards, tables.dims))
 
 
 BASELINES = ["random", "round_robin", "dim_greedy", "size_greedy", "lookup_greedy", "size_lookup_greedy"]

@@ -397,8 +397,19 @@ def _joined(problem: Problem, draft: Draft) -> Draft:
     if joined is shards:
         return draft
     out = Draft.of_shards(problem, draft.name, joined)
-    out.cut, out.alternative = draft.cut, draft.alternative
+    out.cut, out.alternative = _still_cut(problem.tables, draft.cut, joined), draft.alternative
     return out
+
+
+def _still_cut(tables: TableSet, label: str | None, shards: list[Shard]) -> str | None:
+    """A branch's label ('X ..., then Y, Z cut') naming only the later cuts still in `shards` (a table whose
+    slices were all joined back on one device is whole again). Table ids hold no commas (checks.ID_RULE)."""
+    if not label or ", then " not in label:
+        return label
+    first, rest = label.split(", then ", 1)
+    cut = {str(tables.table_ids[s.table]) for s in shards if s.kind != WHOLE}
+    kept = [name for name in rest.removesuffix(" cut").split(", ") if name in cut]
+    return f"{first}, then {', '.join(kept)} cut" if kept else first
 
 
 def _kind_leads(cuts: list[Draft]) -> list[Draft]:

@@ -100,10 +100,15 @@ def load_policy_bundle(uri: str):
 def load_planner(model_uri: str = POLICY_CHAMPION_URI, **kw) -> LearnedPlanner:
     """The learned planner registered in MLflow (policy + the cost model it was trained against).
 
+    An alias (`@champion`) is resolved to the version it names now, which plans record as their `model_uri`
+    (the alias may move on; the version a plan came from does not).
     Plans are reproducible: the same tables, devices, memory, model version and `seed` give the same placement
     on every machine and under any load (every rank of a training job may call `plan(...)` and get the same
     plan). The search stops on a work budget (`search_evaluations`, scored moves and swaps), not on a clock;
     `time_budget_s` is only a safety cap, and a plan that hit it says so in `placement.meta["time_cap_hit"]`.
     """
+    from .. import registry
+
+    model_uri = registry.pinned(model_uri)  # the version the alias names now: loaded, and recorded in the plans
     policy, cost_model, _ = load_policy_bundle(model_uri)
     return LearnedPlanner(policy, cost_model, model_uri=model_uri, **kw)

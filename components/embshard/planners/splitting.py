@@ -267,26 +267,32 @@ def is_pinned(s: Shard) -> bool:
 
 
 def merge_shared_slices(shards: list[Shard], dims) -> list[Shard]:
-    """Column slices of one table that sit side by side on one device, joined into one slice (the table whole
-    when one slice is left). Such slices cut no device's work: the device looks up the same rows over the same
-    columns, now as several narrower tables. A model may still price them lower, an error a search would
-    otherwise exploit (7 of 15 learned plans of development tasks kept such slices; on 9 such devices the joined
-    device measured 0.75-0.99x as slow, paired over 7 rounds)."""
+    """Column slices of one table on one device, joined into one slice (the table whole when one slice is left).
+    A slice's cost depends on its width, not on which columns it holds, so a table whose device holds several of
+    its slices gets its columns laid out again: each device one contiguous slice, in the order of its first one.
+
+    Such slices cut no device's work: the device looks up the same rows over the same columns, now as several
+    narrower tables. A model may still price them lower, an error a search would otherwise exploit (7 of 15
+    learned plans of development tasks kept such slices; on 9 such devices the joined device measured 0.75-0.99x
+    as slow, paired over 7 rounds). And TorchRec cannot run a rank holding slices of one table of unequal widths
+    (its fused kernel views the rank's rows of the table at one width: DistributedModelParallel fails)."""
     by_table: dict[int, list[Shard]] = {}
     for s in shards:
         if s.kind == COLUMN:
             by_table.setdefault(s.table, []).append(s)
     joined: dict[int, list[Shard]] = {}
     for t, pieces in by_table.items():
-        out: list[Shard] = []
+        width: dict[int, int] = {}  # device -> the columns it holds, devices in the order of their first slice
         for s in sorted(pieces, key=lambda s: s.col_offset):
-            last = out[-1] if out else None
-            if last is not None and last.device == s.device and last.col_offset + (last.col_size or 0) == s.col_offset:
-                out[-1] = Shard(t, s.device, last.col_offset, (last.col_size or 0) + (s.col_size or 0))
-            else:
-                out.append(s)
-        if len(out) < len(pieces):
-            joined[t] = [Shard(t, out[0].device)] if len(out) == 1 and out[0].col_size == int(dims[t]) else out
+            width[s.device] = width.get(s.device, 0) + (s.col_size or 0)
+        if len(width) == len(pieces):
+            continue  # one slice per device: nothing to join
+        out: list[Shard] = []
+        offset = min(s.col_offset for s in pieces)
+        for d, w in width.items():
+            out.append(Shard(t, d, offset, w))
+            offset += w
+        joined[t] = [Shard(t, out[0].device)] if len(out) == 1 and out[0].col_size == int(dims[t]) else out
     if not joined:
         return shards
     out, done = [], set()
