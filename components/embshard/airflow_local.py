@@ -365,13 +365,11 @@ def port(text: str) -> int:
     return value
 
 
-def _interrupt(signum, frame):  # noqa: ARG001 (signal handler's signature)
-    raise KeyboardInterrupt
-
-
 def main(args) -> int:
+    from .signals import stop_on_sigterm
+
     # `kill` (SIGTERM) stops the components too, as Ctrl-C does: they run in their own sessions.
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_on_sigterm()
     af = LocalAirflow(args.out, args.port, notify=lambda line: print(line, flush=True))
     print(f"starting Airflow (api-server, scheduler, dag-processor, triggerer); logs in {af.log_dir}", flush=True)
     af.start()

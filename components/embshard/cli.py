@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "_main", None):
         parser.print_help()
         return 2
+    from . import signals
+
+    signals.stop_on_sigterm()  # `kill` stops a command as Ctrl-C does (embshard.signals)
     try:
         check_output(args)
         return int(args._main(args) or 0)
@@ -124,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"embshard {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print(f"embshard {args.command}: interrupted", file=sys.stderr)
-        return 130
+        code = signals.exit_code()
+        print(f"embshard {args.command}: {'terminated' if code == 143 else 'interrupted'}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -45,3 +45,7 @@ class BackendUnavailableError(EmbshardError):
 
 class ModelNotFoundError(EmbshardError):
     """A registry URI that resolves to nothing; the message says how to train/register one."""
+
+
+class ModelFilesMissingError(ModelNotFoundError):
+    """A registered version whose files are gone; the message names the version and the missing file."""

@@ -175,9 +175,13 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
         if hi_n < lo_n:
             found.append(("tables_per_task", f"the range {p['tables_per_task']} runs backwards",
                           f"write it LOW-HIGH, e.g. {hi_n}-{lo_n}"))
-        elif p["source"] == "synthetic" and "num_tables" not in bad and lo_n > int(p["num_tables"]):
-            found.append(("tables_per_task", f"tasks of {lo_n}+ tables from {p['num_tables']} tables",
-                          "lower tables_per_task or raise num_tables"))
+        elif p["source"] == "synthetic" and "num_tables" not in bad and hi_n > int(p["num_tables"]) // 2:
+            # ingest splits the tables into a train and a test pool (pools.assign: the test pool is the smaller
+            # half), and every task draws from one pool
+            found.append(("tables_per_task", f"tasks of up to {hi_n} tables from the {int(p['num_tables']) // 2} "
+                          f"tables of the test pool ({p['num_tables']} tables, split into train and test pools)",
+                          f"lower tables_per_task to at most {int(p['num_tables']) // 2}, or raise num_tables to "
+                          f"at least {2 * hi_n}"))
     if "policy_curriculum" not in bad:
         try:
             curriculum_stages(p["policy_curriculum"])

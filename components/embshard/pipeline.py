@@ -91,12 +91,14 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     print(f"embshard pipeline: Airflow's, MLflow's and the stages' own logs go to {log_path}", flush=True)
     start = time.perf_counter()
+    failures_before = len(stages.FAILURES)
     with _logs_to(log_path):
         dag = load_dag()
         check_conf(dag, params or {})  # before the database and the run: a bad value is one line, at once
         initdb()
         try:
-            dag_run = dag.test(run_conf=params or {})
+            with _stop_between_tasks():
+                dag_run = dag.test(run_conf=params or {})
         except ValueError as exc:  # Airflow's ParamValidationError (a ValueError) of a check we do not repeat
             err = param_error(exc)
             if err is None:
@@ -109,14 +111,47 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
               "log": log_path}
     if state != "success":
         failed = [ti.task_id for ti in dag_run.get_task_instances() if str(ti.state) not in ("success", "skipped")]
-        raise EmbshardError(f"the DAG run ended {state} (tasks not successful: {', '.join(failed)})",
-                            path=root, fix=f"read the task logs in {log_path}")
+        first = (f"; {stages.FAILURES[failures_before][0]} failed first: {stages.FAILURES[failures_before][1]}"
+                 if len(stages.FAILURES) > failures_before else "")
+        raise EmbshardError(f"the DAG run ended {state} ({len(failed)} tasks not successful: "
+                            f"{', '.join(failed[:6])}{', ...' if len(failed) > 6 else ''}{first})",
+                            path=root, fix=f"fix that, then run again; the task logs are in {log_path}")
     for name in ("promotion", "export", "policy", "cost_model"):
         p = os.path.join(root, "state", f"{name}.json")
         if os.path.exists(p):
             with open(p, encoding="utf-8") as f:
                 result[name] = json.load(f)
     return result
+
+
+@contextlib.contextmanager
+def _stop_between_tasks():
+    """dag.test() runs each task through `_run_task` and goes on after a failed one, and Airflow's task runner
+    takes whatever a task raises, KeyboardInterrupt included, for a failed try (a retried one for benchmark): after
+    SIGTERM or Ctrl-C (embshard.signals, which stopped the running stage) the next call raises KeyboardInterrupt
+    outside any task, which ends dag.test() and the command."""
+    from airflow.sdk.definitions import dag as dag_module
+
+    from . import signals
+
+    original = getattr(dag_module, "_run_task", None)
+    if original is None:  # another Airflow: a stopped stage still fails, the run goes on to its end
+        yield
+        return
+
+    def run_task(*args, **kwargs):
+        if signals.received is not None:
+            raise KeyboardInterrupt
+        out = original(*args, **kwargs)
+        if signals.received is not None:
+            raise KeyboardInterrupt
+        return out
+
+    dag_module._run_task = run_task
+    try:
+        yield
+    finally:
+        dag_module._run_task = original
 
 
 def param_error(exc: BaseException):

@@ -14,7 +14,7 @@ import os
 import warnings
 from typing import Any
 
-from .errors import ModelNotFoundError
+from .errors import ModelFilesMissingError, ModelNotFoundError
 
 DEFAULT_EXPERIMENT = "embshard"
 # The registered models and their aliases: defined here only.
@@ -306,7 +306,33 @@ def local_artifacts(uri: str) -> dict[str, str] | None:
     if len(rows) != 1 or rows[0][1] != "READY" or not str(rows[0][0] or "").startswith("file://"):
         return None
     folder = unquote(urlparse(rows[0][0]).path)
-    return _pyfunc_artifacts(folder)
+    found = _pyfunc_artifacts(folder)
+    if found is None:  # registered and ready, but its files are gone: say which, not "train one first"
+        raise ModelFilesMissingError(
+            f"version {version} of '{name}' is registered but its files are missing ({_missing_file(folder)})",
+            path=uri,
+            fix=f"restore that folder, or point the alias at a version whose files exist (MlflowClient()."
+                f"set_registered_model_alias('{name}', ALIAS, VERSION)), or train and register a new one")
+    return found
+
+
+def _missing_file(folder: str) -> str:
+    """The first file a pyfunc model folder lacks (the folder, its MLmodel, or an artifact it names)."""
+    import yaml
+
+    mlmodel = os.path.join(folder, "MLmodel")
+    if not os.path.isdir(folder):
+        return f"no folder {folder}"
+    if not os.path.isfile(mlmodel):
+        return f"no {mlmodel}"
+    try:
+        with open(mlmodel, encoding="utf-8") as f:
+            arts = yaml.safe_load(f)["flavors"]["python_function"]["artifacts"]
+        missing = [os.path.join(folder, v["path"]) for v in arts.values()
+                   if not os.path.isfile(os.path.join(folder, v["path"]))]
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return f"{mlmodel} is not a pyfunc model's"
+    return f"no {missing[0]}" if missing else f"{mlmodel} names no artifacts"
 
 
 def _pyfunc_artifacts(folder: str) -> dict[str, str] | None:

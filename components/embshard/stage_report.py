@@ -24,6 +24,11 @@ def report(name: str, result: dict, root: str) -> str:
     return "\n".join(lines)
 
 
+# Below this many held-out tasks a bootstrap over tasks has almost nothing to resample (with 2 tasks its "95%"
+# interval is about their min-max, which covers the median of such tasks half the time).
+FEW_TASKS = 5
+
+
 def promotion_lines(decision: dict, root: str) -> list[str]:
     """The promotion decision in words: ratios with their intervals and the right sign, the verdict, the reason."""
     lines = []
@@ -38,6 +43,10 @@ def promotion_lines(decision: dict, root: str) -> list[str]:
         lines.append(f"  learned planner vs the best baseline (median measured cost ratio over "
                      f"{decision.get('tasks', '?')} held-out tasks, {decision.get('rounds', '?')} rounds): "
                      f"{ratio:.3f}x{interval(decision.get('candidate_vs_best_baseline'))}  ({speed_words(ratio)})")
+    tasks = decision.get("tasks")
+    if isinstance(tasks, int) and tasks < FEW_TASKS:
+        lines.append(f"  note: {tasks} held-out task(s): the interval resamples so few tasks (mostly their rounds) "
+                     f"that it says little about tables not seen; judge with eval_tasks and num_tasks >= {FEW_TASKS}")
     champ = decision.get("candidate_over_champion_median")
     if champ is not None:
         lines.append(f"  candidate vs the champion: {champ:.3f}x{interval(decision.get('candidate_vs_champion'))}  "

@@ -65,6 +65,15 @@ def _state(root: str, name: str, value: dict | None = None, keys: tuple[str, ...
     return state
 
 
+def _remove(target: str) -> None:
+    """Delete one run file if it is there (local or object store)."""
+    from . import storage
+
+    if storage.exists(target):
+        fs, where = storage.resolve(target)
+        fs.delete_file(where)
+
+
 def _existing(root: str, key: str, stage: str) -> str:
     """The path of a run file an earlier stage wrote; missing: the one-line error that names that stage."""
     from . import storage
@@ -187,7 +196,13 @@ def train_policy(root: str, params: dict, round_index: int = 1) -> dict:
     p = merged(params)
     _check_round(p, round_index)
     cm = _state(root, "cost_model", keys=("model_uri",))
-    prev = _state(root, "policy", keys=("policy_dir",))["policy_dir"] if round_index > 1 else None
+    if int(cm.get("round", 1)) != round_index:
+        raise EmbshardError(f"the run's cost model is round {cm.get('round', 1)}'s, not round {round_index}'s",
+                            path=_join(path(root, "state"), "cost_model.json"),
+                            fix=f"run refit_cost_model round {round_index} (or train_cost_model for round 1) first")
+    # Round r starts from round r-1's own folder, not from "the latest policy": a stage run again (Airflow's
+    # Clear) gets the same inputs whatever ran after it.
+    prev = _policy_of_round(root, round_index - 1)[0] if round_index > 1 else None
     res = train_policy_round(path(root, "tables"), path(root, "tasks"), loop_layout(root),
                              cost_model_uri=cm["model_uri"], iterations=int(p["policy_iterations"]),
                              rounds=int(p["policy_rounds"]), round_index=round_index, init_policy=prev,
@@ -203,12 +218,31 @@ def measure_policy_plans(root: str, params: dict, round_index: int = 2) -> dict:
 
     p = merged(params)
     _check_round(p, round_index)
-    pol = _state(root, "policy", keys=("policy_dir", "cost_model_uri"))
+    policy_dir, cost_model_uri = _policy_of_round(root, round_index - 1)  # the round before's, run again or not
     costs = measure_round(path(root, "tables"), path(root, "tasks"), loop_layout(root),
-                          policy_dir=pol["policy_dir"], cost_model_uri=pol["cost_model_uri"],
+                          policy_dir=policy_dir, cost_model_uri=cost_model_uri,
                           round_index=round_index, num_tasks=MEASURED_PLAN_TASKS,
                           settings=measure_settings(root, p), seed=int(p["seed"]))
     return {"round": round_index, "costs": costs}
+
+
+def _policy_of_round(root: str, round_index: int) -> tuple[str, str]:
+    """(folder, cost model URI) of round `round_index`'s policy, read from its own folder (jobs.train_policy
+    writes POLICY/round-<r> with the cost model it trained against)."""
+    from . import storage
+
+    folder = _join(loop_layout(root).policy, f"round-{round_index}")
+    config = _join(folder, "policy.json")
+    if not storage.exists(config):
+        raise EmbshardError("missing stage output", path=config, fix=f"run train_policy round {round_index} first")
+    try:
+        uri = json.loads(storage.read_text(config)).get("cost_model_uri")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        uri = None
+    if not isinstance(uri, str) or not uri:
+        raise EmbshardError("corrupt stage output (no cost_model_uri)", path=config,
+                            fix=f"run train_policy round {round_index} again")
+    return folder, uri
 
 
 def evaluate_and_promote(root: str, params: dict) -> dict:
@@ -216,6 +250,10 @@ def evaluate_and_promote(root: str, params: dict) -> dict:
 
     p = merged(params)
     pol = _state(root, "policy", keys=("version",))
+    # A decision an earlier try left (perhaps about another candidate) goes first: a try stopped before it decides
+    # leaves none, never a stale one.
+    for stale in (_join(path(root, "state"), "promotion.json"), _join(path(root, "evaluation"), "decision.json")):
+        _remove(stale)
     decision = promote(path(root, "tables"), path(root, "tasks"), path(root, "evaluation"),
                        candidate_version=pol["version"],
                        baselines=params_mod.planners_of(p["eval_planners"]),
@@ -266,6 +304,11 @@ def run(name: str, root: str, params: dict, chunk: int | None = None, round_inde
     return fn(root, params)
 
 
+# (task, first line of its error) of the stages that failed in this process (the local runner: `embshard
+# pipeline` names the first in its own error)
+FAILURES: list[tuple[str, str]] = []
+
+
 def run_in_task(name: str, data_root: str, mlflow_uri: str, params: dict, *, run_id: str, dag_id: str,
                 task_id: str | None = None, try_number: int | None = None, chunk: int | None = None,
                 round_index: int | None = None) -> dict:
@@ -278,6 +321,11 @@ def run_in_task(name: str, data_root: str, mlflow_uri: str, params: dict, *, run
     env = {**run_context.lineage_env(dag_id, run_id, task_id or name, root, try_number),
            "EMBSHARD_DATA_ROOT": data_root, "MLFLOW_TRACKING_URI": mlflow_uri}
     start = time.perf_counter()
+    # Airflow's task runner has just replaced the SIGTERM handler with one that lets the task go on: put back
+    # ours, so that a `kill` of `embshard pipeline` (or of a worker) stops the stage (embshard.signals).
+    from .signals import stop_on_sigterm
+
+    stop_on_sigterm()
     try:
         with run_context.stage_output(env):
             result = run(name, root, params, chunk, round_index)
@@ -285,8 +333,9 @@ def run_in_task(name: str, data_root: str, mlflow_uri: str, params: dict, *, run
         run_context.progress(f"  {label:<28} skipped: {exc}")
         raise
     except BaseException as exc:
-        run_context.progress(f"  {label:<28} FAILED after {time.perf_counter() - start:6.1f} s: "
-                             f"{str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__}")
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        run_context.progress(f"  {label:<28} FAILED after {time.perf_counter() - start:6.1f} s: {reason[:300]}")
+        FAILURES.append((label, reason))
         raise
     run_context.progress(f"  {label:<28} done in {time.perf_counter() - start:6.1f} s")
     log_report(name, result, root)
@@ -320,7 +369,8 @@ def log_report(name: str, result: dict, root: str) -> None:
 
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", choices=list(STAGES), help="the stage to run")
-    p.add_argument("--root", required=True, help="run root (folder, file:// or s3:// URI)")
+    p.add_argument("--root", required=True, help="run root (folder, file:// or s3:// URI); the MLflow store is "
+                   "MLFLOW_TRACKING_URI, else (a local root) ROOT/mlflow.db, shared by every stage of the root")
     p.add_argument("--params", default="{}", help="pipeline parameters as JSON (see embshard.stages.DEFAULT_PARAMS)")
     p.add_argument("--chunk", type=int, default=0, help="benchmark chunk index (benchmark stage only)")
     p.add_argument("--round", type=int, default=None, dest="round_index",
@@ -335,6 +385,10 @@ def main(args) -> int:
     if not isinstance(params, dict):
         raise EmbshardError(f"a JSON {type(params).__name__}, not an object", field="params",
                             fix='pass a JSON object of run params, e.g. \'{"num_tables": 64}\'')
+    if not os.environ.get("MLFLOW_TRACKING_URI") and "://" not in str(args.root):
+        # By hand, without a store named: the root's own, so that every stage of the root (train_cost_model,
+        # train_policy, the gate, export) registers and finds the same models. (The DAG and its pods name one.)
+        os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{os.path.join(os.path.abspath(args.root), 'mlflow.db')}"
     try:
         res = run(args.name, args.root, params, args.chunk, args.round_index)
     except StageSkipped as exc:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .. import schemas, storage
-from ..errors import EmbshardError, ModelNotFoundError
+from ..errors import EmbshardError, ModelFilesMissingError, ModelNotFoundError
 from ..ingest.spec import read_tables
 from ..placement import Placement
 from ..planners import composition_of, get_planner, is_planner_name
@@ -69,6 +69,8 @@ def planner_for(name: str, model_uri: str, time_budget_s: float | None, search_e
         kw["search_evaluations"] = search_evaluations
     try:
         return get_planner(name, **kw)
+    except ModelFilesMissingError:
+        raise  # it names the version and the file: "train one" would be the wrong fix
     except ModelNotFoundError as exc:
         raise ModelNotFoundError(
             f"no registered learned planner ({exc.message})", path=model_uri,

@@ -87,7 +87,8 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
         if hi > len(pool):
             raise EmbshardError(f"a task of {hi} tables cannot be drawn from the {len(pool)} tables of the "
                                 f"{split} pool", path=where, field="tables_per_task",
-                                fix=f"use --tables-per-task <= {len(pool)}, or ingest more tables")
+                                fix=f"use --tables-per-task <= {len(pool)} (the pipeline's --param "
+                                    "tables_per_task), or ingest more tables")
         pool_arr = np.array(pool, dtype=object)
         for k in range(int(num_tasks)):
             t = int(rng.integers(lo, hi + 1))

@@ -1,0 +1,35 @@
+"""SIGTERM stops embshard as Ctrl-C does (`kill`, `timeout`, systemd, a CI cancel, Kubernetes deleting a pod).
+
+Python's default for SIGTERM ends the process at once: MLflow runs stay RUNNING and no `finally` runs. Airflow's
+task runner replaces the handler with one that only calls the operator's on_kill() and goes on, so a pipeline
+run under `dag.test()` finished every stage, and promoted a champion, after it was told to stop. Here SIGTERM
+and SIGINT raise KeyboardInterrupt, which every command handles (context managers close, MLflow runs end
+failed, the exit code is 128 + the signal), and record the signal (`received`): Airflow's task runner takes a
+task's KeyboardInterrupt for a failed try and goes on, so the pipeline also stops between tasks when a signal
+was received (pipeline._stop_between_tasks)."""
+from __future__ import annotations
+
+import signal
+
+received: int | None = None  # the last signal turned into KeyboardInterrupt here (None: none yet)
+
+
+def _interrupt(signum, frame):  # noqa: ARG001 (a signal handler's signature)
+    global received
+    received = signum
+    raise KeyboardInterrupt
+
+
+def stop_on_sigterm() -> None:
+    """From now on SIGTERM and SIGINT raise KeyboardInterrupt and are recorded (in the main thread; elsewhere
+    no handler can be installed)."""
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+        signal.signal(signal.SIGINT, _interrupt)
+
+
+def exit_code() -> int:
+    """128 + the signal that stopped the process: 143 after SIGTERM, else 130 (Ctrl-C)."""
+    return 128 + (received if received is not None else int(signal.SIGINT))

@@ -1,0 +1,42 @@
+"""`kill` (SIGTERM) stops `embshard pipeline` as Ctrl-C does. Airflow's task runner swallows SIGTERM (it only
+calls on_kill) and takes a stage's KeyboardInterrupt for a failed, retried try, so a run went on to promote a
+champion after it was told to stop (embshard.signals, pipeline._stop_between_tasks)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_sigterm_stops_the_pipeline_before_it_promotes(tmp_path):
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "AIRFLOW", "EMBSHARD_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "embshard", "pipeline", "--quick", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the stages' progress lines
+            lines.append(line)
+            if "benchmark[" in line:  # a stage done: the next is running
+                break
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(lines) + rest
+    assert proc.returncode == 143, (text, err)
+    assert "terminated" in err and "success" not in text, (text, err)
+    # Nothing after the stopped stage ran: no cost model, no gate, no promotion.
+    roots = list((out / "data").iterdir())
+    assert len(roots) == 1
+    assert not (roots[0] / "state" / "promotion.json").exists()
+    assert not (roots[0] / "state" / "cost_model.json").exists()

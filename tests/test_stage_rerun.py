@@ -1,0 +1,51 @@
+"""Running a finished outer-loop stage again (Airflow's "Clear task"): its inputs come from the rounds it names,
+not from whatever ran after it, so the re-run does what the first run did."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from embshard import outer_loop, stages
+from embshard.errors import EmbshardError
+
+
+@pytest.fixture()
+def finished_root(tmp_path):
+    """A run root after two rounds: the state points at round 2's policy and cost model."""
+    root = str(tmp_path / "run")
+    for r, uri in ((1, "models:/embshard-cost/1"), (2, "models:/embshard-cost/2")):
+        folder = os.path.join(root, "policy", f"round-{r}")
+        os.makedirs(folder)
+        with open(os.path.join(folder, "policy.json"), "w") as f:
+            json.dump({"hidden": 8, "cost_model_uri": uri}, f)
+    stages._state(root, "policy", {"policy_dir": os.path.join(root, "policy", "round-2"), "round": 2,
+                                   "cost_model_uri": "models:/embshard-cost/2", "version": "2"})
+    stages._state(root, "cost_model", {"model_uri": "models:/embshard-cost/2", "version": "2", "round": 2})
+    return root
+
+
+def test_a_round_run_again_reads_the_round_before_not_the_latest(finished_root, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(outer_loop, "measure_round", lambda *a, **kw: seen.setdefault("measure", kw) and "costs")
+    monkeypatch.setattr(outer_loop, "train_policy_round",
+                        lambda *a, **kw: seen.setdefault("train", kw) and {"policy_dir": "x", "cost_model_uri": "u",
+                                                                           "final_val_ratio": 1.0})
+    params = {"policy_rounds": 2}
+    stages.measure_policy_plans(finished_root, params, 2)
+    assert seen["measure"]["policy_dir"] == os.path.join(finished_root, "policy", "round-1")
+    assert seen["measure"]["cost_model_uri"] == "models:/embshard-cost/1"  # what round 1 was trained against
+    stages.train_policy(finished_root, params, 2)
+    assert seen["train"]["init_policy"] == os.path.join(finished_root, "policy", "round-1")
+
+
+def test_a_round_needs_its_own_cost_model_and_the_round_before(finished_root):
+    stages._state(finished_root, "cost_model", {"model_uri": "models:/embshard-cost/1", "version": "1", "round": 1})
+    with pytest.raises(EmbshardError, match="cost model is round 1's, not round 2's") as err:
+        stages.train_policy(finished_root, {"policy_rounds": 2}, 2)
+    assert "refit_cost_model round 2" in err.value.fix
+    os.remove(os.path.join(finished_root, "policy", "round-1", "policy.json"))
+    with pytest.raises(EmbshardError, match="missing stage output") as err:
+        stages.measure_policy_plans(finished_root, {"policy_rounds": 2}, 2)
+    assert "train_policy round 1" in err.value.fix
