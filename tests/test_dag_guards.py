@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
     ({"tables_per_task": "60-20"}, "tables_per_task", "runs backwards"),
     ({"tables_per_task": "0-5"}, "tables_per_task", "does not match"),
     ({"num_tables": 10, "tables_per_task": "20-60"}, "tables_per_task", "the 5 tables of the test pool"),
-    ({"num_tables": 240, "tables_per_task": "100-200"}, "tables_per_task", "at most 120"),
+    ({"num_tables": 240, "tables_per_task": "100-200"}, "tables_per_task", "from the 120 tables of the test pool"),
     ({"eval_planners": ["dim_greedy", "nosuchplanner"]}, "eval_planners", "'nosuchplanner' is not one of"),
     ({"eval_planners": "dim_greedy,nosuchplanner"}, "eval_planners", "'nosuchplanner' is not one of"),
     ({"eval_planners": []}, "eval_planners", "should be non-empty"),

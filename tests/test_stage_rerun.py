@@ -49,3 +49,24 @@ def test_a_round_needs_its_own_cost_model_and_the_round_before(finished_root):
     with pytest.raises(EmbshardError, match="missing stage output") as err:
         stages.measure_policy_plans(finished_root, {"policy_rounds": 2}, 2)
     assert "train_policy round 1" in err.value.fix
+
+
+def test_a_gate_stopped_midway_leaves_no_earlier_decision(finished_root, monkeypatch):
+    """An earlier try's decision (perhaps about another candidate) goes before the gate measures: a try stopped
+    midway (SIGTERM) leaves no decision, never a stale one that export or a person would read."""
+    from embshard.jobs import promote
+
+    stages._state(finished_root, "promotion", {"promoted": True, "candidate_version": "1"})
+    os.makedirs(os.path.join(finished_root, "evaluation"))
+    decision = os.path.join(finished_root, "evaluation", "decision.json")
+    with open(decision, "w") as f:
+        json.dump({"candidate_version": "1"}, f)
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(promote, "evaluate_and_promote", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        stages.evaluate_and_promote(finished_root, {})
+    assert not os.path.exists(decision)
+    assert not os.path.exists(os.path.join(finished_root, "state", "promotion.json"))

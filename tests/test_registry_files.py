@@ -1,0 +1,48 @@
+"""A registered version whose files are gone (an artifact store cleaned up by hand, a lost volume): the error
+names the version and the missing file and says how to move the alias, where it said "train one first" (and a
+missing policy.pt was a traceback). And a plan records the version an alias named (registry.pinned)."""
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+import yaml
+
+from embshard import registry
+from embshard.errors import ModelFilesMissingError
+
+
+@pytest.fixture()
+def store(tmp_path, monkeypatch):
+    """A local sqlite store with the two tables the loader reads: version 3 of 'm', aliased champion."""
+    db = tmp_path / "mlflow.db"
+    folder = tmp_path / "mlartifacts" / "m-1" / "artifacts"
+    with sqlite3.connect(db) as con:
+        con.execute("CREATE TABLE model_versions (name TEXT, version INTEGER, storage_location TEXT, status TEXT)")
+        con.execute("CREATE TABLE registered_model_aliases (name TEXT, alias TEXT, version INTEGER)")
+        con.execute("INSERT INTO model_versions VALUES ('m', 3, ?, 'READY')", (f"file://{folder}",))
+        con.execute("INSERT INTO registered_model_aliases VALUES ('m', 'champion', 3)")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+    return folder
+
+
+def test_missing_files_of_a_registered_version_are_named(store):
+    with pytest.raises(ModelFilesMissingError, match="version 3 of 'm' is registered but its files are missing "
+                                                     r"\(no folder .*m-1/artifacts\)") as err:
+        registry.local_artifacts("models:/m@champion")
+    assert "set_registered_model_alias" in err.value.fix
+    (store / "artifacts").mkdir(parents=True)
+    (store / "artifacts" / "policy.json").write_text("{}")
+    (store / "MLmodel").write_text(yaml.safe_dump({"flavors": {"python_function": {"artifacts": {
+        "policy_config": {"path": "artifacts/policy.json"}, "policy_weights": {"path": "artifacts/policy.pt"}}}}}))
+    with pytest.raises(ModelFilesMissingError, match=r"no .*artifacts/policy\.pt\)"):
+        registry.local_artifacts("models:/m/3")
+    (store / "artifacts" / "policy.pt").write_bytes(b"x")
+    assert set(registry.local_artifacts("models:/m@champion")) == {"policy_config", "policy_weights"}
+
+
+def test_an_alias_is_pinned_to_its_version(store):
+    assert registry.pinned("models:/m@champion") == "models:/m/3"
+    assert registry.pinned("models:/m@nosuch") == "models:/m@nosuch"  # loading it words the error
+    assert registry.pinned("models:/m/2") == "models:/m/2" and registry.pinned("runs:/abc/model") == "runs:/abc/model"
