@@ -46,3 +46,18 @@ def test_an_alias_is_pinned_to_its_version(store):
     assert registry.pinned("models:/m@champion") == "models:/m/3"
     assert registry.pinned("models:/m@nosuch") == "models:/m@nosuch"  # loading it words the error
     assert registry.pinned("models:/m/2") == "models:/m/2" and registry.pinned("runs:/abc/model") == "runs:/abc/model"
+
+
+def test_the_registered_planner_refuses_a_call_without_devices_or_memory():
+    """MLflow fills a predict call's missing params with the signature's defaults: 0 devices, which the pyfunc
+    refuses (it planned for the validation task's devices and memory, a plan for the wrong cluster)."""
+    import pandas as pd
+
+    from embshard.errors import EmbshardError
+    from embshard.planners.registered import PolicyPythonModel
+
+    model = PolicyPythonModel()
+    for params in (None, {"num_devices": 0, "memory_bytes_per_device": 0}, {"num_devices": 4}):
+        with pytest.raises(EmbshardError, match="no devices or no memory per device given") as err:
+            model.predict(None, pd.DataFrame(), params=params)
+        assert "num_devices" in err.value.fix

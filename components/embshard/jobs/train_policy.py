@@ -204,8 +204,9 @@ def _signature(policy, cost_model, tables: str, task: Task):
 
     frame = schemas.read(tables, "tables")
     frame = frame[frame["table_id"].isin(list(task.tables.table_ids))].reset_index(drop=True)
-    params = {"num_devices": task.num_devices, "memory_bytes_per_device": task.memory_bytes_per_device,
-              "task_id": task.task_id}
+    # MLflow hands a predict call without params these defaults: 0 (no devices), which predict refuses, so that a
+    # job that forgets them gets an error, not a plan for this validation task's devices and memory.
+    params = {"num_devices": 0, "memory_bytes_per_device": 0, "task_id": "task"}
     placement = LearnedPlanner(policy, cost_model).plan_task(task)
     optional = {"trace_file", "trace_table_index", "source", "pool"}
     return registry.signature(frame, placement.to_frame(placement_costs(cost_model, placement)), params,

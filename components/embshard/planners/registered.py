@@ -41,12 +41,17 @@ def _policy_python_model() -> Any:
             from ..costmodel.scoring import placement_costs
             from ..tableset import TableSet
 
+            from ..errors import EmbshardError
+
             params = params or {}
+            devices, memory = int(params.get("num_devices") or 0), int(params.get("memory_bytes_per_device") or 0)
+            if devices <= 0 or memory <= 0:
+                raise EmbshardError("no devices or no memory per device given", field="params",
+                                    fix="call predict(tables, params={'num_devices': D, "
+                                        "'memory_bytes_per_device': BYTES}) (the task's own)")
             tables = TableSet.from_frame(schemas.validate(model_input, "tables", "<model input>"))
             planner = LearnedPlanner(self.policy, self.cost_model)
-            placement = planner.plan(tables, int(params.get("num_devices", 4)),
-                                     int(params.get("memory_bytes_per_device", 80 * 2**30)),
-                                     str(params.get("task_id", "task")))
+            placement = planner.plan(tables, devices, memory, str(params.get("task_id") or "task"))
             return placement.to_frame(placement_costs(self.cost_model, placement))
 
     # Pickled by reference as embshard.planners.registered.PolicyPythonModel (this module's __getattr__ finds it).
