@@ -269,6 +269,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     plot_path = storage.join(out, "evaluation.png")
     _log_to_mlflow(summary, plot_path)
     return {"evaluation": eval_path, "ratios": storage.join(out, "ratios.parquet"), "plot": plot_path, "frame": df,
+            "placements_path": storage.join(out, "placements.parquet") if placements else None,
             "ratio_frame": ratios, "summary": summary, "summary_text": format_summary(summary, int(rounds)),
             "round_costs": round_costs, "rounds": int(rounds), "wall_s": wall,
             "ranking": {**ranking, "accuracy": ranking["correct"] / ranking["pairs"] if ranking["pairs"] else

@@ -63,7 +63,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "the plans, so that each plan's multiple of it is a paired ratio with an interval "
                         "(estimate_ratio, estimate_ratio_ci_low/high); about one more measurement per table and "
                         "round (default: measured once per task, outside the rounds)")
-    p.add_argument("--out", required=True, help="output folder: evaluation.parquet, ratios.parquet, plot")
+    p.add_argument("--out", required=True,
+                   help="output folder: evaluation.parquet, ratios.parquet, placements.parquet, evaluation.png")
 
 
 def main(args) -> int:
@@ -95,7 +96,8 @@ def main(args) -> int:
         print(f"cost model on whole placements: slowest device {rk['placement_mape']:.1f}% MAPE over "
               f"{rk['placements']} placements; Spearman within a task {rk['within_task_spearman']:.2f} "
               f"(mean over {rk['spearman_tasks']} tasks)")
-    print(f"wrote {res['evaluation']}, {res['ratios']} and {res['plot']}")
+    placed = f", {res['placements_path']}" if res.get("placements_path") else ""
+    print(f"wrote {res['evaluation']}, {res['ratios']}{placed} and {res['plot']}")
     return 0
 
 

@@ -182,6 +182,9 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
         with PlanningProgress(f"planning {len(table_set):,} tables on {D:,} devices ({planner})") as progress:
             if hasattr(p, "on_phase"):
                 p.on_phase = progress.phase
+            else:  # TorchRec's planners report no phases: say what runs, and for how long at most
+                timeout = getattr(p, "timeout_s", None)
+                progress.phase("its search" + (f" (stops by {timeout:.0f} s)" if timeout else ""))
             placement = p.plan(table_set, topology, task_id=tid)
     except EmbshardError as exc:  # name the user's file, not the internal task name
         raise exc.at(where) from None

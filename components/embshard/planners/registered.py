@@ -39,9 +39,8 @@ def _policy_python_model() -> Any:
         def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:  # noqa: ARG002 (MLflow's signature)
             from .. import schemas
             from ..costmodel.scoring import placement_costs
-            from ..tableset import TableSet
-
             from ..errors import EmbshardError
+            from ..tableset import TableSet
 
             params = params or {}
             devices, memory = int(params.get("num_devices") or 0), int(params.get("memory_bytes_per_device") or 0)
