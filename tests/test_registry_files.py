@@ -24,6 +24,8 @@ def store(tmp_path, monkeypatch):
         con.execute("INSERT INTO registered_model_aliases VALUES ('m', 'champion', 3)")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
     monkeypatch.delenv("MLFLOW_REGISTRY_URI", raising=False)
+    # The store this process uses (once mlflow is imported, earlier tests' in-process URI would win)
+    monkeypatch.setattr(registry, "_store_uri", lambda: f"sqlite:///{db}")
     return folder
 
 

@@ -16,12 +16,10 @@ def finished_root(tmp_path):
     """A run root after two rounds: the state points at round 2's policy and cost model."""
     root = str(tmp_path / "run")
     for r, uri in ((1, "models:/embshard-cost/1"), (2, "models:/embshard-cost/2")):
-        folder = os.path.join(root, "policy", f"round-{r}")
-        os.makedirs(folder)
-        with open(os.path.join(folder, "policy.json"), "w") as f:
-            json.dump({"hidden": 8, "cost_model_uri": uri}, f)
-    stages._state(root, "policy", {"policy_dir": os.path.join(root, "policy", "round-2"), "round": 2,
-                                   "cost_model_uri": "models:/embshard-cost/2", "version": "2"})
+        state = {"policy_dir": os.path.join(root, "policy", f"round-{r}"), "round": r, "cost_model_uri": uri,
+                 "version": str(r)}
+        stages._state(root, f"policy-round-{r}", state)  # what train_policy leaves for each round
+    stages._state(root, "policy", state)  # and the latest
     stages._state(root, "cost_model", {"model_uri": "models:/embshard-cost/2", "version": "2", "round": 2})
     return root
 
@@ -45,7 +43,7 @@ def test_a_round_needs_its_own_cost_model_and_the_round_before(finished_root):
     with pytest.raises(EmbshardError, match="cost model is round 1's, not round 2's") as err:
         stages.train_policy(finished_root, {"policy_rounds": 2}, 2)
     assert "refit_cost_model round 2" in err.value.fix
-    os.remove(os.path.join(finished_root, "policy", "round-1", "policy.json"))
+    os.remove(os.path.join(finished_root, "state", "policy-round-1.json"))
     with pytest.raises(EmbshardError, match="missing stage output") as err:
         stages.measure_policy_plans(finished_root, {"policy_rounds": 2}, 2)
     assert "train_policy round 1" in err.value.fix

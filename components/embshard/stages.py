@@ -200,16 +200,18 @@ def train_policy(root: str, params: dict, round_index: int = 1) -> dict:
         raise EmbshardError(f"the run's cost model is round {cm.get('round', 1)}'s, not round {round_index}'s",
                             path=_join(path(root, "state"), "cost_model.json"),
                             fix=f"run refit_cost_model round {round_index} (or train_cost_model for round 1) first")
-    # Round r starts from round r-1's own folder, not from "the latest policy": a stage run again (Airflow's
-    # Clear) gets the same inputs whatever ran after it.
+    # Round r starts from round r-1's policy (its own state), not from "the latest policy": a stage run again
+    # (Airflow's Clear) gets the same inputs whatever ran after it.
     prev = _policy_of_round(root, round_index - 1)[0] if round_index > 1 else None
     res = train_policy_round(path(root, "tables"), path(root, "tasks"), loop_layout(root),
                              cost_model_uri=cm["model_uri"], iterations=int(p["policy_iterations"]),
                              rounds=int(p["policy_rounds"]), round_index=round_index, init_policy=prev,
                              seed=int(p["seed"]), curriculum=str(p["policy_curriculum"]))
-    return _state(root, "policy", {"policy_dir": res["policy_dir"], "round": round_index,
-                                   "model_uri": res.get("model_uri"), "version": res.get("version"),
-                                   "cost_model_uri": res["cost_model_uri"], "val_ratio": res["final_val_ratio"]})
+    state = {"policy_dir": res["policy_dir"], "round": round_index, "model_uri": res.get("model_uri"),
+             "version": res.get("version"), "cost_model_uri": res["cost_model_uri"],
+             "val_ratio": res["final_val_ratio"]}
+    _state(root, f"policy-round-{round_index}", state)  # what the next round starts from and measures
+    return _state(root, "policy", state)
 
 
 def measure_policy_plans(root: str, params: dict, round_index: int = 2) -> dict:
@@ -227,22 +229,19 @@ def measure_policy_plans(root: str, params: dict, round_index: int = 2) -> dict:
 
 
 def _policy_of_round(root: str, round_index: int) -> tuple[str, str]:
-    """(folder, cost model URI) of round `round_index`'s policy, read from its own folder (jobs.train_policy
-    writes POLICY/round-<r> with the cost model it trained against)."""
+    """(folder, cost model URI) of round `round_index`'s policy, from the state that round left
+    (state/policy-round-<r>.json; roots written before it existed: the latest policy's, when it is that round's)."""
     from . import storage
 
-    folder = _join(loop_layout(root).policy, f"round-{round_index}")
-    config = _join(folder, "policy.json")
-    if not storage.exists(config):
-        raise EmbshardError("missing stage output", path=config, fix=f"run train_policy round {round_index} first")
-    try:
-        uri = json.loads(storage.read_text(config)).get("cost_model_uri")
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        uri = None
-    if not isinstance(uri, str) or not uri:
-        raise EmbshardError("corrupt stage output (no cost_model_uri)", path=config,
-                            fix=f"run train_policy round {round_index} again")
-    return folder, uri
+    own = _join(path(root, "state"), f"policy-round-{round_index}.json")
+    if storage.exists(own):
+        state = _state(root, f"policy-round-{round_index}", keys=("policy_dir", "cost_model_uri"))
+    else:
+        state = _state(root, "policy", keys=("policy_dir", "cost_model_uri"))
+        if int(state.get("round", 1)) != round_index:
+            raise EmbshardError(f"missing stage output (round {round_index}'s policy)", path=own,
+                                fix=f"run train_policy round {round_index} first")
+    return state["policy_dir"], state["cost_model_uri"]
 
 
 def evaluate_and_promote(root: str, params: dict) -> dict:
