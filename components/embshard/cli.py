@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from . import signals
 
-    signals.stop_on_sigterm()  # `kill` stops a command as Ctrl-C does (embshard.signals)
+    signals.stop_on_sigterm(fresh=True)  # `kill` stops a command as Ctrl-C does (embshard.signals)
     try:
         check_output(args)
         return int(args._main(args) or 0)

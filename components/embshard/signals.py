@@ -20,11 +20,15 @@ def _interrupt(signum, frame):  # noqa: ARG001 (a signal handler's signature)
     raise KeyboardInterrupt
 
 
-def stop_on_sigterm() -> None:
+def stop_on_sigterm(fresh: bool = False) -> None:
     """From now on SIGTERM and SIGINT raise KeyboardInterrupt and are recorded (in the main thread; elsewhere
-    no handler can be installed)."""
+    no handler can be installed). `fresh`: a command starts, so no signal was received yet (commands run in one
+    process one after another in tests and notebooks)."""
     import threading
 
+    global received
+    if fresh:
+        received = None
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
         signal.signal(signal.SIGINT, _interrupt)
