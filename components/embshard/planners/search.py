@@ -110,11 +110,11 @@ class CutCache:
     """What the split search asks again and again about one task, kept for the task (the planner makes one per
     plan): the encodings of every cut piece it has scored (a piece's features depend on its table, width, rows
     and kind alone, so a cut asked again in a later round or another branch is not encoded again; a row-wise or
-    replica cut's D pieces are a few distinct ones) and each table's comm heads and all-reduce as a replica
-    (scoring.replica_extra_ms)."""
+    replica cut's D pieces are a few distinct ones) and each table's comm heads as a replica
+    (scoring.replica_extras)."""
 
     pieces: dict = field(default_factory=dict)  # piece_key -> (features (F,), model encoding (H,), projected or None)
-    replica: dict = field(default_factory=dict)  # scoring.replica_extra_ms's cache
+    replica: dict = field(default_factory=dict)  # scoring.replica_extras' cache
 
 
 def piece_key(s: Shard) -> tuple:
