@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -380,11 +381,13 @@ class Splits:
             budget.side += allowance.used
             budget.cap_hit |= allowance.cap_hit
             budget.guard_stops += allowance.guard_stops
-        cut_before = {p.table for p in lead.shards if p.kind != WHOLE}
-        more = [p.table for p in carried if p.kind != WHOLE and p.table not in cut_before]
-        if not more:
-            return None
-        names = ", ".join(dict.fromkeys(str(problem.tables.table_ids[t]) for t in more))
+        pieces_before = Counter(p.table for p in lead.shards if p.kind != WHOLE)
+        if not any(p.kind != WHOLE and p.table not in pieces_before for p in carried):
+            return None  # no other table cut: the lead itself is the draft of this kind
+        # The label names every table cut after the first cut, the lead's own table too when it was cut finer.
+        pieces_after = Counter(p.table for p in carried if p.kind != WHOLE)
+        changed = [t for t in pieces_after if pieces_after[t] != pieces_before.get(t, 0)]
+        names = ", ".join(str(problem.tables.table_ids[t]) for t in changed)
         return Draft(lead.name, carried, state, cut=f"{lead.cut}, then {names} cut")
 
 
