@@ -234,14 +234,27 @@ def pinned(uri: str) -> str:
         if _no_store_error(uri, store) is not None:
             return uri
         try:
-            with contextlib.closing(sqlite3.connect(f"file:{store[len('sqlite:///'):]}?mode=ro", uri=True)) as db:
-                rows = db.execute("SELECT version FROM registered_model_aliases WHERE name = ? AND alias = ?",
-                                  (name, alias)).fetchall()
+            with _read_only(store) as db:
+                version = _alias_version(db, name, alias)
         except sqlite3.Error:
-            rows = []
-        return f"models:/{name}/{rows[0][0]}" if len(rows) == 1 else uri
+            version = None
+        return f"models:/{name}/{version}" if version is not None else uri
     mv = version_for_alias(name, alias)
     return f"models:/{name}/{mv.version}" if mv is not None else uri
+
+
+def _read_only(store: str):
+    """A read-only connection to a local sqlite store (loading a model never writes to the store)."""
+    import sqlite3
+
+    return contextlib.closing(sqlite3.connect(f"file:{store[len('sqlite:///'):]}?mode=ro", uri=True))
+
+
+def _alias_version(db, name: str, alias: str) -> str | None:
+    """The version `name@alias` names in a sqlite store's tables, or None."""
+    rows = db.execute("SELECT version FROM registered_model_aliases WHERE name = ? AND alias = ?",
+                      (name, alias)).fetchall()
+    return str(rows[0][0]) if len(rows) == 1 else None
 
 
 def _store_uri() -> str:
@@ -291,14 +304,11 @@ def local_artifacts(uri: str) -> dict[str, str] | None:
     if not name or (version is not None and not version.isdigit()):
         return None
     try:
-        # Read-only: loading a model never writes to the store.
-        with contextlib.closing(sqlite3.connect(f"file:{store[len('sqlite:///'):]}?mode=ro", uri=True)) as db:
+        with _read_only(store) as db:
             if alias is not None:
-                rows = db.execute("SELECT version FROM registered_model_aliases WHERE name = ? AND alias = ?",
-                                  (name, alias)).fetchall()
-                if len(rows) != 1:
+                version = _alias_version(db, name, alias)
+                if version is None:
                     return None
-                version = str(rows[0][0])
             rows = db.execute("SELECT storage_location, status FROM model_versions WHERE name = ? AND version = ?",
                               (name, int(str(version)))).fetchall()
     except sqlite3.Error:
@@ -318,34 +328,33 @@ def local_artifacts(uri: str) -> dict[str, str] | None:
 
 def _missing_file(folder: str) -> str:
     """The first file a pyfunc model folder lacks (the folder, its MLmodel, or an artifact it names)."""
-    import yaml
-
     mlmodel = os.path.join(folder, "MLmodel")
     if not os.path.isdir(folder):
         return f"no folder {folder}"
     if not os.path.isfile(mlmodel):
         return f"no {mlmodel}"
-    try:
-        with open(mlmodel, encoding="utf-8") as f:
-            arts = yaml.safe_load(f)["flavors"]["python_function"]["artifacts"]
-        missing = [os.path.join(folder, v["path"]) for v in arts.values()
-                   if not os.path.isfile(os.path.join(folder, v["path"]))]
-    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+    paths = _artifact_paths(folder)
+    if paths is None:
         return f"{mlmodel} is not a pyfunc model's"
+    missing = [p for p in paths.values() if not os.path.isfile(p)]
     return f"no {missing[0]}" if missing else f"{mlmodel} names no artifacts"
 
 
-def _pyfunc_artifacts(folder: str) -> dict[str, str] | None:
-    """{artifact name: path} from the MLmodel file of a pyfunc model folder; None when it is not one."""
+def _artifact_paths(folder: str) -> dict[str, str] | None:
+    """{artifact name: path} that the MLmodel file of a pyfunc model folder names; None when it is not one."""
     import yaml
 
     try:
         with open(os.path.join(folder, "MLmodel"), encoding="utf-8") as f:
-            meta = yaml.safe_load(f)
-        arts = meta["flavors"]["python_function"]["artifacts"]
-        paths = {str(k): os.path.join(folder, v["path"]) for k, v in arts.items()}
+            arts = yaml.safe_load(f)["flavors"]["python_function"]["artifacts"]
+        return {str(k): os.path.join(folder, v["path"]) for k, v in arts.items()}
     except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
         return None
+
+
+def _pyfunc_artifacts(folder: str) -> dict[str, str] | None:
+    """{artifact name: path} of a pyfunc model folder; None when it is not one or a file it names is missing."""
+    paths = _artifact_paths(folder)
     return paths if paths and all(os.path.isfile(p) for p in paths.values()) else None
 
 

@@ -65,15 +65,6 @@ def _state(root: str, name: str, value: dict | None = None, keys: tuple[str, ...
     return state
 
 
-def _remove(target: str) -> None:
-    """Delete one run file if it is there (local or object store)."""
-    from . import storage
-
-    if storage.exists(target):
-        fs, where = storage.resolve(target)
-        fs.delete_file(where)
-
-
 def _existing(root: str, key: str, stage: str) -> str:
     """The path of a run file an earlier stage wrote; missing: the one-line error that names that stage."""
     from . import storage
@@ -251,8 +242,10 @@ def evaluate_and_promote(root: str, params: dict) -> dict:
     pol = _state(root, "policy", keys=("version",))
     # A decision an earlier try left (perhaps about another candidate) goes first: a try stopped before it decides
     # leaves none, never a stale one.
+    from . import storage
+
     for stale in (_join(path(root, "state"), "promotion.json"), _join(path(root, "evaluation"), "decision.json")):
-        _remove(stale)
+        storage.remove(stale)
     decision = promote(path(root, "tables"), path(root, "tasks"), path(root, "evaluation"),
                        candidate_version=pol["version"],
                        baselines=params_mod.planners_of(p["eval_planners"]),

@@ -249,6 +249,13 @@ def check_output(out: str | os.PathLike, *, kind: str = "folder", writes: tuple[
                             field=field, fix=f"write {flag} to a folder you can write to") from None
 
 
+def remove(uri: str | os.PathLike) -> None:
+    """Delete one file if it is there (local or object store)."""
+    if exists(uri):
+        fs, where = resolve(uri)
+        fs.delete_file(where)
+
+
 def write_text(uri: str | os.PathLike, text: str) -> None:
     with atomic_write(uri, "w") as f:
         f.write(text)
