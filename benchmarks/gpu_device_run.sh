@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Device-side driver for the GPU measurements of issue 17 (run from the repo root of the device copy, with the
 # repo's components/tests/data, this driver and the reduced fbgemm-gpu copied under .gpu/ by benchmarks/gpu_stage.sh).
-# Phases: setup (install .gpu/whl, unpack the reduced fbgemm-gpu), test, costs, aa, splitcosts (a pipeline run's shard
-# sample with split pieces, for a GPU cost model), quality (benchmarks.gpu_quality). Every step logs under $OUT; each
-# bench step has a deadline so the call ends inside its limit.
+# Phases: setup (install .gpu/whl, unpack the reduced fbgemm-gpu), slicewidths (benchmarks.slice_widths), test, costs,
+# aa, splitcosts (a pipeline run's shard sample with split pieces, for a GPU cost model), quality
+# (benchmarks.gpu_quality). Every step logs under $OUT; each bench step has a deadline so the call ends inside its
+# limit.
 # usage: gpu_device_run.sh SECONDS PHASE[:CAP_SECONDS]...
 set -u
 T0=$(date +%s); LIMIT=$1; shift
@@ -39,6 +40,12 @@ import importlib.metadata as md
 print({n: md.version(n) for n in ("numpy", "pandas", "pyarrow", "scipy", "attrs", "jsonschema", "pytest")})
 PY
     ;;
+  slicewidths)
+    # what a column slice of the MLPerf-like list's hottest table costs by width (the split search's slice floor)
+    T=$(( $(left) - 20 )); [ $T -gt $CAP ] && T=$CAP; echo "slice widths for at most ${T}s" | tee -a $OUT/driver.log
+    timeout $T python3 -m benchmarks.slice_widths --device cuda --batch-size ${EMBSHARD_GPU_BATCH:-65536} \
+        --rounds 5 --tables ${EMBSHARD_GPU_ROOT:-.gpu/quality}/task-01/tables.parquet --out $OUT/slice_widths 2>&1 \
+        | tee $OUT/slice_widths.log ;;
   test)
     timeout $(( $(left) - 10 )) python3 -m pytest -q -rA -p no:cacheprovider .gpu/tests/test_bench_cuda.py 2>&1 | tee $OUT/pytest_cuda.txt ;;
   costs|aa|splitcosts)

@@ -73,12 +73,17 @@ def _labelled(spec: str, option: str) -> tuple[str, str]:
 
 
 def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None = None,
-         cost_models: list[str] | None = None) -> None:
+         cost_models: list[str] | None = None, slice_floors: list[int] | None = None,
+         planners: list[str] | None = None, refined: str = "learned") -> None:
     """Plan the selected tasks (the first `limit` of them) here and write ROOT/<task>/{tables,tasks,plans,
     candidates}.parquet. `cost_models`: LABEL=PATH (a model folder of `embshard train-cost --out` or a model URI)
     each adds the entry `learned@LABEL`, the learned planner searching with that model instead of the one its
     policy was trained against (e.g. a model trained on the GPU's own measurements; the policy only proposes),
-    measured beside the others."""
+    measured beside the others. `slice_floors`: each learned entry (`learned`, `learned@LABEL`) is planned again
+    with each of these split-search slice floors (bytes per row; the planner's own is its cost model's hardware's,
+    splitting.speed_slice_bytes) as `ENTRY/NB`. `planners`: the entries besides the learned ones (default PLANNERS;
+    fewer plans, a shorter device call). `refined`: the learned entry whose refinement candidates are kept (e.g.
+    `learned@gpu`, the planner searching with a GPU-trained model, refined on the GPU as `place --refine` would)."""
     from benchmarks import pipeline_stages
     from benchmarks.common import progress
     from benchmarks.quality import _suite_files, split_config
@@ -91,6 +96,12 @@ def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None
     for spec in cost_models or []:
         label, where = _labelled(spec, "--cost-model")
         searched_with[f"{LEARNED[0]}@{label}"] = costmodel.load(where)
+    floored = {f"{e}/{n}B": (e, int(n)) for e in [LEARNED[0], *searched_with] for n in slice_floors or []}
+    # `learned` always: its refinement candidates are what `measure` refines
+    entries = list(dict.fromkeys([LEARNED[0], *(PLANNERS if planners is None else planners), *searched_with,
+                                  *floored]))
+    if refined not in entries:
+        raise SystemExit(f"gpu_quality: --refined {refined!r} is not one of the planned entries ({', '.join(entries)})")
     cfg = split_config()
     suites = {s.name: s for s in cfg.suites}
     os.makedirs(out, exist_ok=True)
@@ -113,19 +124,22 @@ def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None
             schemas.write(one, os.path.join(sub, "tasks.parquet"), "tasks")
             task = load_tasks(os.path.join(sub, "tables.parquet"), os.path.join(sub, "tasks.parquet"), "test")[0]
             frames, cand_frames, cand_rows = [], [], []
-            for p in [*PLANNERS, *searched_with]:
-                kw = {"model_uri": info.policy_uri} if p in LEARNED or p in searched_with else (
+            for p in entries:
+                base, floor = floored.get(p, (p, None))
+                kw = {"model_uri": info.policy_uri} if base in LEARNED or base in searched_with else (
                     {"timeout_s": torchrec_timeout_s} if p.startswith("torchrec") else {})
-                planner = get_planner(p.split("@")[0], **kw)
-                if p in searched_with:
-                    planner.cost_model = searched_with[p]
-                if p == "learned":
+                planner = get_planner(base.split("@")[0], **kw)
+                if base in searched_with:
+                    planner.cost_model = searched_with[base]
+                if floor is not None:
+                    planner.min_slice_bytes = floor
+                if p == refined:
                     refine.explore(planner)  # its cut variants become candidates, as under --refine
                 t0 = time.perf_counter()
                 pl = planner.plan_task(task)
                 secs = time.perf_counter() - t0
                 frames.append(pl.to_frame().assign(entry=p, planning_time_s=secs))
-                if p == "learned":
+                if p == refined:
                     picked = refine.select(refine.candidates(pl, planner.cost_model, torchrec=True), K)
                     for j, c in enumerate(picked):
                         cand_frames.append(c.placement.to_frame().assign(entry=f"cand{j}"))
@@ -138,7 +152,8 @@ def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None
             pd.DataFrame(cand_rows).to_parquet(os.path.join(sub, "candidate_info.parquet"), index=False)
             with open(os.path.join(sub, "task.json"), "w", encoding="utf-8") as f:
                 json.dump({"suite": name, "num_devices": D, "label": tag, "policy_uri": info.policy_uri,
-                           "cpu_batch_size": int(info.batch_size), "cost_models": cost_models or []}, f)
+                           "cpu_batch_size": int(info.batch_size), "cost_models": cost_models or [],
+                           "slice_floors": slice_floors or [], "refined": refined}, f)
             order.append(os.path.basename(sub))
     with open(os.path.join(out, "order.json"), "w", encoding="utf-8") as f:
         json.dump(order, f)
@@ -213,8 +228,9 @@ def measure(root: str, out: str, device: str, batch_size: int, rounds: int, dead
             res = refine.measure_candidates(picked, rounds=rounds, settings=settings, seed=1)
             won = refine.winner_placement(res, K)
             given = {p: SavedPlan(pl, p) for p, pl in plans.items()}
-            given[REFINED] = SavedPlan(won, REFINED)
-            planners = [*plans, REFINED, AA]
+            refined = f"{info.get('refined', LEARNED[0])}+refine{K}"  # REFINED unless plan --refined said otherwise
+            given[refined] = SavedPlan(won, refined)
+            planners = [*plans, refined, AA]
             ev = evaluation.run(tables_path, tasks_path, os.path.join(sub, f"eval-{device.split(':')[0]}"),
                                 planners=planners, given=given, rounds=rounds, settings=settings, progress=False,
                                 estimate_in_rounds=True)
@@ -407,6 +423,12 @@ def main(argv=None) -> int:
     p.add_argument("--cost-model", nargs="+", default=None, dest="cost_models",
                    help="LABEL=PATH (a train-cost --out model folder or a model URI): adds the entry learned@LABEL, "
                         "the learned planner searching with that model, e.g. one trained on the GPU's measurements")
+    p.add_argument("--slice-floors", nargs="+", type=int, default=None,
+                   help="bytes per row: each learned entry planned again with each split-search slice floor (ENTRY/NB)")
+    p.add_argument("--refined", default="learned",
+                   help="the learned entry whose refinement candidates are measured (default learned)")
+    p.add_argument("--planners", nargs="+", default=None,
+                   help=f"the entries besides the learned ones (default: {' '.join(PLANNERS)})")
     m = sub.add_parser("measure")
     m.add_argument("--root", required=True)
     m.add_argument("--out", required=True)
@@ -433,7 +455,8 @@ def main(argv=None) -> int:
     q.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     if a.cmd == "plan":
-        plan(a.run, a.out, limit=a.limit, cost_models=a.cost_models)
+        plan(a.run, a.out, limit=a.limit, cost_models=a.cost_models, slice_floors=a.slice_floors,
+             planners=a.planners, refined=a.refined)
     elif a.cmd == "measure":
         measure(a.root, a.out, a.device, a.batch_size, a.rounds, a.deadline_s,
                 a.tasks.split(",") if a.tasks else None, a.calibration_dir, a.round_processes)

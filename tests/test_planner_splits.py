@@ -373,3 +373,30 @@ def test_a_branch_label_names_only_the_tables_still_cut():
     whole = [Shard(0, d, kind="replicated") for d in range(2)] + [Shard(i, i % 2) for i in (1, 2, 3)]
     assert _still_cut(ts, label, whole) == f"{a} replicated on 2 devices"
     assert _still_cut(ts, f"{a} in 2 column slices", whole) == f"{a} in 2 column slices"
+
+
+def test_the_slice_floor_is_the_cost_models_hardwares(mlperf):
+    """Column slices cut for speed stop at the floor measured on the cost model's hardware
+    (benchmarks/results/slice_widths.md): 64 bytes per row on the CPU, where a 16-column slice of the MLPerf-like
+    list's hottest table cost 0.76x a 32-column one, and 128 on the H100, where it cost the same (0.97x)."""
+    from types import SimpleNamespace
+
+    from embshard.planners.search import _cuts
+    from embshard.planners.splitting import speed_slice_bytes
+
+    assert speed_slice_bytes("cpu:AMD EPYC") == 64
+    assert speed_slice_bytes("cuda:NVIDIA H100 80GB HBM3") == 128
+    assert speed_slice_bytes("") == speed_slice_bytes("xpu:unknown") == 128  # not measured: the widest floor
+    hot = int(np.flatnonzero(mlperf.table_ids == "t_cat_20")[0])  # 128 columns of 4 bytes
+    topo = DeviceTopology(16, int(mlperf.size_bytes.sum()))
+    slices = {}
+    for hw in ("cpu:AMD EPYC", "cuda:NVIDIA H100 80GB HBM3"):
+        model = analytic()
+        model.config = SimpleNamespace(hardware=hw)
+        planner = LearnedPlanner(None, model, composition_name="no_policy")
+        cuts = _cuts(mlperf, Shard(hot, 0), None, topo, columns=True, rows=False,
+                     min_slice_bytes=planner.slice_floor())
+        slices[hw.split(":")[0]] = [len(c) for c in cuts]
+    assert slices == {"cpu": [2, 4, 8], "cuda": [2, 4]}
+    given = LearnedPlanner(None, analytic(), composition_name="no_policy", min_slice_bytes=32)
+    assert given.slice_floor() == 32  # a floor given wins over the hardware's

@@ -37,7 +37,8 @@ from .base import Planner, no_room_error
 from .baselines import BASELINES, make_baseline
 from .scoring import TaskScorer, piece_features, replica_extra_ms, single_threaded
 from .search import Budget, CutCache, SearchState, cut_kind, local_search, try_splits
-from .splitting import PieceView, is_pinned, merge_shared_slices, split_to_fit
+from .splitting import (DEFAULT_SPEED_SLICE_BYTES, PieceView, is_pinned, merge_shared_slices, speed_slice_bytes,
+                        split_to_fit)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,8 @@ class Problem:
     _rollouts: dict = field(default_factory=dict, repr=False)
     # The split search's encodings of cut pieces and replica costs, shared by its kept line and branches.
     cuts: CutCache = field(default_factory=CutCache, repr=False)
+    # The narrowest column slice (bytes per row) the split search cuts for speed: the cost model's hardware's.
+    min_slice_bytes: int = DEFAULT_SPEED_SLICE_BYTES
 
     def phase(self, text: str) -> None:
         if self.on_phase is not None:
@@ -338,7 +341,7 @@ class Splits:
         shards, state = try_splits(problem.tables, best.shards, best.state, problem.cost_model, problem.topology,
                                    budget, self.max_splits, columns=self.columns, rows=self.rows,
                                    replicas=self.replicas, variants=tried, explore=problem.explore_cuts,
-                                   cache=problem.cuts)
+                                   cache=problem.cuts, min_slice_bytes=problem.min_slice_bytes)
         cuts = [Draft(best.name, pieces, trial, cut=label, alternative=variant_only)
                 for label, pieces, trial, variant_only in tried]
         # The plan's branches start from the cuts the search tried for itself; with explore_cuts (a measured
@@ -376,7 +379,8 @@ class Splits:
         allowance = Budget(int(budget.evaluations * BRANCH_SHARE), budget.deadline)
         carried, state = try_splits(problem.tables, lead.shards, lead.state, problem.cost_model, problem.topology,
                                     allowance, self.max_splits, columns=self.columns, rows=self.rows,
-                                    replicas=self.replicas, cache=problem.cuts)
+                                    replicas=self.replicas, cache=problem.cuts,
+                                    min_slice_bytes=problem.min_slice_bytes)
         if charged:
             budget.side += allowance.used
             budget.cap_hit |= allowance.cap_hit
@@ -455,7 +459,7 @@ class ComposedPlanner(Planner):
 
     def __init__(self, composition: Composition, cost_model: CostEstimator, *, name: str = "composed",
                  search_evaluations: int | None = None, time_budget_s: float | None = None, seed: int = 0,
-                 model_uri: str | None = None):
+                 model_uri: str | None = None, min_slice_bytes: int | None = None):
         self.composition = composition
         self.cost_model = cost_model
         self.name = name
@@ -463,6 +467,9 @@ class ComposedPlanner(Planner):
         self.time_budget_s = time_budget_s
         self.seed = seed
         self.model_uri = model_uri
+        # None: the floor of the cost model's hardware (splitting.speed_slice_bytes), read when a task is planned,
+        # since a caller may swap the cost model (benchmarks.gpu_quality plans with a GPU-trained one).
+        self.min_slice_bytes = min_slice_bytes
         # Called with a short phase name as planning goes on (`embshard place` shows it on long plans).
         self.on_phase: Callable[[str], None] | None = None
         # Set by a measured refinement (embshard.refine.explore): keep more cut variants as alternatives.
@@ -487,7 +494,14 @@ class ComposedPlanner(Planner):
         # plan (14% of its time at 10-200 tables, measured); nothing it makes outlives the plan but Python values.
         with single_threaded(), torch.inference_mode():
             return self._compose(Problem(tables, topology, task_id, self.cost_model, self.seed, self.on_phase,
-                                         explore_cuts=self.explore_cuts))
+                                         explore_cuts=self.explore_cuts, min_slice_bytes=self.slice_floor()))
+
+    def slice_floor(self) -> int:
+        """The split search's slice floor (bytes per row): the one given, else the cost model's hardware's."""
+        if self.min_slice_bytes is not None:
+            return int(self.min_slice_bytes)
+        config = getattr(self.cost_model, "config", None)
+        return speed_slice_bytes(getattr(config, "hardware", ""))
 
     def _propose(self, problem: Problem, proposers: list[Proposer]) -> list[Draft]:
         drafts = []

@@ -27,10 +27,11 @@ class LearnedPlanner(ComposedPlanner):
     def __init__(self, policy: PolicyNet | None, cost_model: CostEstimator, *, composition_name: str = "learned",
                  num_samples: int | None = None, refine_top: int | None = None,
                  search_evaluations: int | None = None, time_budget_s: float | None = None, seed: int = 0,
-                 model_uri: str | None = None):
+                 model_uri: str | None = None, min_slice_bytes: int | None = None):
         # None: the composition's own (8 sampled rollouts, the best 3 candidates refined)
         settings = {k: v for k, v in (("num_samples", num_samples), ("refine_top", refine_top)) if v is not None}
         super().__init__(composition(composition_name, policy, **settings),
                          cost_model, name=composition_name, search_evaluations=search_evaluations,
-                         time_budget_s=time_budget_s, seed=seed, model_uri=model_uri)
+                         time_budget_s=time_budget_s, seed=seed, model_uri=model_uri,
+                         min_slice_bytes=min_slice_bytes)
         self.policy = policy

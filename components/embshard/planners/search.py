@@ -27,7 +27,8 @@ from ..placement import Shard
 from ..tableset import TableSet
 from ..types import COLUMN, REPLICATED, WHOLE, DeviceTopology
 from .scoring import TaskScorer, piece_features, replica_extra_ms, replica_extras
-from .splitting import column_pieces, is_pinned, max_speed_column_parts, replica_pieces, row_pieces
+from .splitting import (DEFAULT_SPEED_SLICE_BYTES, column_pieces, is_pinned, max_speed_column_parts, replica_pieces,
+                        row_pieces)
 
 _REL_TOL = 1e-6
 MIN_SPLIT_DIM = 4  # FBGEMM wants dims that are multiples of 4
@@ -300,11 +301,12 @@ def replica_candidate(tables: TableSet, shards: list[Shard], state: SearchState,
 def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_model, topology: DeviceTopology,
                budget: Budget, max_splits: int = 8, columns: bool = True, rows: bool = True,
                replicas: bool = False, variants: list[tuple[str, list[Shard], SearchState, bool]] | None = None,
-               explore: bool = False, cache: CutCache | None = None) -> tuple[list[Shard], SearchState]:
+               explore: bool = False, cache: CutCache | None = None,
+               min_slice_bytes: int = DEFAULT_SPEED_SLICE_BYTES) -> tuple[list[Shard], SearchState]:
     """Cut the most expensive movable piece of the slowest device while that lowers the predicted overall cost.
 
-    The cuts tried: k column slices (k = 2, 4, ..., at most the devices and slices of 128 bytes per row: see
-    splitting.MIN_SPEED_SLICE_BYTES), starting on the slowest
+    The cuts tried: k column slices (k = 2, 4, ..., at most the devices and slices of `min_slice_bytes` per row:
+    the hardware's floor, splitting.speed_slice_bytes), starting on the slowest
     device and spread by local search; row-wise over all devices; table-row-wise over one host's devices (the host
     whose devices cost least; only when the topology names hosts); with `replicas`, a replica on every device of
     the slowest device's `replica_candidate` and of the best one anywhere (when there are; searched like a cut,
@@ -336,7 +338,7 @@ def try_splits(tables: TableSet, shards: list[Shard], state: SearchState, cost_m
         single = state.scorer.single_costs()[on_b]
         p0 = int(on_b[np.argmax(single)])
         best_shards, best_state, best_work = None, state, None
-        trials = [(p0, cut) for cut in _cuts(tables, shards[p0], state, topology, columns, rows)]
+        trials = [(p0, cut) for cut in _cuts(tables, shards[p0], state, topology, columns, rows, min_slice_bytes)]
         if replicas:
             # The slowest device's best candidate, and the best anywhere (a hot table the search has isolated on
             # a device of its own holds the others up without being on the slowest one).
@@ -417,14 +419,14 @@ def cut_kind(label: str) -> str:
 
 
 def _cuts(tables: TableSet, piece: Shard, state: SearchState, topology: DeviceTopology, columns: bool,
-          rows: bool) -> list[list[Shard]]:
+          rows: bool, min_slice_bytes: int) -> list[list[Shard]]:
     """The cuts of one piece to try (module docstring); column cuts of a slice stay within its columns."""
     D = topology.count
     out: list[list[Shard]] = []
     width = piece.col_size if piece.col_size is not None else int(tables.dims[piece.table])
     if columns and piece.kind in (WHOLE, COLUMN):
         k = 2
-        while k <= min(D, max_speed_column_parts(width, int(tables.bytes_per_element[piece.table]))):
+        while k <= min(D, max_speed_column_parts(width, int(tables.bytes_per_element[piece.table]), min_slice_bytes)):
             out.append(column_pieces(piece.table, width, k, piece.col_offset))
             k *= 2
     n_rows = int(tables.rows[piece.table])

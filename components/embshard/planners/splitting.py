@@ -25,11 +25,21 @@ from ..tableset import TableSet
 from ..types import COLUMN, REPLICATED, ROW, DeviceTopology, Shard, row_blocks
 
 MIN_SLICE_DIM = 4   # FBGEMM's kernels and TorchRec's column-wise sharding take widths that are multiples of 4
-# A slice cut for speed (not to fit) keeps at least 128 bytes of a row: a lookup fetches whole cache lines (64 B on
-# CPUs, 128 B transactions on GPUs), so narrower slices cut the bytes a plan moves but not the lookups that cost
-# it. Measured: 16 slices of width 8 of the MLPerf-like list's hottest table (40M rows, 100 lookups per sample)
-# cost 8.8 ms each alone on the CPU, where the cost model predicted 5.0 ms (TorchRec's own floor is 128 columns).
-MIN_SPEED_SLICE_BYTES = 128
+# A slice cut for speed (not to fit) keeps at least this many bytes of a row, by the hardware the cost model was
+# measured on (its `hardware`, "cpu:..." or "cuda:..."): below it, halving a slice no longer cuts its cost (a lookup
+# fetches whole cache lines or memory sectors), so a narrower cut only adds pieces the model may misprice (it once
+# predicted 5.0 ms for a width-8 slice of the MLPerf-like list's hottest table that measured 8.8 ms). Read from
+# `python -m benchmarks.slice_widths` (benchmarks/results/slice_widths.md): the narrowest width reached by halvings
+# that each cost at most 0.9x the wider slice. CPU (AMD EPYC, batch 2,048): 64 -> 32 -> 16 columns cost 0.73x,
+# 0.78x, 0.76x, 16 -> 8 0.996x, so 64 bytes. (TorchRec's own planner cuts no narrower than 128 columns.)
+SPEED_SLICE_BYTES = {"cpu": 64, "cuda": 128}
+DEFAULT_SPEED_SLICE_BYTES = 128  # hardware not measured: the widest floor of those above
+
+
+def speed_slice_bytes(hardware: str) -> int:
+    """The slice floor (bytes per row) of a cost model's hardware ("cpu:AMD EPYC", "cuda:NVIDIA H100 ...")."""
+    kind = str(hardware or "").split(":", 1)[0].strip().lower()
+    return SPEED_SLICE_BYTES.get(kind, DEFAULT_SPEED_SLICE_BYTES)
 ROW_LEVEL = -1      # the cut level of a table placed row-wise over all devices
 
 
@@ -70,9 +80,10 @@ def max_column_parts(dim: int) -> int:
     return int(dim) // MIN_SLICE_DIM
 
 
-def max_speed_column_parts(dim: int, bytes_per_element: int) -> int:
-    """The most slices a search may cut a piece of width `dim` into for speed (MIN_SPEED_SLICE_BYTES per row)."""
-    return min(max_column_parts(dim), int(dim) * int(bytes_per_element) // MIN_SPEED_SLICE_BYTES)
+def max_speed_column_parts(dim: int, bytes_per_element: int, min_slice_bytes: int) -> int:
+    """The most slices a search may cut a piece of width `dim` into for speed (`min_slice_bytes` per row at least:
+    speed_slice_bytes)."""
+    return min(max_column_parts(dim), int(dim) * int(bytes_per_element) // max(int(min_slice_bytes), 1))
 
 
 def piece_table(tables: TableSet, shards: list[Shard]) -> TableSet:
