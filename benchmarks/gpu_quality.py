@@ -22,9 +22,19 @@ that also measures cut pieces for the next such model:
     python -m benchmarks.gpu_quality predict --root .gpu/quality --measured DIR \
         --model cpu=policy gpu=/tmp/gpu-cost/model --run runs/local --out PAGE.md      # each model's ranking
 
+The two calls of 2026-11-27 (results/gpu-quality-nvidia-h100-slices.md) did this with a model trained on the GPU's
+split-piece costs, and compared slice floors (`learned/128B`: the learned planner cutting no slice narrower than 128
+bytes per row):
+
+    python -m benchmarks.gpu_quality plan --run runs/local --out .gpu/quality2 --cost-model gpu-split=DIR/model \
+        --slice-floors 128 --refined learned@gpu-split --planners learned torchrec_full torchrec_table_wise \
+        lookup_greedy dim_greedy
+    EMBSHARD_GPU_ROOT=.gpu/quality2 EMBSHARD_GPU_TASKS=task-01 bash .gpu/gpu_device_run.sh 350 setup quality
+
 - plan: each selected task of the split suite (benchmarks.quality.split_config) is planned by the split suite's
-  planners with the run's models; the learned plan's refinement candidates (embshard.refine.select: the first
-  choice, its cut variants, the heuristics, TorchRec's table-wise plan; K=4) are kept too, unmeasured.
+  planners (or `--planners`) with the run's models; the refined entry's (`--refined`, default learned)
+  refinement candidates (embshard.refine.select: the first choice, its cut variants, the heuristics, TorchRec's
+  table-wise plan; K=4) are kept too, unmeasured, and measured as `ENTRY+refine4`.
 - measure: on the hardware at hand, the candidates are measured and the winner picked exactly as `embshard place
   --refine 4` does there (refine.measure_candidates), so `learned+refine4` is refined on the GPU itself; then every
   plan, the refined one included, is measured by the evaluation (embshard.evaluation.run: R paired rounds, the

@@ -375,28 +375,33 @@ def test_a_branch_label_names_only_the_tables_still_cut():
     assert _still_cut(ts, f"{a} in 2 column slices", whole) == f"{a} in 2 column slices"
 
 
-def test_the_slice_floor_is_the_cost_models_hardwares(mlperf):
-    """Column slices cut for speed stop at the floor measured on the cost model's hardware
-    (benchmarks/results/slice_widths.md): 64 bytes per row on the CPU, where a 16-column slice of the MLPerf-like
-    list's hottest table cost 0.76x a 32-column one, and 128 on the H100, where it cost the same (0.97x)."""
+def test_the_slice_floor_is_the_cost_models_hardwares(mlperf, monkeypatch):
+    """Column slices cut for speed stop at the floor of the cost model's hardware (splitting.SPEED_SLICE_BYTES):
+    128 bytes per row on the H100, where a 16-column slice of the MLPerf-like list's hottest table cost what a
+    32-column one did (benchmarks/results/slice_widths.md), and 128 on the CPU too, where a 64-byte floor made
+    measurably slower plans. A floor given to the planner wins over the hardware's."""
     from types import SimpleNamespace
 
+    from embshard.planners import splitting
     from embshard.planners.search import _cuts
-    from embshard.planners.splitting import speed_slice_bytes
 
-    assert speed_slice_bytes("cpu:AMD EPYC") == 64
-    assert speed_slice_bytes("cuda:NVIDIA H100 80GB HBM3") == 128
-    assert speed_slice_bytes("") == speed_slice_bytes("xpu:unknown") == 128  # not measured: the widest floor
+    assert splitting.speed_slice_bytes("cpu:AMD EPYC") == 128
+    assert splitting.speed_slice_bytes("cuda:NVIDIA H100 80GB HBM3") == 128
+    assert splitting.speed_slice_bytes("") == splitting.speed_slice_bytes("xpu:unknown") == 128  # not measured
+    monkeypatch.setitem(splitting.SPEED_SLICE_BYTES, "cpu", 64)  # a hardware whose floor is lower
     hot = int(np.flatnonzero(mlperf.table_ids == "t_cat_20")[0])  # 128 columns of 4 bytes
     topo = DeviceTopology(16, int(mlperf.size_bytes.sum()))
-    slices = {}
-    for hw in ("cpu:AMD EPYC", "cuda:NVIDIA H100 80GB HBM3"):
-        model = analytic()
-        model.config = SimpleNamespace(hardware=hw)
-        planner = LearnedPlanner(None, model, composition_name="no_policy")
+
+    def slices(planner) -> list[int]:
         cuts = _cuts(mlperf, Shard(hot, 0), None, topo, columns=True, rows=False,
                      min_slice_bytes=planner.slice_floor())
-        slices[hw.split(":")[0]] = [len(c) for c in cuts]
-    assert slices == {"cpu": [2, 4, 8], "cuda": [2, 4]}
-    given = LearnedPlanner(None, analytic(), composition_name="no_policy", min_slice_bytes=32)
-    assert given.slice_floor() == 32  # a floor given wins over the hardware's
+        return [len(c) for c in cuts]
+
+    def planner(hardware: str, **kw) -> LearnedPlanner:
+        model = analytic()
+        model.config = SimpleNamespace(hardware=hardware)
+        return LearnedPlanner(None, model, composition_name="no_policy", **kw)
+
+    assert slices(planner("cpu:AMD EPYC")) == [2, 4, 8]
+    assert slices(planner("cuda:NVIDIA H100 80GB HBM3")) == [2, 4]
+    assert slices(planner("cuda:NVIDIA H100 80GB HBM3", min_slice_bytes=32)) == [2, 4, 8, 16]

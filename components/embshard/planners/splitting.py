@@ -26,13 +26,14 @@ from ..types import COLUMN, REPLICATED, ROW, DeviceTopology, Shard, row_blocks
 
 MIN_SLICE_DIM = 4   # FBGEMM's kernels and TorchRec's column-wise sharding take widths that are multiples of 4
 # A slice cut for speed (not to fit) keeps at least this many bytes of a row, by the hardware the cost model was
-# measured on (its `hardware`, "cpu:..." or "cuda:..."): below it, halving a slice no longer cuts its cost (a lookup
-# fetches whole cache lines or memory sectors), so a narrower cut only adds pieces the model may misprice (it once
-# predicted 5.0 ms for a width-8 slice of the MLPerf-like list's hottest table that measured 8.8 ms). Read from
-# `python -m benchmarks.slice_widths` (benchmarks/results/slice_widths.md): the narrowest width reached by halvings
-# that each cost at most 0.9x the wider slice. CPU (AMD EPYC, batch 2,048): 64 -> 32 -> 16 columns cost 0.73x,
-# 0.78x, 0.76x, 16 -> 8 0.996x, so 64 bytes. (TorchRec's own planner cuts no narrower than 128 columns.)
-SPEED_SLICE_BYTES = {"cpu": 64, "cuda": 128}
+# measured on (its `hardware`, "cpu:..." or "cuda:..."), so that a model trained on a GPU plans with the GPU's floor.
+# Below the kernel's floor, halving a slice no longer cuts its cost (a lookup fetches whole cache lines or memory
+# sectors). `python -m benchmarks.slice_widths` measures it (benchmarks/results/slice_widths.md: the narrowest width
+# reached by halvings that each cost at most 0.9x): 128 bytes on the H100 (32 -> 16 columns: 0.97x) and 64 on this
+# CPU (0.76x; 16 -> 8: 1.00x). The CPU keeps 128 all the same: at 64 the learned planner cut the MLPerf-like
+# list's hottest table into 8 slices of 16 at 32 devices where it had cut it row-wise, and measured 1.23x and 1.52x
+# slower with two pipeline runs' models (they price a narrow slice of a 40M-row table far below its cost).
+SPEED_SLICE_BYTES = {"cpu": 128, "cuda": 128}
 DEFAULT_SPEED_SLICE_BYTES = 128  # hardware not measured: the widest floor of those above
 
 
@@ -40,6 +41,8 @@ def speed_slice_bytes(hardware: str) -> int:
     """The slice floor (bytes per row) of a cost model's hardware ("cpu:AMD EPYC", "cuda:NVIDIA H100 ...")."""
     kind = str(hardware or "").split(":", 1)[0].strip().lower()
     return SPEED_SLICE_BYTES.get(kind, DEFAULT_SPEED_SLICE_BYTES)
+
+
 ROW_LEVEL = -1      # the cut level of a table placed row-wise over all devices
 
 
