@@ -669,3 +669,36 @@ def test_export_refuses_devices_per_host_other_than_the_placements_own(tmp_path,
         run(str(tmp_path / "placements.parquet"), str(tmp_path / "tables.parquet"), str(tmp_path / "out"),
             devices_per_host=1, torchrec=False)
     assert err.value.field == "devices_per_host" and not (tmp_path / "out").exists()
+
+
+def test_the_export_stage_plan_json_says_what_place_would(tables_df, tmp_path):
+    """The pipeline's export stage writes plan.json from placements.parquet: it used to lose the planner's meta
+    and the balanced estimate (an empty `meta`, a null `balanced_estimate_ms`); the rows carry both now."""
+    from fixed_models import analytic
+
+    from embshard.jobs import export
+    from embshard.planners.learned import LearnedPlanner
+
+    tables_path = tmp_path / "tables.parquet"
+    schemas.write(tables_df, tables_path, "tables")
+    tasks = pd.DataFrame([{"task_id": "t0", "split": "test", "num_devices": D,
+                           "memory_bytes_per_device": 1 << 30, "table_ids": list(tables_df["table_id"])}])
+    tasks_path = tmp_path / "tasks.parquet"
+    schemas.write(tasks, tasks_path, "tasks")
+    planner = LearnedPlanner(None, analytic(), composition_name="no_policy", search_evaluations=2000)
+    placed = export.place_tasks(str(tables_path), str(tasks_path), planner, str(tmp_path / "planned.parquet"))
+    rows = schemas.read(placed, "placements")
+    out = export.run(placed, str(tables_path), str(tmp_path / "export"), tasks=str(tasks_path), torchrec=False)
+    plan = read_plan_json(out["plans"]["t0"]["plan_json"])
+    assert plan["meta"]["search_evaluations"] > 0 and plan["meta"] == json.loads(rows["plan_meta"].iloc[0])
+    estimate = plan["cost"]["balanced_estimate_ms"]
+    assert estimate is not None and 0 < estimate <= plan["cost"]["overall_ms"]
+    assert estimate == pytest.approx(rows["balanced_estimate_ms"].iloc[0])
+
+
+@pytest.mark.parametrize("text, says", [("{not json", "is not JSON"), ("[1, 2]", "not an object")])
+def test_a_placements_file_whose_plan_meta_is_not_a_json_object_is_refused(placement, tables, text, says):
+    rows = placement.to_frame().assign(plan_meta=text)
+    with pytest.raises(EmbshardError, match=says) as err:
+        placement_from_frame(rows, tables, where="p.parquet")
+    assert "plan_meta" in str(err.value) and "p.parquet" in str(err.value)

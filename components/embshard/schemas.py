@@ -189,6 +189,10 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("num_devices", pa.int32(), required=False, nullable=True),
         Column("memory_bytes_per_device", pa.int64(), required=False, nullable=True),
         Column("devices_per_host", pa.int32(), required=False, nullable=True),
+        # What plan.json says of the whole plan, the same on every row of a task (export.placements.plan_frame):
+        # the balanced estimate it is quoted against, and the planner's meta as a JSON object.
+        Column("balanced_estimate_ms", _F64, required=False, nullable=True),
+        Column("plan_meta", _STR, required=False, nullable=True),
     ],
 }
 

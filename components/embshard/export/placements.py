@@ -64,6 +64,7 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
     elif devices > num_devices:
         raise EmbshardError(f"device {devices - 1} used but the task has {num_devices} devices", path=where,
                             field="device", fix="use devices 0..num_devices-1")
+    meta.update(_plan_meta(df_task, where))
     uris = [u for u in (df_task["model_uri"] if "model_uri" in df_task.columns else []) if _value(u) is not None]
     placement = Placement(sub, int(num_devices), 1, shards, planner=str(planners[0]),
                           model_uri=str(uris[0]) if uris else None, task_id=task_id, meta=meta)
@@ -94,6 +95,48 @@ def _own_value(df_task: pd.DataFrame, column: str, given: int | None, where: str
         raise EmbshardError(f"the placements were made for {what} {own:,}, the tasks file gives {int(given):,}",
                             path=where, field=column, fix="pass the tasks.parquet the placements were made for")
     return own
+
+
+def plan_frame(placement: Placement, device_costs=None, balanced_estimate: float | None = None) -> pd.DataFrame:
+    """A plan's rows of the placements contract: Placement.to_frame's, with what plan.json says of the whole plan
+    on every row (`balanced_estimate_ms`, and `plan_meta`: its meta as JSON), so that a plan exported from the
+    placements file (the pipeline's export stage) says as much as one written by `place`."""
+    import json
+
+    from .plan_json import json_safe
+
+    df = placement.to_frame(device_costs)
+    df["balanced_estimate_ms"] = None if balanced_estimate is None else float(balanced_estimate)
+    df["plan_meta"] = json.dumps(json_safe(placement.meta or {}), sort_keys=True)
+    return df
+
+
+def _plan_meta(df_task: pd.DataFrame, where: str) -> dict:
+    """The plan's meta from its rows' `plan_meta` (plan_frame), {} where the file has none."""
+    import json
+
+    if "plan_meta" not in df_task.columns:
+        return {}
+    texts = [t for t in df_task["plan_meta"] if _value(t) is not None]
+    if not texts:
+        return {}
+    try:
+        meta = json.loads(texts[0])
+    except (TypeError, ValueError) as exc:
+        raise EmbshardError(f"plan_meta is not JSON ({str(exc)[:60]})", path=where, field="plan_meta",
+                            fix="write the rows with export.placements.plan_frame, or drop the column") from None
+    if not isinstance(meta, dict):
+        raise EmbshardError(f"plan_meta is a JSON {type(meta).__name__}, not an object", path=where,
+                            field="plan_meta", fix="write the rows with export.placements.plan_frame")
+    return meta
+
+
+def balanced_estimate_from_frame(df_task: pd.DataFrame) -> float | None:
+    """The plan's balanced estimate from its rows (plan_frame), None where they carry none."""
+    if "balanced_estimate_ms" not in df_task.columns:
+        return None
+    vals = df_task["balanced_estimate_ms"].dropna()
+    return float(vals.iloc[0]) if len(vals) else None
 
 
 def device_costs_from_frame(df_task: pd.DataFrame, num_devices: int, column: str = "predicted_cost_ms"):

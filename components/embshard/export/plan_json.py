@@ -126,7 +126,7 @@ def plan_dict(placement: Placement, device_costs=None, balanced_estimate: float 
         "cost": {"unit": "ms", "device_costs_ms": costs, "overall_ms": overall,
                  "balanced_estimate_ms": None if balanced_estimate is None else float(balanced_estimate),
                  "gap": gap},
-        "devices": devices, "tables": tables, "meta": _json_safe(placement.meta or {}),
+        "devices": devices, "tables": tables, "meta": json_safe(placement.meta or {}),
     }
     validate_plan(plan)
     return plan
@@ -380,12 +380,12 @@ def _consistency_check(plan: dict, where: str) -> None:
         fail("cost.device_costs_ms", f"{len(costs)} costs for {d} devices", "one cost per device")
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """meta values as plain JSON (numpy scalars/arrays converted, non-finite floats and objects as strings)."""
     if isinstance(value, Mapping):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, np.ndarray)):
-        return [_json_safe(v) for v in (value.tolist() if isinstance(value, np.ndarray) else value)]
+        return [json_safe(v) for v in (value.tolist() if isinstance(value, np.ndarray) else value)]
     if isinstance(value, np.generic):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):

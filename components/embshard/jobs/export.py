@@ -32,7 +32,8 @@ def place_tasks(tables: str, tasks: str, planner, out: str, split: str = "test",
     import pandas as pd
 
     from .. import schemas, storage
-    from ..planners.scoring import placement_costs
+    from ..export.placements import plan_frame
+    from ..planners.scoring import predicted_costs
     from ..types import load_tasks
 
     frames, refined = [], {}
@@ -50,8 +51,9 @@ def place_tasks(tables: str, tasks: str, planner, out: str, split: str = "test",
             log.info("%s", res.report())
             pl = winner_placement(res, refine_k)
             refined[t.task_id] = pl.meta["refined"]
-        costs = placement_costs(planner.cost_model, pl) if getattr(planner, "cost_model", None) else None
-        frames.append(pl.to_frame(costs))
+        model = getattr(planner, "cost_model", None)
+        costs, _, estimate = predicted_costs(model, pl) if model is not None else (None, None, None)
+        frames.append(plan_frame(pl, costs, estimate))
     schemas.write(pd.concat(frames, ignore_index=True), out, "placements")
     if refine_k:
         storage.write_text(storage.join(os.path.dirname(os.fspath(out)) or ".", "refine.json"),
@@ -101,7 +103,8 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     under `out` only when every one was written; on any error nothing is left behind."""
     from .. import schemas, storage
     from ..errors import EmbshardError
-    from ..export.placements import device_costs_from_frame, own_devices_per_host, placement_from_frame
+    from ..export.placements import (balanced_estimate_from_frame, device_costs_from_frame, own_devices_per_host,
+                                     placement_from_frame)
     from ..export.plan_json import write_plan_json
     from ..export.torchrec_plan import check_module_path
     from ..ingest.spec import read_tables
@@ -159,18 +162,20 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
                                                              int(per_host))
             except EmbshardError as exc:
                 raise exc.at(at) from None
-        checked.append((task_id, placement, device_costs_from_frame(rows, placement.num_devices)))
+        checked.append((task_id, placement, device_costs_from_frame(rows, placement.num_devices),
+                        balanced_estimate_from_frame(rows)))
     plans: dict[str, dict[str, str]] = {}
     with storage.staged_dir(out) as stage:
-        for task_id, placement, costs in checked:
-            write_plan_json(placement, os.path.join(stage, task_id, "plan.json"), device_costs=costs)
+        for task_id, placement, costs, estimate in checked:
+            write_plan_json(placement, os.path.join(stage, task_id, "plan.json"), device_costs=costs,
+                            balanced_estimate=estimate)
             if torchrec:
                 try:
                     _write_torchrec(placement, os.path.join(stage, task_id), module_path)
                 except EmbshardError as exc:  # a layout TorchRec cannot run: name the input and the task
                     raise (exc.at(f"{where} (task {task_id})") if exc.path is None else exc) from None
         schemas.write(df, os.path.join(stage, "placements.parquet"), "placements")
-        for task_id, _, _ in checked:
+        for task_id, *_ in checked:
             names = ["plan.json"] + (["torchrec_plan.json", "torchrec_plan.pt"] if torchrec else [])
             plans[task_id] = {k: storage.join(out, task_id, n)
                               for k, n in zip(("plan_json", "torchrec_plan_json", "torchrec_plan_pt"), names)}

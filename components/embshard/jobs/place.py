@@ -82,12 +82,9 @@ def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | N
     model = getattr(planner, "cost_model", None) or cost_model
     if model is None:
         return None, None
-    from ..planners.scoring import balanced_estimate, checked_balanced_estimate, placement_costs
+    from ..planners.scoring import predicted_costs
 
-    costs = placement_costs(model, placement)
-    # Every planner may cut tables, so the estimate treats each table as divisible (docs/method.md, "Splits").
-    estimate = balanced_estimate(model, placement.tables, placement.num_devices, column_splits=True)
-    checked = checked_balanced_estimate(model, placement, estimate, costs)
+    costs, estimate, checked = predicted_costs(model, placement)
     if checked is None:
         log.info("balanced estimate %.3f ms withheld: the cost model predicts a placement below it on these tables",
                  estimate)
@@ -158,6 +155,7 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     what the plan is for (default: this machine); a model measured on other hardware is warned
     about in one line, since its predicted costs are for its own hardware. `refine_k` > 0: the K best distinct
     candidate plans are measured here side by side (embshard.refine) and the measured best is written."""
+    from ..export.placements import plan_frame
     from ..export.plan_json import write_plan_json
     from ..placement_report import device_table, plot_device_costs
 
@@ -196,7 +194,7 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     costs, lb = predicted(placement, p, cost_model)
     with storage.staged_dir(out) as stage:  # all three files or none
         write_plan_json(placement, os.path.join(stage, "plan.json"), device_costs=costs, balanced_estimate=lb)
-        schemas.write(placement.to_frame(costs), os.path.join(stage, "placements.parquet"), "placements")
+        schemas.write(plan_frame(placement, costs, lb), os.path.join(stage, "placements.parquet"), "placements")
         plot_device_costs(placement, costs, os.path.join(stage, "devices.png"), lb)
     report = device_table(placement, costs, lb, full_table=storage.join(out, "plan.json"))
     if costs is None:

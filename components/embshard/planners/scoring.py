@@ -44,3 +44,12 @@ def checked_balanced_estimate(cost_model: CostEstimator, placement: Placement, e
             continue
         witnesses.append(float(placement_costs(cost_model, other).max()))
     return None if min(witnesses) < estimate * (1 - 1e-9) else estimate
+
+
+def predicted_costs(cost_model: CostEstimator, placement: Placement) -> tuple[np.ndarray, float, float | None]:
+    """(each device's predicted cost, the balanced estimate, the estimate as a plan may quote it: None when the
+    model's own predictions contradict it, checked_balanced_estimate). Every planner may cut tables, so the
+    estimate treats each table as divisible (docs/method.md, "Splits")."""
+    costs = placement_costs(cost_model, placement)
+    estimate = balanced_estimate(cost_model, placement.tables, placement.num_devices, column_splits=True)
+    return costs, estimate, checked_balanced_estimate(cost_model, placement, estimate, costs)
