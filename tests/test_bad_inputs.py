@@ -1292,3 +1292,24 @@ def test_rerun_removes_the_decompressed_trace_its_killed_run_left(tmp_path):
     assert not left.exists() and live.exists() and other.exists()
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["tables.parquet"]
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == sorted([live.name, other.name])
+
+
+def test_a_folder_the_pipeline_owns_is_measured_again_when_its_shards_changed(world, tmp_path):
+    """An outer-loop round re-run after the round before it was retrained lists other plans' shards: its own costs
+    folder is measured again (replace_changed), where a user's folder is refused."""
+    from embshard.bench.runner import MeasureSettings
+    from embshard.errors import EmbshardError
+    from embshard.jobs.bench import run as bench_run
+
+    out = str(tmp_path / "round")
+    settings = MeasureSettings(batch_size=64, warmup=1, iterations=10, comm_bandwidth_gbps=10.0,
+                               comm_latency_us=20.0)
+    first = bench_run(world["tables"], "random:3", out, settings, max_tables=3, progress=False)
+    assert len(schemas.read(os.path.join(out, "costs"), "costs")) == 3 and first
+    with pytest.raises(EmbshardError, match="other settings"):  # other shards, a user's folder: refused
+        bench_run(world["tables"], "random:5", out, settings, max_tables=3, progress=False)
+    bench_run(world["tables"], "random:5", out, settings, max_tables=3, progress=False, replace_changed=True)
+    costs = schemas.read(os.path.join(out, "costs"), "costs")
+    assert len(costs) == 5 and costs["sample_id"].is_unique  # the new shards only, nothing of the first try
+    bench_run(world["tables"], "random:5", out, settings, max_tables=3, progress=False, replace_changed=True)
+    assert schemas.read(os.path.join(out, "costs"), "costs")["measured_at"].equals(costs["measured_at"])  # resumed

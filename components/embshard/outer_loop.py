@@ -71,8 +71,10 @@ def measure_round(tables: str, tasks: str, layout: LoopLayout, *, policy_dir: st
     out = layout.measured(round_index)
     shards = measure_plans(tables, tasks, policy_dir, cost_model_uri, out, num_tasks=num_tasks,
                            round_index=round_index, settings=settings)
-    # The run's calibration was copied beside the shards: OUT is this measurement's calibration folder.
-    bench_run(tables, shards, out, settings=settings.replace(seed=int(seed), calibration_dir=out), progress=False)
+    # The run's calibration was copied beside the shards: OUT is this measurement's calibration folder. The folder
+    # is this round's own: an earlier try's measurements of other plans (the round before retrained) are replaced.
+    bench_run(tables, shards, out, settings=settings.replace(seed=int(seed), calibration_dir=out), progress=False,
+              replace_changed=True)
     return _join(out, "costs")
 
 

@@ -256,6 +256,13 @@ def remove(uri: str | os.PathLike) -> None:
         fs.delete_file(where)
 
 
+def remove_dir(uri: str | os.PathLike) -> None:
+    """Delete a folder and everything in it if it is there (local or object store)."""
+    if exists(uri):
+        fs, where = resolve(uri)
+        fs.delete_dir(where)
+
+
 def write_text(uri: str | os.PathLike, text: str) -> None:
     with atomic_write(uri, "w") as f:
         f.write(text)

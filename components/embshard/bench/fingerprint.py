@@ -82,6 +82,18 @@ def check_or_adopt(costs_dir: str, fp: dict, has_results: bool) -> bool:
     return False
 
 
+def matches(costs_dir: str, fp: dict) -> bool:
+    """Whether the folder's fingerprint is `fp` (False: none there, unreadable, or other inputs or settings)."""
+    path = storage.join(costs_dir, FILE)
+    if not storage.exists(path):
+        return False
+    try:
+        old = json.loads(storage.read_text(path))
+    except (ValueError, OSError, UnicodeDecodeError):
+        return False
+    return all(old.get(k) == fp.get(k) for k in OPTIONS)
+
+
 def write(costs_dir: str, fp: dict) -> None:
     storage.write_text(storage.join(costs_dir, FILE), json.dumps({"version": VERSION, **fp}, indent=1) + "\n")
 

@@ -65,11 +65,13 @@ def _tableset(tables) -> TableSet:
 
 def run(tables, shards, out: str, settings: MeasureSettings | None = None, *, num_devices: int = 4,
         chunk: int | None = None, num_chunks: int = 1, tasks: str | None = None, placements: str | None = None,
-        max_tables: int = 15, progress: bool = True) -> list[str]:
+        max_tables: int = 15, progress: bool = True, replace_changed: bool = False) -> list[str]:
     """Measure the shards of chunk `chunk` (all chunks when None) into DIR/costs; returns the part files of the
     chunks handled (written now or finished before). See the module doc for chunking and resuming.
     `settings`: how to measure (its seed also draws random shards and the measuring order); the communication
-    calibration is read from (or written to) settings.calibration_dir, by default OUT."""
+    calibration is read from (or written to) settings.calibration_dir, by default OUT. `replace_changed`: a costs
+    folder measured with other inputs or settings is deleted and measured again, not refused (for a folder the
+    pipeline owns, e.g. an outer-loop round re-run after the round before it was retrained)."""
     from tqdm.auto import tqdm
 
     settings = settings or MeasureSettings()
@@ -90,13 +92,16 @@ def run(tables, shards, out: str, settings: MeasureSettings | None = None, *, nu
         raise EmbshardError(f"chunk {chunk} of {num_chunks}", field="chunk",
                             fix=f"use a chunk in 0..{num_chunks - 1}")
     costs_dir = storage.join(out, "costs")
-    _check_chunking(costs_dir, num_chunks)
     # Same inputs and settings, or no resuming: the fingerprint decides before anything is measured or skipped.
     # The same keys as before the settings object (a folder measured then still resumes).
     fp = {"tables_sha256": fingerprint.tables_hash(ts), "shards_sha256": fingerprint.shards_hash(shard_df),
           "num_shards": len(shard_df), **resolve_settings(settings), "seed": int(seed),
           "comm": {"ranks": settings.comm_ranks, "bandwidth_gbps": settings.comm_bandwidth_gbps,
                    "latency_us": settings.comm_latency_us}}
+    if replace_changed and storage.exists(costs_dir) and not fingerprint.matches(costs_dir, fp):
+        log.info("%s was measured with other inputs or settings (an earlier try): measuring again", costs_dir)
+        storage.remove_dir(costs_dir)
+    _check_chunking(costs_dir, num_chunks)
     has_results = bool(storage.list_files(costs_dir, ".parquet")) or storage.exists(storage.join(costs_dir, ".partial"))
     fp_pending = fingerprint.check_or_adopt(costs_dir, fp, has_results)
     chunks = [chunk] if chunk is not None else list(range(num_chunks))
