@@ -488,6 +488,60 @@ def test_torchrec_plan_of_row_ranges_and_replicas(split_placement, tables):
         check_plan_doc(bad, "torchrec_plan.json")
 
 
+def test_a_loaded_plan_whose_row_ranges_are_not_torchrecs_blocks_is_refused(split_placement, tables):
+    """TorchRec routes a row-wise table's ids by blocks of ceil(rows / ranks): a torchrec_plan.json edited to other
+    ranges (or a row_wise table on some ranks only) would send ids to ranks without their rows, so the check a
+    training job runs (check_plan_doc, in plan_from_json) refuses it as export does; TorchRec's own layout of a
+    table of fewer rows than ranks (the last rank empty) still loads."""
+    from dataclasses import replace
+
+    from embshard.export.torchrec_plan import check_plan_doc, plan_to_json, to_torchrec_plan
+
+    doc = plan_to_json(to_torchrec_plan(split_placement), world_size=D)
+    rw = doc["modules"][""][str(tables.table_ids[0])]
+    assert rw["sharding_type"] == "row_wise"
+    moved = copy.deepcopy(doc)  # a row moved from rank 0's block to rank 1's: still every row once
+    shards = moved["modules"][""][str(tables.table_ids[0])]["shards"]
+    shards[0]["sizes"][0] -= 1
+    shards[1]["offsets"][0] -= 1
+    shards[1]["sizes"][0] += 1
+    with pytest.raises(EmbshardError, match="not TorchRec's blocks") as err:
+        check_plan_doc(moved, "torchrec_plan.json")
+    assert "torchrec_plan.json" in str(err.value) and "embshard export" in str(err.value)
+    half = copy.deepcopy(doc)  # row_wise over ranks 0-1 of a 4-rank world (blocks of 2)
+    rows = int(tables.rows[0])
+    block = -(-rows // 2)
+    half["modules"][""][str(tables.table_ids[0])].update(ranks=[0, 1], shards=[
+        {"offsets": [0, 0], "sizes": [block, int(tables.dims[0])], "placement": "rank:0/cuda:0"},
+        {"offsets": [block, 0], "sizes": [rows - block, int(tables.dims[0])], "placement": "rank:1/cuda:1"}])
+    with pytest.raises(EmbshardError, match="row_wise table on 2 of 4 ranks"):
+        check_plan_doc(half, "torchrec_plan.json")
+    small = tables.rows.copy()
+    small[5] = 3
+    tiny = replace(tables, rows=small, size_bytes=small * tables.dims * tables.bytes_per_element)
+    placed = [Shard(5, d, row_offset=d, row_size=1) for d in range(3)] + [Shard(i, i % D) for i in range(10) if i != 5]
+    p = Placement(tiny, D, int(tiny.size_bytes.sum()), placed, task_id="tiny")
+    check_plan_doc(plan_to_json(to_torchrec_plan(p), world_size=D), "torchrec_plan.json", world_size=D)
+
+
+def test_a_loaded_plan_is_checked_against_a_tables_parquet_and_a_spec_path_is_a_clear_error(
+        split_placement, tables_df, tmp_path):
+    from embshard.export.torchrec_plan import check_plan_doc, plan_to_json, to_torchrec_plan
+
+    doc = plan_to_json(to_torchrec_plan(split_placement), world_size=D)
+    schemas.write(tables_df, tmp_path / "tables.parquet", "tables")
+    check_plan_doc(doc, "torchrec_plan.json", tables=str(tmp_path / "tables.parquet"))
+    other = tables_df.copy()
+    other.loc[0, "rows"] += 1
+    other["size_bytes"] = other["rows"] * other["dim"] * other["bytes_per_element"]
+    schemas.write(other, tmp_path / "other.parquet", "tables")
+    with pytest.raises(EmbshardError, match="the table has"):
+        check_plan_doc(doc, "torchrec_plan.json", tables=str(tmp_path / "other.parquet"))
+    with pytest.raises(EmbshardError, match="tables= takes") as err:  # it said the CSV was corrupt JSON
+        check_plan_doc(doc, "torchrec_plan.json", tables=str(tmp_path / "model.csv"))
+    assert "read_tables" in str(err.value)
+
+
 @needs_torchrec
 def test_row_layouts_torchrec_cannot_run_are_refused(split_placement, tables):
     from embshard.export import to_torchrec_plan

@@ -51,6 +51,7 @@ from ..torchrec_compat import (  # noqa: F401  (the export's TorchRec vocabulary
     storage_estimators,
     topology,
     torchrec_hosts,
+    torchrec_row_blocks,
 )
 
 PLAN_JSON_VERSION = "embshard.torchrec_plan/v1"
@@ -321,6 +322,13 @@ def _expected_tables(tables) -> tuple[dict[str, tuple[int, int]] | None, int | N
     if isinstance(tables, TableSet):
         return {str(t): (int(r), int(d)) for t, r, d in zip(tables.table_ids, tables.rows, tables.dims)}, None
     if isinstance(tables, str):
+        if tables.lower().endswith(".parquet"):  # a tables.parquet (ingest's), whose schema TableSet.read checks
+            return _expected_tables(TableSet.read(tables))
+        if not tables.lower().endswith(".json"):
+            raise EmbshardError("tables= takes the plan.json the plan was exported with, a tables.parquet, a TableSet "
+                                "or a list of tables", path=tables, field="tables",
+                                fix="pass plan.json or tables.parquet (a spec file: embshard.ingest.spec.read_tables "
+                                    "reads it into a TableSet)")
         from .plan_json import read_plan_json
 
         tables = read_plan_json(tables)
@@ -336,7 +344,8 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
     and the field. Checks the structure, every table's sharding type, kernel, ranks (against its shards'
     placements and the world size) and column slices (from column 0, each column once, all rows), and, when
     known (written in the file, or given as `tables` = TableSet / plan.json dict or path / its tables list and
-    `world_size`), that exactly the expected tables are there with their rows and dims."""
+    `world_size`; a path ending in .parquet is read as a tables.parquet), that exactly the expected tables are
+    there with their rows and dims."""
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 
     def bad(field: str, message: str, fix: str = _PLAN_FIX) -> EmbshardError:
@@ -407,7 +416,7 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
                     raise bad(f"{f}.ranks", "a data_parallel table has no shards and every rank in ranks")
                 size = None
             else:
-                size = _check_shards(f, kind, shards, ranks, bad, is_int)
+                size = _check_shards(f, kind, shards, ranks, bad, is_int, world)
             for source in (in_file, expected):
                 if source is None:
                     continue
@@ -425,9 +434,10 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
                       "load the plan exported for these tables (every table of the model must be placed)")
 
 
-def _check_shards(f: str, kind: str, shards, ranks: list[int], bad, is_int) -> tuple[int, int]:
+def _check_shards(f: str, kind: str, shards, ranks: list[int], bad, is_int, world: int | None) -> tuple[int, int]:
     """The (rows, columns) a table's shards cover, once each: column slices of all rows (table_wise: one),
-    or (row_wise, table_row_wise) row ranges of all columns in rank order, trailing empty ranges allowed."""
+    or (row_wise, table_row_wise) row ranges of all columns in TorchRec's row blocks on consecutive ranks,
+    trailing empty ranges allowed (row_wise: over the `world`'s ranks, when known)."""
     if not isinstance(shards, list) or not shards:
         raise bad(f"{f}.shards", "no shards")
     placed = []
@@ -464,7 +474,29 @@ def _check_shards(f: str, kind: str, shards, ranks: list[int], bad, is_int) -> t
             raise bad(f"{f}.shards", f"the shards do not cover the {'rows' if by_rows else 'columns'} once (one "
                       f"starts at {off}, expected {nxt})")
         nxt += size
+    if by_rows:
+        _check_row_blocks(f, kind, placed, nxt, bad, world)
     return (nxt, spans[0][2]) if by_rows else (spans[0][2], nxt)
+
+
+def _check_row_blocks(f: str, kind: str, placed, rows: int, bad, world: int | None) -> None:
+    """TorchRec routes a row-wise table's ids to ranks by blocks of ceil(rows / ranks) rows (torchrec_row_blocks),
+    so other row ranges would send ids to ranks that do not hold their rows: the shards must be those blocks, in
+    rank order on consecutive ranks (row_wise: ranks 0..world-1; table_row_wise: one host's ranks)."""
+    n = len(placed)
+    by_offset = sorted(placed, key=lambda p: (p[2] == 0, p[0]))  # (row_off, col_off, rows, cols, rank)
+    spans = [(ro, rs) for ro, _, rs, _, _ in by_offset if rs > 0]
+    ranks = [r for *_, r in by_offset]
+    first = 0 if kind == ROW_WISE else ranks[0]
+    blocks = torchrec_row_blocks(rows, n)
+    if spans != blocks or ranks != list(range(first, first + n)) or (kind == TABLE_ROW_WISE and first % n):
+        raise bad(f"{f}.shards", f"{kind} row ranges {[(o, o + s) for o, s in spans][:3]}{'...' if len(spans) > 3 else ''}"
+                  f" on ranks {ranks[:4]}{'...' if n > 4 else ''} are not TorchRec's blocks of {blocks[0][1]:,} rows "
+                  f"on consecutive ranks{' from 0' if kind == ROW_WISE else ' of one host'}, so ids would reach ranks "
+                  "without their rows", "re-export the plan with embshard export (it writes TorchRec's layout)")
+    if kind == ROW_WISE and world is not None and n != world:
+        raise bad(f"{f}.shards", f"a row_wise table on {n} of {world} ranks (TorchRec splits it over every rank)",
+                  "shard it table_row_wise over one host, or over all ranks; re-export with embshard export")
 
 
 def plan_from_json(data: Mapping | str, *, tables=None, world_size: int | None = None):
@@ -472,7 +504,8 @@ def plan_from_json(data: Mapping | str, *, tables=None, world_size: int | None =
 
     The plan is checked first (`check_plan_doc`): a training job gets one EmbshardError naming the file and the
     field, before it builds a process group, instead of a wrong or failing sharding. Give `tables` (a TableSet,
-    a plan.json dict or path, or its `tables` list) and `world_size` to check the plan against them too.
+    a plan.json dict or path, a tables.parquet path, or plan.json's `tables` list) and `world_size` to check the
+    plan against them too.
     """
     require_torchrec()
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
