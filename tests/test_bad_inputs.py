@@ -259,6 +259,16 @@ CASES = {
     "evaluate-task-id-path": lambda w, d: (_evaluate(w, tasks_with(w, d, task_id="../x")),
                                            ["tasks.parquet", "task_id"]),
     "evaluate-missing-tasks": lambda w, d: (_evaluate(w, os.path.join(d, "no.parquet")), ["no.parquet", "not found"]),
+    # a plan.json given as --tables: it read "not a readable Parquet file (... Either the )", cut mid-sentence
+    "place-tables-is-a-json-file": lambda w, d: (
+        _place(w, "--devices", "2", "--memory-gb", "8", tables=spec(d, '{"tables": []}', "plan.json")),
+        ["plan.json", "not a Parquet file"]),
+    # a YAML spec whose key is misspelt: it read "the table list is empty"
+    "spec-yaml-without-tables-key": ingest_spec("table:\n  - {name: a, num_embeddings: 10, embedding_dim: 4}\n",
+                                                "spec.yaml"),
+    # a typo in --calibration-dir calibrated anew into a new folder, silently
+    "evaluate-calibration-dir-missing": lambda w, d: (
+        _evaluate(w, w["tasks"], "--calibration-dir", os.path.join(d, "nonexist")), ["nonexist", "calibration_dir"]),
     "evaluate-no-such-split": lambda w, d: (_evaluate(w, w["tasks"], "--split", "validation"),
                                             ["tasks.parquet", "split"]),
     "evaluate-unknown-planner": lambda w, d: (_evaluate(w, w["tasks"], planners="best"), ["planner"]),
@@ -355,8 +365,8 @@ def _tasks(tables, *extra):
     return ["tasks", "--tables", tables, *[x for kv in args.items() for x in kv]]
 
 
-def _place(w, *extra, planner="size_greedy"):
-    return ["place", "--tables", w["tables"], "--planner", planner, *extra]
+def _place(w, *extra, planner="size_greedy", tables=None):
+    return ["place", "--tables", tables or w["tables"], "--planner", planner, *extra]
 
 
 def _evaluate(w, tasks, *extra, planners="size_greedy"):

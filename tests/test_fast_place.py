@@ -172,3 +172,24 @@ def test_fast_load_resolves_the_alias_every_call_and_matches_mlflow(store, monke
         assert registry.local_artifacts("runs:/abc/model") is None
     finally:
         mlflow.set_tracking_uri(None)
+
+
+def test_a_device_filled_above_95_percent_is_warned_about(caplog):
+    """--memory-gb counts embedding weights only: a plan filling a device to 99.9% of it runs out of memory in
+    training, so `place` says so in one line (and says nothing for a plan with room)."""
+    import logging
+
+    from embshard.ingest.synthetic import generate_tables
+    from embshard.jobs.place import _warn_if_full
+    from embshard.placement import Placement, Shard
+    from embshard.tableset import TableSet
+
+    ts = TableSet.from_frame(generate_tables(4, seed=0, bins_batch_size=256))
+    sizes = ts.size_bytes
+    shards = [Shard(i, i % 2) for i in range(4)]
+    fullest = max(int(sizes[0] + sizes[2]), int(sizes[1] + sizes[3]))
+    with caplog.at_level(logging.WARNING, logger="embshard.jobs.place"):
+        _warn_if_full(Placement(ts, 2, int(fullest / 0.99), shards, task_id="t"))
+        _warn_if_full(Placement(ts, 2, int(fullest / 0.80), shards, task_id="t"))
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "above 95%" in warned[0] and "--memory-gb" in warned[0]

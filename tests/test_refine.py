@@ -119,11 +119,23 @@ def _cli(args, tmp_path):
                           env=env)
 
 
-def test_place_refine_0_is_an_error_not_off(small_tables_path, tmp_path):
+@pytest.mark.parametrize("flags", [["--refine", "0"], ["--refine", "2", "--refine-rounds", "1"]])
+def test_place_refine_0_is_an_error_not_off_and_one_round_is_refused(small_tables_path, tmp_path, flags):
+    """--refine 0 is not "off"; one round gives no interval, so no candidate could ever win (it ran and said
+    'not measurably faster')."""
     proc = _cli(["place", "--tables", str(small_tables_path), "--planner", "size_greedy", "--devices", "2",
-                 "--memory-gb", "64", "--refine", "0", "--out", str(tmp_path / "o")], tmp_path)
+                 "--memory-gb", "64", *flags, "--out", str(tmp_path / "o")], tmp_path)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "refine" in proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_pipeline_refining_in_one_round_is_refused_before_any_work():
+    from embshard import params
+    from embshard.errors import EmbshardError
+
+    with pytest.raises(EmbshardError, match="eval_rounds: refine_k 2 measures its candidates"):
+        params.check({"refine_k": 2, "eval_rounds": 1})
+    assert params.check({"refine_k": 0, "eval_rounds": 1})["eval_rounds"] == 1
 
 
 def test_place_refine_end_to_end_writes_the_refined_plan(small_tables_df, tmp_path):

@@ -159,7 +159,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    settings = MeasureSettings(device=args.device, calibration_dir=args.calibration_dir)
+    from .bench.comm import given_calibration_dir
+
+    settings = MeasureSettings(device=args.device, calibration_dir=given_calibration_dir(args.calibration_dir))
     res = run(args.tables, args.tasks, args.out, cost_model_uri=args.cost_model, iterations=args.iterations,
               rounds=args.rounds, measure_tasks=args.measure_tasks, reward=args.reward,
               rollouts_per_task=args.rollouts, seed=args.seed, alias=args.alias, costs=args.costs,

@@ -187,6 +187,11 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
             curriculum_stages(p["policy_curriculum"])
         except EmbshardError as e:
             found.append(("policy_curriculum", e.message, e.fix or ""))
+    if "refine_k" not in bad and "eval_rounds" not in bad and int(p["refine_k"]) > 0 and int(p["eval_rounds"]) < 2:
+        # the export's refinement measures its candidates in eval_rounds rounds: one has no interval, so it could
+        # never find a candidate measurably faster than the first choice
+        found.append(("eval_rounds", f"refine_k {p['refine_k']} measures its candidates in eval_rounds rounds, "
+                      "and one round gives no interval", "give eval_rounds 5 or more, or refine_k 0"))
     if "eval_planners" not in bad and len(set(p["eval_planners"])) != len(p["eval_planners"]):
         found.append(("eval_planners", "a planner is listed twice", "list each planner once"))
     return found

@@ -52,9 +52,10 @@ def check_k(k, field: str = "refine") -> int:
 
 
 def check_rounds(rounds, field: str = "refine_rounds") -> int:
-    if isinstance(rounds, bool) or not isinstance(rounds, (int, np.integer)) or not 1 <= int(rounds) <= MAX_ROUNDS:
+    # One round gives no interval, so no candidate could ever be chosen over the first choice.
+    if isinstance(rounds, bool) or not isinstance(rounds, (int, np.integer)) or not 2 <= int(rounds) <= MAX_ROUNDS:
         raise EmbshardError(f"invalid value {rounds!r}", field=field,
-                            fix=f"give 1 to {MAX_ROUNDS} rounds (5 or more for an interval)")
+                            fix=f"give 2 to {MAX_ROUNDS} rounds (one has no interval; 5 or more for a useful one)")
     return int(rounds)
 
 

@@ -419,5 +419,9 @@ def _read_one(where: str) -> pd.DataFrame:
         raise EmbshardError(f"permission denied ({exc.strerror or exc})", path=where,
                             fix="make it readable (chmod u+r) or run as a user who may read it") from None
     except (pa.ArrowInvalid, OSError) as exc:
+        if "magic bytes not found" in str(exc):  # not Parquet at all (a JSON or CSV file given), or cut short
+            raise EmbshardError("not a Parquet file (no Parquet footer at its end)", path=where,
+                                fix="give the Parquet file (a JSON, CSV or text file is not one); if it is one, it "
+                                    "was cut short: re-run the stage that writes it") from None
         raise EmbshardError(f"not a readable Parquet file ({str(exc).splitlines()[0][:100]})", path=where,
                             fix="re-run the stage that writes it; the file is corrupt or truncated") from None

@@ -285,6 +285,16 @@ def shared_calibration_dir() -> str | None:
     return os.environ.get("EMBSHARD_CALIBRATION_DIR") or None
 
 
+def given_calibration_dir(path: str | None, field: str = "calibration_dir") -> str | None:
+    """A --calibration-dir as given: None stays None; a local folder that does not exist is an error (a typo would
+    otherwise calibrate anew into a new folder, and the runs meant to share one calibration would not)."""
+    if path is None or "://" in str(path) or os.path.isdir(path):
+        return path
+    raise EmbshardError(f"no folder {path!r}", path=str(path), field=field,
+                        fix=f"give the folder of a run's {CALIBRATION_FILE} (e.g. RUN/calibration), or create the "
+                            "folder first to calibrate into it")
+
+
 def describe(device: str) -> str:
     """How a measurement on `device` gets its all-to-all, in words (the stage logs say it)."""
     ranks = measured_ranks(device)

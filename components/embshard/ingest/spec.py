@@ -37,7 +37,7 @@ def read_spec_file(path: str) -> pd.DataFrame:
     path = os.fspath(path)
     if os.path.isdir(path):
         raise EmbshardError("is a folder, not a file", path=path, fix="give the spec file itself as --input")
-    checks.input_file(path, fix="check the --input path")  # not found, a FIFO (would hang), unreadable
+    checks.input_file(path, fix="check the path of the table spec")  # not found, a FIFO (would hang), unreadable
     ext = os.path.splitext(path)[1].lower()
     try:
         if ext == ".csv":
@@ -50,6 +50,9 @@ def read_spec_file(path: str) -> pd.DataFrame:
             with open(path, encoding="utf-8") as f:
                 doc = yaml.load(f, Loader=_unique_key_loader())  # a SafeLoader that refuses duplicate keys
             if isinstance(doc, dict):
+                if doc and "tables" not in doc:  # e.g. a misspelt key: not "an empty table list"
+                    raise EmbshardError(f"no 'tables' key (it has {', '.join(map(str, list(doc)[:3]))})", path=path,
+                                        field="tables", fix="list the tables under 'tables:', one mapping each")
                 doc = doc.get("tables")
             if doc is None:
                 doc = []

@@ -68,7 +68,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    from ..bench.comm import shared_calibration_dir
+    from ..bench.comm import given_calibration_dir, shared_calibration_dir
 
     planners = [p for p in args.planners.split(",") if p]
     given = {}
@@ -85,7 +85,8 @@ def main(args) -> int:
               split=args.split, max_tasks=args.max_tasks, rounds=args.rounds,
               settings=MeasureSettings(batch_size=args.batch_size or None, timer=args.timer,
                                        statistic=args.statistic, round_processes=args.round_processes,
-                                       calibration_dir=args.calibration_dir or shared_calibration_dir()),
+                                       calibration_dir=given_calibration_dir(args.calibration_dir)
+                                       or shared_calibration_dir()),
               estimate_in_rounds=args.estimate_in_rounds)
     print(res["summary_text"])
     rk = res["ranking"]

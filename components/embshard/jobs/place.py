@@ -91,6 +91,20 @@ def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | N
     return costs, checked
 
 
+FULL_WARNING = 0.95  # of --memory-gb: above it a device has no room for what the weights need beside them
+
+
+def _warn_if_full(placement: Placement) -> None:
+    """One warning line when a device is filled above FULL_WARNING: --memory-gb counts embedding weights only."""
+    used = placement.memory_per_device() / max(placement.memory_bytes_per_device, 1)
+    full = np.flatnonzero(used > FULL_WARNING)
+    if len(full):
+        k = int(full[np.argmax(used[full])])
+        log.warning("%d device(s) filled above %.0f%% of the memory given (device %d: %.1f%%) with embedding weights "
+                    "alone; optimizer state, buffers and the dense model need room too (fix: give --memory-gb what "
+                    "the embedding weights may use)", len(full), 100 * FULL_WARNING, k, 100 * used[k])
+
+
 def _warn_hardware(model, hardware: str | None, planning: bool = False) -> None:
     """`planning`: the planner chose the plan with this model (else it only predicts the plan's costs)."""
     from ..bench.backends import check_target
@@ -192,6 +206,7 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     if refine_k:
         placement, refined = _refine(placement, p, cost_model, refine_k, refine_rounds, hardware, where)
     costs, lb = predicted(placement, p, cost_model)
+    _warn_if_full(placement)
     with storage.staged_dir(out) as stage:  # all three files or none
         write_plan_json(placement, os.path.join(stage, "plan.json"), device_costs=costs, balanced_estimate=lb)
         schemas.write(plan_frame(placement, costs, lb), os.path.join(stage, "placements.parquet"), "placements")
@@ -256,7 +271,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", help="tasks.parquet, with --task-id: place that task's tables")
     p.add_argument("--task-id", help="the task to place (its devices/memory are used unless given)")
     p.add_argument("--devices", type=int, help="number of devices")
-    p.add_argument("--memory-gb", type=float, help="memory per device, GiB")
+    p.add_argument("--memory-gb", type=float, help="memory per device for embedding weights, GiB (weights only: "
+                   "leave out what optimizer state, buffers and the dense model need)")
     p.add_argument("--planner", default="learned", help="learned (default, from the registry) or a baseline: "
                    "random, round_robin, dim_greedy, size_greedy, lookup_greedy, size_lookup_greedy, "
                    "torchrec_table_wise, torchrec_full; or another composition of the learned planner's model: "
