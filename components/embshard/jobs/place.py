@@ -91,6 +91,16 @@ def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | N
     return costs, checked
 
 
+def _warn_if_torchrec_cannot_name(table_set) -> None:
+    """Table ids TorchRec cannot take (a '.') plan fine but fail at export: said now, in one warning line."""
+    from ..torchrec_compat import check_names
+
+    try:
+        check_names([str(t) for t in table_set.table_ids])
+    except EmbshardError as exc:
+        log.warning("%s: this plan cannot be exported to TorchRec (fix: %s)", exc.message, exc.fix)
+
+
 FULL_WARNING = 0.95  # of --memory-gb: above it a device has no room for what the weights need beside them
 
 
@@ -180,6 +190,7 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
         topology = DeviceTopology.on_hosts(D, mem, task_per_host if devices_per_host is None else devices_per_host)
     except EmbshardError as exc:
         raise exc.at(where) from None
+    _warn_if_torchrec_cannot_name(table_set)
     if not is_planner_name(planner):
         get_planner(planner)  # the unknown-planner error, with the list of planners
     # A learned planner predicts with its own cost model; a bad --cost-model fails before planning.
