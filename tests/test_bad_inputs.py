@@ -654,6 +654,11 @@ def _costs_dir(d):
 
 
 OUTPUT_CASES = {
+    # a file as the pipeline's --out or a stage's --root was a FileExistsError traceback
+    "pipeline-out-is-a-file": lambda w, d: (["pipeline", "--out", _copy(w, d, "tables", "afile")],
+                                            ["afile", "field 'out'", "is a file"]),
+    "stage-root-is-a-file": lambda w, d: (["stage", "ingest", "--root", _copy(w, d, "tables", "afile")],
+                                          ["afile", "field 'root'", "is a file"]),
     "predict-out-is-its-tables": lambda w, d: (
         ["predict", "--tables", _copy(w, d, "tables", "t.parquet"), "--shards", _shards_csv(w, d), "--out",
          os.path.join(d, "t.parquet")], ["t.parquet", "field 'out'", "--tables input"]),

@@ -42,11 +42,39 @@ def test_a_round_needs_its_own_cost_model_and_the_round_before(finished_root):
     stages._state(finished_root, "cost_model", {"model_uri": "models:/embshard-cost/1", "version": "1", "round": 1})
     with pytest.raises(EmbshardError, match="cost model is round 1's, not round 2's") as err:
         stages.train_policy(finished_root, {"policy_rounds": 2}, 2)
-    assert "refit_cost_model round 2" in err.value.fix
+    assert "train_cost_model --round 2" in err.value.fix and "refit_cost_model_r2" in err.value.fix
     os.remove(os.path.join(finished_root, "state", "policy-round-1.json"))
     with pytest.raises(EmbshardError, match="missing stage output") as err:
         stages.measure_policy_plans(finished_root, {"policy_rounds": 2}, 2)
     assert "train_policy round 1" in err.value.fix
+
+
+def test_round_1_run_again_after_the_refit_trains_against_round_1s_cost_model(finished_root, monkeypatch):
+    """Clearing train_policy (round 1) of a finished two-round run failed: 'the run's cost model is round 2's' (the
+    refit overwrote the one state file). Each round's cost model has its own state now; only the last round's
+    policy is the run's candidate, so a round-1 re-run does not replace what evaluation measures."""
+    seen = {}
+    monkeypatch.setattr(outer_loop, "fit_cost_model",
+                        lambda *a, **kw: {"model_uri": f"models:/embshard-cost/{kw['round_index']}",
+                                          "model_version": kw["round_index"]})
+    monkeypatch.setattr(outer_loop, "train_policy_round",
+                        lambda *a, **kw: seen.setdefault("train", kw) and {"policy_dir": "x", "cost_model_uri": "u",
+                                                                           "final_val_ratio": 1.0})
+    params = {"policy_rounds": 2}
+    stages.train_cost_model(finished_root, params, 1)
+    stages.train_cost_model(finished_root, params, 2)  # the refit, after it
+    stages.train_policy(finished_root, params, 1)  # cleared and run again
+    assert seen["train"]["cost_model_uri"] == "models:/embshard-cost/1"
+    assert stages._state(finished_root, "policy")["round"] == 2  # the candidate is still round 2's
+
+
+@pytest.mark.parametrize("name, round_index, says", [("ingest", 2, "has no rounds"),
+                                                     ("train_policy", 0, "rounds start at 1"),
+                                                     ("measure_policy_plans", 1, "rounds start at 2")])
+def test_a_round_a_stage_cannot_have_is_refused(tmp_path, name, round_index, says):
+    with pytest.raises(EmbshardError, match=says) as err:
+        stages.run(name, str(tmp_path / "run"), {}, round_index=round_index)
+    assert err.value.field == "round" and not (tmp_path / "run").exists()
 
 
 def test_a_gate_stopped_midway_leaves_no_earlier_decision(finished_root, monkeypatch):

@@ -349,6 +349,10 @@ def _port_busy(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+# What --out holds (the local Airflow's installation, data and MLflow store): checked before any work (cli.check_output), a file given as --out is one line.
+OUTPUT = {"kind": "folder"}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/local", help="installation folder: airflow/, data/, mlflow.db")
     p.add_argument("--port", type=port, default=8080, help="port of the Airflow UI and API on 127.0.0.1 (1-65535)")

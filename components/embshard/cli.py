@@ -90,15 +90,17 @@ def quiet_third_party() -> None:
 def check_output(args: argparse.Namespace) -> None:
     """The one place every command's --out is checked before any work (storage.check_output): a module's
     OUTPUT = {"kind": "folder" | "file", "writes": names under the folder, "inputs": option names it reads,
-    "suffixes": the file formats it writes} says what it writes and reads."""
+    "suffixes": the file formats it writes, "option": the option naming it, default "out"} says what it writes
+    and reads."""
     spec = getattr(args, "_output", None)
-    if not spec or getattr(args, "out", None) is None:
+    option = (spec or {}).get("option", "out")  # the option that names the output ("root" for `embshard stage`)
+    if not spec or getattr(args, option, None) is None:
         return
     from . import storage
 
     inputs = {"--" + name.replace("_", "-"): getattr(args, name, None) for name in spec.get("inputs", ())}
-    storage.check_output(args.out, kind=spec.get("kind", "folder"), writes=tuple(spec.get("writes", ())),
-                         inputs=inputs, suffixes=tuple(spec.get("suffixes", ())))
+    storage.check_output(getattr(args, option), kind=spec.get("kind", "folder"), writes=tuple(spec.get("writes", ())),
+                         inputs=inputs, suffixes=tuple(spec.get("suffixes", ())), field=option)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,10 @@ def dags_folder() -> str:
     return str(Path(__file__).resolve().parents[2] / "dags")
 
 
+# What --out holds (the run's data, MLflow store and Airflow state): checked before any work (cli.check_output), a file given as --out is one line.
+OUTPUT = {"kind": "folder"}
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/local", help="folder for the run data, MLflow and Airflow state")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",

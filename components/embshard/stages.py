@@ -175,8 +175,10 @@ def train_cost_model(root: str, params: dict, round_index: int = 1) -> dict:
     _check_round(p, round_index)
     res = fit_cost_model(path(root, "tables"), path(root, "costs"), loop_layout(root), round_index=round_index,
                          seed=int(p["seed"]), members=int(p["cost_members"]), calibration_dir=root)
-    return _state(root, "cost_model", {"model_uri": res["model_uri"], "version": str(res["model_version"]),
-                                       "round": round_index, "summary": res.get("summary", "")})
+    state = {"model_uri": res["model_uri"], "version": str(res["model_version"]), "round": round_index,
+             "summary": res.get("summary", "")}
+    _state(root, f"cost_model-round-{round_index}", state)  # what that round's policy trains against
+    return _state(root, "cost_model", state)
 
 
 def train_policy(root: str, params: dict, round_index: int = 1) -> dict:
@@ -186,11 +188,7 @@ def train_policy(root: str, params: dict, round_index: int = 1) -> dict:
 
     p = merged(params)
     _check_round(p, round_index)
-    cm = _state(root, "cost_model", keys=("model_uri",))
-    if int(cm.get("round", 1)) != round_index:
-        raise EmbshardError(f"the run's cost model is round {cm.get('round', 1)}'s, not round {round_index}'s",
-                            path=_join(path(root, "state"), "cost_model.json"),
-                            fix=f"run refit_cost_model round {round_index} (or train_cost_model for round 1) first")
+    cm = _cost_model_of_round(root, round_index)
     # Round r starts from round r-1's policy (its own state), not from "the latest policy": a stage run again
     # (Airflow's Clear) gets the same inputs whatever ran after it.
     prev = _policy_of_round(root, round_index - 1)[0] if round_index > 1 else None
@@ -202,7 +200,26 @@ def train_policy(root: str, params: dict, round_index: int = 1) -> dict:
              "version": res.get("version"), "cost_model_uri": res["cost_model_uri"],
              "val_ratio": res["final_val_ratio"]}
     _state(root, f"policy-round-{round_index}", state)  # what the next round starts from and measures
+    if round_index < int(p["policy_rounds"]):  # the run's candidate (what evaluation measures) is the last round's
+        return state
     return _state(root, "policy", state)
+
+
+def _cost_model_of_round(root: str, round_index: int) -> dict:
+    """Round `round_index`'s cost model (state/cost_model-round-<r>.json), so that a round run again (Airflow's
+    Clear) trains against its own round's model whatever was refitted after it; roots written before that state
+    existed: the latest cost model, when it is that round's."""
+    from . import storage
+
+    if storage.exists(_join(path(root, "state"), f"cost_model-round-{round_index}.json")):
+        return _state(root, f"cost_model-round-{round_index}", keys=("model_uri",))
+    cm = _state(root, "cost_model", keys=("model_uri",))
+    if int(cm.get("round", 1)) != round_index:
+        stage = "train_cost_model" if round_index == 1 else f"refit_cost_model_r{round_index}"
+        raise EmbshardError(f"the run's cost model is round {cm.get('round', 1)}'s, not round {round_index}'s",
+                            path=_join(path(root, "state"), "cost_model.json"),
+                            fix=f"run train_cost_model --round {round_index} first (the DAG's {stage})")
+    return cm
 
 
 def measure_policy_plans(root: str, params: dict, round_index: int = 2) -> dict:
@@ -260,11 +277,19 @@ def export_placements(root: str, params: dict) -> dict:
     from .jobs.export import run as export_run
     from .planners import get_planner
 
+    from . import schemas, storage
+
     p = merged(params)
+    # The inputs first: a missing or corrupt file is an error, not a reason to skip.
+    schemas.read(_existing(root, "tables", "ingest"), "tables")
+    schemas.read(_existing(root, "tasks", "ingest"), "tasks")
     registry.use(path(root, "export"))
     if registry.version_for_alias(registry.POLICY_MODEL, registry.CHAMPION) is None:
         # The gate kept every candidate so far from being champion: nothing a training job should load yet.
-        raise StageSkipped("no embshard-policy@champion yet (the candidate was not promoted: see the decision)")
+        decision = _join(path(root, "evaluation"), "decision.json")
+        why = (f"the candidate was not promoted: see {decision}" if storage.exists(decision) else
+               "no evaluate_and_promote decision in this root either")
+        raise StageSkipped(f"no embshard-policy@champion in the registry yet ({why})")
     # refine_k > 0: each task's K best candidates measured here, on the run's device (embshard.refine)
     placements = place_tasks(path(root, "tables"), path(root, "tasks"), get_planner("learned@champion"),
                              _join(path(root, "export"), "planned.parquet"), split=p["export_tasks"],
@@ -289,6 +314,14 @@ def run(name: str, root: str, params: dict, chunk: int | None = None, round_inde
     if name not in STAGES:
         raise EmbshardError(f"unknown stage {name!r}", field="stage", fix=f"use one of {', '.join(STAGES)}")
     fn = STAGES[name]
+    if round_index is not None:
+        first = 2 if name == "measure_policy_plans" else 1  # it measures the round before's policy
+        if name not in ROUND_STAGES:
+            raise EmbshardError(f"stage {name} has no rounds", field="round",
+                                fix=f"drop --round (only {', '.join(ROUND_STAGES)} take one)")
+        if int(round_index) < first:
+            raise EmbshardError(f"round {round_index}: {name}'s rounds start at {first}", field="round",
+                                fix=f"give --round {first} or more (up to policy_rounds)")
     if name == "benchmark":
         return fn(root, params, int(chunk or 0))
     if name in ROUND_STAGES and round_index is not None:
@@ -357,6 +390,10 @@ def log_report(name: str, result: dict, root: str) -> None:
     sys.stdout.flush()  # anything printed before (progress) first
     for line in report(name, result, root).splitlines():
         log.info("%s", line)
+
+
+# --root is what a stage writes under: checked before any work (cli.check_output), a file given is one line.
+OUTPUT = {"kind": "folder", "option": "root"}
 
 
 def configure(p: argparse.ArgumentParser) -> None:

@@ -49,7 +49,13 @@ def checked_balanced_estimate(cost_model: CostEstimator, placement: Placement, e
 def predicted_costs(cost_model: CostEstimator, placement: Placement) -> tuple[np.ndarray, float, float | None]:
     """(each device's predicted cost, the balanced estimate, the estimate as a plan may quote it: None when the
     model's own predictions contradict it, checked_balanced_estimate). Every planner may cut tables, so the
-    estimate treats each table as divisible (docs/method.md, "Splits")."""
+    estimate treats each table as divisible (docs/method.md, "Splits"). A withheld estimate is said in the plan's
+    meta (`balanced_estimate_withheld`), so that plan.json's null has its reason beside it."""
     costs = placement_costs(cost_model, placement)
     estimate = balanced_estimate(cost_model, placement.tables, placement.num_devices, column_splits=True)
-    return costs, estimate, checked_balanced_estimate(cost_model, placement, estimate, costs)
+    checked = checked_balanced_estimate(cost_model, placement, estimate, costs)
+    if checked is None:
+        placement.meta["balanced_estimate_withheld"] = (
+            f"{estimate:.3f} ms: the cost model predicts a plan of these tables below it (it is not monotone on "
+            "them), so it would say nothing about balance")
+    return costs, estimate, checked
