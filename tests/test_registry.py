@@ -40,7 +40,10 @@ def test_log_register_alias_and_load(mlflow_uri, tiny_artifacts, tmp_path):
     v1 = registry.log_and_register(CostModelPyfunc(), artifacts, "reg-test", {"hardware": "cpu:x", "n": 3})
     v2 = registry.log_and_register(CostModelPyfunc(), artifacts, "reg-test", {"hardware": "cpu:y"})
     assert (int(v1.version), int(v2.version)) == (1, 2)
-    assert v1.tags == {"hardware": "cpu:x", "n": "3"}
+    from embshard.version import code_version
+
+    # the tags given, and the code that made the version (lineage: which commit trained it)
+    assert v1.tags == {"hardware": "cpu:x", "n": "3", "embshard.code_version": code_version()}
     # artifacts of a local sqlite store live beside the database, not in the working directory
     db_dir = mlflow_uri[len("sqlite:///"):].rsplit("/", 1)[0]
     assert os.path.isdir(os.path.join(db_dir, "mlartifacts"))

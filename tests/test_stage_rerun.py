@@ -96,3 +96,23 @@ def test_a_gate_stopped_midway_leaves_no_earlier_decision(finished_root, monkeyp
         stages.evaluate_and_promote(finished_root, {})
     assert not os.path.exists(decision)
     assert not os.path.exists(os.path.join(finished_root, "state", "promotion.json"))
+
+
+def test_a_stage_running_other_code_than_the_runs_ingest_says_so(tmp_path, monkeypatch, caplog):
+    """A `git pull` mid-run mixed two versions of the code in one run (a stage failed on an argument the code it
+    was loaded with did not know) and nothing recorded which code made what: ingest records the run's code
+    version, a later stage on other code warns, and registered models carry it (embshard.code_version)."""
+    import logging
+
+    from embshard import run_context, version
+
+    root = str(tmp_path / "run")
+    monkeypatch.setattr(version, "code_version", lambda: "0.1.0+gaaaa")
+    stages._note_code_version(root, "ingest")
+    assert run_context.mlflow_tags()["embshard.code_version"] == "0.1.0+gaaaa"
+    with caplog.at_level(logging.WARNING, logger="embshard.stages"):
+        stages._note_code_version(root, "benchmark")  # the same code: nothing said
+        monkeypatch.setattr(version, "code_version", lambda: "0.1.0+gbbbb")
+        stages._note_code_version(root, "train_policy")
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "0.1.0+gbbbb" in warned[0] and "0.1.0+gaaaa" in warned[0]

@@ -33,8 +33,11 @@ def lineage_env(dag_id: str, run_id: str, task_id: str, run_root: str, try_numbe
 
 
 def mlflow_tags() -> dict[str, str]:
-    """The lineage tags of the current process (empty outside Airflow)."""
-    return {tag: os.environ[var] for var, tag in LINEAGE.items() if os.environ.get(var)}
+    """The lineage tags of the current process: the Airflow ids (none outside Airflow) and the code version."""
+    from .version import code_version
+
+    return {**{tag: os.environ[var] for var, tag in LINEAGE.items() if os.environ.get(var)},
+            "embshard.code_version": code_version()}
 
 
 PROGRESS_FD = "EMBSHARD_PROGRESS_FD"

@@ -308,6 +308,25 @@ STAGES: dict[str, Callable[..., dict]] = {
 ROUND_STAGES = ("train_cost_model", "train_policy", "measure_policy_plans")
 
 
+def _note_code_version(root: str, name: str) -> None:
+    """A run's stages should all run one version of the code (a `git pull` or an upgraded image mid-run mixes
+    them, and a stage then fails on, or trains with, code its inputs were not made with): ingest, the run's first
+    stage that writes, records it (state/code_version.json); a later stage running other code says so."""
+    from . import storage
+    from .version import code_version
+
+    mine = code_version()
+    if name == "ingest":
+        _state(root, "code_version", {"code_version": mine})
+        return
+    if not storage.exists(_join(path(root, "state"), "code_version.json")):
+        return  # a root written before this was recorded
+    started = _state(root, "code_version", keys=("code_version",))["code_version"]
+    if started != mine:
+        log.warning("stage %s runs code %s, but this run's ingest ran %s: its inputs were made by other code "
+                    "(fix: run the pipeline again from ingest on one version)", name, mine, started)
+
+
 def run(name: str, root: str, params: dict, chunk: int | None = None, round_index: int | None = None) -> dict:
     """Run one stage on a run root; returns its small JSON-able result. Raises StageSkipped when an outer-loop
     round has nothing to do."""
@@ -322,6 +341,8 @@ def run(name: str, root: str, params: dict, chunk: int | None = None, round_inde
         if int(round_index) < first:
             raise EmbshardError(f"round {round_index}: {name}'s rounds start at {first}", field="round",
                                 fix=f"give --round {first} or more (up to policy_rounds)")
+    if name != "check_params":
+        _note_code_version(root, name)
     if name == "benchmark":
         return fn(root, params, int(chunk or 0))
     if name in ROUND_STAGES and round_index is not None:

@@ -70,7 +70,7 @@ def json_schema() -> dict:
 
 def plan_dict(placement: Placement, device_costs=None, balanced_estimate: float | None = None) -> dict:
     """The plan.json content of a placement (validated)."""
-    from ..version import __version__
+    from ..version import code_version
 
     t = placement.tables
     d = placement.num_devices
@@ -122,7 +122,7 @@ def plan_dict(placement: Placement, device_costs=None, balanced_estimate: float 
         **({"hosts": [int(h) for h in hosts]} if hosts is not None else {}), "planner": str(placement.planner),
         "model_uri": placement.model_uri,
         "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "embshard_version": __version__,
+        "embshard_version": code_version(),
         "cost": {"unit": "ms", "device_costs_ms": costs, "overall_ms": overall,
                  "balanced_estimate_ms": None if balanced_estimate is None else float(balanced_estimate),
                  "gap": gap},
