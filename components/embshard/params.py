@@ -209,10 +209,11 @@ def _fix_from(schema: dict) -> str:
     hi = schema.get("maximum")
     kind = {"integer": "a whole number", "number": "a number", "boolean": "true or false",
             "string": "a text"}.get(str(schema.get("type")), "a value")
+    above = "minimum" not in schema and "exclusiveMinimum" in schema  # the bound itself is refused
     if lo is not None and hi is not None:
-        return f"give {kind} from {lo} to {hi}"
+        return f"give {kind} above {lo}, up to {hi}" if above else f"give {kind} from {lo} to {hi}"
     if lo is not None:
-        return f"give {kind} of at least {lo}"
+        return f"give {kind} above {lo}" if above else f"give {kind} of at least {lo}"
     return f"give {kind}"
 
 

@@ -240,7 +240,9 @@ def _parse_params(items: list[str]) -> dict:
         try:
             out[key] = value if default is None or isinstance(default, str) else type(default)(value)
         except ValueError:
-            raise EmbshardError(f"{key}={value!r} is not a {type(default).__name__}", field=key) from None
+            kind = {"int": "a whole number", "float": "a number"}.get(type(default).__name__, type(default).__name__)
+            raise EmbshardError(f"{key}={value!r} is not {kind}", field=key,
+                                fix=f"give {key}=<{kind}> (its default is {default!r})") from None
     return out
 
 
