@@ -312,6 +312,14 @@ def test_the_registry_records_each_verdict_and_challenger_only_follows_undecided
     assert verdict_tag(BAD) == "failed_run" and "manual__earlier" in \
         client.get_model_version(POLICY, BAD).tags[registry.VERDICT_REASON_TAG]
     assert verdict_tag(GOOD_TOO) == "pending" and verdict_tag(GOOD) == "promoted"
+    # A version the same run root registered before its stage was run again (by hand: no Airflow run) was left
+    # pending for good, looking like a run in progress: that root's next gate tags it superseded.
+    monkeypatch.delenv("EMBSHARD_AIRFLOW_RUN_ID")
+    monkeypatch.setenv("EMBSHARD_RUN_ROOT", "/runs/r1")
+    client.set_model_version_tag(POLICY, GOOD_TOO, "embshard.run_root", "/runs/r1")
+    assert record_verdict(GOOD, "promoted", "faster") == []
+    assert verdict_tag(GOOD_TOO) == "superseded" and f"version {GOOD}" in \
+        client.get_model_version(POLICY, GOOD_TOO).tags[registry.VERDICT_REASON_TAG]
 
 
 def test_the_decision_block_says_none_for_a_missing_champion_and_reads_the_verdict():

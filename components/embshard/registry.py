@@ -24,9 +24,11 @@ CHAMPION, CHALLENGER = "champion", "challenger"
 # The promotion gate's verdict on an `embshard-policy` version, in its `verdict` tag (reason in `verdict_reason`).
 # PENDING is set at registration; the gate replaces it with one of GATE_VERDICTS. A version still PENDING after its
 # Airflow run is over was registered by a run that failed before the gate: the next pipeline run's gate tags it
-# FAILED_RUN. Versions registered from the command line stay PENDING until a gate judges them.
+# FAILED_RUN. Versions registered from the command line stay PENDING until a gate judges them. A version left
+# PENDING by a stage of the same run root run again (its re-run registered another candidate) is SUPERSEDED by that
+# root's next gate.
 VERDICT_TAG, VERDICT_REASON_TAG = "verdict", "verdict_reason"
-PENDING, FAILED_RUN = "pending", "failed_run"
+PENDING, FAILED_RUN, SUPERSEDED = "pending", "failed_run", "superseded"
 PROMOTED, UNDECIDED, NOT_BETTER, SLOWER, INFEASIBLE = (
     "promoted", "undecided", "not_better", "measurably_slower", "infeasible")
 GATE_VERDICTS = (PROMOTED, UNDECIDED, NOT_BETTER, SLOWER, INFEASIBLE)
@@ -193,7 +195,8 @@ def delete_alias(name: str, alias: str) -> None:
 
 
 def set_verdict(name: str, version, verdict: str, reason: str = "") -> None:
-    """Tag a version with the gate's verdict (one of PENDING, FAILED_RUN, GATE_VERDICTS) and its reason."""
+    """Tag a version with the gate's verdict (one of PENDING, FAILED_RUN, SUPERSEDED, GATE_VERDICTS) and its
+    reason."""
     import mlflow
 
     client = mlflow.MlflowClient()

@@ -435,6 +435,8 @@ def main(args) -> int:
     if not isinstance(params, dict):
         raise EmbshardError(f"a JSON {type(params).__name__}, not an object", field="params",
                             fix='pass a JSON object of run params, e.g. \'{"num_tables": 64}\'')
+    # By hand too, what a stage registers is tagged with its run root (embshard.run_root), as inside Airflow.
+    os.environ.setdefault("EMBSHARD_RUN_ROOT", str(args.root) if "://" in str(args.root) else os.path.abspath(args.root))
     if not os.environ.get("MLFLOW_TRACKING_URI") and "://" not in str(args.root):
         # By hand, without a store named: the root's own, so that every stage of the root (train_cost_model,
         # train_policy, the gate, export) registers and finds the same models. (The DAG and its pods name one.)

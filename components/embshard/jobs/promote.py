@@ -162,8 +162,9 @@ def record_verdict(candidate_version: str, verdict: str, reason: str) -> list[st
     candidate; challenger to an undecided one, removed on a promotion, else left where it was) and, inside an
     Airflow run, `failed_run` on versions other runs left `pending` (runs of the DAG queue one at a time, so those
     runs are over: they failed before their gate; should one still be going, e.g. an `embshard pipeline` beside
-    `make ui` on the same store, its own gate overwrites the tag with its verdict). Returns the versions tagged
-    failed_run."""
+    `make ui` on the same store, its own gate overwrites the tag with its verdict); `superseded` on versions the
+    same run (or, by hand, the same run root) left `pending` before a stage of it was run again. Returns the
+    versions tagged failed_run."""
     from ..run_context import mlflow_tags
 
     candidate_version = str(candidate_version)
@@ -179,16 +180,22 @@ def record_verdict(candidate_version: str, verdict: str, reason: str) -> list[st
         current = registry.version_for_alias(POLICY, registry.CHALLENGER)
         if current is not None and str(current.version) == candidate_version:  # re-judged: no longer undecided
             _drop_challenger()
-    run_id = mlflow_tags().get("airflow.run_id")
+    lineage = mlflow_tags()
+    run_id, root = lineage.get("airflow.run_id"), lineage.get("embshard.run_root")
     failed: list[str] = []
-    if run_id:
-        for mv in registry.versions_with_verdict(POLICY, registry.PENDING):
-            made_by = mv.tags.get("airflow.run_id")
-            if made_by and made_by != run_id and str(mv.version) != candidate_version:
-                registry.set_verdict(POLICY, mv.version, registry.FAILED_RUN,
-                                     f"its Airflow run {made_by} ended before the promotion gate (seen by run "
-                                     f"{run_id})")
-                failed.append(str(mv.version))
+    for mv in registry.versions_with_verdict(POLICY, registry.PENDING):
+        if str(mv.version) == candidate_version:
+            continue
+        made_by = mv.tags.get("airflow.run_id")
+        if run_id and made_by and made_by != run_id:
+            registry.set_verdict(POLICY, mv.version, registry.FAILED_RUN,
+                                 f"its Airflow run {made_by} ended before the promotion gate (seen by run {run_id})")
+            failed.append(str(mv.version))
+        elif root and mv.tags.get("embshard.run_root") == root and made_by == run_id:
+            # the same run (or the same root by hand) registered it before a stage was run again: never judged
+            registry.set_verdict(POLICY, mv.version, registry.SUPERSEDED,
+                                 f"its stage was run again on {root}: version {candidate_version} is the candidate "
+                                 "the gate judged")
     return failed
 
 
