@@ -145,6 +145,9 @@ def slower_than_baselines(decision: dict) -> bool:
 @pytest.mark.parametrize("vs_champion, vs_baseline, failed, floor, verdict, reason", [
     (None, comp(1.03, 1.01, 1.05), False, FLOOR, "promoted", "no champion yet"),
     (None, comp(1.10, 1.07, 1.12), False, FLOOR, "measurably_slower", "measurably slower than the best baseline"),
+    # A first champion 16% slower in the median, its interval just inside the floor, was crowned: now undecided.
+    (None, comp(1.163, 1.006, 1.369), False, {"median": 1.0, "ci_low": 0.99, "ci_high": 1.012}, "undecided",
+     "slower than the best baseline in the median"),
     (comp(0.95, 0.92, 0.98), comp(0.95, 0.90, 0.99), False, FLOOR, "undecided", "not beyond the ruler's noise"),
     (comp(0.90, 0.88, 0.94), comp(0.95, 0.90, 0.99), False, FLOOR, "promoted", "faster than the champion"),
     (comp(1.02, 1.00, 1.05), comp(0.95, 0.90, 0.99), False, FLOOR, "not_better", "not faster than the champion"),
@@ -162,6 +165,7 @@ def test_a_difference_inside_the_rulers_a_a_floor_is_no_difference(vs_champion, 
 @pytest.mark.parametrize("vs_champion, vs_baseline, failed, verdict, reason", [
     (None, comp(0.95, 0.90, 0.99), False, "promoted", "no champion yet"),
     (None, comp(1.00, 0.97, 1.03), False, "promoted", "no champion yet"),
+    (None, comp(1.02, 0.97, 1.05), False, "undecided", "no champion yet, but slower"),
     # Measurably slower than the best baseline: never promoted, even as the first champion.
     (None, comp(1.03, 1.01, 1.05), False, "measurably_slower", "measurably slower than the best baseline"),
     (comp(0.80, 0.70, 0.90), comp(1.03, 1.01, 1.05), False, "measurably_slower", "measurably slower"),
@@ -193,6 +197,8 @@ def test_without_a_champion_a_candidate_not_slower_than_the_baselines_becomes_ch
     if slower_than_baselines(decision):  # the tiny test policy can lose to the heuristics: then never promoted
         # ... and not challenger either: that alias is for undecided candidates only.
         assert decision["verdict"] == "measurably_slower" and aliases(POLICY) == {}
+    elif vs["median"] > max(1.0, floor["ci_high"]):  # slower in the median, within the noise: not crowned
+        assert decision["verdict"] == "undecided" and aliases(POLICY) == {"challenger": GOOD}
     else:
         assert decision["verdict"] == "promoted" and decision["reason"].startswith("no champion yet")
         assert decision["champion_version_after"] == GOOD and aliases(POLICY) == {"champion": GOOD}
