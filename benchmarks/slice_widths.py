@@ -59,7 +59,8 @@ def measure(device: str, batch_size: int | None, rounds: int, tables_path: str |
                 rows.append({"round": r, "width": int(w), "compute_ms": m["fwd_compute_ms"] + m["bwd_compute_ms"],
                              "fwd_ms": m["fwd_compute_ms"], "bwd_ms": m["bwd_compute_ms"],
                              "comm_ms_16": m["fwd_comm_ms"] + m["bwd_comm_ms"], "row_scale": m["row_scale"],
-                             "hardware": cfg.hardware, "batch_size": cfg.batch_size, "wall_s": time.perf_counter() - t0})
+                             "hardware": cfg.hardware, "batch_size": cfg.batch_size,
+                             "wall_s": time.perf_counter() - t0})
             print(f"slice_widths: round {r + 1} of {rounds} done", flush=True)
     finally:
         close_config(cfg)
@@ -106,7 +107,8 @@ def page(df: pd.DataFrame, summ: pd.DataFrame) -> str:
              "| width | bytes per row | compute ms | halving [min, max] | vs proportional |",
              "| ---: | ---: | ---: | --- | ---: |"]
     for r in summ.itertuples(index=False):
-        halv = "–" if np.isnan(getattr(r, "halving", np.nan)) else f"{r.halving:.3f} [{r.halving_min:.3f}, {r.halving_max:.3f}]"
+        halv = ("–" if np.isnan(getattr(r, "halving", np.nan))
+                else f"{r.halving:.3f} [{r.halving_min:.3f}, {r.halving_max:.3f}]")
         lines.append(f"| {r.width} | {r.bytes_per_row} | {r.compute_ms:.3f} | {halv} | {r.vs_proportional:.2f} |")
     lines += ["", f"Floor by the rule (every halving down to it at most {HALVING_PAYS}x): **{floor_bytes(summ)} bytes "
               "per row**.", ""]

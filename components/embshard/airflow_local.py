@@ -349,7 +349,8 @@ def _port_busy(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-# What --out holds (the local Airflow's installation, data and MLflow store): checked before any work (cli.check_output), a file given as --out is one line.
+# What --out holds (the local Airflow's installation, data and MLflow store): checked before any work
+# (cli.check_output), so a file given as --out is one line.
 OUTPUT = {"kind": "folder"}
 
 

@@ -24,7 +24,8 @@ def dags_folder() -> str:
     return str(Path(__file__).resolve().parents[2] / "dags")
 
 
-# What --out holds (the run's data, MLflow store and Airflow state): checked before any work (cli.check_output), a file given as --out is one line.
+# What --out holds (the run's data, MLflow store and Airflow state): checked before any work
+# (cli.check_output), so a file given as --out is one line.
 OUTPUT = {"kind": "folder"}
 
 

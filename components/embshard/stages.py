@@ -272,12 +272,10 @@ def evaluate_and_promote(root: str, params: dict) -> dict:
 
 
 def export_placements(root: str, params: dict) -> dict:
-    from . import registry
+    from . import registry, schemas, storage
     from .jobs.export import place_tasks
     from .jobs.export import run as export_run
     from .planners import get_planner
-
-    from . import schemas, storage
 
     p = merged(params)
     # The inputs first: a missing or corrupt file is an error, not a reason to skip.
@@ -436,7 +434,8 @@ def main(args) -> int:
         raise EmbshardError(f"a JSON {type(params).__name__}, not an object", field="params",
                             fix='pass a JSON object of run params, e.g. \'{"num_tables": 64}\'')
     # By hand too, what a stage registers is tagged with its run root (embshard.run_root), as inside Airflow.
-    os.environ.setdefault("EMBSHARD_RUN_ROOT", str(args.root) if "://" in str(args.root) else os.path.abspath(args.root))
+    root = str(args.root)
+    os.environ.setdefault("EMBSHARD_RUN_ROOT", root if "://" in root else os.path.abspath(root))
     if not os.environ.get("MLFLOW_TRACKING_URI") and "://" not in str(args.root):
         # By hand, without a store named: the root's own, so that every stage of the root (train_cost_model,
         # train_policy, the gate, export) registers and finds the same models. (The DAG and its pods name one.)

@@ -490,7 +490,8 @@ def _check_row_blocks(f: str, kind: str, placed, rows: int, bad, world: int | No
     first = 0 if kind == ROW_WISE else ranks[0]
     blocks = torchrec_row_blocks(rows, n)
     if spans != blocks or ranks != list(range(first, first + n)) or (kind == TABLE_ROW_WISE and first % n):
-        raise bad(f"{f}.shards", f"{kind} row ranges {[(o, o + s) for o, s in spans][:3]}{'...' if len(spans) > 3 else ''}"
+        shown = f"{[(o, o + s) for o, s in spans][:3]}{'...' if len(spans) > 3 else ''}"
+        raise bad(f"{f}.shards", f"{kind} row ranges {shown}"
                   f" on ranks {ranks[:4]}{'...' if n > 4 else ''} are not TorchRec's blocks of {blocks[0][1]:,} rows "
                   f"on consecutive ranks{' from 0' if kind == ROW_WISE else ' of one host'}, so ids would reach ranks "
                   "without their rows", "re-export the plan with embshard export (it writes TorchRec's layout)")

@@ -103,8 +103,12 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     under `out` only when every one was written; on any error nothing is left behind."""
     from .. import schemas, storage
     from ..errors import EmbshardError
-    from ..export.placements import (balanced_estimate_from_frame, device_costs_from_frame, own_devices_per_host,
-                                     placement_from_frame)
+    from ..export.placements import (
+        balanced_estimate_from_frame,
+        device_costs_from_frame,
+        own_devices_per_host,
+        placement_from_frame,
+    )
     from ..export.plan_json import write_plan_json
     from ..export.torchrec_plan import check_module_path
     from ..ingest.spec import read_tables

@@ -37,8 +37,14 @@ from .base import Planner, no_room_error
 from .baselines import BASELINES, make_baseline
 from .scoring import TaskScorer, piece_features, replica_extra_ms, single_threaded
 from .search import Budget, CutCache, SearchState, cut_kind, local_search, try_splits
-from .splitting import (DEFAULT_SPEED_SLICE_BYTES, PieceView, is_pinned, merge_shared_slices, speed_slice_bytes,
-                        split_to_fit)
+from .splitting import (
+    DEFAULT_SPEED_SLICE_BYTES,
+    PieceView,
+    is_pinned,
+    merge_shared_slices,
+    speed_slice_bytes,
+    split_to_fit,
+)
 
 log = logging.getLogger(__name__)
 

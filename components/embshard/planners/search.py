@@ -27,8 +27,14 @@ from ..placement import Shard
 from ..tableset import TableSet
 from ..types import COLUMN, REPLICATED, WHOLE, DeviceTopology
 from .scoring import TaskScorer, piece_features, replica_extra_ms, replica_extras
-from .splitting import (DEFAULT_SPEED_SLICE_BYTES, column_pieces, is_pinned, max_speed_column_parts, replica_pieces,
-                        row_pieces)
+from .splitting import (
+    DEFAULT_SPEED_SLICE_BYTES,
+    column_pieces,
+    is_pinned,
+    max_speed_column_parts,
+    replica_pieces,
+    row_pieces,
+)
 
 _REL_TOL = 1e-6
 MIN_SPLIT_DIM = 4  # FBGEMM wants dims that are multiples of 4
