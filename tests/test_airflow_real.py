@@ -199,12 +199,15 @@ def test_triggered_run_succeeds_end_to_end(airflow, runs):
         assert "decision: PROMOTED to champion" in log and export == "success"
         assert (root / "export" / "placements.parquet").exists()
     else:
-        # The tiny policy can lose to the heuristics beyond the ruler's noise: then nothing is champion, and
-        # export skips with the reason rather than exporting a refused candidate or failing the run.
-        assert decision["verdict"] == "measurably_slower" and decision["reason"].startswith("measurably slower")
+        # The tiny policy can lose to the heuristics (beyond the ruler's noise, or in the median within it): then
+        # nothing is champion, and export skips with the reason rather than exporting a refused candidate or
+        # failing the run.
+        reason = decision["reason"]
+        assert (decision["verdict"] == "measurably_slower" and reason.startswith("measurably slower")) or \
+            (decision["verdict"] == "undecided" and reason.startswith("no champion yet")), (decision["verdict"], reason)
         assert export == "skipped" and not (root / "export" / "placements.parquet").exists()
         export_log = (logs / "task_id=export_placements" / "attempt=1.log").read_text()
-        assert "no embshard-policy@champion yet" in export_log
+        assert "no embshard-policy@champion in the registry yet" in export_log
 
     # Progress bars and library INFO lines are not errors.
     for path in logs.rglob("*.log"):

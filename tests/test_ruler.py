@@ -2,6 +2,8 @@
 and the A/A test (a planner named twice) on real FBGEMM measurements."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -95,7 +97,7 @@ def test_probes_are_measured_in_every_round_sharing_a_plans_identical_shard(tabl
 
 @pytest.mark.parametrize("flag, env, want", [(["--calibration-dir", "RUNCAL"], None, "RUNCAL"),
                                               ([], "SHARED", "SHARED"), ([], None, None)])
-def test_evaluate_uses_the_calibration_it_is_given(monkeypatch, capsys, flag, env, want):
+def test_evaluate_uses_the_calibration_it_is_given(monkeypatch, capsys, tmp_path, flag, env, want):
     """A fresh all-to-all calibration moves from one call to the next (1.03-1.56 GB/s over 8 calls here), and
     comm-heavy plans move with it: `evaluate` reads the run's (--calibration-dir) or the shared one when given."""
     import embshard.jobs.evaluate as job
@@ -108,6 +110,8 @@ def test_evaluate_uses_the_calibration_it_is_given(monkeypatch, capsys, flag, en
         return {"summary_text": "", "ranking": {"pairs": 0}, "evaluation": "e", "ratios": "r", "plot": "p"}
 
     monkeypatch.setattr(job, "run", fake_run)
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("RUNCAL")  # a folder given must exist (a typo would calibrate anew into a new one)
     if env:
         monkeypatch.setenv("EMBSHARD_CALIBRATION_DIR", env)
     else:
