@@ -205,18 +205,25 @@ def train_policy(root: str, params: dict, round_index: int = 1) -> dict:
     return _state(root, "policy", state)
 
 
-def _cost_model_of_round(root: str, round_index: int) -> dict:
-    """Round `round_index`'s cost model (state/cost_model-round-<r>.json), so that a round run again (Airflow's
-    Clear) trains against its own round's model whatever was refitted after it; roots written before that state
-    existed: the latest cost model, when it is that round's."""
+def _round_state(root: str, name: str, round_index: int, keys: tuple[str, ...]) -> dict | None:
+    """Round `round_index`'s `name` state (state/<name>-round-<r>.json), so that a round run again (Airflow's
+    Clear) reads its own round's inputs whatever ran after it. Roots written before the per-round files: the
+    latest state (state/<name>.json) when it is that round's, else None (the caller says what to run)."""
     from . import storage
 
-    if storage.exists(_join(path(root, "state"), f"cost_model-round-{round_index}.json")):
-        return _state(root, f"cost_model-round-{round_index}", keys=("model_uri",))
-    cm = _state(root, "cost_model", keys=("model_uri",))
-    if int(cm.get("round", 1)) != round_index:
+    if storage.exists(_join(path(root, "state"), f"{name}-round-{round_index}.json")):
+        return _state(root, f"{name}-round-{round_index}", keys=keys)
+    latest = _state(root, name, keys=keys)
+    return latest if int(latest.get("round", 1)) == round_index else None
+
+
+def _cost_model_of_round(root: str, round_index: int) -> dict:
+    """Round `round_index`'s cost model (_round_state): what that round's policy trains against."""
+    cm = _round_state(root, "cost_model", round_index, ("model_uri",))
+    if cm is None:
         stage = "train_cost_model" if round_index == 1 else f"refit_cost_model_r{round_index}"
-        raise EmbshardError(f"the run's cost model is round {cm.get('round', 1)}'s, not round {round_index}'s",
+        latest = _state(root, "cost_model")
+        raise EmbshardError(f"the run's cost model is round {latest.get('round', 1)}'s, not round {round_index}'s",
                             path=_join(path(root, "state"), "cost_model.json"),
                             fix=f"run train_cost_model --round {round_index} first (the DAG's {stage})")
     return cm
@@ -237,18 +244,12 @@ def measure_policy_plans(root: str, params: dict, round_index: int = 2) -> dict:
 
 
 def _policy_of_round(root: str, round_index: int) -> tuple[str, str]:
-    """(folder, cost model URI) of round `round_index`'s policy, from the state that round left
-    (state/policy-round-<r>.json; roots written before it existed: the latest policy's, when it is that round's)."""
-    from . import storage
-
-    own = _join(path(root, "state"), f"policy-round-{round_index}.json")
-    if storage.exists(own):
-        state = _state(root, f"policy-round-{round_index}", keys=("policy_dir", "cost_model_uri"))
-    else:
-        state = _state(root, "policy", keys=("policy_dir", "cost_model_uri"))
-        if int(state.get("round", 1)) != round_index:
-            raise EmbshardError(f"missing stage output (round {round_index}'s policy)", path=own,
-                                fix=f"run train_policy round {round_index} first")
+    """(folder, cost model URI) of round `round_index`'s policy, from the state that round left (_round_state)."""
+    state = _round_state(root, "policy", round_index, ("policy_dir", "cost_model_uri"))
+    if state is None:
+        raise EmbshardError(f"missing stage output (round {round_index}'s policy)",
+                            path=_join(path(root, "state"), f"policy-round-{round_index}.json"),
+                            fix=f"run train_policy round {round_index} first")
     return state["policy_dir"], state["cost_model_uri"]
 
 

@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 def code_version() -> str:
     """The version of the code that runs, for lineage (model-version tags, plan.json): EMBSHARD_CODE_VERSION when
     set (an image built without .git bakes it in), else __version__ with the git commit of a checkout the
-    package runs from ("0.1.0+g1a2b3c4d5e6f", "+dirty" when tracked files differ from it), else __version__.
+    package runs from ("0.1.0+g1a2b3c4d5e6f", ".dirty" appended when tracked files differ from it), else __version__.
     The package version alone could not tell apart runs of different code (every plan said 0.1.0)."""
     given = os.environ.get("EMBSHARD_CODE_VERSION", "").strip()
     if given:

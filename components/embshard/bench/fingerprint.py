@@ -72,7 +72,7 @@ def check_or_adopt(costs_dir: str, fp: dict, has_results: bool) -> bool:
     except (ValueError, OSError, UnicodeDecodeError):
         raise EmbshardError("unreadable fingerprint", path=path, field="fingerprint",
                             fix="write to a new --out, or delete this costs folder to measure again") from None
-    diff = [k for k in OPTIONS if old.get(k) != fp.get(k)]
+    diff = _differences(old, fp)
     if diff:
         what = "; ".join(f"{k.removesuffix('_sha256')} {_short(old.get(k))} there, {_short(fp.get(k))} now"
                          for k in diff[:3])
@@ -91,7 +91,12 @@ def matches(costs_dir: str, fp: dict) -> bool:
         old = json.loads(storage.read_text(path))
     except (ValueError, OSError, UnicodeDecodeError):
         return False
-    return all(old.get(k) == fp.get(k) for k in OPTIONS)
+    return not _differences(old, fp)
+
+
+def _differences(old: dict, fp: dict) -> list[str]:
+    """The fingerprint keys (OPTIONS) whose values differ."""
+    return [k for k in OPTIONS if old.get(k) != fp.get(k)]
 
 
 def write(costs_dir: str, fp: dict) -> None:

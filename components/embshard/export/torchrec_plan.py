@@ -482,17 +482,18 @@ def _check_shards(f: str, kind: str, shards, ranks: list[int], bad, is_int, worl
 def _check_row_blocks(f: str, kind: str, placed, rows: int, bad, world: int | None) -> None:
     """TorchRec routes a row-wise table's ids to ranks by blocks of ceil(rows / ranks) rows (torchrec_row_blocks),
     so other row ranges would send ids to ranks that do not hold their rows: the shards must be those blocks, in
-    rank order on consecutive ranks (row_wise: ranks 0..world-1; table_row_wise: one host's ranks)."""
+    rank order on consecutive ranks (row_wise: ranks 0..world-1; table_row_wise: one host's ranks): the layout
+    export writes (torchrec_compat.row_layout, over the table's n ranks counted from its first)."""
     n = len(placed)
     by_offset = sorted(placed, key=lambda p: (p[2] == 0, p[0]))  # (row_off, col_off, rows, cols, rank)
     spans = [(ro, rs) for ro, _, rs, _, _ in by_offset if rs > 0]
     ranks = [r for *_, r in by_offset]
     first = 0 if kind == ROW_WISE else ranks[0]
-    blocks = torchrec_row_blocks(rows, n)
-    if spans != blocks or ranks != list(range(first, first + n)) or (kind == TABLE_ROW_WISE and first % n):
+    blocks = row_layout(rows, [(ro, rs, r - first) for ro, _, rs, _, r in by_offset if rs > 0], n)
+    if blocks != (ROW_WISE, None) or ranks != list(range(first, first + n)) or (kind == TABLE_ROW_WISE and first % n):
         shown = f"{[(o, o + s) for o, s in spans][:3]}{'...' if len(spans) > 3 else ''}"
         raise bad(f"{f}.shards", f"{kind} row ranges {shown}"
-                  f" on ranks {ranks[:4]}{'...' if n > 4 else ''} are not TorchRec's blocks of {blocks[0][1]:,} rows "
+                  f" on ranks {ranks[:4]}{'...' if n > 4 else ''} are not TorchRec's blocks of {-(-rows // n):,} rows "
                   f"on consecutive ranks{' from 0' if kind == ROW_WISE else ' of one host'}, so ids would reach ranks "
                   "without their rows", "re-export the plan with embshard export (it writes TorchRec's layout)")
     if kind == ROW_WISE and world is not None and n != world:
