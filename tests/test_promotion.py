@@ -80,8 +80,9 @@ def fresh(store):
             client.delete_registered_model_alias(name, alias)
     for version in (GOOD, BAD, GOOD_TOO):
         registry.set_verdict(POLICY, version, registry.PENDING)
-        if "airflow.run_id" in client.get_model_version(POLICY, version).tags:
-            client.delete_model_version_tag(POLICY, version, "airflow.run_id")
+        for tag in ("airflow.run_id", registry.HEALTH_TAG, registry.HEALTH_REASON_TAG):
+            if tag in client.get_model_version(POLICY, version).tags:
+                client.delete_model_version_tag(POLICY, version, tag)
     return store
 
 
@@ -89,6 +90,12 @@ def verdict_tag(version: str) -> str:
     import mlflow
 
     return mlflow.MlflowClient().get_model_version(POLICY, version).tags[registry.VERDICT_TAG]
+
+
+def health_tag(version: str) -> str | None:
+    import mlflow
+
+    return mlflow.MlflowClient().get_model_version(POLICY, version).tags.get(registry.HEALTH_TAG)
 
 
 def aliases(name: str) -> dict[str, str]:
@@ -160,6 +167,55 @@ def test_a_difference_inside_the_rulers_a_a_floor_is_no_difference(vs_champion, 
 
     got, why = decide(vs_champion, vs_baseline, margin=0.01, failed=failed, floor=floor)
     assert got == verdict and reason in why
+
+
+REGRESSED = comp(1.15, 1.10, 1.20)  # a champion measured slower than the best baseline beyond FLOOR
+HEALTHY = comp(1.03, 0.98, 1.08)    # slower in the median, inside the floor: no difference
+
+
+@pytest.mark.parametrize("vs_champion, vs_baseline, champion_vs_baseline, verdict, reason", [
+    # A candidate as good as the baselines replaces a regressed champion without clearing the margin against it.
+    (comp(0.99, 0.95, 1.03), comp(1.00, 0.97, 1.03), REGRESSED, "promoted", "the champion is measurably slower"),
+    # ... but not one slower than the champion in the median, nor one slower than the baselines in the median.
+    (comp(1.01, 0.97, 1.05), comp(1.00, 0.97, 1.03), REGRESSED, "undecided", "straddles"),
+    (comp(0.95, 0.90, 1.00), comp(1.07, 1.00, 1.09), REGRESSED, "undecided", "straddles"),
+    # Measurably slower than the baselines itself: never promoted, whatever the champion.
+    (comp(0.90, 0.85, 0.95), comp(1.12, 1.08, 1.15), REGRESSED, "measurably_slower", "best baseline"),
+    # A healthy champion: the usual rule (the margin and the floor against the champion).
+    (comp(0.99, 0.95, 1.03), comp(1.00, 0.97, 1.03), HEALTHY, "undecided", "straddles"),
+])
+def test_a_champion_slower_than_the_baselines_is_replaced_by_a_candidate_as_good_as_them(
+        vs_champion, vs_baseline, champion_vs_baseline, verdict, reason):
+    from embshard.jobs.promote import champion_regressed, decide
+
+    assert champion_regressed(REGRESSED, FLOOR) and not champion_regressed(HEALTHY, FLOOR)
+    got, why = decide(vs_champion, vs_baseline, margin=0.01, failed=False, floor=FLOOR,
+                      champion_vs_baseline=champion_vs_baseline)
+    assert got == verdict and reason in why
+
+
+def test_a_regressed_champion_keeps_its_alias_is_tagged_and_loading_it_warns(fresh, caplog):
+    """record_champion_health on a real registry: the tag, the warning, the alias kept; `load_planner` of the
+    champion warns; a later healthy measurement clears the tag."""
+    import logging
+
+    from embshard.jobs.promote import record_champion_health
+    from embshard.planners.registered import load_planner
+
+    registry.set_alias(POLICY, "champion", GOOD)
+    with caplog.at_level(logging.WARNING):
+        assert record_champion_health(GOOD, REGRESSED, FLOOR, replaced=False) == "regressed"
+    assert health_tag(GOOD) == "regressed" and aliases(POLICY) == {"champion": GOOD}
+    assert "keeps its alias" in caplog.text and "1.150 [1.100, 1.200]" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        load_planner(registry.alias_uri(POLICY))
+    assert f"models:/{POLICY}/{GOOD} measured slower than the best baseline" in caplog.text
+    assert record_champion_health(GOOD, HEALTHY, FLOOR, replaced=False) == "ok" and health_tag(GOOD) == "ok"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        load_planner(registry.alias_uri(POLICY))
+    assert "measured slower" not in caplog.text
 
 
 @pytest.mark.parametrize("vs_champion, vs_baseline, failed, verdict, reason", [
@@ -240,6 +296,10 @@ def test_a_worse_candidate_leaves_the_champion_where_it_was(fresh, tmp_path):
     assert decision["verdict"] == "measurably_slower" and verdict_tag(BAD) == "measurably_slower"
     assert aliases(POLICY) == {"champion": GOOD}
     assert aliases(COST) == {"champion": "1"}
+    # The champion measured beside it is checked too: its health tag agrees with its interval.
+    champ, floor = decision["champion_vs_best_baseline"], decision["aa_floor"]
+    regressed = champ["ci_low"] > max(1.0, floor["ci_high"])
+    assert health_tag(GOOD) == decision["champion_health"] == ("regressed" if regressed else "ok")
     run = promote_run(BAD)
     assert run["metrics.promoted"] == 0.0 and run["tags.decision"] == "measurably_slower"
     assert run["metrics.candidate_vs_champion_median"] == pytest.approx(decision["candidate_over_champion_median"])
@@ -250,22 +310,31 @@ def test_a_worse_candidate_leaves_the_champion_where_it_was(fresh, tmp_path):
 
 
 def test_a_better_candidate_replaces_a_worse_champion(fresh, tmp_path):
+    """The champion is the piling planner: measured slower than the baselines (regressed), so a candidate as good
+    as the baselines replaces it without having to clear the margin against it."""
     registry.set_alias(POLICY, "champion", BAD)
     registry.set_alias(COST, "champion", "2")
     registry.set_alias(POLICY, "challenger", GOOD_TOO)  # undecided against the champion about to be replaced
     registry.set_alias(COST, "challenger", "1")
     decision = promote(fresh, tmp_path, GOOD)
     assert decision["candidate_over_champion_median"] < 0.9
-    vs, floor = decision["candidate_vs_champion"], decision["aa_floor"]
+    champ, floor = decision["champion_vs_best_baseline"], decision["aa_floor"]
+    assert champ["ci_low"] > max(1.0, floor["ci_high"])  # the piling champion: measurably slower than a heuristic
+    assert decision["champion_health"] == "regressed" and health_tag(BAD) == "regressed"
+    assert promote_run(GOOD)["metrics.champion_vs_best_baseline_median"] == pytest.approx(champ["median"])
+    from embshard.stage_report import promotion_lines
+
+    assert any("champion vs the best baseline" in line and "REGRESSED" in line
+               for line in promotion_lines(decision, str(tmp_path)))
     if slower_than_baselines(decision):
         assert decision["verdict"] == "measurably_slower"  # never promoted while measurably slower than a heuristic
+        assert aliases(POLICY)["champion"] == BAD  # a regressed champion keeps its alias until replaced
         return
-    if not vs["ci_high"] < min(0.99, floor["ci_low"]):
-        # A loaded machine can widen the A/A floor past even this gap: then the gate must not guess.
-        assert decision["verdict"] == "undecided" and aliases(POLICY) == {"champion": BAD, "challenger": GOOD}
+    if decision["candidate_vs_best_baseline"]["median"] > max(1.0, floor["ci_high"]):
+        assert decision["verdict"] != "promoted" or decision["reason"].startswith("faster than the champion")
         return
-    # Clear of the margin and of the ruler's A/A floor: a difference, not noise.
-    assert decision["promoted"] is True and decision["reason"].startswith("faster than the champion")
+    assert decision["promoted"] is True
+    assert decision["reason"].startswith(("the champion is measurably slower", "faster than the champion"))
     assert decision["champion_version_before"] == BAD and decision["champion_version_after"] == GOOD
     # The old challenger was undecided against the old champion: the promotion removes the alias.
     assert aliases(POLICY) == {"champion": GOOD}

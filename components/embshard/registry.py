@@ -204,6 +204,20 @@ def set_verdict(name: str, version, verdict: str, reason: str = "") -> None:
     client.set_model_version_tag(name, str(version), VERDICT_REASON_TAG, reason[:250])
 
 
+# The gate's check of the champion it measured beside the candidate (jobs.promote.record_champion_health).
+HEALTH_TAG, HEALTH_REASON_TAG = "health", "health_reason"
+HEALTH_OK, HEALTH_REGRESSED = "ok", "regressed"
+
+
+def set_health(name: str, version, health: str, reason: str) -> None:
+    """Tag a version with the gate's health check (HEALTH_OK or HEALTH_REGRESSED) and its reason."""
+    import mlflow
+
+    client = mlflow.MlflowClient()
+    client.set_model_version_tag(name, str(version), HEALTH_TAG, health)
+    client.set_model_version_tag(name, str(version), HEALTH_REASON_TAG, reason[:250])
+
+
 def versions_with_verdict(name: str, verdict: str) -> list:
     """The ModelVersions of `name` whose verdict tag is `verdict` (oldest first)."""
     import mlflow
@@ -244,6 +258,36 @@ def pinned(uri: str) -> str:
         return f"models:/{name}/{version}" if version is not None else uri
     mv = version_for_alias(name, alias)
     return f"models:/{name}/{mv.version}" if mv is not None else uri
+
+
+def version_tag(uri: str, key: str) -> str | None:
+    """The tag `key` of the model version a `models:/name/<version>` URI names, or None (no such tag, another
+    kind of URI, or no store). From a local sqlite store read directly, as `pinned` does."""
+    import sqlite3
+
+    if not uri.startswith("models:/") or "@" in uri:
+        return None
+    name, _, version = uri[len("models:/"):].partition("/")
+    if not version.isdigit():
+        return None
+    store = _store_uri()
+    if store.startswith("sqlite:///"):
+        if _no_store_error(uri, store) is not None:
+            return None
+        try:
+            with _read_only(store) as db:
+                rows = db.execute("SELECT value FROM model_version_tags WHERE name = ? AND version = ? AND key = ?",
+                                  (name, int(version), key)).fetchall()
+        except sqlite3.Error:
+            return None
+        return str(rows[0][0]) if rows else None
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return mlflow.MlflowClient().get_model_version(name, version).tags.get(key)
+    except MlflowException:
+        return None
 
 
 def _read_only(store: str):

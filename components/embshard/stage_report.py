@@ -51,6 +51,12 @@ def promotion_lines(decision: dict, root: str) -> list[str]:
     if champ is not None:
         lines.append(f"  candidate vs the champion: {champ:.3f}x{interval(decision.get('candidate_vs_champion'))}  "
                      f"({speed_words(champ)})")
+    health = decision.get("champion_health")
+    champ_base = decision.get("champion_vs_best_baseline") or {}
+    if health is not None and champ_base.get("median") is not None:
+        lines.append(f"  champion vs the best baseline: {champ_base['median']:.3f}x{interval(champ_base)}  "
+                     + ("(REGRESSED: slower than a heuristic beyond the A/A floor)" if health == "regressed"
+                        else "(healthy)"))
     floor = decision.get("aa_floor") or {}
     aa = floor.get("median")
     if aa is not None and aa == aa:  # NaN: no repeat was measured

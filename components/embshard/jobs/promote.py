@@ -62,10 +62,21 @@ def _compare(round_costs: dict, a: str, b: str | None, best_baseline: bool = Fal
             "tasks": len(per_task), "task_medians": task_medians}
 
 
+def champion_regressed(champion_vs_baseline: dict | None, floor: dict | None) -> bool:
+    """Whether the champion measured slower than the best baseline beyond the ruler's A/A floor."""
+    if champion_vs_baseline is None:
+        return False
+    aa_lo, aa_hi = (floor["ci_low"], floor["ci_high"]) if floor else (np.nan, np.nan)
+    return stats.floor_verdict(champion_vs_baseline["ci_low"], champion_vs_baseline["ci_high"], aa_lo,
+                               aa_hi) == "slower"
+
+
 def decide(vs_champion: dict | None, vs_baseline: dict, margin: float, failed: bool,
-           floor: dict | None = None) -> tuple[str, str]:
+           floor: dict | None = None, champion_vs_baseline: dict | None = None) -> tuple[str, str]:
     """(verdict, reason): verdict one of registry.GATE_VERDICTS. `floor`: the A/A floor (median, ci_low, ci_high;
-    None or NaNs when not measured), whose interval a ratio has to clear to count as a difference."""
+    None or NaNs when not measured), whose interval a ratio has to clear to count as a difference.
+    `champion_vs_baseline`: the champion against the best baseline in the same evaluation (module docstring: a
+    regressed champion is replaced by a candidate that is as good as the baselines and not slower than it)."""
     def fmt(c: dict) -> str:
         return f"{c['median']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}] over {c['tasks']} tasks"
 
@@ -75,10 +86,17 @@ def decide(vs_champion: dict | None, vs_baseline: dict, margin: float, failed: b
         return registry.INFEASIBLE, "the candidate failed to place some tasks"
     if stats.floor_verdict(vs_baseline["ci_low"], vs_baseline["ci_high"], aa_lo, aa_hi) == "slower":
         return registry.SLOWER, f"measurably slower than the best baseline: {fmt(vs_baseline)}{aa}"
+    ceiling = max(1.0, aa_hi) if np.isfinite(aa_hi) else 1.0
+    if vs_champion is not None and champion_regressed(champion_vs_baseline, floor):
+        assert champion_vs_baseline is not None
+        if vs_baseline["median"] <= ceiling and vs_champion["median"] <= 1.0:
+            return registry.PROMOTED, (f"the champion is measurably slower than the best baseline "
+                                       f"({fmt(champion_vs_baseline)}{aa}); the candidate is not "
+                                       f"({fmt(vs_baseline)}) and not slower than the champion "
+                                       f"({fmt(vs_champion)})")
     if vs_champion is None:
         # The first champion is what training jobs load: "not measurably slower" alone once crowned a candidate
         # at 1.163 [1.006, 1.369] (the floor reached 1.012). Its median must also be within the noise.
-        ceiling = max(1.0, aa_hi) if np.isfinite(aa_hi) else 1.0
         if vs_baseline["median"] > ceiling:
             return registry.UNDECIDED, (f"no champion yet, but slower than the best baseline in the median, though "
                                         f"not beyond the ruler's noise: {fmt(vs_baseline)}{aa}; measure more tasks "
@@ -133,8 +151,13 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
         if aa_planner is not None:
             med, lo, hi = stats.aa_floor(res["ratio_frame"], aa_planner)
             floor = {"planner": aa_planner, "median": med, "ci_low": lo, "ci_high": hi}
-        verdict, reason = decide(vs_champion, vs_baseline, margin, failed, floor)
+        champ_vs_baseline = (_compare(res["round_costs"], champ_name, None, best_baseline=True)
+                             if champ_name else None)
+        verdict, reason = decide(vs_champion, vs_baseline, margin, failed, floor, champ_vs_baseline)
         promote = verdict == "promoted"
+        health = None
+        if champion is not None and champ_vs_baseline is not None:
+            health = record_champion_health(str(champion.version), champ_vs_baseline, floor, replaced=promote)
         decision: dict[str, Any] = {
             "candidate_version": str(candidate_version), "margin": margin, "verdict": verdict, "reason": reason,
             "promoted": promote, "rounds": res["rounds"], "tasks": int(df["task_id"].nunique()),
@@ -142,14 +165,16 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
             "candidate_median_ratio_best_baseline": vs_baseline["median"],
             "candidate_vs_best_baseline": vs_baseline,
             "candidate_over_champion_median": None if vs_champion is None else vs_champion["median"],
-            "candidate_vs_champion": vs_champion, "aa_floor": floor}
+            "candidate_vs_champion": vs_champion, "aa_floor": floor,
+            "champion_vs_best_baseline": champ_vs_baseline, "champion_health": health}
         decision["failed_runs"] = record_verdict(candidate_version, verdict, reason)
         after = registry.version_for_alias(POLICY, registry.CHAMPION)
         decision["champion_version_after"] = str(after.version) if after is not None else None
         mlflow.log_params({"candidate_version": candidate_version, "margin": margin, "rounds": res["rounds"],
                            "champion_before": decision["champion_version_before"]})
         comparisons: tuple[tuple[str, dict | None], ...] = (
-            ("candidate_vs_best_baseline", vs_baseline), ("candidate_vs_champion", vs_champion), ("aa_floor", floor))
+            ("candidate_vs_best_baseline", vs_baseline), ("candidate_vs_champion", vs_champion), ("aa_floor", floor),
+            ("champion_vs_best_baseline", champ_vs_baseline))
         for key, comp in comparisons:
             for k in ("median", "ci_low", "ci_high", "wilcoxon_p"):
                 value = None if comp is None else comp.get(k)
@@ -163,6 +188,24 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
         decision["summary"] = res["summary_text"]
     log.info("promotion: %s (%s)", verdict, reason)
     return decision
+
+
+def record_champion_health(version: str, champion_vs_baseline: dict, floor: dict | None, replaced: bool) -> str:
+    """Tag the champion version measured in this gate with its health (registry.HEALTH_TAG): `regressed` when it
+    measured slower than the best baseline beyond the A/A floor, else `ok`. A regressed champion that the candidate
+    does not replace keeps its alias, and the log says so. Returns the health."""
+    c = champion_vs_baseline
+    measured = f"{c['median']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}] over {c['tasks']} tasks"
+    if not champion_regressed(c, floor):
+        registry.set_health(POLICY, version, registry.HEALTH_OK, f"champion / best baseline {measured}")
+        return registry.HEALTH_OK
+    registry.set_health(POLICY, version, registry.HEALTH_REGRESSED,
+                        f"measured slower than the best baseline: {measured}")
+    if not replaced:
+        log.warning("the champion (version %s) measured slower than the best baseline: %s; it keeps its alias "
+                    "(training jobs load it) until a candidate as good as the baselines replaces it", version,
+                    measured)
+    return registry.HEALTH_REGRESSED
 
 
 def record_verdict(candidate_version: str, verdict: str, reason: str) -> list[str]:

@@ -8,12 +8,15 @@ the planners. Policy versions registered before the move pickled `embshard.polic
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import pandas as pd  # module level: MLflow resolves the predict signature's type hints in this module
 
 from ..registry import POLICY_CHAMPION_URI
 from .learned import LearnedPlanner
+
+log = logging.getLogger(__name__)
 
 
 def __getattr__(name: str):
@@ -115,4 +118,9 @@ def load_planner(model_uri: str = POLICY_CHAMPION_URI, **kw) -> LearnedPlanner:
 
     model_uri = registry.pinned(model_uri)  # the version the alias names now: loaded, and recorded in the plans
     policy, cost_model, _ = load_policy_bundle(model_uri)
+    if registry.version_tag(model_uri, registry.HEALTH_TAG) == registry.HEALTH_REGRESSED:
+        log.warning(
+            "%s measured slower than the best baseline at its last promotion gate (%s); its plans may be slower "
+            "than a heuristic's (fix: compare with --planners or run the pipeline to train a replacement)",
+            model_uri, registry.version_tag(model_uri, registry.HEALTH_REASON_TAG) or "no reason recorded")
     return LearnedPlanner(policy, cost_model, model_uri=model_uri, **kw)
