@@ -291,6 +291,30 @@ def test_cli_writes_every_file(tmp_path, tables_df, placement):
     assert code == 2
 
 
+def test_export_refuses_a_plan_whose_tables_changed_since_it_was_made(tmp_path, tables_df, placement, capsys):
+    """The rows record each table as planned (table_sha256): tables re-ingested with another pooling or access
+    pattern since planning are an error naming them, and nothing is written; the same tables export."""
+    from embshard.cli import main
+
+    rows = _write_inputs(tmp_path, tables_df, placement)
+    assert rows["table_sha256"].str.fullmatch("[0-9a-f]{16}").all()
+    changed = tables_df.copy()
+    first = str(placement.tables.table_ids[0])
+    changed.loc[changed["table_id"] == first, "pooling_factor"] *= 3
+    schemas.write(changed, tmp_path / "changed.parquet", "tables")
+    out = tmp_path / "out"
+    args = ["export", "--placements", str(tmp_path / "placements.parquet"), "--out", str(out), "--tables"]
+    assert main(args + [str(tmp_path / "changed.parquet")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"table(s) {first} changed since the plan was made" in err
+    assert "table_sha256" in err and "plan again" in err and not out.exists()
+    assert main(args + [str(tmp_path / "tables.parquet")]) == 0
+    # Rows written before the column (or without a hash) are not checked.
+    schemas.write(rows.drop(columns="table_sha256"), tmp_path / "old.parquet", "placements")
+    assert main(["export", "--placements", str(tmp_path / "old.parquet"), "--out", str(tmp_path / "out2"),
+                 "--tables", str(tmp_path / "changed.parquet")]) == 0
+
+
 def test_run_without_torchrec_still_exports(tmp_path, tables_df, placement, monkeypatch):
     from embshard.export.torchrec_plan import require_torchrec
     from embshard.jobs.export import run

@@ -139,6 +139,7 @@ class Placement:
         the devices: their count, memory and devices per host)."""
         t = self.tables
         per_host = self.devices.devices_per_host()
+        hashes = t.content_hashes()
         rows = []
         for s in self.shards:
             rows.append({
@@ -149,6 +150,6 @@ class Placement:
                 "planner": self.planner, "model_uri": self.model_uri,
                 "predicted_cost_ms": None if device_costs is None else float(device_costs[s.device]),
                 "num_devices": self.num_devices, "memory_bytes_per_device": self.memory_bytes_per_device,
-                "devices_per_host": per_host,
+                "devices_per_host": per_host, "table_sha256": hashes[s.table],
             })
         return pd.DataFrame(rows)

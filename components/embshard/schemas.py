@@ -193,6 +193,8 @@ SCHEMAS: dict[str, list[Column]] = {
         # the balanced estimate it is quoted against, and the planner's meta as a JSON object.
         Column("balanced_estimate_ms", _F64, required=False, nullable=True),
         Column("plan_meta", _STR, required=False, nullable=True),
+        # The table as it was planned (TableSet.content_hashes): an export refuses a plan whose table changed since.
+        Column("table_sha256", _STR, required=False, nullable=True),
     ],
 }
 

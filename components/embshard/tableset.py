@@ -65,6 +65,19 @@ class TableSet:
     def select(self, ids, where: str = "task") -> TableSet:
         return self.subset(self.index_of(list(ids), where))
 
+    def content_hashes(self) -> np.ndarray:
+        """(N,) 16-hex content hash of each table as a planner sees it (rows, dim, bytes per element, pooling,
+        access bins; not its id or trace path): a plan records them, so that its export can tell that a table
+        changed since it was planned."""
+        import hashlib
+
+        out = np.empty(len(self), dtype=object)
+        for i in range(len(self)):
+            h = hashlib.sha256(np.array([self.rows[i], self.dims[i], self.bytes_per_element[i]], np.int64).tobytes())
+            h.update(np.array([self.pooling_factor[i], *self.bins[i]], np.float64).tobytes())
+            out[i] = h.hexdigest()[:16]
+        return out
+
     def features(self) -> np.ndarray:
         """(N, 21) raw features (features.FEATURE_NAMES order)."""
         return feature_matrix(self)

@@ -42,6 +42,7 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
         if t not in ids:
             ids.append(t)
     sub = tables.select(ids, where=where)
+    _check_unchanged(df_task, sub, ids, where)
     pos = {t: i for i, t in enumerate(ids)}
     shards = []
     for row in df_task.itertuples(index=False):
@@ -74,6 +75,22 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
     placement.memory_bytes_per_device = int(memory_bytes_per_device)
     placement.check(where)
     return placement
+
+
+def _check_unchanged(df_task: pd.DataFrame, tables: TableSet, ids: list[str], where: str) -> None:
+    """The tables the rows were planned for (their `table_sha256`, where recorded) must be the ones given: a plan
+    for a table whose rows, dim or access pattern changed was balanced, and priced, for another table."""
+    if "table_sha256" not in df_task.columns:
+        return
+    planned = {str(t): str(h) for t, h in zip(df_task["table_id"], df_task["table_sha256"]) if _value(h) is not None}
+    now = dict(zip(ids, tables.content_hashes()))
+    changed = [t for t in ids if t in planned and planned[t] != now[t]]
+    if changed:
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise EmbshardError(f"table(s) {', '.join(changed[:3])}{more} changed since the plan was made (rows, dim, "
+                            "bytes per element, pooling or access pattern differ from the tables given)",
+                            path=where, field="table_sha256",
+                            fix="pass the tables.parquet the plan was made from, or plan again with these tables")
 
 
 def own_devices_per_host(df_task: pd.DataFrame, where: str) -> int | None:
