@@ -54,6 +54,10 @@ REPO = Path(__file__).resolve().parents[1]
     ({"policy_rounds": 4}, "policy_rounds", "maximum of 3"),
     ({"timeout_scale": 0}, "timeout_scale", "minimum of 0.001"),
     ({"recalibrate_comm": "yes"}, "recalibrate_comm", "not of type 'boolean'"),
+    # TorchRec names a rank's GPU by its index on its host, and torch's indices stop at 127.
+    ({"devices": 256}, "devices_per_host", "256 devices on one host"),
+    ({"devices": 12, "devices_per_host": 8}, "devices_per_host", "do not split into hosts of 8"),
+    ({"devices_per_host": 0}, "devices_per_host", "minimum of 1"),
 ])
 def test_each_bad_value_is_named_with_its_fix(conf, field, words):
     found = params.problems(conf)
@@ -195,3 +199,13 @@ def test_a_stuck_stage_is_timed_out(stuck_run):
     assert result["tasks"]["check_params"] == "success"
     assert result["tasks"]["ingest"] == "failed" and result["state"] == "failed"
     assert "Timeout" in out or "timed out" in out
+
+
+def test_devices_per_host_gives_the_runs_tasks_their_hosts(tmp_path):
+    """The ingest stage writes the param into tasks.parquet, where planning and export read each task's hosts."""
+    from embshard import schemas, stages
+
+    conf = {"num_tables": 40, "tables_per_task": "5-10", "num_tasks": 2, "devices": 8, "devices_per_host": 4}
+    out = stages.ingest(str(tmp_path), params.check(conf))
+    tasks = schemas.read(out["tasks"], "tasks")
+    assert set(tasks["devices_per_host"]) == {4} and set(tasks["num_devices"]) == {8}

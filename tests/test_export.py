@@ -315,6 +315,40 @@ def test_export_refuses_a_plan_whose_tables_changed_since_it_was_made(tmp_path, 
                  "--tables", str(tmp_path / "changed.parquet")]) == 0
 
 
+@pytest.mark.skipif("not _has_torchrec()")
+def test_table_ids_torchrec_cannot_key_and_one_host_of_over_128_gpus_are_one_line_errors(tmp_path, tables_df, caplog):
+    """'items' (an nn.ModuleDict attribute) passes `place` with a warning and stops `export` in one line; so does a
+    plan on 256 devices of one host (torch numbers a host's GPUs 0-127), which --devices-per-host or
+    --compute-device cpu exports."""
+    import logging
+
+    from embshard.cli import main
+
+    df = tables_df.copy()
+    df.loc[0, "table_id"] = "items"
+    schemas.write(df, tmp_path / "tables.parquet", "tables")
+    args = ["--tables", str(tmp_path / "tables.parquet"), "--memory-gb", "1", "--planner", "size_greedy"]
+    with caplog.at_level(logging.WARNING):
+        assert main(["place", *args, "--devices", "2", "--out", str(tmp_path / "p")]) == 0
+    assert "table ids ['items'] cannot name TorchRec tables ('items' is an nn.ModuleDict attribute)" in caplog.text
+    assert main(["export", "--placements", str(tmp_path / "p" / "placements.parquet"), "--tables",
+                 str(tmp_path / "tables.parquet"), "--out", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()
+    # 256 devices on one host.
+    ok = tables_df.copy()
+    schemas.write(ok, tmp_path / "ok.parquet", "tables")
+    many = Placement(TableSet.from_frame(ok), 256, int(ok["size_bytes"].max()),
+                     [Shard(i, 200 + i) for i in range(len(ok))], planner="hand", task_id="big")
+    schemas.write(many.to_frame(), tmp_path / "many.parquet", "placements")
+    base = ["export", "--placements", str(tmp_path / "many.parquet"), "--tables", str(tmp_path / "ok.parquet")]
+    assert main([*base, "--out", str(tmp_path / "y")]) == 2 and not (tmp_path / "y").exists()
+    assert main([*base, "--out", str(tmp_path / "y"), "--devices-per-host", "8"]) == 0
+    doc = json.loads((tmp_path / "y" / "big" / "torchrec_plan.json").read_text())
+    assert "rank:200/cuda:0" in json.dumps(doc)  # rank 200 is the first GPU of host 25
+    assert main([*base, "--out", str(tmp_path / "z"), "--compute-device", "cpu"]) == 0
+    assert "rank:200/cpu" in (tmp_path / "z" / "big" / "torchrec_plan.json").read_text()
+
+
 def test_run_without_torchrec_still_exports(tmp_path, tables_df, placement, monkeypatch):
     from embshard.export.torchrec_plan import require_torchrec
     from embshard.jobs.export import run

@@ -226,6 +226,14 @@ def test_train_policy_registers_and_place_uses_the_registry(measured_world, cost
     assert plan["model_uri"] == f"models:/embshard-policy/{res['version']}"
     assert set(df["model_uri"]) == {plan["model_uri"]}
     assert registry.pinned("models:/embshard-policy@no-such-alias") == "models:/embshard-policy@no-such-alias"
+    # Its signature requires the tables contract's required columns only: a DLRM-ingested tables.parquet (no
+    # synthetic zipf_alpha) is a valid input.
+    from mlflow.models import get_model_info
+
+    inputs = get_model_info(f"models:/embshard-policy/{res['version']}").signature.inputs.inputs
+    required = {c.name for c in inputs if c.required}
+    assert required == {c.name for c in schemas.SCHEMAS["tables"] if c.required}
+    assert "zipf_alpha" in {c.name for c in inputs} - required
 
 
 def test_place_without_a_registered_model_says_how_to_train(small_tables_path, tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -31,9 +32,14 @@ def _has_torchrec() -> bool:
 
 
 def _tables():
+    from embshard.tableset import TableSet
+
+    return TableSet.from_frame(_tables_frame())
+
+
+def _tables_frame() -> pd.DataFrame:
     from embshard import schemas
     from embshard.ingest.synthetic import generate_tables
-    from embshard.tableset import TableSet
 
     df = generate_tables(len(SIZES), seed=3, bins_batch_size=256)
     df["rows"] = [r for r, _ in SIZES]
@@ -41,7 +47,7 @@ def _tables():
     df["bytes_per_element"] = 4
     df["size_bytes"] = df["rows"] * df["dim"] * 4
     df["table_id"] = [f"t{i}" for i in range(len(SIZES))]
-    return TableSet.from_frame(schemas.validate(pd.DataFrame(df), "tables"))
+    return schemas.validate(pd.DataFrame(df), "tables")
 
 
 def _placement():
@@ -132,15 +138,18 @@ def _free_port() -> int:
 def test_exported_plan_shards_through_dmp_and_matches_the_unsharded_model(tmp_path):
     import torch.multiprocessing as mp
 
-    from embshard.export.torchrec_plan import plan_to_json, to_torchrec_plan
+    from embshard import schemas
+    from embshard.jobs.export import run as export
 
+    # The plan a training job gets: placements.parquet through `embshard export --compute-device cpu`.
     placement = _placement()
-    t = placement.tables
-    plan = to_torchrec_plan(placement, compute_device="cpu")
-    doc = plan_to_json(plan, world_size=WORLD, tables={str(n): (int(r), int(d))
-                                                       for n, r, d in zip(t.table_ids, t.rows, t.dims)})
-    path = tmp_path / "torchrec_plan.json"
-    path.write_text(json.dumps(doc))
+    schemas.write(_tables_frame(), tmp_path / "tables.parquet", "tables")
+    schemas.write(placement.to_frame(), tmp_path / "placements.parquet", "placements")
+    result = export(str(tmp_path / "placements.parquet"), str(tmp_path / "tables.parquet"), str(tmp_path / "out"),
+                    compute_device="cpu")
+    path = result["plans"]["dmp"]["torchrec_plan_json"]
+    text = Path(path).read_text()
+    assert "/cpu" in text and "cuda" not in text
     mp.start_processes(_worker, args=(str(path), _free_port(), str(tmp_path)), nprocs=WORLD, join=True,
                        start_method="spawn")
     for rank in range(WORLD):

@@ -28,6 +28,7 @@ import re
 from .errors import EmbshardError
 
 ID_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$"
+MAX_LOCAL_DEVICES = 128  # torch's device index is 8 bits: a host's GPUs are cuda:0 .. cuda:127
 ID_RULE = "letters, digits, '_', '.', '-' (not first), at most 128 characters"
 _ID = re.compile(ID_PATTERN)
 

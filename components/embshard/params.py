@@ -15,7 +15,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from .checks import CURRICULUM_OFF, DEFAULT_CURRICULUM, curriculum_stages  # noqa: F401 (re-exported)
+from .checks import CURRICULUM_OFF, DEFAULT_CURRICULUM, MAX_LOCAL_DEVICES, curriculum_stages  # noqa: F401
 from .errors import EmbshardError
 
 MAX_POLICY_ROUNDS = 3  # the DAG has a task per step of each outer-loop round
@@ -62,6 +62,11 @@ SPECS: dict[str, ParamSpec] = {
                                  {"type": "string", "pattern": r"^[1-9]\d*(-[1-9]\d*)?$"},
                                  fix="give a positive number or a range LOW-HIGH like 20-60"),
     "devices": ParamSpec(4, "Devices per task (1-4,096).", _int(1, 4096)),
+    # Optional (null: every device on one host): TorchRec names a rank's GPU by its index on its host.
+    "devices_per_host": ParamSpec(None, "GPUs per host of the training job (empty: all devices on one host; needed "
+                                  "above 128 devices, since torch numbers a host's GPUs 0-127). Plans may then cut "
+                                  "tables row-wise within a host, and the TorchRec plans name each rank's local GPU.",
+                                  {"type": ["null", "integer"], "minimum": 1, "maximum": MAX_LOCAL_DEVICES}),
     "memory_gb": ParamSpec(128.0, "Memory per device in GiB (a hard constraint; above 0, at most 100,000).",
                            {"type": "number", "exclusiveMinimum": 0, "maximum": 100_000}),
     # Random training shards measured for the cost model; with 160 its unseen compute MAPE was 35%, with 240 23%.
@@ -192,6 +197,15 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
         # never find a candidate measurably faster than the first choice
         found.append(("eval_rounds", f"refine_k {p['refine_k']} measures its candidates in eval_rounds rounds, "
                       "and one round gives no interval", "give eval_rounds 5 or more, or refine_k 0"))
+    if "devices" not in bad and "devices_per_host" not in bad:
+        devices, per_host = int(p["devices"]), p["devices_per_host"]
+        if per_host is None and devices > MAX_LOCAL_DEVICES:
+            found.append(("devices_per_host", f"{devices} devices on one host, but torch numbers a host's GPUs "
+                          f"0-{MAX_LOCAL_DEVICES - 1} (the TorchRec plans could not name them)",
+                          "give devices_per_host, the GPUs per host of the training job (e.g. 8)"))
+        elif per_host is not None and devices % int(per_host):
+            found.append(("devices_per_host", f"{devices} devices do not split into hosts of {per_host}",
+                          "give a number of GPUs per host that divides devices"))
     if "eval_planners" not in bad and len(set(p["eval_planners"])) != len(p["eval_planners"]):
         found.append(("eval_planners", "a planner is listed twice", "list each planner once"))
     return found

@@ -100,7 +100,8 @@ def ingest(root: str, params: dict) -> dict:
                         num_tables=int(p["num_tables"]) if synthetic else None,
                         **({"hot_large_fraction": float(p["hot_large_fraction"])} if synthetic else {}))
     tasks = tasks_run(tables, root, num_tasks=int(p["num_tasks"]), tables_per_task=p["tables_per_task"],
-                      devices=p["devices"], memory_gb=p["memory_gb"], seed=int(p["seed"]))
+                      devices=p["devices"], memory_gb=p["memory_gb"], seed=int(p["seed"]),
+                      devices_per_host=None if p["devices_per_host"] is None else int(p["devices_per_host"]))
     return _state(root, "ingest", {"tables": tables, "tasks": tasks})
 
 

@@ -5,6 +5,7 @@ memory accounting, and a TorchRec ShardingPlan read back as our Placement.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -83,11 +84,26 @@ def quiet_torchrec() -> None:
 
 
 def check_names(table_ids) -> None:
-    """TorchRec keys tables by name in an nn.ModuleDict: names must be non-empty and free of '.'."""
-    bad = [t for t in table_ids if not t or "." in t]
+    """TorchRec keys tables by name in an nn.ModuleDict: names must be non-empty, free of '.', and not one of the
+    dict's own attributes ('items', 'keys', 'type', 'to', ...: ModuleDict refuses them as keys)."""
+    reserved = module_dict_attributes()
+    bad = [t for t in table_ids if not t or "." in t or t in reserved]
     if bad:
-        raise EmbshardError(f"table ids {bad[:3]} cannot name TorchRec tables", field="table_id",
-                            fix="use table ids without '.' (they become nn.ModuleDict keys)")
+        taken = [t for t in bad if t in reserved]
+        names = ", ".join(repr(t) for t in taken[:3])
+        why = "" if not taken else (f" ({names} is an nn.ModuleDict attribute)" if len(taken) == 1
+                                    else f" ({names} are nn.ModuleDict attributes)")
+        raise EmbshardError(f"table ids {bad[:3]} cannot name TorchRec tables{why}", field="table_id",
+                            fix="rename those tables: ids without '.' that are not nn.ModuleDict attributes (they "
+                                "become its keys), e.g. with a prefix ('t_items')")
+
+
+@functools.cache
+def module_dict_attributes() -> frozenset[str]:
+    """The names nn.ModuleDict refuses as keys: its own attributes (of the installed torch)."""
+    import torch
+
+    return frozenset(dir(torch.nn.ModuleDict))
 
 
 def data_type(bytes_per_element: int):

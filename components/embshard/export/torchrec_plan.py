@@ -28,6 +28,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from ..checks import MAX_LOCAL_DEVICES
 from ..errors import EmbshardError
 from ..placement import Placement
 from ..tableset import TableSet
@@ -123,6 +124,11 @@ def to_torchrec_plan(plan_or_placement, *, module=None, module_path: str = "", c
     elif world % local:
         raise EmbshardError(f"{world} devices do not split into hosts of {local}", field="local_world_size",
                             fix="give a number of devices per host that divides the number of devices")
+    if local > MAX_LOCAL_DEVICES and compute_device != "cpu":
+        raise EmbshardError(f"the plan's {world} devices are on one host, but TorchRec names a rank's GPU by its "
+                            f"index on its host and torch's indices stop at {MAX_LOCAL_DEVICES - 1}",
+                            field="hosts", fix="give the GPUs per host of the training job (--devices-per-host, "
+                            "or the tasks file's devices_per_host)")
     rank_hosts = tuple(d // local for d in range(world))
     if module is None:
         module = build_module(plan["tables"])

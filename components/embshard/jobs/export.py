@@ -81,12 +81,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="devices per host (host h holds devices h*L .. h*L+L-1, TorchRec's rank order); "
                              "written to plan.json as hosts and needed for table_row_wise tables (default: the "
                              "tasks file's devices_per_host, else one host)")
+    parser.add_argument("--compute-device", choices=("cuda", "cpu"), default="cuda",
+                        help="the device the training job's ranks run on, named in the TorchRec plans' shard "
+                             "placements (rank:R/cuda:N, or rank:R/cpu for CPU ranks, e.g. a gloo test job)")
     parser.add_argument("--no-torchrec", action="store_true", help="write plan.json and Parquet only")
 
 
 def main(args: argparse.Namespace) -> int:
     result = run(args.placements, args.tables, args.out, tasks=args.tasks, module_path=args.module_path,
-                 torchrec=not args.no_torchrec, devices_per_host=args.devices_per_host)
+                 torchrec=not args.no_torchrec, devices_per_host=args.devices_per_host,
+                 compute_device=args.compute_device)
     print(f"exported {result['num_tasks']} task(s) to {args.out}: placements.parquet, "
           f"<task>/plan.json" + (", <task>/torchrec_plan.json, <task>/torchrec_plan.pt"
                                  if result["torchrec"] else f" (TorchRec plans skipped: {result['torchrec_note']})"))
@@ -94,13 +98,14 @@ def main(args: argparse.Namespace) -> int:
 
 
 def run(placements: str, tables: str, out: str, tasks: str | None = None, module_path: str = "",
-        torchrec: bool = True, devices_per_host: int | None = None) -> dict:
+        torchrec: bool = True, devices_per_host: int | None = None, compute_device: str = "cuda") -> dict:
     """Export every task of `placements`; returns {"placements": path, "plans": {task_id: {file: path}},
     "num_tasks": n, "torchrec": bool, "torchrec_note": str | None}.
 
     Complete or absent: every task is checked first (every table of the task, with --tasks exactly the task's
     tables, each column once, memory respected), all files are written into a temporary folder and published
-    under `out` only when every one was written; on any error nothing is left behind."""
+    under `out` only when every one was written; on any error nothing is left behind. `compute_device`: what the
+    TorchRec plans name as each rank's device (cuda: its GPU on its host; cpu: CPU ranks)."""
     from .. import schemas, storage
     from ..errors import EmbshardError
     from ..export.placements import (
@@ -175,7 +180,7 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
                             balanced_estimate=estimate)
             if torchrec:
                 try:
-                    _write_torchrec(placement, os.path.join(stage, task_id), module_path)
+                    _write_torchrec(placement, os.path.join(stage, task_id), module_path, compute_device)
                 except EmbshardError as exc:  # a layout TorchRec cannot run: name the input and the task
                     raise (exc.at(f"{where} (task {task_id})") if exc.path is None else exc) from None
         schemas.write(df, os.path.join(stage, "placements.parquet"), "placements")
@@ -234,7 +239,7 @@ def _check_complete(rows, task_tables: list[str], where: str, tasks: str) -> Non
                             path=where, field="table_id", fix="export the placements made for this tasks file")
 
 
-def _write_torchrec(placement, folder: str, module_path: str) -> dict[str, str]:
+def _write_torchrec(placement, folder: str, module_path: str, compute_device: str = "cuda") -> dict[str, str]:
     import io
     import json
 
@@ -243,7 +248,7 @@ def _write_torchrec(placement, folder: str, module_path: str) -> dict[str, str]:
     from .. import storage
     from ..export.torchrec_plan import check_plan_doc, plan_to_json, to_torchrec_plan
 
-    plan = to_torchrec_plan(placement, module_path=module_path)
+    plan = to_torchrec_plan(placement, module_path=module_path, compute_device=compute_device)
     t = placement.tables
     doc = plan_to_json(plan, world_size=placement.num_devices,
                        tables={str(n): (int(r), int(d)) for n, r, d in zip(t.table_ids, t.rows, t.dims)})

@@ -196,8 +196,9 @@ def check_training(iterations, rounds, rollouts_per_task) -> None:
 
 
 def _signature(policy, cost_model, tables: str, task: Task):
-    """The registered planner's signature, from planning one validation task: tables in (the tables contract;
-    trace pointers and pool optional), placements out, devices and memory as params."""
+    """The registered planner's signature, from planning one validation task: tables in (the tables contract's
+    required columns required; its optional ones, and what the run's own tables carry beyond the contract, e.g.
+    the synthetic `zipf_alpha`, optional), placements out, devices and memory as params."""
     from .. import registry
     from ..planners.learned import LearnedPlanner
     from ..planners.scoring import placement_costs
@@ -208,9 +209,9 @@ def _signature(policy, cost_model, tables: str, task: Task):
     # job that forgets them gets an error, not a plan for this validation task's devices and memory.
     params = {"num_devices": 0, "memory_bytes_per_device": 0, "task_id": "task"}
     placement = LearnedPlanner(policy, cost_model).plan_task(task)
-    optional = {"trace_file", "trace_table_index", "source", "pool"}
+    contract = {c.name for c in schemas.SCHEMAS["tables"] if c.required}
     return registry.signature(frame, placement.to_frame(placement_costs(cost_model, placement)), params,
-                              required=[c for c in frame.columns if c not in optional])
+                              required=[c for c in frame.columns if c in contract])
 
 
 def _cost_model_version(uri: str) -> str:
