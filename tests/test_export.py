@@ -193,6 +193,29 @@ def test_plan_json_validation_names_the_field(placement, tmp_path, edit, field):
         read_plan_json(path)
 
 
+@pytest.mark.parametrize("edit, words", [
+    # A hand edit that moves a table: devices[] is derived, and the message says how to bring it along.
+    (lambda p: p["devices"][0].update(memory_bytes=p["devices"][0]["memory_bytes"] + 8),
+     "devices[] is derived from tables[].shards"),
+    (lambda p: p["devices"][1]["tables"].append("t_unknown"), "lists ['t_unknown'] without a shard there"),
+    (lambda p: p["tables"].append(copy.deepcopy(p["tables"][1])), "duplicate table_id ["),
+    # Overlapping column slices: the range in order, and what is wrong with it.
+    (lambda p: p["tables"][0]["shards"][1].update(col_offset=24), "columns 24..32 are placed twice"),
+])
+def test_plan_json_errors_name_the_table_and_the_range_in_order(placement, tmp_path, edit, words):
+    plan = write_plan_json(placement, tmp_path / "p.json", device_costs=COSTS)
+    with pytest.raises(EmbshardError) as err:
+        validate_plan(_bad(plan, edit))
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_small_memory_overrun_is_said_in_bytes(placement):
+    over = copy.copy(placement)
+    over.memory_bytes_per_device = int(placement.memory_per_device().max()) - 100
+    with pytest.raises(EmbshardError, match=r"100 bytes over its [\d,]+ bytes|100 bytes over its [\d.]+ MiB"):
+        over.check()
+
+
 def test_builtin_schema_checker_agrees_with_jsonschema(placement, tmp_path):
     # Without jsonschema installed the built-in subset checker runs: it must catch the same structural errors.
     plan = write_plan_json(placement, tmp_path / "p.json", device_costs=COSTS)

@@ -44,6 +44,17 @@ MAX_DEVICES = 65_536
 GiB = 2**30
 
 
+def size_text(n_bytes: float) -> str:
+    """Bytes in the unit that shows them: '19.073 GiB', '2.4 MiB', '591,536 bytes' (a GiB figure of a small
+    overrun read '0.000 GiB over')."""
+    n = float(n_bytes)
+    if abs(n) >= GiB:
+        return f"{n / GiB:.3f} GiB"
+    if abs(n) >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{int(n):,} bytes"
+
+
 def bad_id(value) -> bool:
     """True when `value` is not a valid table/task id (see the module doc)."""
     return not isinstance(value, str) or _ID.fullmatch(value) is None

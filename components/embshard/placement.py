@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from .checks import DIM_MULTIPLE
+from .checks import DIM_MULTIPLE, size_text
 from .errors import InfeasiblePlacementError
 from .tableset import TableSet
 from .types import COLUMN, REPLICATED, WHOLE, DeviceTopology, Shard
@@ -98,8 +98,8 @@ class Placement:
         if (over > 0).any():
             d = int(np.argmax(over))
             raise InfeasiblePlacementError(
-                f"device {d} holds {mem[d] / 2**30:.3f} GiB, {over[d] / 2**30:.3f} GiB over its "
-                f"{self.memory_bytes_per_device / 2**30:.3f} GiB", path=where, field="memory",
+                f"device {d} holds {size_text(mem[d])}, {size_text(over[d])} over its "
+                f"{size_text(self.memory_bytes_per_device)}", path=where, field="memory",
                 fix="add devices, raise memory per device, or use a planner that respects memory")
 
     def _coverage_problem(self, i: int, pieces: list[Shard]) -> str | None:

@@ -315,7 +315,8 @@ def _consistency_check(plan: dict, where: str) -> None:
         fail("devices", f"devices must be listed 0..{d - 1} in order", "one entry per device")
     ids = [t["table_id"] for t in plan["tables"]]
     if len(set(ids)) != len(ids):
-        fail("tables", "duplicate table_id", "list every table once")
+        twice = sorted({t for t in ids if ids.count(t) > 1})
+        fail("tables", f"duplicate table_id {twice[:3]}", "list every table once")
     mem = [0] * d
     holders: list[set] = [set() for _ in range(d)]
     cover = "shards must be of one kind and cover the table exactly once (columns, rows, or a replica per device)"
@@ -353,9 +354,10 @@ def _consistency_check(plan: dict, where: str) -> None:
             key, total, unit = ("row", rows, "rows") if kind == "row" else ("col", dim, "columns")
             nxt = 0
             for s in sorted(shards, key=lambda s: s[f"{key}_offset"]):
-                if s[f"{key}_offset"] != nxt:
-                    fail(f"tables.{k}.shards", f"table {name}: {unit} {nxt}..{s[f'{key}_offset']} are missing or "
-                         "overlap", cover)
+                off = s[f"{key}_offset"]
+                if off != nxt:
+                    fail(f"tables.{k}.shards", f"table {name}: {unit} {min(off, nxt)}..{max(off, nxt)} are "
+                         f"{'missing' if off > nxt else 'placed twice'}", cover)
                 nxt += s[f"{key}_size"]
             if nxt != total:
                 fail(f"tables.{k}.shards", f"table {name}: shards cover {nxt} of {total} {unit}", cover)
@@ -367,13 +369,17 @@ def _consistency_check(plan: dict, where: str) -> None:
     for dev in plan["devices"]:
         i = dev["device"]
         if dev["memory_bytes"] != mem[i]:
-            fail(f"devices.{i}.memory_bytes", f"device {i}: memory_bytes {dev['memory_bytes']} != {mem[i]} of its "
-                 "shards", "recompute device memory from the shards")
+            fail(f"devices.{i}.memory_bytes", f"device {i}: memory_bytes {dev['memory_bytes']} but its shards in "
+                 f"tables[] hold {mem[i]}", "devices[] is derived from tables[].shards: after moving a shard, set "
+                 "each device's memory_bytes and tables to what its shards hold (or write the plan with "
+                 "embshard.export.write_plan_json)")
         if mem[i] > budget:
             fail(f"devices.{i}.memory_bytes", f"device {i} holds {mem[i]} bytes, {mem[i] - budget} over its "
                  f"{budget}", "this placement breaks the memory budget; re-plan it")
         if set(dev["tables"]) != holders[i]:
-            fail(f"devices.{i}.tables", f"device {i}: table list does not match the shards",
+            extra, missing = sorted(set(dev["tables"]) - holders[i]), sorted(holders[i] - set(dev["tables"]))
+            fail(f"devices.{i}.tables", f"device {i}: lists {extra[:3] or 'no table'} without a shard there and "
+                 f"misses {missing[:3] or 'none'} of its shards' tables", "devices[] is derived from tables[].shards: "
                  "list exactly the tables with a shard on the device")
     costs = plan["cost"]["device_costs_ms"]
     if costs is not None and len(costs) != d:
