@@ -235,3 +235,33 @@ def test_evaluate_refuses_a_plan_of_another_task_before_measuring(tiny, tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "three.json" in err[0] and "3 devices" in err[0]
     assert not out.exists()
+
+
+def test_evaluate_without_a_tasks_file_measures_the_plan_on_its_own_task(tiny, tmp_path, capsys):
+    """A team's question (is our plan better than yours?) needs no tasks file: the plan.json's tables, devices and
+    memory make the task. With a tasks file, the plan's own task_id picks its task; --task-id picks another;
+    without --plan and --tasks there is nothing to evaluate."""
+    import pandas as pd
+
+    from embshard.cli import main
+
+    common = ["--planners", "size_greedy", "--rounds", "1", "--batch-size", "32"]
+    out = tmp_path / "own"
+    assert main(["evaluate", "--tables", tiny["tables"], "--plan", tiny["plan"], *common, "--out", str(out)]) == 0
+    ev = pd.read_parquet(out / "evaluation.parquet")
+    assert set(ev["task_id"]) == {tiny["task"].task_id} and list(ev["planner"]) == ["size_greedy", "user_plan"]
+    # Two tasks in the file: the plan's own is evaluated (the other has other tables), and said so.
+    from embshard.jobs import tasks
+
+    two = tasks.run(tiny["tables"], str(tmp_path / "two"), num_tasks=2, tables_per_task=3, devices=2, memory_gb=1,
+                    seed=0)
+    assert main(["evaluate", "--tables", tiny["tables"], "--tasks", two, "--plan", tiny["plan"], *common,
+                 "--out", str(tmp_path / "picked")]) == 0
+    assert f"evaluating task {tiny['task'].task_id}" in capsys.readouterr().out
+    assert set(pd.read_parquet(tmp_path / "picked" / "evaluation.parquet")["task_id"]) == {tiny["task"].task_id}
+    assert main(["evaluate", "--tables", tiny["tables"], "--tasks", two, "--task-id", "nope", *common,
+                 "--out", str(tmp_path / "x")]) == 2
+    assert "no task 'nope'" in capsys.readouterr().err
+    assert main(["evaluate", "--tables", tiny["tables"], *common, "--out", str(tmp_path / "y")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no tasks to evaluate" in err[0] and "--plan FILE" in err[0]

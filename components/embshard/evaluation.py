@@ -192,13 +192,13 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
 def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = "test",
         max_tasks: int | None = None, rounds: int = DEFAULT_ROUNDS, settings: MeasureSettings | None = None,
         planner_kw: dict | None = None, progress: bool = True, seed: int = 0,
-        given: dict | None = None, estimate_in_rounds: bool = False) -> dict:
+        given: dict | None = None, estimate_in_rounds: bool = False, task_ids: list[str] | None = None) -> dict:
     """Evaluate `planners` on the tasks of `split` (evaluate_task per task) and write OUT/evaluation.parquet,
     ratios.parquet, placements.parquet and evaluation.png (all or none). `given`: planner objects built by the
     caller (name -> anything with `plan_task`, e.g. a user's plan file), listed in `planners` by that name.
     `estimate_in_rounds`: measure the balanced estimate in every round (evaluate_task), each table alone included:
-    about one more measurement per table and round, so opt-in. Returns the frames, the summary, each task's
-    per-round costs and the cost model's ranking accuracy."""
+    about one more measurement per table and round, so opt-in. `task_ids`: only these tasks (any split). Returns
+    the frames, the summary, each task's per-round costs and the cost model's ranking accuracy."""
     from tqdm import tqdm
 
     from .planners.base import check_feasible
@@ -211,7 +211,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
         raise EmbshardError(f"invalid value {max_tasks}", field="max_tasks",
                             fix="give at least 1, or leave it out to evaluate every task of the split")
     check_planner_names([p for p in planners if p not in (given or {})])
-    task_list = load_tasks(tables, tasks, split, limit=max_tasks)
+    task_list = load_tasks(tables, tasks, split, limit=max_tasks, task_ids=task_ids)
     # A task that no planner can place is bad input, not a failed planner: refuse before measuring anything.
     for t in task_list:
         check_feasible(t.tables, t.num_devices, t.memory_bytes_per_device, f"{os.fspath(tasks)} (task {t.task_id})")

@@ -184,9 +184,9 @@ class Task:
 
 
 def load_tasks(tables: str | os.PathLike | TableSet, tasks: str | os.PathLike, split: str = "all",
-               limit: int | None = None) -> list[Task]:
-    """The tasks of `split` ('train', 'test' or 'all'; at most `limit`), each with its tables selected.
-    Errors name the tasks file and the task."""
+               limit: int | None = None, task_ids: list[str] | None = None) -> list[Task]:
+    """The tasks of `split` ('train', 'test' or 'all'; at most `limit`; only `task_ids` when given, whatever their
+    split), each with its tables selected. Errors name the tasks file and the task."""
     from . import schemas
     from .errors import EmbshardError
 
@@ -195,7 +195,14 @@ def load_tasks(tables: str | os.PathLike | TableSet, tasks: str | os.PathLike, s
                             fix=f"use one of {', '.join(SPLITS)}")
     table_set = tables if isinstance(tables, TableSet) else TableSet.read(tables)
     df = schemas.read(tasks, "tasks")
-    if split != "all":
+    if task_ids is not None:
+        unknown = sorted(set(task_ids) - set(df["task_id"].astype(str)))
+        if unknown:
+            raise EmbshardError(f"no task {unknown[0]!r} (the file has {', '.join(map(str, df['task_id'][:4]))}"
+                                f"{', ...' if len(df) > 4 else ''})", path=os.fspath(tasks), field="task_id",
+                                fix="give a task_id of the tasks file")
+        df = df[df["task_id"].astype(str).isin(task_ids)]
+    elif split != "all":
         df = df[df["split"] == split]
     if limit:
         df = df.head(int(limit))

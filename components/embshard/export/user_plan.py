@@ -13,6 +13,8 @@ import dataclasses
 import json
 import os
 
+import pandas as pd
+
 from ..errors import EmbshardError, InfeasiblePlacementError
 from ..placement import Placement
 from ..tableset import TableSet
@@ -79,6 +81,25 @@ class UserPlan:
         if not self.is_torchrec():
             return [str(t["table_id"]) for t in doc["tables"]]
         return [str(n) for n in next(iter(doc["modules"].values()))]
+
+    def own_task_id(self) -> str | None:
+        """The task a plan.json was made for (its task_id); None for a TorchRec plan, which names none."""
+        return None if self.is_torchrec() else str(self.document()["task_id"])
+
+    def task_frame(self) -> pd.DataFrame:
+        """The plan.json's own task as a tasks.parquet row (its tables, devices, memory and hosts): what
+        `evaluate --plan` measures when no tasks file is given."""
+        if self.is_torchrec():
+            raise EmbshardError("a TorchRec plan records no memory per device, so it makes no task", path=self.path,
+                                field="tasks", fix="give --tasks (a tasks.parquet, e.g. from `embshard tasks`), "
+                                "or pass the plan.json the export wrote beside it")
+        doc = self.document()
+        row = {"task_id": str(doc["task_id"]), "split": "test", "num_devices": int(doc["num_devices"]),
+               "memory_bytes_per_device": int(doc["memory_bytes_per_device"]), "table_ids": self.table_ids()}
+        hosts = doc.get("hosts")
+        if hosts is not None and len(set(hosts)) > 1:
+            row["devices_per_host"] = int(doc["num_devices"]) // len(set(hosts))
+        return pd.DataFrame([row])
 
     def plan_task(self, task: Task) -> Placement:
         """The file's placement of `task` (checked against its tables, devices and memory)."""

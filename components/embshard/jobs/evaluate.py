@@ -6,6 +6,7 @@ in embshard.evaluation, which the promotion (jobs.promote) runs too; this module
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..bench.runner import MeasureSettings
 from ..evaluation import (  # noqa: F401  (re-exported: the evaluation's names, importable from the job)
@@ -31,8 +32,14 @@ OUTPUT = {"kind": "folder", "inputs": ("tables", "tasks", "plan"),
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tables", required=True, help="tables.parquet")
-    p.add_argument("--tasks", required=True, help="tasks.parquet")
+    p.add_argument("--tables", required=True,
+                   help="tables.parquet, or a table spec (read as `embshard ingest --source spec` reads it)")
+    p.add_argument("--tasks", default=None,
+                   help="tasks.parquet (default with --plan FILE: the plan.json's own task, its tables, devices and "
+                        "memory)")
+    p.add_argument("--task-id", default=None, metavar="ID",
+                   help="evaluate only this task of --tasks, whatever its split (default with --plan: the plan's "
+                        "own task_id when the tasks file has it, else every task of --split)")
     p.add_argument("--planners", default=",".join(["learned", *BASELINES]),
                    help=f"comma-separated planner names, each one of: {PLANNER_NAMES}. A name given twice is "
                         "measured as two separate entries (an A/A test of the ruler)")
@@ -68,21 +75,56 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def main(args) -> int:
-    from ..bench.comm import given_calibration_dir, shared_calibration_dir
+    import tempfile
 
     planners = [p for p in args.planners.split(",") if p]
     given = {}
-    if getattr(args, "plan", None):
-        from ..export.user_plan import NAME, UserPlan
-        from ..types import load_tasks
+    tasks, task_ids = args.tasks, [args.task_id] if args.task_id else None
+    with tempfile.TemporaryDirectory(prefix="embshard-evaluate-") as scratch:
+        tables = args.tables
+        from ..ingest.spec import is_spec_path
 
-        user_plan = UserPlan(args.plan)
-        # Refused before anything is measured: the file must be a plan of every task evaluated.
-        user_plan.check_tasks(load_tasks(args.tables, args.tasks, args.split, limit=args.max_tasks))
-        planners = [p for p in planners if p != NAME] + [NAME]
-        given[NAME] = user_plan
-    res = run(args.tables, args.tasks, args.out, planners=planners, given=given,
-              split=args.split, max_tasks=args.max_tasks, rounds=args.rounds,
+        if is_spec_path(tables):  # the tables ingest would make of the spec (the same seed: the same tables)
+            from .. import schemas
+            from ..ingest.spec import tables_from_spec
+
+            tables = os.path.join(scratch, "tables.parquet")
+            schemas.write(tables_from_spec(args.tables, progress=False), tables, "tables")
+        if getattr(args, "plan", None):
+            from .. import schemas
+            from ..export.user_plan import NAME, UserPlan
+            from ..types import load_tasks
+
+            user_plan = UserPlan(args.plan)
+            if tasks is None:  # the plan's own task: is it better than what the planners make of the same task?
+                tasks = os.path.join(scratch, "tasks.parquet")
+                schemas.write(user_plan.task_frame(), tasks, "tasks")
+                task_ids = None
+            elif task_ids is None and user_plan.own_task_id() in set(
+                    schemas.read(tasks, "tasks")["task_id"].astype(str)):
+                task_ids = [str(user_plan.own_task_id())]
+                print(f"evaluating task {task_ids[0]} of {tasks}: the plan's own task (--task-id to choose another)")
+            # Refused before anything is measured: the file must be a plan of every task evaluated.
+            user_plan.check_tasks(load_tasks(tables, tasks, "all" if args.tasks is None else args.split,
+                                             limit=args.max_tasks, task_ids=task_ids))
+            planners = [p for p in planners if p != NAME] + [NAME]
+            given[NAME] = user_plan
+        elif tasks is None:
+            from ..errors import EmbshardError
+
+            raise EmbshardError("no tasks to evaluate", field="tasks",
+                                fix="give --tasks (a tasks.parquet, e.g. from `embshard tasks`), or --plan FILE to "
+                                    "measure a plan.json on its own task beside --planners")
+        return _evaluate(args, planners, given, tables, tasks, task_ids,
+                         "all" if args.tasks is None else args.split)
+
+
+def _evaluate(args, planners: list[str], given: dict, tables: str, tasks: str, task_ids: list[str] | None,
+              split: str) -> int:
+    from ..bench.comm import given_calibration_dir, shared_calibration_dir
+
+    res = run(tables, tasks, args.out, planners=planners, given=given, task_ids=task_ids,
+              split=split, max_tasks=args.max_tasks, rounds=args.rounds,
               settings=MeasureSettings(batch_size=args.batch_size or None, timer=args.timer,
                                        statistic=args.statistic, round_processes=args.round_processes,
                                        calibration_dir=given_calibration_dir(args.calibration_dir)
