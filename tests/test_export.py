@@ -624,6 +624,32 @@ def test_a_loaded_plan_is_checked_against_a_tables_parquet_and_a_spec_path_is_a_
 
 
 @needs_torchrec
+def test_an_exported_plan_records_data_types_and_refuses_a_model_of_other_ones(tmp_path, tables_df, placement):
+    """A plan balanced for an fp16 table would put twice its bytes on its device in an fp32 model."""
+    from embshard.export.torchrec_plan import plan_from_json
+
+    _write_inputs(tmp_path, tables_df, placement)
+    from embshard.jobs.export import run
+
+    res = run(str(tmp_path / "placements.parquet"), str(tmp_path / "tables.parquet"), str(tmp_path / "out"))
+    path = res["plans"]["task-a"]["torchrec_plan_json"]
+    with open(path) as f:
+        doc = json.load(f)
+    fp16 = str(placement.tables.table_ids[3])
+    assert doc["tables"][fp16]["bytes_per_element"] == 2
+    plan_from_json(path, tables=placement.tables)  # the tables it was made for
+    wide = tables_df.copy()
+    wide.loc[3, "bytes_per_element"] = 4
+    wide["size_bytes"] = wide["rows"] * wide["dim"] * wide["bytes_per_element"]
+    with pytest.raises(EmbshardError, match=f"table {fp16} was planned with 2-byte weights, the tables given have "
+                                            "4-byte ones"):
+        plan_from_json(path, tables=TableSet.from_frame(wide))
+    with pytest.raises(EmbshardError, match="an embshard plan.json .* not a TorchRec plan") as err:
+        plan_from_json(res["plans"]["task-a"]["plan_json"])
+    assert "torchrec_plan.json" in str(err.value)
+
+
+@needs_torchrec
 def test_row_layouts_torchrec_cannot_run_are_refused(split_placement, tables):
     from embshard.export import to_torchrec_plan
     from embshard.types import DeviceTopology

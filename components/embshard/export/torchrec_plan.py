@@ -294,11 +294,12 @@ def torchrec_planner_for(plan_or_placement, batch_size: int = 512):
 
 
 def plan_to_json(sharding_plan, *, world_size: int | None = None,
-                 tables: Mapping[str, tuple[int, int]] | None = None) -> dict:
+                 tables: Mapping[str, tuple[int, ...]] | None = None) -> dict:
     """A pickle-free, JSON-serialisable form of a torchrec ShardingPlan (table-/column-wise plans).
 
-    `world_size` and `tables` ({name: (rows, dim)}) are written when given, so that `plan_from_json` can refuse
-    a plan with a rank beyond the world or a table missing without being told them again."""
+    `world_size` and `tables` ({name: (rows, dim)} or {name: (rows, dim, bytes_per_element)}) are written when
+    given, so that `plan_from_json` can refuse a plan with a rank beyond the world, a table missing, or a table of
+    another data type (its memory differs from what the plan balanced) without being told them again."""
     modules = {}
     for path, module_plan in sharding_plan.plan.items():
         params = {}
@@ -312,7 +313,9 @@ def plan_to_json(sharding_plan, *, world_size: int | None = None,
     if world_size is not None:
         doc["world_size"] = int(world_size)
     if tables is not None:
-        doc["tables"] = {str(n): {"rows": int(r), "dim": int(d)} for n, (r, d) in tables.items()}
+        doc["tables"] = {str(n): {"rows": int(v[0]), "dim": int(v[1]),
+                                  **({"bytes_per_element": int(v[2])} if len(v) > 2 else {})}
+                         for n, v in tables.items()}
     doc["modules"] = modules
     return doc
 
@@ -321,12 +324,14 @@ _PLACEMENT = re.compile(r"^rank:(\d+)/[a-z_]+(:\d+)?$")
 _PLAN_FIX = "re-export the plan with `embshard export` (this file was edited or made for other tables/devices)"
 
 
-def _expected_tables(tables) -> tuple[dict[str, tuple[int, int]] | None, int | None]:
-    """({name: (rows, dim)}, world size or None) of what the caller says the plan is for."""
+def _expected_tables(tables) -> tuple[dict[str, tuple[int, int]] | None, int | None, dict[str, int]]:
+    """({name: (rows, dim)}, world size or None, {name: bytes per element} where known) of what the caller says
+    the plan is for."""
     if tables is None:
-        return None, None
+        return None, None, {}
     if isinstance(tables, TableSet):
-        return {str(t): (int(r), int(d)) for t, r, d in zip(tables.table_ids, tables.rows, tables.dims)}, None
+        return ({str(t): (int(r), int(d)) for t, r, d in zip(tables.table_ids, tables.rows, tables.dims)}, None,
+                {str(t): int(b) for t, b in zip(tables.table_ids, tables.bytes_per_element)})
     if isinstance(tables, str):
         if tables.lower().endswith(".parquet"):  # a tables.parquet (ingest's), whose schema TableSet.read checks
             return _expected_tables(TableSet.read(tables))
@@ -342,7 +347,8 @@ def _expected_tables(tables) -> tuple[dict[str, tuple[int, int]] | None, int | N
     if isinstance(tables, Mapping) and "tables" in tables:
         world = tables.get("num_devices")
         tables = tables["tables"]
-    return {str(t["table_id"]): (int(t["rows"]), int(t["dim"])) for t in tables}, world
+    return ({str(t["table_id"]): (int(t["rows"]), int(t["dim"])) for t in tables}, world,
+            {str(t["table_id"]): int(t["bytes_per_element"]) for t in tables if "bytes_per_element" in t})
 
 
 def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_size: int | None = None) -> None:
@@ -363,6 +369,9 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
     if not isinstance(doc, Mapping):
         raise bad("schema", f"the plan is a JSON {type(doc).__name__}, not an object")
     if doc.get("schema") != PLAN_JSON_VERSION:
+        if str(doc.get("schema", "")).startswith("embshard.plan/"):
+            raise bad("schema", f"this is an embshard plan.json ({doc.get('schema')}), not a TorchRec plan",
+                      "pass the torchrec_plan.json that `embshard export` wrote beside it")
         raise bad("schema", f"schema {doc.get('schema')!r} is not {PLAN_JSON_VERSION}",
                   "re-export the plan with this embshard version")
     modules = doc.get("modules")
@@ -373,7 +382,7 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
         if not is_int(doc["world_size"]) or doc["world_size"] < 1:
             raise bad("world_size", f"world size {doc['world_size']!r} is not an integer >= 1")
         worlds["the file"] = int(doc["world_size"])
-    expected, given_world = _expected_tables(tables)
+    expected, given_world, expected_bytes = _expected_tables(tables)
     for who, w in (("the caller", world_size), ("the tables' plan", given_world)):
         if w is not None:
             worlds[who] = int(w)
@@ -387,7 +396,16 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
         if not isinstance(in_file, Mapping) or not all(
                 isinstance(v, Mapping) and is_int(v.get("rows")) and is_int(v.get("dim")) for v in in_file.values()):
             raise bad("tables", "'tables' is not an object of {rows, dim} per table")
+        file_bytes = {str(k): v["bytes_per_element"] for k, v in in_file.items() if "bytes_per_element" in v}
+        if not all(is_int(b) and b > 0 for b in file_bytes.values()):
+            raise bad("tables", "a table's bytes_per_element is not a positive integer")
         in_file = {str(k): (int(v["rows"]), int(v["dim"])) for k, v in in_file.items()}
+        # A table of another data type holds other bytes than the plan balanced (fp16 planned, fp32 trained: twice).
+        for name, b in file_bytes.items():
+            if name in expected_bytes and b != expected_bytes[name]:
+                raise bad(f"tables.{name}.bytes_per_element", f"table {name} was planned with {b}-byte weights, "
+                          f"the tables given have {expected_bytes[name]}-byte ones",
+                          "plan again for the model's data types (its memory per device differs)")
     seen: set[str] = set()
     kernels = {k.value for k in EmbeddingComputeKernel}
     for path, params in modules.items():

@@ -251,7 +251,8 @@ def _write_torchrec(placement, folder: str, module_path: str, compute_device: st
     plan = to_torchrec_plan(placement, module_path=module_path, compute_device=compute_device)
     t = placement.tables
     doc = plan_to_json(plan, world_size=placement.num_devices,
-                       tables={str(n): (int(r), int(d)) for n, r, d in zip(t.table_ids, t.rows, t.dims)})
+                       tables={str(n): (int(r), int(d), int(b))
+                               for n, r, d, b in zip(t.table_ids, t.rows, t.dims, t.bytes_per_element)})
     check_plan_doc(doc, "torchrec_plan.json")  # what a training job's plan_from_json will check
     json_path = storage.join(folder, "torchrec_plan.json")
     storage.write_text(json_path, json.dumps(doc, indent=2) + "\n")
