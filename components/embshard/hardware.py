@@ -87,8 +87,10 @@ def mismatch_warning(model_hardware: str, target: str, *, asked: bool, planning:
     # Which cuts pay differs between machines: a CPU-trained plan measured 1.25x slower on an H100 than the plan it
     # rejected (benchmarks/results/split_runs/run3-branches/gpu-quality-nvidia-h100.md), so the fix names --refine.
     what = "its predicted costs, and so the cuts its plans choose, are" if planning else "its predicted costs are"
-    refine = "run `embshard place --refine K` on the target, " if planning else ""
+    refine = "run `embshard place --refine K` on the target" if planning else ""
+    # Naming the target with --hardware is a fix only where the target was this machine.
+    more = [m for m in (refine, "" if asked else "pass --hardware to name the target") if m]
     return (f"warning: the model was measured on {model_hardware} but {source} is {target}: {what} for "
             f"{model_hardware} (fix: use a model trained on the target hardware, e.g. a pipeline run with "
-            f"device=cuda there, {refine}or pass --hardware to name the target)")
+            f"device=cuda there{''.join(', ' + m for m in more[:-1])}{' or ' + more[-1] if more else ''})")
 

@@ -129,8 +129,11 @@ def split_summary(placement: Placement, limit: int = 6) -> str:
         if kind == "row":
             devices = sorted({s.device for s in pieces})
             where = (" over every device" if len(devices) == placement.num_devices
+                     else f" on device {devices[0]}" if len(devices) == 1
                      else f" on devices {devices[0]}..{devices[-1]}")
-        parts.append(f"{placement.tables.table_ids[t]} in {len(pieces)} {words.get(kind, kind)}{where}")
+        word = words.get(kind, kind)
+        parts.append(f"{placement.tables.table_ids[t]} in {len(pieces)} {word[:-1] if len(pieces) == 1 else word}"
+                     f"{where}")
     more = f" and {len(by_table) - limit} more" if len(by_table) > limit else ""
     # A plan from a branch of the split search (planners.compose.Splits) says which first cut it carried on.
     branch = placement.meta.get("cut")
