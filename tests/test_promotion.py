@@ -437,3 +437,25 @@ def test_the_evaluation_summary_has_no_column_that_nothing_filled():
     text = format_summary(summary, rounds=3)
     assert "median_ratio_torchrec" not in text and "median_ratio_best_baseline" in text
     assert "wilcoxon_p" in text  # partly filled columns stay
+
+
+def test_the_gate_run_again_on_the_champions_own_run_moves_no_alias_or_verdict(fresh, tmp_path):
+    """Clearing evaluate_and_promote after its promotion judged the champion as a first champion (and could have
+    tagged it anew, or put `challenger` on it): it is re-measured against the baselines, health only."""
+    registry.set_alias(POLICY, "champion", GOOD)
+    registry.set_alias(COST, "champion", "1")
+    registry.set_alias(POLICY, "challenger", GOOD_TOO)
+    registry.set_verdict(POLICY, GOOD, "promoted", "faster than the champion: the original gate")
+    decision = promote(fresh, tmp_path, GOOD)
+    assert decision["verdict"] == "rejudged" and decision["promoted"] is False
+    assert decision["reason"].startswith(f"version {GOOD} is the champion already")
+    assert decision["champion_version_before"] == decision["champion_version_after"] == GOOD
+    assert aliases(POLICY) == {"champion": GOOD, "challenger": GOOD_TOO}
+    import mlflow
+
+    tags = mlflow.MlflowClient().get_model_version(POLICY, GOOD).tags
+    assert tags[registry.VERDICT_TAG] == "promoted" and tags["verdict_reason"].endswith("the original gate")
+    assert tags[registry.HEALTH_TAG] == decision["champion_health"] in ("ok", "regressed")
+    from embshard.stage_report import promotion_lines
+
+    assert any("RE-MEASURED the champion" in line for line in promotion_lines(decision, str(tmp_path)))

@@ -65,7 +65,8 @@ def promotion_lines(decision: dict, root: str) -> list[str]:
     verdict = {"promoted": "PROMOTED to champion", "undecided": "UNDECIDED (now challenger); champion kept",
                "not_better": "NOT BETTER (no alias); champion unchanged",
                "measurably_slower": "MEASURABLY SLOWER (no alias); champion unchanged",
-               "infeasible": "INFEASIBLE (no alias); champion unchanged"}.get(
+               "infeasible": "INFEASIBLE (no alias); champion unchanged",
+               "rejudged": "RE-MEASURED the champion (its own gate ran again); no alias moved"}.get(
         decision.get("verdict", "promoted" if decision.get("promoted") else ""),
         "not promoted; champion unchanged")
 

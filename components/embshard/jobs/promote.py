@@ -35,6 +35,7 @@ from ..ruler import DEFAULT_ROUNDS
 
 log = logging.getLogger(__name__)
 COST = registry.COST_MODEL
+REJUDGED = "rejudged"  # decision.json only: the gate ran again on the champion's own run (no tag or alias moves)
 
 
 def _compare(round_costs: dict, a: str, b: str | None, best_baseline: bool = False) -> dict:
@@ -153,10 +154,23 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
             floor = {"planner": aa_planner, "median": med, "ci_low": lo, "ci_high": hi}
         champ_vs_baseline = (_compare(res["round_costs"], champ_name, None, best_baseline=True)
                              if champ_name else None)
-        verdict, reason = decide(vs_champion, vs_baseline, margin, failed, floor, champ_vs_baseline)
+        # The gate run again on a root whose candidate is the champion now (a stage cleared or re-run after its
+        # promotion): it re-measures the champion against the baselines, and moves no alias and no verdict (judged
+        # as a first champion, a noisier run once tagged it anew, or put `challenger` on the champion).
+        rejudged = champion is not None and str(champion.version) == str(candidate_version)
+        health: str | None = None
+        if rejudged:
+            health = record_champion_health(str(candidate_version), vs_baseline, floor, replaced=False)
+            vb = vs_baseline
+            verdict, reason = REJUDGED, (f"version {candidate_version} is the champion already (this gate ran "
+                                         f"again): it measured {vb['median']:.3f} [{vb['ci_low']:.3f}, "
+                                         f"{vb['ci_high']:.3f}] of the best baseline, health {health}; no alias or "
+                                         "verdict moved")
+            champ_vs_baseline = vs_baseline
+        else:
+            verdict, reason = decide(vs_champion, vs_baseline, margin, failed, floor, champ_vs_baseline)
         promote = verdict == "promoted"
-        health = None
-        if champion is not None and champ_vs_baseline is not None:
+        if not rejudged and champion is not None and champ_vs_baseline is not None:
             health = record_champion_health(str(champion.version), champ_vs_baseline, floor, replaced=promote)
         decision: dict[str, Any] = {
             "candidate_version": str(candidate_version), "margin": margin, "verdict": verdict, "reason": reason,
@@ -167,7 +181,7 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
             "candidate_over_champion_median": None if vs_champion is None else vs_champion["median"],
             "candidate_vs_champion": vs_champion, "aa_floor": floor,
             "champion_vs_best_baseline": champ_vs_baseline, "champion_health": health}
-        decision["failed_runs"] = record_verdict(candidate_version, verdict, reason)
+        decision["failed_runs"] = record_verdict(candidate_version, verdict, reason, judged=not rejudged)
         after = registry.version_for_alias(POLICY, registry.CHAMPION)
         decision["champion_version_after"] = str(after.version) if after is not None else None
         mlflow.log_params({"candidate_version": candidate_version, "margin": margin, "rounds": res["rounds"],
@@ -208,29 +222,19 @@ def record_champion_health(version: str, champion_vs_baseline: dict, floor: dict
     return registry.HEALTH_REGRESSED
 
 
-def record_verdict(candidate_version: str, verdict: str, reason: str) -> list[str]:
+def record_verdict(candidate_version: str, verdict: str, reason: str, judged: bool = True) -> list[str]:
     """The gate's verdict in the registry: the candidate's `verdict` tag, the aliases (champion to a promoted
     candidate; challenger to an undecided one, removed on a promotion, else left where it was) and, inside an
     Airflow run, `failed_run` on versions other runs left `pending` (runs of the DAG queue one at a time, so those
     runs are over: they failed before their gate; should one still be going, e.g. an `embshard pipeline` beside
     `make ui` on the same store, its own gate overwrites the tag with its verdict); `superseded` on versions the
     same run (or, by hand, the same run root) left `pending` before a stage of it was run again. Returns the
-    versions tagged failed_run."""
+    versions tagged failed_run. `judged` False (the champion re-judged): its tag and the aliases stay."""
     from ..run_context import mlflow_tags
 
     candidate_version = str(candidate_version)
-    registry.set_verdict(POLICY, candidate_version, verdict, reason)
-    if verdict == registry.PROMOTED:
-        registry.set_alias(POLICY, registry.CHAMPION, candidate_version)
-        _follow_cost_model(candidate_version, registry.CHAMPION)
-        _drop_challenger()
-    elif verdict == registry.UNDECIDED:
-        registry.set_alias(POLICY, registry.CHALLENGER, candidate_version)
-        _follow_cost_model(candidate_version, registry.CHALLENGER)
-    else:
-        current = registry.version_for_alias(POLICY, registry.CHALLENGER)
-        if current is not None and str(current.version) == candidate_version:  # re-judged: no longer undecided
-            _drop_challenger()
+    if judged:
+        _record_aliases(candidate_version, verdict, reason)
     lineage = mlflow_tags()
     run_id, root = lineage.get("airflow.run_id"), lineage.get("embshard.run_root")
     failed: list[str] = []
@@ -248,6 +252,22 @@ def record_verdict(candidate_version: str, verdict: str, reason: str) -> list[st
                                  f"its stage was run again on {root}: version {candidate_version} is the candidate "
                                  "the gate judged")
     return failed
+
+
+def _record_aliases(candidate_version: str, verdict: str, reason: str) -> None:
+    """The candidate's verdict tag, and the aliases that follow from it (record_verdict)."""
+    registry.set_verdict(POLICY, candidate_version, verdict, reason)
+    if verdict == registry.PROMOTED:
+        registry.set_alias(POLICY, registry.CHAMPION, candidate_version)
+        _follow_cost_model(candidate_version, registry.CHAMPION)
+        _drop_challenger()
+    elif verdict == registry.UNDECIDED:
+        registry.set_alias(POLICY, registry.CHALLENGER, candidate_version)
+        _follow_cost_model(candidate_version, registry.CHALLENGER)
+    else:
+        current = registry.version_for_alias(POLICY, registry.CHALLENGER)
+        if current is not None and str(current.version) == candidate_version:  # re-judged: no longer undecided
+            _drop_challenger()
 
 
 def _drop_challenger() -> None:
