@@ -389,7 +389,8 @@ def main(args) -> int:
             f"logs:         {af.log_dir}",
             "Unpausing schedules the weekly run (next Monday 03:00 UTC); it does not start one now.",
             "The Trigger form's 'Unpause on trigger' box (ticked by default) unpauses the DAG as it triggers:",
-            "that turns the weekly schedule on. Untick it for a one-off run that leaves the DAG paused.",
+            "that turns the weekly schedule on. Leave it ticked: a run of a paused DAG waits 'queued' until the",
+            "DAG is unpaused. For one-off runs without a schedule, start the UI with EMBSHARD_SCHEDULE=none.",
             "A component that crashes is restarted (a line here and in its log); the UI stays up.",
             "Press Ctrl-C to stop.", "=" * 78], ), flush=True)
         while af.failed is None:
