@@ -161,10 +161,11 @@ with DAG(
                 **k8s.pod_operator_kwargs(stage, stage_args(stage, round_index), pod_config), **time_limit(stage),
                 **kw})
 
-        # Checked on the Airflow worker (no pod: seconds, and embshard.params imports nothing heavy).
+        # Checked on the Airflow worker (no pod: seconds, and embshard.params imports nothing heavy). The worker
+        # does not mount the data volume the pods read: the input file is checked by the ingest pod.
         @task(task_id="check_params", doc_md=TASK_DOCS["check_params"], **time_limit("check_params"))
         def check_params_task(params=None) -> dict:
-            return stages.check_params("", dict(params))
+            return stages.check_params("", dict(params), check_files=False)
 
         ingest = check_params_task() >> pod("ingest", "ingest", "ingest")
         # (names apart from the local branch's @task functions: different types, the same task ids)

@@ -80,9 +80,10 @@ def test_every_problem_at_once_in_one_line():
 def test_defaults_pass_and_existing_files_and_uris_are_accepted(tmp_path):
     assert params.check({}) == params.DEFAULT_PARAMS
     spec = tmp_path / "t.csv"
-    spec.write_text("name,num_embeddings,embedding_dim,pooling_factor\nt,10,4,1\n")
-    assert params.check({"source": "spec", "input": str(spec)})["input"] == str(spec)
-    assert params.check({"source": "spec", "input": f"file://{spec}"})
+    spec.write_text("name,num_embeddings,embedding_dim,pooling_factor\n" + "".join(f"t{i},10,4,1\n" for i in range(4)))
+    small = {"source": "spec", "tables_per_task": "1-2"}
+    assert params.check({**small, "input": str(spec)})["input"] == str(spec)
+    assert params.check({**small, "input": f"file://{spec}"})
     assert params.check({"source": "dlrm", "input": "s3://bucket/trace.pt.gz"})  # checked by ingest, not here
     # a comma string (embshard pipeline --param, older confs) is the same list
     assert params.check({"eval_planners": "dim_greedy, size_greedy"})["eval_planners"] == ["dim_greedy",
@@ -209,3 +210,27 @@ def test_devices_per_host_gives_the_runs_tasks_their_hosts(tmp_path):
     out = stages.ingest(str(tmp_path), params.check(conf))
     tasks = schemas.read(out["tasks"], "tasks")
     assert set(tasks["devices_per_host"]) == {4} and set(tasks["num_devices"]) == {8}
+
+
+def test_a_spec_with_too_few_tables_for_the_tasks_is_caught_before_ingest():
+    """The default tasks (20-60 tables) cannot be drawn from the Criteo-like spec's 26 tables (13 per pool): said
+    by check_params, not by ingest after Airflow has started."""
+    import os
+
+    import embshard.ingest
+
+    spec = os.path.join(os.path.dirname(embshard.ingest.__file__), "examples", "criteo_26.csv")
+    found = params.problems({"source": "spec", "input": spec})
+    assert [f for f, _, _ in found] == ["tables_per_task"]
+    assert "the spec's 26 tables" in found[0][1] and "at most 13" in found[0][2]
+    assert params.problems({"source": "spec", "input": spec, "tables_per_task": "5-13"}) == []
+
+
+def test_a_clusters_check_params_leaves_the_input_file_to_the_ingest_pod():
+    """The Airflow worker does not mount the data volume the stage pods read: a path there is not 'missing'."""
+    from embshard import stages
+
+    conf = {"source": "spec", "input": "/data/embshard/specs/t.csv"}
+    with pytest.raises(EmbshardError, match="no file"):
+        stages.check_params("", conf)
+    assert stages.check_params("", conf, check_files=False)["source"] == "spec"

@@ -180,6 +180,13 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
         if hi_n < lo_n:
             found.append(("tables_per_task", f"the range {p['tables_per_task']} runs backwards",
                           f"write it LOW-HIGH, e.g. {hi_n}-{lo_n}"))
+        elif p["source"] == "spec" and check_files and "input" not in bad and \
+                (n_spec := _spec_table_count(str(p["input"]))) is not None and hi_n > n_spec // 2:
+            found.append(("tables_per_task", f"tasks of up to {hi_n} tables from the {n_spec // 2} tables of the "
+                          f"test pool (the spec's {n_spec} tables, split into train and test pools)",
+                          "list at least 2 tables in the spec (the tables are split into two pools)" if n_spec < 2
+                          else f"lower tables_per_task to at most {n_spec // 2}" + (
+                              f", e.g. {max(n_spec // 4, 1)}-{n_spec // 2}" if n_spec >= 4 else "")))
         elif p["source"] == "synthetic" and "num_tables" not in bad and hi_n > int(p["num_tables"]) // 2:
             # ingest splits the tables into a train and a test pool (pools.assign: the test pool is the smaller
             # half), and every task draws from one pool
@@ -209,6 +216,19 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
     if "eval_planners" not in bad and len(set(p["eval_planners"])) != len(p["eval_planners"]):
         found.append(("eval_planners", "a planner is listed twice", "list each planner once"))
     return found
+
+
+def _spec_table_count(path: str) -> int | None:
+    """The tables a local spec file lists (None: a remote or unreadable file, whose errors ingest reports)."""
+    local = path.replace("file://", "", 1)
+    if "://" in local or not os.path.isfile(local):
+        return None
+    from .ingest.spec import read_spec_file
+
+    try:
+        return len(read_spec_file(local))
+    except EmbshardError:
+        return None
 
 
 def _says(message: str) -> str:

@@ -83,10 +83,12 @@ class StageSkipped(Exception):
 SKIP_EXIT_CODE = 99
 
 
-def check_params(root: str, params: dict) -> dict:  # noqa: ARG001 (the stage signature)
+def check_params(root: str, params: dict, check_files: bool = True) -> dict:  # noqa: ARG001 (stage signature)
     """The run's first task: every parameter checked at once (unknown keys, types, ranges, the rules between
-    fields, the input file), in seconds and before any work; a bad run fails here, naming each field and fix."""
-    p = params_mod.check(params)
+    fields, the input file and the tables it lists), in seconds and before any work; a bad run fails here, naming
+    each field and fix. `check_files` False where this process does not see the files the stages read (a
+    cluster's Airflow worker: the data volume is mounted in the stage pods only; ingest reports a missing file)."""
+    p = params_mod.check(params, check_files=check_files)
     return {"checked": len(p), "device": p["device"], "source": p["source"]}
 
 
