@@ -225,6 +225,35 @@ def test_run_writes_parts_and_rerun_skips_them(tables_path, tmp_path):
         run(tables_path, "random:5", out, SETTINGS, num_chunks=3, chunk=0, progress=False)
 
 
+def test_a_resumed_run_measures_a_corrupted_chunk_again(tables_path, tmp_path, caplog):
+    """Writes are atomic, but a disk or a hand edit can break a finished part or a measured shard: the rerun (the
+    fix the readers' errors give) measures those again instead of trusting them; the other chunk is kept."""
+    import logging
+
+    import pyarrow.parquet as pq
+
+    out = str(tmp_path / "run")
+    kw = dict(settings=SETTINGS, num_chunks=2, max_tables=4, progress=False)
+    parts = run(tables_path, "random:5", out, **kw)
+    before = schemas.read(os.path.join(out, "costs"), "costs").set_index("sample_id")["measured_at"]
+    with open(parts[1], "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(EmbshardError, match="part-00001-of-00002"):
+        schemas.read(os.path.join(out, "costs"), "costs")
+    with caplog.at_level(logging.WARNING):
+        assert run(tables_path, "random:5", out, **kw) == parts
+    assert "finished chunk 1 cannot be read" in caplog.text
+    after = schemas.read(os.path.join(out, "costs"), "costs").set_index("sample_id")["measured_at"]
+    assert len(after) == 5
+    chunk0 = [i for i in before.index if i in set(pq.read_table(parts[0]).column("sample_id").to_pylist())]
+    assert after[chunk0].equals(before[chunk0])  # the readable chunk was not measured again
+    # A part without a column is named (not the folder, not 'NaN in row ...').
+    table = pq.read_table(parts[1])
+    pq.write_table(table.drop_columns(["bwd_compute_ms"]), parts[1])
+    with pytest.raises(EmbshardError, match="part-00001-of-00002.parquet: field 'bwd_compute_ms': missing column"):
+        schemas.read(os.path.join(out, "costs"), "costs")
+
+
 def test_crash_mid_chunk_loses_nothing_and_duplicates_nothing(tables_path, tmp_path, monkeypatch):
     out = str(tmp_path / "run")
     kw = dict(settings=SETTINGS, num_chunks=1, chunk=0, max_tables=3, progress=False)

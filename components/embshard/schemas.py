@@ -384,6 +384,12 @@ def read(path: str | os.PathLike, kind: str) -> pd.DataFrame:
             raise EmbshardError("no .parquet files in this folder", path=where,
                                 fix=f"run the stage that writes {kind} first")
         frames = [_read_one(part) for part in parts]
+        required = [c.name for c in SCHEMAS[kind] if c.required]
+        for part, frame in zip(parts, frames):  # a part without a column: name the part, not the folder
+            missing = [c for c in required if c not in frame.columns]
+            if missing:
+                raise EmbshardError("missing column", path=part, field=missing[0],
+                                    fix="re-run the stage that writes it (its chunk is measured again)")
         df = pd.concat(frames, ignore_index=True)
     else:
         checks.input_file(where, fix=f"give the {kind} Parquet file")  # a FIFO would block; permission denied
@@ -393,6 +399,16 @@ def read(path: str | os.PathLike, kind: str) -> pd.DataFrame:
     if kind == "tables" and spec_columns(df.columns):
         raise _spec_not_tables(where)
     return validate(df, kind, where)
+
+
+def unreadable(path: str | os.PathLike, kind: str) -> str | None:
+    """Why a contract file cannot be read as `kind` (corrupt, truncated, a column missing, bad values), or None
+    when it reads: a stage resuming its own earlier output checks it before trusting it."""
+    try:
+        read(path, kind)
+    except EmbshardError as exc:
+        return str(exc)
+    return None
 
 
 SPEC_SUFFIXES = (".csv", ".yaml", ".yml")  # a tables contract is Parquet: files named so can only be table specs

@@ -114,13 +114,26 @@ def run(tables, shards, out: str, settings: MeasureSettings | None = None, *, nu
         part = storage.join(costs_dir, part_name(c, num_chunks))
         idx = [i for i in range(len(shard_df)) if i % num_chunks == c]
         if storage.exists(part):
-            done_parts.append(part)
-            continue
+            why = schemas.unreadable(part, "costs")
+            if why is None:
+                done_parts.append(part)
+                continue
+            # Writes are atomic, so only something outside (a disk, a hand edit) breaks a finished chunk: measure
+            # it again rather than resume a file every later stage would refuse.
+            log.warning("finished chunk %d cannot be read (%s): measuring it again", c, why)
+            storage.remove(part)
         if not idx:
             log.info("chunk %d of %d has no shards", c, num_chunks)
             continue
         partial = storage.join(costs_dir, ".partial", part_name(c, num_chunks)[:-len(".parquet")])
-        finished = {_sub_index(p) for p in storage.list_files(partial, ".parquet")}
+        finished = set()
+        for p in storage.list_files(partial, ".parquet"):
+            why = schemas.unreadable(p, "costs")
+            if why is None:
+                finished.add(_sub_index(p))
+            else:
+                log.warning("a measured shard of chunk %d cannot be read (%s): measuring it again", c, why)
+                storage.remove(p)
         plan.append((c, part, partial, idx, finished))
     todo = sum(len([i for i in idx if i not in fin]) for _, _, _, idx, fin in plan)
     if not plan:
@@ -204,7 +217,8 @@ def _check_chunking(costs_dir: str, num_chunks: int) -> None:
         if m and int(m.group(2)) != num_chunks:
             raise EmbshardError(f"this folder holds parts of a {int(m.group(2))}-chunk run, not {num_chunks}",
                                 path=costs_dir, field="num_chunks",
-                                fix="rerun with the same --num-chunks, or write to a new --out")
+                                fix="rerun with the same --num-chunks (the pipeline's bench_chunks), or write to a new "
+                                    "--out")
 
 
 # What `embshard bench` writes and reads: its --out is checked before any work (cli.check_output).
