@@ -1192,15 +1192,25 @@ def test_pipeline_bad_param_value_is_one_line(tmp_path, capsys, monkeypatch):
     from embshard import pipeline
 
     out = tmp_path / "pl"
+    for key in pipeline.OUT_FOLDERS:  # --out's own folders, not the test session's
+        monkeypatch.delenv(key, raising=False)
     for key, value in pipeline.local_environment(str(out)).items():  # restored after the test
         monkeypatch.setenv(key, value)
     capsys.readouterr()
     rc = cli(["pipeline", "--out", str(out), "--param", "devices=-3"])
-    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.strip()]
+    said = capsys.readouterr()
+    err = [line for line in said.err.strip().splitlines() if line.strip()]
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith("embshard pipeline: error:") and "field 'devices'" in err[0] and "-3" in err[0], err
     assert "minimum" in err[0] and "fix: " in err[0]
     assert not (out / "airflow" / "airflow.db").exists(), "the database was set up for a run that cannot start"
+    assert "note:" not in said.out  # the variables name --out's own folders: nothing to say
+    # A shell's leftover AIRFLOW_HOME takes Airflow's state elsewhere: said before anything else.
+    monkeypatch.setenv("AIRFLOW_HOME", str(tmp_path / "elsewhere"))
+    assert cli(["pipeline", "--out", str(out), "--param", "devices=-3"]) == 2
+    said = capsys.readouterr().out
+    assert f"note: AIRFLOW_HOME is set ({tmp_path / 'elsewhere'}): Airflow state goes there" in said
+    assert "MLFLOW_TRACKING_URI" not in said
 
 
 def test_train_cost_publishes_its_model_folder_only_when_registered(measured_world, mlflow_uri, tmp_path,

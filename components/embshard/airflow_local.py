@@ -375,6 +375,10 @@ def main(args) -> int:
 
     # `kill` (SIGTERM) stops the components too, as Ctrl-C does: they run in their own sessions.
     stop_on_sigterm()
+    from .pipeline import outside_out
+
+    for line in outside_out(args.out):
+        print(line, flush=True)
     af = LocalAirflow(args.out, args.port, notify=lambda line: print(line, flush=True))
     print(f"starting Airflow (api-server, scheduler, dag-processor, triggerer); logs in {af.log_dir}", flush=True)
     af.start()

@@ -30,7 +30,10 @@ OUTPUT = {"kind": "folder"}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="runs/local", help="folder for the run data, MLflow and Airflow state")
+    p.add_argument("--out", default="runs/local",
+                   help="folder for the run data, MLflow and Airflow state (AIRFLOW_HOME, EMBSHARD_DATA_ROOT, "
+                        "MLFLOW_TRACKING_URI or EMBSHARD_CALIBRATION_DIR, when set, send their part elsewhere; "
+                        "the run says so as it starts)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="override a DAG parameter (see the DAG's Param form), e.g. --param num_tables=400")
     p.add_argument("--quick", action="store_true", help="a tiny configuration (smoke test, ~2 minutes)")
@@ -56,6 +59,29 @@ def local_environment(out: str) -> dict[str, str]:
         # One communication calibration per hardware, kept for every local run (bench.comm.adopt_calibration).
         "EMBSHARD_CALIBRATION_DIR": os.environ.get("EMBSHARD_CALIBRATION_DIR") or os.path.join(out, "calibration"),
     }
+
+
+# What --out would hold, and the variable that moves it elsewhere when it is set (local_environment).
+OUT_FOLDERS = {"AIRFLOW_HOME": "Airflow state", "EMBSHARD_DATA_ROOT": "run data",
+               "MLFLOW_TRACKING_URI": "the MLflow store", "EMBSHARD_CALIBRATION_DIR": "the comm calibration"}
+
+
+def outside_out(out: str) -> list[str]:
+    """One line per environment variable that sends part of a local installation somewhere other than `out`
+    (they win over --out: an operator may point MLflow at a server); printed before the run, so that a shell's
+    leftover AIRFLOW_HOME or MLFLOW_TRACKING_URI does not silently take the run elsewhere."""
+    saved = {var: os.environ.pop(var, None) for var in OUT_FOLDERS}
+    try:
+        own = local_environment(out)  # where --out alone would put each part
+    finally:
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
+    lines = []
+    for var, what in OUT_FOLDERS.items():
+        value = saved[var]
+        if value and value != own[var]:
+            lines.append(f"note: {var} is set ({value}): {what} goes there, not under {os.path.abspath(out)} "
+                         f"(unset {var} to keep it under --out)")
+    return lines
 
 
 def setup_environment(out: str) -> dict[str, str]:
@@ -250,6 +276,8 @@ def _parse_params(items: list[str]) -> dict:
 def main(args) -> int:
     params = dict(QUICK_PARAMS) if args.quick else {}
     params.update(_parse_params(args.param))
+    for line in outside_out(args.out):
+        print(line, flush=True)
     res = run(args.out, params)
     print(summary_text(res))
     return 0
@@ -271,9 +299,12 @@ def summary_text(res: dict) -> str:
     if exp:
         lines.append(f"placements: {exp.get('placements')}")
         lines.append(f"exported plans (plan.json + TorchRec plan per task): {os.path.join(root, 'export')}")
+    store = env["MLFLOW_TRACKING_URI"]
+    own_store = store == f"sqlite:///{os.path.join(os.path.abspath(res['out']), 'mlflow.db')}"
     lines += [f"evaluation plot: {os.path.join(root, 'evaluation', 'evaluation.png')}",
               "look at it:",
-              f"  MLflow UI:  make mlflow-ui RUN_DIR={res['out']}   (store {env['MLFLOW_TRACKING_URI']})",
+              f"  MLflow UI:  make mlflow-ui RUN_DIR={res['out']}   (store {store})" if own_store else
+              f"  MLflow UI:  .venv/bin/mlflow ui --backend-store-uri '{store}'   (MLFLOW_TRACKING_URI, not --out)",
               f"  Airflow UI: make ui RUN_DIR={res['out']}   (a real scheduler; trigger embshard_pipeline there)",
               "=" * 78]
     return "\n".join(lines)
