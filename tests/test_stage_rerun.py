@@ -107,12 +107,26 @@ def test_a_stage_running_other_code_than_the_runs_ingest_says_so(tmp_path, monke
     from embshard import run_context, version
 
     root = str(tmp_path / "run")
-    monkeypatch.setattr(version, "code_version", lambda: "0.1.0+gaaaa")
+    monkeypatch.setattr(version, "code_version", lambda fresh=False: "0.1.0+gaaaa")
     stages._note_code_version(root, "ingest")
     assert run_context.mlflow_tags()["embshard.code_version"] == "0.1.0+gaaaa"
     with caplog.at_level(logging.WARNING, logger="embshard.stages"):
         stages._note_code_version(root, "benchmark")  # the same code: nothing said
-        monkeypatch.setattr(version, "code_version", lambda: "0.1.0+gbbbb")
+        monkeypatch.setattr(version, "code_version", lambda fresh=False: "0.1.0+gbbbb")
         stages._note_code_version(root, "train_policy")
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "0.1.0+gbbbb" in warned[0] and "0.1.0+gaaaa" in warned[0]
+
+
+def test_a_long_process_reads_the_code_version_again_for_its_stages(monkeypatch):
+    """`embshard pipeline` runs every stage in one process: the version read once at its start could never tell
+    that the checkout changed under the run; a stage's check reads it again."""
+    from embshard import version
+
+    monkeypatch.setenv("EMBSHARD_CODE_VERSION", "0.1.0+gaaaa")
+    assert version.code_version(fresh=True) == "0.1.0+gaaaa"
+    monkeypatch.setenv("EMBSHARD_CODE_VERSION", "0.1.0+gbbbb")
+    assert version.code_version() == "0.1.0+gaaaa"  # read once per process (lineage tags of one stage agree)
+    assert version.code_version(fresh=True) == "0.1.0+gbbbb"
+    monkeypatch.delenv("EMBSHARD_CODE_VERSION")
+    version.code_version(fresh=True)  # the checkout's own again, for the tests after this one

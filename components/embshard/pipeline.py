@@ -30,10 +30,11 @@ OUTPUT = {"kind": "folder"}
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="runs/local",
+    p.add_argument("--out", default=None,
                    help="folder for the run data, MLflow and Airflow state (AIRFLOW_HOME, EMBSHARD_DATA_ROOT, "
                         "MLFLOW_TRACKING_URI or EMBSHARD_CALIBRATION_DIR, when set, send their part elsewhere; "
-                        "the run says so as it starts)")
+                        "the run says so as it starts). Default runs/local; with --quick runs/quick, so that a "
+                        "smoke run's model never judges or becomes the champion of the main store")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="override a DAG parameter (see the DAG's Param form), e.g. --param num_tables=400")
     p.add_argument("--quick", action="store_true", help="a tiny configuration (smoke test, ~2 minutes)")
@@ -274,6 +275,8 @@ def _parse_params(items: list[str]) -> dict:
 
 
 def main(args) -> int:
+    if args.out is None:
+        args.out = "runs/quick" if args.quick else "runs/local"
     params = dict(QUICK_PARAMS) if args.quick else {}
     params.update(_parse_params(args.param))
     for line in outside_out(args.out):

@@ -317,7 +317,7 @@ def _note_code_version(root: str, name: str) -> None:
     from . import storage
     from .version import code_version
 
-    mine = code_version()
+    mine = code_version(fresh=True)
     if name == "ingest":
         _state(root, "code_version", {"code_version": mine})
         return
@@ -374,6 +374,8 @@ def run_in_task(name: str, data_root: str, mlflow_uri: str, params: dict, *, run
     from .signals import stop_on_sigterm
 
     stop_on_sigterm()
+    # A start line, so that the console says which stage runs (its progress bars go to its log).
+    run_context.progress(f"  {label:<28} started")
     try:
         with run_context.stage_output(env):
             result = run(name, root, params, chunk, round_index)

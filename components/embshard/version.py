@@ -8,8 +8,17 @@ import subprocess
 __version__ = "0.1.0"
 
 
+def code_version(fresh: bool = False) -> str:
+    """The version of the code that runs (_code_version), read once per process; `fresh`: read again now (a stage
+    of a long-running process, `embshard pipeline`, checking that the checkout did not change under the run: its
+    later stages import modules of the new code)."""
+    if fresh:
+        _code_version.cache_clear()
+    return _code_version()
+
+
 @functools.cache
-def code_version() -> str:
+def _code_version() -> str:
     """The version of the code that runs, for lineage (model-version tags, plan.json): EMBSHARD_CODE_VERSION when
     set (an image built without .git bakes it in), else __version__ with the git commit of a checkout the
     package runs from ("0.1.0+g1a2b3c4d5e6f", ".dirty" appended when tracked files differ from it), else __version__.
