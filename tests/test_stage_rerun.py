@@ -130,3 +130,22 @@ def test_a_long_process_reads_the_code_version_again_for_its_stages(monkeypatch)
     assert version.code_version(fresh=True) == "0.1.0+gbbbb"
     monkeypatch.delenv("EMBSHARD_CODE_VERSION")
     version.code_version(fresh=True)  # the checkout's own again, for the tests after this one
+
+
+def test_embshards_warnings_reach_the_pipelines_console(monkeypatch):
+    """A stage's warnings (a calibration on a busy machine, kept for every later run) went to the log file only:
+    they are also progress lines on the console of `embshard pipeline`; INFO stays in the log."""
+    import logging
+
+    from embshard import run_context
+
+    read, write = os.pipe()
+    monkeypatch.setenv(run_context.PROGRESS_FD, str(write))
+    with run_context.stage_output({}):
+        logging.getLogger("embshard.bench.comm").warning("the machine was busy while calibrating")
+        logging.getLogger("embshard.bench.comm").info("calibrated")
+    logging.getLogger("embshard.bench.comm").warning("after the stage: not forwarded by it")
+    os.close(write)
+    with os.fdopen(read) as f:
+        said = f.read()
+    assert said == "    warning: the machine was busy while calibrating\n"

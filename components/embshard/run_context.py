@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -52,6 +53,17 @@ def progress(line: str) -> None:
             os.write(int(fd), (line + "\n").encode())
 
 
+class _WarningsToProgress(logging.Handler):
+    """embshard's WARNING records as progress lines (a no-op outside `embshard pipeline`, as progress is)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            progress(f"    warning: {record.getMessage()}")
+
+
 class _Lines:
     """A text stream that turns a progress bar's carriage-return redraws into log lines."""
 
@@ -78,10 +90,15 @@ def stage_output(env: dict[str, str] | None = None) -> Iterator[None]:
     old = {k: os.environ.get(k) for k in [*(env or {}), "TQDM_MININTERVAL"]}
     os.environ.update(env or {})
     os.environ.setdefault("TQDM_MININTERVAL", "15")
+    # embshard's warnings also reach the console of `embshard pipeline` (progress): a calibration made on a busy
+    # machine, kept for every later run, was said only in the log file.
+    to_console = _WarningsToProgress()
+    logging.getLogger("embshard").addHandler(to_console)
     try:
         with contextlib.redirect_stderr(_Lines(sys.stdout)):
             yield
     finally:
+        logging.getLogger("embshard").removeHandler(to_console)
         sys.stdout.flush()
         for k, v in old.items():
             if v is None:
