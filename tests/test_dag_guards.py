@@ -234,3 +234,18 @@ def test_a_clusters_check_params_leaves_the_input_file_to_the_ingest_pod():
     with pytest.raises(EmbshardError, match="no file"):
         stages.check_params("", conf)
     assert stages.check_params("", conf, check_files=False)["source"] == "spec"
+
+
+def test_pipeline_params_from_the_command_line_take_their_types_from_the_form():
+    """--param devices_per_host=8 (an optional integer) is the integer 8, empty is null; a key that is not a
+    param is named as unknown."""
+    from embshard.pipeline import _parse_params
+
+    assert _parse_params(["devices_per_host=8", "input=/x.csv"]) == {"devices_per_host": 8, "input": "/x.csv"}
+    assert _parse_params(["devices_per_host="]) == {"devices_per_host": None}
+    with pytest.raises(EmbshardError, match="unknown parameter 'nosuch'"):
+        _parse_params(["nosuch=1"])
+    with pytest.raises(EmbshardError, match="has no '='"):
+        _parse_params(["devices"])
+    with pytest.raises(EmbshardError, match="devices_per_host='x' is not a whole number .*its default is None"):
+        _parse_params(["devices_per_host=x"])

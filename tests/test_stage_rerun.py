@@ -70,7 +70,8 @@ def test_round_1_run_again_after_the_refit_trains_against_round_1s_cost_model(fi
 
 @pytest.mark.parametrize("name, round_index, says", [("ingest", 2, "has no rounds"),
                                                      ("train_policy", 0, "rounds start at 1"),
-                                                     ("measure_policy_plans", 1, "rounds start at 2")])
+                                                     ("measure_policy_plans", 1, "rounds start at 2"),
+                                                     ("train_policy", 4, "at most 3 rounds")])
 def test_a_round_a_stage_cannot_have_is_refused(tmp_path, name, round_index, says):
     with pytest.raises(EmbshardError, match=says) as err:
         stages.run(name, str(tmp_path / "run"), {}, round_index=round_index)

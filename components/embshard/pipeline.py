@@ -253,10 +253,20 @@ def _parse_params(items: list[str]) -> dict:
     out: dict[str, object] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or key not in DEFAULT_PARAMS:
-            raise EmbshardError(f"bad --param {item!r}", field="param",
+        if not sep:
+            raise EmbshardError(f"--param {item!r} has no '='", field="param", fix="write it as KEY=VALUE")
+        if key not in DEFAULT_PARAMS:
+            raise EmbshardError(f"unknown parameter {key!r} in --param {item!r}", field="param",
                                 fix=f"use KEY=VALUE with KEY one of {', '.join(DEFAULT_PARAMS)}")
         default = DEFAULT_PARAMS[key]
+        if default is None:  # an optional param: its schema says the type (devices_per_host: an integer)
+            from .params import SPECS
+
+            if value.strip() in ("", "none", "null"):
+                out[key] = None
+                continue
+            if "integer" in SPECS[key].schema.get("type", ()):
+                default = 0
         if isinstance(default, list):  # e.g. eval_planners=dim_greedy,size_greedy
             out[key] = [v.strip() for v in value.split(",") if v.strip()]
             continue
@@ -270,7 +280,7 @@ def _parse_params(items: list[str]) -> dict:
         except ValueError:
             kind = {"int": "a whole number", "float": "a number"}.get(type(default).__name__, type(default).__name__)
             raise EmbshardError(f"{key}={value!r} is not {kind}", field=key,
-                                fix=f"give {key}=<{kind}> (its default is {default!r})") from None
+                                fix=f"give {key}=<{kind}> (its default is {DEFAULT_PARAMS[key]!r})") from None
     return out
 
 

@@ -343,6 +343,9 @@ def run(name: str, root: str, params: dict, chunk: int | None = None, round_inde
         if int(round_index) < first:
             raise EmbshardError(f"round {round_index}: {name}'s rounds start at {first}", field="round",
                                 fix=f"give --round {first} or more (up to policy_rounds)")
+        if int(round_index) > MAX_POLICY_ROUNDS:  # the DAG's tasks stop there; a round beyond is a typo
+            raise EmbshardError(f"round {round_index}: a run has at most {MAX_POLICY_ROUNDS} rounds", field="round",
+                                fix=f"give --round {first}..{MAX_POLICY_ROUNDS} (up to the run's policy_rounds)")
     if name != "check_params":
         _note_code_version(root, name)
     if name == "benchmark":
