@@ -88,6 +88,9 @@ def test_a_gate_stopped_midway_leaves_no_earlier_decision(finished_root, monkeyp
     decision = os.path.join(finished_root, "evaluation", "decision.json")
     with open(decision, "w") as f:
         json.dump({"candidate_version": "1"}, f)
+    measured = os.path.join(finished_root, "evaluation", "evaluation.parquet")  # what that decision was made on
+    with open(measured, "w") as f:
+        f.write("an earlier try's")
 
     def stopped(*args, **kwargs):
         raise KeyboardInterrupt
@@ -95,7 +98,7 @@ def test_a_gate_stopped_midway_leaves_no_earlier_decision(finished_root, monkeyp
     monkeypatch.setattr(promote, "evaluate_and_promote", stopped)
     with pytest.raises(KeyboardInterrupt):
         stages.evaluate_and_promote(finished_root, {})
-    assert not os.path.exists(decision)
+    assert not os.path.exists(decision) and not os.path.exists(measured)
     assert not os.path.exists(os.path.join(finished_root, "state", "promotion.json"))
 
 

@@ -261,11 +261,14 @@ def evaluate_and_promote(root: str, params: dict) -> dict:
 
     p = merged(params)
     pol = _state(root, "policy", keys=("version",))
-    # A decision an earlier try left (perhaps about another candidate) goes first: a try stopped before it decides
-    # leaves none, never a stale one.
+    # A decision an earlier try left (perhaps about another candidate) goes first, with the measurements it was
+    # made on: a try stopped before it decides leaves none, never a stale one beside no decision.
     from . import storage
+    from .jobs.evaluate import OUTPUT as EVALUATION
 
-    for stale in (_join(path(root, "state"), "promotion.json"), _join(path(root, "evaluation"), "decision.json")):
+    evaluation = path(root, "evaluation")
+    for stale in (_join(path(root, "state"), "promotion.json"), _join(evaluation, "decision.json"),
+                  *(_join(evaluation, name) for name in EVALUATION["writes"])):
         storage.remove(stale)
     decision = promote(path(root, "tables"), path(root, "tasks"), path(root, "evaluation"),
                        candidate_version=pol["version"],
