@@ -391,3 +391,27 @@ def test_sample_shards_reuses_its_list_only_for_the_same_inputs(tmp_path):
     train_rows = again[again["sample_id"].str.startswith("train-")]
     assert not any(set(ids) & test_pool for ids in train_rows["table_ids"])
     assert not again.equals(first)
+
+
+def test_gpu_input_workers_follow_the_pods_cpu_limit_not_the_nodes_cores(tmp_path, monkeypatch):
+    """In a pod limited to 8 CPUs on a big node, os.cpu_count() is the node's: the cgroup limit decides (v2
+    cpu.max, v1 cfs quota); no limit falls back to the affinity."""
+    from embshard import hardware
+    from embshard.bench import runner
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("800000 100000\n")
+    monkeypatch.setattr(os, "cpu_count", lambda: 96)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(96)), raising=False)
+    assert hardware.usable_cpus(str(v2)) == 8
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert hardware.usable_cpus(str(v2)) == 96
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("250000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert hardware.usable_cpus(str(tmp_path / "v1")) == 3  # 2.5 CPUs: the next whole one
+    monkeypatch.setattr(hardware, "usable_cpus", lambda: 8)
+    monkeypatch.delenv("EMBSHARD_BENCH_WORKERS", raising=False)
+    assert runner.input_workers("cuda") == 6 and runner.input_workers("cpu") == 0

@@ -29,6 +29,31 @@ def _parse_size(text: str) -> int | None:
         return None
 
 
+def usable_cpus(cgroup_root: str = "/sys/fs/cgroup") -> int:
+    """The CPUs this process may use: os.cpu_count() is the node's in a container, so also its CPU affinity and
+    its cgroup's CPU limit (a Kubernetes pod limited to 8 CPUs on a 96-core node has 8)."""
+    import math
+
+    n = os.cpu_count() or 1
+    if hasattr(os, "sched_getaffinity"):
+        n = min(n, len(os.sched_getaffinity(0)) or n)
+    for path, parse in ((os.path.join(cgroup_root, "cpu.max"), lambda t: t.split()[:2]),  # cgroup v2: "quota period"
+                        (os.path.join(cgroup_root, "cpu", "cpu.cfs_quota_us"), None)):    # cgroup v1
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+            if parse is not None:
+                quota, period = parse(text)
+            else:
+                with open(os.path.join(cgroup_root, "cpu", "cpu.cfs_period_us")) as f:
+                    quota, period = text, f.read().strip()
+            if quota not in ("max", "-1") and int(period) > 0:
+                return max(1, min(n, math.ceil(int(quota) / int(period))))
+        except (OSError, ValueError):
+            continue
+    return n
+
+
 def cpu_last_level_cache() -> int | None:
     """Bytes of the largest cache level of CPU 0 (sysfs), None where the kernel does not say."""
     best: tuple[int, int] | None = None

@@ -484,7 +484,9 @@ def input_workers(device: str) -> int:
         return max(n, 0)
     if device == "cpu":
         return 0
-    return max(1, min(12, (os.cpu_count() or 2) - 2))
+    from ..hardware import usable_cpus
+
+    return max(1, min(12, usable_cpus() - 2))  # the pod's CPUs, not the node's
 
 
 def _job(job: tuple) -> tuple:
