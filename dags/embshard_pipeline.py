@@ -127,8 +127,10 @@ with DAG(
         def sample_shards(params=None, run_id=None, ti=None) -> list[int]:
             return run_stage("sample_shards", params, run_id, ti)["chunks"]
 
+        # One chunk at a time on one machine: chunks measured side by side compete for its cores and read slower
+        # (under `make ui`'s LocalExecutor three chunks ran at once on 2 cores). A cluster's pods each have theirs.
         @task(task_id="benchmark", retries=2, retry_delay=timedelta(seconds=5), doc_md=TASK_DOCS["benchmark"],
-              **time_limit("benchmark"))
+              max_active_tis_per_dagrun=1, **time_limit("benchmark"))
         def benchmark(chunk: int, params=None, run_id=None, ti=None) -> dict:
             return run_stage("benchmark", params, run_id, ti, chunk=chunk)
 
