@@ -154,6 +154,18 @@ def test_bucket_storage_needs_no_shared_volume():
     assert "embshard-data" not in by_kind(objs, "PersistentVolumeClaim")
 
 
+def test_bucket_storage_on_the_bundled_minio_gets_its_endpoint():
+    """As mlflow.s3Endpoint does: the stage pods' data bucket defaults to the bundled MinIO, not to AWS S3."""
+    def pod_storage(values):
+        config = by_kind(objects(values), "ConfigMap")["embshard-stage-pods"]
+        return yaml.safe_load(config["data"]["stage-pods.yaml"])["storage"]
+
+    bucket = {"stagePods": {"storage": {"type": "bucket", "dataRoot": "s3://embshard/runs"}}}
+    assert pod_storage(bucket)["s3Endpoint"].startswith("http://embshard-minio.")
+    assert pod_storage({**bucket, "minio": {"enabled": False}})["s3Endpoint"] == ""  # AWS S3
+    assert pod_storage({})["s3Endpoint"] == ""  # a shared volume needs none
+
+
 def test_missing_backend_store_is_a_clear_render_error():
     with pytest.raises(helm.HelmError, match="backend store"):
         render({"postgres": {"enabled": False}})

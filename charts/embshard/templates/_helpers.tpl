@@ -54,6 +54,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- if not $cfg.mlflowTrackingUri }}
 {{- $_ := set $cfg "mlflowTrackingUri" (include "embshard.mlflowUri" .) }}
 {{- end }}
+{{- /* Bucket storage on the bundled MinIO: its endpoint, as mlflow.s3Endpoint defaults to it. */}}
+{{- if and (eq $cfg.storage.type "bucket") (not $cfg.storage.s3Endpoint) .Values.minio.enabled }}
+{{- $_ := set $cfg.storage "s3Endpoint" (include "embshard.minioEndpoint" .) }}
+{{- end }}
 {{- toYaml $cfg }}
 {{- end }}
 
