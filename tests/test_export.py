@@ -442,15 +442,15 @@ def test_torchrec_shards_the_module_with_our_plan(placement):
     class Model(torch.nn.Module):
         def __init__(self, ebc):
             super().__init__()
-            self.sparse = ebc
+            self.sparse = torch.nn.ModuleList([ebc])  # its name is an index path: sparse.0
 
-    plan = to_torchrec_plan(placement, module_path="sparse")
+    plan = to_torchrec_plan(placement, module_path="sparse.0")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=D)
     try:
         model = DistributedModelParallel(Model(build_module(placement.tables)), device=torch.device("meta"),
                                          plan=plan, sharders=[EmbeddingBagCollectionSharder()],
                                          init_data_parallel=False, init_parameters=False)
-        sharded = model.module.sparse
+        sharded = model.module.sparse[0]
         assert type(sharded).__name__ == "ShardedEmbeddingBagCollection"
         # Every rank's local tables, as TorchRec's sharding computed them, are exactly ours.
         got = {r: set() for r in range(D)}

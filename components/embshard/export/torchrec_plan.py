@@ -73,16 +73,19 @@ def _sorted_shards(table: Mapping) -> list[dict]:
     return sorted(table["shards"], key=lambda s: s["col_offset"])
 
 
-_MODULE_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+# Segments: Python identifiers, or indices (an EBC inside an nn.Sequential or nn.ModuleList: `sparse.0`).
+_MODULE_PATH = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*|\d+)(\.([A-Za-z_][A-Za-z0-9_]*|\d+))*$")
 
 
 def check_module_path(module_path: str) -> None:
-    """"" (the model is the EBC) or a dotted Python attribute path of identifiers (`sparse_arch.ebc`): TorchRec
-    looks the module up by this name, so `../x` or `model..ebc` would be a plan no model can load."""
+    """"" (the model is the EBC) or a dotted module path of identifiers and container indices (`sparse_arch.ebc`,
+    `sparse.0`: as named_modules() names them): TorchRec looks the module up by this name, so `../x` or
+    `model..ebc` would be a plan no model can load."""
     if module_path and (not isinstance(module_path, str) or not _MODULE_PATH.match(module_path)):
         raise EmbshardError(f"module path {str(module_path)[:60]!r} is not a dotted attribute path",
-                            field="module_path", fix="give names of Python identifiers joined by '.', e.g. "
-                            "sparse_arch.embedding_bag_collection, or nothing when the model is the EBC")
+                            field="module_path", fix="give the module's name as model.named_modules() lists it "
+                            "(identifiers and indices joined by '.', e.g. sparse_arch.embedding_bag_collection or "
+                            "sparse.0), or nothing when the model is the EBC")
 
 
 def to_torchrec_plan(plan_or_placement, *, module=None, module_path: str = "", compute_device: str = "cuda",
