@@ -372,6 +372,16 @@ def test_table_ids_torchrec_cannot_key_and_one_host_of_over_128_gpus_are_one_lin
     assert "rank:200/cpu" in (tmp_path / "z" / "big" / "torchrec_plan.json").read_text()
 
 
+def test_the_reserved_table_names_are_the_installed_torchs():
+    """`place` warns about ids nn.ModuleDict refuses without importing torch (a frozen list): it must be the
+    installed torch's list."""
+    import torch
+
+    from embshard.torchrec_compat import MODULE_DICT_ATTRIBUTES
+
+    assert set(dir(torch.nn.ModuleDict())) == MODULE_DICT_ATTRIBUTES
+
+
 def test_run_without_torchrec_still_exports(tmp_path, tables_df, placement, monkeypatch):
     from embshard.export.torchrec_plan import require_torchrec
     from embshard.jobs.export import run

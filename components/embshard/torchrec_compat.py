@@ -5,7 +5,6 @@ memory accounting, and a TorchRec ShardingPlan read back as our Placement.
 """
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -86,7 +85,7 @@ def quiet_torchrec() -> None:
 def check_names(table_ids) -> None:
     """TorchRec keys tables by name in an nn.ModuleDict: names must be non-empty, free of '.', and not one of the
     dict's own attributes ('items', 'keys', 'type', 'to', ...: ModuleDict refuses them as keys)."""
-    reserved = module_dict_attributes()
+    reserved = MODULE_DICT_ATTRIBUTES
     bad = [t for t in table_ids if not t or "." in t or t in reserved]
     if bad:
         taken = [t for t in bad if t in reserved]
@@ -98,12 +97,31 @@ def check_names(table_ids) -> None:
                                 "become its keys), e.g. with a prefix ('t_items')")
 
 
-@functools.cache
-def module_dict_attributes() -> frozenset[str]:
-    """The names nn.ModuleDict refuses as keys: its own attributes (of the installed torch)."""
-    import torch
-
-    return frozenset(dir(torch.nn.ModuleDict))
+# The names nn.ModuleDict refuses as keys: its attributes (dir() of an instance, torch 2.13; a test compares them
+# with the installed torch), kept here so that `place` with a heuristic warns without importing torch.
+MODULE_DICT_ATTRIBUTES = frozenset((
+    "T_destination", "__annotations__", "__call__", "__class__", "__contains__", "__delattr__", "__delitem__",
+    "__dict__", "__dir__", "__doc__", "__eq__", "__format__", "__ge__", "__getattr__", "__getattribute__",
+    "__getitem__", "__getstate__", "__gt__", "__hash__", "__init__", "__init_subclass__", "__iter__", "__le__",
+    "__len__", "__lt__", "__module__", "__ne__", "__new__", "__reduce__", "__reduce_ex__", "__repr__", "__setattr__",
+    "__setitem__", "__setstate__", "__sizeof__", "__str__", "__subclasshook__", "__weakref__", "_apply",
+    "_backward_hooks", "_backward_pre_hooks", "_buffers", "_call_impl", "_compiled_call_impl", "_forward_hooks",
+    "_forward_hooks_always_called", "_forward_hooks_with_kwargs", "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs", "_get_backward_hooks", "_get_backward_pre_hooks", "_get_name",
+    "_is_full_backward_hook", "_load_from_state_dict", "_load_state_dict_post_hooks", "_load_state_dict_pre_hooks",
+    "_maybe_warn_non_full_backward_hook", "_modules", "_named_members", "_non_persistent_buffers_set", "_parameters",
+    "_register_load_state_dict_pre_hook", "_register_state_dict_hook", "_replicate_for_data_parallel",
+    "_save_to_state_dict", "_slow_forward", "_state_dict_hooks", "_state_dict_pre_hooks", "_version",
+    "_wrapped_call_impl", "add_module", "apply", "bfloat16", "buffers", "call_super_init", "children", "clear",
+    "compile", "cpu", "cuda", "double", "dump_patches", "eval", "extra_repr", "float", "forward", "get_buffer",
+    "get_extra_state", "get_parameter", "get_submodule", "half", "ipu", "items", "keys", "load_state_dict",
+    "modules", "mtia", "named_buffers", "named_children", "named_modules", "named_parameters", "parameters", "pop",
+    "register_backward_hook", "register_buffer", "register_forward_hook", "register_forward_pre_hook",
+    "register_full_backward_hook", "register_full_backward_pre_hook", "register_load_state_dict_post_hook",
+    "register_load_state_dict_pre_hook", "register_module", "register_parameter", "register_state_dict_post_hook",
+    "register_state_dict_pre_hook", "requires_grad_", "set_extra_state", "set_submodule", "share_memory",
+    "state_dict", "to", "to_empty", "train", "training", "type", "update", "values", "xpu", "zero_grad",
+))
 
 
 def data_type(bytes_per_element: int):
