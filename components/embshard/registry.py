@@ -241,20 +241,11 @@ def pinned(uri: str) -> str:
     """`models:/name@alias` as the version it points to now, `models:/name/<version>` (what a plan records: an
     alias moves, a version does not); any other URI, or an alias that does not resolve, unchanged (loading it
     then words the error). From a local sqlite store the alias is read directly (no MLflow import)."""
-    import sqlite3
-
     if not uri.startswith("models:/") or "@" not in uri:
         return uri
     name, alias = uri[len("models:/"):].split("@", 1)
-    store = _store_uri()
-    if store.startswith("sqlite:///"):
-        if _no_store_error(uri, store) is not None:
-            return uri
-        try:
-            with _read_only(store) as db:
-                version = _alias_version(db, name, alias)
-        except sqlite3.Error:
-            version = None
+    local, version = _from_sqlite(uri, lambda db: _alias_version(db, name, alias))
+    if local:
         return f"models:/{name}/{version}" if version is not None else uri
     mv = version_for_alias(name, alias)
     return f"models:/{name}/{mv.version}" if mv is not None else uri
@@ -263,23 +254,15 @@ def pinned(uri: str) -> str:
 def version_tag(uri: str, key: str) -> str | None:
     """The tag `key` of the model version a `models:/name/<version>` URI names, or None (no such tag, another
     kind of URI, or no store). From a local sqlite store read directly, as `pinned` does."""
-    import sqlite3
-
     if not uri.startswith("models:/") or "@" in uri:
         return None
     name, _, version = uri[len("models:/"):].partition("/")
     if not version.isdigit():
         return None
-    store = _store_uri()
-    if store.startswith("sqlite:///"):
-        if _no_store_error(uri, store) is not None:
-            return None
-        try:
-            with _read_only(store) as db:
-                rows = db.execute("SELECT value FROM model_version_tags WHERE name = ? AND version = ? AND key = ?",
-                                  (name, int(version), key)).fetchall()
-        except sqlite3.Error:
-            return None
+    local, rows = _from_sqlite(uri, lambda db: db.execute(
+        "SELECT value FROM model_version_tags WHERE name = ? AND version = ? AND key = ?",
+        (name, int(version), key)).fetchall())
+    if local:
         return str(rows[0][0]) if rows else None
     import mlflow
     from mlflow.exceptions import MlflowException
@@ -288,6 +271,23 @@ def version_tag(uri: str, key: str) -> str | None:
         return mlflow.MlflowClient().get_model_version(name, version).tags.get(key)
     except MlflowException:
         return None
+
+
+def _from_sqlite(uri: str, read):
+    """(True, read(db)) from this process's store when it is a local sqlite file, read-only and without importing
+    MLflow; (True, None) when that store is missing or unreadable; (False, None) for another kind of store."""
+    import sqlite3
+
+    store = _store_uri()
+    if not store.startswith("sqlite:///"):
+        return False, None
+    if _no_store_error(uri, store) is not None:
+        return True, None
+    try:
+        with _read_only(store) as db:
+            return True, read(db)
+    except sqlite3.Error:
+        return True, None
 
 
 def _read_only(store: str):
