@@ -80,6 +80,12 @@ def main(args) -> int:
     planners = [p for p in args.planners.split(",") if p]
     given = {}
     tasks, task_ids = args.tasks, [args.task_id] if args.task_id else None
+    if tasks is None and not getattr(args, "plan", None):
+        from ..errors import EmbshardError
+
+        raise EmbshardError("no tasks to evaluate", field="tasks",
+                            fix="give --tasks (a tasks.parquet, e.g. from `embshard tasks`), or --plan FILE to "
+                                "measure a plan.json on its own task beside --planners")
     with tempfile.TemporaryDirectory(prefix="embshard-evaluate-") as scratch:
         tables = args.tables
         from ..ingest.spec import is_spec_path
@@ -109,12 +115,6 @@ def main(args) -> int:
                                              limit=args.max_tasks, task_ids=task_ids))
             planners = [p for p in planners if p != NAME] + [NAME]
             given[NAME] = user_plan
-        elif tasks is None:
-            from ..errors import EmbshardError
-
-            raise EmbshardError("no tasks to evaluate", field="tasks",
-                                fix="give --tasks (a tasks.parquet, e.g. from `embshard tasks`), or --plan FILE to "
-                                    "measure a plan.json on its own task beside --planners")
         return _evaluate(args, planners, given, tables, tasks, task_ids,
                          "all" if args.tasks is None else args.split)
 
