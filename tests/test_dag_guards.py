@@ -249,3 +249,13 @@ def test_pipeline_params_from_the_command_line_take_their_types_from_the_form():
         _parse_params(["devices"])
     with pytest.raises(EmbshardError, match="devices_per_host='x' is not a whole number .*its default is None"):
         _parse_params(["devices_per_host=x"])
+
+
+def test_every_param_is_in_the_contracts_table():
+    """docs/contracts.md's param table had fallen behind params.SPECS (device, eval_rounds, timeout_scale)."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "contracts.md").read_text()
+    rows = set(re.findall(r"^\| `([a-z_]+)` \| ", text, flags=re.M))
+    assert set(params.SPECS) <= rows, sorted(set(params.SPECS) - rows)

@@ -62,7 +62,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "calibration moves from one call to the next, so compare evaluations that share one)")
     p.add_argument("--round-processes", action="store_true",
                    help="measure each round in a fresh process (CPU; about 2.5 s more per round): in one "
-                        "process, large tables measure up to 15-20%% faster once it has measured for a while "
+                        "process, large tables measure 12-17%% faster once it has measured for a while "
                         "(its recycled heap), so a task's ratios depend on what was measured before it; "
                         "fresh processes take that history out")
     p.add_argument("--estimate-in-rounds", action="store_true",

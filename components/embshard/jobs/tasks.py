@@ -153,7 +153,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables-per-task", default="20", help="tables per task: N or a range LO-HI (default 20)")
     p.add_argument("--devices", default="4", help="devices per task: N or a list to draw from, e.g. 4,8")
     p.add_argument("--memory-gb", default="16", help="memory per device in GiB (a list draws per task)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the pool split and the sampling (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the sampling (default 0); also of the pool split for a tables file written before "
+                        "its pool column (newer files keep the pools ingest chose)")
     p.add_argument("--devices-per-host", type=int, default=None, metavar="L",
                    help="every task on hosts of L devices (each --devices value must be a multiple of L), so "
                         "planners may cut table-row-wise within a host (default: one host)")
