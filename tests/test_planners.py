@@ -153,6 +153,19 @@ def test_learned_planner_fails_clearly_when_infeasible(tables, cost_model):
         planner.plan(tables, 2, int(tables.size_bytes.max() // 2))
 
 
+def test_the_time_cap_also_bounds_the_proposals(tables, cost_model, caplog):
+    """At a near-full memory the heuristics' cut-to-fit loops ran 9.5 minutes past a 60 s cap before any search:
+    past the cap the proposers not run yet are skipped (once there is a draft), said in the plan and the log."""
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        p = LearnedPlanner(PolicyNet(), cost_model, time_budget_s=0.0).plan(tables, 4, 512 * GiB)
+    p.check()
+    assert p.meta["time_cap_hit"] and p.meta["skipped_proposers"]
+    assert "proposals skipped" in caplog.text and "safety cap" in caplog.text
+    assert "skipped_proposers" not in LearnedPlanner(PolicyNet(), cost_model).plan(tables, 4, 512 * GiB).meta
+
+
 def test_column_split_pieces_cover_each_table_exactly_once(tables, cost_model):
     # One dominant, heavily pooled table: halving it across devices is the only way to balance.
     idx = np.argsort(tables.dims * tables.pooling_factor)[-6:]

@@ -509,10 +509,17 @@ class ComposedPlanner(Planner):
         config = getattr(self.cost_model, "config", None)
         return speed_slice_bytes(getattr(config, "hardware", ""))
 
-    def _propose(self, problem: Problem, proposers: list[Proposer]) -> list[Draft]:
-        drafts = []
+    def _propose(self, problem: Problem, proposers: list[Proposer], budget: Budget | None = None) -> list[Draft]:
+        """The proposers' drafts. Past the budget's safety cap (`budget.deadline`) the proposers not run yet are
+        skipped once there is a draft (the cap is recorded): at a near-full memory the heuristics' cut-to-fit loops
+        took 9.5 minutes before the search began."""
+        drafts: list[Draft] = []
         shown = None
         for p in proposers:
+            if budget is not None and drafts and time.perf_counter() > budget.deadline:
+                budget.cap_hit = True
+                budget.skipped_proposers.append(p.name)
+                continue
             phase = getattr(p, "phase", p.name)
             if phase != shown:
                 problem.phase(phase)
@@ -554,7 +561,7 @@ class ComposedPlanner(Planner):
             drafts = [Draft.of_shards(problem, "cut to fit", list(problem.view.pinned))]
         else:
             _ = problem.ctx  # built here (every draft is scored with it) so that its time shows as its own phase
-            drafts = self._propose(problem, self.composition.proposers)
+            drafts = self._propose(problem, self.composition.proposers, budget)
         if not drafts:
             drafts = self._propose(problem, self.composition.fallbacks)
         if not drafts:
@@ -584,10 +591,14 @@ class ComposedPlanner(Planner):
             "time_cap_hit": budget.cap_hit, "search_guard_stops": budget.guard_stops,
             **({"cut": best.cut} if best.cut else {}),  # the plan is a branch of the split search (Splits)
         })
+        if budget.skipped_proposers:
+            placement.meta["skipped_proposers"] = list(budget.skipped_proposers)
         if budget.cap_hit:
-            log.warning("%s: the search hit its %.1f s safety cap after %d of %d evaluations; this plan depends "
-                        "on the machine's speed (raise --time-budget-s for a reproducible plan)", problem.task_id,
-                        cap, budget.used, budget.evaluations)
+            skipped = (f" (proposals skipped: {', '.join(budget.skipped_proposers)})" if budget.skipped_proposers
+                       else "")
+            log.warning("%s: planning hit its %.1f s safety cap after %.1f s, %d of %d search evaluations%s; this "
+                        "plan depends on the machine's speed (raise --time-budget-s for a reproducible plan)",
+                        problem.task_id, cap, time.perf_counter() - start, budget.used, budget.evaluations, skipped)
         return placement
 
 
