@@ -372,6 +372,22 @@ def test_table_ids_torchrec_cannot_key_and_one_host_of_over_128_gpus_are_one_lin
     assert "rank:200/cpu" in (tmp_path / "z" / "big" / "torchrec_plan.json").read_text()
 
 
+def test_place_on_more_than_128_gpus_of_one_host_warns_that_export_needs_the_hosts(tmp_path, tables_df, caplog):
+    import logging
+
+    from embshard.cli import main
+
+    schemas.write(tables_df, tmp_path / "tables.parquet", "tables")
+    args = ["place", "--tables", str(tmp_path / "tables.parquet"), "--memory-gb", "1", "--planner", "size_greedy"]
+    with caplog.at_level(logging.WARNING):
+        assert main([*args, "--devices", "256", "--out", str(tmp_path / "a")]) == 0
+    assert "256 devices on one host: the TorchRec export needs the GPUs per host" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert main([*args, "--devices", "256", "--devices-per-host", "8", "--out", str(tmp_path / "b")]) == 0
+    assert "on one host" not in caplog.text
+
+
 def test_the_reserved_table_names_are_the_installed_torchs():
     """`place` warns about ids nn.ModuleDict refuses without importing torch (a frozen list): it must be the
     installed torch's list."""

@@ -355,7 +355,8 @@ def shard_inputs(tables: TableSet, members, cfg: BenchConfig, col_sizes=None, wh
         raise EmbshardError(
             f"the batch alone needs {need_batch / GiB:.2f} GiB of the {cfg.budget_bytes / GiB:.2f} GiB this "
             f"measurement may use ({len(specs)} tables, {max(lookups)} lookups per batch)", path=where,
-            field="batch_size", fix="lower --batch-size, or raise --max-shard-gb if the machine has the memory")
+            field="batch_size", fix="lower --batch-size, or raise --max-shard-gb (where the command has it) if the "
+                                "machine has the memory")
     cap = inp.row_cap(rows, dims, weight_budget, bpe)
     scaled = rows if cap is None else np.minimum(rows, cap)
     for s, r in zip(specs, scaled):

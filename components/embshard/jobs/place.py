@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from .. import schemas, storage
+from ..checks import MAX_LOCAL_DEVICES
 from ..errors import EmbshardError, ModelFilesMissingError, ModelNotFoundError
 from ..ingest.spec import read_tables
 from ..placement import Placement
@@ -191,6 +192,9 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     except EmbshardError as exc:
         raise exc.at(where) from None
     _warn_if_torchrec_cannot_name(table_set)
+    if topology.hosts is None and D > MAX_LOCAL_DEVICES:  # export would refuse it (torchrec_plan.to_torchrec_plan)
+        log.warning("%d devices on one host: the TorchRec export needs the GPUs per host (torch numbers a host's "
+                    "GPUs 0-%d); give --devices-per-host here or to export", D, MAX_LOCAL_DEVICES - 1)
     if not is_planner_name(planner):
         get_planner(planner)  # the unknown-planner error, with the list of planners
     # A learned planner predicts with its own cost model; a bad --cost-model fails before planning.
@@ -307,7 +311,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "heuristics', TorchRec's) side by side on this machine and write the measured best (1-16); "
                         "a refinement only when this machine is the hardware the plan is for")
     p.add_argument("--refine-rounds", type=int, default=5, metavar="R",
-                   help="paired measuring rounds of --refine (default 5, the fewest for an interval)")
+                   help="paired measuring rounds of --refine (default 5; at least 2, which gives an interval of "
+                        "the two rounds' range only)")
     p.add_argument("--devices-per-host", type=int, default=None, metavar="L",
                    help="devices per host (host h holds devices h*L .. h*L+L-1, TorchRec's rank order): a planner "
                         "may then cut a table row-wise over one host (table_row_wise); written to plan.json as "
