@@ -117,6 +117,26 @@ def test_infeasible_memory_is_reported_before_any_model_load(store, tmp_path):
     assert got["modules"] == [] and not out.exists()
 
 
+def test_a_spec_that_cannot_fit_is_refused_before_its_tables_are_read(tmp_path, monkeypatch):
+    """A spec's access features take ~26 ms a table to sample (5,000 tables: minutes): tables that cannot fit all
+    devices are refused from the spec's sizes, before any sampling."""
+    from embshard.cli import main
+    from embshard.ingest import spec
+
+    path = tmp_path / "big.csv"
+    path.write_text("name,num_embeddings,embedding_dim,pooling_factor\n" + "".join(
+        f"t{i},1000000,64,5\n" for i in range(50)) + "huge,100000000000000,512,1\n")
+
+    def no_sampling(*args, **kwargs):
+        raise AssertionError("the spec's features were sampled before the memory check")
+
+    monkeypatch.setattr(spec, "tables_from_spec", no_sampling)
+    out = tmp_path / "o"
+    assert main(["place", "--tables", str(path), "--devices", "8", "--memory-gb", "16", "--planner", "size_greedy",
+                 "--out", str(out)]) == 2
+    assert not out.exists()
+
+
 def test_cost_model_given_gives_predicted_costs_without_mlflow(store, tmp_path):
     out = tmp_path / "o"
     got, proc = run_cli(tmp_path, _place(store["tables"], out, "lookup_greedy", "--cost-model",

@@ -11,10 +11,10 @@ import numpy as np
 from .. import schemas, storage
 from ..checks import MAX_LOCAL_DEVICES
 from ..errors import EmbshardError, ModelFilesMissingError, ModelNotFoundError
-from ..ingest.spec import read_tables
+from ..ingest.spec import is_spec_path, read_tables, spec_sizes
 from ..placement import Placement
 from ..planners import composition_of, get_planner, is_planner_name
-from ..planners.base import check_feasible
+from ..planners.base import check_capacity, check_feasible
 from ..registry import COST_CHAMPION_URI, POLICY_CHAMPION_URI
 from ..tableset import TableSet
 from ..types import DeviceTopology, devices_per_host_of
@@ -30,6 +30,12 @@ def resolve_task(tables: str, tasks: str | None, task_id: str | None, devices: i
                  memory_bytes: int | None) -> tuple[TableSet, int, int, str, str, int | None]:
     """(tables, devices, memory per device, task id, where, devices per host of the task or None): `where` names
     the input file in errors."""
+    if task_id is None and devices is not None and memory_bytes is not None and is_spec_path(tables):
+        # A spec's access features take ~26 ms a table to sample: tables that cannot fit are said before that.
+        try:
+            check_capacity(spec_sizes(tables), int(devices), int(memory_bytes))
+        except EmbshardError as exc:
+            raise exc.at(os.fspath(tables)) from None
     table_set = read_tables(tables)
     if task_id is None:
         if devices is None or memory_bytes is None:

@@ -67,7 +67,12 @@ class Planner(ABC):
 def check_feasible(tables: TableSet, num_devices: int, memory_bytes_per_device: int, task_id: str = "task"):
     """The necessary condition: all tables fit all devices together. A table larger than one device is not an
     error here: planners split it (row- or column-wise) to make it fit."""
-    total = int(tables.size_bytes.sum())
+    check_capacity(tables.size_bytes, num_devices, memory_bytes_per_device, task_id)
+
+
+def check_capacity(size_bytes, num_devices: int, memory_bytes_per_device: int, task_id: str = "task"):
+    """check_feasible on the tables' bytes alone (a spec's sizes, before its access features are sampled)."""
+    total = int(np.asarray(size_bytes, dtype=np.int64).sum())
     capacity = num_devices * memory_bytes_per_device
     if total > capacity:
         raise InfeasiblePlacementError(
