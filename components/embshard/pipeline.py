@@ -46,39 +46,37 @@ QUICK_PARAMS = {"num_tables": 80, "hot_large_fraction": 0.0, "num_tasks": 4, "ta
                 "eval_planners": ["size_greedy", "lookup_greedy", "size_lookup_greedy", "dim_greedy"]}
 
 
-def local_environment(out: str) -> dict[str, str]:
-    """The folders of a local installation rooted at `out` (Airflow home, DAGs, run data, MLflow store), as
-    environment variables; already-set ones win. Shared by `embshard pipeline` and `embshard ui`."""
-    out = os.path.abspath(out)
-    return {
-        "AIRFLOW_HOME": os.environ.get("AIRFLOW_HOME") or os.path.join(out, "airflow"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__DAGS_FOLDER": dags_folder(),
-        "EMBSHARD_DATA_ROOT": os.environ.get("EMBSHARD_DATA_ROOT") or os.path.join(out, "data"),
-        "MLFLOW_TRACKING_URI": os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.join(out, 'mlflow.db')}",
-        "EMBSHARD_RUNNER": "local",
-        # One communication calibration per hardware, kept for every local run (bench.comm.adopt_calibration).
-        "EMBSHARD_CALIBRATION_DIR": os.environ.get("EMBSHARD_CALIBRATION_DIR") or os.path.join(out, "calibration"),
-    }
-
-
 # What --out would hold, and the variable that moves it elsewhere when it is set (local_environment).
 OUT_FOLDERS = {"AIRFLOW_HOME": "Airflow state", "EMBSHARD_DATA_ROOT": "run data",
                "MLFLOW_TRACKING_URI": "the MLflow store", "EMBSHARD_CALIBRATION_DIR": "the comm calibration"}
+
+
+def out_folders(out: str) -> dict[str, str]:
+    """Where --out alone puts each part of a local installation (the OUT_FOLDERS variables' values)."""
+    out = os.path.abspath(out)
+    return {"AIRFLOW_HOME": os.path.join(out, "airflow"), "EMBSHARD_DATA_ROOT": os.path.join(out, "data"),
+            "MLFLOW_TRACKING_URI": f"sqlite:///{os.path.join(out, 'mlflow.db')}",
+            # One communication calibration per hardware, kept for every local run (bench.comm.adopt_calibration).
+            "EMBSHARD_CALIBRATION_DIR": os.path.join(out, "calibration")}
+
+
+def local_environment(out: str) -> dict[str, str]:
+    """The folders of a local installation rooted at `out` (Airflow home, DAGs, run data, MLflow store), as
+    environment variables; already-set ones win. Shared by `embshard pipeline` and `embshard ui`."""
+    own = out_folders(out)
+    return {**{var: os.environ.get(var) or path for var, path in own.items()},
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "AIRFLOW__CORE__DAGS_FOLDER": dags_folder(),
+            "EMBSHARD_RUNNER": "local"}
 
 
 def outside_out(out: str) -> list[str]:
     """One line per environment variable that sends part of a local installation somewhere other than `out`
     (they win over --out: an operator may point MLflow at a server); printed before the run, so that a shell's
     leftover AIRFLOW_HOME or MLFLOW_TRACKING_URI does not silently take the run elsewhere."""
-    saved = {var: os.environ.pop(var, None) for var in OUT_FOLDERS}
-    try:
-        own = local_environment(out)  # where --out alone would put each part
-    finally:
-        os.environ.update({k: v for k, v in saved.items() if v is not None})
+    own = out_folders(out)
     lines = []
     for var, what in OUT_FOLDERS.items():
-        value = saved[var]
+        value = os.environ.get(var)
         if value and value != own[var]:
             lines.append(f"note: {var} is set ({value}): {what} goes there, not under {os.path.abspath(out)} "
                          f"(unset {var} to keep it under --out)")

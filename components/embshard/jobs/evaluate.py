@@ -77,6 +77,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 def main(args) -> int:
     import tempfile
 
+    from .. import schemas
+    from ..ingest.spec import is_spec_path
+
     planners = [p for p in args.planners.split(",") if p]
     given = {}
     tasks, task_ids = args.tasks, [args.task_id] if args.task_id else None
@@ -88,16 +91,12 @@ def main(args) -> int:
                                 "measure a plan.json on its own task beside --planners")
     with tempfile.TemporaryDirectory(prefix="embshard-evaluate-") as scratch:
         tables = args.tables
-        from ..ingest.spec import is_spec_path
-
         if is_spec_path(tables):  # the tables ingest would make of the spec (the same seed: the same tables)
-            from .. import schemas
             from ..ingest.spec import tables_from_spec
 
             tables = os.path.join(scratch, "tables.parquet")
             schemas.write(tables_from_spec(args.tables, progress=False), tables, "tables")
         if getattr(args, "plan", None):
-            from .. import schemas
             from ..export.user_plan import NAME, UserPlan
             from ..types import load_tasks
 
