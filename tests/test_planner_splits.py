@@ -14,11 +14,12 @@ from embshard.checks import GiB
 from embshard.errors import InfeasiblePlacementError
 from embshard.ingest.spec import tables_from_spec
 from embshard.ingest.synthetic import generate_tables
+from embshard.planners import splitting
 from embshard.planners.baselines import BASELINES, make_baseline
 from embshard.planners.learned import LearnedPlanner
 from embshard.planners.scoring import placement_costs
 from embshard.planners.search import Budget, SearchState, local_search
-from embshard.planners.splitting import ROW_LEVEL, column_widths, split_to_fit
+from embshard.planners.splitting import ROW_LEVEL, PieceView, column_widths, split_to_fit
 from embshard.tableset import TableSet
 from embshard.types import DeviceTopology, Shard, row_blocks
 
@@ -73,6 +74,54 @@ def test_tables_larger_than_a_device_get_the_fewest_cuts_that_pack(mlperf):
     assert big.sum() == 5 and sorted(view.levels[big]) == [2, 2, 2, 2, 4] and not view.levels[~big].any()
     assert view.pieces.size_bytes.max() <= topo.memory_bytes
     assert column_widths(128, 4) == [32, 32, 32, 32] and column_widths(10, 2) == [4, 6]
+
+
+def test_a_view_cut_finer_is_the_view_built_at_those_levels(small_tables_df):
+    """`refined` builds the finer view from the coarser one (only the cut tables' pieces are new): it must be the
+    very view `build` makes at the new levels, pieces in the same order, down to the pinned load per device."""
+    ts = TableSet.from_frame(small_tables_df)
+    rng = np.random.default_rng(0)
+    for devices in (3, 8):
+        topo = DeviceTopology(devices, int(ts.size_bytes.max()))
+        view = PieceView.build(ts, topo, np.zeros(len(ts), dtype=np.int64))
+        for _ in range(15):
+            finer = view.refined(*rng.choice(len(ts), size=int(rng.integers(1, 4))))
+            if finer is None:
+                continue
+            built = PieceView.build(ts, topo, finer.levels)
+            assert finer.free == built.free and finer.pinned == built.pinned
+            assert finer.memory == built.memory and np.array_equal(finer.load, built.load)
+            assert np.array_equal(finer.pieces.size_bytes, built.pieces.size_bytes)
+            assert np.array_equal(finer.pieces.pooling_factor, built.pieces.pooling_factor)
+            view = finer
+    assert view.levels.min() == ROW_LEVEL  # the walk reached row-wise cuts (pinned pieces) too
+
+
+def test_past_the_single_cut_restarts_every_stuck_table_is_cut_at_once(small_tables_df, monkeypatch):
+    """A heuristic restarts with one table cut finer each time a piece fits nowhere (as TorchRec splits); past
+    SINGLE_CUT_RESTARTS restarts it cuts the table of every piece that fit nowhere at once (5,000 tables at 99%
+    fill of 1,024 devices: one cut per restart ran over 5 minutes). Same plans below that many restarts."""
+    ts = TableSet.from_frame(small_tables_df)
+    topo = DeviceTopology(4, int(ts.size_bytes.sum() / 4 / 0.995))
+    cuts_per_restart = []
+    refined = PieceView.refined
+
+    def counted(self, *tables):
+        cuts_per_restart.append(len(tables))
+        return refined(self, *tables)
+
+    monkeypatch.setattr(PieceView, "refined", counted)
+    plan = make_baseline("dim_greedy").plan(ts, topo)
+    plan.check()
+    single = len(cuts_per_restart)
+    assert single >= 2 and set(cuts_per_restart) == {1}  # this task needs several one-at-a-time cuts
+    cuts_per_restart.clear()
+    monkeypatch.setattr(splitting, "SINGLE_CUT_RESTARTS", 0)
+    batched = make_baseline("dim_greedy").plan(ts, topo)
+    batched.check()
+    assert max(cuts_per_restart) > 1 and len(cuts_per_restart) < single
+    monkeypatch.setattr(splitting, "SINGLE_CUT_RESTARTS", 10**6)
+    assert make_baseline("dim_greedy").plan(ts, topo).shards == plan.shards
 
 
 def test_a_narrow_table_too_large_for_a_device_is_cut_row_wise():

@@ -31,21 +31,24 @@ GREEDY_BASELINES = [f"{p}_greedy" for p in PROXIES]
 
 
 def greedy_assignment(tables: TableSet, proxy: str, num_devices: int, memory_bytes_per_device: int
-                      ) -> tuple[np.ndarray | None, int, np.ndarray]:
+                      ) -> tuple[np.ndarray | None, list[int], np.ndarray]:
     """Largest proxy first onto the device with room whose running proxy sum is smallest.
 
-    Returns (assignment, -1, free) or, when a table fits on no device, (None, that table, free bytes then)."""
+    Returns (assignment, [], free) or, when some tables fit on no device, (None, those tables in the order they
+    came up, free bytes after placing the rest)."""
     cost = PROXIES[proxy](tables)
     order = np.argsort(-cost, kind="stable")
     load = np.zeros(num_devices)
     free = np.full(num_devices, memory_bytes_per_device, dtype=np.int64)
     assignment = np.empty(len(tables), dtype=np.int64)
+    stuck: list[int] = []
     for i in order:
         fits = free >= tables.size_bytes[i]
         if not fits.any():
-            return None, int(i), free
+            stuck.append(int(i))
+            continue
         d = int(np.argmin(np.where(fits, load, np.inf)))
         assignment[i] = d
         load[d] += cost[i]
         free[d] -= tables.size_bytes[i]
-    return assignment, -1, free
+    return (None if stuck else assignment), stuck, free

@@ -49,15 +49,17 @@ class RandomPlanner(Planner):
             rng = np.random.default_rng(self.seed)
             free = np.full(topology.count, view.memory, dtype=np.int64)
             assignment = np.empty(len(pieces), dtype=np.int64)
+            stuck = []
             # Big pieces first so that randomness rarely paints itself into a corner.
             for i in np.argsort(-pieces.size_bytes, kind="stable"):
                 fits = np.flatnonzero(free >= pieces.size_bytes[i])
                 if fits.size == 0:
-                    return None, int(i)
+                    stuck.append(int(i))
+                    continue
                 d = int(rng.choice(fits))
                 assignment[i] = d
                 free[d] -= pieces.size_bytes[i]
-            return assignment, -1
+            return (None if stuck else assignment), stuck
 
         return _placement(tables, topology, place_with_cuts(tables, topology, task_id, assign))
 
@@ -72,16 +74,18 @@ class RoundRobinPlanner(Planner):
             pieces, D = view.pieces, topology.count
             free = np.full(D, view.memory, dtype=np.int64)
             assignment = np.empty(len(pieces), dtype=np.int64)
+            stuck = []
             for i in range(len(pieces)):
                 for k in range(D):
                     d = (i + k) % D
                     if free[d] >= pieces.size_bytes[i]:
                         break
                 else:
-                    return None, i
+                    stuck.append(i)
+                    continue
                 assignment[i] = d
                 free[d] -= pieces.size_bytes[i]
-            return assignment, -1
+            return (None if stuck else assignment), stuck
 
         return _placement(tables, topology, place_with_cuts(tables, topology, task_id, assign))
 
