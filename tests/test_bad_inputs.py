@@ -903,7 +903,7 @@ CASES_26_DATA = {
     "i26-spec-data-type-fp64": ingest_spec(spec_row("a,10,4,1,fp64", ",data_type", ",fp32")),
     # dims FBGEMM cannot measure: refused at ingest, not an AssertionError in bench
     "i26-spec-dim-3": lambda w, d: (ingest_spec(spec_row("a,10,3,1"))(w, d)[0],
-                                    ["spec.csv", "embedding_dim", "'a'", "row 1", "multiple of 4"]),
+                                    ["spec.csv", "embedding_dim", "'a'", "line 3", "multiple of 4"]),
     "i26-dlrm-dim-6": lambda w, d: (["ingest", "--source", "dlrm", "--input", trace(d), "--dim", "6"],
                                     ["dim", "multiple of 4"]),
     "i26-bench-table-dim-6": lambda w, d: (_bench(w, d, tables=tables_with(w, d, dim=(0, 6))),

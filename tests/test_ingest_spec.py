@@ -72,13 +72,18 @@ GOOD = "name,num_embeddings,embedding_dim,pooling_factor\nx,100,16,1.0\ny,200,32
     ("missing_col.csv", "name,num_embeddings,pooling_factor\nx,100,1.0\n", "embedding_dim", ["missing column"]),
     ("zero_rows.csv", GOOD.replace("100,16", "0,16"), "num_embeddings", ["not > 0"]),
     ("neg_dim.csv", GOOD.replace("200,32", "200,-4"), "embedding_dim", ["not > 0"]),
-    ("nan_pool.csv", GOOD.replace("1.0", "nan"), "pooling_factor", ["empty or NaN value in row 0"]),
-    ("empty_pool.csv", GOOD.replace(",1.0", ","), "pooling_factor", ["empty or NaN value in row 0", "table 'x'"]),
-    ("short_row.csv", GOOD.replace("x,100,16,1.0", "x,100,16"), "pooling_factor", ["empty or NaN value in row 0"]),
+    ("nan_pool.csv", GOOD.replace("1.0", "nan"), "pooling_factor", ["empty or NaN value in line 2"]),
+    ("empty_pool.csv", GOOD.replace(",1.0", ","), "pooling_factor", ["empty or NaN value in line 2", "table 'x'"]),
+    ("short_row.csv", GOOD.replace("x,100,16,1.0", "x,100,16"), "pooling_factor", ["empty or NaN value in line 2"]),
     ("no_pool.yaml", "tables:\n  - {name: a, num_embeddings: 10, embedding_dim: 4}\n"
      "  - {name: b, num_embeddings: 10, embedding_dim: 4, pooling_factor: 1}\n", "pooling_factor",
-     ["empty or NaN value in row 0", "table 'a'"]),
-    ("dup.csv", GOOD.replace("y,", "x,"), "name", ["duplicate", "'x'"]),
+     ["empty or NaN value in line 2", "table 'a'"]),
+    ("dup.csv", GOOD.replace("y,", "x,"), "name", ["duplicate", "'x'", "line 2 and line 3"]),
+    # lines as an editor counts them: comment and blank lines, a YAML table written over several lines
+    ("comments.csv", "# sizes from prod\nname,num_embeddings,embedding_dim,pooling_factor\n\nx,100,16,1.0\n"
+     "# the next one is new\ny,200,30,2.0\n", "embedding_dim", ["table 'y'", "line 6", "multiple of 4"]),
+    ("dup.yaml", "tables:\n  - name: a\n    num_embeddings: 10\n    embedding_dim: 4\n    pooling_factor: 1\n"
+     "  - {name: a, num_embeddings: 10, embedding_dim: 4, pooling_factor: 1}\n", "name", ["line 2 and line 6"]),
     ("text_rows.csv", GOOD.replace("100,16", "lots,16"), "num_embeddings", ["'lots'", "not a number"]),
     ("frac_dim.csv", GOOD.replace("100,16", "100,16.5"), "embedding_dim", ["not an integer"]),
     ("bad_dtype.csv", GOOD.replace("factor\n", "factor,data_type\n").replace("1.0\n", "1.0,int4\n")

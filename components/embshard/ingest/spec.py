@@ -59,12 +59,15 @@ def read_spec_file(path: str) -> pd.DataFrame:
             if not isinstance(doc, list) or not all(isinstance(r, dict) for r in doc):
                 raise EmbshardError("expected a list of tables (mappings), or a mapping with a 'tables' list",
                                     path=path, field="tables", fix="write one mapping per table under 'tables:'")
+            lines = _yaml_table_lines(path, len(doc))
             for i, r in enumerate(doc):  # YAML reads yes/no, 012 (octal), 1_000, dates as other types
                 if r.get("name") is not None and not isinstance(r["name"], str):
-                    raise EmbshardError(f"table name {r['name']!r} in row {i} is not text (YAML read it as a "
+                    at = f"line {lines[i]}" if lines else f"table {i + 1} of the list"
+                    raise EmbshardError(f"table name {r['name']!r} in {at} is not text (YAML read it as a "
                                         f"{type(r['name']).__name__})", path=path, field="name",
                                         fix="quote the name as written, e.g. name: '012'")
             df = pd.DataFrame(doc)
+            df.attrs[LINES] = lines
         else:
             raise EmbshardError(f"unknown file type {ext or '(none)'!r}", path=path,
                                 fix=f"give a {_FORMATS} file")
@@ -110,6 +113,8 @@ def _read_csv(path: str) -> pd.DataFrame:
     if "name" in header:  # names as written: no number parsing ('007', '1e3') and no NA words ('NA', 'nan')
         df["name"] = pd.read_csv(io.StringIO(text), skipinitialspace=True, usecols=["name"], dtype=str,
                                  keep_default_na=False)["name"]
+    if len(df) == len(lines) - 1:  # one data row per kept line (a quoted value spanning lines has no simple line)
+        df.attrs[LINES] = [n for n, _ in lines[1:]]
     return df
 
 
@@ -162,25 +167,51 @@ def _numbers(df: pd.DataFrame, col: str, path: str, integer: bool, required: boo
     bad = num.isna() & s.notna()
     if bad.any():
         i = int(np.flatnonzero(bad.to_numpy())[0])
-        raise EmbshardError(f"value {_show(s.iloc[i])} in row {i} ({_name(df, i)}) is not a number", path=path,
+        raise EmbshardError(f"value {_show(s.iloc[i])} in {_at(df, i)} ({_name(df, i)}) is not a number", path=path,
                             field=col, fix="give a number" if not integer else "give an integer")
     if required:
         missing = num.isna()
         if missing.any():
             i = int(np.flatnonzero(missing.to_numpy())[0])
-            raise EmbshardError(f"empty or NaN value in row {i} ({_name(df, i)})", path=path, field=col,
+            raise EmbshardError(f"empty or NaN value in {_at(df, i)} ({_name(df, i)})", path=path, field=col,
                                 fix=f"give {'an integer' if integer else 'a number'} for every table")
     if integer:
         frac = num != np.round(num)
         if frac.any():
             i = int(np.flatnonzero(frac.to_numpy())[0])
-            raise EmbshardError(f"value {_show(s.iloc[i])} in row {i} ({_name(df, i)}) is not an integer",
+            raise EmbshardError(f"value {_show(s.iloc[i])} in {_at(df, i)} ({_name(df, i)}) is not an integer",
                                 path=path, field=col, fix="give an integer")
     return num.astype("float64")
 
 
+LINES = "embshard_lines"  # DataFrame.attrs key: the file line of each table of a CSV or YAML spec
+
+
+def _at(df: pd.DataFrame, i: int) -> str:
+    """Where table i is in its file, for a message: its line in a CSV or YAML spec (what an editor shows), else
+    its row in a Parquet spec (counted from 0, as pandas and pyarrow count)."""
+    lines = df.attrs.get(LINES)
+    return f"line {lines[i]}" if lines is not None and i < len(lines) else f"row {i}"
+
+
 def _name(df: pd.DataFrame, i: int) -> str:
-    return f"table {_show(df['name'].iloc[i])}" if "name" in df.columns else f"row {i}"
+    return f"table {_show(df['name'].iloc[i])}" if "name" in df.columns else _at(df, i)
+
+
+def _yaml_table_lines(path: str, count: int) -> list[int] | None:
+    """The line where each of the `count` tables of a YAML spec starts (its sequence item), or None."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            node = yaml.compose(f, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return None
+    if isinstance(node, yaml.MappingNode):
+        node = next((v for k, v in node.value if getattr(k, "value", None) == "tables"), None)
+    if not isinstance(node, yaml.SequenceNode) or len(node.value) != count:
+        return None
+    return [item.start_mark.line + 1 for item in node.value]
 
 
 def _show(value) -> str:
@@ -198,17 +229,19 @@ def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
     empty = names.isna() | (names.astype(str).str.strip() == "")
     if empty.any():
         i = int(np.flatnonzero(empty.to_numpy())[0])
-        raise EmbshardError(f"empty name in row {i}", path=path, field="name", fix="give every table a name")
+        raise EmbshardError(f"empty name in {_at(df, i)}", path=path, field="name", fix="give every table a name")
     names = names.astype(str).str.strip()
     bad = names.map(checks.bad_id).astype(bool)
     if bad.any():
         i = int(np.flatnonzero(bad.to_numpy())[0])
-        raise EmbshardError(f"table name {names.iloc[i][:60]!r} in row {i} is not allowed", path=path, field="name",
-                            fix=f"use {checks.ID_RULE}")
+        raise EmbshardError(f"table name {names.iloc[i][:60]!r} in {_at(df, i)} is not allowed", path=path,
+                            field="name", fix=f"use {checks.ID_RULE}")
     dup = names.duplicated()
     if dup.any():
-        raise EmbshardError(f"duplicate table name {names[dup].iloc[0]!r}", path=path, field="name",
-                            fix="give every table a unique name")
+        i = int(np.flatnonzero(dup.to_numpy())[0])
+        first = int(np.flatnonzero((names == names.iloc[i]).to_numpy())[0])
+        raise EmbshardError(f"duplicate table name {names.iloc[i]!r} ({_at(df, first)} and {_at(df, i)})", path=path,
+                            field="name", fix="give every table a unique name")
     out = pd.DataFrame({"name": names})
     for col in ("num_embeddings", "embedding_dim"):
         v = _numbers(df, col, path, integer=True)
@@ -227,7 +260,7 @@ def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
             if odd.any():
                 i = int(np.flatnonzero(odd.to_numpy())[0])
                 d = int(v.iloc[i])
-                raise EmbshardError(f"dim {d} of {_name(df, i)} (row {i}) is not a multiple of "
+                raise EmbshardError(f"dim {d} of {_name(df, i)} ({_at(df, i)}) is not a multiple of "
                                     f"{checks.DIM_MULTIPLE}: FBGEMM's kernels cannot measure it", path=path,
                                     field=col, fix=f"use a multiple of {checks.DIM_MULTIPLE} (e.g. "
                                     f"{-(-d // checks.DIM_MULTIPLE) * checks.DIM_MULTIPLE}; pad the table)")
