@@ -137,10 +137,13 @@ def _run(args, jobs: list[str], out: str, work: str) -> int:
 
     # 2. Cost-model accuracy (from the run's report).
     if "costmodel" in jobs:
-        full = costmodel_accuracy.load(info.root)
-        # The report is the train_cost_model stage's model (the policy may use a later refit of it).
-        reported = (info.state.get("cost_model") or {}).get("model_uri") or info.cost_model_uri
-        text, head = costmodel_accuracy.markdown(full, info.root, out, hw_line, reported, info.cost_model_uri)
+        # The report of the train_cost_model stage's last round: the model it names (the policy may use a later
+        # refit of it). The first round's report is in cost_model/, a later round's in cost_model/round-<r>/.
+        stage = info.state.get("cost_model") or {}
+        reported = stage.get("model_uri") or info.cost_model_uri
+        full = costmodel_accuracy.load(info.root, stage.get("round"))
+        text, head = costmodel_accuracy.markdown(full, info.root, out, hw_line, reported, info.cost_model_uri,
+                                                 stage.get("round"))
         write_text(os.path.join(out, "costmodel.md"), text)
         pages["costmodel"] = {"md": "costmodel.md", "headline": head}
         progress("cost model: " + "; ".join(

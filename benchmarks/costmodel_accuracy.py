@@ -20,8 +20,15 @@ ESTIMATORS = ("learned", "sum_singles", "analytic")
 HEADS = ("fwd_compute", "bwd_compute", "comm", "total_compute")
 
 
-def load(root: str) -> dict | None:
-    path = os.path.join(root, "cost_model", "report.json")
+def report_dir(root: str, round_index: int | None = None) -> str:
+    """Where the train_cost_model stage wrote the report of a round's model: cost_model/ for the first round,
+    cost_model/round-<r>/ for a later one (the model the run registered last, and the one its policy uses)."""
+    base = os.path.join(root, "cost_model")
+    return base if not round_index or int(round_index) <= 1 else os.path.join(base, f"round-{int(round_index)}")
+
+
+def load(root: str, round_index: int | None = None) -> dict | None:
+    path = os.path.join(report_dir(root, round_index), "report.json")
     if not os.path.exists(path):
         return None
     with open(path, encoding="utf-8") as f:
@@ -56,11 +63,11 @@ def overall(full: dict) -> pd.DataFrame:
 
 
 def markdown(full: dict | None, root: str, out_dir: str, hw_line: str, model_uri: str,
-             policy_cost_model: str | None = None) -> tuple[str, dict]:
+             policy_cost_model: str | None = None, round_index: int | None = None) -> tuple[str, dict]:
     """The page text and headline numbers; copies the stage's parity plot next to it."""
     lines = ["# Cost-model accuracy", "", f"Hardware: {hw_line}", ""]
     if full is None:
-        lines.append(f"No cost-model report found under {root}/cost_model.")
+        lines.append(f"No cost-model report found under {report_dir(root, round_index)}.")
         return "\n".join(lines), {}
     splits = full.get("splits", {})
     lines += [f"Model `{model_uri}`, trained by the pipeline's train_cost_model stage on measured device shards "
@@ -73,7 +80,7 @@ def markdown(full: dict | None, root: str, out_dir: str, hw_line: str, model_uri
     if policy_cost_model and policy_cost_model != model_uri:
         lines += [f"The learned planner uses `{policy_cost_model}`: the policy stage's refit of this model on the "
                   "shards it measured for its own placements.", ""]
-    parity = os.path.join(root, "cost_model", "parity.png")
+    parity = os.path.join(report_dir(root, round_index), "parity.png")
     if os.path.exists(parity):
         shutil.copyfile(parity, os.path.join(out_dir, "costmodel_parity.png"))
         lines += ["![parity](costmodel_parity.png)", ""]

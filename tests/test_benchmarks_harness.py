@@ -282,3 +282,21 @@ def test_gpu_quality_plans_here_measures_elsewhere_and_reports(quick, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     pred = (tmp_path / "pred.md").read_text()
     assert "own: Spearman" in pred and "folder predicted ms" in pred
+
+
+def test_the_cost_model_page_reads_the_report_of_the_round_it_names(tmp_path):
+    """A two-round run registers its second cost model (cost_model/round-2/); the page named that model but read
+    the first round's report (cost_model/report.json)."""
+    from benchmarks import costmodel_accuracy
+
+    for sub, epoch in (("", 44), ("round-2", 397)):
+        folder = tmp_path / "cost_model" / sub
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "report.json").write_text(json.dumps({"splits": {"train": 1}, "best_epoch": epoch,
+                                                              "report": {"unseen": {"n_compared": 1, "n_shards": 2}}}))
+    assert costmodel_accuracy.load(str(tmp_path))["best_epoch"] == 44
+    assert costmodel_accuracy.load(str(tmp_path), 1)["best_epoch"] == 44
+    full = costmodel_accuracy.load(str(tmp_path), 2)
+    text, _ = costmodel_accuracy.markdown(full, str(tmp_path), str(tmp_path), "hw", "models:/embshard-cost/2",
+                                          round_index=2)
+    assert full["best_epoch"] == 397 and "best epoch 397" in text
