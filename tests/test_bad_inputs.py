@@ -809,7 +809,7 @@ def test_place_with_a_cost_model_as_policy_is_one_line(world, tmp_path, capsys, 
 
 
 # Side effects: nothing is written outside --out.
-@pytest.mark.parametrize("planner", ["size_greedy", "learned"])
+@pytest.mark.parametrize("planner", ["size_greedy", "learned", "learned@challenger"])
 def test_place_writes_nothing_outside_out(planner, world, tmp_path, monkeypatch, capsys):
     """Without MLFLOW_TRACKING_URI, a heuristic planner does not create mlflow.db (or anything) in the working
     folder; a learned one with no store says so in one line, and creates nothing either."""
@@ -829,8 +829,11 @@ def test_place_writes_nothing_outside_out(planner, world, tmp_path, monkeypatch,
         mlflow.set_registry_uri(None)
     err = capsys.readouterr().err
     assert os.listdir(cwd) == []
-    if planner == "learned":
+    if planner.startswith("learned"):
         assert rc == 2 and "no MLflow store" in err, err[-1500:]
+        # the error is located at the model the planner name asks for, not at --model's default
+        uri = "models:/embshard-policy@" + ("challenger" if "@" in planner else "champion")
+        assert f"error: {uri}: no registered learned planner" in err, err[-1500:]
         assert not (tmp_path / "out").exists()
     else:
         assert rc == 0, err[-1500:]

@@ -125,7 +125,7 @@ def test_busy_cores_sees_another_process_spinning():
     assert busy is not None and 0.7 <= busy <= (os.cpu_count() or 1) + 1e-9
 
 
-def test_a_calibration_on_a_busy_machine_waits_then_is_flagged(monkeypatch, caplog):
+def test_a_calibration_on_a_busy_machine_waits_then_is_flagged(monkeypatch, caplog, tmp_path):
     """Calibrating waits (a bounded while) for other processes to leave the cores it needs; when they do not, the
     calibration records their load and the run warns in one line how to fix it. Old files without the record
     still read (as quiet)."""
@@ -139,10 +139,18 @@ def test_a_calibration_on_a_busy_machine_waits_then_is_flagged(monkeypatch, capl
     monkeypatch.setattr(comm, "busy_cores", lambda seconds=0.5: 1.3)
     assert comm.wait_for_quiet(2, max_wait_s=0) == 1.3  # gave up at once: the load is recorded, not hidden
     with caplog.at_level(logging.WARNING, logger=comm.log.name):
-        comm.warn_if_busy(comm.CommModel(2e-4, 7e8, "calibrated:gloo-2proc", 0.5, busy_cores=1.3), "every run")
-        comm.warn_if_busy(comm.CommModel(2e-4, 2e9, "calibrated:gloo-2proc", 0.1, busy_cores=0.1), "every run")
+        comm.warn_if_busy(comm.CommModel(2e-4, 7e8, "calibrated:gloo-2proc", 0.5, busy_cores=1.3), "every run",
+                          "run the pipeline with --param recalibrate_comm=true")
+        comm.warn_if_busy(comm.CommModel(2e-4, 2e9, "calibrated:gloo-2proc", 0.1, busy_cores=0.1), "every run",
+                          "never said")
+        # A CLI command (bench, evaluate) keeps its calibration in its output folder: the fix is to delete that file,
+        # not a pipeline param the command does not have.
+        monkeypatch.setattr(comm, "calibrate", lambda ranks: comm.CommModel(2e-4, 7e8, "calibrated:gloo-2proc", 0.5,
+                                                                            busy_cores=1.3))
+        comm.comm_model("cpu:test-busy", "cpu", out=str(tmp_path))
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and "1.3 of 2 cores" in warned[0] and "recalibrate_comm=true" in warned[0]
+    assert len(warned) == 2 and "1.3 of 2 cores" in warned[0] and "recalibrate_comm=true" in warned[0]
+    assert f"delete {tmp_path / comm.CALIBRATION_FILE}" in warned[1] and "recalibrate_comm" not in warned[1]
     old = {"latency_s": 2e-4, "bandwidth_Bps": 7e8, "source": "calibrated:gloo-2proc", "spread": 0.5}
     assert comm.model_from_dict(old).busy_cores == 0.0
 

@@ -256,13 +256,14 @@ def model_from_dict(c: dict) -> CommModel:
                      float(c.get("busy_cores", 0.0)))
 
 
-def warn_if_busy(model: CommModel, where: str) -> None:
-    """One warning when a calibration was made on a busy machine: its all-to-all reads slow, for every run after."""
+def warn_if_busy(model: CommModel, where: str, fix: str) -> None:
+    """One warning when a calibration was made on a busy machine: its all-to-all reads slow, for every run after.
+    `fix`: how the caller calibrates again (a pipeline param, or a file to delete before the command)."""
     if model.busy_cores >= busy_limit():
         log.warning("the machine was busy while calibrating the all-to-all (%.1f of %d cores used by other "
                     "processes): its bandwidth (%.2f GB/s) may read low, and %s keeps it (fix: calibrate again on a "
-                    "quiet machine, recalibrate_comm=true)", model.busy_cores, os.cpu_count() or 1,
-                    model.bandwidth_Bps / 1e9, where)
+                    "quiet machine: %s)", model.busy_cores, os.cpu_count() or 1,
+                    model.bandwidth_Bps / 1e9, where, fix)
 
 
 def calibration_mismatch(trained: dict | None, current: CommModel, tolerance: float = 0.25) -> str | None:
@@ -332,7 +333,8 @@ def adopt_calibration(run_root: str, hardware: str, *, device: str = "cpu",
         log.info("calibrating the communication model for %s (%s)", hardware,
                  "asked for" if recalibrate else "none stored yet")
         model = _calibrate_for(device)
-        warn_if_busy(model, f"every later run of {hardware} (in {shared})")
+        warn_if_busy(model, f"every later run of {hardware} (in {shared})",
+                     "run the pipeline with --param recalibrate_comm=true")
         table[hardware] = asdict(model)
         storage.write_text(src, json.dumps(table, indent=2))
     model = model_from_dict(table[hardware])
@@ -385,7 +387,8 @@ def comm_model(hardware: str, device: str, *, out: str | None = None, bandwidth_
         model = calibrate(2)
         log.info("comm model: latency %.1f us, bandwidth %.2f GB/s", model.latency_s * 1e6,
                  model.bandwidth_Bps / 1e9)
-        warn_if_busy(model, "this run")
+        warn_if_busy(model, "this run" if path is None else f"every command with this output folder ({path})",
+                     "run the command again" if path is None else f"delete {path} and run the command again")
     _PROCESS_CACHE[hardware] = model
     if path is not None:
         cached[hardware] = asdict(model)

@@ -21,6 +21,7 @@ import pandas as pd
 from .. import schemas, storage
 from ..bench import fingerprint
 from ..bench.runner import (
+    DEFAULT_MAX_SHARD_GB_CPU,
     BenchConfig,
     InputPrefetcher,
     MeasureSettings,
@@ -248,7 +249,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=None, help="warm-up iterations (default 5)")
     p.add_argument("--max-shard-gb", type=float, default=None,
                    help="memory one measurement may use; larger shards get their biggest tables' rows capped "
-                        "(default 2 on CPU, 80%% of free memory on GPU)")
+                        f"(default {DEFAULT_MAX_SHARD_GB_CPU:g} on CPU and at most half the free host memory; "
+                        "80%% of free memory on GPU)")
     p.add_argument("--timer", default="auto", choices=["auto", "wall", "thread_cpu"],
                    help="CPU clock (auto: thread CPU time at 1 thread, else wall)")
     p.add_argument("--comm-ranks", type=int, default=None,

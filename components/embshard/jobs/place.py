@@ -13,7 +13,7 @@ from ..checks import MAX_LOCAL_DEVICES
 from ..errors import EmbshardError, ModelFilesMissingError, ModelNotFoundError
 from ..ingest.spec import is_spec_path, read_tables, spec_sizes
 from ..placement import Placement
-from ..planners import composition_of, get_planner, is_planner_name
+from ..planners import composition_of, get_planner, is_planner_name, learned_uri
 from ..planners.base import check_capacity, check_feasible
 from ..registry import COST_CHAMPION_URI, POLICY_CHAMPION_URI
 from ..tableset import TableSet
@@ -80,7 +80,7 @@ def planner_for(name: str, model_uri: str, time_budget_s: float | None, search_e
         raise  # it names the version and the file: "train one" would be the wrong fix
     except ModelNotFoundError as exc:
         raise ModelNotFoundError(
-            f"no registered learned planner ({exc.message})", path=model_uri,
+            f"no registered learned planner ({exc.message})", path=learned_uri(name, model_uri),
             fix="train one with `make run` or `embshard train-policy ...`, or pick a baseline with "
                 "--planner size_lookup_greedy") from exc
 
