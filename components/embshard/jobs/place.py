@@ -70,8 +70,8 @@ def load_cost_model_or_none(uri: str | None):
 
 def planner_for(name: str, model_uri: str, time_budget_s: float | None, search_evaluations: int | None = None):
     kw: dict[str, Any] = {"model_uri": model_uri}
-    if time_budget_s is not None:
-        kw["time_budget_s"] = time_budget_s
+    if time_budget_s is not None:  # TorchRec's planners take it as their search's time limit
+        kw["timeout_s" if name.startswith("torchrec_") else "time_budget_s"] = time_budget_s
     if search_evaluations is not None:
         kw["search_evaluations"] = search_evaluations
     try:
@@ -310,7 +310,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "devices), so a small budget is passed by up to a round; the plan's meta says what was used")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="safety cap on the learned planner's search time (default 60 s); a plan that hits it "
-                        "depends on the machine's speed, and the report says so")
+                        "depends on the machine's speed, and the report says so. For torchrec_* planners: the time "
+                        "limit of TorchRec's search (default 60 s; it keeps its best plan so far)")
     p.add_argument("--hardware", default=None,
                    help="the hardware the plan is for, e.g. 'cuda:NVIDIA H100' (default: this machine's GPU, else "
                         "its CPU); a warning when the model was measured on other hardware")

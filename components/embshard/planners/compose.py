@@ -258,7 +258,7 @@ class TorchRecProposal:
     """TorchRec's plan (optional extra) as a candidate; None when TorchRec is missing or finds no plan."""
 
     search: str = "table_wise"
-    timeout_s: float | None = None
+    timeout_s: float | None = None  # None: TorchRecPlanner's default limit
     name: str = ""
     phase: str = "heuristic starting points"
 
@@ -266,10 +266,11 @@ class TorchRecProposal:
         self.name = self.name or f"torchrec_{self.search}"
 
     def propose(self, problem):
-        from .torchrec_planner import TorchRecPlanner
+        from .torchrec_planner import DEFAULT_TIMEOUT_S, TorchRecPlanner
 
+        timeout = self.timeout_s if self.timeout_s is not None else DEFAULT_TIMEOUT_S
         try:
-            p = TorchRecPlanner(self.search, timeout_s=self.timeout_s).plan(problem.tables, problem.topology,
+            p = TorchRecPlanner(self.search, timeout_s=timeout).plan(problem.tables, problem.topology,
                                                                            task_id=problem.task_id)
         except EmbshardError:
             return None
