@@ -46,6 +46,7 @@ def test_measured_comm_and_calibration_with_gloo(tmp_path, small_tables_df, monk
 
 
 def test_trace_replay_uses_the_real_indices(tmp_path, small_tables_df):
+    from embshard.ingest.dlrm import read_table_trace
     from embshard.ingest.synthetic import write_dlrm_traces
 
     df = small_tables_df.head(4).copy()
@@ -53,8 +54,9 @@ def test_trace_replay_uses_the_real_indices(tmp_path, small_tables_df):
     write_dlrm_traces(df, trace, batch_size=300, seed=1)
     df["trace_file"] = trace
     df["trace_table_index"] = np.arange(4)
+    # as ingest records them: the mean bag length of the trace itself
+    df["pooling_factor"] = [read_table_trace(trace, t)[1].mean() for t in range(4)]
     ts = TableSet.from_frame(schemas.validate(df, "tables"))
-    from embshard.ingest.dlrm import read_table_trace
 
     idx, lens = read_table_trace(trace, 2)
     spec = runner._table_inputs(ts, np.array([2]), None)[0]
@@ -75,6 +77,28 @@ def test_trace_replay_uses_the_real_indices(tmp_path, small_tables_df):
                                              comm_latency_us=5))
     m = runner.measure_shard(ts, [0, 1, 2, 3], cfg, num_devices=4)
     assert m["fwd_compute_ms"] > 0 and m["bwd_compute_ms"] > 0
+
+
+def test_a_trace_regenerated_after_ingest_is_refused_not_replayed(tmp_path, small_tables_df):
+    """A trace exported again at the same path (other samples, other ids) was replayed silently, its ids folded
+    into the rows ingested from the old one: the bench now checks the trace against what ingest recorded."""
+    from embshard.errors import EmbshardError
+    from embshard.ingest.dlrm import tables_from_trace
+    from embshard.ingest.synthetic import write_dlrm_traces
+
+    df = small_tables_df.head(4).copy()
+    trace = str(tmp_path / "trace.pt")
+    write_dlrm_traces(df, trace, batch_size=300, seed=1)
+    ts = TableSet.from_frame(tables_from_trace(trace, rows=df["rows"].to_numpy(), dims=df["dim"].to_numpy(),
+                                               progress=False))
+    spec = runner._table_inputs(ts, np.array([2]), None)[0]
+    inputs._trace.cache_clear()
+    assert len(inputs.trace_windows(spec, 128, 2)) == 2  # the trace it was ingested from replays
+    write_dlrm_traces(df, trace, batch_size=500, seed=2)  # regenerated at the same path
+    inputs._trace.cache_clear()
+    with pytest.raises(EmbshardError, match="changed since its tables were ingested") as err:
+        inputs.trace_windows(spec, 128, 2)
+    assert err.value.field == "trace_file" and "ingest the trace again" in str(err.value)
 
 
 def test_one_calibration_per_hardware_is_shared_by_runs_and_redone_only_when_asked(tmp_path, monkeypatch):

@@ -142,6 +142,20 @@ def _trace(path: str, table_index: int) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(indices, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
 
 
+def check_trace_matches(t: TableInput, indices: np.ndarray, lengths: np.ndarray) -> None:
+    """The trace still holds what the table was ingested from: the same mean bag length (ingest's pooling
+    factor, computed from these lengths) and no id past the table's rows. A trace regenerated at the same path
+    (a daily export) would otherwise be replayed silently, its ids folded into the old rows."""
+    pooling = float(lengths.sum()) / len(lengths)
+    top = int(indices.max()) if len(indices) else -1
+    if top >= int(t.rows) or not np.isclose(pooling, float(t.pooling_factor), rtol=1e-9, atol=1e-12):
+        found = (f"ids up to {top:,} for {int(t.rows):,} rows" if top >= int(t.rows)
+                 else f"a mean bag length of {pooling:.6g}, ingested as {float(t.pooling_factor):.6g}")
+        raise EmbshardError(f"table {t.table_id} (trace table {int(t.trace_table_index)}) has {found}: the trace "
+                            "changed since its tables were ingested", path=str(t.trace_file), field="trace_file",
+                            fix="ingest the trace again (embshard ingest --source dlrm), then measure")
+
+
 def trace_windows(t: TableInput, batch_size: int, num_batches: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Consecutive windows of `batch_size` samples of the table's trace (wrapping), ids remapped if scaled."""
     indices, lengths = _trace(str(t.trace_file), int(t.trace_table_index))
@@ -149,6 +163,7 @@ def trace_windows(t: TableInput, batch_size: int, num_batches: int) -> list[tupl
     if total == 0:
         raise EmbshardError("trace has no samples", path=str(t.trace_file), field="trace_table_index",
                             fix="re-ingest the trace")
+    check_trace_matches(t, indices, lengths)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     out = []
     for j in range(num_batches):
