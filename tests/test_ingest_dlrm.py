@@ -151,6 +151,8 @@ def test_bad_trace_files(tmp_path, capsys, tables):
     torch.save((ind[:-1], off, lens), tmp_path / "short.pt")  # offsets promise more indices than stored
     torch.save((ind, off.float(), lens), tmp_path / "float.pt")
     torch.save([ind], tmp_path / "one.pt")
+    torch.save((ind, off, lens.to_sparse()), tmp_path / "sparse.pt")  # a traceback (exit 1) before
+    torch.save((ind.to("meta"), off, lens), tmp_path / "meta.pt")
     out = tmp_path / "out"
     base = ["ingest", "--source", "dlrm", "--out", str(out), "--no-progress", "--input"]
     _fails(capsys, base + [str(tmp_path / "missing.pt")], "missing.pt", "not found")
@@ -159,6 +161,8 @@ def test_bad_trace_files(tmp_path, capsys, tables):
     _fails(capsys, base + [str(tmp_path / "short.pt")], "short.pt", "field 'offsets'")
     _fails(capsys, base + [str(tmp_path / "float.pt")], "float.pt", "field 'offsets'", "integer")
     _fails(capsys, base + [str(tmp_path / "one.pt")], "one.pt", "not (indices, offsets, lengths)")
+    _fails(capsys, base + [str(tmp_path / "sparse.pt")], "sparse.pt", "field 'lengths'", "sparse_coo", "dense")
+    _fails(capsys, base + [str(tmp_path / "meta.pt")], "meta.pt", "field 'indices'", "meta tensor")
     small_rows = tmp_path / "rows.txt"
     small_rows.write_text("1\n" * 7)
     _fails(capsys, base + [str(good), "--rows-file", str(small_rows)], "rows.txt", "field 'rows'")

@@ -115,6 +115,11 @@ class TraceFile:
                                   or t.dtype == torch.bool):
                 raise EmbshardError(f"is not an integer tensor ({getattr(t, 'dtype', type(t).__name__)})",
                                     path=self.path, field=name, fix=_FIX_FORMAT)
+            # sparse, quantized or meta tensors hold no plain array of ids to read
+            if t is not None and (t.layout != torch.strided or t.device.type == "meta" or t.is_quantized):
+                kind = "meta" if t.device.type == "meta" else str(t.layout).removeprefix("torch.")
+                raise EmbshardError(f"is a {kind} tensor, not a dense one", path=self.path, field=name,
+                                    fix="save dense tensors (tensor.to_dense(), or the values on the CPU)")
         return parts
 
     def _index(self) -> None:
