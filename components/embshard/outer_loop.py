@@ -136,12 +136,13 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tables", required=True, help="tables.parquet")
     p.add_argument("--tasks", required=True, help="tasks.parquet (its 'train' tasks are used)")
     p.add_argument("--out", required=True, help="run folder (MLflow store defaults to OUT/mlflow.db)")
-    p.add_argument("--cost-model", default=COST_CHAMPION_URI, help="cost model URI")
-    p.add_argument("--iterations", type=int, default=300, help="REINFORCE updates (all rounds together)")
+    p.add_argument("--cost-model", default=COST_CHAMPION_URI, help=f"cost model URI (default {COST_CHAMPION_URI})")
+    p.add_argument("--iterations", type=int, default=300, help="REINFORCE updates (all rounds together; default 300)")
     p.add_argument("--rounds", type=int, default=1,
-                   help="outer-loop rounds: measure the policy's placements, refit the cost model, retrain")
+                   help="outer-loop rounds: measure the policy's placements, refit the cost model, retrain "
+                        "(default 1)")
     p.add_argument("--costs", help="costs folder to extend in the outer loop (needed when --rounds > 1)")
-    p.add_argument("--measure-tasks", type=int, default=4, help="tasks measured per outer round")
+    p.add_argument("--measure-tasks", type=int, default=4, help="tasks measured per outer round (default 4)")
     p.add_argument("--cost-members", type=int, default=DEFAULT_MEMBERS,
                    help=f"ensemble members of each refitted cost model (default {DEFAULT_MEMBERS}, as the DAG)")
     p.add_argument("--calibration-dir", default=None,
@@ -149,7 +150,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="where the outer loop measures: cpu, cuda[:N] or auto")
     p.add_argument("--reward", choices=["estimated", "measured"], default="estimated",
                    help="estimated: cost-model rewards (DreamShard); measured: real kernels (AutoShard-style)")
-    p.add_argument("--rollouts", type=int, default=16, help="rollouts per task and update (group baseline)")
+    p.add_argument("--rollouts", type=int, default=16, help="rollouts per task and update (group baseline; default 16)")
     p.add_argument("--curriculum", default=DEFAULT_CURRICULUM,
                    help="task shapes the policy also trains on, in growing stages of table ranges (generated from "
                         "the training pool: devices and tight or loose memory scale with the tables), or 'off'; "

@@ -151,8 +151,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output folder; writes OUT/tasks.parquet")
     p.add_argument("--num-tasks", type=int, required=True, help="tasks per split (train and test), at most 10,000")
     p.add_argument("--tables-per-task", default="20", help="tables per task: N or a range LO-HI (default 20)")
-    p.add_argument("--devices", default="4", help="devices per task: N or a list to draw from, e.g. 4,8")
-    p.add_argument("--memory-gb", default="16", help="memory per device in GiB (a list draws per task)")
+    p.add_argument("--devices", default="4", help="devices per task: N or a list to draw from, e.g. 4,8 (default 4)")
+    p.add_argument("--memory-gb", default="16", help="memory per device in GiB (a list draws per task; default 16)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the sampling (default 0); also of the pool split for a tables file written before "
                         "its pool column (newer files keep the pools ingest chose)")
