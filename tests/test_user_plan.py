@@ -265,3 +265,21 @@ def test_evaluate_without_a_tasks_file_measures_the_plan_on_its_own_task(tiny, t
     assert main(["evaluate", "--tables", tiny["tables"], *common, "--out", str(tmp_path / "y")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no tasks to evaluate" in err[0] and "--plan FILE" in err[0]
+
+
+def test_evaluate_of_a_plan_on_other_tables_names_the_plan_not_a_scratch_file(tiny, tmp_path, capsys):
+    """Without --tasks the plan's own task is written to a scratch folder; a plan of tables that --tables does not
+    hold named that scratch tasks.parquet."""
+    from embshard.cli import main
+
+    other = generate_tables(4, seed=9, bins_batch_size=512)
+    other["table_id"] = [f"other_{i}" for i in range(4)]
+    others = str(tmp_path / "others.parquet")
+    schemas.write(other, others, "tables")
+    out = tmp_path / "ev"
+    assert main(["evaluate", "--tables", others, "--plan", tiny["plan"], "--planners", "size_greedy", "--rounds", "1",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "embshard-evaluate-" not in err[0], err
+    assert tiny["plan"] in err[0] and "unknown table ids" in err[0] and "give --tables the tables" in err[0], err
+    assert not out.exists()

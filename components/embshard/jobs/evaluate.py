@@ -9,6 +9,7 @@ import argparse
 import os
 
 from ..bench.runner import MeasureSettings
+from ..errors import EmbshardError
 from ..evaluation import (  # noqa: F401  (re-exported: the evaluation's names, importable from the job)
     PLANNER_NAMES,
     check_planner_names,
@@ -84,8 +85,6 @@ def main(args) -> int:
     given = {}
     tasks, task_ids = args.tasks, [args.task_id] if args.task_id else None
     if tasks is None and not getattr(args, "plan", None):
-        from ..errors import EmbshardError
-
         raise EmbshardError("no tasks to evaluate", field="tasks",
                             fix="give --tasks (a tasks.parquet, e.g. from `embshard tasks`), or --plan FILE to "
                                 "measure a plan.json on its own task beside --planners")
@@ -110,8 +109,17 @@ def main(args) -> int:
                 task_ids = [str(user_plan.own_task_id())]
                 print(f"evaluating task {task_ids[0]} of {tasks}: the plan's own task (--task-id to choose another)")
             # Refused before anything is measured: the file must be a plan of every task evaluated.
-            user_plan.check_tasks(load_tasks(tables, tasks, "all" if args.tasks is None else args.split,
-                                             limit=args.max_tasks, task_ids=task_ids))
+            try:
+                task_list = load_tasks(tables, tasks, "all" if args.tasks is None else args.split,
+                                       limit=args.max_tasks, task_ids=task_ids)
+            except EmbshardError as exc:
+                if args.tasks is not None:
+                    raise
+                # The task is the plan's own (written to a scratch file): the user's files are the plan and --tables.
+                raise type(exc)(f"the plan's task does not fit --tables: {exc.message}", path=args.plan,
+                                field=exc.field, fix=f"give --tables the tables this plan was made for (not "
+                                                     f"{args.tables})") from None
+            user_plan.check_tasks(task_list)
             planners = [p for p in planners if p != NAME] + [NAME]
             given[NAME] = user_plan
         return _evaluate(args, planners, given, tables, tasks, task_ids,
