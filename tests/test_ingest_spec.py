@@ -92,6 +92,9 @@ GOOD = "name,num_embeddings,embedding_dim,pooling_factor\nx,100,16,1.0\ny,200,32
     ("blank.csv", "", "name", ["empty"]),
     ("empty.yaml", "tables: []\n", "name", ["empty"]),
     ("scalar.yaml", "tables: 3\n", "tables", ["list of tables"]),
+    # a default the reader would drop: fp16 meant, fp32 (twice the bytes) read
+    ("defaults.yaml", "tables:\n  - {name: a, num_embeddings: 100, embedding_dim: 16, pooling_factor: 1}\n"
+     "table_defaults: {data_type: fp16}\n", "table_defaults", ["unknown key 'table_defaults'"]),
 ])
 def test_bad_spec_files(tmp_path, capsys, name, content, field, words):
     path = tmp_path / name
@@ -186,3 +189,12 @@ def test_names_are_kept_as_written(tmp_path):
                      "7,10,4,1\n1.50,10,4,1\n".encode())
     df = spec.tables_from_spec(str(path), bins_batch_size=64, progress=False)
     assert list(df["table_id"]) == ["007", "NA", "1e3", "7", "1.50"]
+
+
+def test_spaces_around_csv_header_names_are_read_as_around_values(tmp_path):
+    """`name , num_embeddings` was a pandas error ("Usecols do not match columns") while spaces around values
+    were accepted."""
+    path = tmp_path / "h.csv"
+    path.write_text("name , num_embeddings , embedding_dim , pooling_factor\na,100,16,1\nb , 200, 32 ,2\n")
+    df = spec.tables_from_spec(str(path), bins_batch_size=512, progress=False)
+    assert list(df["table_id"]) == ["a", "b"] and list(df["rows"]) == [100, 200] and list(df["dim"]) == [16, 32]

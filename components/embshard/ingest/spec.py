@@ -53,6 +53,10 @@ def read_spec_file(path: str) -> pd.DataFrame:
                 if doc and "tables" not in doc:  # e.g. a misspelt key: not "an empty table list"
                     raise EmbshardError(f"no 'tables' key (it has {', '.join(map(str, list(doc)[:3]))})", path=path,
                                         field="tables", fix="list the tables under 'tables:', one mapping each")
+                extra = [str(k) for k in doc if k != "tables"]
+                if extra:  # e.g. a `table_defaults: {data_type: fp16}` this reader would drop silently
+                    raise EmbshardError(f"unknown key {extra[0]!r} beside 'tables'", path=path, field=extra[0],
+                                        fix="give every value in each table's own mapping (only 'tables' is read)")
                 doc = doc.get("tables")
             if doc is None:
                 doc = []
@@ -109,10 +113,11 @@ def _read_csv(path: str) -> pd.DataFrame:
                                 f"({', '.join(header)})", path=path, field="columns",
                                 fix="give one value per header column (quote a value that contains a comma)")
     text = "\n".join(line for _, line in lines)
-    df = pd.read_csv(io.StringIO(text), skipinitialspace=True, usecols=range(len(header)))
+    # The header as stripped above (`name , rows` reads as `name`, `rows`, as values are read without spaces).
+    df = pd.read_csv(io.StringIO(text), skipinitialspace=True, header=0, names=header, usecols=range(len(header)))
     if "name" in header:  # names as written: no number parsing ('007', '1e3') and no NA words ('NA', 'nan')
-        df["name"] = pd.read_csv(io.StringIO(text), skipinitialspace=True, usecols=["name"], dtype=str,
-                                 keep_default_na=False)["name"]
+        df["name"] = pd.read_csv(io.StringIO(text), skipinitialspace=True, header=0, names=header,
+                                 usecols=[header.index("name")], dtype=str, keep_default_na=False)["name"]
     if len(df) == len(lines) - 1:  # one data row per kept line (a quoted value spanning lines has no simple line)
         df.attrs[LINES] = [n for n, _ in lines[1:]]
     return df
