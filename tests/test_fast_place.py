@@ -215,16 +215,21 @@ def test_a_device_filled_above_95_percent_is_warned_about(caplog):
     assert len(warned) == 1 and "above 95%" in warned[0] and "--memory-gb" in warned[0]
 
 
-def test_table_ids_torchrec_cannot_take_are_warned_about_when_placing(tmp_path, caplog):
-    """A '.' in a table id plans fine but fails at export ('cannot name TorchRec tables'): place says so first."""
+def test_table_ids_torchrec_cannot_take_are_warned_about_when_ingesting_and_placing(tmp_path, caplog):
+    """A '.' in a table id plans fine but fails at export ('cannot name TorchRec tables'): ingest and place say so
+    first."""
     import logging
 
+    from embshard.cli import main
     from embshard.jobs.place import place
 
     spec = tmp_path / "dot.csv"
     spec.write_text("name,num_embeddings,embedding_dim,pooling_factor\nuser.age,100,16,1.0\nb,100,16,1.0\n")
-    with caplog.at_level(logging.WARNING, logger="embshard.jobs.place"):
+    with caplog.at_level(logging.WARNING, logger="embshard.jobs"):
         place(str(spec), str(tmp_path / "o"), devices=2, memory_bytes=1 << 30, planner="size_greedy")
-    warned = [r.getMessage() for r in caplog.records]
-    assert any("user.age" in w and "cannot be exported to TorchRec" in w for w in warned), warned
-    assert (tmp_path / "o" / "plan.json").exists()
+        assert main(["ingest", "--source", "spec", "--input", str(spec), "--out", str(tmp_path / "t"),
+                     "--no-progress"]) == 0
+    warned = [(r.name, r.getMessage()) for r in caplog.records]
+    for job in ("embshard.jobs.place", "embshard.jobs.ingest"):
+        assert any(n == job and "user.age" in w and "cannot be exported to TorchRec" in w for n, w in warned), warned
+    assert (tmp_path / "o" / "plan.json").exists() and (tmp_path / "t" / "tables.parquet").exists()

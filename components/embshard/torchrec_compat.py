@@ -97,6 +97,15 @@ def check_names(table_ids) -> None:
                                 "become its keys), e.g. with a prefix ('t_items')")
 
 
+def warn_if_unnamable(table_ids, log: logging.Logger) -> None:
+    """Table ids TorchRec cannot take (check_names) ingest and plan fine but fail at export: said in one warning
+    line by the commands before it (ingest, place)."""
+    try:
+        check_names([str(t) for t in table_ids])
+    except EmbshardError as exc:
+        log.warning("%s: plans of these tables cannot be exported to TorchRec (fix: %s)", exc.message, exc.fix)
+
+
 # The names nn.ModuleDict refuses as keys: its attributes (dir() of an instance, torch 2.13; a test compares them
 # with the installed torch), kept here so that `place` with a heuristic warns without importing torch.
 MODULE_DICT_ATTRIBUTES = frozenset((

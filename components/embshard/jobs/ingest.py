@@ -5,6 +5,7 @@ is imported inside the functions.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 SOURCES = ("dlrm", "spec", "synthetic")
@@ -73,8 +74,6 @@ def run(source: str, out: str, input: str | None = None, seed: int = 0, num_tabl
 
 def _drop_stale_tasks(out: str) -> None:
     """Tasks sampled from the tables this ingest replaced name tables that may no longer exist: remove them."""
-    import logging
-
     from .. import schemas, storage
 
     stale = storage.join(out, schemas.TASKS_FILE)
@@ -211,6 +210,9 @@ def main(args: argparse.Namespace) -> int:
         kw.update(bins_batch_size=args.bins_batch_size)
     path = run(args.source, args.out, input=args.input, seed=args.seed, num_tables=args.num_tables, **kw)
     df = schemas.read(path, "tables")
+    from ..torchrec_compat import warn_if_unnamable
+
+    warn_if_unnamable(df["table_id"], logging.getLogger(__name__))
     gib = df["size_bytes"].sum() / 2**30
     print(f"wrote {path}: {len(df)} tables, {gib:,.1f} GiB, rows {df['rows'].min():,}..{df['rows'].max():,}, "
           f"dims {df['dim'].min()}..{df['dim'].max()}, pooling {df['pooling_factor'].mean():.2f} mean "

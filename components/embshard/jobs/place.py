@@ -17,6 +17,7 @@ from ..planners import composition_of, get_planner, is_planner_name, learned_uri
 from ..planners.base import check_capacity, check_feasible
 from ..registry import COST_CHAMPION_URI, POLICY_CHAMPION_URI
 from ..tableset import TableSet
+from ..torchrec_compat import warn_if_unnamable
 from ..types import DeviceTopology, devices_per_host_of
 
 # torch, MLflow, TorchRec and matplotlib are imported where they are used: a heuristic plan and every input error
@@ -96,16 +97,6 @@ def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | N
         log.info("balanced estimate %.3f ms withheld: the cost model predicts a placement below it on these tables",
                  estimate)
     return costs, checked
-
-
-def _warn_if_torchrec_cannot_name(table_set) -> None:
-    """Table ids TorchRec cannot take (a '.') plan fine but fail at export: said now, in one warning line."""
-    from ..torchrec_compat import check_names
-
-    try:
-        check_names([str(t) for t in table_set.table_ids])
-    except EmbshardError as exc:
-        log.warning("%s: this plan cannot be exported to TorchRec (fix: %s)", exc.message, exc.fix)
 
 
 FULL_WARNING = 0.95  # of --memory-gb: above it a device has no room for what the weights need beside them
@@ -197,7 +188,7 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
         topology = DeviceTopology.on_hosts(D, mem, task_per_host if devices_per_host is None else devices_per_host)
     except EmbshardError as exc:
         raise exc.at(where) from None
-    _warn_if_torchrec_cannot_name(table_set)
+    warn_if_unnamable(table_set.table_ids, log)
     if topology.hosts is None and D > MAX_LOCAL_DEVICES:  # export would refuse it (torchrec_plan.to_torchrec_plan)
         log.warning("%d devices on one host: the TorchRec export needs the GPUs per host (torch numbers a host's "
                     "GPUs 0-%d); give --devices-per-host here or to export", D, MAX_LOCAL_DEVICES - 1)
