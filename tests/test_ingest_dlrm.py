@@ -181,3 +181,28 @@ def test_pages_handed_back_are_read_again_intact(tmp_path, tables):
         for _ in range(2):
             for t in range(trace.num_tables):
                 np.testing.assert_array_equal(trace.table(t)[0], direct[t][0])
+
+
+def test_a_stray_raw_id_or_an_unread_table_is_warned_about(tmp_path, caplog):
+    """One stray id of 2^40 made a 65,536 GiB table, and a table without lookups became rows=1, pooling 0, both
+    silently: ingest goes on (the trace may be right) but says which tables look wrong."""
+    import logging
+
+    # table 0: ids 3, 3 and a stray 2^40; table 1: no lookups; table 2: ordinary
+    indices = torch.tensor([3, 3, 2 ** 40, 0, 1, 1])
+    lengths = torch.tensor([[2, 1, 0], [0, 0, 0], [1, 2, 0]])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.flatten().cumsum(0)])
+    path = tmp_path / "odd.pt"
+    torch.save((indices, offsets, lengths), path)
+    with caplog.at_level(logging.WARNING, logger="embshard.ingest.dlrm"):
+        df = dlrm.tables_from_trace(str(path), dlrm.TraceOptions(dim=8), progress=False)
+    assert df["rows"].tolist() == [2 ** 40 + 1, 1, 2]
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2, warned
+    assert "t0000 (1,099,511,627,777 rows)" in warned[0] and "--rows-file" in warned[0]
+    assert "t0001" in warned[1] and "no lookups" in warned[1] and "t0002" not in " ".join(warned)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="embshard.ingest.dlrm"):  # an ordinary trace: no warning
+        torch.save(_hand_made("flat"), tmp_path / "h.pt")
+        dlrm.tables_from_trace(str(tmp_path / "h.pt"), dlrm.TraceOptions(dim=8), progress=False)
+    assert caplog.records == []

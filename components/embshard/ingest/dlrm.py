@@ -418,6 +418,28 @@ def bytes_per_element(data_type: str) -> int:
     return DATA_TYPES[key]
 
 
+# A table sized by its largest id (no --rows-file) is suspect above this many rows when its ids are sparse: one
+# stray id of 2^40 made a 65,536 GiB table. Hashed ids of a 40M-row table sampled by a 65,536 batch use 1 in 40-400.
+RAW_ID_ROWS = 1 << 32
+RAW_ID_RATIO = 10_000
+
+
+def _warn_suspicious(path: str, ids: list[str], rows: np.ndarray, sparse_ids: np.ndarray,
+                     no_lookups: np.ndarray) -> None:
+    """Warnings (ingest goes on: the trace may be right) for tables that look like a mistake in the trace."""
+    def named(mask: np.ndarray) -> str:
+        picked = [f"{ids[t]} ({int(rows[t]):,} rows)" for t in np.flatnonzero(mask)[:3]]
+        more = int(mask.sum()) - len(picked)
+        return ", ".join(picked) + (f" and {more} more" if more > 0 else "")
+
+    if sparse_ids.any():
+        log.warning("%s: table(s) %s: rows come from the largest id, far beyond the ids the trace uses (raw ids, "
+                    "or a stray one?) (fix: map ids to hash-table rows, or give --rows-file)", path, named(sparse_ids))
+    if no_lookups.any():
+        log.warning("%s: table(s) %s: no lookups in the trace, so measured as never read (fix: check the trace's "
+                    "lengths, or drop the table)", path, named(no_lookups))
+
+
 def tables_from_trace(path: str, options: TraceOptions | None = None, *, rows: np.ndarray | None = None,
                       dims: np.ndarray | None = None, table_ids: list[str] | None = None,
                       source: str | None = None, progress: bool = True) -> pd.DataFrame:
@@ -446,6 +468,8 @@ def tables_from_trace(path: str, options: TraceOptions | None = None, *, rows: n
         ids = table_ids or [f"t{i:04d}" for i in range(T)]
         out_rows = np.empty(T, dtype=np.int64)
         pooling = np.empty(T)
+        sparse_ids = np.zeros(T, dtype=bool)  # rows from the largest id, far beyond the ids seen: raw ids?
+        no_lookups = np.zeros(T, dtype=bool)
         bins = np.empty((T, schemas.NUM_BINS))
         if rows is not None:
             over = [t for t in range(T) if int(rows[t]) * int(dims[t]) * bpe >= checks.MAX_TABLE_BYTES]
@@ -472,9 +496,13 @@ def tables_from_trace(path: str, options: TraceOptions | None = None, *, rows: n
                                             "--rows-file")
                 out_rows[t] = n
             pooling[t] = lengths.sum() / trace.batch_size
+            if rows is None and idx.size:
+                sparse_ids[t] = top > RAW_ID_ROWS and top > RAW_ID_RATIO * len(np.unique(idx))
+            no_lookups[t] = idx.size == 0
             bins[t] = table_bins(idx, int(out_rows[t]))
             del idx, lengths
         batch = trace.batch_size
+    _warn_suspicious(path, ids, out_rows, sparse_ids, no_lookups)
     df = pd.DataFrame({"table_id": ids, "rows": out_rows, "dim": np.asarray(dims, dtype=np.int64),
                        "pooling_factor": pooling, "bytes_per_element": bpe})
     df["size_bytes"] = df["rows"] * df["dim"] * bpe
