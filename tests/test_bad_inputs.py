@@ -263,6 +263,10 @@ CASES = {
     "place-tables-is-a-json-file": lambda w, d: (
         _place(w, "--devices", "2", "--memory-gb", "8", tables=spec(d, '{"tables": []}', "plan.json")),
         ["plan.json", "not a Parquet file"]),
+    # a DLRM trace given as --tables: "not a Parquet file", with no word of ingest
+    "place-tables-is-a-trace": lambda w, d: (
+        _place(w, "--devices", "2", "--memory-gb", "8", tables=trace(d)),
+        ["trace.pt", "a DLRM trace", "embshard ingest --source dlrm"]),
     # a YAML spec whose key is misspelt: it read "the table list is empty"
     "spec-yaml-without-tables-key": ingest_spec("table:\n  - {name: a, num_embeddings: 10, embedding_dim: 4}\n",
                                                 "spec.yaml"),

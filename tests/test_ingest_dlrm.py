@@ -166,6 +166,9 @@ def test_bad_trace_files(tmp_path, capsys, tables):
     small_rows = tmp_path / "rows.txt"
     small_rows.write_text("1\n" * 7)
     _fails(capsys, base + [str(good), "--rows-file", str(small_rows)], "rows.txt", "field 'rows'")
+    grouped = tmp_path / "grouped.txt"  # thousands separators: the commas split each size in three
+    grouped.write_text("2,000,000\n" * len(tables))
+    _fails(capsys, base + [str(good), "--rows-file", str(grouped)], "grouped.txt", "write 2000000, not 2,000,000")
     _fails(capsys, base + [str(good), "--dim", "0"], "field 'dim'")
     assert not out.exists() or os.listdir(out) == []  # nothing half-written
     assert [f for f in os.listdir(tmp_path) if ".embshard-trace-" in f] == []

@@ -437,6 +437,10 @@ def _read_one(where: str) -> pd.DataFrame:
         raise EmbshardError(f"permission denied ({exc.strerror or exc})", path=where,
                             fix="make it readable (chmod u+r) or run as a user who may read it") from None
     except (pa.ArrowInvalid, OSError) as exc:
+        if "magic bytes not found" in str(exc) and str(where).lower().endswith((".pt", ".pt.gz")):
+            raise EmbshardError("a DLRM trace, not a Parquet file", path=where,
+                                fix=f"ingest it first: embshard ingest --source dlrm --input {where} --out DIR, then "
+                                    "give DIR/tables.parquet") from None
         if "magic bytes not found" in str(exc):  # not Parquet at all (a JSON or CSV file given), or cut short
             raise EmbshardError("not a Parquet file (no Parquet footer at its end)", path=where,
                                 fix="give the Parquet file (a JSON, CSV or text file is not one); if it is one, it "

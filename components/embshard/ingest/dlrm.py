@@ -18,6 +18,7 @@ import ctypes
 import gzip
 import logging
 import os
+import re
 import shutil
 import tempfile
 import zlib
@@ -368,7 +369,8 @@ def read_rows_file(path: str, num_tables: int, trace_tables: int | None = None) 
     checks.input_file(path, field="rows", fix="check the --rows-file path")
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read().replace(",", " ").split()
+            raw = f.read()
+        text = raw.replace(",", " ").split()
     except (OSError, UnicodeDecodeError) as exc:
         raise EmbshardError(f"cannot read this file ({getattr(exc, 'strerror', None) or type(exc).__name__})",
                             path=path, field="rows", fix="give a text file of integer hash sizes") from None
@@ -383,8 +385,10 @@ def read_rows_file(path: str, num_tables: int, trace_tables: int | None = None) 
                             fix="give the hash-table sizes (rows), not byte counts")
     rows = np.array(values, dtype=np.int64)
     if rows.size not in (num_tables, trace_tables or num_tables):  # more is a file of another trace, not spare
+        grouped = re.search(r"\d,\d{3}(?!\d)", raw) is not None  # 2,000,000: commas separate values here
         raise EmbshardError(f"has {rows.size} hash sizes for {num_tables} tables", path=path, field="rows",
-                            fix="list one hash size per table of the trace")
+                            fix="list one hash size per table of the trace" + (
+                                " (a comma separates sizes: write 2000000, not 2,000,000)" if grouped else ""))
     if (rows[:num_tables] <= 0).any():
         bad = int(np.flatnonzero(rows <= 0)[0])
         raise EmbshardError(f"hash size {rows[bad]} of table {bad} is not > 0", path=path, field="rows",
