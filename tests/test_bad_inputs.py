@@ -838,6 +838,7 @@ def test_place_writes_nothing_outside_out(planner, world, tmp_path, monkeypatch,
         # the error is located at the model the planner name asks for, not at --model's default
         uri = "models:/embshard-policy@" + ("challenger" if "@" in planner else "champion")
         assert f"error: {uri}: no registered learned planner" in err, err[-1500:]
+        assert "set MLFLOW_TRACKING_URI" in err and "--planner size_lookup_greedy" in err, err[-1500:]
         assert not (tmp_path / "out").exists()
     else:
         assert rc == 0, err[-1500:]

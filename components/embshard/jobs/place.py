@@ -80,10 +80,10 @@ def planner_for(name: str, model_uri: str, time_budget_s: float | None, search_e
     except ModelFilesMissingError:
         raise  # it names the version and the file: "train one" would be the wrong fix
     except ModelNotFoundError as exc:
+        first = exc.fix or "train one with `make run` or `embshard train-policy ...`"  # e.g. where the store is
         raise ModelNotFoundError(
             f"no registered learned planner ({exc.message})", path=learned_uri(name, model_uri),
-            fix="train one with `make run` or `embshard train-policy ...`, or pick a baseline with "
-                "--planner size_lookup_greedy") from exc
+            fix=f"{first}; or pick a baseline with --planner size_lookup_greedy") from exc
 
 
 def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | None, float | None]:
