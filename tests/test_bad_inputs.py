@@ -1346,3 +1346,15 @@ def test_a_folder_the_pipeline_owns_is_measured_again_when_its_shards_changed(wo
     assert len(costs) == 5 and costs["sample_id"].is_unique  # the new shards only, nothing of the first try
     bench_run(world["tables"], "random:5", out, settings, max_tables=3, progress=False, replace_changed=True)
     assert schemas.read(os.path.join(out, "costs"), "costs")["measured_at"].equals(costs["measured_at"])  # resumed
+
+
+def test_a_library_message_is_cut_at_a_word_end():
+    """Library exceptions quoted in one-line errors were cut mid-word ('...If yo)')."""
+    from embshard.errors import first_line
+
+    long = RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory. "
+                        "If you are loading a file saved with torch.save, check that it was not truncated\nline 2")
+    cut = first_line(long, 100)
+    assert cut.endswith("…") and len(cut) <= 101 and not cut[:-1].endswith("yo") and "line 2" not in cut
+    assert cut[:-1] == long.args[0][:len(cut) - 1]
+    assert first_line(ValueError("short")) == "short" and first_line(KeyError()) == "KeyError"

@@ -14,7 +14,7 @@ import os
 import warnings
 from typing import Any
 
-from .errors import ModelFilesMissingError, ModelNotFoundError
+from .errors import ModelFilesMissingError, ModelNotFoundError, first_line
 
 DEFAULT_EXPERIMENT = "embshard"
 # The registered models and their aliases: defined here only.
@@ -418,6 +418,6 @@ def load_python_model(uri: str):
         return mlflow.pyfunc.load_model(uri).unwrap_python_model()
     except MlflowException as exc:
         name = uri.split("/")[1].split("@")[0] if uri.startswith("models:/") else uri
-        raise ModelNotFoundError(f"no model at {uri} ({str(exc).splitlines()[0][:120]})", path=uri,
+        raise ModelNotFoundError(f"no model at {uri} ({first_line(exc)})", path=uri,
                                  fix=f"train and register '{name}' first, or check MLFLOW_TRACKING_URI "
                                      f"({tracking_uri()})") from None

@@ -17,7 +17,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from . import checks, storage
-from .errors import EmbshardError
+from .errors import EmbshardError, first_line
 
 NUM_BINS = 17
 BIN_COLUMNS = [f"bin_{k:02d}" for k in range(NUM_BINS)]
@@ -230,7 +230,7 @@ def validate(df: pd.DataFrame, kind: str, path: str | os.PathLike = "<data>") ->
         try:
             out[c.name] = _coerce(s, c.type)
         except (ValueError, TypeError, pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-            raise EmbshardError(f"wrong type ({str(exc).splitlines()[0][:80]})", path=where,
+            raise EmbshardError(f"wrong type ({first_line(exc, 80)})", path=where,
                                 field=c.name, fix=f"values must be {c.rule or c.type}") from None
         if c.check is not None:
             nonnull = out[c.name].dropna() if c.nullable or not c.required else out[c.name]
@@ -445,5 +445,5 @@ def _read_one(where: str) -> pd.DataFrame:
             raise EmbshardError("not a Parquet file (no Parquet footer at its end)", path=where,
                                 fix="give the Parquet file (a JSON, CSV or text file is not one); if it is one, it "
                                     "was cut short: re-run the stage that writes it") from None
-        raise EmbshardError(f"not a readable Parquet file ({str(exc).splitlines()[0][:100]})", path=where,
+        raise EmbshardError(f"not a readable Parquet file ({first_line(exc, 100)})", path=where,
                             fix="re-run the stage that writes it; the file is corrupt or truncated") from None

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import EmbshardError
+from .errors import EmbshardError, first_line
 from .placement import Placement, Shard
 from .tableset import TableSet
 
@@ -68,7 +68,7 @@ def require_torchrec():
         import torchrec  # noqa: F401
         from torchrec.distributed.planner import EmbeddingShardingPlanner  # noqa: F401
     except (ImportError, OSError) as exc:
-        raise EmbshardError(f"torchrec is not available ({str(exc).splitlines()[0][:80]})",
+        raise EmbshardError(f"torchrec is not available ({first_line(exc, 80)})",
                             field="torchrec", fix=INSTALL_FIX) from None
     quiet_torchrec()
     return torchrec

@@ -27,7 +27,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..errors import BackendUnavailableError, EmbshardError
+from ..errors import BackendUnavailableError, EmbshardError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def fbgemm_status(device: str) -> str | None:
     try:
         _load_tbe()
     except Exception as exc:  # ImportError, or an OSError/RuntimeError from a mismatched binary
-        return f"fbgemm_gpu does not load ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+        return f"fbgemm_gpu does not load ({type(exc).__name__}: {first_line(exc)})"
     if device != "cpu":
         return _fbgemm_cuda_status(device)
     return None
@@ -139,7 +139,7 @@ def _fbgemm_cuda_status(device: str) -> str | None:
         out.sum().item()
         return None
     except Exception as exc:
-        return f"FBGEMM has no working CUDA kernels here ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+        return f"FBGEMM has no working CUDA kernels here ({type(exc).__name__}: {first_line(exc)})"
 
 
 def select_backend(backend: str, device: str) -> str:

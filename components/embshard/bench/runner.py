@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from ..checks import GiB
-from ..errors import EmbshardError
+from ..errors import EmbshardError, first_line
 from ..hardware import device_cache_bytes
 from ..tableset import TableSet
 from . import inputs as inp
@@ -398,7 +398,7 @@ def time_inputs(inputs: ShardInputs, cfg: BenchConfig, where: str = "shard") -> 
                                             min_time_ms=(cfg.min_time_ms if cfg.min_time_ms is not None
                                                          else DEFAULT_MIN_TIME_MS[_kind(cfg.device)]))
     except (torch.OutOfMemoryError, MemoryError) as exc:
-        raise EmbshardError(f"out of memory while measuring ({str(exc).splitlines()[0][:100]})", path=where,
+        raise EmbshardError(f"out of memory while measuring ({first_line(exc, 100)})", path=where,
                             fix="lower --max-shard-gb (rows are scaled to fit it) or --batch-size") from None
     finally:
         op = batches = grad = None

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..errors import EmbshardError
+from ..errors import EmbshardError, first_line
 from ..features import NUM_FEATURES, FeatureScaler, working_set_bytes
 from ..schemas import FEATURE_VERSION
 
@@ -213,7 +213,7 @@ class CostModel:
             net = CostNet(cfg)
             net.load_state_dict(torch.load(weights, map_location="cpu", weights_only=True))
         except (OSError, ValueError, TypeError, KeyError, RuntimeError) as exc:
-            raise EmbshardError(f"cannot load the cost model ({str(exc).splitlines()[0][:120]})", path=weights,
+            raise EmbshardError(f"cannot load the cost model ({first_line(exc)})", path=weights,
                                 fix="re-train with `embshard train-cost`") from None
         return cls(net, cfg)
 

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..checks import MAX_LOCAL_DEVICES
-from ..errors import EmbshardError
+from ..errors import EmbshardError, first_line
 from ..placement import Placement
 from ..tableset import TableSet
 from ..torchrec_compat import (  # noqa: F401  (the export's TorchRec vocabulary, shared with the TorchRec planner)
@@ -551,7 +551,7 @@ def plan_from_json(data: Mapping | str, *, tables=None, world_size: int | None =
             raise EmbshardError("not found", path=where, fix="give the torchrec_plan.json that "
                                 "`embshard export` wrote") from None
         except (OSError, UnicodeDecodeError) as exc:
-            raise EmbshardError(f"cannot read the plan ({str(exc).splitlines()[0][:100]})", path=where,
+            raise EmbshardError(f"cannot read the plan ({first_line(exc, 100)})", path=where,
                                 fix="give a readable torchrec_plan.json") from None
         try:
             doc = json.loads(text)

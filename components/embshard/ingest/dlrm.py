@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from .. import checks, schemas, storage
-from ..errors import EmbshardError
+from ..errors import EmbshardError, first_line
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,7 @@ class TraceFile:
                 obj = torch.load(load_path, weights_only=True, map_location="cpu")
         except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError, KeyError,
                 AttributeError, IndexError, TypeError) as exc:
-            msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
-            reason = f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+            reason = f"{type(exc).__name__}: {first_line(exc)}" if str(exc).strip() else type(exc).__name__
             if isinstance(exc, (KeyError, pickle.UnpicklingError)):  # a pickle opcode, meaningless to a user
                 reason = "not in torch.save's format"
             raise EmbshardError(f"not a readable torch.save file, truncated or corrupt ({reason})",
@@ -308,7 +307,7 @@ def _gunzip_to_temp(path: str, tmp_dir: str | None, tag: str | None = None) -> s
         if isinstance(exc, OSError) and getattr(exc, "errno", None) is not None:
             raise EmbshardError(f"cannot decompress ({exc.strerror})", path=path,
                                 fix="free disk space for the decompressed copy or pass a .pt file") from None
-        reason = str(exc).splitlines()[0][:100] or type(exc).__name__
+        reason = first_line(exc, 100)
         raise EmbshardError(f"truncated or corrupt gzip file ({reason})", path=path, fix=_FIX_FORMAT) from None
     except BaseException:
         with contextlib.suppress(OSError):

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from .. import checks, schemas
-from ..errors import EmbshardError
+from ..errors import EmbshardError, first_line
 from .dlrm import DATA_TYPES
 
 # Default skew where a spec gives none: Zipf alpha 1.0, the classic "web" popularity law, between the
@@ -80,7 +80,7 @@ def read_spec_file(path: str) -> pd.DataFrame:
     except pd.errors.EmptyDataError:
         df = pd.DataFrame()
     except Exception as exc:  # parser errors of three libraries: one line naming the file
-        reason = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         raise EmbshardError(f"cannot read this file ({reason})", path=path,
                             fix=f"give a valid {_FORMATS} file") from None
     df.columns = [str(c).strip() for c in df.columns]

@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from .. import schemas, storage
-from ..errors import EmbshardError
+from ..errors import EmbshardError, first_line
 from ..registry import COST_CHAMPION_URI
 
 
@@ -29,7 +29,7 @@ def read_shards(path: str) -> pd.DataFrame:
         try:
             df = pd.read_csv(path, dtype={"sample_id": str, "table_ids": str})
         except (OSError, ValueError) as exc:
-            raise EmbshardError(f"cannot read the shards CSV ({str(exc).splitlines()[0][:100]})", path=path,
+            raise EmbshardError(f"cannot read the shards CSV ({first_line(exc, 100)})", path=path,
                                 fix="give a CSV with columns sample_id, table_ids, num_devices") from None
         if "table_ids" not in df.columns:
             raise EmbshardError("no table_ids column", path=path, field="table_ids",
