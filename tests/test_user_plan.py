@@ -202,7 +202,7 @@ def tiny(tmp_path_factory):
     return {"tables": tables, "tasks": tasks_path, "plan": plan, "task": task, "root": root}
 
 
-def test_evaluate_measures_the_plan_beside_the_planners(tiny, tmp_path):
+def test_evaluate_measures_the_plan_beside_the_planners(tiny, tmp_path, capsys):
     import pandas as pd
 
     from embshard.cli import main
@@ -210,6 +210,9 @@ def test_evaluate_measures_the_plan_beside_the_planners(tiny, tmp_path):
     out = tmp_path / "ev"
     assert main(["evaluate", "--tables", tiny["tables"], "--tasks", tiny["tasks"], "--planners", "size_greedy",
                  "--plan", tiny["plan"], "--rounds", "1", "--batch-size", "32", "--out", str(out)]) == 0
+    # stderr is no terminal here (a log): the progress bar comes as lines, not carriage-return redraws
+    err = capsys.readouterr().err
+    assert "evaluate (measured rounds)" in err and "\r" not in err
     ev = pd.read_parquet(out / "evaluation.parquet")
     assert list(ev["planner"]) == ["size_greedy", "user_plan"]
     row = ev[ev["planner"] == "user_plan"].iloc[0]

@@ -122,9 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     from . import signals
 
     signals.stop_on_sigterm(fresh=True)  # `kill` stops a command as Ctrl-C does (embshard.signals)
+    from .run_context import bars_as_lines
+
     try:
         check_output(args)
-        return int(args._main(args) or 0)
+        with bars_as_lines():
+            return int(args._main(args) or 0)
     except EmbshardError as exc:
         print(f"embshard {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -84,6 +84,23 @@ class _Lines:
 
 
 @contextlib.contextmanager
+def bars_as_lines() -> Iterator[None]:
+    """A command whose stderr is not a terminal (a log file, a CI job): its progress bars become a line every
+    15 s, as in a stage, instead of carriage-return redraws piling up on one line of the log."""
+    if sys.stderr.isatty():
+        yield
+        return
+    old = os.environ.get("TQDM_MININTERVAL")
+    os.environ.setdefault("TQDM_MININTERVAL", "15")
+    try:
+        with contextlib.redirect_stderr(_Lines(sys.stderr)):
+            yield
+    finally:
+        if old is None:
+            os.environ.pop("TQDM_MININTERVAL", None)
+
+
+@contextlib.contextmanager
 def stage_output(env: dict[str, str] | None = None) -> Iterator[None]:
     """Run a stage inside an Airflow task: lineage in the environment, progress and library INFO on stdout,
     progress bars refreshed every 15 s (a log gets lines, not a redrawn bar)."""
