@@ -563,6 +563,9 @@ def test_place_reports_a_balanced_estimate_not_a_bound(placement):
     above = device_table(placement, COSTS, balanced_estimate=2.0)
     assert "balanced estimate 2.000 ms (not a bound), gap +50.0%" in above and "lower bound" not in above
     assert "gap -14.3%" in device_table(placement, COSTS, balanced_estimate=3.5)
+    # far above it (one small table on thousands of devices) a multiple reads better than "+398734.2%"
+    assert "balanced estimate 1.00e-04 ms (not a bound), 30,000x it" in device_table(placement, COSTS,
+                                                                                     balanced_estimate=1e-4)
     docs = Path(__file__).resolve().parents[1] / "docs" / "method.md"
     text = docs.read_text()
     assert "## Balanced estimate (not a lower bound)" in text and "Why it is called an estimate" in text

@@ -58,8 +58,11 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
         summary = f"predicted step cost {overall:.3f} ms (slowest device), imbalance max/mean {overall / mean:.3f}"
         # An estimate of a perfectly balanced plan, not a bound: a plan can come in below it (docs/method.md).
         if balanced_estimate:
-            summary += (f", balanced estimate {balanced_estimate:.3f} ms (not a bound), gap "
-                        f"{100 * (overall / balanced_estimate - 1):+.1f}%")
+            # A percentage reads badly far above it (one small table on 4,096 devices: "+398734.2%").
+            gap = overall / balanced_estimate
+            est = f"{balanced_estimate:.3f}" if balanced_estimate >= 5e-4 else f"{balanced_estimate:.2e}"
+            summary += (f", balanced estimate {est} ms (not a bound), "
+                        + (f"gap {100 * (gap - 1):+.1f}%" if gap < 10 else f"{gap:,.0f}x it"))
         else:
             summary += ", balanced estimate n/a (the cost model is not monotone on these tables)"
         lines.append(summary)
