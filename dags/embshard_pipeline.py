@@ -42,13 +42,22 @@ PARAMS = {key: Param(spec.default, description=spec.description, **params.form_s
 DEFAULT_ARGS = {"owner": "embshard", "retries": 0}
 
 
-def time_limit(stage: str):
+def time_limit(stage: str, startup_s: int = 0, round_index: int | None = None):
     """Each task's execution_timeout, sized when the task starts from this run's params (embshard.params:
-    measured stage times x the work asked x timeout_scale): a hung stage fails instead of holding the queue."""
+    measured stage times x the work asked x timeout_scale): a hung stage fails instead of holding the queue.
+    `startup_s`: a pod's allowance to be scheduled and pull its image, which KubernetesPodOperator waits for inside
+    the task, on top of the stage's run time. `round_index`: an outer-loop round's task is skipped at start when
+    the run has fewer rounds (before any pod is made: a skipped round's pod held a GPU node to exit 99)."""
     def set_limit(context) -> None:
-        context["task"].execution_timeout = timedelta(seconds=params.stage_timeout_s(stage, context["params"]))
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        why = stages.round_skipped(dict(context["params"]), round_index)
+        if why:
+            raise AirflowSkipException(why)
+        context["task"].execution_timeout = timedelta(
+            seconds=params.stage_timeout_s(stage, context["params"]) + startup_s)
     return {"pre_execute": set_limit,
-            "execution_timeout": timedelta(seconds=params.stage_timeout_s(stage, params.DEFAULT_PARAMS))}
+            "execution_timeout": timedelta(seconds=params.stage_timeout_s(stage, params.DEFAULT_PARAMS) + startup_s)}
 
 
 # Shown on each task's page in the Airflow UI.
@@ -118,7 +127,7 @@ with DAG(
                 raise AirflowSkipException(str(exc)) from None
 
         def stage_task(task_id: str, stage: str, doc: str, round_index: int | None = None, **task_kw):
-            @task(task_id=task_id, doc_md=TASK_DOCS[doc], **time_limit(stage), **task_kw)
+            @task(task_id=task_id, doc_md=TASK_DOCS[doc], **time_limit(stage, round_index=round_index), **task_kw)
             def _run(params=None, run_id=None, ti=None) -> dict:
                 return run_stage(stage, params, run_id, ti, round_index=round_index)
             return _run()
@@ -158,10 +167,12 @@ with DAG(
             extra = ["--round", str(round_index)] if round_index is not None else []
             return ["stage", stage, "--root", root, "--params", stages.PARAMS_TEMPLATE, *extra]
 
+        startup_s = k8s.startup_timeout_s(pod_config)
+
         def pod(task_id: str, stage: str, doc: str, round_index: int | None = None, **kw):
             return KubernetesPodOperator(task_id=task_id, doc_md=TASK_DOCS[doc], **{
-                **k8s.pod_operator_kwargs(stage, stage_args(stage, round_index), pod_config), **time_limit(stage),
-                **kw})
+                **k8s.pod_operator_kwargs(stage, stage_args(stage, round_index), pod_config),
+                **time_limit(stage, startup_s, round_index), **kw})
 
         # Checked on the Airflow worker (no pod: seconds, and embshard.params imports nothing heavy). The worker
         # does not mount the data volume the pods read: the input file is checked by the ingest pod.
@@ -174,7 +185,7 @@ with DAG(
         sample_shards_pod = pod("sample_shards", "sample_shards", "sample_shards", do_xcom_push=True)
         benchmark_pods = KubernetesPodOperator.partial(
             task_id="benchmark", retries=2, retry_delay=timedelta(seconds=30), doc_md=TASK_DOCS["benchmark"],
-            **time_limit("benchmark"),
+            **time_limit("benchmark", startup_s),
             **{k: v for k, v in k8s.pod_operator_kwargs("benchmark", [], pod_config).items() if k != "arguments"},
         ).expand(arguments=sample_shards_pod.output.map(
             lambda chunk: [*stage_args("benchmark"), "--chunk", str(chunk)]))

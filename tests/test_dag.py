@@ -110,9 +110,12 @@ def test_every_task_has_a_time_limit_sized_from_the_run_params(dag_by_runner):
         stage = STAGE_OF.get(task.task_id, ("check_params",))[0]
         hook = task.partial_kwargs["pre_execute"] if task.is_mapped else task._pre_execute_hook
         op = types.SimpleNamespace(execution_timeout=None)
-        hook({"task": op, "params": {**params.DEFAULT_PARAMS, "timeout_scale": 3.0}})
+        hook({"task": op, "params": {**params.DEFAULT_PARAMS, "timeout_scale": 3.0, "policy_rounds": 3}})
+        # a pod's limit also covers its scheduling and image pull (KubernetesPodOperator waits for them in the task)
+        startup = (k8s.startup_timeout_s(k8s.load_pod_config())
+                   if runner == "kubernetes" and task.task_id != "check_params" else 0)
         assert op.execution_timeout.total_seconds() == pytest.approx(
-            params.stage_timeout_s(stage, {"timeout_scale": 3.0})), task.task_id
+            params.stage_timeout_s(stage, {"timeout_scale": 3.0}) + startup), task.task_id
 
 
 def test_outer_loop_rounds_beyond_the_param_are_skipped_and_evaluation_still_runs(dag_by_runner):
@@ -125,6 +128,18 @@ def test_outer_loop_rounds_beyond_the_param_are_skipped_and_evaluation_still_run
     if runner == "kubernetes":
         for task_id, _, _ in LOOP:
             assert stages.SKIP_EXIT_CODE in dag.get_task(task_id).skip_on_exit_code
+    # Skipped when the task starts, before a pod is made (a skipped round's pod took a GPU node to exit 99).
+    from airflow.sdk.exceptions import AirflowSkipException
+
+    from embshard import params
+
+    for task_id, _, r in LOOP:
+        hook = dag.get_task(task_id)._pre_execute_hook
+        op = types.SimpleNamespace(execution_timeout=None)
+        with pytest.raises(AirflowSkipException, match=f"round {r} of 1"):
+            hook({"task": op, "params": {**params.DEFAULT_PARAMS, "policy_rounds": 1}})
+        hook({"task": op, "params": {**params.DEFAULT_PARAMS, "policy_rounds": 3}})
+        assert op.execution_timeout is not None
 
 
 def test_schedule_is_weekly_or_new_tables(k8s_dag):

@@ -243,12 +243,17 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
         "volume_mounts": volume_mounts,
         "security_context": _security(k8s.V1PodSecurityContext, psc),
         "container_security_context": _security(k8s.V1SecurityContext, csc),
-        "startup_timeout_seconds": int(config.get("startupTimeoutSeconds", 900)),
+        "startup_timeout_seconds": startup_timeout_s(config),
         "on_finish_action": config.get("onFinishAction", "delete_succeeded_pod"),
         "get_logs": True,
         "log_events_on_failure": True,
         "do_xcom_push": False,
     }
+
+
+def startup_timeout_s(config: dict) -> int:
+    """How long a stage pod may take to be scheduled and pull its image (a GPU node scaling up from zero)."""
+    return int(config.get("startupTimeoutSeconds", 900))
 
 
 def _security(cls, settings: dict):

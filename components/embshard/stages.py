@@ -164,9 +164,19 @@ def loop_layout(root: str):
     return LoopLayout(policy=path(root, "policy"), cost_model=path(root, "cost_model"))
 
 
+def round_skipped(p: dict, round_index: int | None) -> str | None:
+    """Why an outer-loop round's stage has nothing to do in a run of params `p` (a round beyond `policy_rounds`),
+    else None. The kubernetes runner asks before it starts a pod; the stage asks again itself."""
+    rounds = int({**DEFAULT_PARAMS, **p}["policy_rounds"])
+    if round_index is not None and round_index > rounds:
+        return f"round {round_index} of {rounds}: nothing to do"
+    return None
+
+
 def _check_round(p: dict, round_index: int) -> None:
-    if round_index > int(p["policy_rounds"]):
-        raise StageSkipped(f"round {round_index} of {p['policy_rounds']}: nothing to do")
+    why = round_skipped(p, round_index)
+    if why:
+        raise StageSkipped(why)
 
 
 def train_cost_model(root: str, params: dict, round_index: int = 1) -> dict:
