@@ -89,7 +89,7 @@ def test_only_measuring_stages_get_a_gpu_and_the_gpu_nodes(stage):
     resources = pod["spec"]["containers"][0]["resources"]
     if stage in GPU_STAGES:
         assert resources["requests"][GPU] == resources["limits"][GPU] == "1"
-        assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert not pod["spec"].get("nodeSelector")  # the GPU request keeps it on GPU nodes
         assert pod["spec"]["tolerations"] == [{"key": GPU, "operator": "Exists", "effect": "NoSchedule"}]
     else:
         assert GPU not in resources.get("requests", {}) and GPU not in resources.get("limits", {})
@@ -147,8 +147,7 @@ def test_chart_configmap_drives_the_pods(tmp_path, monkeypatch):
     assert pod["metadata"]["namespace"] == "ml"
     assert container["image"] == "registry.example.com/embshard-cuda:0.1.0"
     assert container["resources"]["limits"][GPU] == "2"
-    # Helm merges value maps, so the product label joins the default one (null in values removes a key).
-    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
     assert len(spec["tolerations"]) == 2
     assert not spec.get("volumes") and not container.get("volumeMounts")  # bucket: nothing to mount
     env = {e["name"]: e for e in container["env"]}
@@ -167,10 +166,9 @@ def test_chart_configmap_drives_the_pods(tmp_path, monkeypatch):
 def test_partial_override_keeps_the_rest(tmp_path):
     path = tmp_path / "pods.yaml"
     path.write_text("image: my/embshard-cpu:1\nstages:\n  train_policy:\n    gpu: true\n"
-                    "gpu:\n  nodeSelector:\n    nvidia.com/gpu.present: null\n"
-                    "    nvidia.com/gpu.product: NVIDIA-H200\n")
+                    "gpu:\n  nodeSelector:\n    nvidia.com/gpu.product: NVIDIA-H200\n    team: null\n")
     config = k8s.load_pod_config(path)
-    assert config["gpu"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}  # null removes, as in Helm
+    assert config["gpu"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}  # null drops, as in Helm
     assert config["image"] == "my/embshard-cpu:1"
     assert config["stages"]["train_policy"]["gpu"] is True
     assert config["stages"]["train_policy"]["resources"] == k8s.POD_DEFAULTS["stages"]["train_policy"]["resources"]

@@ -55,8 +55,11 @@ POD_DEFAULTS: dict[str, Any] = {
     "gpu": {
         "resourceName": "nvidia.com/gpu",
         "count": 1,
-        # Labels set by NVIDIA GPU feature discovery; pin a product to measure on one GPU type only.
-        "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        # None by default: the GPU request alone keeps a pod on GPU nodes, and GPU feature discovery's labels
+        # (nvidia.com/gpu.present, .product) are not on every cluster (a selector on them left pods Pending, and an
+        # autoscaler cannot scale a GPU pool up from zero for a label added after boot). Pin a product here to
+        # measure on one GPU type only, e.g. {"nvidia.com/gpu.product": "NVIDIA-H200"}.
+        "nodeSelector": {},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
     },
     "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
