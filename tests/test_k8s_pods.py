@@ -110,6 +110,11 @@ def test_ingest_pod_with_xcom_sidecar_is_valid():
     kubernetes_validate.validate(pod, desired_version=KUBE_VERSION, strict=True)
     assert [c["name"] for c in pod["spec"]["containers"]] == ["base", "airflow-xcom-sidecar"]
     assert pod["spec"]["securityContext"]["runAsNonRoot"] is True  # the sidecar runs as uid 10001 too
+    # and is hardened as the stage container (Pod Security `restricted` refused it bare)
+    base, sidecar = pod["spec"]["containers"]
+    assert sidecar["securityContext"] == base["securityContext"]
+    assert sidecar["securityContext"]["allowPrivilegeEscalation"] is False
+    assert sidecar["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
 
 def test_pod_validation_is_not_vacuous():

@@ -246,6 +246,9 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
         "volume_mounts": volume_mounts,
         "security_context": _security(k8s.V1PodSecurityContext, psc),
         "container_security_context": _security(k8s.V1SecurityContext, csc),
+        # the XCom sidecar (sample_shards pushes its chunk list) is hardened as the stage container: namespaces
+        # that enforce the `restricted` Pod Security standard refuse a pod with a container lacking it
+        "xcom_sidecar_container_security_context": _security(k8s.V1SecurityContext, csc),
         "startup_timeout_seconds": startup_timeout_s(config),
         "on_finish_action": config.get("onFinishAction", "delete_succeeded_pod"),
         "get_logs": True,
