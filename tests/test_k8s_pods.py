@@ -207,3 +207,20 @@ def test_missing_config_file_says_how_to_fix(tmp_path, monkeypatch):
 def test_unknown_stage_is_refused():
     with pytest.raises(EmbshardError, match="unknown stage"):
         k8s.pod_operator_kwargs("bench", ["bench"])
+
+
+def test_a_data_root_off_the_mounted_volume_is_refused(tmp_path):
+    """mountPath /mnt/shared with the default data root file:///data/embshard was accepted: every pod wrote to its
+    own disk, and the next stage failed with "missing stage output"."""
+    from embshard.errors import EmbshardError
+
+    path = tmp_path / "pods.yaml"
+    path.write_text("storage:\n  mountPath: /mnt/shared\n")
+    with pytest.raises(EmbshardError, match="is not on the volume mounted at /mnt/shared") as err:
+        k8s.load_pod_config(path)
+    assert err.value.field == "storage.dataRoot" and "file:///mnt/shared/embshard" in str(err.value)
+    path.write_text("storage:\n  mountPath: /mnt/shared\n  dataRoot: file:///mnt/shared/embshard\n")
+    assert k8s.data_root(k8s.load_pod_config(path)) == "file:///mnt/shared/embshard"
+    path.write_text("storage:\n  mountPath: /data\n  dataRoot: file:///database/x\n")  # a prefix is not a parent
+    with pytest.raises(EmbshardError, match="not on the volume"):
+        k8s.load_pod_config(path)

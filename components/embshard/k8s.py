@@ -127,6 +127,16 @@ def _check(config: dict, source: str) -> dict:
                             field="storage.type", fix="use 'pvc' (a shared volume) or 'bucket' (s3://)")
     if storage["type"] == "pvc" and not storage.get("claimName"):
         raise EmbshardError("a pvc storage needs a claim name", path=source, field="storage.claimName")
+    if storage["type"] == "pvc":
+        # A data root outside the mount is each pod's own disk: a stage's outputs vanish with its pod and the
+        # next stage fails with "missing stage output".
+        mount = "/" + str(storage.get("mountPath", "")).strip("/")
+        root = "/" + str(storage.get("dataRoot", "")).removeprefix("file://").strip("/")
+        if not (root == mount or root.startswith(mount.rstrip("/") + "/")):
+            raise EmbshardError(f"data root {storage.get('dataRoot')} is not on the volume mounted at "
+                                f"{storage.get('mountPath')}", path=source, field="storage.dataRoot",
+                                fix=f"put it under the mount, e.g. file://{mount.rstrip('/')}/embshard, or mount "
+                                    "the volume where it is")
     if storage["type"] == "bucket" and not str(storage.get("dataRoot", "")).startswith("s3://"):
         raise EmbshardError("a bucket storage needs an s3:// data root", path=source,
                             field="storage.dataRoot", fix="e.g. s3://my-bucket/embshard")
