@@ -169,6 +169,9 @@ def test_bucket_storage_on_the_bundled_minio_gets_its_endpoint():
 def test_missing_backend_store_is_a_clear_render_error():
     with pytest.raises(helm.HelmError, match="backend store"):
         render({"postgres": {"enabled": False}})
+    # without the bundled MLflow the stages' URI must be given: it pointed at a service that was not there
+    with pytest.raises(helm.HelmError, match="stagePods.mlflowTrackingUri"):
+        render({"mlflow": {"enabled": False}})
 
 
 @pytest.mark.parametrize("bad, where", [

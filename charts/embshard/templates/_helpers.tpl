@@ -52,6 +52,9 @@ app.kubernetes.io/component: {{ .component }}
 {{- $cfg := deepCopy .Values.stagePods }}
 {{- $_ := set $cfg "namespace" .Release.Namespace }}
 {{- if not $cfg.mlflowTrackingUri }}
+{{- if not .Values.mlflow.enabled }}
+{{- fail "mlflow.enabled=false needs stagePods.mlflowTrackingUri (the external MLflow server the stages use)" }}
+{{- end }}
 {{- $_ := set $cfg "mlflowTrackingUri" (include "embshard.mlflowUri" .) }}
 {{- end }}
 {{- /* Bucket storage on the bundled MinIO: its endpoint, as mlflow.s3Endpoint defaults to it. */}}
