@@ -183,8 +183,10 @@ with DAG(
         ingest = check_params_task() >> pod("ingest", "ingest", "ingest")
         # (names apart from the local branch's @task functions: different types, the same task ids)
         sample_shards_pod = pod("sample_shards", "sample_shards", "sample_shards", do_xcom_push=True)
+        # At most maxBenchmarkPods chunk pods of a run at once (each holds GPUs; 0: no limit).
         benchmark_pods = KubernetesPodOperator.partial(
             task_id="benchmark", retries=2, retry_delay=timedelta(seconds=30), doc_md=TASK_DOCS["benchmark"],
+            max_active_tis_per_dagrun=int(pod_config.get("maxBenchmarkPods") or 0) or None,
             **time_limit("benchmark", startup_s),
             **{k: v for k, v in k8s.pod_operator_kwargs("benchmark", [], pod_config).items() if k != "arguments"},
         ).expand(arguments=sample_shards_pod.output.map(
@@ -196,7 +198,7 @@ with DAG(
             last = last >> pod(task_id, stage, doc, r, skip_on_exit_code=stages.SKIP_EXIT_CODE)
         last >> pod("evaluate_and_promote", "evaluate_and_promote", "evaluate_and_promote",
                     trigger_rule=AFTER_LOOP) \
-            >> pod("export_placements", "export_placements", "export_placements")
+            >> pod("export_placements", "export_placements", "export_placements", retries=1)
     else:
         raise ValueError(f"EMBSHARD_RUNNER={RUNNER!r}: use 'local' or 'kubernetes'")
 

@@ -340,3 +340,18 @@ def test_params_from_the_trigger_form_reach_the_pods_intact(k8s_dag):
     params = json.loads(args[args.index("--params") + 1])
     assert params == {**stages.DEFAULT_PARAMS, **conf}
     assert stages.merged(params) == params
+
+
+def test_benchmark_pods_of_a_run_can_be_capped(monkeypatch, tmp_path):
+    """Nothing limited how many benchmark chunk pods (each holding GPUs) one run starts at once."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    assert load_bag(monkeypatch, "kubernetes").dags[DAG_ID].get_task("benchmark").partial_kwargs.get(
+        "max_active_tis_per_dagrun") is None  # 0 by default: every chunk at once
+    path = tmp_path / "pods.yaml"
+    path.write_text("maxBenchmarkPods: 2\n")
+    monkeypatch.setenv(k8s.CONFIG_ENV, str(path))
+    bag = DagBag(dag_folder=str(DAG_FILE), safe_mode=False)
+    assert bag.import_errors == {}
+    assert bag.dags[DAG_ID].get_task("benchmark").partial_kwargs["max_active_tis_per_dagrun"] == 2
+    assert bag.dags[DAG_ID].get_task("export_placements").retries == 1  # as in the local runner

@@ -224,3 +224,35 @@ def test_a_data_root_off_the_mounted_volume_is_refused(tmp_path):
     path.write_text("storage:\n  mountPath: /data\n  dataRoot: file:///database/x\n")  # a prefix is not a parent
     with pytest.raises(EmbshardError, match="not on the volume"):
         k8s.load_pod_config(path)
+
+
+def test_a_stage_may_run_its_own_image_and_cpu_stages_see_no_gpu(tmp_path):
+    """The CPU image could be built but not given to the CPU stages; and the CUDA image's
+    NVIDIA_VISIBLE_DEVICES=all let a pod that requested no GPU see every GPU of a node whose default runtime is
+    NVIDIA's."""
+    path = tmp_path / "pods.yaml"
+    path.write_text("stages:\n  ingest:\n    image: registry.example.com/embshard-cpu:0.1.0\n")
+    config = k8s.load_pod_config(path)
+    ingest, bench = pod_manifest("ingest", config), pod_manifest("benchmark", config)
+    kubernetes_validate.validate(ingest, desired_version=KUBE_VERSION, strict=True)
+    assert ingest["spec"]["containers"][0]["image"] == "registry.example.com/embshard-cpu:0.1.0"
+    assert bench["spec"]["containers"][0]["image"] == k8s.POD_DEFAULTS["image"]
+    env_of = {stage: {e["name"]: e.get("value") for e in pod_manifest(stage)["spec"]["containers"][0]["env"]}
+              for stage in k8s.STAGES}
+    for stage, env in env_of.items():
+        assert ("NVIDIA_VISIBLE_DEVICES" in env) == (stage not in GPU_STAGES), stage
+        if stage not in GPU_STAGES:
+            assert env["NVIDIA_VISIBLE_DEVICES"] == "void"
+    with helm.Chart.load(CHART) as chart:  # the chart's schema takes the per-stage image too
+        chart.render({"stagePods": {"stages": {"ingest": {"gpu": False, "resources": {},
+                                                          "image": "my/embshard-cpu:1"}}}},
+                     name="embshard", namespace="embshard", is_install=True)
+
+
+def test_measuring_pods_have_cores_of_their_own():
+    """Measuring pods were Burstable (4 CPUs requested, 8 allowed): they timed their neighbours' load too.
+    Requests equal limits, in whole CPUs (Guaranteed QoS)."""
+    for stage in GPU_STAGES:
+        res = pod_manifest(stage)["spec"]["containers"][0]["resources"]
+        assert res["requests"] == res["limits"], stage
+        assert float(res["requests"]["cpu"]).is_integer(), stage

@@ -66,6 +66,8 @@ POD_DEFAULTS: dict[str, Any] = {
                            "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
     "containerSecurityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     "startupTimeoutSeconds": 900,  # GPU nodes may scale up from zero and pull a multi-GB image
+    # Benchmark chunk pods of one run at a time (each holds gpu.count GPUs); 0: as many as there are chunks.
+    "maxBenchmarkPods": 0,
     "onFinishAction": "delete_succeeded_pod",  # failed pods stay for `kubectl logs/describe`
     # Per stage: resources and whether the pod needs a GPU. Measuring stages run on the GPU type whose costs
     # they learn from: sample_shards calibrates the all-to-all of that hardware, benchmark measures shards,
@@ -74,17 +76,19 @@ POD_DEFAULTS: dict[str, Any] = {
     "stages": {
         "ingest": {"gpu": False, "resources": {"requests": {"cpu": "1", "memory": "4Gi"},
                                                "limits": {"cpu": "2", "memory": "8Gi"}}},
-        "sample_shards": {"gpu": True, "resources": {"requests": {"cpu": "1", "memory": "2Gi"},
+        # Measuring stages: requests = limits in whole CPUs (Guaranteed QoS; with the kubelet's static CPU
+        # manager, cores of their own): a pod sharing cores with its neighbours times their load too.
+        "sample_shards": {"gpu": True, "resources": {"requests": {"cpu": "2", "memory": "4Gi"},
                                                       "limits": {"cpu": "2", "memory": "4Gi"}}},
-        "benchmark": {"gpu": True, "resources": {"requests": {"cpu": "4", "memory": "16Gi"},
+        "benchmark": {"gpu": True, "resources": {"requests": {"cpu": "8", "memory": "32Gi"},
                                                  "limits": {"cpu": "8", "memory": "32Gi"}}},
         "train_cost_model": {"gpu": False, "resources": {"requests": {"cpu": "4", "memory": "8Gi"},
                                                          "limits": {"cpu": "8", "memory": "16Gi"}}},
         "train_policy": {"gpu": False, "resources": {"requests": {"cpu": "4", "memory": "8Gi"},
                                                      "limits": {"cpu": "8", "memory": "16Gi"}}},
-        "measure_policy_plans": {"gpu": True, "resources": {"requests": {"cpu": "4", "memory": "16Gi"},
+        "measure_policy_plans": {"gpu": True, "resources": {"requests": {"cpu": "8", "memory": "32Gi"},
                                                             "limits": {"cpu": "8", "memory": "32Gi"}}},
-        "evaluate_and_promote": {"gpu": True, "resources": {"requests": {"cpu": "4", "memory": "16Gi"},
+        "evaluate_and_promote": {"gpu": True, "resources": {"requests": {"cpu": "8", "memory": "32Gi"},
                                                             "limits": {"cpu": "8", "memory": "32Gi"}}},
         "export_placements": {"gpu": False, "resources": {"requests": {"cpu": "1", "memory": "2Gi"},
                                                           "limits": {"cpu": "2", "memory": "4Gi"}}},
@@ -190,6 +194,7 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
         raise EmbshardError(f"unknown stage '{stage}'", field="stage", fix=f"use one of {list(STAGES)}")
     spec = config["stages"].get(stage) or {"gpu": False, "resources": {}}
     gpu = config["gpu"]
+    image = spec.get("image") or config["image"]  # e.g. the CPU image for the stages without a GPU
 
     requests = {k: str(v) for k, v in (spec.get("resources", {}).get("requests") or {}).items()}
     limits = {k: str(v) for k, v in (spec.get("resources", {}).get("limits") or {}).items()}
@@ -213,6 +218,10 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
     if storage["type"] == "bucket" and storage.get("s3Endpoint"):
         # pyarrow's S3 filesystem and boto3 both read AWS_ENDPOINT_URL.
         env["AWS_ENDPOINT_URL"] = storage["s3Endpoint"]
+    if not spec.get("gpu"):
+        # The CUDA image sets NVIDIA_VISIBLE_DEVICES=all: where the NVIDIA runtime is the node's default, a pod
+        # that requested no GPU would see (and measure on) every GPU of the node.
+        env["NVIDIA_VISIBLE_DEVICES"] = "void"
     env.update({k: str(v) for k, v in config.get("env", {}).items()})
     # Lineage for MLflow tags (embshard.run_context), rendered by Airflow: env_vars is a templated field.
     env.update({"EMBSHARD_AIRFLOW_DAG_ID": "{{ dag.dag_id }}", "EMBSHARD_AIRFLOW_RUN_ID": "{{ run_id }}",
@@ -238,7 +247,7 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
     labels = {**config.get("labels", {}), "embshard.io/stage": stage.replace("_", "-")}
     return {
         "name": f"embshard-{stage.replace('_', '-')}",
-        "image": config["image"],
+        "image": image,
         "image_pull_policy": config.get("imagePullPolicy", "IfNotPresent"),
         "image_pull_secrets": [k8s.V1LocalObjectReference(name=n) for n in config.get("imagePullSecrets", [])],
         "cmds": ["embshard"],
