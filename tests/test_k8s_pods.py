@@ -97,15 +97,15 @@ def test_only_measuring_stages_get_a_gpu_and_the_gpu_nodes(stage):
     assert resources["requests"]["memory"] and resources["limits"]["memory"]
 
 
-def test_ingest_pod_with_xcom_sidecar_is_valid():
-    """The DAG's ingest task pushes its chunk list as an XCom: the operator adds a sidecar container."""
+def test_a_pod_with_the_xcom_sidecar_is_valid():
+    """The DAG's sample_shards task pushes its chunk list as an XCom: the operator adds a sidecar container."""
     from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
     from airflow.sdk import DAG
     from kubernetes.client import ApiClient
 
     with DAG("embshard_pods_xcom", schedule=None, start_date=dt.datetime(2026, 1, 1)):
-        op = KubernetesPodOperator(task_id="ingest", **{**k8s.pod_operator_kwargs("ingest", ARGS["ingest"]),
-                                                        "do_xcom_push": True})
+        op = KubernetesPodOperator(task_id="sample_shards", **{
+            **k8s.pod_operator_kwargs("sample_shards", ARGS["sample_shards"]), "do_xcom_push": True})
     pod = ApiClient().sanitize_for_serialization(op.build_pod_request_obj(dry_run=True))
     kubernetes_validate.validate(pod, desired_version=KUBE_VERSION, strict=True)
     assert [c["name"] for c in pod["spec"]["containers"]] == ["base", "airflow-xcom-sidecar"]
