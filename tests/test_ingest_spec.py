@@ -191,6 +191,20 @@ def test_names_are_kept_as_written(tmp_path):
     assert list(df["table_id"]) == ["007", "NA", "1e3", "7", "1.50"]
 
 
+@pytest.mark.parametrize("text", [
+    "name,num_embeddings,embedding_dim,pooling_factor,\nuser,100,16,1.0,\nitem,200,32,2,\n",  # Excel's empty column
+    "name,num_embeddings,embedding_dim,pooling_factor\nuser,100,16,1.0,\nitem,200,32,2,\n",  # trailing commas only
+])
+def test_trailing_commas_are_empty_fields(tmp_path, text):
+    """The docstring's 'empty trailing fields are allowed': a header ending in a comma was refused by a pandas
+    message, and rows ending in one read as 'empty name in row 0' (pandas took the names for an index)."""
+    path = tmp_path / "t.csv"
+    path.write_text(text)
+    df = spec.tables_from_spec(str(path), bins_batch_size=512, progress=False)
+    assert list(df["table_id"]) == ["user", "item"] and list(df["rows"]) == [100, 200]
+    assert list(df["pooling_factor"]) == [1.0, 2.0]
+
+
 def test_spaces_around_csv_header_names_are_read_as_around_values(tmp_path):
     """`name , num_embeddings` was a pandas error ("Usecols do not match columns") while spaces around values
     were accepted."""

@@ -113,11 +113,14 @@ def _read_csv(path: str) -> pd.DataFrame:
                                 f"({', '.join(header)})", path=path, field="columns",
                                 fix="give one value per header column (quote a value that contains a comma)")
     text = "\n".join(line for _, line in lines)
-    # The header as stripped above (`name , rows` reads as `name`, `rows`, as values are read without spaces).
-    df = pd.read_csv(io.StringIO(text), skipinitialspace=True, header=0, names=header, usecols=range(len(header)))
+    # Columns by position, named by the header as stripped above (`name , rows` reads as `name`, `rows`, as values
+    # are read without spaces); index_col=False: a trailing comma on every row (Excel's empty column) is no index.
+    read = dict(skipinitialspace=True, header=0, index_col=False)
+    df = pd.read_csv(io.StringIO(text), usecols=range(len(header)), **read)
+    df.columns = header
     if "name" in header:  # names as written: no number parsing ('007', '1e3') and no NA words ('NA', 'nan')
-        df["name"] = pd.read_csv(io.StringIO(text), skipinitialspace=True, header=0, names=header,
-                                 usecols=[header.index("name")], dtype=str, keep_default_na=False)["name"]
+        df["name"] = pd.read_csv(io.StringIO(text), usecols=[header.index("name")], dtype=str,
+                                 keep_default_na=False, **read).iloc[:, 0]
     if len(df) == len(lines) - 1:  # one data row per kept line (a quoted value spanning lines has no simple line)
         df.attrs[LINES] = [n for n, _ in lines[1:]]
     return df
