@@ -167,7 +167,7 @@ with DAG(
             extra = ["--round", str(round_index)] if round_index is not None else []
             return ["stage", stage, "--root", root, "--params", stages.PARAMS_TEMPLATE, *extra]
 
-        startup_s = k8s.startup_timeout_s(pod_config)
+        startup_s = k8s.startup_allowance_s(pod_config)
 
         def pod(task_id: str, stage: str, doc: str, round_index: int | None = None, **kw):
             return KubernetesPodOperator(task_id=task_id, doc_md=TASK_DOCS[doc], **{

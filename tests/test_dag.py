@@ -112,10 +112,13 @@ def test_every_task_has_a_time_limit_sized_from_the_run_params(dag_by_runner):
         op = types.SimpleNamespace(execution_timeout=None)
         hook({"task": op, "params": {**params.DEFAULT_PARAMS, "timeout_scale": 3.0, "policy_rounds": 3}})
         # a pod's limit also covers its scheduling and image pull (KubernetesPodOperator waits for them in the task)
-        startup = (k8s.startup_timeout_s(k8s.load_pod_config())
+        startup = (k8s.startup_allowance_s(k8s.load_pod_config())
                    if runner == "kubernetes" and task.task_id != "check_params" else 0)
         assert op.execution_timeout.total_seconds() == pytest.approx(
             params.stage_timeout_s(stage, {"timeout_scale": 3.0}) + startup), task.task_id
+        if runner == "kubernetes" and task.task_id != "check_params":  # the allowance is both of the waits
+            kw = task.partial_kwargs if task.is_mapped else vars(task)
+            assert startup == kw["schedule_timeout_seconds"] + kw["startup_timeout_seconds"], task.task_id
 
 
 def test_outer_loop_rounds_beyond_the_param_are_skipped_and_evaluation_still_runs(dag_by_runner):

@@ -229,6 +229,11 @@ def test_table_ids_torchrec_cannot_take_are_warned_about_when_ingesting_and_plac
         place(str(spec), str(tmp_path / "o"), devices=2, memory_bytes=1 << 30, planner="size_greedy")
         assert main(["ingest", "--source", "spec", "--input", str(spec), "--out", str(tmp_path / "t"),
                      "--no-progress"]) == 0
+        from embshard.jobs import ingest  # what the pipeline's ingest stage calls
+
+        ingest.run("spec", str(tmp_path / "t2"), input=str(spec), progress=False)
+    said = [r for r in caplog.records if r.name == "embshard.jobs.ingest" and "user.age" in r.getMessage()]
+    assert len(said) == 2  # the CLI's ingest and the stage's
     warned = [(r.name, r.getMessage()) for r in caplog.records]
     for job in ("embshard.jobs.place", "embshard.jobs.ingest"):
         assert any(n == job and "user.age" in w and "cannot be exported to TorchRec" in w for n, w in warned), warned

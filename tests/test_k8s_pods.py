@@ -224,6 +224,12 @@ def test_a_data_root_off_the_mounted_volume_is_refused(tmp_path):
     path.write_text("storage:\n  mountPath: /data\n  dataRoot: file:///database/x\n")  # a prefix is not a parent
     with pytest.raises(EmbshardError, match="not on the volume"):
         k8s.load_pod_config(path)
+    path.write_text("storage:\n  mountPath: ''\n")
+    with pytest.raises(EmbshardError, match="mount path"):
+        k8s.load_pod_config(path)
+    path.write_text("maxBenchmarkPods: -1\n")
+    with pytest.raises(EmbshardError, match="maxBenchmarkPods"):
+        k8s.load_pod_config(path)
 
 
 def test_a_stage_may_run_its_own_image_and_cpu_stages_see_no_gpu(tmp_path):
@@ -253,6 +259,7 @@ def test_measuring_pods_have_cores_of_their_own():
     """Measuring pods were Burstable (4 CPUs requested, 8 allowed): they timed their neighbours' load too.
     Requests equal limits, in whole CPUs (Guaranteed QoS)."""
     for stage in GPU_STAGES:
-        res = pod_manifest(stage)["spec"]["containers"][0]["resources"]
+        (container,) = pod_manifest(stage)["spec"]["containers"]  # (sample_shards' XCom sidecar: cluster.md)
+        res = container["resources"]
         assert res["requests"] == res["limits"], stage
         assert float(res["requests"]["cpu"]).is_integer(), stage

@@ -94,11 +94,11 @@ def test_a_memory_in_gib_typed_as_bytes_is_pointed_out():
     with pytest.raises(InfeasiblePlacementError) as err:
         check_capacity([3 * 2**30], 4, 8, "t")
     msg = str(err.value)
-    assert "devices hold 32 bytes" in msg and "a GiB figure typed as bytes" in msg and "17179869184" in msg
+    assert "devices hold 32 bytes" in msg and "only 8 bytes per device" in msg and "17179869184" in msg
     with pytest.raises(InfeasiblePlacementError) as err:
         check_capacity([3 * 2**30], 2, 2**30, "t")
     assert "3.000 GiB, devices hold 2.000 GiB (1.000 GiB missing)" in str(err.value)
-    assert "typed as bytes" not in str(err.value)
+    assert "counts bytes" not in str(err.value)
 
 
 def test_empty_task_and_unknown_planner_are_errors(tables):

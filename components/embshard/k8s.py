@@ -131,6 +131,13 @@ def _check(config: dict, source: str) -> dict:
                             field="storage.type", fix="use 'pvc' (a shared volume) or 'bucket' (s3://)")
     if storage["type"] == "pvc" and not storage.get("claimName"):
         raise EmbshardError("a pvc storage needs a claim name", path=source, field="storage.claimName")
+    cap = config.get("maxBenchmarkPods", 0)
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
+        raise EmbshardError(f"maxBenchmarkPods {cap!r} is not a count", path=source, field="maxBenchmarkPods",
+                            fix="give 0 (every chunk at once) or a positive integer")
+    if storage["type"] == "pvc" and str(storage.get("mountPath", "")).strip("/") == "":
+        raise EmbshardError("a pvc storage needs a mount path below /", path=source, field="storage.mountPath",
+                            fix="e.g. /data")
     if storage["type"] == "pvc":
         # A data root outside the mount is each pod's own disk: a stage's outputs vanish with its pod and the
         # next stage fails with "missing stage output".
@@ -268,6 +275,8 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
         # the XCom sidecar (sample_shards pushes its chunk list) is hardened as the stage container: namespaces
         # that enforce the `restricted` Pod Security standard refuse a pod with a container lacking it
         "xcom_sidecar_container_security_context": _security(k8s.V1SecurityContext, csc),
+        # The operator waits up to this long to be scheduled, then as long again to start (image pull).
+        "schedule_timeout_seconds": startup_timeout_s(config),
         "startup_timeout_seconds": startup_timeout_s(config),
         "on_finish_action": config.get("onFinishAction", "delete_succeeded_pod"),
         "get_logs": True,
@@ -277,8 +286,14 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
 
 
 def startup_timeout_s(config: dict) -> int:
-    """How long a stage pod may take to be scheduled and pull its image (a GPU node scaling up from zero)."""
+    """How long a stage pod may wait to be scheduled (a GPU node scaling up from zero), and as long again to
+    start (pulling a multi-GB image): the operator's schedule and startup timeouts."""
     return int(config.get("startupTimeoutSeconds", 900))
+
+
+def startup_allowance_s(config: dict) -> int:
+    """The most a stage task waits for its pod before the stage runs: scheduling, then starting."""
+    return 2 * startup_timeout_s(config)
 
 
 def _security(cls, settings: dict):

@@ -113,7 +113,7 @@ def main(args) -> int:
                 task_list = load_tasks(tables, tasks, "all" if args.tasks is None else args.split,
                                        limit=args.max_tasks, task_ids=task_ids)
             except EmbshardError as exc:
-                if args.tasks is not None:
+                if args.tasks is not None or exc.field != "table_ids":  # e.g. an unreadable --tables: as it is
                     raise
                 # The task is the plan's own (written to a scratch file): the user's files are the plan and --tables.
                 raise type(exc)(f"the plan's task does not fit --tables: {exc.message}", path=args.plan,

@@ -69,6 +69,10 @@ def run(source: str, out: str, input: str | None = None, seed: int = 0, num_tabl
     df = df.assign(pool=pools.assign(df["table_id"], seed))  # decided once, here (see embshard.pools)
     schemas.write(df, out_path, "tables")
     _drop_stale_tasks(out)
+    # Here, not in main: the pipeline's ingest stage calls run() (ids TorchRec cannot name fail only at export).
+    from ..torchrec_compat import warn_if_unnamable
+
+    warn_if_unnamable(df["table_id"], logging.getLogger(__name__))
     return out_path
 
 
@@ -210,9 +214,6 @@ def main(args: argparse.Namespace) -> int:
         kw.update(bins_batch_size=args.bins_batch_size)
     path = run(args.source, args.out, input=args.input, seed=args.seed, num_tables=args.num_tables, **kw)
     df = schemas.read(path, "tables")
-    from ..torchrec_compat import warn_if_unnamable
-
-    warn_if_unnamable(df["table_id"], logging.getLogger(__name__))
     gib = df["size_bytes"].sum() / 2**30
     print(f"wrote {path}: {len(df)} tables, {gib:,.1f} GiB, rows {df['rows'].min():,}..{df['rows'].max():,}, "
           f"dims {df['dim'].min()}..{df['dim'].max()}, pooling {df['pooling_factor'].mean():.2f} mean "

@@ -71,8 +71,12 @@ def load_cost_model_or_none(uri: str | None):
 
 def planner_for(name: str, model_uri: str, time_budget_s: float | None, search_evaluations: int | None = None):
     kw: dict[str, Any] = {"model_uri": model_uri}
-    if time_budget_s is not None:  # TorchRec's planners take it as their search's time limit
-        kw["timeout_s" if name.startswith("torchrec_") else "time_budget_s"] = time_budget_s
+    if name.startswith("torchrec_"):  # its search's time limit: a person waits for this plan
+        from ..planners.torchrec_planner import DEFAULT_TIMEOUT_S
+
+        kw["timeout_s"] = DEFAULT_TIMEOUT_S if time_budget_s is None else time_budget_s
+    elif time_budget_s is not None:
+        kw["time_budget_s"] = time_budget_s
     if search_evaluations is not None:
         kw["search_evaluations"] = search_evaluations
     try:

@@ -75,13 +75,15 @@ def check_capacity(size_bytes, num_devices: int, memory_bytes_per_device: int, t
     total = int(np.asarray(size_bytes, dtype=np.int64).sum())
     capacity = num_devices * memory_bytes_per_device
     if total > capacity:
-        # memory_bytes_per_device counts bytes: a GiB figure typed there (8) is 8 bytes
-        unit = (f" (memory_bytes_per_device is {memory_bytes_per_device:,} bytes: a GiB figure typed as bytes?)"
-                if 0 < memory_bytes_per_device < 2**20 else "")
+        # A tasks file's memory_bytes_per_device counts bytes: a GiB figure typed there (8) is 8 bytes.
+        tiny = 0 < memory_bytes_per_device < 2**20
         raise InfeasiblePlacementError(
             f"tables need {size_text(total)}, devices hold {size_text(capacity)} "
-            f"({size_text(total - capacity)} missing){unit}", path=task_id, field="memory_bytes_per_device",
-            fix="add devices or raise memory per device" + (" (in bytes: 16 GiB is 17179869184)" if unit else ""))
+            f"({size_text(total - capacity)} missing)"
+            + (f" (only {memory_bytes_per_device:,} bytes per device)" if tiny else ""),
+            path=task_id, field="memory_bytes_per_device",
+            fix="add devices or raise memory per device" + (
+                " (memory_bytes_per_device counts bytes: 16 GiB is 17179869184)" if tiny else ""))
 
 
 def no_room_error(tables: TableSet, table: int, free: np.ndarray, task_id: str) -> InfeasiblePlacementError:

@@ -258,7 +258,7 @@ class TorchRecProposal:
     """TorchRec's plan (optional extra) as a candidate; None when TorchRec is missing or finds no plan."""
 
     search: str = "table_wise"
-    timeout_s: float | None = None  # None: TorchRecPlanner's default limit
+    timeout_s: float | None = None  # None: DEFAULT_TIMEOUT_S (inside the learned planner, under its own cap)
     name: str = ""
     phase: str = "heuristic starting points"
 

@@ -25,11 +25,12 @@ rows x columns x bytes per shard, like us. `memory_model="torchrec"` keeps Torch
 (weights + IO buffers; stricter than ours). Either way the converted placement must pass `Placement.check()`;
 a plan over our budget raises InfeasiblePlacementError instead of being returned.
 
-Time. TorchRec's full search grows fast with the table count (~100 s at 200 tables). `timeout_s` (default
-DEFAULT_TIMEOUT_S, the learned planner's safety cap; None: no limit) is passed to TorchRec (it stops proposing
-after that many seconds and keeps its best plan so far: `meta["torchrec_timed_out"]` is then true); when it has no
-plan by then, `torchrec_full` falls back to the table-wise search and says so in `meta["torchrec_fallback"]`.
-Without a limit, `embshard place --planner torchrec_full` of 2,500 tables on 64 devices ran past 10 minutes.
+Time. TorchRec's full search grows fast with the table count (~100 s at 200 tables). `timeout_s` (None: no limit,
+as TorchRec itself; evaluations compare with its unbounded search unless told otherwise) is passed to TorchRec (it
+stops proposing after that many seconds and keeps its best plan so far: `meta["torchrec_timed_out"]` is then
+true); when it has no plan by then, `torchrec_full` falls back to the table-wise search and says so in
+`meta["torchrec_fallback"]`. `embshard place` and the learned planner's TorchRec proposal use DEFAULT_TIMEOUT_S:
+without a limit, `place --planner torchrec_full` of 2,500 tables on 64 devices ran past 10 minutes.
 """
 from __future__ import annotations
 
@@ -50,13 +51,13 @@ SEARCHES = {
     "full": ["table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise"],
 }
 DEFAULT_BATCH_SIZE = 512  # TorchRec's default local batch size (constants.BATCH_SIZE)
-DEFAULT_TIMEOUT_S = 60.0  # seconds TorchRec's search may propose for (module docstring, "Time")
+DEFAULT_TIMEOUT_S = 60.0  # place's limit on TorchRec's search, as the learned planner's cap (docstring, "Time")
 
 
 class TorchRecPlanner(Planner):
     """TorchRec's EmbeddingShardingPlanner behind our Planner interface (see the module docstring)."""
 
-    def __init__(self, search: str = "table_wise", timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    def __init__(self, search: str = "table_wise", timeout_s: float | None = None,
                  batch_size: int = DEFAULT_BATCH_SIZE, memory_model: str = "tables", verbose: bool = False):
         if search not in SEARCHES:
             from ..errors import EmbshardError
