@@ -92,10 +92,8 @@ def test_a_trace_regenerated_after_ingest_is_refused_not_replayed(tmp_path, smal
     ts = TableSet.from_frame(tables_from_trace(trace, rows=df["rows"].to_numpy(), dims=df["dim"].to_numpy(),
                                                progress=False))
     spec = runner._table_inputs(ts, np.array([2]), None)[0]
-    inputs._trace.cache_clear()
     assert len(inputs.trace_windows(spec, 128, 2)) == 2  # the trace it was ingested from replays
-    write_dlrm_traces(df, trace, batch_size=500, seed=2)  # regenerated at the same path
-    inputs._trace.cache_clear()
+    write_dlrm_traces(df, trace, batch_size=500, seed=2)  # regenerated at the same path (in the same process)
     with pytest.raises(EmbshardError, match="changed since its tables were ingested") as err:
         inputs.trace_windows(spec, 128, 2)
     assert err.value.field == "trace_file" and "ingest the trace again" in str(err.value)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -131,8 +132,19 @@ def sample_from_bins(num_lookups: int, bins: np.ndarray, rows: int, rng: np.rand
     return _scatter(ranks, rows, stride)
 
 
-@lru_cache(maxsize=8)
 def _trace(path: str, table_index: int) -> tuple[np.ndarray, np.ndarray]:
+    """One table of a trace, cached by the file's identity (a trace written again at the same path is read again:
+    check_trace_matches then compares the new one with what was ingested)."""
+    try:
+        st = os.stat(path)
+        stamp = (st.st_mtime_ns, st.st_size)
+    except OSError:
+        stamp = (0, 0)  # read_table_trace says the file is missing
+    return _trace_at(path, stamp, int(table_index))
+
+
+@lru_cache(maxsize=8)
+def _trace_at(path: str, stamp: tuple, table_index: int) -> tuple[np.ndarray, np.ndarray]:  # noqa: ARG001 (the cache key)
     try:
         from ..ingest.dlrm import read_table_trace
     except ImportError as exc:
