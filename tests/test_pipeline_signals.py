@@ -40,3 +40,8 @@ def test_sigterm_stops_the_pipeline_before_it_promotes(tmp_path):
     assert len(roots) == 1
     assert not (roots[0] / "state" / "promotion.json").exists()
     assert not (roots[0] / "state" / "cost_model.json").exists()
+    # The Airflow run is failed, not left running: `embshard ui` on the same folder resumed it and promoted.
+    import sqlite3
+
+    with sqlite3.connect(out / "airflow" / "airflow.db") as db:
+        assert [s for (s,) in db.execute("select state from dag_run")] == ["failed"]

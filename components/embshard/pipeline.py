@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import importlib.util
 import json
 import os
@@ -126,9 +127,13 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
         dag = load_dag()
         check_conf(dag, params or {})  # before the database and the run: a bad value is one line, at once
         initdb()
+        started = datetime.datetime.now(datetime.UTC)
         try:
             with _stop_between_tasks():
                 dag_run = dag.test(run_conf=params or {})
+        except KeyboardInterrupt:
+            _fail_interrupted_run(dag.dag_id, started)
+            raise
         except ValueError as exc:  # Airflow's ParamValidationError (a ValueError) of a check we do not repeat
             err = param_error(exc)
             if err is None:
@@ -152,6 +157,20 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
             with open(p, encoding="utf-8") as f:
                 result[name] = json.load(f)
     return result
+
+
+def _fail_interrupted_run(dag_id: str, started) -> None:
+    """Mark the run this command started failed: left `running` in OUT/airflow, a later `embshard ui` on the same
+    folder resumed it minutes after Ctrl-C, and its gate overwrote the `failed_run` verdict the next pipeline had
+    tagged. Its tasks not run stay unrun; a run of a failed DagRun is never scheduled."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+    from airflow.utils.state import DagRunState
+
+    with contextlib.suppress(Exception), create_session() as session:  # the interrupt is what the user must see
+        for run in session.query(DagRun).filter(DagRun.dag_id == dag_id, DagRun.state == DagRunState.RUNNING):
+            if run.start_date is None or run.start_date >= started - datetime.timedelta(seconds=5):
+                run.set_state(DagRunState.FAILED)
 
 
 @contextlib.contextmanager
