@@ -160,6 +160,10 @@ def slower_than_baselines(decision: dict) -> bool:
     (comp(1.02, 1.00, 1.05), comp(0.95, 0.90, 0.99), False, FLOOR, "not_better", "not faster than the champion"),
     (comp(1.05, 1.03, 1.07), comp(0.95, 0.90, 0.99), False, FLOOR, "not_better", "not faster than the champion"),
     (comp(1.10, 1.07, 1.12), comp(0.95, 0.90, 0.99), False, FLOOR, "measurably_slower", "slower than the champion"),
+    # No baseline measured (eval_planners of TorchRec planners only, before they counted): it crowned a champion
+    # on "nan [nan, nan] over 0 tasks".
+    (None, comp(float("nan"), float("nan"), float("nan"), tasks=0), False, FLOOR, "undecided",
+     "no baseline was measured"),
 ])
 def test_a_difference_inside_the_rulers_a_a_floor_is_no_difference(vs_champion, vs_baseline, failed, floor,
                                                                     verdict, reason):
@@ -459,3 +463,16 @@ def test_the_gate_run_again_on_the_champions_own_run_moves_no_alias_or_verdict(f
     from embshard.stage_report import promotion_lines
 
     assert any("RE-MEASURED the champion" in line for line in promotion_lines(decision, str(tmp_path)))
+
+
+def test_the_best_baseline_is_the_best_of_the_runs_eval_planners():
+    """The gate's best baseline was the best greedy one: a better TorchRec plan in eval_planners was left out, and
+    eval_planners of TorchRec planners alone gave no baseline at all."""
+    from embshard.jobs.promote import _compare
+
+    rounds = {"t1": {"cand": [1.0, 1.0, 1.0, 1.0, 1.0], "dim_greedy": [2.0] * 5, "torchrec_table_wise": [1.25] * 5},
+              "t2": {"cand": [1.0] * 5, "dim_greedy": [2.0] * 5, "torchrec_table_wise": [1.25] * 5}}
+    with_torchrec = _compare(rounds, "cand", None, baselines=["dim_greedy", "torchrec_table_wise"])
+    assert with_torchrec["median"] == pytest.approx(0.8) and with_torchrec["tasks"] == 2
+    assert _compare(rounds, "cand", None, baselines=["dim_greedy"])["median"] == pytest.approx(0.5)
+    assert _compare(rounds, "cand", None, baselines=["torchrec_table_wise"])["tasks"] == 2

@@ -38,20 +38,20 @@ COST = registry.COST_MODEL
 REJUDGED = "rejudged"  # decision.json only: the gate ran again on the champion's own run (no tag or alias moves)
 
 
-def _compare(round_costs: dict, a: str, b: str | None, best_baseline: bool = False) -> dict:
-    """Suite comparison of entry `a` against entry `b` (or, with best_baseline, against each task's best greedy
-    baseline chosen on held-out rounds): median, interval, Wilcoxon p, tasks."""
-    from ..planners.baselines import GREEDY_BASELINES
-
+def _compare(round_costs: dict, a: str, b: str | None, baselines: list[str] | None = None) -> dict:
+    """Suite comparison of entry `a` against entry `b` (or, given `baselines`, against each task's best of them,
+    chosen on held-out rounds): median, interval, Wilcoxon p, tasks."""
     per_task = []
     for costs in round_costs.values():
         if a not in costs:
             continue
-        if best_baseline:
-            greedy = {k: np.asarray(v) for k, v in costs.items() if k in GREEDY_BASELINES}
-            if not greedy:
+        if baselines is not None:
+            # every baseline the run was asked to beat (eval_planners: TorchRec's too): a better TorchRec plan had
+            # been left out of the best baseline, and a run of TorchRec baselines alone judged on none (nan)
+            measured = {k: np.asarray(v) for k, v in costs.items() if k in baselines}
+            if not measured:
                 continue
-            ref = stats.held_out_best(greedy)[0]
+            ref = stats.held_out_best(measured)[0]
         elif b in costs:
             ref = np.asarray(costs[b])
         else:
@@ -85,6 +85,10 @@ def decide(vs_champion: dict | None, vs_baseline: dict, margin: float, failed: b
     aa = f"; A/A floor [{aa_lo:.3f}, {aa_hi:.3f}]" if np.isfinite(aa_lo) and np.isfinite(aa_hi) else ""
     if failed:
         return registry.INFEASIBLE, "the candidate failed to place some tasks"
+    if not vs_baseline.get("tasks") or not np.isfinite(vs_baseline["median"]):
+        # Nothing to judge by: a verdict on a nan ratio had crowned a champion "over 0 tasks".
+        return registry.UNDECIDED, (f"no baseline was measured beside the candidate ({fmt(vs_baseline)}); give "
+                                    "eval_planners a baseline that places these tasks")
     if stats.floor_verdict(vs_baseline["ci_low"], vs_baseline["ci_high"], aa_lo, aa_hi) == "slower":
         return registry.SLOWER, f"measurably slower than the best baseline: {fmt(vs_baseline)}{aa}"
     ceiling = max(1.0, aa_hi) if np.isfinite(aa_hi) else 1.0
@@ -146,13 +150,13 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
         df = res["frame"]
         cand = df[df["planner"] == cand_name]
         failed = not cand["feasible"].astype(bool).all()
-        vs_baseline = _compare(res["round_costs"], cand_name, None, best_baseline=True)
+        vs_baseline = _compare(res["round_costs"], cand_name, None, baselines=baselines)
         vs_champion = _compare(res["round_costs"], cand_name, champ_name) if champ_name else None
         floor = None
         if aa_planner is not None:
             med, lo, hi = stats.aa_floor(res["ratio_frame"], aa_planner)
             floor = {"planner": aa_planner, "median": med, "ci_low": lo, "ci_high": hi}
-        champ_vs_baseline = (_compare(res["round_costs"], champ_name, None, best_baseline=True)
+        champ_vs_baseline = (_compare(res["round_costs"], champ_name, None, baselines=baselines)
                              if champ_name else None)
         # The gate run again on a root whose candidate is the champion now (a stage cleared or re-run after its
         # promotion): it re-measures the champion against the baselines, and moves no alias and no verdict (judged
