@@ -133,9 +133,13 @@ def test_a_pipeline_refining_in_one_round_is_refused_before_any_work():
     from embshard import params
     from embshard.errors import EmbshardError
 
-    with pytest.raises(EmbshardError, match="eval_rounds: refine_k 2 measures its candidates"):
+    with pytest.raises(EmbshardError, match="eval_rounds: one round gives no interval: the promotion gate and "
+                                             "refine_k 2"):
         params.check({"refine_k": 2, "eval_rounds": 1})
-    assert params.check({"refine_k": 0, "eval_rounds": 1})["eval_rounds"] == 1
+    # nor does the gate's verdict on single measurements (it read "measurably slower" from 2 numbers)
+    with pytest.raises(EmbshardError, match="eval_rounds: one round gives no interval: the promotion gate would"):
+        params.check({"refine_k": 0, "eval_rounds": 1})
+    assert params.check({"refine_k": 0, "eval_rounds": 2})["eval_rounds"] == 2
 
 
 def test_place_refine_end_to_end_writes_the_refined_plan(small_tables_df, tmp_path):

@@ -199,11 +199,13 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
             curriculum_stages(p["policy_curriculum"])
         except EmbshardError as e:
             found.append(("policy_curriculum", e.message, e.fix or ""))
-    if "refine_k" not in bad and "eval_rounds" not in bad and int(p["refine_k"]) > 0 and int(p["eval_rounds"]) < 2:
-        # the export's refinement measures its candidates in eval_rounds rounds: one has no interval, so it could
-        # never find a candidate measurably faster than the first choice
-        found.append(("eval_rounds", f"refine_k {p['refine_k']} measures its candidates in eval_rounds rounds, "
-                      "and one round gives no interval", "give eval_rounds 5 or more, or refine_k 0"))
+    if "eval_rounds" not in bad and int(p["eval_rounds"]) < 2:
+        # One round per task gives no interval: the gate's verdict (and the export's refinement, refine_k) would
+        # rest on single measurements, judged as if they were intervals.
+        found.append(("eval_rounds", "one round gives no interval: the promotion gate"
+                      + (f" and refine_k {p['refine_k']}" if "refine_k" not in bad and int(p["refine_k"]) > 0
+                         else "") + " would judge single measurements",
+                      "give eval_rounds 5 or more (2 at the least)"))
     if "devices" not in bad and "devices_per_host" not in bad:
         devices, per_host = int(p["devices"]), p["devices_per_host"]
         if per_host is None and devices > MAX_LOCAL_DEVICES:
