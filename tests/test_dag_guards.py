@@ -259,3 +259,19 @@ def test_every_param_is_in_the_contracts_table():
     text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "contracts.md").read_text()
     rows = set(re.findall(r"^\| `([a-z_]+)` \| ", text, flags=re.M))
     assert set(params.SPECS) <= rows, sorted(set(params.SPECS) - rows)
+
+
+def test_param_mistakes_a_researcher_made_are_refused_up_front():
+    """Found by running the pipeline as a researcher: a synthetic-only size with a spec source was ignored
+    silently, fewer updates than rounds trained none in a round, a misspelt key got no suggestion."""
+    from embshard import params
+    from embshard.errors import EmbshardError
+
+    spec = {"source": "spec", "input": "components/embshard/ingest/examples/criteo_26.csv", "tables_per_task": "5-10"}
+    with pytest.raises(EmbshardError, match="num_tables: only the synthetic source generates tables"):
+        params.check({**spec, "num_tables": 500})
+    assert params.check(spec)["source"] == "spec"  # the default num_tables is no mistake
+    with pytest.raises(EmbshardError, match="policy_iterations: 1 updates for 2 rounds"):
+        params.check({"policy_iterations": 1, "policy_rounds": 2})
+    with pytest.raises(EmbshardError, match="did you mean 'num_tables'"):
+        params.check({"num_table": 5})

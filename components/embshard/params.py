@@ -11,6 +11,7 @@ with its field and fix, in the first seconds of the run.
 """
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from dataclasses import dataclass, field
@@ -151,7 +152,9 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
     p = _normalised(params)
     found: list[tuple[str, str, str]] = []
     for key in sorted(set(p) - set(SPECS)):
-        found.append((key, "unknown parameter", f"remove it; the parameters are {', '.join(SPECS)}"))
+        close = difflib.get_close_matches(key, list(SPECS), n=1, cutoff=0.6)
+        found.append((key, "unknown parameter", (f"did you mean '{close[0]}'? " if close else "")
+                      + f"remove it; the parameters are {', '.join(SPECS)}"))
     for key, spec in SPECS.items():
         if key not in p:
             continue
@@ -174,6 +177,17 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
                 not os.path.isfile(inp.replace("file://", "", 1)):
             found.append(("input", f"no file {inp!r} here", "give an existing file (a path on the machine that "
                                                             "runs ingest, or an s3:// URI)"))
+    if "source" not in bad and p["source"] != "synthetic":
+        given = params or {}
+        for key in ("num_tables", "hot_large_fraction"):  # the synthetic generator's: another source ignores them
+            if given.get(key) is not None and key not in bad and p[key] != SPECS[key].default:
+                found.append((key, f"only the synthetic source generates tables; source {p['source']} reads them "
+                              "from its input", f"leave {key} out, or choose source synthetic"))
+    if "policy_iterations" not in bad and "policy_rounds" not in bad and \
+            int(p["policy_iterations"]) < int(p["policy_rounds"]):
+        # each round trains policy_iterations // policy_rounds updates (as `embshard train-policy` refuses)
+        found.append(("policy_iterations", f"{p['policy_iterations']} updates for {p['policy_rounds']} rounds: a "
+                      "round would train none", f"give at least {p['policy_rounds']} (one per round)"))
     if "tables_per_task" not in bad:
         lo, _, hi = str(p["tables_per_task"]).partition("-")
         lo_n, hi_n = int(lo), int(hi or lo)
@@ -234,8 +248,10 @@ def _spec_table_count(path: str) -> int | None:
 
 
 def _says(message: str) -> str:
-    # jsonschema's "'abc' is not of type 'integer'" is already plain; keep it short and on one line.
-    return " ".join(message.split())[:160]
+    # jsonschema's "'abc' is not of type 'integer'" is already plain; keep it short, on one line, cut at a word end.
+    from .errors import first_line
+
+    return first_line(ValueError(" ".join(message.split())), 160)
 
 
 def _fix_from(schema: dict) -> str:

@@ -304,8 +304,11 @@ def _parse_params(items: list[str]) -> dict:
 def main(args) -> int:
     if args.out is None:
         args.out = "runs/quick" if args.quick else "runs/local"
+    given = _parse_params(args.param)
     params = dict(QUICK_PARAMS) if args.quick else {}
-    params.update(_parse_params(args.param))
+    if given.get("source", "synthetic") != "synthetic":  # --quick's generator sizes do not apply to a file
+        params = {k: v for k, v in params.items() if k not in ("num_tables", "hot_large_fraction")}
+    params.update(given)
     for line in outside_out(args.out):
         print(line, flush=True)
     res = run(args.out, params)
