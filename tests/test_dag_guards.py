@@ -275,3 +275,19 @@ def test_param_mistakes_a_researcher_made_are_refused_up_front():
         params.check({"policy_iterations": 1, "policy_rounds": 2})
     with pytest.raises(EmbshardError, match="did you mean 'num_tables'"):
         params.check({"num_table": 5})
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is here: cuda is a valid device")
+def test_cuda_asked_on_a_machine_without_it_fails_before_any_stage(tmp_path, capsys):
+    """`embshard pipeline --param device=cuda` on a CPU host ran ingest first and failed in sample_shards."""
+    from embshard import stages
+    from embshard.cli import main
+    from embshard.errors import EmbshardError
+
+    assert main(["pipeline", "--quick", "--param", "device=cuda", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "CUDA is not available" in err[0] and "field 'device'" in err[0], err
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(EmbshardError, match="CUDA is not available"):  # the DAG's first task under `embshard ui`
+        stages.check_params("", {"device": "cuda"})
+    assert stages.check_params("", {"device": "cuda"}, check_files=False)["device"] == "cuda"  # a cluster worker

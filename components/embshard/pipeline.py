@@ -106,7 +106,11 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
     from . import params as params_mod
     from .errors import EmbshardError
 
-    params_mod.check(params)
+    checked = params_mod.check(params)
+    if str(checked["device"]).startswith("cuda"):  # at once, not after ingest (the stages run on this machine)
+        from .bench.backends import check_device
+
+        check_device(str(checked["device"]))
     if params and isinstance(params.get("eval_planners"), str):  # the DAG's form takes a list
         params = {**params, "eval_planners": params_mod.planners_of(params["eval_planners"])}
     env = setup_environment(out)
@@ -150,7 +154,7 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
                  if len(stages.FAILURES) > failures_before else "")
         raise EmbshardError(f"the DAG run ended {state} ({len(failed)} tasks not successful: "
                             f"{', '.join(failed[:6])}{', ...' if len(failed) > 6 else ''}{first})",
-                            path=root, fix=f"fix that, then run again; the task logs are in {log_path}")
+                            path=root, fix=f"see the first failure, then run again; the task logs are in {log_path}")
     for name in ("promotion", "export", "policy", "cost_model"):
         p = os.path.join(root, "state", f"{name}.json")
         if os.path.exists(p):

@@ -89,6 +89,12 @@ def check_params(root: str, params: dict, check_files: bool = True) -> dict:  # 
     each field and fix. `check_files` False where this process does not see the files the stages read (a
     cluster's Airflow worker: the data volume is mounted in the stage pods only; ingest reports a missing file)."""
     p = params_mod.check(params, check_files=check_files)
+    if check_files and str(p["device"]).startswith("cuda"):
+        # Here the stages run in this machine's processes: CUDA asked for and absent fails now, not after ingest
+        # (a cluster's worker is no GPU node: there the measuring pods say it).
+        from .bench.backends import check_device
+
+        check_device(str(p["device"]))
     return {"checked": len(p), "device": p["device"], "source": p["source"]}
 
 
