@@ -476,3 +476,14 @@ def test_the_best_baseline_is_the_best_of_the_runs_eval_planners():
     assert with_torchrec["median"] == pytest.approx(0.8) and with_torchrec["tasks"] == 2
     assert _compare(rounds, "cand", None, baselines=["dim_greedy"])["median"] == pytest.approx(0.5)
     assert _compare(rounds, "cand", None, baselines=["torchrec_table_wise"])["tasks"] == 2
+
+
+def test_the_gate_says_when_it_has_fewer_held_out_tasks_than_eval_tasks(fresh, tmp_path, caplog):
+    """eval_tasks 10 with 4 held-out tasks evaluated 4, without a word."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="embshard.jobs.promote"):
+        evaluate_and_promote(fresh["tables"], fresh["tasks"], str(tmp_path / "evaluation"), candidate_version=GOOD,
+                             baselines=BASELINES, max_tasks=9, settings=fresh["settings"], rounds=2)
+    warned = [r.getMessage() for r in caplog.records if "held-out tasks" in r.getMessage()]
+    assert len(warned) == 1 and "eval_tasks 9, but the run has 4 held-out tasks" in warned[0], warned

@@ -153,3 +153,4 @@ def test_embshards_warnings_reach_the_pipelines_console(monkeypatch):
     with os.fdopen(read) as f:
         said = f.read()
     assert said == "    warning: the machine was busy while calibrating\n"
+

@@ -148,6 +148,10 @@ def evaluate_and_promote(tables: str, tasks: str, out: str, *, candidate_version
         res = evaluate(tables, tasks, out, planners=planners, split=split, max_tasks=max_tasks, settings=settings,
                        rounds=rounds)
         df = res["frame"]
+        measured = int(df["task_id"].nunique())
+        if max_tasks is not None and measured < int(max_tasks):  # said, not silently capped
+            log.warning("eval_tasks %d, but the run has %d held-out tasks: the verdict rests on those %d (fix: "
+                        "raise num_tasks for more)", int(max_tasks), measured, measured)
         cand = df[df["planner"] == cand_name]
         failed = not cand["feasible"].astype(bool).all()
         vs_baseline = _compare(res["round_costs"], cand_name, None, baselines=baselines)
