@@ -154,3 +154,34 @@ def test_embshards_warnings_reach_the_pipelines_console(monkeypatch):
         said = f.read()
     assert said == "    warning: the machine was busy while calibrating\n"
 
+
+
+def test_a_stage_run_by_hand_takes_its_runs_params_and_store(tmp_path, monkeypatch, capsys):
+    """`embshard stage train_policy --root <a pipeline run's folder>` ran on the default params and registered into
+    a new, empty ROOT/mlflow.db: ingest now records the run's params and store (state/run.json), which a stage run
+    by hand takes (the params given go over them)."""
+    import argparse
+
+    root = str(tmp_path / "run")
+    store = f"sqlite:///{tmp_path / 'pipeline-mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("EMBSHARD_RUN_ROOT", "")  # main sets both: restored after the test
+    monkeypatch.delenv("EMBSHARD_RUN_ROOT")
+    stages.run("ingest", root, {"num_tables": 12, "num_tasks": 2, "tables_per_task": "3-5", "eval_tasks": 7})
+    facts = stages.recorded_run(root)
+    assert facts["mlflow_tracking_uri"] == store and facts["params"]["eval_tasks"] == 7
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    seen = {}
+
+    def fake_run(name, r, params, chunk=None, round_index=None):
+        seen.update(params=params, store=os.environ.get("MLFLOW_TRACKING_URI"))
+        return {}
+
+    monkeypatch.setattr(stages, "run", fake_run)
+    monkeypatch.setattr(stages, "report", lambda *a, **k: "")
+    args = argparse.Namespace(name="evaluate_and_promote", root=root, params='{"eval_rounds": 3}', chunk=0,
+                              round_index=None)
+    assert stages.main(args) == 0
+    assert seen["params"]["eval_tasks"] == 7 and seen["params"]["eval_rounds"] == 3 and seen["store"] == store
+    assert "the run's params (with those given) and MLflow store" in capsys.readouterr().out
+    assert not os.path.exists(os.path.join(root, "mlflow.db"))  # no stray store in the root

@@ -333,6 +333,22 @@ STAGES: dict[str, Callable[..., dict]] = {
 ROUND_STAGES = ("train_cost_model", "train_policy", "measure_policy_plans")
 
 
+def _note_run(root: str, params: dict) -> None:
+    """What a stage run again by hand needs of its run (`embshard stage NAME --root ROOT`): the params the run was
+    started with and its MLflow store, recorded by ingest (state/run.json). Without them a by-hand stage ran on
+    the default params and registered into a new, empty store inside the root."""
+    _state(root, "run", {"params": merged(params), "mlflow_tracking_uri": os.environ.get("MLFLOW_TRACKING_URI")})
+
+
+def recorded_run(root: str) -> dict | None:
+    """The run's recorded params and MLflow store (state/run.json), None for a root written before they were."""
+    from . import storage
+
+    if not storage.exists(_join(path(root, "state"), "run.json")):
+        return None
+    return _state(root, "run")
+
+
 def _note_code_version(root: str, name: str) -> None:
     """A run's stages should all run one version of the code (a `git pull` or an upgraded image mid-run mixes
     them, and a stage then fails on, or trains with, code its inputs were not made with): ingest, the run's first
@@ -371,6 +387,8 @@ def run(name: str, root: str, params: dict, chunk: int | None = None, round_inde
                                 fix=f"give --round {first}..{MAX_POLICY_ROUNDS} (up to the run's policy_rounds)")
     if name != "check_params":
         _note_code_version(root, name)
+        if name == "ingest":
+            _note_run(root, params)
     if name == "benchmark":
         return fn(root, params, int(chunk or 0))
     if name in ROUND_STAGES and round_index is not None:
@@ -451,7 +469,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", choices=list(STAGES), help="the stage to run")
     p.add_argument("--root", required=True, help="run root (folder, file:// or s3:// URI); the MLflow store is "
                    "MLFLOW_TRACKING_URI, else (a local root) ROOT/mlflow.db, shared by every stage of the root")
-    p.add_argument("--params", default="{}", help="pipeline parameters as JSON (see embshard.stages.DEFAULT_PARAMS)")
+    p.add_argument("--params", default=None,
+                   help="pipeline parameters as JSON, over the run's own (state/run.json, recorded by its ingest), "
+                        "else over the defaults (embshard.stages.DEFAULT_PARAMS)")
     p.add_argument("--chunk", type=int, default=0, help="benchmark chunk index (benchmark stage only)")
     p.add_argument("--round", type=int, default=None, dest="round_index",
                    help=f"outer-loop round of {', '.join(ROUND_STAGES)} (default: 1; measure_policy_plans: 2)")
@@ -459,7 +479,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def main(args) -> int:
     try:
-        params = json.loads(args.params)
+        params = json.loads(args.params if args.params is not None else "{}")
     except json.JSONDecodeError as exc:
         raise EmbshardError(f"not valid JSON ({exc.msg})", field="params", fix="pass a JSON object") from None
     if not isinstance(params, dict):
@@ -468,6 +488,16 @@ def main(args) -> int:
     # By hand too, what a stage registers is tagged with its run root (embshard.run_root), as inside Airflow.
     root = str(args.root)
     os.environ.setdefault("EMBSHARD_RUN_ROOT", root if "://" in root else os.path.abspath(root))
+    run_facts = recorded_run(root) if args.name not in ("check_params", "ingest") else None
+    if run_facts:
+        # A stage of a pipeline's run, run again by hand: that run's params (the ones given go over them) and store.
+        params = {**(run_facts.get("params") or {}), **params}
+        store = run_facts.get("mlflow_tracking_uri")
+        if store and not os.environ.get("MLFLOW_TRACKING_URI"):
+            os.environ["MLFLOW_TRACKING_URI"] = store
+        print(f"embshard stage {args.name}: the run's params" + (" (with those given)" if args.params else "")
+              + (f" and MLflow store {store}" if store else "") + f", from {_join(path(root, 'state'), 'run.json')}",
+              flush=True)
     if not os.environ.get("MLFLOW_TRACKING_URI") and "://" not in str(args.root):
         # By hand, without a store named: the root's own, so that every stage of the root (train_cost_model,
         # train_policy, the gate, export) registers and finds the same models. (The DAG and its pods name one.)
