@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import GiB
+from ..checks import GiB, size_text
 
 
 def parse_range(text: str | int | tuple, field: str) -> tuple[int, int]:
@@ -110,15 +110,16 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
         big = max(task_sizes, key=lambda t: task_sizes[t])
         cap = r["memory_bytes_per_device"]
         if task_sizes[big] > cap:
-            why = f"table {big} needs {task_sizes[big] / GiB:.2f} GiB > {cap / GiB:.2f} GiB per device"
+            why = f"table {big} needs {size_text(task_sizes[big])} > {size_text(cap)} per device"
         else:
-            why = (f"its {len(task_sizes)} tables need {sum(task_sizes.values()) / GiB:.2f} GiB > {r['num_devices']} "
-                   f"devices x {cap / GiB:.2f} GiB")
+            why = (f"its {len(task_sizes)} tables need {size_text(sum(task_sizes.values()))} > {r['num_devices']} "
+                   f"devices x {size_text(cap)}")
         enough = max(need) / GiB
+        # the names of `embshard tasks` and of the pipeline's params (its ingest stage samples the tasks here)
         raise InfeasiblePlacementError(
             f"task {r['task_id']} cannot fit: {why}", path=where, field="memory_gb",
-            fix=f"use --memory-gb >= {np.ceil(enough * 100) / 100:.2f} (fits every sampled task), "
-                f"more --devices, or fewer --tables-per-task")
+            fix=f"give memory_gb (--memory-gb) >= {np.ceil(enough * 100) / 100:.2f} (fits every sampled task), "
+                f"more devices, or fewer tables_per_task")
     df = pd.DataFrame(rows)
     if devices_per_host is not None:
         df["devices_per_host"] = np.int32(devices_per_host)
