@@ -399,6 +399,12 @@ def test_the_registry_records_each_verdict_and_challenger_only_follows_undecided
     assert record_verdict(GOOD, "promoted", "faster") == []
     assert verdict_tag(GOOD_TOO) == "superseded" and f"version {GOOD}" in \
         client.get_model_version(POLICY, GOOD_TOO).tags[registry.VERDICT_REASON_TAG]
+    # The pipeline's own candidate of that root (made inside its Airflow run), its stages then run again by hand:
+    # the by-hand gate supersedes it too (it stayed pending).
+    registry.set_verdict(POLICY, BAD, registry.PENDING)
+    client.set_model_version_tag(POLICY, BAD, "embshard.run_root", "/runs/r1")
+    assert record_verdict(GOOD, "promoted", "faster") == []
+    assert verdict_tag(BAD) == "superseded"
 
 
 def test_the_decision_block_says_none_for_a_missing_champion_and_reads_the_verdict():

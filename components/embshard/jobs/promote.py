@@ -254,8 +254,10 @@ def record_verdict(candidate_version: str, verdict: str, reason: str, judged: bo
             registry.set_verdict(POLICY, mv.version, registry.FAILED_RUN,
                                  f"its Airflow run {made_by} ended before the promotion gate (seen by run {run_id})")
             failed.append(str(mv.version))
-        elif root and mv.tags.get("embshard.run_root") == root and made_by == run_id:
-            # the same run (or the same root by hand) registered it before a stage was run again: never judged
+        elif root and mv.tags.get("embshard.run_root") == root and (made_by == run_id or not run_id):
+            # the same run registered it before a stage was run again, or (a gate run by hand, outside Airflow)
+            # its root's run or an earlier by-hand stage did: never judged (a pipeline's candidate stayed pending
+            # after its root's stages were run again by hand)
             registry.set_verdict(POLICY, mv.version, registry.SUPERSEDED,
                                  f"its stage was run again on {root}: version {candidate_version} is the candidate "
                                  "the gate judged")
