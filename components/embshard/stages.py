@@ -426,6 +426,10 @@ def run_in_task(name: str, data_root: str, mlflow_uri: str, params: dict, *, run
     except StageSkipped as exc:
         run_context.progress(f"  {label:<28} skipped: {exc}")
         raise
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (embshard.signals): stopped, not a failure of the stage
+        run_context.progress(f"  {label:<28} stopped after {time.perf_counter() - start:6.1f} s")
+        FAILURES.append((label, "stopped"))
+        raise
     except BaseException as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         run_context.progress(f"  {label:<28} FAILED after {time.perf_counter() - start:6.1f} s: {reason[:300]}")

@@ -213,6 +213,9 @@ def _init_comm(net, data: CostData, idx: np.ndarray, comm_scale: float) -> None:
         net.comm_rate.fill_(softplus_inv(rate))
 
 
+_SAID_NO_PLACEMENTS: set[int] = set()
+
+
 def _fit_overall(model: CostModel, data: CostData, params: TrainParams, hist: History, x, raw) -> None:
     """Stage 2: the overall head on assembled placements; encoder and heads stay frozen."""
     net = model.net
@@ -221,8 +224,11 @@ def _fit_overall(model: CostModel, data: CostData, params: TrainParams, hist: Hi
         sets[name] = assemble_placements(data, data.index(split), params.overall_placements if name == "train"
                                          else params.overall_placements // 4, seed)
     if not sets["train"] or not sets["val"]:
-        log.warning("no multi-device placements to assemble: the overall head stays untrained "
-                    "(planners use the max of device totals anyway)")
+        # once per training data, not once per ensemble member (it was said 2-4 times)
+        say = log.warning if id(data) not in _SAID_NO_PLACEMENTS else log.debug
+        _SAID_NO_PLACEMENTS.add(id(data))
+        say("no multi-device placements to assemble: the overall head stays untrained "
+            "(planners use the max of device totals anyway)")
         return
     with torch.no_grad():
         enc = net.encode_scaled(x, raw)
