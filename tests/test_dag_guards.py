@@ -243,6 +243,8 @@ def test_pipeline_params_from_the_command_line_take_their_types_from_the_form():
 
     assert _parse_params(["devices_per_host=8", "input=/x.csv"]) == {"devices_per_host": 8, "input": "/x.csv"}
     assert _parse_params(["devices_per_host="]) == {"devices_per_host": None}
+    # null is the default
+    assert _parse_params(["num_tables=null", "eval_planners=NULL"]) == {"num_tables": None, "eval_planners": None}
     with pytest.raises(EmbshardError, match="unknown parameter 'nosuch'"):
         _parse_params(["nosuch=1"])
     with pytest.raises(EmbshardError, match="has no '='"):

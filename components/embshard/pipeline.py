@@ -280,10 +280,13 @@ def _parse_params(items: list[str]) -> dict:
             raise EmbshardError(f"unknown parameter {key!r} in --param {item!r}", field="param",
                                 fix=f"use KEY=VALUE with KEY one of {', '.join(DEFAULT_PARAMS)}")
         default = DEFAULT_PARAMS[key]
+        if value.strip().lower() == "null":  # the default, as a null in a conf (docs/contracts.md)
+            out[key] = None
+            continue
         if default is None:  # an optional param: its schema says the type (devices_per_host: an integer)
             from .params import SPECS
 
-            if value.strip() in ("", "none", "null"):
+            if value.strip() in ("", "none"):
                 out[key] = None
                 continue
             if "integer" in SPECS[key].schema.get("type", ()):
