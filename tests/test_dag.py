@@ -175,7 +175,7 @@ def test_params_are_the_stage_defaults_and_documented(k8s_dag):
 
 def test_params_accept_a_small_valid_run(k8s_dag):
     params = copy.deepcopy(k8s_dag.params)
-    params.update({"num_tables": 40, "num_tasks": 2, "tables_per_task": "6-10", "devices": 2, "memory_gb": 256,
+    params.update({"num_tasks": 2, "tables_per_task": "6-10", "devices": 2, "memory_gb": 256,
                    "bench_shards": 16, "bench_chunks": 2, "bench_batch_size": 256, "policy_iterations": 10,
                    "eval_tasks": 1, "eval_planners": ["dim_greedy", "size_lookup_greedy"], "source": "spec",
                    "input": "s3://bucket/tables.csv", "export_tasks": "all", "promotion_margin": 0})
