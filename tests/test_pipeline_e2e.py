@@ -199,10 +199,13 @@ def test_first_run_writes_every_output_and_each_validates(two_runs):
 
     # The small facts the stages hand each other.
     assert set(os.listdir(os.path.join(root, "state"))) == {f"{n}.json" for n in (
-        "ingest", "shards", "cost_model", "policy", "promotion", "export", "code_version",
+        "ingest", "shards", "cost_model", "policy", "promotion", "export", "code_version", "run",
         *(f"{kind}-round-{r}" for r in range(1, stages.DEFAULT_PARAMS["policy_rounds"] + 1)
           for kind in ("policy", "cost_model")))}
     assert stages._state(root, "export")["num_tasks"] == len(test_ids)
+    # what a stage run again by hand on this root takes: the run's params and its store
+    assert stages.recorded_run(root)["params"]["policy_rounds"] == stages.DEFAULT_PARAMS["policy_rounds"]
+    assert stages.recorded_run(root)["mlflow_tracking_uri"]
     # The policy was trained against the stage's cost model, or (outer loop) a refit of it registered after it.
     assert int(trained_against(root)) >= int(stages._state(root, "cost_model")["version"])
 
