@@ -13,6 +13,7 @@ The REST path (a bad conf triggered through the API fails in check_params) is in
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -293,3 +294,16 @@ def test_cuda_asked_on_a_machine_without_it_fails_before_any_stage(tmp_path, cap
     with pytest.raises(EmbshardError, match="CUDA is not available"):  # the DAG's first task under `embshard ui`
         stages.check_params("", {"device": "cuda"})
     assert stages.check_params("", {"device": "cuda"}, check_files=False)["device"] == "cuda"  # a cluster worker
+
+
+def test_the_pipeline_summary_gives_commands_that_work_from_any_folder(tmp_path):
+    """It printed `make mlflow-ui RUN_DIR=runs/x`, which works only from the repository with a relative out."""
+    from embshard.pipeline import summary_text
+
+    out = "runs/somewhere"
+    store = f"sqlite:///{os.path.join(os.path.abspath(out), 'mlflow.db')}"
+    text = summary_text({"env": {"MLFLOW_TRACKING_URI": store}, "root": str(tmp_path / "root"), "state": "success",
+                         "seconds": 1.0, "run_id": "manual__x", "out": out})
+    assert "make " not in text
+    assert f"{os.path.dirname(sys.executable)}/mlflow ui --backend-store-uri '{store}'" in text
+    assert f"ui --out {os.path.abspath(out)}" in text

@@ -341,11 +341,14 @@ def summary_text(res: dict) -> str:
         lines.append(f"exported plans (plan.json + TorchRec plan per task): {os.path.join(root, 'export')}")
     store = env["MLFLOW_TRACKING_URI"]
     own_store = store == f"sqlite:///{os.path.join(os.path.abspath(res['out']), 'mlflow.db')}"
+    # Commands that work from any folder (`make ... RUN_DIR=` only works from the repository, with a relative out)
+    bin_dir = os.path.dirname(sys.executable)
     lines += [f"evaluation plot: {os.path.join(root, 'evaluation', 'evaluation.png')}",
               "look at it:",
-              f"  MLflow UI:  make mlflow-ui RUN_DIR={res['out']}   (store {store})" if own_store else
-              f"  MLflow UI:  .venv/bin/mlflow ui --backend-store-uri '{store}'   (MLFLOW_TRACKING_URI, not --out)",
-              f"  Airflow UI: make ui RUN_DIR={res['out']}   (a real scheduler; trigger embshard_pipeline there)",
+              f"  MLflow UI:  {os.path.join(bin_dir, 'mlflow')} ui --backend-store-uri '{store}'"
+              + ("" if own_store else "   (MLFLOW_TRACKING_URI, not --out)"),
+              f"  Airflow UI: {os.path.join(bin_dir, 'embshard')} ui --out {os.path.abspath(res['out'])}   (a real "
+              "scheduler; trigger embshard_pipeline there)",
               "=" * 78]
     return "\n".join(lines)
 
