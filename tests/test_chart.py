@@ -177,6 +177,7 @@ def test_missing_backend_store_is_a_clear_render_error():
 
 @pytest.mark.parametrize("bad, where", [
     ({"stagePods": {"env": {"AWS_SECRET_ACCESS_KEY": "hunter2"}}}, "propertyName"),
+    ({"stagePods": {"env": {"WANDB_API_KEY": "abc"}}}, "propertyName"),
     ({"stagePods": {"stages": {"bench": {"gpu": True, "resources": {}}}}}, "bench"),
     ({"stagePods": {"storage": {"type": "bucket", "dataRoot": "file:///data"}}}, "s3://"),
     ({"stagePods": {"gpu": {"count": 0}}}, "count"),

@@ -263,3 +263,22 @@ def test_measuring_pods_have_cores_of_their_own():
         res = container["resources"]
         assert res["requests"] == res["limits"], stage
         assert float(res["requests"]["cpu"]).is_integer(), stage
+
+
+@pytest.mark.parametrize("text, field", [
+    ("env:\n  AWS_SECRET_ACCESS_KEY: hunter2\n", "env"),
+    ("env:\n  WANDB_API_KEY: abc\n", "env"),
+    ("mlflowTrackingUri: https://admin:hunter2@mlflow.example.com\n", "mlflowTrackingUri"),
+])
+def test_credentials_in_the_pod_settings_file_are_refused(tmp_path, text, field):
+    """Only the chart's schema refused credentials in env (by name; WANDB_API_KEY passed it), and a tracking URI
+    with user:password went into the ConfigMap and every pod's environment."""
+    from embshard.errors import EmbshardError
+
+    path = tmp_path / "pods.yaml"
+    path.write_text(text)
+    with pytest.raises(EmbshardError, match="credential") as err:
+        k8s.load_pod_config(path)
+    assert err.value.field == field
+    path.write_text("env:\n  LOG_LEVEL: info\nmlflowTrackingUri: https://mlflow.example.com:5000/x@y\n")
+    assert k8s.load_pod_config(path)["env"]["LOG_LEVEL"] == "info"  # plain settings and an '@' in the path pass

@@ -14,11 +14,14 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from typing import Any
 
 from .errors import EmbshardError
 
 CONFIG_ENV = "EMBSHARD_K8S_CONFIG"
+# Environment names that hold credentials (the chart's values.schema.json refuses the same in stagePods.env).
+CREDENTIAL_NAME = re.compile(r"(?i)(SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY)")
 
 # Stage names (`embshard stage NAME`; the outer loop's tasks run train_cost_model, train_policy and
 # measure_policy_plans with --round, under their own task ids).
@@ -131,6 +134,17 @@ def _check(config: dict, source: str) -> dict:
                             field="storage.type", fix="use 'pvc' (a shared volume) or 'bucket' (s3://)")
     if storage["type"] == "pvc" and not storage.get("claimName"):
         raise EmbshardError("a pvc storage needs a claim name", path=source, field="storage.claimName")
+    # Credentials go through Secrets (envFromSecrets, secretEnv), never the ConfigMap this file becomes: the chart's
+    # schema refuses them, and a file given by EMBSHARD_K8S_CONFIG is held to the same rule.
+    secret = [k for k in (config.get("env") or {}) if CREDENTIAL_NAME.search(str(k))]
+    if secret:
+        raise EmbshardError(f"env {secret[0]!r} looks like a credential", path=source, field="env",
+                            fix="put it in a Secret and name it in envFromSecrets or secretEnv")
+    if "@" in str(config.get("mlflowTrackingUri") or "").split("://", 1)[-1].split("/", 1)[0]:
+        raise EmbshardError("mlflowTrackingUri carries credentials (user:password@host)", path=source,
+                            field="mlflowTrackingUri",
+                            fix="give the URI without them; MLflow reads MLFLOW_TRACKING_USERNAME/PASSWORD or "
+                                "MLFLOW_TRACKING_TOKEN from a Secret (secretEnv)")
     cap = config.get("maxBenchmarkPods", 0)
     if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
         raise EmbshardError(f"maxBenchmarkPods {cap!r} is not a count", path=source, field="maxBenchmarkPods",
