@@ -11,12 +11,12 @@ import re
 _CONTROL = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|[\x00-\x1f\x7f]")
 
 
-def first_line(exc: BaseException, limit: int = 120) -> str:
-    """A library exception's text for a one-line error: its first line, cut at a word's end (with '…') when
-    longer than `limit`, or its type's name when it has no text (a cut mid-word read 'If yo)')."""
+def first_line(exc: BaseException | str, limit: int = 120) -> str:
+    """A library exception's text (or a message) for a one-line error: its first line, cut at a word's end (with
+    '…') when longer than `limit`, or the exception type's name when it has no text (a cut mid-word read 'If yo)')."""
     text = str(exc).strip()
     if not text:
-        return type(exc).__name__
+        return type(exc).__name__ if isinstance(exc, BaseException) else ""
     line = text.splitlines()[0]
     if len(line) <= limit:
         return line

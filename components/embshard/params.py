@@ -251,7 +251,7 @@ def _says(message: str) -> str:
     # jsonschema's "'abc' is not of type 'integer'" is already plain; keep it short, on one line, cut at a word end.
     from .errors import first_line
 
-    return first_line(ValueError(" ".join(message.split())), 160)
+    return first_line(" ".join(message.split()), 160)
 
 
 def _fix_from(schema: dict) -> str:

@@ -106,11 +106,10 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
     from . import params as params_mod
     from .errors import EmbshardError
 
-    checked = params_mod.check(params)
-    if str(checked["device"]).startswith("cuda"):  # at once, not after ingest (the stages run on this machine)
-        from .bench.backends import check_device
+    # The DAG's first task, at once: every param, and CUDA where asked (the stages run on this machine).
+    from .stages import check_params
 
-        check_device(str(checked["device"]))
+    check_params("", params or {})
     if params and isinstance(params.get("eval_planners"), str):  # the DAG's form takes a list
         params = {**params, "eval_planners": params_mod.planners_of(params["eval_planners"])}
     env = setup_environment(out)

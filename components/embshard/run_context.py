@@ -84,16 +84,13 @@ class _Lines:
 
 
 @contextlib.contextmanager
-def bars_as_lines() -> Iterator[None]:
-    """A command whose stderr is not a terminal (a log file, a CI job): its progress bars become a line every
-    15 s, as in a stage, instead of carriage-return redraws piling up on one line of the log."""
-    if sys.stderr.isatty():
-        yield
-        return
+def _bars_to(stream) -> Iterator[None]:
+    """stderr (where progress bars draw) as lines on `stream`, the bars refreshed every 15 s: a log gets lines,
+    not carriage-return redraws piled on one line."""
     old = os.environ.get("TQDM_MININTERVAL")
     os.environ.setdefault("TQDM_MININTERVAL", "15")
     try:
-        with contextlib.redirect_stderr(_Lines(sys.stderr)):
+        with contextlib.redirect_stderr(_Lines(stream)):
             yield
     finally:
         if old is None:
@@ -101,18 +98,27 @@ def bars_as_lines() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def bars_as_lines() -> Iterator[None]:
+    """A command whose stderr is not a terminal (a log file, a CI job): its progress bars as lines, as in a stage."""
+    if sys.stderr.isatty():
+        yield
+        return
+    with _bars_to(sys.stderr):
+        yield
+
+
+@contextlib.contextmanager
 def stage_output(env: dict[str, str] | None = None) -> Iterator[None]:
     """Run a stage inside an Airflow task: lineage in the environment, progress and library INFO on stdout,
-    progress bars refreshed every 15 s (a log gets lines, not a redrawn bar)."""
-    old = {k: os.environ.get(k) for k in [*(env or {}), "TQDM_MININTERVAL"]}
+    progress bars as lines (_bars_to)."""
+    old = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
-    os.environ.setdefault("TQDM_MININTERVAL", "15")
     # embshard's warnings also reach the console of `embshard pipeline` (progress): a calibration made on a busy
     # machine, kept for every later run, was said only in the log file.
     to_console = _WarningsToProgress()
     logging.getLogger("embshard").addHandler(to_console)
     try:
-        with contextlib.redirect_stderr(_Lines(sys.stdout)):
+        with _bars_to(sys.stdout):
             yield
     finally:
         logging.getLogger("embshard").removeHandler(to_console)

@@ -132,9 +132,9 @@ def sample_from_bins(num_lookups: int, bins: np.ndarray, rows: int, rng: np.rand
     return _scatter(ranks, rows, stride)
 
 
-def _trace(path: str, table_index: int) -> tuple[np.ndarray, np.ndarray]:
-    """One table of a trace, cached by the file's identity (a trace written again at the same path is read again:
-    check_trace_matches then compares the new one with what was ingested)."""
+def _trace(path: str, table_index: int) -> tuple[np.ndarray, np.ndarray, int, float]:
+    """One table of a trace (indices, lengths, largest id, mean bag length), cached by the file's identity (a trace
+    written again at the same path is read again: check_trace_matches then compares it with what was ingested)."""
     try:
         st = os.stat(path)
         stamp = (st.st_mtime_ns, st.st_size)
@@ -144,22 +144,24 @@ def _trace(path: str, table_index: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @lru_cache(maxsize=8)
-def _trace_at(path: str, stamp: tuple, table_index: int) -> tuple[np.ndarray, np.ndarray]:  # noqa: ARG001 (the cache key)
+def _trace_at(path: str, stamp: tuple, table_index: int  # noqa: ARG001 (the cache key)
+              ) -> tuple[np.ndarray, np.ndarray, int, float]:
     try:
         from ..ingest.dlrm import read_table_trace
     except ImportError as exc:
         raise EmbshardError(f"cannot replay traces ({exc})", path=path, field="trace_file",
                             fix="install the ingest stage (embshard.ingest.dlrm) or drop trace_file") from None
     indices, lengths = read_table_trace(path, int(table_index))
-    return np.asarray(indices, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
-
-
-def check_trace_matches(t: TableInput, indices: np.ndarray, lengths: np.ndarray) -> None:
-    """The trace still holds what the table was ingested from: the same mean bag length (ingest's pooling
-    factor, computed from these lengths) and no id past the table's rows. A trace regenerated at the same path
-    (a daily export) would otherwise be replayed silently, its ids folded into the old rows."""
-    pooling = float(lengths.sum()) / len(lengths)
+    indices, lengths = np.asarray(indices, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    # what check_trace_matches compares, once per trace table (not at every shard that replays it)
     top = int(indices.max()) if len(indices) else -1
+    return indices, lengths, top, float(lengths.sum()) / max(len(lengths), 1)
+
+
+def check_trace_matches(t: TableInput, top: int, pooling: float) -> None:
+    """The trace still holds what the table was ingested from: the same mean bag length (`pooling`; ingest's
+    pooling factor came from the same lengths) and no id past the table's rows (`top`: its largest id). A trace
+    regenerated at the same path (a daily export) would otherwise be replayed silently, its ids folded."""
     if top >= int(t.rows) or not np.isclose(pooling, float(t.pooling_factor), rtol=1e-9, atol=1e-12):
         found = (f"ids up to {top:,} for {int(t.rows):,} rows" if top >= int(t.rows)
                  else f"a mean bag length of {pooling:.6g}, ingested as {float(t.pooling_factor):.6g}")
@@ -170,12 +172,12 @@ def check_trace_matches(t: TableInput, indices: np.ndarray, lengths: np.ndarray)
 
 def trace_windows(t: TableInput, batch_size: int, num_batches: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Consecutive windows of `batch_size` samples of the table's trace (wrapping), ids remapped if scaled."""
-    indices, lengths = _trace(str(t.trace_file), int(t.trace_table_index))
+    indices, lengths, top, pooling = _trace(str(t.trace_file), int(t.trace_table_index))
     total = len(lengths)
     if total == 0:
         raise EmbshardError("trace has no samples", path=str(t.trace_file), field="trace_table_index",
                             fix="re-ingest the trace")
-    check_trace_matches(t, indices, lengths)
+    check_trace_matches(t, top, pooling)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     out = []
     for j in range(num_batches):
