@@ -69,6 +69,11 @@ class CostEnsemble:
     def heads_from_sums(self, sums: torch.Tensor, num_devices: int) -> torch.Tensor:
         return self.member_heads_from_sums(sums, num_devices).mean(0)
 
+    def comm_from_sums(self, sums: torch.Tensor, num_devices: int) -> torch.Tensor:
+        """CostModel.comm_from_sums, the members' mean (as `heads_from_sums`)."""
+        return torch.stack([m.comm_from_sums(s, num_devices) for m, s in zip(self.members, self._split(sums))]
+                           ).mean(0)
+
     def member_totals_from_sums(self, sums: torch.Tensor, num_devices: int) -> torch.Tensor:
         """(K, ...) device totals per member."""
         return self.member_heads_from_sums(sums, num_devices).sum(-1)

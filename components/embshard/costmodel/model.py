@@ -140,13 +140,24 @@ class CostNet(nn.Module):
         softplus = nn.functional.softplus
         f = softplus(self.fwd(sums))
         b = softplus(self.bwd(sums))
+        out = torch.cat([f, b, self._comm(sums, num_devices)], dim=-1) * self.target_scale
+        return out * self._nonempty(sums)
+
+    def comm_head(self, sums: torch.Tensor, num_devices: torch.Tensor) -> torch.Tensor:
+        """(..., 1) `heads(sums, num_devices)[..., 2:]` (the same values) without the compute heads' MLPs."""
+        return self._comm(sums, num_devices) * self.target_scale[2:] * self._nonempty(sums)
+
+    def _comm(self, sums: torch.Tensor, num_devices: torch.Tensor) -> torch.Tensor:
+        """(..., 1) the comm head before its target scale."""
+        softplus = nn.functional.softplus
         dimsum = sums[..., -NUM_EXTRA + DIMSUM:][..., :1]
         nd = num_devices.to(sums.dtype).expand(*sums.shape[:-1]).unsqueeze(-1)  # (..., 1)
         latency = softplus(self.comm_latency) + softplus(self.comm_latency_slope) * torch.log2(nd.clamp(min=1.0))
-        c = (dimsum * softplus(self.comm_rate) * _share_sent(nd) + latency) * (nd > 1)  # one device: no comm
-        out = torch.cat([f, b, c], dim=-1) * self.target_scale
-        nonempty = (sums[..., -NUM_EXTRA + COUNT] > 0.5).unsqueeze(-1)
-        return out * nonempty
+        return (dimsum * softplus(self.comm_rate) * _share_sent(nd) + latency) * (nd > 1)  # one device: no comm
+
+    @staticmethod
+    def _nonempty(sums: torch.Tensor) -> torch.Tensor:
+        return (sums[..., -NUM_EXTRA + COUNT] > 0.5).unsqueeze(-1)
 
     def overall_from(self, sums: torch.Tensor, heads: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Overall ms of placements: sums (P, D, H), heads (P, D, 3), mask (P, D) True for real devices."""
@@ -257,6 +268,12 @@ class CostModel:
         """(..., 3) ms (fwd compute, bwd compute, comm) from device sums (..., H)."""
         with torch.no_grad():
             return self.net.heads(sums, torch.tensor(float(num_devices)))
+
+    def comm_from_sums(self, sums: torch.Tensor, num_devices: int) -> torch.Tensor:
+        """(...) `heads_from_sums(sums, num_devices)[..., 2]`, the comm head alone (a replica's price asks for it
+        on every split round, on `comm_encode`'s encodings: running the compute heads too was most of its time)."""
+        with torch.no_grad():
+            return self.net.comm_head(sums, torch.tensor(float(num_devices)))[..., 0]
 
     def totals_from_sums(self, sums: torch.Tensor, num_devices: int) -> torch.Tensor:
         """(...) total ms of each device from the SUM of its tables' encodings (..., H); empty device -> 0."""

@@ -96,7 +96,9 @@ class TaskScorer:
     def totals(self, sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Device totals (ms) from summed encodings (..., H) and table counts (...); empty devices cost 0."""
         sums, add = self._split_extra(sums)
-        out = self._mean_totals(sums)
+        # `counts` masks the empty devices below, so the fused evaluator need not mask them from the sums' count
+        # channel too (the same devices: that channel is the sum of the pieces' ones).
+        out = self._mean_totals(sums, nonempty=True)
         if add is not None:
             out = out + add.to(out.dtype)
         return out.masked_fill(counts <= 0, 0.0)
@@ -109,7 +111,7 @@ class TaskScorer:
             c = torch.as_tensor(count).expand(len(a), len(b))
             return self.totals(a.unsqueeze(1) + b.unsqueeze(0), c)
         (a, add_a), (b, add_b) = self._split_extra(a), self._split_extra(b)
-        out = self._fused.pair_mean_totals(a, b)
+        out = self._fused.pair_mean_totals(a, b, nonempty=int(count) > 0)
         if add_a is not None and add_b is not None:
             out = out + (add_a.unsqueeze(1) + add_b.unsqueeze(0)).to(out.dtype)
         return out if int(count) > 0 else torch.zeros_like(out)
@@ -200,8 +202,9 @@ class _FusedHeads:
 
     def _heads(self, p: torch.Tensor) -> torch.Tensor:
         """(M, 2K) softplus outputs (fwd, bwd per member) of projected sums (M, dim)."""
+        # In place on the temporaries (the same values, fewer allocations: rollouts score hundreds of rows a step).
         hidden = torch.relu_(p[:, : self.nh] + self.b1).view(len(p), 2 * self.k, self.hh)
-        return torch.nn.functional.softplus((hidden * self.w2).sum(-1) + self.b2 + p[:, self.nh:self.pw])
+        return torch.nn.functional.softplus(hidden.mul_(self.w2).sum(-1).add_(self.b2).add_(p[:, self.nh:self.pw]))
 
     def member_totals(self, proj: torch.Tensor) -> torch.Tensor:
         """(K, ...) device totals per member from projected sums (..., dim)."""
@@ -222,9 +225,10 @@ class _FusedHeads:
             total = total * (p[:, self.pw:self.pw + 1] > 0.5)
         return total.reshape(lead)
 
-    def pair_mean_totals(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def pair_mean_totals(self, a: torch.Tensor, b: torch.Tensor, nonempty: bool = False) -> torch.Tensor:
         """(P, Q) mean_totals of every a[p] + b[q] (projected, (P, dim) and (Q, dim)): only the hidden units are
-        computed per pair (the skips, dim-sums and counts are linear, so added per row and per column)."""
+        computed per pair (the skips, dim-sums and counts are linear, so added per row and per column).
+        `nonempty`: every pair holds a piece (no empty-device mask needed)."""
         P, Q, nh = len(a), len(b), self.nh
         a_hidden, b_hidden = a[:, :nh] + self.b1, b[:, :nh].unsqueeze(0)
         # The (P, Q, nh) hidden units a block of rows at a time, each block small enough to stay in cache (one
@@ -242,7 +246,7 @@ class _FusedHeads:
         fb = torch.nn.functional.softplus(pre).view(P * Q, 2 * self.k)
         total = torch.addmm(self.lat_mean, fb, self.mix_mean).view(P, Q)
         total += a[:, self.pw + 1:] @ self.rate_mean + (b[:, self.pw + 1:] @ self.rate_mean).t()
-        return total * ((a[:, self.pw:self.pw + 1] + b[:, self.pw].unsqueeze(0)) > 0.5)
+        return total if nonempty else total * ((a[:, self.pw:self.pw + 1] + b[:, self.pw].unsqueeze(0)) > 0.5)
 
 
 PAIR_BLOCK = 1 << 18  # floats of hidden units per block of pair_mean_totals (1 MiB: within a core's L2)
@@ -347,9 +351,11 @@ def replica_comm_model(cost_model: CostEstimator, num_devices: int, a2a_ms: floa
 
 def _a2a_heads(cost_model: CostEstimator, feats: np.ndarray, num_devices: int) -> np.ndarray:
     """The comm head (ms) of each piece alone on a device (from the channels it reads, where the model says which)."""
-    encode = getattr(cost_model, "comm_encode", cost_model.encode)
+    comm_encode, comm = getattr(cost_model, "comm_encode", None), getattr(cost_model, "comm_from_sums", None)
     with torch.no_grad():
-        enc = encode(np.asarray(feats, dtype=np.float64)).float()
+        if comm_encode is not None and comm is not None:  # the comm head alone (CostModel, CostEnsemble)
+            return comm(comm_encode(np.asarray(feats, dtype=np.float64)).float(), num_devices).double().numpy()
+        enc = cost_model.encode(np.asarray(feats, dtype=np.float64)).float()
         return cost_model.heads_from_sums(enc, num_devices)[..., 2].double().numpy()
 
 

@@ -17,6 +17,7 @@ GUARD_Z x the members' disagreement about that gain; otherwise the search stops 
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -59,23 +60,29 @@ class SearchState:
         self.costs = self.scorer.totals(self.sums, self.counts).double()
         self.used = torch.as_tensor(np.bincount(self.assignment, weights=self.sizes,
                                                 minlength=self.scorer.num_devices), dtype=torch.float64)
+        # numpy views of the same memory: the search's row picks and additions on these small arrays are the same
+        # IEEE arithmetic as torch's at a fraction of its per-call cost; only the scoring itself runs in torch.
+        self.sums_np, self.counts_np = self.sums.numpy(), self.counts.numpy()
+        self.costs_np, self.used_np = self.costs.numpy(), self.used.numpy()
+        self.enc_np = self.scorer.enc.numpy()
 
     @property
     def overall(self) -> float:
-        return float(self.costs.max())
+        return float(self.costs_np.max())
 
     def apply_move(self, piece: int, dst: int) -> None:
         src = int(self.assignment[piece])
-        e = self.scorer.enc[piece]
-        self.sums[src] -= e
-        self.sums[dst] += e
-        self.counts[src] -= 1
-        self.counts[dst] += 1
-        self.used[src] -= float(self.sizes[piece])
-        self.used[dst] += float(self.sizes[piece])
+        e = self.enc_np[piece]
+        self.sums_np[src] -= e
+        self.sums_np[dst] += e
+        self.counts_np[src] -= 1
+        self.counts_np[dst] += 1
+        self.used_np[src] -= float(self.sizes[piece])
+        self.used_np[dst] += float(self.sizes[piece])
         self.assignment[piece] = dst
-        idx = torch.tensor([src, dst])
-        self.costs[idx] = self.scorer.totals(self.sums[idx], self.counts[idx]).double()
+        idx = [src, dst]
+        self.costs_np[idx] = self.scorer.totals(torch.from_numpy(self.sums_np[idx]),
+                                                torch.from_numpy(self.counts_np[idx])).double().numpy()
 
 
 @dataclass
@@ -134,20 +141,20 @@ def local_search(state: SearchState, budget: Budget, max_rounds: int = 10_000) -
     """Best-improvement moves and swaps off the slowest device until none helps or the budget is spent."""
     sc = state.scorer
     D = sc.num_devices
-    sizes_t = torch.as_tensor(state.sizes, dtype=torch.float64)
+    sizes = np.asarray(state.sizes, dtype=np.float64)
     for _ in range(max_rounds):
         if D < 2 or budget.exhausted():
             break
-        costs = state.costs
-        b = int(torch.argmax(costs))
+        costs = state.costs_np
+        b = int(np.argmax(costs))
         cur_max = float(costs[b])
-        cur_sq = float((costs ** 2).sum())
-        on_b = torch.as_tensor(np.flatnonzero((state.assignment == b) & state.movable))
+        cur_sq = float((state.costs ** 2).sum())  # torch's sum: its summation order, as before
+        on_b = np.flatnonzero((state.assignment == b) & state.movable)
         if len(on_b) == 0:
             break
-        others = torch.as_tensor(np.flatnonzero((state.assignment != b) & state.movable))
+        others = np.flatnonzero((state.assignment != b) & state.movable)
         budget.spend(len(on_b) * (D - 1 + len(others)))
-        best = _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq)
+        best = _best_candidate(state, b, on_b, others, sizes, cur_max, cur_sq)
         if best is None:
             break
         kind, p, q = best
@@ -169,16 +176,16 @@ def _trusted(state: SearchState, kind: str, p: int, q: int) -> bool:
     sc = state.scorer
     if not sc.has_members:
         return True
-    sums = state.sums.clone()
-    counts = state.counts.clone()
+    sums, counts, enc = state.sums_np.copy(), state.counts_np.copy(), state.enc_np
     moves = [(p, q)] if kind == "move" else [(p, int(state.assignment[q])), (q, int(state.assignment[p]))]
     for piece, dst in moves:
         src = int(state.assignment[piece])
-        sums[src] -= sc.enc[piece]
-        sums[dst] += sc.enc[piece]
+        sums[src] -= enc[piece]
+        sums[dst] += enc[piece]
         counts[src] -= 1
         counts[dst] += 1
-    both = sc.member_totals(torch.stack([state.sums, sums]), torch.stack([state.counts, counts])).amax(-1)  # (K, 2)
+    both = sc.member_totals(torch.from_numpy(np.stack([state.sums_np, sums])),
+                            torch.from_numpy(np.stack([state.counts_np, counts]))).amax(-1)  # (K, 2)
     before, after = both[:, 0], both[:, 1]
     gain = (before - after).double()
     mean = float(gain.mean())
@@ -187,57 +194,58 @@ def _trusted(state: SearchState, kind: str, p: int, q: int) -> bool:
     return mean > GUARD_Z * float(gain.std(correction=0))
 
 
-def _best_candidate(state, b, on_b, others, sizes_t, cur_max, cur_sq):
-    # The float64 bookkeeping (memory, maxima, spreads) is numpy: the same elementwise arithmetic as torch, at a
-    # fraction of its per-call cost on these small arrays; only the cost model's scoring runs in torch.
+def _best_candidate(state, b, on_b, others, sizes, cur_max, cur_sq):
+    # The float64 bookkeeping (memory, maxima, spreads) and the float32 row sums fed to the scorer are numpy (the
+    # state's views): the same elementwise arithmetic as torch, at a fraction of its per-call cost on these small
+    # arrays; only the cost model's scoring runs in torch.
     sc = state.scorer
     D = sc.num_devices
-    costs = state.costs.numpy()
-    used = state.used.numpy()
-    sizes = sizes_t.numpy()
-    enc = sc.enc
+    costs, used, sums, counts, enc = state.costs_np, state.used_np, state.sums_np, state.counts_np, state.enc_np
+    t = torch.from_numpy
     tol = _REL_TOL * max(cur_max, 1e-9)
     other_max = _max_of_others(costs, b)
-    on_b_n = on_b.numpy()
     candidates = []  # (max, sumsq, kind, p, q)
+    enc_b = t(enc[on_b])  # (P, H) the pieces that may leave b
+    sums_b = t(sums[b] - enc[on_b])  # (P, H) b without each of them
     # Moves: piece p from b to device d.
-    dsts_n = np.delete(np.arange(D), b)
-    dsts = torch.from_numpy(dsts_n)
+    dsts = _other_devices(D, b)
     P = len(on_b)
-    new_b = sc.totals(state.sums[b] - enc[on_b], state.counts[b].expand(P) - 1).double().numpy()  # (P,)
-    fits = (used[dsts_n][None, :] + sizes[on_b_n][:, None]) <= state.memory
+    new_b = sc.totals(sums_b, t(np.full(P, counts[b] - 1))).double().numpy()  # (P,)
+    fits = (used[dsts][None, :] + sizes[on_b][:, None]) <= state.memory
     # Only pairs whose b side ends at or below the current maximum can be better: the other side is scored
     # for those alone (the rest could never be chosen, so the choice is the same as scoring the whole grid).
     fits &= (new_b <= cur_max + tol)[:, None]
-    new_d = _scored_where(fits, lambda pi, qi: sc.totals(state.sums[dsts[qi]] + enc[on_b[pi]],
-                                                         state.counts[dsts[qi]] + 1),
-                          lambda: sc.pair_totals(enc[on_b], state.sums[dsts], 1))  # (P, D-1)
-    mx = np.maximum(np.maximum(new_b[:, None], new_d), other_max[dsts_n][None, :])
-    sq = cur_sq - costs[b] ** 2 - costs[dsts_n][None, :] ** 2 + new_b[:, None] ** 2 + new_d ** 2
-    _collect(candidates, mx, sq, fits, "move", on_b_n, dsts_n)
+    new_d = _scored_where(fits, lambda pi, qi: sc.totals(t(sums[dsts[qi]] + enc[on_b[pi]]), t(counts[dsts[qi]] + 1)),
+                          lambda: sc.pair_totals(enc_b, t(sums[dsts]), 1))  # (P, D-1)
+    mx = np.maximum(np.maximum(new_b[:, None], new_d), other_max[dsts][None, :])
+    sq = cur_sq - costs[b] ** 2 - costs[dsts][None, :] ** 2 + new_b[:, None] ** 2 + new_d ** 2
+    _collect(candidates, mx, sq, fits, "move", on_b, dsts)
     # Swaps: p on b with q on d.
     if len(others):
-        others_n = others.numpy()
-        dev_q_n = state.assignment[others_n]
-        dev_q = torch.from_numpy(dev_q_n)
-        sums_b = state.sums[b] - enc[on_b]  # (P, H)
-        nb = sc.pair_totals(sums_b, enc[others], state.counts[b]).double().numpy()  # (P, Q)
-        sums_d = state.sums[dev_q] - enc[others]  # (Q, H)
-        counts_q = state.counts[dev_q]
-        mem_b = used[b] - sizes[on_b_n][:, None] + sizes[others_n][None, :]
-        mem_d = used[dev_q_n][None, :] - sizes[others_n][None, :] + sizes[on_b_n][:, None]
+        dev_q = state.assignment[others]
+        nb = sc.pair_totals(sums_b, t(enc[others]), int(counts[b])).double().numpy()  # (P, Q)
+        sums_d = sums[dev_q] - enc[others]  # (Q, H)
+        counts_q = counts[dev_q]
+        mem_b = used[b] - sizes[on_b][:, None] + sizes[others][None, :]
+        mem_d = used[dev_q][None, :] - sizes[others][None, :] + sizes[on_b][:, None]
         fits = (mem_b <= state.memory) & (mem_d <= state.memory) & (nb <= cur_max + tol)
-        nd = _scored_where(fits, lambda pi, qi: sc.totals(sums_d[qi] + enc[on_b[pi]], counts_q[qi]),
-                           lambda: sc.pair_totals(enc[on_b], sums_d, 1))
-        mx = np.maximum(np.maximum(nb, nd), other_max[dev_q_n][None, :])
-        sq = cur_sq - costs[b] ** 2 - costs[dev_q_n][None, :] ** 2 + nb ** 2 + nd ** 2
-        _collect(candidates, mx, sq, fits, "swap", on_b_n, others_n)
+        nd = _scored_where(fits, lambda pi, qi: sc.totals(t(sums_d[qi] + enc[on_b[pi]]), t(counts_q[qi])),
+                           lambda: sc.pair_totals(enc_b, t(sums_d), 1))
+        mx = np.maximum(np.maximum(nb, nd), other_max[dev_q][None, :])
+        sq = cur_sq - costs[b] ** 2 - costs[dev_q][None, :] ** 2 + nb ** 2 + nd ** 2
+        _collect(candidates, mx, sq, fits, "swap", on_b, others)
     best = None
     for m, s, kind, p, q in candidates:
         better = m < cur_max - tol or (m <= cur_max + tol and s < cur_sq - tol * cur_max)
         if better and (best is None or (m, s) < (best[0], best[1])):
             best = (m, s, kind, p, q)
     return None if best is None else best[2:]
+
+
+@functools.cache
+def _other_devices(num_devices: int, b: int) -> np.ndarray:
+    """The devices other than b, in order (cached: read it, never write it)."""
+    return np.delete(np.arange(num_devices), b)
 
 
 def _max_of_others(costs: np.ndarray, b: int) -> np.ndarray:
@@ -255,14 +263,15 @@ DENSE_FROM = 0.25  # kept share of a grid from which scoring all of it (pair_tot
 
 
 def _scored_where(keep: np.ndarray, score, dense=None) -> np.ndarray:
-    """(P, Q) float64 grid of `score(rows, cols)` at the True entries of `keep`, +inf elsewhere. `dense()`, when
-    given, scores the whole grid at once (the same values): used when most of it is kept."""
+    """(P, Q) float64 grid of `score(rows, cols)` (numpy index arrays in, a tensor out) at the True entries of
+    `keep`, +inf elsewhere. `dense()`, when given, scores the whole grid at once (the same values): used when most
+    of it is kept."""
     pi, qi = keep.nonzero()
     if dense is not None and len(pi) >= DENSE_FROM * keep.size:
         return np.where(keep, dense().double().numpy(), np.inf)
     out = np.full(keep.shape, np.inf)
     if len(pi):
-        out[pi, qi] = score(torch.from_numpy(pi), torch.from_numpy(qi)).double().numpy()
+        out[pi, qi] = score(pi, qi).double().numpy()
     return out
 
 
