@@ -69,6 +69,46 @@ PAIRED = ("no_branches", "learned")  # every plan's paired ratio to these is in 
 AA = "dim_greedy"
 
 
+def _selected_tasks(suite_set: str, out: str) -> list[tuple[str, str, pd.DataFrame, str]]:
+    """(suite name, its tables.parquet, a one-task tasks frame, label) of each task to plan, in priority order.
+    `split`: TASKS of the split suite. `main`: every task of the main quality suite (quality.full_config), the
+    suites taken in turn (each suite's first task, then each one's second, ...), so that a device call cut short
+    still holds every suite."""
+    from benchmarks.quality import HELDOUT_SEED, _suite_files, full_config, split_config
+    from embshard import schemas
+
+    cfg = split_config() if suite_set == "split" else full_config()
+    synthetic = pd.DataFrame()
+    if any(s.source == "synthetic" for s in cfg.suites):
+        from embshard.ingest.synthetic import generate_tables
+
+        synthetic = generate_tables(cfg.population, seed=HELDOUT_SEED)
+    folders: dict[str, tuple[str, pd.DataFrame]] = {}
+
+    def suite_tasks(name: str) -> tuple[str, pd.DataFrame]:
+        if name not in folders:
+            suite = next(s for s in cfg.suites if s.name == name)
+            tables_path, tasks_path = _suite_files(suite, cfg, os.path.join(out, "suites", f"{len(folders):02d}"),
+                                                   synthetic)
+            folders[name] = (tables_path, schemas.read(tasks_path, "tasks"))
+        return folders[name]
+
+    if suite_set == "split":
+        picked = []
+        for name, devices in TASKS:
+            tables_path, tasks = suite_tasks(name)
+            picked += [(name, tables_path, tasks[tasks["num_devices"] == D].reset_index(drop=True),
+                        f"{name} / D={D}") for D in devices]
+        return picked
+    per_suite = []
+    for suite in cfg.suites:
+        tables_path, tasks = suite_tasks(suite.name)
+        per_suite.append([(suite.name, tables_path, tasks.iloc[[i]].reset_index(drop=True),
+                           f"{suite.name} / {tasks['task_id'].iloc[i]} D={int(tasks['num_devices'].iloc[i])}")
+                          for i in range(len(tasks))])
+    return [ts[i] for i in range(max(map(len, per_suite))) for ts in per_suite if i < len(ts)]
+
+
 def _task_dirs(root: str) -> list[str]:
     with open(os.path.join(root, "order.json"), encoding="utf-8") as f:
         return [os.path.join(root, d) for d in json.load(f)]
@@ -84,7 +124,7 @@ def _labelled(spec: str, option: str) -> tuple[str, str]:
 
 def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None = None,
          cost_models: list[str] | None = None, slice_floors: list[int] | None = None,
-         planners: list[str] | None = None, refined: str = "learned") -> None:
+         planners: list[str] | None = None, refined: str = "learned", suite_set: str = "split") -> None:
     """Plan the selected tasks (the first `limit` of them) here and write ROOT/<task>/{tables,tasks,plans,
     candidates}.parquet. `cost_models`: LABEL=PATH (a model folder of `embshard train-cost --out` or a model URI)
     each adds the entry `learned@LABEL`, the learned planner searching with that model instead of the one its
@@ -93,10 +133,10 @@ def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None
     with each of these split-search slice floors (bytes per row; the planner's own is its cost model's hardware's,
     splitting.speed_slice_bytes) as `ENTRY/NB`. `planners`: the entries besides the learned ones (default PLANNERS;
     fewer plans, a shorter device call). `refined`: the learned entry whose refinement candidates are kept (e.g.
-    `learned@gpu`, the planner searching with a GPU-trained model, refined on the GPU as `place --refine` would)."""
+    `learned@gpu`, the planner searching with a GPU-trained model, refined on the GPU as `place --refine` would).
+    `suite_set`: `split` (TASKS) or `main` (every task of the main quality suite, _selected_tasks)."""
     from benchmarks import pipeline_stages
     from benchmarks.common import progress
-    from benchmarks.quality import _suite_files, split_config
     from embshard import costmodel, refine, schemas
     from embshard.planners import get_planner
     from embshard.types import load_tasks
@@ -112,59 +152,47 @@ def plan(run: str, out: str, torchrec_timeout_s: float = 20.0, limit: int | None
                                   *floored]))
     if refined not in entries:
         raise SystemExit(f"gpu_quality: --refined {refined!r} is not one of the planned entries ({', '.join(entries)})")
-    cfg = split_config()
-    suites = {s.name: s for s in cfg.suites}
     os.makedirs(out, exist_ok=True)
     order = []
-    for name, devices in TASKS:
-        if limit is not None and len(order) >= limit:
-            break
-        suite = suites[name]
-        folder = os.path.join(out, "suites", f"{len(order):02d}")
-        tables_path, tasks_path = _suite_files(suite, cfg, folder, pd.DataFrame())
-        all_tasks = schemas.read(tasks_path, "tasks")
-        for D in devices:
-            if limit is not None and len(order) >= limit:
-                break
-            tag = f"{name} / D={D}"
-            sub = os.path.join(out, f"task-{len(order):02d}")
-            os.makedirs(sub, exist_ok=True)
-            schemas.write(schemas.read(tables_path, "tables"), os.path.join(sub, "tables.parquet"), "tables")
-            one = all_tasks[all_tasks["num_devices"] == D].reset_index(drop=True)
-            schemas.write(one, os.path.join(sub, "tasks.parquet"), "tasks")
-            task = load_tasks(os.path.join(sub, "tables.parquet"), os.path.join(sub, "tasks.parquet"), "test")[0]
-            frames, cand_frames, cand_rows = [], [], []
-            for p in entries:
-                base, floor = floored.get(p, (p, None))
-                kw = {"model_uri": info.policy_uri} if base in LEARNED or base in searched_with else (
-                    {"timeout_s": torchrec_timeout_s} if p.startswith("torchrec") else {})
-                planner = get_planner(base.split("@")[0], **kw)
-                if base in searched_with:
-                    planner.cost_model = searched_with[base]
-                if floor is not None:
-                    planner.min_slice_bytes = floor
-                if p == refined:
-                    refine.explore(planner)  # its cut variants become candidates, as under --refine
-                t0 = time.perf_counter()
-                pl = planner.plan_task(task)
-                secs = time.perf_counter() - t0
-                frames.append(pl.to_frame().assign(entry=p, planning_time_s=secs))
-                if p == refined:
-                    picked = refine.select(refine.candidates(pl, planner.cost_model, torchrec=True), K)
-                    for j, c in enumerate(picked):
-                        cand_frames.append(c.placement.to_frame().assign(entry=f"cand{j}"))
-                        cand_rows.append({"entry": f"cand{j}", "label": c.label, "origin": c.origin,
-                                          "predicted_ms": c.predicted_ms})
-                progress(f"gpu_quality plan: {tag}: {p} in {secs:.1f} s")
-            pd.concat(frames, ignore_index=True).to_parquet(os.path.join(sub, "plans.parquet"), index=False)
-            pd.concat(cand_frames, ignore_index=True).to_parquet(os.path.join(sub, "candidates.parquet"),
-                                                                 index=False)
-            pd.DataFrame(cand_rows).to_parquet(os.path.join(sub, "candidate_info.parquet"), index=False)
-            with open(os.path.join(sub, "task.json"), "w", encoding="utf-8") as f:
-                json.dump({"suite": name, "num_devices": D, "label": tag, "policy_uri": info.policy_uri,
-                           "cpu_batch_size": int(info.batch_size), "cost_models": cost_models or [],
-                           "slice_floors": slice_floors or [], "refined": refined}, f)
-            order.append(os.path.basename(sub))
+    for name, tables_path, one, tag in _selected_tasks(suite_set, out)[:limit]:
+        sub = os.path.join(out, f"task-{len(order):02d}")
+        os.makedirs(sub, exist_ok=True)
+        schemas.write(schemas.read(tables_path, "tables"), os.path.join(sub, "tables.parquet"), "tables")
+        schemas.write(one, os.path.join(sub, "tasks.parquet"), "tasks")
+        task = load_tasks(os.path.join(sub, "tables.parquet"), os.path.join(sub, "tasks.parquet"), "test")[0]
+        D = task.num_devices
+        frames, cand_frames, cand_rows = [], [], []
+        for p in entries:
+            base, floor = floored.get(p, (p, None))
+            kw = {"model_uri": info.policy_uri} if base in LEARNED or base in searched_with else (
+                {"timeout_s": torchrec_timeout_s} if p.startswith("torchrec") else {})
+            planner = get_planner(base.split("@")[0], **kw)
+            if base in searched_with:
+                planner.cost_model = searched_with[base]
+            if floor is not None:
+                planner.min_slice_bytes = floor
+            if p == refined:
+                refine.explore(planner)  # its cut variants become candidates, as under --refine
+            t0 = time.perf_counter()
+            pl = planner.plan_task(task)
+            secs = time.perf_counter() - t0
+            frames.append(pl.to_frame().assign(entry=p, planning_time_s=secs))
+            if p == refined:
+                picked = refine.select(refine.candidates(pl, planner.cost_model, torchrec=True), K)
+                for j, c in enumerate(picked):
+                    cand_frames.append(c.placement.to_frame().assign(entry=f"cand{j}"))
+                    cand_rows.append({"entry": f"cand{j}", "label": c.label, "origin": c.origin,
+                                      "predicted_ms": c.predicted_ms})
+            progress(f"gpu_quality plan: {tag}: {p} in {secs:.1f} s")
+        pd.concat(frames, ignore_index=True).to_parquet(os.path.join(sub, "plans.parquet"), index=False)
+        pd.concat(cand_frames, ignore_index=True).to_parquet(os.path.join(sub, "candidates.parquet"),
+                                                             index=False)
+        pd.DataFrame(cand_rows).to_parquet(os.path.join(sub, "candidate_info.parquet"), index=False)
+        with open(os.path.join(sub, "task.json"), "w", encoding="utf-8") as f:
+            json.dump({"suite": name, "num_devices": D, "label": tag, "policy_uri": info.policy_uri,
+                       "cpu_batch_size": int(info.batch_size), "cost_models": cost_models or [],
+                       "slice_floors": slice_floors or [], "refined": refined}, f)
+        order.append(os.path.basename(sub))
     with open(os.path.join(out, "order.json"), "w", encoding="utf-8") as f:
         json.dump(order, f)
 
@@ -430,6 +458,8 @@ def main(argv=None) -> int:
     p.add_argument("--run", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--limit", type=int, default=None, help="plan only the first N tasks (in priority order)")
+    p.add_argument("--suite", default="split", choices=["split", "main"], dest="suite_set",
+                   help="split: the split suite's tasks (default); main: the main quality suite's, suites in turn")
     p.add_argument("--cost-model", nargs="+", default=None, dest="cost_models",
                    help="LABEL=PATH (a train-cost --out model folder or a model URI): adds the entry learned@LABEL, "
                         "the learned planner searching with that model, e.g. one trained on the GPU's measurements")
@@ -466,7 +496,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.cmd == "plan":
         plan(a.run, a.out, limit=a.limit, cost_models=a.cost_models, slice_floors=a.slice_floors,
-             planners=a.planners, refined=a.refined)
+             planners=a.planners, refined=a.refined, suite_set=a.suite_set)
     elif a.cmd == "measure":
         measure(a.root, a.out, a.device, a.batch_size, a.rounds, a.deadline_s,
                 a.tasks.split(",") if a.tasks else None, a.calibration_dir, a.round_processes)

@@ -244,8 +244,10 @@ def _best_candidate(state, b, on_b, others, sizes, cur_max, cur_sq):
 
 @functools.cache
 def _other_devices(num_devices: int, b: int) -> np.ndarray:
-    """The devices other than b, in order (cached: read it, never write it)."""
-    return np.delete(np.arange(num_devices), b)
+    """The devices other than b, in order (cached, so read-only)."""
+    out = np.delete(np.arange(num_devices), b)
+    out.flags.writeable = False
+    return out
 
 
 def _max_of_others(costs: np.ndarray, b: int) -> np.ndarray:
