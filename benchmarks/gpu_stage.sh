@@ -21,6 +21,10 @@ mkdir -p "$G/data/split"; cp benchmarks/data/gpu-h100-split/{tables,tasks,shards
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$G/whl" \
   jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+# pip has exited 0 having saved only some of them (a registry hiccup): the device image would then lack a module
+for w in jsonschema-4 jsonschema_specifications referencing rpds_py; do
+  ls "$G/whl/$w"*.whl >/dev/null 2>&1 || { echo "gpu_stage: the $w wheel was not downloaded into $G/whl; run again" >&2; exit 1; }
+done
 if [ ! -f "$G/fbgemm-red.tar.xz" ] || [ ! -f "$G/fbgemm.sha256" ]; then
   python3 -m benchmarks.gpu_pack_fbgemm "$G"
 fi
