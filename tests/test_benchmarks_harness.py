@@ -276,12 +276,32 @@ def test_gpu_quality_plans_here_measures_elsewhere_and_reports(quick, tmp_path):
     assert "A/A floor" in text and "learned+refine4" in text and "CPU vs TorchRec full" in text
     assert "GPU vs no_branches" in text   # the branches' paired effect, on both machines
     assert "GPU vs learned [95%]" in text and "| learned@own |" in text   # the other cost model's plan, paired
+    # --suite main: verdicts against the best greedy plan per task, on each machine, counted
+    proc = gq("report", "--suite", "main", "--gpu", str(out), "--cpu", str(out), "--out", str(page))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = page.read_text()
+    assert "## On the GPU" in text and "## On the CPU" in text and "refined verdict" in text
+    counts = text.split("## Verdicts against the best greedy plan (tasks)")[1]
+    assert "| GPU | learned |" in counts and "| CPU | learned+refine4 |" in counts
     # predict: the measured plans beside two cost models' predictions (the policy's and a model folder)
     proc = gq("predict", "--root", str(root), "--measured", str(out), "--model", "own=policy",
               f"folder={cost_dir}", "--run", str(quick["work"] / "pipeline"), "--out", str(tmp_path / "pred.md"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     pred = (tmp_path / "pred.md").read_text()
     assert "own: Spearman" in pred and "folder predicted ms" in pred
+
+
+def test_gpu_quality_main_takes_the_main_suites_tasks_in_turn(tmp_path):
+    """plan --suite main: every task of the main suite, each suite's first task before any suite's second (a device
+    call that runs out of time still holds every suite)."""
+    from benchmarks.gpu_quality import _selected_tasks
+    from benchmarks.quality import full_config
+
+    picked = _selected_tasks("main", str(tmp_path))
+    suites = [s.name for s in full_config().suites]
+    assert [p[0] for p in picked[:len(suites)]] == suites
+    assert len(picked) == 14 and len({p[3] for p in picked}) == 14
+    assert all(len(p[2]) == 1 and (p[2]["split"] == "test").all() for p in picked)
 
 
 def test_the_cost_model_page_reads_the_report_of_the_round_it_names(tmp_path):
