@@ -213,3 +213,31 @@ def test_airflow_values_wire_the_kubernetes_runner_to_this_chart():
     assert env["EMBSHARD_K8S_CONFIG"] == f"{mount['mountPath']}/{key}"
     # Data root and MLflow URI come from the mounted stage-pods file only, never from a second setting.
     assert "EMBSHARD_DATA_ROOT" not in env and "MLFLOW_TRACKING_URI" not in env
+
+
+def _containers(obj: dict) -> list[dict]:
+    spec = obj.get("spec", {}).get("template", {}).get("spec") or {}
+    return spec.get("containers", []) + spec.get("initContainers", [])
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_a_read_only_root_always_has_a_writable_tmp(profile):
+    """A container with readOnlyRootFilesystem writes its HOME, caches and temp files to an emptyDir at /tmp."""
+    for obj in objects(PROFILES[profile]):
+        spec = obj.get("spec", {}).get("template", {}).get("spec") or {}
+        empty_dirs = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v}
+        for c in _containers(obj):
+            if (c.get("securityContext") or {}).get("readOnlyRootFilesystem"):
+                mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+                assert mounts.get("/tmp") in empty_dirs, (obj["metadata"]["name"], c["name"])
+                home = {e["name"]: e.get("value") for e in c.get("env", [])}.get("HOME")
+                assert home == "/tmp", (obj["metadata"]["name"], c["name"])
+
+
+def test_mlflow_runs_on_a_read_only_root():
+    mlflow = by_kind(objects(), "Deployment")["embshard-mlflow"]
+    (container,) = _containers(mlflow)
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    # The stage pods' settings ask for it too (the pods themselves: tests/test_k8s_pods.py).
+    config = yaml.safe_load(by_kind(objects(), "ConfigMap")["embshard-stage-pods"]["data"]["stage-pods.yaml"])
+    assert config["containerSecurityContext"]["readOnlyRootFilesystem"] is True

@@ -77,10 +77,15 @@ def test_stage_pod_is_a_valid_kubernetes_pod(stage):
     assert env["MLFLOW_TRACKING_URI"]["value"] == "http://embshard-mlflow.embshard.svc.cluster.local:5000"
     assert env["EMBSHARD_DATA_ROOT"]["value"] == "file:///data/embshard"
     assert container["envFrom"] == [{"secretRef": {"name": "embshard-credentials", "optional": True}}]
-    # The shared volume the stages exchange Parquet through.
-    assert container["volumeMounts"] == [{"name": "embshard-data", "mountPath": "/data"}]
-    assert pod["spec"]["volumes"] == [{"name": "embshard-data",
+    # The shared volume the stages exchange Parquet through, and the scratch folder of a read-only root.
+    assert container["volumeMounts"] == [{"name": "scratch", "mountPath": "/tmp"},
+                                         {"name": "embshard-data", "mountPath": "/data"}]
+    assert pod["spec"]["volumes"] == [{"name": "scratch", "emptyDir": {}},
+                                      {"name": "embshard-data",
                                        "persistentVolumeClaim": {"claimName": "embshard-data"}}]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    for name, value in k8s.SCRATCH_ENV.items():  # every home, cache and config on the scratch folder
+        assert env[name]["value"] == value and (value == "1" or value.startswith("/tmp")), name
 
 
 @pytest.mark.parametrize("stage", k8s.STAGES)
@@ -154,7 +159,9 @@ def test_chart_configmap_drives_the_pods(tmp_path, monkeypatch):
     assert container["resources"]["limits"][GPU] == "2"
     assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
     assert len(spec["tolerations"]) == 2
-    assert not spec.get("volumes") and not container.get("volumeMounts")  # bucket: nothing to mount
+    # bucket: no data volume, only the scratch folder
+    assert [v["name"] for v in spec["volumes"]] == ["scratch"]
+    assert container["volumeMounts"] == [{"name": "scratch", "mountPath": "/tmp"}]
     env = {e["name"]: e for e in container["env"]}
     assert env["EMBSHARD_DATA_ROOT"]["value"] == "s3://embshard/runs"
     assert env["AWS_ENDPOINT_URL"]["value"] == "http://embshard-minio.ml.svc.cluster.local:9000"
@@ -227,6 +234,10 @@ def test_a_data_root_off_the_mounted_volume_is_refused(tmp_path):
     path.write_text("storage:\n  mountPath: ''\n")
     with pytest.raises(EmbshardError, match="mount path"):
         k8s.load_pod_config(path)
+    path.write_text("storage:\n  mountPath: /tmp/\n  dataRoot: file:///tmp/embshard\n")  # the scratch emptyDir
+    with pytest.raises(EmbshardError, match="scratch") as err:
+        k8s.load_pod_config(path)
+    assert err.value.field == "storage.mountPath"
     path.write_text("maxBenchmarkPods: -1\n")
     with pytest.raises(EmbshardError, match="maxBenchmarkPods"):
         k8s.load_pod_config(path)
@@ -282,3 +293,74 @@ def test_credentials_in_the_pod_settings_file_are_refused(tmp_path, text, field)
     assert err.value.field == field
     path.write_text("env:\n  LOG_LEVEL: info\nmlflowTrackingUri: https://mlflow.example.com:5000/x@y\n")
     assert k8s.load_pod_config(path)["env"]["LOG_LEVEL"] == "info"  # plain settings and an '@' in the path pass
+
+
+def test_the_xcom_sidecar_runs_on_a_read_only_root_too():
+    """It only sleeps; the stage writes the XCom on the operator's own emptyDir (/airflow/xcom)."""
+    from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+    from airflow.sdk import DAG
+    from kubernetes.client import ApiClient
+
+    with DAG("embshard_pods_xcom_ro", schedule=None, start_date=dt.datetime(2026, 1, 1)):
+        op = KubernetesPodOperator(task_id="sample_shards", **{
+            **k8s.pod_operator_kwargs("sample_shards", ARGS["sample_shards"]), "do_xcom_push": True})
+    pod = ApiClient().sanitize_for_serialization(op.build_pod_request_obj(dry_run=True))
+    base, sidecar = pod["spec"]["containers"]
+    assert base["securityContext"]["readOnlyRootFilesystem"] is sidecar["securityContext"]["readOnlyRootFilesystem"]
+    assert {"name": "xcom", "mountPath": "/airflow/xcom"} in base["volumeMounts"]
+
+
+def test_the_scratch_env_can_be_overridden(tmp_path):
+    path = tmp_path / "pods.yaml"
+    path.write_text("env:\n  TRITON_CACHE_DIR: /data/triton\n")  # e.g. keep compiled kernels across runs
+    env = {e.name: e.value for e in k8s.pod_operator_kwargs("benchmark", ["bench"], k8s.load_pod_config(path))
+           ["env_vars"]}
+    assert env["TRITON_CACHE_DIR"] == "/data/triton" and env["HOME"] == "/tmp"
+
+
+def _read_only_root_works() -> bool:
+    import shutil
+    import subprocess
+
+    return bool(shutil.which("unshare")) and subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -o remount,bind,ro / && mount -t tmpfs tmpfs /tmp"],
+        capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _read_only_root_works(), reason="needs unprivileged user and mount namespaces")
+def test_stage_commands_run_on_a_read_only_root(tmp_path):
+    """A read-only root as the pod has it, without a container: a private mount namespace remounts / read-only,
+    a fresh tmpfs stands for the /tmp emptyDir and the data folder is bound at /mnt. With the pod's scratch
+    environment, ingest and place (pandas, pyarrow, matplotlib) and MLflow logging (torch imported) succeed, and
+    matplotlib keeps its cache where MPLCONFIGDIR says, not in a new temp folder per process."""
+    import os
+    import subprocess
+    import sys
+
+    pod_env = {e.name: e.value for e in k8s.pod_operator_kwargs("train_cost_model", ["train-cost"])["env_vars"]}
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+           "PYTHONPATH": str(Path(k8s.__file__).resolve().parents[1]),
+           **{name: pod_env[name] for name in k8s.SCRATCH_ENV}}
+    script = """set -e
+mount --bind "$DATA" /mnt && mount -t tmpfs tmpfs /tmp && mount -o remount,bind,ro / && cd /
+if touch /probe 2>/dev/null; then echo "the root is writable" >&2; exit 9; fi
+embshard ingest --source synthetic --num-tables 6 --out file:///mnt/run --no-progress
+embshard place --tables /mnt/run/tables.parquet --devices 2 --memory-gb 16 --planner size_greedy --out /mnt/plan
+python -c '
+import mlflow, torch
+mlflow.set_tracking_uri("sqlite:////mnt/mlflow.db")
+experiment = mlflow.create_experiment("ro", artifact_location="file:///mnt/artifacts")
+with mlflow.start_run(experiment_id=experiment):
+    mlflow.log_metric("m", float(torch.ones(2).sum()))
+    mlflow.log_artifact("/mnt/plan/devices.png")
+'
+ls -A "$MPLCONFIGDIR" > /mnt/mplconfig.txt
+"""
+    data = tmp_path / "data"
+    data.mkdir()
+    env["DATA"] = str(data)
+    proc = subprocess.run(["unshare", "-rmpf", "--mount-proc", "sh", "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (data / "plan" / "devices.png").exists() and os.listdir(data / "artifacts")
+    assert (data / "mplconfig.txt").read_text().strip()  # the font cache, in MPLCONFIGDIR

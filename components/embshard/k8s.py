@@ -28,6 +28,23 @@ CREDENTIAL_NAME = re.compile(r"(?i)(SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY)")
 STAGES = ("ingest", "sample_shards", "benchmark", "train_cost_model", "train_policy", "measure_policy_plans",
           "evaluate_and_promote", "export_placements")
 
+# The stage container's root filesystem is read-only (containerSecurityContext.readOnlyRootFilesystem): what a
+# stage writes besides its data goes to an emptyDir at SCRATCH (benchmark inputs, a decompressed trace, MLflow's
+# artifact staging), and these point every home, cache and config there. The image's home is read-only, so
+# without them matplotlib rebuilds its font cache in a new temp folder (with a warning) in every process.
+SCRATCH = "/tmp"
+SCRATCH_ENV = {
+    "HOME": SCRATCH,
+    "TMPDIR": SCRATCH,
+    "XDG_CACHE_HOME": f"{SCRATCH}/.cache",  # torch hub and kernels, fsspec
+    "XDG_CONFIG_HOME": f"{SCRATCH}/.config",
+    "MPLCONFIGDIR": f"{SCRATCH}/matplotlib",  # matplotlib's config and font cache
+    "TRITON_CACHE_DIR": f"{SCRATCH}/triton",  # kernels triton (and torch.compile) compile
+    "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH}/torchinductor",
+    "CUDA_CACHE_PATH": f"{SCRATCH}/.nv/ComputeCache",  # the driver's JIT cache of PTX kernels
+    "PYTHONDONTWRITEBYTECODE": "1",  # the images compile bytecode at build; none to write beside the code
+}
+
 # camelCase keys, as in the chart's values (`stagePods`), so the ConfigMap is this dict verbatim.
 POD_DEFAULTS: dict[str, Any] = {
     "image": "ghcr.io/embshard/embshard-cuda:0.1.0",
@@ -67,7 +84,9 @@ POD_DEFAULTS: dict[str, Any] = {
     },
     "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
                            "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
-    "containerSecurityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    # Read-only root: the stage writes only to its data (volume or bucket) and the emptyDir at SCRATCH.
+    "containerSecurityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                 "readOnlyRootFilesystem": True},
     "startupTimeoutSeconds": 900,  # GPU nodes may scale up from zero and pull a multi-GB image
     # Benchmark chunk pods of one run at a time (each holds gpu.count GPUs); 0: as many as there are chunks.
     "maxBenchmarkPods": 0,
@@ -152,6 +171,9 @@ def _check(config: dict, source: str) -> dict:
     if storage["type"] == "pvc" and str(storage.get("mountPath", "")).strip("/") == "":
         raise EmbshardError("a pvc storage needs a mount path below /", path=source, field="storage.mountPath",
                             fix="e.g. /data")
+    if storage["type"] == "pvc" and "/" + str(storage.get("mountPath", "")).strip("/") == SCRATCH:
+        raise EmbshardError(f"{SCRATCH} is the pods' scratch folder (an emptyDir)", path=source,
+                            field="storage.mountPath", fix="mount the data volume elsewhere, e.g. /data")
     if storage["type"] == "pvc":
         # A data root outside the mount is each pod's own disk: a stage's outputs vanish with its pod and the
         # next stage fails with "missing stage output".
@@ -232,7 +254,7 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
 
     storage = config["storage"]
     # The communication calibration is kept once per hardware beside the runs (bench.comm.adopt_calibration).
-    env = {"EMBSHARD_STAGE": stage, "EMBSHARD_DATA_ROOT": storage["dataRoot"],
+    env = {**SCRATCH_ENV, "EMBSHARD_STAGE": stage, "EMBSHARD_DATA_ROOT": storage["dataRoot"],
            "EMBSHARD_CALIBRATION_DIR": storage["dataRoot"].rstrip("/") + "/calibration"}
     if config.get("mlflowTrackingUri"):
         env["MLFLOW_TRACKING_URI"] = config["mlflowTrackingUri"]
@@ -256,8 +278,9 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
                                                                       optional=s.get("optional", False)))
                 for s in config.get("envFromSecrets", [])]
 
-    volumes: list[k8s.V1Volume] = []
-    volume_mounts: list[k8s.V1VolumeMount] = []
+    # The scratch folder is always there (harmless with a writable root, needed with a read-only one).
+    volumes = [k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource())]
+    volume_mounts = [k8s.V1VolumeMount(name="scratch", mount_path=SCRATCH)]
     if storage["type"] == "pvc":
         volumes.append(k8s.V1Volume(name="embshard-data", persistent_volume_claim=(
             k8s.V1PersistentVolumeClaimVolumeSource(claim_name=storage["claimName"]))))
