@@ -30,6 +30,9 @@ PROFILES = {
                             "artifactsDestination": "s3://company-mlflow/embshard"},
                  "rbac": {"create": False}, "serviceAccount": {"create": False},
                  "storage": {"pvc": {"create": False}}},
+    # The optional hardening: PriorityClasses for the stage and the measuring pods.
+    "hardened": {"stagePods": {"priorityClassName": "embshard-batch",
+                               "gpu": {"priorityClassName": "embshard-measure"}}},
     # No MLflow in the chart at all: stages use an existing tracking server.
     "no-mlflow": {"mlflow": {"enabled": False}, "postgres": {"enabled": False}, "minio": {"enabled": False},
                   "stagePods": {"mlflowTrackingUri": "https://mlflow.example.com",
@@ -182,6 +185,8 @@ def test_missing_backend_store_is_a_clear_render_error():
     ({"stagePods": {"storage": {"type": "bucket", "dataRoot": "file:///data"}}}, "s3://"),
     ({"stagePods": {"gpu": {"count": 0}}}, "count"),
     ({"mlflow": {"password": "x"}}, "password"),
+    ({"stagePods": {"priorityClassName": "High_Priority"}}, "priorityClassName"),
+    ({"stagePods": {"gpu": {"priorityClassName": "measure."}}}, "priorityClassName"),
 ])
 def test_schema_rejects_bad_values(bad, where):
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match=where):

@@ -364,3 +364,34 @@ ls -A "$MPLCONFIGDIR" > /mnt/mplconfig.txt
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (data / "plan" / "devices.png").exists() and os.listdir(data / "artifacts")
     assert (data / "mplconfig.txt").read_text().strip()  # the font cache, in MPLCONFIGDIR
+
+
+def test_priority_classes_reach_the_pods(tmp_path):
+    """stagePods.priorityClassName for every stage pod; gpu.priorityClassName for the measuring (GPU) ones."""
+    assert "priorityClassName" not in pod_manifest("ingest")["spec"]  # none by default: the cluster's default
+    values = {"stagePods": {"priorityClassName": "embshard-batch", "gpu": {"priorityClassName": "embshard-measure"}}}
+    path = tmp_path / "stage-pods.yaml"
+    path.write_text(yaml.safe_dump(chart_stage_pods(values)))
+    config = k8s.load_pod_config(path)
+    for stage in k8s.STAGES:
+        pod = pod_manifest(stage, config)
+        kubernetes_validate.validate(pod, desired_version=KUBE_VERSION, strict=True)
+        want = "embshard-measure" if stage in GPU_STAGES else "embshard-batch"
+        assert pod["spec"]["priorityClassName"] == want, stage
+    path.write_text("gpu:\n  priorityClassName: embshard-measure\n")  # GPU pods only
+    config = k8s.load_pod_config(path)
+    assert pod_manifest("benchmark", config)["spec"]["priorityClassName"] == "embshard-measure"
+    assert "priorityClassName" not in pod_manifest("train_policy", config)["spec"]
+
+
+@pytest.mark.parametrize("text, field", [
+    ("priorityClassName: High_Priority\n", "priorityClassName"),
+    ("gpu:\n  priorityClassName: -measure\n", "gpu.priorityClassName"),
+    ("priorityClassName: 3\n", "priorityClassName"),
+])
+def test_a_bad_priority_class_is_a_one_line_error(tmp_path, text, field):
+    path = tmp_path / "pods.yaml"
+    path.write_text(text)
+    with pytest.raises(EmbshardError, match="PriorityClass") as err:
+        k8s.load_pod_config(path)
+    assert err.value.field == field and "\n" not in str(err.value)

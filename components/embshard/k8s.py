@@ -22,6 +22,8 @@ from .errors import EmbshardError
 CONFIG_ENV = "EMBSHARD_K8S_CONFIG"
 # Environment names that hold credentials (the chart's values.schema.json refuses the same in stagePods.env).
 CREDENTIAL_NAME = re.compile(r"(?i)(SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY)")
+# A PriorityClass name is a DNS subdomain (the chart's schema holds the same pattern).
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 # Stage names (`embshard stage NAME`; the outer loop's tasks run train_cost_model, train_policy and
 # measure_policy_plans with --round, under their own task ids).
@@ -54,6 +56,8 @@ POD_DEFAULTS: dict[str, Any] = {
     "serviceAccountName": "embshard-stage",
     "labels": {"app.kubernetes.io/name": "embshard", "app.kubernetes.io/component": "stage"},
     "annotations": {},
+    # A PriorityClass (created by the cluster admin) for every stage pod; empty: the cluster's default.
+    "priorityClassName": "",
     # In-cluster MLflow server of the chart (release "embshard" in namespace "embshard").
     "mlflowTrackingUri": "http://embshard-mlflow.embshard.svc.cluster.local:5000",
     # Plain, non-secret settings.
@@ -81,6 +85,9 @@ POD_DEFAULTS: dict[str, Any] = {
         # measure on one GPU type only, e.g. {"nvidia.com/gpu.product": "NVIDIA-H200"}.
         "nodeSelector": {},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        # The GPU (measuring) pods' PriorityClass; empty: the stage pods' one. A higher one lets measuring pods
+        # preempt others for GPU nodes; a lower one leaves them to run in the gaps.
+        "priorityClassName": "",
     },
     "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
                            "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
@@ -164,6 +171,11 @@ def _check(config: dict, source: str) -> dict:
                             field="mlflowTrackingUri",
                             fix="give the URI without them; MLflow reads MLFLOW_TRACKING_USERNAME/PASSWORD or "
                                 "MLFLOW_TRACKING_TOKEN from a Secret (secretEnv)")
+    for field, name in (("priorityClassName", config.get("priorityClassName")),
+                        ("gpu.priorityClassName", config["gpu"].get("priorityClassName"))):
+        if name and not (isinstance(name, str) and len(name) <= 253 and DNS_SUBDOMAIN.fullmatch(name)):
+            raise EmbshardError(f"{name!r} is not a PriorityClass name", path=source, field=field,
+                                fix="give a lowercase DNS name (a-z, 0-9, '-', '.'), e.g. embshard-measure, or ''")
     cap = config.get("maxBenchmarkPods", 0)
     if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
         raise EmbshardError(f"maxBenchmarkPods {cap!r} is not a count", path=source, field="maxBenchmarkPods",
@@ -243,7 +255,9 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
     limits = {k: str(v) for k, v in (spec.get("resources", {}).get("limits") or {}).items()}
     node_selector: dict[str, str] = {}
     tolerations: list[k8s.V1Toleration] = []
+    priority_class = config.get("priorityClassName") or None
     if spec.get("gpu"):
+        priority_class = gpu.get("priorityClassName") or priority_class
         # Extended resources must be requested and limited with the same whole number.
         requests[gpu["resourceName"]] = limits[gpu["resourceName"]] = str(int(gpu["count"]))
         node_selector = {k: str(v) for k, v in gpu.get("nodeSelector", {}).items()}
@@ -303,6 +317,7 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
         "container_resources": k8s.V1ResourceRequirements(requests=requests or None, limits=limits or None),
         "node_selector": node_selector,
         "tolerations": tolerations,
+        "priority_class_name": priority_class,
         "env_vars": env_vars,
         "env_from": env_from,
         "volumes": volumes,
