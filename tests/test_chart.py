@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "embshard"
 KUBE_VERSION = "1.33.0"  # a version kubernetes-validate ships schemas for, inside the chart's kubeVersion
 RELEASE, NAMESPACE = "embshard", "embshard"
+DIGEST = "sha256:" + "0123456789abcdef" * 4
 
 PROFILES = {
     "defaults": {},
@@ -30,9 +31,13 @@ PROFILES = {
                             "artifactsDestination": "s3://company-mlflow/embshard"},
                  "rbac": {"create": False}, "serviceAccount": {"create": False},
                  "storage": {"pvc": {"create": False}}},
-    # The optional hardening: PriorityClasses for the stage and the measuring pods.
+    # The optional hardening: PriorityClasses for the stage and the measuring pods, images by digest.
     "hardened": {"stagePods": {"priorityClassName": "embshard-batch",
-                               "gpu": {"priorityClassName": "embshard-measure"}}},
+                               "image": f"ghcr.io/embshard/embshard-cuda@{DIGEST}",
+                               "gpu": {"priorityClassName": "embshard-measure"}},
+                 "mlflow": {"image": f"ghcr.io/mlflow/mlflow:v3.17.2-full@{DIGEST}"},
+                 "postgres": {"image": f"postgres:17.6-bookworm@{DIGEST}"},
+                 "minio": {"image": f"quay.io/minio/minio@{DIGEST}", "mcImage": f"quay.io/minio/mc@{DIGEST}"}},
     # No MLflow in the chart at all: stages use an existing tracking server.
     "no-mlflow": {"mlflow": {"enabled": False}, "postgres": {"enabled": False}, "minio": {"enabled": False},
                   "stagePods": {"mlflowTrackingUri": "https://mlflow.example.com",
@@ -90,6 +95,12 @@ def test_validation_is_not_vacuous():
     obj["spec"]["template"]["spec"]["containers"][0]["resource"] = {}  # a typo'd field
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(obj, desired_version=KUBE_VERSION, strict=True)
+
+
+def test_images_by_digest_reach_every_workload():
+    for obj in objects(PROFILES["hardened"]):
+        for c in _containers(obj):
+            assert c["image"].endswith(f"@{DIGEST}"), (obj["metadata"]["name"], c["name"])
 
 
 def test_default_install_has_every_piece():

@@ -395,3 +395,62 @@ def test_a_bad_priority_class_is_a_one_line_error(tmp_path, text, field):
     with pytest.raises(EmbshardError, match="PriorityClass") as err:
         k8s.load_pod_config(path)
     assert err.value.field == field and "\n" not in str(err.value)
+
+
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+
+
+def test_images_may_be_pinned_by_digest(tmp_path):
+    """An image by digest (optionally with its tag) reaches the pods verbatim; a digest never moves, as tags do."""
+    values = {"stagePods": {"image": f"registry.example.com/ml/embshard-cuda@{DIGEST}",
+                            "stages": {"ingest": {"gpu": False, "resources": {},
+                                                  "image": f"registry.example.com/ml/embshard-cpu:0.1.0@{DIGEST}"}}}}
+    path = tmp_path / "stage-pods.yaml"
+    path.write_text(yaml.safe_dump(chart_stage_pods(values)))
+    config = k8s.load_pod_config(path)
+    bench, ingest = pod_manifest("benchmark", config), pod_manifest("ingest", config)
+    for pod in (bench, ingest):
+        kubernetes_validate.validate(pod, desired_version=KUBE_VERSION, strict=True)
+    assert bench["spec"]["containers"][0]["image"] == f"registry.example.com/ml/embshard-cuda@{DIGEST}"
+    assert ingest["spec"]["containers"][0]["image"] == f"registry.example.com/ml/embshard-cpu:0.1.0@{DIGEST}"
+
+
+def test_the_chart_schema_checks_images_as_k8s_does():
+    import json
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    image = schema["definitions"]["image"]
+    assert image["pattern"] == f"^{k8s.IMAGE_NAME.pattern}(?:@.*)?$"
+    # the digest on its own, so that a bad one is named as such ("does not match pattern '@sha256:...'")
+    assert image["if"] == {"pattern": "@"} and image["then"] == {"pattern": f"@{k8s.DIGEST.pattern}$"}
+    for ref in (k8s.POD_DEFAULTS["image"], "postgres:17.6-bookworm", "localhost:5000/embshard:1",
+                "quay.io/minio/minio:RELEASE.2025-09-07T16-13-09Z", f"ghcr.io/mlflow/mlflow:v3.17.2-full@{DIGEST}"):
+        k8s._check_image(ref, "test", "image")
+
+
+BAD_IMAGES = [
+    (f"ghcr.io/embshard/embshard-cuda@{DIGEST[:-1]}", "digest"),  # 63 hex digits
+    (f"ghcr.io/embshard/embshard-cuda@{DIGEST.upper()}", "digest"),
+    ("ghcr.io/embshard/embshard-cuda@md5:0123456789abcdef0123456789abcdef", "digest"),
+    ("ghcr.io/embshard/embshard-cuda@", "digest"),
+    ("ghcr.io/embshard/embshard-cuda:", "not an image reference"),
+    ("ghcr.io/embshard/Embshard-cuda:0.1.0", "not an image reference"),
+    ("ghcr.io/embshard/embshard cuda:0.1.0", "not an image reference"),
+]
+
+
+@pytest.mark.parametrize("image, match", BAD_IMAGES)
+def test_a_malformed_image_is_a_one_line_error(tmp_path, image, match):
+    path = tmp_path / "pods.yaml"
+    for text, field in ((yaml.safe_dump({"image": image}), "image"),
+                        (yaml.safe_dump({"stages": {"ingest": {"image": image}}}), "stages.ingest.image")):
+        path.write_text(text)
+        with pytest.raises(EmbshardError, match=match) as err:
+            k8s.load_pod_config(path)
+        assert err.value.field == field and "\n" not in str(err.value) and "@sha256:" in err.value.fix
+    with helm.Chart.load(CHART) as chart:  # the chart refuses it before anything is installed
+        for values in ({"stagePods": {"image": image}}, {"mlflow": {"image": image}}):
+            with pytest.raises(helm.HelmValuesError, match="image") as err:
+                chart.validate_schema(values)
+            if match == "digest":
+                assert "@sha256:[a-f0-9]{64}$" in str(err.value)

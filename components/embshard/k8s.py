@@ -22,6 +22,11 @@ from .errors import EmbshardError
 CONFIG_ENV = "EMBSHARD_K8S_CONFIG"
 # Environment names that hold credentials (the chart's values.schema.json refuses the same in stagePods.env).
 CREDENTIAL_NAME = re.compile(r"(?i)(SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY)")
+# An image reference, [registry[:port]/]path[:tag][@sha256:<64 hex>]: a digest pins the exact image (the chart's
+# schema holds the same pattern).
+IMAGE_NAME = re.compile(r"(?:[A-Za-z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+                        r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?")
+DIGEST = re.compile(r"sha256:[a-f0-9]{64}")
 # A PriorityClass name is a DNS subdomain (the chart's schema holds the same pattern).
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
@@ -147,6 +152,7 @@ def _check(config: dict, source: str) -> dict:
     if not config.get("image"):
         raise EmbshardError("no image set", path=source, field="image",
                             fix="set the embshard image, e.g. <registry>/embshard-cuda:0.1.0")
+    _check_image(config["image"], source, "image")
     for stage, spec in config["stages"].items():
         if stage not in STAGES:
             raise EmbshardError(f"unknown stage '{stage}'", path=source, field="stages",
@@ -154,6 +160,8 @@ def _check(config: dict, source: str) -> dict:
         if not isinstance(spec, dict) or not isinstance(spec.get("resources", {}), dict):
             raise EmbshardError("a stage needs a mapping with 'gpu' and 'resources'", path=source,
                                 field=f"stages.{stage}")
+        if spec.get("image"):
+            _check_image(spec["image"], source, f"stages.{stage}.image")
     storage = config["storage"]
     if storage.get("type") not in ("pvc", "bucket"):
         raise EmbshardError(f"storage type '{storage.get('type')}' is not supported", path=source,
@@ -204,6 +212,18 @@ def _check(config: dict, source: str) -> dict:
             raise EmbshardError("each secretEnv entry needs name, secretName and key", path=source,
                                 field="secretEnv")
     return config
+
+
+def _check_image(ref: Any, source: str, field: str) -> None:
+    """A malformed reference fails here in one line, not as a pod stuck in InvalidImageName."""
+    ref = str(ref)
+    digest = ref.partition("@")[2]
+    if "@" in ref and not DIGEST.fullmatch(digest):
+        raise EmbshardError(f"image digest {digest!r} is not sha256: and 64 lowercase hex digits", path=source,
+                            field=field, fix="pin as <image>@sha256:<digest>, the digest `docker push` printed")
+    if not IMAGE_NAME.fullmatch(ref.partition("@")[0]):
+        raise EmbshardError(f"{ref!r} is not an image reference", path=source, field=field,
+                            fix="give <registry>/<name>:<tag> or <registry>/<name>[:<tag>]@sha256:<digest>")
 
 
 def load_pod_config(path: str | os.PathLike | None = None) -> dict:
