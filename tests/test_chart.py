@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "embshard"
 KUBE_VERSION = "1.33.0"  # a version kubernetes-validate ships schemas for, inside the chart's kubeVersion
 RELEASE, NAMESPACE = "embshard", "embshard"
+DIGEST = "sha256:" + "0123456789abcdef" * 4
 
 PROFILES = {
     "defaults": {},
@@ -30,6 +31,17 @@ PROFILES = {
                             "artifactsDestination": "s3://company-mlflow/embshard"},
                  "rbac": {"create": False}, "serviceAccount": {"create": False},
                  "storage": {"pvc": {"create": False}}},
+    # The optional hardening: PriorityClasses for the stage and the measuring pods, images by digest,
+    # NetworkPolicies.
+    "hardened": {"networkPolicy": {"enabled": True, "apiServer": {"cidrs": ["10.0.0.1/32"]},
+                                   "mlflowFrom": [{"namespaceSelector": {"matchLabels": {
+                                       "kubernetes.io/metadata.name": "ingress-nginx"}}}]},
+                 "stagePods": {"priorityClassName": "embshard-batch",
+                               "image": f"ghcr.io/embshard/embshard-cuda@{DIGEST}",
+                               "gpu": {"priorityClassName": "embshard-measure"}},
+                 "mlflow": {"image": f"ghcr.io/mlflow/mlflow:v3.17.2-full@{DIGEST}"},
+                 "postgres": {"image": f"postgres:17.6-bookworm@{DIGEST}"},
+                 "minio": {"image": f"quay.io/minio/minio@{DIGEST}", "mcImage": f"quay.io/minio/mc@{DIGEST}"}},
     # No MLflow in the chart at all: stages use an existing tracking server.
     "no-mlflow": {"mlflow": {"enabled": False}, "postgres": {"enabled": False}, "minio": {"enabled": False},
                   "stagePods": {"mlflowTrackingUri": "https://mlflow.example.com",
@@ -87,6 +99,12 @@ def test_validation_is_not_vacuous():
     obj["spec"]["template"]["spec"]["containers"][0]["resource"] = {}  # a typo'd field
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(obj, desired_version=KUBE_VERSION, strict=True)
+
+
+def test_images_by_digest_reach_every_workload():
+    for obj in objects(PROFILES["hardened"]):
+        for c in _containers(obj):
+            assert c["image"].endswith(f"@{DIGEST}"), (obj["metadata"]["name"], c["name"])
 
 
 def test_default_install_has_every_piece():
@@ -182,6 +200,11 @@ def test_missing_backend_store_is_a_clear_render_error():
     ({"stagePods": {"storage": {"type": "bucket", "dataRoot": "file:///data"}}}, "s3://"),
     ({"stagePods": {"gpu": {"count": 0}}}, "count"),
     ({"mlflow": {"password": "x"}}, "password"),
+    ({"stagePods": {"priorityClassName": "High_Priority"}}, "priorityClassName"),
+    ({"stagePods": {"gpu": {"priorityClassName": "measure."}}}, "priorityClassName"),
+    ({"networkPolicy": {"enabled": True, "apiServer": {"cidrs": ["10.0.0.1"]}}}, "cidrs"),
+    ({"networkPolicy": {"dns": {"namespaceSelector": {}, "podSelector": {}, "ports": [0]}}}, "ports"),
+    ({"networkPolicy": {"enable": True}}, "enable"),
 ])
 def test_schema_rejects_bad_values(bad, where):
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match=where):
@@ -213,3 +236,155 @@ def test_airflow_values_wire_the_kubernetes_runner_to_this_chart():
     assert env["EMBSHARD_K8S_CONFIG"] == f"{mount['mountPath']}/{key}"
     # Data root and MLflow URI come from the mounted stage-pods file only, never from a second setting.
     assert "EMBSHARD_DATA_ROOT" not in env and "MLFLOW_TRACKING_URI" not in env
+
+
+def _containers(obj: dict) -> list[dict]:
+    spec = obj.get("spec", {}).get("template", {}).get("spec") or {}
+    return spec.get("containers", []) + spec.get("initContainers", [])
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_a_read_only_root_always_has_a_writable_tmp(profile):
+    """A container with readOnlyRootFilesystem writes its HOME, caches and temp files to an emptyDir at /tmp."""
+    for obj in objects(PROFILES[profile]):
+        spec = obj.get("spec", {}).get("template", {}).get("spec") or {}
+        empty_dirs = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v}
+        for c in _containers(obj):
+            if (c.get("securityContext") or {}).get("readOnlyRootFilesystem"):
+                mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+                assert mounts.get("/tmp") in empty_dirs, (obj["metadata"]["name"], c["name"])
+                home = {e["name"]: e.get("value") for e in c.get("env", [])}.get("HOME")
+                assert home == "/tmp", (obj["metadata"]["name"], c["name"])
+
+
+def test_mlflow_runs_on_a_read_only_root():
+    mlflow = by_kind(objects(), "Deployment")["embshard-mlflow"]
+    (container,) = _containers(mlflow)
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    # The stage pods' settings ask for it too (the pods themselves: tests/test_k8s_pods.py).
+    config = yaml.safe_load(by_kind(objects(), "ConfigMap")["embshard-stage-pods"]["data"]["stage-pods.yaml"])
+    assert config["containerSecurityContext"]["readOnlyRootFilesystem"] is True
+
+
+# --- NetworkPolicy: who may talk to whom, evaluated on the rendered policies -------------------------------------
+def _selects(selector: dict, labels: dict) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions In/NotIn/Exists/DoesNotExist) on labels."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        have = e["key"] in labels
+        ok = {"Exists": have, "DoesNotExist": not have, "In": have and labels[e["key"]] in e.get("values", []),
+              "NotIn": not have or labels[e["key"]] not in e.get("values", [])}[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def _peer_admits(peer: dict, labels: dict, namespace: str, ns_labels: dict) -> bool:
+    if "ipBlock" in peer:
+        return False  # pods are not addressed by CIDR here
+    if "namespaceSelector" in peer:
+        if not _selects(peer["namespaceSelector"], ns_labels):
+            return False
+    elif namespace != NAMESPACE:
+        return False  # a bare podSelector means the policy's own namespace
+    return _selects(peer.get("podSelector", {}), labels)
+
+
+def _rules_admit(rules: list[dict], peers_key: str, labels: dict, port: int, namespace: str, ns_labels: dict) -> bool:
+    for rule in rules:
+        if rule.get("ports") and not any(p.get("port") == port for p in rule["ports"]):
+            continue
+        if not rule.get(peers_key) or any(_peer_admits(peer, labels, namespace, ns_labels)
+                                          for peer in rule[peers_key]):
+            return True
+    return False
+
+
+def can_connect(policies: list[dict], src: dict, dst: dict, port: int, src_namespace: str = NAMESPACE,
+                dst_namespace: str = NAMESPACE) -> bool:
+    """Whether the policies (all in NAMESPACE) let a pod labelled `src` open `port` on a pod labelled `dst`."""
+    ns_labels = {"src": {"kubernetes.io/metadata.name": src_namespace},
+                 "dst": {"kubernetes.io/metadata.name": dst_namespace}}
+    for direction, pod, other, other_ns, peers_key in (("Egress", src, dst, dst_namespace, "to"),
+                                                       ("Ingress", dst, src, src_namespace, "from")):
+        own_ns = src_namespace if direction == "Egress" else dst_namespace
+        applying = [p["spec"] for p in policies if own_ns == NAMESPACE and direction in p["spec"]["policyTypes"]
+                    and _selects(p["spec"]["podSelector"], pod)]
+        key = "egress" if direction == "Egress" else "ingress"
+        if applying and not any(_rules_admit(spec.get(key) or [], peers_key, other, port, other_ns,
+                                             ns_labels["dst" if direction == "Egress" else "src"])
+                                for spec in applying):
+            return False
+    return True
+
+
+def _pod_labels(objs: list[dict], kind: str, name: str) -> dict:
+    return by_kind(objs, kind)[name]["spec"]["template"]["metadata"]["labels"]
+
+
+def test_network_policies_are_off_by_default():
+    assert not any(o["kind"] == "NetworkPolicy" for o in objects())
+
+
+def test_network_policies_let_only_the_release_talk_to_its_services():
+    from embshard import k8s
+
+    objs = objects(PROFILES["hardened"])
+    policies = list(by_kind(objs, "NetworkPolicy").values())
+    assert {p["metadata"]["name"] for p in policies} == {
+        "embshard-stage-pods", "embshard-mlflow", "embshard-postgres", "embshard-minio"}
+    stage = k8s.pod_operator_kwargs("benchmark", ["bench"])["labels"]  # what the DAG's pods carry
+    mlflow = _pod_labels(objs, "Deployment", "embshard-mlflow")
+    postgres = _pod_labels(objs, "StatefulSet", "embshard-postgres")
+    minio = _pod_labels(objs, "Deployment", "embshard-minio")
+    buckets = _pod_labels(objs, "Job", "embshard-minio-buckets")
+    dns = {"k8s-app": "kube-dns"}
+    other = {"app": "someone-else"}  # any other pod of the namespace
+
+    # stage pods: MLflow, MinIO (S3) and DNS only
+    assert can_connect(policies, stage, mlflow, 5000) and can_connect(policies, stage, minio, 9000)
+    assert can_connect(policies, stage, dns, 53, dst_namespace="kube-system")
+    assert not can_connect(policies, stage, postgres, 5432) and not can_connect(policies, stage, minio, 9001)
+    assert not can_connect(policies, stage, other, 8080)
+    assert not can_connect(policies, stage, {"k8s-app": "kube-dns"}, 53, dst_namespace="elsewhere")
+    # the services accept only the release's pods
+    assert can_connect(policies, mlflow, postgres, 5432)
+    assert can_connect(policies, mlflow, minio, 9000) and can_connect(policies, buckets, minio, 9000)
+    for service, port in ((mlflow, 5000), (postgres, 5432), (minio, 9000)):
+        assert not can_connect(policies, other, service, port), service
+        assert not can_connect(policies, stage, service, port, src_namespace="elsewhere"), service
+    assert not can_connect(policies, other, stage, 8080)  # stage pods accept nothing
+    # mlflowFrom adds peers: an ingress controller's namespace
+    assert can_connect(policies, {"app": "nginx"}, mlflow, 5000, src_namespace="ingress-nginx")
+    # the API server by its CIDR, on the given ports
+    stage_policy = by_kind(objs, "NetworkPolicy")["embshard-stage-pods"]["spec"]
+    api = [r for r in stage_policy["egress"] if any("ipBlock" in t for t in r["to"])]
+    assert api == [{"to": [{"ipBlock": {"cidr": "10.0.0.1/32"}}],
+                    "ports": [{"protocol": "TCP", "port": 443}, {"protocol": "TCP", "port": 6443}]}]
+
+
+def test_network_policy_evaluator_is_not_vacuous():
+    """Without the policies everything connects; a policy for MLflow alone shuts out only who it does not name."""
+    assert can_connect([], {"app": "x"}, {"app": "y"}, 1)
+    objs = objects(PROFILES["hardened"])
+    mlflow_only = [by_kind(objs, "NetworkPolicy")["embshard-mlflow"]]
+    postgres = _pod_labels(objs, "StatefulSet", "embshard-postgres")
+    assert can_connect(mlflow_only, {"app": "x"}, postgres, 5432)
+    assert not can_connect(mlflow_only, {"app": "x"}, _pod_labels(objs, "Deployment", "embshard-mlflow"), 5000)
+
+
+def test_network_policies_without_a_way_out_are_a_render_error():
+    """An external MLflow or S3 is not a pod of the release: the stage pods need a rule to reach it."""
+    on = {"enabled": True}
+    with pytest.raises(helm.HelmError, match="networkPolicy.stageEgress"):
+        render({**PROFILES["no-mlflow"], "networkPolicy": on})
+    with pytest.raises(helm.HelmError, match="S3 endpoint"):
+        render({"minio": {"enabled": False}, "networkPolicy": on,
+                "stagePods": {"storage": {"type": "bucket", "dataRoot": "s3://bucket/runs"}}})
+    egress = [{"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"protocol": "TCP", "port": 443}]}]
+    objs = objects({**PROFILES["no-mlflow"], "networkPolicy": {**on, "stageEgress": egress}})
+    (policy,) = by_kind(objs, "NetworkPolicy").values()
+    assert policy["spec"]["egress"][-1] == egress[0]
+    for obj in objs:
+        kubernetes_validate.validate(obj, desired_version=KUBE_VERSION, strict=True)

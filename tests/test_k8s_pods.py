@@ -77,10 +77,15 @@ def test_stage_pod_is_a_valid_kubernetes_pod(stage):
     assert env["MLFLOW_TRACKING_URI"]["value"] == "http://embshard-mlflow.embshard.svc.cluster.local:5000"
     assert env["EMBSHARD_DATA_ROOT"]["value"] == "file:///data/embshard"
     assert container["envFrom"] == [{"secretRef": {"name": "embshard-credentials", "optional": True}}]
-    # The shared volume the stages exchange Parquet through.
-    assert container["volumeMounts"] == [{"name": "embshard-data", "mountPath": "/data"}]
-    assert pod["spec"]["volumes"] == [{"name": "embshard-data",
+    # The shared volume the stages exchange Parquet through, and the scratch folder of a read-only root.
+    assert container["volumeMounts"] == [{"name": "scratch", "mountPath": "/tmp"},
+                                         {"name": "embshard-data", "mountPath": "/data"}]
+    assert pod["spec"]["volumes"] == [{"name": "scratch", "emptyDir": {}},
+                                      {"name": "embshard-data",
                                        "persistentVolumeClaim": {"claimName": "embshard-data"}}]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    for name, value in k8s.SCRATCH_ENV.items():  # every home, cache and config on the scratch folder
+        assert env[name]["value"] == value and (value == "1" or value.startswith("/tmp")), name
 
 
 @pytest.mark.parametrize("stage", k8s.STAGES)
@@ -154,7 +159,9 @@ def test_chart_configmap_drives_the_pods(tmp_path, monkeypatch):
     assert container["resources"]["limits"][GPU] == "2"
     assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
     assert len(spec["tolerations"]) == 2
-    assert not spec.get("volumes") and not container.get("volumeMounts")  # bucket: nothing to mount
+    # bucket: no data volume, only the scratch folder
+    assert [v["name"] for v in spec["volumes"]] == ["scratch"]
+    assert container["volumeMounts"] == [{"name": "scratch", "mountPath": "/tmp"}]
     env = {e["name"]: e for e in container["env"]}
     assert env["EMBSHARD_DATA_ROOT"]["value"] == "s3://embshard/runs"
     assert env["AWS_ENDPOINT_URL"]["value"] == "http://embshard-minio.ml.svc.cluster.local:9000"
@@ -227,6 +234,10 @@ def test_a_data_root_off_the_mounted_volume_is_refused(tmp_path):
     path.write_text("storage:\n  mountPath: ''\n")
     with pytest.raises(EmbshardError, match="mount path"):
         k8s.load_pod_config(path)
+    path.write_text("storage:\n  mountPath: /tmp/\n  dataRoot: file:///tmp/embshard\n")  # the scratch emptyDir
+    with pytest.raises(EmbshardError, match="scratch") as err:
+        k8s.load_pod_config(path)
+    assert err.value.field == "storage.mountPath"
     path.write_text("maxBenchmarkPods: -1\n")
     with pytest.raises(EmbshardError, match="maxBenchmarkPods"):
         k8s.load_pod_config(path)
@@ -282,3 +293,164 @@ def test_credentials_in_the_pod_settings_file_are_refused(tmp_path, text, field)
     assert err.value.field == field
     path.write_text("env:\n  LOG_LEVEL: info\nmlflowTrackingUri: https://mlflow.example.com:5000/x@y\n")
     assert k8s.load_pod_config(path)["env"]["LOG_LEVEL"] == "info"  # plain settings and an '@' in the path pass
+
+
+def test_the_xcom_sidecar_runs_on_a_read_only_root_too():
+    """It only sleeps; the stage writes the XCom on the operator's own emptyDir (/airflow/xcom)."""
+    from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+    from airflow.sdk import DAG
+    from kubernetes.client import ApiClient
+
+    with DAG("embshard_pods_xcom_ro", schedule=None, start_date=dt.datetime(2026, 1, 1)):
+        op = KubernetesPodOperator(task_id="sample_shards", **{
+            **k8s.pod_operator_kwargs("sample_shards", ARGS["sample_shards"]), "do_xcom_push": True})
+    pod = ApiClient().sanitize_for_serialization(op.build_pod_request_obj(dry_run=True))
+    base, sidecar = pod["spec"]["containers"]
+    assert base["securityContext"]["readOnlyRootFilesystem"] is sidecar["securityContext"]["readOnlyRootFilesystem"]
+    assert {"name": "xcom", "mountPath": "/airflow/xcom"} in base["volumeMounts"]
+
+
+def test_the_scratch_env_can_be_overridden(tmp_path):
+    path = tmp_path / "pods.yaml"
+    path.write_text("env:\n  TRITON_CACHE_DIR: /data/triton\n")  # e.g. keep compiled kernels across runs
+    env = {e.name: e.value for e in k8s.pod_operator_kwargs("benchmark", ["bench"], k8s.load_pod_config(path))
+           ["env_vars"]}
+    assert env["TRITON_CACHE_DIR"] == "/data/triton" and env["HOME"] == "/tmp"
+
+
+def _read_only_root_works() -> bool:
+    import shutil
+    import subprocess
+
+    return bool(shutil.which("unshare")) and subprocess.run(
+        ["unshare", "-rm", "sh", "-c", "mount -o remount,bind,ro / && mount -t tmpfs tmpfs /tmp"],
+        capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _read_only_root_works(), reason="needs unprivileged user and mount namespaces")
+def test_stage_commands_run_on_a_read_only_root(tmp_path):
+    """A read-only root as the pod has it, without a container: a private mount namespace remounts / read-only,
+    a fresh tmpfs stands for the /tmp emptyDir and the data folder is bound at /mnt. With the pod's scratch
+    environment, ingest and place (pandas, pyarrow, matplotlib) and MLflow logging (torch imported) succeed, and
+    matplotlib keeps its cache where MPLCONFIGDIR says, not in a new temp folder per process."""
+    import os
+    import subprocess
+    import sys
+
+    pod_env = {e.name: e.value for e in k8s.pod_operator_kwargs("train_cost_model", ["train-cost"])["env_vars"]}
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+           "PYTHONPATH": str(Path(k8s.__file__).resolve().parents[1]),
+           **{name: pod_env[name] for name in k8s.SCRATCH_ENV}}
+    script = """set -e
+mount --bind "$DATA" /mnt && mount -t tmpfs tmpfs /tmp && mount -o remount,bind,ro / && cd /
+if touch /probe 2>/dev/null; then echo "the root is writable" >&2; exit 9; fi
+embshard ingest --source synthetic --num-tables 6 --out file:///mnt/run --no-progress
+embshard place --tables /mnt/run/tables.parquet --devices 2 --memory-gb 16 --planner size_greedy --out /mnt/plan
+python -c '
+import mlflow, torch
+mlflow.set_tracking_uri("sqlite:////mnt/mlflow.db")
+experiment = mlflow.create_experiment("ro", artifact_location="file:///mnt/artifacts")
+with mlflow.start_run(experiment_id=experiment):
+    mlflow.log_metric("m", float(torch.ones(2).sum()))
+    mlflow.log_artifact("/mnt/plan/devices.png")
+'
+ls -A "$MPLCONFIGDIR" > /mnt/mplconfig.txt
+"""
+    data = tmp_path / "data"
+    data.mkdir()
+    env["DATA"] = str(data)
+    proc = subprocess.run(["unshare", "-rmpf", "--mount-proc", "sh", "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (data / "plan" / "devices.png").exists() and os.listdir(data / "artifacts")
+    assert (data / "mplconfig.txt").read_text().strip()  # the font cache, in MPLCONFIGDIR
+
+
+def test_priority_classes_reach_the_pods(tmp_path):
+    """stagePods.priorityClassName for every stage pod; gpu.priorityClassName for the measuring (GPU) ones."""
+    assert "priorityClassName" not in pod_manifest("ingest")["spec"]  # none by default: the cluster's default
+    values = {"stagePods": {"priorityClassName": "embshard-batch", "gpu": {"priorityClassName": "embshard-measure"}}}
+    path = tmp_path / "stage-pods.yaml"
+    path.write_text(yaml.safe_dump(chart_stage_pods(values)))
+    config = k8s.load_pod_config(path)
+    for stage in k8s.STAGES:
+        pod = pod_manifest(stage, config)
+        kubernetes_validate.validate(pod, desired_version=KUBE_VERSION, strict=True)
+        want = "embshard-measure" if stage in GPU_STAGES else "embshard-batch"
+        assert pod["spec"]["priorityClassName"] == want, stage
+    path.write_text("gpu:\n  priorityClassName: embshard-measure\n")  # GPU pods only
+    config = k8s.load_pod_config(path)
+    assert pod_manifest("benchmark", config)["spec"]["priorityClassName"] == "embshard-measure"
+    assert "priorityClassName" not in pod_manifest("train_policy", config)["spec"]
+
+
+@pytest.mark.parametrize("text, field", [
+    ("priorityClassName: High_Priority\n", "priorityClassName"),
+    ("gpu:\n  priorityClassName: -measure\n", "gpu.priorityClassName"),
+    ("priorityClassName: 3\n", "priorityClassName"),
+])
+def test_a_bad_priority_class_is_a_one_line_error(tmp_path, text, field):
+    path = tmp_path / "pods.yaml"
+    path.write_text(text)
+    with pytest.raises(EmbshardError, match="PriorityClass") as err:
+        k8s.load_pod_config(path)
+    assert err.value.field == field and "\n" not in str(err.value)
+
+
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+
+
+def test_images_may_be_pinned_by_digest(tmp_path):
+    """An image by digest (optionally with its tag) reaches the pods verbatim; a digest never moves, as tags do."""
+    values = {"stagePods": {"image": f"registry.example.com/ml/embshard-cuda@{DIGEST}",
+                            "stages": {"ingest": {"gpu": False, "resources": {},
+                                                  "image": f"registry.example.com/ml/embshard-cpu:0.1.0@{DIGEST}"}}}}
+    path = tmp_path / "stage-pods.yaml"
+    path.write_text(yaml.safe_dump(chart_stage_pods(values)))
+    config = k8s.load_pod_config(path)
+    bench, ingest = pod_manifest("benchmark", config), pod_manifest("ingest", config)
+    for pod in (bench, ingest):
+        kubernetes_validate.validate(pod, desired_version=KUBE_VERSION, strict=True)
+    assert bench["spec"]["containers"][0]["image"] == f"registry.example.com/ml/embshard-cuda@{DIGEST}"
+    assert ingest["spec"]["containers"][0]["image"] == f"registry.example.com/ml/embshard-cpu:0.1.0@{DIGEST}"
+
+
+def test_the_chart_schema_checks_images_as_k8s_does():
+    import json
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    image = schema["definitions"]["image"]
+    assert image["pattern"] == f"^{k8s.IMAGE_NAME.pattern}(?:@.*)?$"
+    # the digest on its own, so that a bad one is named as such ("does not match pattern '@sha256:...'")
+    assert image["if"] == {"pattern": "@"} and image["then"] == {"pattern": f"@{k8s.DIGEST.pattern}$"}
+    for ref in (k8s.POD_DEFAULTS["image"], "postgres:17.6-bookworm", "localhost:5000/embshard:1",
+                "quay.io/minio/minio:RELEASE.2025-09-07T16-13-09Z", f"ghcr.io/mlflow/mlflow:v3.17.2-full@{DIGEST}"):
+        k8s._check_image(ref, "test", "image")
+
+
+BAD_IMAGES = [
+    (f"ghcr.io/embshard/embshard-cuda@{DIGEST[:-1]}", "digest"),  # 63 hex digits
+    (f"ghcr.io/embshard/embshard-cuda@{DIGEST.upper()}", "digest"),
+    ("ghcr.io/embshard/embshard-cuda@md5:0123456789abcdef0123456789abcdef", "digest"),
+    ("ghcr.io/embshard/embshard-cuda@", "digest"),
+    ("ghcr.io/embshard/embshard-cuda:", "not an image reference"),
+    ("ghcr.io/embshard/Embshard-cuda:0.1.0", "not an image reference"),
+    ("ghcr.io/embshard/embshard cuda:0.1.0", "not an image reference"),
+]
+
+
+@pytest.mark.parametrize("image, match", BAD_IMAGES)
+def test_a_malformed_image_is_a_one_line_error(tmp_path, image, match):
+    path = tmp_path / "pods.yaml"
+    for text, field in ((yaml.safe_dump({"image": image}), "image"),
+                        (yaml.safe_dump({"stages": {"ingest": {"image": image}}}), "stages.ingest.image")):
+        path.write_text(text)
+        with pytest.raises(EmbshardError, match=match) as err:
+            k8s.load_pod_config(path)
+        assert err.value.field == field and "\n" not in str(err.value) and "@sha256:" in err.value.fix
+    with helm.Chart.load(CHART) as chart:  # the chart refuses it before anything is installed
+        for values in ({"stagePods": {"image": image}}, {"mlflow": {"image": image}}):
+            with pytest.raises(helm.HelmValuesError, match="image") as err:
+                chart.validate_schema(values)
+            if match == "digest":
+                assert "@sha256:[a-f0-9]{64}$" in str(err.value)

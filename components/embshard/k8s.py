@@ -22,11 +22,35 @@ from .errors import EmbshardError
 CONFIG_ENV = "EMBSHARD_K8S_CONFIG"
 # Environment names that hold credentials (the chart's values.schema.json refuses the same in stagePods.env).
 CREDENTIAL_NAME = re.compile(r"(?i)(SECRET|PASSWORD|TOKEN|ACCESS_KEY|API_KEY)")
+# An image reference, [registry[:port]/]path[:tag][@sha256:<64 hex>]: a digest pins the exact image (the chart's
+# schema holds the same pattern).
+IMAGE_NAME = re.compile(r"(?:[A-Za-z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+                        r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?")
+DIGEST = re.compile(r"sha256:[a-f0-9]{64}")
+# A PriorityClass name is a DNS subdomain (the chart's schema holds the same pattern).
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 # Stage names (`embshard stage NAME`; the outer loop's tasks run train_cost_model, train_policy and
 # measure_policy_plans with --round, under their own task ids).
 STAGES = ("ingest", "sample_shards", "benchmark", "train_cost_model", "train_policy", "measure_policy_plans",
           "evaluate_and_promote", "export_placements")
+
+# The stage container's root filesystem is read-only (containerSecurityContext.readOnlyRootFilesystem): what a
+# stage writes besides its data goes to an emptyDir at SCRATCH (benchmark inputs, a decompressed trace, MLflow's
+# artifact staging), and these point every home, cache and config there. The image's home is read-only, so
+# without them matplotlib rebuilds its font cache in a new temp folder (with a warning) in every process.
+SCRATCH = "/tmp"
+SCRATCH_ENV = {
+    "HOME": SCRATCH,
+    "TMPDIR": SCRATCH,
+    "XDG_CACHE_HOME": f"{SCRATCH}/.cache",  # torch hub and kernels, fsspec
+    "XDG_CONFIG_HOME": f"{SCRATCH}/.config",
+    "MPLCONFIGDIR": f"{SCRATCH}/matplotlib",  # matplotlib's config and font cache
+    "TRITON_CACHE_DIR": f"{SCRATCH}/triton",  # kernels triton (and torch.compile) compile
+    "TORCHINDUCTOR_CACHE_DIR": f"{SCRATCH}/torchinductor",
+    "CUDA_CACHE_PATH": f"{SCRATCH}/.nv/ComputeCache",  # the driver's JIT cache of PTX kernels
+    "PYTHONDONTWRITEBYTECODE": "1",  # the images compile bytecode at build; none to write beside the code
+}
 
 # camelCase keys, as in the chart's values (`stagePods`), so the ConfigMap is this dict verbatim.
 POD_DEFAULTS: dict[str, Any] = {
@@ -37,6 +61,8 @@ POD_DEFAULTS: dict[str, Any] = {
     "serviceAccountName": "embshard-stage",
     "labels": {"app.kubernetes.io/name": "embshard", "app.kubernetes.io/component": "stage"},
     "annotations": {},
+    # A PriorityClass (created by the cluster admin) for every stage pod; empty: the cluster's default.
+    "priorityClassName": "",
     # In-cluster MLflow server of the chart (release "embshard" in namespace "embshard").
     "mlflowTrackingUri": "http://embshard-mlflow.embshard.svc.cluster.local:5000",
     # Plain, non-secret settings.
@@ -64,10 +90,15 @@ POD_DEFAULTS: dict[str, Any] = {
         # measure on one GPU type only, e.g. {"nvidia.com/gpu.product": "NVIDIA-H200"}.
         "nodeSelector": {},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        # The GPU (measuring) pods' PriorityClass; empty: the stage pods' one. A higher one lets measuring pods
+        # preempt others for GPU nodes; a lower one leaves them to run in the gaps.
+        "priorityClassName": "",
     },
     "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
                            "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
-    "containerSecurityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    # Read-only root: the stage writes only to its data (volume or bucket) and the emptyDir at SCRATCH.
+    "containerSecurityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                                 "readOnlyRootFilesystem": True},
     "startupTimeoutSeconds": 900,  # GPU nodes may scale up from zero and pull a multi-GB image
     # Benchmark chunk pods of one run at a time (each holds gpu.count GPUs); 0: as many as there are chunks.
     "maxBenchmarkPods": 0,
@@ -121,6 +152,7 @@ def _check(config: dict, source: str) -> dict:
     if not config.get("image"):
         raise EmbshardError("no image set", path=source, field="image",
                             fix="set the embshard image, e.g. <registry>/embshard-cuda:0.1.0")
+    _check_image(config["image"], source, "image")
     for stage, spec in config["stages"].items():
         if stage not in STAGES:
             raise EmbshardError(f"unknown stage '{stage}'", path=source, field="stages",
@@ -128,6 +160,8 @@ def _check(config: dict, source: str) -> dict:
         if not isinstance(spec, dict) or not isinstance(spec.get("resources", {}), dict):
             raise EmbshardError("a stage needs a mapping with 'gpu' and 'resources'", path=source,
                                 field=f"stages.{stage}")
+        if spec.get("image"):
+            _check_image(spec["image"], source, f"stages.{stage}.image")
     storage = config["storage"]
     if storage.get("type") not in ("pvc", "bucket"):
         raise EmbshardError(f"storage type '{storage.get('type')}' is not supported", path=source,
@@ -145,6 +179,11 @@ def _check(config: dict, source: str) -> dict:
                             field="mlflowTrackingUri",
                             fix="give the URI without them; MLflow reads MLFLOW_TRACKING_USERNAME/PASSWORD or "
                                 "MLFLOW_TRACKING_TOKEN from a Secret (secretEnv)")
+    for field, name in (("priorityClassName", config.get("priorityClassName")),
+                        ("gpu.priorityClassName", config["gpu"].get("priorityClassName"))):
+        if name and not (isinstance(name, str) and len(name) <= 253 and DNS_SUBDOMAIN.fullmatch(name)):
+            raise EmbshardError(f"{name!r} is not a PriorityClass name", path=source, field=field,
+                                fix="give a lowercase DNS name (a-z, 0-9, '-', '.'), e.g. embshard-measure, or ''")
     cap = config.get("maxBenchmarkPods", 0)
     if not isinstance(cap, int) or isinstance(cap, bool) or cap < 0:
         raise EmbshardError(f"maxBenchmarkPods {cap!r} is not a count", path=source, field="maxBenchmarkPods",
@@ -152,6 +191,9 @@ def _check(config: dict, source: str) -> dict:
     if storage["type"] == "pvc" and str(storage.get("mountPath", "")).strip("/") == "":
         raise EmbshardError("a pvc storage needs a mount path below /", path=source, field="storage.mountPath",
                             fix="e.g. /data")
+    if storage["type"] == "pvc" and "/" + str(storage.get("mountPath", "")).strip("/") == SCRATCH:
+        raise EmbshardError(f"{SCRATCH} is the pods' scratch folder (an emptyDir)", path=source,
+                            field="storage.mountPath", fix="mount the data volume elsewhere, e.g. /data")
     if storage["type"] == "pvc":
         # A data root outside the mount is each pod's own disk: a stage's outputs vanish with its pod and the
         # next stage fails with "missing stage output".
@@ -170,6 +212,18 @@ def _check(config: dict, source: str) -> dict:
             raise EmbshardError("each secretEnv entry needs name, secretName and key", path=source,
                                 field="secretEnv")
     return config
+
+
+def _check_image(ref: Any, source: str, field: str) -> None:
+    """A malformed reference fails here in one line, not as a pod stuck in InvalidImageName."""
+    ref = str(ref)
+    digest = ref.partition("@")[2]
+    if "@" in ref and not DIGEST.fullmatch(digest):
+        raise EmbshardError(f"image digest {digest!r} is not sha256: and 64 lowercase hex digits", path=source,
+                            field=field, fix="pin as <image>@sha256:<digest>, the digest `docker push` printed")
+    if not IMAGE_NAME.fullmatch(ref.partition("@")[0]):
+        raise EmbshardError(f"{ref!r} is not an image reference", path=source, field=field,
+                            fix="give <registry>/<name>:<tag> or <registry>/<name>[:<tag>]@sha256:<digest>")
 
 
 def load_pod_config(path: str | os.PathLike | None = None) -> dict:
@@ -221,7 +275,9 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
     limits = {k: str(v) for k, v in (spec.get("resources", {}).get("limits") or {}).items()}
     node_selector: dict[str, str] = {}
     tolerations: list[k8s.V1Toleration] = []
+    priority_class = config.get("priorityClassName") or None
     if spec.get("gpu"):
+        priority_class = gpu.get("priorityClassName") or priority_class
         # Extended resources must be requested and limited with the same whole number.
         requests[gpu["resourceName"]] = limits[gpu["resourceName"]] = str(int(gpu["count"]))
         node_selector = {k: str(v) for k, v in gpu.get("nodeSelector", {}).items()}
@@ -232,7 +288,7 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
 
     storage = config["storage"]
     # The communication calibration is kept once per hardware beside the runs (bench.comm.adopt_calibration).
-    env = {"EMBSHARD_STAGE": stage, "EMBSHARD_DATA_ROOT": storage["dataRoot"],
+    env = {**SCRATCH_ENV, "EMBSHARD_STAGE": stage, "EMBSHARD_DATA_ROOT": storage["dataRoot"],
            "EMBSHARD_CALIBRATION_DIR": storage["dataRoot"].rstrip("/") + "/calibration"}
     if config.get("mlflowTrackingUri"):
         env["MLFLOW_TRACKING_URI"] = config["mlflowTrackingUri"]
@@ -256,8 +312,9 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
                                                                       optional=s.get("optional", False)))
                 for s in config.get("envFromSecrets", [])]
 
-    volumes: list[k8s.V1Volume] = []
-    volume_mounts: list[k8s.V1VolumeMount] = []
+    # The scratch folder is always there (harmless with a writable root, needed with a read-only one).
+    volumes = [k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource())]
+    volume_mounts = [k8s.V1VolumeMount(name="scratch", mount_path=SCRATCH)]
     if storage["type"] == "pvc":
         volumes.append(k8s.V1Volume(name="embshard-data", persistent_volume_claim=(
             k8s.V1PersistentVolumeClaimVolumeSource(claim_name=storage["claimName"]))))
@@ -280,6 +337,7 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
         "container_resources": k8s.V1ResourceRequirements(requests=requests or None, limits=limits or None),
         "node_selector": node_selector,
         "tolerations": tolerations,
+        "priority_class_name": priority_class,
         "env_vars": env_vars,
         "env_from": env_from,
         "volumes": volumes,
