@@ -31,10 +31,19 @@ bytes per row):
         lookup_greedy dim_greedy
     EMBSHARD_GPU_ROOT=.gpu/quality2 EMBSHARD_GPU_TASKS=task-01 bash .gpu/gpu_device_run.sh 350 setup quality
 
-- plan: each selected task of the split suite (benchmarks.quality.split_config) is planned by the split suite's
-  planners (or `--planners`) with the run's models; the refined entry's (`--refined`, default learned)
-  refinement candidates (embshard.refine.select: the first choice, its cut variants, the heuristics, TorchRec's
-  table-wise plan; K=4) are kept too, unmeasured, and measured as `ENTRY+refine4`.
+The main quality suite's tasks (quality.full_config: unseen synthetic tables, the Criteo-like and MLPerf-like
+lists) the same way, each suite's first task before any suite's second (results/gpu-quality-main-nvidia-h100.md):
+
+    python -m benchmarks.gpu_quality plan --run runs/local --out .gpu/qmain --suite main --planners no_branches \
+        policy_only torchrec_full torchrec_table_wise dim_greedy size_greedy lookup_greedy size_lookup_greedy
+    EMBSHARD_GPU_ROOT=.gpu/qmain bash .gpu/gpu_device_run.sh 555 setup quality
+    python -m benchmarks.gpu_quality report --suite main --gpu DIR... --cpu DIR2 --out PAGE.md
+
+- plan: each selected task of the split suite (benchmarks.quality.split_config; --suite main: the main suite's)
+  is planned by the split suite's planners (or `--planners`) with the run's models; the refined entry's
+  (`--refined`, default learned) refinement candidates (embshard.refine.select: the first choice, its cut
+  variants, the heuristics, TorchRec's table-wise plan; K=4) are kept too, unmeasured, and measured as
+  `ENTRY+refine4`.
 - measure: on the hardware at hand, the candidates are measured and the winner picked exactly as `embshard place
   --refine 4` does there (refine.measure_candidates), so `learned+refine4` is refined on the GPU itself; then every
   plan, the refined one included, is measured by the evaluation (embshard.evaluation.run: R paired rounds, the
