@@ -238,3 +238,35 @@ def test_table_ids_torchrec_cannot_take_are_warned_about_when_ingesting_and_plac
     for job in ("embshard.jobs.place", "embshard.jobs.ingest"):
         assert any(n == job and "user.age" in w and "cannot be exported to TorchRec" in w for n, w in warned), warned
     assert (tmp_path / "o" / "plan.json").exists() and (tmp_path / "t" / "tables.parquet").exists()
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_tracking_server_that_does_not_answer_fails_in_one_line_at_once(store, tmp_path):
+    """MLflow's client retries a refused connection for about 8 minutes, then blamed the model ("train and
+    register it first"); the server is now tried once, and the error says it is down."""
+    out = tmp_path / "o"
+    got, proc = run_cli(tmp_path, _place(store["tables"], out, "learned"), f"http://127.0.0.1:{_closed_port()}")
+    assert got["rc"] == 2
+    err = proc.stderr.strip().splitlines()[-1]
+    assert "tracking server does not answer" in err and "start the server" in err, proc.stderr[-2000:]
+    assert not out.exists()
+
+
+def test_load_planner_takes_the_planners_settings_and_a_path_is_not_called_a_model_to_register(store, monkeypatch):
+    import embshard
+    from embshard.errors import ModelNotFoundError
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store["uri"])
+    planner = embshard.load_planner(registry.POLICY_CHAMPION_URI, time_budget_s=5.0, search_evaluations=123)
+    assert planner.time_budget_s == 5.0 and planner.search_evaluations == 123
+    with pytest.raises(ModelNotFoundError, match="models:/NAME@ALIAS") as exc:
+        embshard.load_planner("/no/such/model")
+    assert "train and register" not in str(exc.value)

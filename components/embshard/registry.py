@@ -9,6 +9,7 @@ versions are addressed by aliases (`champion`, `challenger`), never by the depre
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import warnings
@@ -226,11 +227,48 @@ def versions_with_verdict(name: str, verdict: str) -> list:
     return sorted(found, key=lambda mv: int(mv.version))
 
 
+# How long a tracking server may take to accept a connection before it counts as down. MLflow's own client
+# retries a refused connection 7 times with backoff (about 8 minutes) and then blames the model.
+CONNECT_TIMEOUT_S = 10.0
+
+
+class RegistryUnreachableError(ModelNotFoundError):
+    """The tracking server of an http(s) store does not accept connections."""
+
+
+@functools.cache
+def _unreachable(store: str) -> str | None:
+    """Why the tracking server at `store` does not answer (None: it does, or `store` is not an http(s) server).
+    Checked once per process and store."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(store)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        return None
+    try:
+        port = url.port or (443 if url.scheme == "https" else 80)
+        with socket.create_connection((url.hostname, port), timeout=CONNECT_TIMEOUT_S):
+            return None
+    except (OSError, ValueError) as exc:  # refused, no route, unknown host, a timeout; ValueError: a bad port
+        return first_line(exc) or type(exc).__name__
+
+
+def check_server(store: str) -> None:
+    """Fail at once, in one line, when the http(s) tracking server of `store` does not answer."""
+    why = _unreachable(store)
+    if why is not None:
+        raise RegistryUnreachableError(f"the MLflow tracking server does not answer ({why})", path=store,
+                                       fix="start the server, or point MLFLOW_TRACKING_URI (and MLFLOW_REGISTRY_URI, "
+                                           "if set) at a running one")
+
+
 def version_for_alias(name: str, alias: str):
     """The ModelVersion behind `name@alias`, or None when the model or the alias does not exist."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
+    check_server(mlflow.get_registry_uri())
     try:
         return mlflow.MlflowClient().get_model_version_by_alias(name, alias)
     except MlflowException:
@@ -267,6 +305,7 @@ def version_tag(uri: str, key: str) -> str | None:
     import mlflow
     from mlflow.exceptions import MlflowException
 
+    check_server(mlflow.get_registry_uri())
     try:
         return mlflow.MlflowClient().get_model_version(name, version).tags.get(key)
     except MlflowException:
@@ -414,9 +453,15 @@ def load_python_model(uri: str):
         store = mlflow.get_registry_uri() if uri.startswith("models:/") else mlflow.get_tracking_uri()
         if (missing := _no_store_error(uri, store)) is not None:
             raise missing
+        check_server(store)
     try:
         return mlflow.pyfunc.load_model(uri).unwrap_python_model()
     except MlflowException as exc:
+        if not uri.startswith(("models:/", "runs:/")) and not os.path.exists(uri):
+            raise ModelNotFoundError(f"no model at {uri} ({first_line(exc)})", path=uri,
+                                     fix="give a registered model as models:/NAME@ALIAS or models:/NAME/VERSION "
+                                         f"(e.g. {POLICY_CHAMPION_URI}), a run's runs:/RUN_ID/PATH, or a local "
+                                         "model folder") from None
         name = uri.split("/")[1].split("@")[0] if uri.startswith("models:/") else uri
         raise ModelNotFoundError(f"no model at {uri} ({first_line(exc)})", path=uri,
                                  fix=f"train and register '{name}' first, or check MLFLOW_TRACKING_URI "
