@@ -63,3 +63,7 @@ def test_the_registered_planner_refuses_a_call_without_devices_or_memory():
         with pytest.raises(EmbshardError, match="no devices or no memory per device given") as err:
             model.predict(None, pd.DataFrame(), params=params)
         assert "num_devices" in err.value.fix
+    # 0.5 meant as GiB had been cut to 0 bytes ("no memory given"): a fraction is refused, naming the unit
+    with pytest.raises(EmbshardError, match="memory_bytes_per_device is a whole number \\(bytes\\), got 0.5") as err:
+        model.predict(None, pd.DataFrame(), params={"num_devices": 4, "memory_bytes_per_device": 0.5})
+    assert "2**30" in err.value.fix

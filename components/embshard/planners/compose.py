@@ -417,12 +417,15 @@ def _joined(problem: Problem, draft: Draft) -> Draft:
 
 def _still_cut(tables: TableSet, label: str | None, shards: list[Shard]) -> str | None:
     """A branch's label ('X ..., then Y, Z cut') naming only the later cuts still in `shards` (a table whose
-    slices were all joined back on one device is whole again). Table ids hold no commas (checks.ID_RULE)."""
-    if not label or ", then " not in label:
+    slices were all joined back on one device is whole again), its first cut marked "(whole again)" when that table
+    is whole again too. Table ids hold no commas or spaces (checks.ID_RULE)."""
+    if not label:
         return label
-    first, rest = label.split(", then ", 1)
+    first, _, rest = label.partition(", then ")
     cut = {str(tables.table_ids[s.table]) for s in shards if s.kind != WHOLE}
-    kept = [name for name in rest.removesuffix(" cut").split(", ") if name in cut]
+    if first.split(" ", 1)[0] not in cut:
+        first += " (whole again)"
+    kept = [name for name in rest.removesuffix(" cut").split(", ") if name in cut] if rest else []
     return f"{first}, then {', '.join(kept)} cut" if kept else first
 
 

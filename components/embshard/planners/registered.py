@@ -46,6 +46,13 @@ def _policy_python_model() -> Any:
             from ..tableset import TableSet
 
             params = params or {}
+            for key in ("num_devices", "memory_bytes_per_device"):  # int() would cut 0.5 (GiB meant) to 0 bytes
+                value = params.get(key)
+                if isinstance(value, float) and not value.is_integer():
+                    raise EmbshardError(f"{key} is a whole number ({'bytes' if 'bytes' in key else 'devices'}), "
+                                        f"got {value}", field="params",
+                                        fix="give memory in bytes, e.g. 80 * 2**30 for 80 GiB" if "bytes" in key
+                                        else "give a whole number of devices")
             devices, memory = int(params.get("num_devices") or 0), int(params.get("memory_bytes_per_device") or 0)
             if devices <= 0 or memory <= 0:
                 raise EmbshardError("no devices or no memory per device given", field="params",
