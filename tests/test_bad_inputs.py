@@ -580,7 +580,7 @@ def _slice_gap(doc):
 
 PLAN_CASES = {
     # (edit of the exported document or raw text, words the one-line error must contain)
-    "plan-table-missing": (_drop_table, ["modules", "no sharding"]),
+    "plan-table-missing": (_drop_table, ["modules", "the plan does not place"]),
     "plan-rank-99-on-2-devices": (_rank99, ["ranks", "rank 99", "2 devices"]),
     "plan-ranks-disagree-with-shards": (_ranks_disagree, ["ranks", "disagree"]),
     "plan-sharding-type-bogus": (_edit_param("sharding_type", "bogus"), ["sharding_type", "bogus"]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
@@ -603,8 +604,6 @@ def test_a_loaded_plan_whose_row_ranges_are_not_torchrecs_blocks_is_refused(spli
     ranges (or a row_wise table on some ranks only) would send ids to ranks without their rows, so the check a
     training job runs (check_plan_doc, in plan_from_json) refuses it as export does; TorchRec's own layout of a
     table of fewer rows than ranks (the last rank empty) still loads."""
-    from dataclasses import replace
-
     from embshard.export.torchrec_plan import check_plan_doc, plan_to_json, to_torchrec_plan
 
     doc = plan_to_json(to_torchrec_plan(split_placement), world_size=D)
@@ -634,7 +633,7 @@ def test_a_loaded_plan_whose_row_ranges_are_not_torchrecs_blocks_is_refused(spli
     check_plan_doc(plan_to_json(to_torchrec_plan(p), world_size=D), "torchrec_plan.json", world_size=D)
 
 
-def test_a_loaded_plan_is_checked_against_a_tables_parquet_and_a_spec_path_is_a_clear_error(
+def test_a_loaded_plan_is_checked_against_a_tables_parquet_and_an_unknown_path_is_a_clear_error(
         split_placement, tables_df, tmp_path):
     from embshard.export.torchrec_plan import check_plan_doc, plan_to_json, to_torchrec_plan
 
@@ -645,11 +644,11 @@ def test_a_loaded_plan_is_checked_against_a_tables_parquet_and_a_spec_path_is_a_
     other.loc[0, "rows"] += 1
     other["size_bytes"] = other["rows"] * other["dim"] * other["bytes_per_element"]
     schemas.write(other, tmp_path / "other.parquet", "tables")
-    with pytest.raises(EmbshardError, match="the table has"):
+    with pytest.raises(EmbshardError, match="the 10 tables given have it as"):
         check_plan_doc(doc, "torchrec_plan.json", tables=str(tmp_path / "other.parquet"))
-    with pytest.raises(EmbshardError, match="tables= takes") as err:  # it said the CSV was corrupt JSON
-        check_plan_doc(doc, "torchrec_plan.json", tables=str(tmp_path / "model.csv"))
-    assert "read_tables" in str(err.value)
+    with pytest.raises(EmbshardError, match="tables= takes") as err:  # it said a CSV was corrupt JSON
+        check_plan_doc(doc, "torchrec_plan.json", tables=str(tmp_path / "model.txt"))
+    assert "table spec" in str(err.value) and err.value.field == "tables"
 
 
 @needs_torchrec
@@ -670,7 +669,7 @@ def test_an_exported_plan_records_data_types_and_refuses_a_model_of_other_ones(t
     wide = tables_df.copy()
     wide.loc[3, "bytes_per_element"] = 4
     wide["size_bytes"] = wide["rows"] * wide["dim"] * wide["bytes_per_element"]
-    with pytest.raises(EmbshardError, match=f"table {fp16} was planned with 2-byte weights, the tables given have "
+    with pytest.raises(EmbshardError, match=f"table {fp16} was planned with 2-byte weights, the 10 tables given have "
                                             "4-byte ones"):
         plan_from_json(path, tables=TableSet.from_frame(wide))
     with pytest.raises(EmbshardError, match="an embshard plan.json .* not a TorchRec plan") as err:
@@ -892,3 +891,206 @@ def test_a_placements_file_whose_plan_meta_is_not_a_json_object_is_refused(place
     with pytest.raises(EmbshardError, match=says) as err:
         placement_from_frame(rows, tables, where="p.parquet")
     assert "plan_meta" in str(err.value) and "p.parquet" in str(err.value)
+
+
+def _spec(tables_df, path, drop: int | None = None):
+    """tables_df as a TorchRec-named table spec (CSV or YAML by `path`'s suffix), without table `drop`."""
+    spec = pd.DataFrame({"name": tables_df["table_id"], "num_embeddings": tables_df["rows"],
+                         "embedding_dim": tables_df["dim"], "pooling_factor": tables_df["pooling_factor"],
+                         "data_type": tables_df["bytes_per_element"].map({4: "fp32", 2: "fp16"})})
+    if drop is not None:
+        spec = spec.drop(index=drop)
+    if str(path).endswith(".csv"):
+        spec.to_csv(path, index=False)
+    else:
+        import yaml
+
+        path.write_text(yaml.safe_dump({"tables": spec.to_dict("records")}))
+    return path
+
+
+class _Sparse:
+    """A model whose EBC sits at sparse_arch.embedding_bag_collection, as in TorchRec's DLRM."""
+
+    @staticmethod
+    def model(ebc):
+        import torch
+
+        class Sparse(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embedding_bag_collection = ebc
+
+        class Model(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.sparse_arch = Sparse()
+                self.dense = torch.nn.Linear(4, 4)
+
+        return Model()
+
+
+@needs_torchrec
+def test_plan_from_json_with_the_model_refuses_a_module_path_dmp_would_silently_not_shard(placement, tmp_path):
+    """DistributedModelParallel leaves a module the plan does not name unsharded, without an error: every rank then
+    holds every full table. `module=model` makes plan_from_json refuse a plan whose module path is not an
+    EmbeddingBagCollection of the model holding the plan's tables, naming the --module-path to export with."""
+    from embshard.export.torchrec_plan import build_module, plan_from_json, plan_to_json, to_torchrec_plan
+
+    t = placement.tables
+    model = _Sparse.model(build_module(t))
+    right = "sparse_arch.embedding_bag_collection"
+    for path, says in (("sparse_arch.ebc", "names no module of the model"),
+                       ("", "names a Model, not an EmbeddingBagCollection"),  # the default, with a nested model
+                       ("sparse_arch", "names a Sparse, not an EmbeddingBagCollection")):
+        doc = plan_to_json(to_torchrec_plan(placement, module_path=path), world_size=D)
+        with pytest.raises(EmbshardError, match=says) as err:
+            plan_from_json(doc, world_size=D, module=model)
+        assert f"--module-path {right}" in str(err.value) and f"'{right}'" in str(err.value)
+        assert len(str(err.value).splitlines()) == 1
+    doc = plan_to_json(to_torchrec_plan(placement, module_path=right), world_size=D)
+    assert set(plan_from_json(doc, world_size=D, module=model).plan[right]) == set(t.table_ids)
+    # The model is the EBC: the plan of a nested path says to export without --module-path.
+    with pytest.raises(EmbshardError, match="without --module-path"):
+        plan_from_json(doc, module=build_module(t))
+    plan_from_json(plan_to_json(to_torchrec_plan(placement), world_size=D), module=build_module(t))
+    # The EBC at the right path, but holding other tables: the table and both shapes are named.
+    first = str(t.table_ids[0])
+    other = build_module(replace(t, rows=t.rows * 2))
+    with pytest.raises(EmbshardError, match=f"table {first}: the plan's shards hold {int(t.rows[0]):,} rows x "
+                                            f"{int(t.dims[0])} columns, the 10 tables of the model's module "
+                                            f"'{right}' have it as {2 * int(t.rows[0]):,} x {int(t.dims[0])}"):
+        plan_from_json(doc, module=_Sparse.model(other))
+    with pytest.raises(EmbshardError, match=f"the plan places table {t.table_ids[9]}, which is not among the 9 "
+                                            f"tables of the model's module '{right}'"):
+        plan_from_json(doc, module=_Sparse.model(build_module(t.subset(np.arange(9)))))
+    with pytest.raises(EmbshardError, match="not a torch.nn.Module"):
+        plan_from_json(doc, module="sparse_arch")
+
+
+@needs_torchrec
+def test_plan_from_json_takes_path_likes_spec_files_and_torchrec_tables(placement, tables_df, tmp_path):
+    """A pathlib.Path as the plan or the tables (it said 'the plan is a JSON PosixPath' / a bare TypeError), a table
+    spec read as the CLI reads it, TorchRec's EmbeddingBagConfigs or the EBC itself; anything else is one
+    EmbshardError naming tables= and what it takes."""
+    from pathlib import Path
+
+    from embshard.export.torchrec_plan import build_module, plan_from_json, plan_to_json, to_torchrec_plan
+
+    t = placement.tables
+    path = tmp_path / "torchrec_plan.json"
+    path.write_text(json.dumps(plan_to_json(to_torchrec_plan(placement), world_size=D)))
+    schemas.write(tables_df, tmp_path / "tables.parquet", "tables")
+    ebc = build_module(t)
+    for tables in (None, tmp_path / "tables.parquet", _spec(tables_df, tmp_path / "model.csv"),
+                   _spec(tables_df, tmp_path / "model.yaml"), list(ebc.embedding_bag_configs()), ebc):
+        plan = plan_from_json(path, world_size=D, tables=tables)
+        assert set(plan.plan[""]) == set(t.table_ids)
+    fewer = _spec(tables_df, tmp_path / "fewer.yaml", drop=4)
+    with pytest.raises(EmbshardError, match=f"the plan places table {t.table_ids[4]}, which is not among the 9 "
+                                            "tables given"):
+        plan_from_json(Path(path), tables=fewer)
+    wide = build_module(replace(t, dims=t.dims * 2))
+    with pytest.raises(EmbshardError, match=f"table {t.table_ids[0]}: the plan's shards hold .* columns, the 10 "
+                                            "tables given have it as"):
+        plan_from_json(path, tables=list(wide.embedding_bag_configs()))
+    fp32 = build_module(replace(t, bytes_per_element=np.full(len(t), 4)))
+    doc = plan_to_json(to_torchrec_plan(placement), world_size=D,
+                       tables={str(n): (int(r), int(d), int(b))
+                               for n, r, d, b in zip(t.table_ids, t.rows, t.dims, t.bytes_per_element)})
+    with pytest.raises(EmbshardError, match=f"table {t.table_ids[3]} was planned with 2-byte weights"):
+        plan_from_json(doc, tables=fp32)
+    for bad in (42, [1, 2], {"rows": 3}):
+        with pytest.raises(EmbshardError, match="tables= is a") as err:
+            plan_from_json(path, tables=bad)
+        assert err.value.field == "tables" and "EmbeddingBagConfig" in err.value.fix
+
+
+@needs_torchrec
+def test_a_table_on_one_side_only_is_said_the_right_way_round(placement, tables_df):
+    """The plan places a table the model lacks: it said 'table X is not one of the 9 tables the plan is for' (the
+    other way round). Each direction now says which side has the table."""
+    from embshard.export.torchrec_plan import plan_from_json, plan_to_json, to_torchrec_plan
+
+    t = placement.tables
+    doc = plan_to_json(to_torchrec_plan(placement), world_size=D)
+    lacking = TableSet.from_frame(tables_df.drop(index=9).reset_index(drop=True))
+    with pytest.raises(EmbshardError, match=f"the plan places table {t.table_ids[9]}, which is not among the 9 "
+                                            "tables given") as err:
+        plan_from_json(doc, tables=lacking)
+    assert err.value.field == f"modules.{t.table_ids[9]}"
+    more = pd.concat([tables_df, tables_df.iloc[[0]].assign(table_id="extra_table")], ignore_index=True)
+    with pytest.raises(EmbshardError, match="the 11 tables given include 1 table.s. the plan does not place "
+                                            r"\(extra_table\)") as err:
+        plan_from_json(doc, tables=TableSet.from_frame(more))
+    assert err.value.field == "modules" and "every table of the model must be placed" in err.value.fix
+
+
+@needs_torchrec
+@pytest.mark.parametrize("change, says", [
+    ("fewer_rows", "the plan's shards hold {rows:,} rows x {dim} columns, the 10 tables of the module given have "
+                   "it as {half:,} x {dim}"),
+    ("wider", "the plan's shards hold {rows:,} rows x {dim} columns, the 10 tables of the module given have it "
+              "as {rows:,} x {wide}"),
+    ("missing", "the plan places table {name}, which is not among the 9 tables of the module given"),
+    ("extra", "the 11 tables of the module given include 1 table.s. the plan does not place"),
+    ("fp32", "table {fp16} was planned with 2-byte weights, the 10 tables of the module given have 4-byte ones"),
+])
+@pytest.mark.parametrize("plan", ["placement", "split_placement"])
+def test_to_torchrec_plan_refuses_a_module_that_is_not_the_plans(plan, change, says, request):
+    """It built a plan for any module it was given (fewer rows, wider dims, a row-wise plan of another table's
+    shape), which DistributedModelParallel then rejected deep inside TorchRec or ran with columns unplaced."""
+    from torchrec import EmbeddingBagCollection
+
+    from embshard.export import to_torchrec_plan
+    from embshard.export.torchrec_plan import build_module
+
+    p = request.getfixturevalue(plan)
+    t = p.tables
+    to_torchrec_plan(p, module=build_module(t))  # the plan's own tables
+    first = str(t.table_ids[0])
+    module = {"fewer_rows": lambda: build_module(replace(t, rows=t.rows // 2)),
+              "wider": lambda: build_module(replace(t, dims=t.dims * 2)),
+              "missing": lambda: build_module(t.subset(np.arange(1, 10))),
+              "extra": lambda: EmbeddingBagCollection(
+                  tables=list(build_module(t).embedding_bag_configs()) + list(build_module(
+                      replace(t.subset([0]), table_ids=np.array(["extra_table"]))).embedding_bag_configs()),
+                  device=__import__("torch").device("meta")),
+              "fp32": lambda: build_module(replace(t, bytes_per_element=np.full(len(t), 4)))}[change]()
+    words = says.format(rows=int(t.rows[0]), half=int(t.rows[0]) // 2, dim=int(t.dims[0]), wide=2 * int(t.dims[0]),
+                        name=first, fp16=t.table_ids[3])
+    with pytest.raises(EmbshardError, match=words) as err:
+        to_torchrec_plan(p, module=module)
+    assert err.value.field.startswith("tables") and len(str(err.value).splitlines()) == 1
+    with pytest.raises(EmbshardError, match="not an EmbeddingBagCollection"):
+        to_torchrec_plan(p, module=_Sparse.model(build_module(t)))
+
+
+def test_export_refuses_a_spec_table_the_plan_does_not_place_and_names_the_spec_given(tmp_path, tables_df, capsys):
+    """A spec lists the model's tables: a table the plan leaves out was silently left out of the export; a plan's
+    table the spec lacks said 'use ids present in tables.parquet' of a YAML spec."""
+    from embshard.cli import main
+    from embshard.ingest.spec import read_tables
+
+    spec = _spec(tables_df, tmp_path / "model.yaml")
+    ts = read_tables(spec)  # the tables place would plan (the same seed: the same access features)
+    nine = Placement(ts.subset(np.arange(9)), D, int(ts.size_bytes.sum()), [Shard(i, i % D) for i in range(9)],
+                     planner="round_robin", task_id="t")
+    schemas.write(nine.to_frame(), tmp_path / "placements.parquet", "placements")
+    out = tmp_path / "out"
+    args = ["export", "--placements", str(tmp_path / "placements.parquet"), "--out", str(out), "--no-torchrec"]
+    assert main(args + ["--tables", str(spec)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"table(s) of the spec {spec} are not placed" in err
+    assert f"({ts.table_ids[9]})" in err and "plan again with these tables" in err and not out.exists()
+    assert main(args + ["--tables", str(_spec(tables_df, tmp_path / "nine.yaml", drop=9))]) == 0
+    # The plan places a table the spec lacks: the fix names the spec given.
+    assert main(args + ["--tables", str(_spec(tables_df, tmp_path / "eight.yaml", drop=8))]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"unknown table ids ['{ts.table_ids[8]}']" in err and f"use ids present in {tmp_path / 'eight.yaml'}" in err
+    assert "tables.parquet" not in err
+    # A tables.parquet is a pool that tasks take some tables of: its other tables are no error.
+    from embshard.ingest.spec import tables_from_spec
+
+    schemas.write(tables_from_spec(str(spec), progress=False), tmp_path / "tables.parquet", "tables")
+    assert main(args + ["--tables", str(tmp_path / "tables.parquet")]) == 0

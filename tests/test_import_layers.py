@@ -46,6 +46,8 @@ ALGORITHM_EDGES = {
     ("embshard.policy", "embshard.heuristics"),   # ... and validated against the greedy baselines' proxies
     ("embshard.export", "embshard.torchrec_compat"),  # the export writes TorchRec plans in that vocabulary
     ("embshard.bench", "embshard.ingest"),        # the benchmark replays the ingest's traces and bag lengths
+    ("embshard.export", "embshard.ingest"),       # a training job checks its plan against the table spec it was
+                                                  # planned from, read as the CLI reads it (ingest.spec.read_tables)
     ("embshard.ruler", "embshard.bench"),         # the ruler measures shards with the benchmark's protocol
     ("embshard.evaluation", "embshard.ruler"),    # the evaluation measures with the ruler ...
     ("embshard.evaluation", "embshard.bench"),    # ... and the balanced estimate with measure_placement ...

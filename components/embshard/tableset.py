@@ -49,21 +49,22 @@ class TableSet:
     def __len__(self) -> int:
         return len(self.table_ids)
 
-    def index_of(self, ids, where: str = "task") -> np.ndarray:
-        """Positions of the given table ids; unknown ids are an error naming them."""
+    def index_of(self, ids, where: str = "task", source: str = "tables.parquet") -> np.ndarray:
+        """Positions of the given table ids; unknown ids are an error naming them and `source`, the file these
+        tables were read from (a spec, a tables.parquet)."""
         lookup = {t: i for i, t in enumerate(self.table_ids)}
         missing = [t for t in ids if t not in lookup]
         if missing:
             raise EmbshardError(f"unknown table ids {missing[:3]}{'...' if len(missing) > 3 else ''}",
-                                path=where, field="table_ids", fix="use ids present in tables.parquet")
+                                path=where, field="table_ids", fix=f"use ids present in {source}")
         return np.fromiter((lookup[t] for t in ids), dtype=np.int64, count=len(ids))
 
     def subset(self, idx) -> TableSet:
         idx = np.asarray(idx, dtype=np.int64)
         return TableSet(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
 
-    def select(self, ids, where: str = "task") -> TableSet:
-        return self.subset(self.index_of(list(ids), where))
+    def select(self, ids, where: str = "task", source: str = "tables.parquet") -> TableSet:
+        return self.subset(self.index_of(list(ids), where, source))
 
     def content_hashes(self) -> np.ndarray:
         """(N,) 16-hex content hash of each table as a planner sees it (rows, dim, bytes per element, pooling,

@@ -14,7 +14,8 @@ def _value(v):
 
 
 def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: int | None = None,
-                         memory_bytes_per_device: int | None = None, where: str | None = None) -> Placement:
+                         memory_bytes_per_device: int | None = None, where: str | None = None,
+                         tables_source: str = "tables.parquet") -> Placement:
     """The Placement of one task's placements.parquet rows (Placement.to_frame's inverse).
 
     `tables` may hold more tables than the task; the placement's TableSet is the task's tables in row order.
@@ -22,7 +23,7 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
     given ones (a tasks file's) must agree with them. A file without them: without `num_devices`, the highest
     device + 1 (an empty last device is then lost); without `memory_bytes_per_device`, the fullest device's memory
     (recorded in meta as inferred). The result is checked (every column placed once, memory respected). `where`
-    names the input in errors (default the task id).
+    names the input in errors (default the task id), `tables_source` the file `tables` were read from.
     """
     if df_task is None or len(df_task) == 0:
         raise EmbshardError("no placement rows", field="task_id", fix="give the rows of one task")
@@ -41,7 +42,7 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
     for t in df_task["table_id"].astype(str):
         if t not in ids:
             ids.append(t)
-    sub = tables.select(ids, where=where)
+    sub = tables.select(ids, where=where, source=tables_source)
     _check_unchanged(df_task, sub, ids, where)
     pos = {t: i for i, t in enumerate(ids)}
     shards = []

@@ -16,7 +16,8 @@ torchrec is an optional extra, imported lazily (`require_torchrec`). Everything 
   kernel, but TorchRec has no per-table rank constraint, so a small `Partitioner` puts every shard on our rank.
 - `placement_from_sharding_plan(...)`: the reverse conversion, used by the TorchRec baseline planner.
 - `plan_to_json` / `plan_from_json`: a pickle-free form of the ShardingPlan (what `embshard export` writes as
-  `torchrec_plan.json`; `torchrec_plan.pt` is the same plan pickled with `torch.save`).
+  `torchrec_plan.json`; `torchrec_plan.pt` is the same plan pickled with `torch.save`). `plan_from_json(...,
+  module=model)` checks the plan's module paths against the model (`check_plan_doc`), which TorchRec does not.
 
 TorchRec numbers ranks host by host (host h holds ranks h*L .. h*L+L-1 with L devices per host): a plan whose
 `hosts` are laid out otherwise cannot be handed to TorchRec.
@@ -24,6 +25,7 @@ TorchRec numbers ranks host by host (host h holds ranks h*L .. h*L+L-1 with L de
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -93,7 +95,9 @@ def to_torchrec_plan(plan_or_placement, *, module=None, module_path: str = "", c
     """A torchrec `ShardingPlan` with our ranks, column slices, row ranges and replicas, built with torchrec's API.
 
     `module_path` is where the EmbeddingBagCollection sits in the user's model ("" = the model is the EBC;
-    e.g. "sparse_arch.embedding_bag_collection"). `module` defaults to a meta-device EBC built from the plan.
+    e.g. "sparse_arch.embedding_bag_collection"). `module` defaults to a meta-device EBC built from the plan; a
+    given one must hold exactly the plan's tables, rows, dims and data types (TorchRec takes the shapes from the
+    module, so another one gives a plan DistributedModelParallel rejects or that leaves columns unplaced).
     Devices per host: from the plan's `hosts`, else `local_world_size`, else all devices on one host.
     """
     require_torchrec()
@@ -135,6 +139,8 @@ def to_torchrec_plan(plan_or_placement, *, module=None, module_path: str = "", c
     rank_hosts = tuple(d // local for d in range(world))
     if module is None:
         module = build_module(plan["tables"])
+    else:
+        _check_ebc(module, plan["tables"])
     generators = {}
     for table, shards in zip(plan["tables"], shard_spans(plan)):
         name, kind = table["table_id"], shards[0]["kind"]
@@ -173,6 +179,22 @@ def to_torchrec_plan(plan_or_placement, *, module=None, module_path: str = "", c
         if ps.sharding_type == TABLE_ROW_WISE:  # table_row_wise() has no kernel argument; weights in HBM as ours
             ps.compute_kernel = FUSED
     return ShardingPlan({module_path: module_plan})
+
+
+def _check_ebc(module, tables: list[Mapping]) -> None:
+    """The module given to to_torchrec_plan is an EmbeddingBagCollection of exactly the plan's tables."""
+    held = module_tables(module)
+    if held is None or not callable(getattr(module, "named_modules", None)):
+        raise EmbshardError(f"module is a {type(module).__name__}, not an EmbeddingBagCollection", field="module",
+                            fix="pass the model's EmbeddingBagCollection (and its path as module_path), or leave "
+                            "module out")
+    m = table_mismatch({str(t["table_id"]): (int(t["rows"]), int(t["dim"])) for t in tables}, held[0],
+                       f"the {len(held[0])} tables of the module given",
+                       "pass the EmbeddingBagCollection the plan was made for, or plan again with its tables") or \
+        _bytes_mismatch({str(t["table_id"]): int(t["bytes_per_element"]) for t in tables if "bytes_per_element" in t},
+                        held[1], f"the {len(held[0])} tables of the module given")
+    if m:
+        raise EmbshardError(m[1], field="tables" if m[0] is None else f"tables.{m[0]}", fix=m[2])
 
 
 def unequal_widths_on_a_rank(slices) -> tuple[int, list[int]] | None:
@@ -327,22 +349,49 @@ _PLACEMENT = re.compile(r"^rank:(\d+)/[a-z_]+(:\d+)?$")
 _PLAN_FIX = "re-export the plan with `embshard export` (this file was edited or made for other tables/devices)"
 
 
+TABLES_ACCEPTED = ("a TableSet, a path (str or os.PathLike) to a tables.parquet, a table spec (.csv, .yaml or a "
+                   "Parquet spec, read as `embshard export --tables` reads it) or the plan.json the plan was exported "
+                   "with, a plan.json dict or its tables list, an EmbeddingBagCollection, or a list of TorchRec "
+                   "EmbeddingBagConfig")
+
+
+def module_tables(obj) -> tuple[dict[str, tuple[int, int]], dict[str, int]] | None:
+    """({name: (rows, dim)}, {name: bytes per element} where fp32/fp16) of TorchRec tables: an EmbeddingBagCollection
+    (anything with TorchRec's `embedding_bag_configs()`) or a list of EmbeddingBagConfig; None for anything else."""
+    if callable(getattr(obj, "embedding_bag_configs", None)):
+        configs = list(obj.embedding_bag_configs())
+    elif isinstance(obj, (list, tuple)) and obj and all(
+            all(hasattr(c, a) for a in ("name", "num_embeddings", "embedding_dim")) for c in obj):
+        configs = list(obj)
+    else:
+        return None
+    sizes = {"FP32": 4, "FP16": 2}  # the data types TorchRec trains (torchrec_compat.data_type)
+    return ({str(c.name): (int(c.num_embeddings), int(c.embedding_dim)) for c in configs},
+            {str(c.name): sizes[k] for c in configs
+             if (k := getattr(getattr(c, "data_type", None), "name", None)) in sizes})
+
+
 def _expected_tables(tables) -> tuple[dict[str, tuple[int, int]] | None, int | None, dict[str, int]]:
     """({name: (rows, dim)}, world size or None, {name: bytes per element} where known) of what the caller says
-    the plan is for."""
+    the plan is for (TABLES_ACCEPTED)."""
     if tables is None:
         return None, None, {}
+    if isinstance(tables, os.PathLike):
+        tables = os.fspath(tables)
+    if (held := module_tables(tables)) is not None:
+        return held[0], None, held[1]
     if isinstance(tables, TableSet):
         return ({str(t): (int(r), int(d)) for t, r, d in zip(tables.table_ids, tables.rows, tables.dims)}, None,
                 {str(t): int(b) for t, b in zip(tables.table_ids, tables.bytes_per_element)})
     if isinstance(tables, str):
-        if tables.lower().endswith(".parquet"):  # a tables.parquet (ingest's), whose schema TableSet.read checks
-            return _expected_tables(TableSet.read(tables))
+        from ..ingest.spec import is_spec_path, read_tables
+
+        if is_spec_path(tables) or tables.lower().endswith((".parquet", ".pq")):
+            # a spec is read as the CLI reads it (the same tables); a tables.parquet's schema TableSet.read checks
+            return _expected_tables(read_tables(tables))
         if not tables.lower().endswith(".json"):
-            raise EmbshardError("tables= takes the plan.json the plan was exported with, a tables.parquet, a TableSet "
-                                "or a list of tables", path=tables, field="tables",
-                                fix="pass plan.json or tables.parquet (a spec file: embshard.ingest.spec.read_tables "
-                                    "reads it into a TableSet)")
+            raise EmbshardError(f"tables= takes {TABLES_ACCEPTED}", path=tables, field="tables",
+                                fix="pass the model's table spec, tables.parquet or plan.json")
         from .plan_json import read_plan_json
 
         tables = read_plan_json(tables)
@@ -350,17 +399,55 @@ def _expected_tables(tables) -> tuple[dict[str, tuple[int, int]] | None, int | N
     if isinstance(tables, Mapping) and "tables" in tables:
         world = tables.get("num_devices")
         tables = tables["tables"]
+    if not isinstance(tables, (list, tuple)) or not all(
+            isinstance(t, Mapping) and all(k in t for k in ("table_id", "rows", "dim")) for t in tables):
+        raise EmbshardError(f"tables= is a {type(tables).__name__} of no tables it can read", field="tables",
+                            fix=f"pass {TABLES_ACCEPTED}")
     return ({str(t["table_id"]): (int(t["rows"]), int(t["dim"])) for t in tables}, world,
             {str(t["table_id"]): int(t["bytes_per_element"]) for t in tables if "bytes_per_element" in t})
 
 
-def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_size: int | None = None) -> None:
+Mismatch = tuple[str | None, str, str]  # (the table, or None for the whole list; message; fix)
+
+
+def table_mismatch(placed: Mapping[str, tuple[int, int] | None], held: Mapping[str, tuple[int, int]], held_as: str,
+                   fix: str) -> Mismatch | None:
+    """The first way the plan's tables ({name: (rows, dim)}, None where its shards do not say) are not exactly
+    `held`'s, with their rows and dims. `held_as` names the other side ("the 11 tables given"): each message says
+    which side has the table, so that the user knows which one to change."""
+    for name, size in placed.items():
+        want = held.get(name)
+        if want is None:
+            return name, f"the plan places table {name}, which is not among {held_as}", fix
+        if size is not None and tuple(want) != tuple(size):
+            return name, (f"table {name}: the plan's shards hold {size[0]:,} rows x {size[1]} columns, {held_as} "
+                          f"have it as {want[0]:,} x {want[1]}"), fix
+    lost = [n for n in held if n not in placed]
+    if lost:
+        return None, (f"{held_as} include {len(lost)} table(s) the plan does not place ({', '.join(lost[:3])}"
+                      f"{', ...' if len(lost) > 3 else ''})"), fix + ": every table of the model must be placed"
+    return None
+
+
+def _bytes_mismatch(planned: Mapping[str, int], held: Mapping[str, int], held_as: str) -> Mismatch | None:
+    """A table of another data type holds other bytes than the plan balanced (fp16 planned, fp32 trained: twice)."""
+    for name, b in planned.items():
+        if name in held and b != held[name]:
+            return name, (f"table {name} was planned with {b}-byte weights, {held_as} have {held[name]}-byte "
+                          "ones"), "plan again for the model's data types (its memory per device differs)"
+    return None
+
+
+def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_size: int | None = None,
+                   module=None) -> None:
     """Refuse a torchrec_plan.json document that a training job must not load: one EmbshardError naming the file
     and the field. Checks the structure, every table's sharding type, kernel, ranks (against its shards'
     placements and the world size) and column slices (from column 0, each column once, all rows), and, when
-    known (written in the file, or given as `tables` = TableSet / plan.json dict or path / its tables list and
-    `world_size`; a path ending in .parquet is read as a tables.parquet), that exactly the expected tables are
-    there with their rows and dims."""
+    known (written in the file, or given as `tables` (TABLES_ACCEPTED) and `world_size`), that exactly the
+    expected tables are there with their rows and dims. With `module` (the model DistributedModelParallel will
+    shard), each module path of the plan must name an EmbeddingBagCollection of the model holding exactly the
+    plan's tables: TorchRec silently leaves a module the plan does not name unsharded (every rank then holds
+    every full table)."""
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 
     def bad(field: str, message: str, fix: str = _PLAN_FIX) -> EmbshardError:
@@ -403,17 +490,15 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
         if not all(is_int(b) and b > 0 for b in file_bytes.values()):
             raise bad("tables", "a table's bytes_per_element is not a positive integer")
         in_file = {str(k): (int(v["rows"]), int(v["dim"])) for k, v in in_file.items()}
-        # A table of another data type holds other bytes than the plan balanced (fp16 planned, fp32 trained: twice).
-        for name, b in file_bytes.items():
-            if name in expected_bytes and b != expected_bytes[name]:
-                raise bad(f"tables.{name}.bytes_per_element", f"table {name} was planned with {b}-byte weights, "
-                          f"the tables given have {expected_bytes[name]}-byte ones",
-                          "plan again for the model's data types (its memory per device differs)")
+        if (m := _bytes_mismatch(file_bytes, expected_bytes, f"the {len(expected or ())} tables given")):
+            raise bad(f"tables.{m[0]}.bytes_per_element", m[1], m[2])
     seen: set[str] = set()
+    placed: dict[str, dict[str, tuple[int, int] | None]] = {}  # module path -> table -> (rows, dim) its shards cover
     kernels = {k.value for k in EmbeddingComputeKernel}
     for path, params in modules.items():
         if not isinstance(params, Mapping) or not params:
             raise bad(f"modules.{path}", "not an object of tables")
+        placed[path] = {}
         for name, p in params.items():
             f = f"modules.{path}.{name}" if path else f"modules.{name}"
             if not isinstance(p, Mapping):
@@ -444,21 +529,60 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
                 size = None
             else:
                 size = _check_shards(f, kind, shards, ranks, bad, is_int, world)
-            for source in (in_file, expected):
-                if source is None:
-                    continue
-                want = source.get(name)
-                if want is None:
-                    raise bad(f, f"table {name} is not one of the {len(source)} tables the plan is for",
-                              "load the plan exported for these tables")
-                if size is not None and want != size:
-                    raise bad(f"{f}.shards", f"the shards hold {size[0]} rows x {size[1]} columns, the table has "
-                              f"{want[0]} x {want[1]}", "load the plan exported for these tables")
-    for source in (in_file, expected):
-        lost = sorted(set(source or ()) - seen)
-        if lost:
-            raise bad("modules", f"{len(lost)} table(s) have no sharding ({', '.join(lost[:3])})",
-                      "load the plan exported for these tables (every table of the model must be placed)")
+            # a replica's shape is the file's (data_parallel has no shards)
+            placed[path][name] = size if size is not None else (in_file or {}).get(name)
+
+    def field(path: str | None, name: str | None) -> str:
+        if name is None:
+            return "modules" if not path else f"modules.{path}"
+        path = path if path is not None else next(p for p in placed if name in placed[p])
+        return f"modules.{path}.{name}" if path else f"modules.{name}"
+
+    every = {name: size for tables_of in placed.values() for name, size in tables_of.items()}
+    for source, held_as in ((in_file, "tables the file lists"), (expected, "tables given")):
+        if source is not None and (m := table_mismatch(every, source, f"the {len(source)} {held_as}",
+                                                       "load the plan exported for these tables, or plan again "
+                                                       "with them")):
+            raise bad(field(None, m[0]), m[1], m[2])
+    if module is not None:
+        _check_module(module, placed, file_bytes if in_file is not None else {}, bad, field)
+
+
+def _check_module(model, placed: Mapping[str, Mapping[str, tuple[int, int] | None]], planned_bytes: Mapping[str, int],
+                  bad, field) -> None:
+    """Each module path of the plan names an EmbeddingBagCollection of `model` (as model.named_modules() names it)
+    holding exactly the plan's tables of that path, with their rows, dims (and data types, where the file says)."""
+    if not callable(getattr(model, "named_modules", None)):
+        raise bad("module", f"module= is a {type(model).__name__}, not a torch.nn.Module",
+                  "pass the model you give DistributedModelParallel")
+    named = dict(model.named_modules())
+    ebcs = {p: found for p, m in named.items() if (found := module_tables(m)) is not None}
+    for path, tables_of in placed.items():
+        if path not in ebcs:
+            # the EBC(s) holding the plan's tables, else every EBC: where --module-path should point
+            fits = [p for p, found in ebcs.items() if set(found[0]) == set(tables_of)]
+            which = "the model's EmbeddingBagCollections holding these tables" if fits else \
+                "the model's EmbeddingBagCollections"
+            fits = fits or list(ebcs)
+            shown = ", ".join(repr(p) if p else "the model itself" for p in fits[:4]) + (", ..." if len(fits) > 4
+                                                                                         else "")
+            what = (f"module path {path!r} names no module of the model" if path not in named else
+                    f"module path {path!r} names a {type(named[path]).__name__}, not an EmbeddingBagCollection")
+            fix = ("the model has no EmbeddingBagCollection: pass the model DistributedModelParallel shards"
+                   if not fits else
+                   f"re-export with `embshard export --module-path {fits[0]}`" if len(fits) == 1 and fits[0] else
+                   "re-export without --module-path (the model is the EmbeddingBagCollection)" if len(fits) == 1
+                   else f"re-export with --module-path set to one of the model's EmbeddingBagCollections: {shown}")
+            raise bad(field(path, None), f"{what} (TorchRec would leave its tables unsharded, every rank holding "
+                      f"all of them); {which}: {shown or 'none'}", fix)
+        held, held_bytes = ebcs[path]
+        held_as = f"the {len(held)} tables of the model's module {path!r}" if path else \
+            f"the {len(held)} tables of the model (an EmbeddingBagCollection)"
+        m = table_mismatch(tables_of, held, held_as, "load the plan exported for this model's tables, or plan "
+                           "again with them") or \
+            _bytes_mismatch({n: b for n, b in planned_bytes.items() if n in tables_of}, held_bytes, held_as)
+        if m:
+            raise bad(field(path, m[0]), m[1], m[2])
 
 
 def _check_shards(f: str, kind: str, shards, ranks: list[int], bad, is_int, world: int | None) -> tuple[int, int]:
@@ -528,23 +652,23 @@ def _check_row_blocks(f: str, kind: str, placed, rows: int, bad, world: int | No
                   "shard it table_row_wise over one host, or over all ranks; re-export with embshard export")
 
 
-def plan_from_json(data: Mapping | str, *, tables=None, world_size: int | None = None):
+def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size: int | None = None, module=None):
     """Rebuild the torchrec ShardingPlan from `plan_to_json` output (a dict, or a path to the JSON file).
 
     The plan is checked first (`check_plan_doc`): a training job gets one EmbshardError naming the file and the
-    field, before it builds a process group, instead of a wrong or failing sharding. Give `tables` (a TableSet,
-    a plan.json dict or path, a tables.parquet path, or plan.json's `tables` list) and `world_size` to check the
-    plan against them too.
+    field, before it builds a process group, instead of a wrong or failing sharding. Give `tables`
+    (TABLES_ACCEPTED), `world_size` and `module` (the model DistributedModelParallel shards: each module path of
+    the plan must be an EmbeddingBagCollection in it holding the plan's tables) to check the plan against them too.
     """
     require_torchrec()
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
     from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
 
     doc: Mapping
-    if isinstance(data, str):
+    if isinstance(data, (str, os.PathLike)):
         from .. import storage
 
-        where = data
+        where = data = os.fspath(data)
         try:
             text = storage.read_text(data)
         except FileNotFoundError:
@@ -560,7 +684,7 @@ def plan_from_json(data: Mapping | str, *, tables=None, world_size: int | None =
                                 field="json", fix=_PLAN_FIX) from None
     else:
         where, doc = "<torchrec plan>", data
-    check_plan_doc(doc, where, tables=tables, world_size=world_size)
+    check_plan_doc(doc, where, tables=tables, world_size=world_size, module=module)
     plan = {}
     for path, params in doc["modules"].items():
         module_plan = EmbeddingModuleShardingPlan()

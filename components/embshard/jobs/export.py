@@ -103,9 +103,10 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     "num_tasks": n, "torchrec": bool, "torchrec_note": str | None}.
 
     Complete or absent: every task is checked first (every table of the task, with --tasks exactly the task's
-    tables, each column once, memory respected), all files are written into a temporary folder and published
-    under `out` only when every one was written; on any error nothing is left behind. `compute_device`: what the
-    TorchRec plans name as each rank's device (cuda: its GPU on its host; cpu: CPU ranks)."""
+    tables, without it every table of a spec given as `tables`, each column once, memory respected), all files
+    are written into a temporary folder and published under `out` only when every one was written; on any error
+    nothing is left behind. `compute_device`: what the TorchRec plans name as each rank's device (cuda: its GPU on
+    its host; cpu: CPU ranks)."""
     from .. import schemas, storage
     from ..errors import EmbshardError
     from ..export.placements import (
@@ -116,13 +117,16 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     )
     from ..export.plan_json import write_plan_json
     from ..export.torchrec_plan import check_module_path
-    from ..ingest.spec import read_tables
+    from ..ingest.spec import is_spec_path, read_tables
     from ..types import DeviceTopology, devices_per_host_of
 
     check_module_path(module_path)
     where = os.fspath(placements)
     df = schemas.read(placements, "placements")
     table_set = read_tables(tables)
+    # A spec lists the model's tables: without a tasks file, each task's plan must place every one of them (a
+    # tables.parquet is a pool that tasks take some tables of).
+    model_tables = [str(t) for t in table_set.table_ids] if is_spec_path(tables) and not tasks else None
     task_tables: dict[str, list[str]] = {}
     task_info: dict[str, tuple[int, int]] = {}
     task_hosts: dict[str, int] = {}  # the tasks file's devices_per_host, where it gives one
@@ -155,7 +159,14 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
         if tasks:
             _check_complete(rows, task_tables[task_id], at, tasks)
         num_devices, memory = task_info.get(task_id, (None, None))
-        placement = placement_from_frame(rows, table_set, num_devices, memory, where=at)
+        placement = placement_from_frame(rows, table_set, num_devices, memory, where=at,
+                                         tables_source=os.fspath(tables))
+        unplaced = [t for t in model_tables or () if t not in set(placement.tables.table_ids)]
+        if unplaced:
+            raise EmbshardError(f"{len(unplaced)} table(s) of the spec {os.fspath(tables)} are not placed by task "
+                                f"{task_id}'s plan ({', '.join(unplaced[:3])}{', ...' if len(unplaced) > 3 else ''})",
+                                path=at, field="table_id", fix=f"plan again with these tables (embshard place "
+                                f"--tables {os.fspath(tables)}), or pass the spec the plan was made from")
         own_hosts = own_devices_per_host(rows, at)  # the hosts the rows were planned for (None: not recorded)
         for given, what, fix in ((devices_per_host, "--devices-per-host", "leave --devices-per-host out (the "
                                   "placements' hosts are used), or plan again with this --devices-per-host"),

@@ -53,7 +53,7 @@ def resolve_task(tables: str, tasks: str | None, task_id: str | None, devices: i
     r = row.iloc[0]
     where = f"{os.fspath(tasks)} (task {task_id})"
     # A value given explicitly wins, also when it is wrong: the caller checked it (0 is not "not given").
-    return (table_set.select(list(r["table_ids"]), where),
+    return (table_set.select(list(r["table_ids"]), where, source=os.fspath(tables)),
             int(r["num_devices"] if devices is None else devices),
             int(r["memory_bytes_per_device"] if memory_bytes is None else memory_bytes), task_id, where,
             devices_per_host_of(r))
