@@ -249,10 +249,11 @@ def _closed_port() -> int:
         return s.getsockname()[1]
 
 
-def test_a_tracking_server_that_does_not_answer_fails_in_one_line_at_once(store, tmp_path):
+def test_a_tracking_server_that_does_not_answer_fails_in_one_line_at_once(store, tmp_path, monkeypatch):
     """MLflow's client retries a refused connection for about 8 minutes, then blamed the model ("train and
-    register it first"); the server is now tried once, and the error says it is down."""
+    register it first"); the server is now asked for EMBSHARD_MLFLOW_WAIT_S (10 s), and the error says it is down."""
     out = tmp_path / "o"
+    monkeypatch.setenv(registry.WAIT_ENV, "0")  # one try (by default it is asked again for 10 s)
     got, proc = run_cli(tmp_path, _place(store["tables"], out, "learned"), f"http://127.0.0.1:{_closed_port()}")
     assert got["rc"] == 2
     err = proc.stderr.strip().splitlines()[-1]

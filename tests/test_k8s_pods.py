@@ -318,6 +318,21 @@ def test_the_scratch_env_can_be_overridden(tmp_path):
     assert env["TRITON_CACHE_DIR"] == "/data/triton" and env["HOME"] == "/tmp"
 
 
+def test_stages_wait_longer_than_a_command_for_an_mlflow_server_that_does_not_answer(tmp_path):
+    """Most stage pods run without retries: an MLflow pod restarting must not fail them (a command gives up after
+    10 s); the setting can be overridden like any other."""
+    from embshard import registry
+
+    assert k8s.MLFLOW_WAIT_ENV == registry.WAIT_ENV and k8s.MLFLOW_WAIT_S > 10 * registry.DEFAULT_WAIT_S
+    env = {e.name: e.value for e in k8s.pod_operator_kwargs("evaluate_and_promote", ["x"])["env_vars"]}
+    assert env[registry.WAIT_ENV] == str(k8s.MLFLOW_WAIT_S)
+    path = tmp_path / "pods.yaml"
+    path.write_text(f"env:\n  {registry.WAIT_ENV}: '30'\n")
+    env = {e.name: e.value for e in k8s.pod_operator_kwargs("export_placements", ["x"], k8s.load_pod_config(path))
+           ["env_vars"]}
+    assert env[registry.WAIT_ENV] == "30"
+
+
 def _read_only_root_works() -> bool:
     import shutil
     import subprocess
@@ -422,7 +437,11 @@ def test_the_chart_schema_checks_images_as_k8s_does():
     image = schema["definitions"]["image"]
     assert image["pattern"] == f"^{k8s.IMAGE_NAME.pattern}(?:@.*)?$"
     # the digest on its own, so that a bad one is named as such ("does not match pattern '@sha256:...'")
-    assert image["if"] == {"pattern": "@"} and image["then"] == {"pattern": f"@{k8s.DIGEST.pattern}$"}
+    assert image["if"] == {"pattern": "@"} and image["then"] == {"pattern": f"^[^@]*@{k8s.DIGEST.pattern}$"}
+    # one '@' only: 'name@latest@sha256:...' passed a pattern anchored at the end alone (a pod in InvalidImageName)
+    import re
+
+    assert not re.search(image["then"]["pattern"], f"ghcr.io/embshard/embshard-cuda@latest@{DIGEST}")
     for ref in (k8s.POD_DEFAULTS["image"], "postgres:17.6-bookworm", "localhost:5000/embshard:1",
                 "quay.io/minio/minio:RELEASE.2025-09-07T16-13-09Z", f"ghcr.io/mlflow/mlflow:v3.17.2-full@{DIGEST}"):
         k8s._check_image(ref, "test", "image")
@@ -433,6 +452,7 @@ BAD_IMAGES = [
     (f"ghcr.io/embshard/embshard-cuda@{DIGEST.upper()}", "digest"),
     ("ghcr.io/embshard/embshard-cuda@md5:0123456789abcdef0123456789abcdef", "digest"),
     ("ghcr.io/embshard/embshard-cuda@", "digest"),
+    (f"ghcr.io/embshard/embshard-cuda@latest@{DIGEST}", "digest"),
     ("ghcr.io/embshard/embshard-cuda:", "not an image reference"),
     ("ghcr.io/embshard/Embshard-cuda:0.1.0", "not an image reference"),
     ("ghcr.io/embshard/embshard cuda:0.1.0", "not an image reference"),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from embshard import registry
-from embshard.errors import ModelNotFoundError
+from embshard.errors import EmbshardError, ModelNotFoundError
 
 
 def test_tracking_uri_env_wins_else_sqlite_in_the_run_dir(tmp_path, monkeypatch):
@@ -96,3 +96,41 @@ def test_registering_with_a_signature_logs_no_mlflow_hints(mlflow_uri, tiny_arti
     assert [str(w.message) for w in caught if issubclass(w.category, UserWarning)] == []
     # Nor MLflow's CloudPickle warning: our PythonModels are importable classes of this package.
     assert [r.getMessage()[:60] for r in records] == []
+
+
+def test_an_unanswering_tracking_server_is_asked_a_few_times_and_a_failure_is_not_remembered(monkeypatch):
+    """A server restarting rides through the tries; one that stays down fails in one line naming it (without the
+    password its URI carries); a failure is asked again next time (a long-lived job recovers when it is back)."""
+    import socket
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    monkeypatch.setenv(registry.WAIT_ENV, "1.5")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = f"http://user:secret@127.0.0.1:{port}"
+    with pytest.raises(registry.RegistryUnreachableError, match="does not answer .*Connection refused") as err:
+        registry.check_server(store)
+    assert "secret" not in str(err.value) and f"127.0.0.1:{port}" in str(err.value) and "\n" not in str(err.value)
+
+    class Quiet(BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    def serve_later():
+        time.sleep(0.3)
+        with HTTPServer(("127.0.0.1", port), Quiet) as srv:
+            srv.handle_request()
+
+    threading.Thread(target=serve_later, daemon=True).start()
+    registry.check_server(store)  # down at the first try, up by a later one (any answer counts, a 404 too)
+    registry.check_server(store)  # answered once: not asked again (nothing listens any more)
+    monkeypatch.setenv(registry.WAIT_ENV, "soon")
+    with pytest.raises(EmbshardError, match="EMBSHARD_MLFLOW_WAIT_S.*not a number"):
+        registry.check_server(f"http://127.0.0.1:{port}/other")

@@ -30,6 +30,8 @@ DIGEST = re.compile(r"sha256:[a-f0-9]{64}")
 # A PriorityClass name is a DNS subdomain (the chart's schema holds the same pattern).
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
+MLFLOW_WAIT_ENV, MLFLOW_WAIT_S = "EMBSHARD_MLFLOW_WAIT_S", 300  # registry.WAIT_ENV (k8s.py imports no registry)
+
 # Stage names (`embshard stage NAME`; the outer loop's tasks run train_cost_model, train_policy and
 # measure_policy_plans with --round, under their own task ids).
 STAGES = ("ingest", "sample_shards", "benchmark", "train_cost_model", "train_policy", "measure_policy_plans",
@@ -292,6 +294,9 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
            "EMBSHARD_CALIBRATION_DIR": storage["dataRoot"].rstrip("/") + "/calibration"}
     if config.get("mlflowTrackingUri"):
         env["MLFLOW_TRACKING_URI"] = config["mlflowTrackingUri"]
+        # A stage asks a server that does not answer again for 5 minutes (registry.WAIT_ENV; a command, 10 s):
+        # an MLflow pod restarting must not fail a stage that runs without retries.
+        env[MLFLOW_WAIT_ENV] = str(MLFLOW_WAIT_S)
     if storage["type"] == "bucket" and storage.get("s3Endpoint"):
         # pyarrow's S3 filesystem and boto3 both read AWS_ENDPOINT_URL.
         env["AWS_ENDPOINT_URL"] = storage["s3Endpoint"]

@@ -9,13 +9,12 @@ versions are addressed by aliases (`champion`, `challenger`), never by the depre
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import warnings
 from typing import Any
 
-from .errors import ModelFilesMissingError, ModelNotFoundError, first_line
+from .errors import EmbshardError, ModelFilesMissingError, ModelNotFoundError, first_line
 
 DEFAULT_EXPERIMENT = "embshard"
 # The registered models and their aliases: defined here only.
@@ -227,38 +226,66 @@ def versions_with_verdict(name: str, verdict: str) -> list:
     return sorted(found, key=lambda mv: int(mv.version))
 
 
-# How long a tracking server may take to accept a connection before it counts as down. MLflow's own client
-# retries a refused connection 7 times with backoff (about 8 minutes) and then blames the model.
+# A tracking server that does not answer: MLflow's own client retries a refused connection 7 times with backoff
+# (about 8 minutes) and then blames the model. The server is asked here again for WAIT_ENV seconds (default
+# DEFAULT_WAIT_S: a command fails in seconds; the stage pods wait longer, riding out an MLflow restart), through
+# the same proxies MLflow's requests use.
+WAIT_ENV = "EMBSHARD_MLFLOW_WAIT_S"
+DEFAULT_WAIT_S = 10.0
 CONNECT_TIMEOUT_S = 10.0
+_answered: set[str] = set()  # stores that answered in this process (a failure is asked again next time)
 
 
 class RegistryUnreachableError(ModelNotFoundError):
     """The tracking server of an http(s) store does not accept connections."""
 
 
-@functools.cache
 def _unreachable(store: str) -> str | None:
-    """Why the tracking server at `store` does not answer (None: it does, or `store` is not an http(s) server).
-    Checked once per process and store."""
-    import socket
+    """Why the tracking server at `store` does not answer (None: it answered, with anything at all, or `store` is
+    not an http(s) server)."""
+    import re
+    import time
     from urllib.parse import urlsplit
 
     url = urlsplit(store)
-    if url.scheme not in ("http", "https") or not url.hostname:
+    if url.scheme not in ("http", "https") or not url.hostname or store in _answered:
         return None
+    import requests  # MLflow's own HTTP client: the same proxy settings (HTTP(S)_PROXY, NO_PROXY)
+
+    why, start, pause = "", time.monotonic(), 1.0
     try:
-        port = url.port or (443 if url.scheme == "https" else 80)
-        with socket.create_connection((url.hostname, port), timeout=CONNECT_TIMEOUT_S):
-            return None
-    except (OSError, ValueError) as exc:  # refused, no route, unknown host, a timeout; ValueError: a bad port
-        return first_line(exc) or type(exc).__name__
+        wait_s = float(os.environ.get(WAIT_ENV) or DEFAULT_WAIT_S)
+    except ValueError:
+        raise EmbshardError(f"{os.environ.get(WAIT_ENV)!r} is not a number of seconds", field=WAIT_ENV,
+                            fix=f"e.g. {WAIT_ENV}=60, or unset it for {DEFAULT_WAIT_S:g}") from None
+    while True:
+        try:
+            requests.head(store, timeout=CONNECT_TIMEOUT_S, allow_redirects=False)
+        except (requests.ConnectionError, requests.Timeout) as exc:  # refused, no route, unknown host, no proxy
+            errno = re.search(r"\[Errno -?\d+\] [^'\")]+", str(exc))
+            why = errno.group(0) if errno else type(exc).__name__
+            left = wait_s - (time.monotonic() - start)
+            if left <= 0:
+                return why
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, 15.0)
+            continue
+        except requests.RequestException:  # it answered, if oddly (a redirect loop, a bad header)
+            pass
+        _answered.add(store)
+        return None
 
 
 def check_server(store: str) -> None:
-    """Fail at once, in one line, when the http(s) tracking server of `store` does not answer."""
+    """Fail in one line when the http(s) tracking server of `store` has not answered for WAIT_ENV seconds."""
     why = _unreachable(store)
     if why is not None:
-        raise RegistryUnreachableError(f"the MLflow tracking server does not answer ({why})", path=store,
+        from urllib.parse import urlsplit
+
+        url = urlsplit(store)
+        # the URI without a user:password it may carry
+        shown = url._replace(netloc=(url.hostname or "") + (f":{url.port}" if url.port else "")).geturl()
+        raise RegistryUnreachableError(f"the MLflow tracking server does not answer ({why})", path=shown,
                                        fix="start the server, or point MLFLOW_TRACKING_URI (and MLFLOW_REGISTRY_URI, "
                                            "if set) at a running one")
 

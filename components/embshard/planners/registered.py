@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 from typing import Any
 
 import pandas as pd  # module level: MLflow resolves the predict signature's type hints in this module
@@ -48,7 +49,8 @@ def _policy_python_model() -> Any:
             params = params or {}
             for key in ("num_devices", "memory_bytes_per_device"):  # int() would cut 0.5 (GiB meant) to 0 bytes
                 value = params.get(key)
-                if isinstance(value, float) and not value.is_integer():
+                if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) \
+                        and not float(value).is_integer():  # numpy floats too
                     raise EmbshardError(f"{key} is a whole number ({'bytes' if 'bytes' in key else 'devices'}), "
                                         f"got {value}", field="params",
                                         fix="give memory in bytes, e.g. 80 * 2**30 for 80 GiB" if "bytes" in key
