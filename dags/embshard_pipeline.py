@@ -51,11 +51,19 @@ def time_limit(stage: str, startup_s: int = 0, round_index: int | None = None):
     def set_limit(context) -> None:
         from airflow.sdk.exceptions import AirflowSkipException
 
-        why = stages.round_skipped(dict(context["params"]), round_index)
+        try:
+            why = stages.round_skipped(dict(context["params"]), round_index)
+            seconds = params.stage_timeout_s(stage, context["params"])
+        except (ArithmeticError, TypeError, ValueError):
+            # Params the trigger form's types let through but check_params refuses (bench_chunks 0, a text
+            # size): the default limit, and check_params then names every bad field (this had raised
+            # ZeroDivisionError before it ran).
+            why, seconds = None, params.stage_timeout_s(stage, params.DEFAULT_PARAMS)
         if why:
             raise AirflowSkipException(why)
-        context["task"].execution_timeout = timedelta(
-            seconds=params.stage_timeout_s(stage, context["params"]) + startup_s)
+        if not seconds > 0:  # a negative timeout_scale: check_params refuses it (the task had timed out at once)
+            seconds = params.stage_timeout_s(stage, params.DEFAULT_PARAMS)
+        context["task"].execution_timeout = timedelta(seconds=seconds + startup_s)
     return {"pre_execute": set_limit,
             "execution_timeout": timedelta(seconds=params.stage_timeout_s(stage, params.DEFAULT_PARAMS) + startup_s)}
 
@@ -198,7 +206,8 @@ with DAG(
             last = last >> pod(task_id, stage, doc, r, skip_on_exit_code=stages.SKIP_EXIT_CODE)
         last >> pod("evaluate_and_promote", "evaluate_and_promote", "evaluate_and_promote",
                     trigger_rule=AFTER_LOOP) \
-            >> pod("export_placements", "export_placements", "export_placements", retries=1)
+            >> pod("export_placements", "export_placements", "export_placements", retries=1,
+                   skip_on_exit_code=stages.SKIP_EXIT_CODE)  # no champion yet: skipped, as in the local runner
     else:
         raise ValueError(f"EMBSHARD_RUNNER={RUNNER!r}: use 'local' or 'kubernetes'")
 

@@ -121,6 +121,23 @@ def test_every_task_has_a_time_limit_sized_from_the_run_params(dag_by_runner):
             assert startup == kw["schedule_timeout_seconds"] + kw["startup_timeout_seconds"], task.task_id
 
 
+@pytest.mark.parametrize("bad", [{"bench_chunks": 0}, {"tables_per_task": "abc", "num_tables": -5},
+                                 {"timeout_scale": -1}, {"policy_rounds": "two"}])
+def test_params_the_form_lets_through_still_reach_check_params(dag_by_runner, bad):
+    """A REST conf of the right JSON types but refused values: each task's time limit is sized before it runs, and
+    that sizing had raised ZeroDivisionError / a bare ValueError / an instant timeout before check_params could name
+    the field. Now the default limit, and check_params' one-line error."""
+    from embshard import params
+    from embshard.errors import EmbshardError
+
+    _, dag = dag_by_runner
+    op = types.SimpleNamespace(execution_timeout=None)
+    dag.get_task("check_params")._pre_execute_hook({"task": op, "params": {**params.DEFAULT_PARAMS, **bad}})
+    assert op.execution_timeout.total_seconds() == params.stage_timeout_s("check_params", params.DEFAULT_PARAMS)
+    with pytest.raises(EmbshardError, match=next(iter(bad))):
+        stages.check_params("", {**params.DEFAULT_PARAMS, **bad}, check_files=False)
+
+
 def test_outer_loop_rounds_beyond_the_param_are_skipped_and_evaluation_still_runs(dag_by_runner):
     """Every step of the outer loop is a task; a round beyond `policy_rounds` is skipped (local: the stage raises
     StageSkipped; pods: its exit code), and evaluation runs after skipped rounds but not after failed ones."""
@@ -131,6 +148,8 @@ def test_outer_loop_rounds_beyond_the_param_are_skipped_and_evaluation_still_run
     if runner == "kubernetes":
         for task_id, _, _ in LOOP:
             assert stages.SKIP_EXIT_CODE in dag.get_task(task_id).skip_on_exit_code
+        # export without a champion yet exits 99 too: skipped, as in the local runner (it had failed the run)
+        assert stages.SKIP_EXIT_CODE in dag.get_task("export_placements").skip_on_exit_code
     # Skipped when the task starts, before a pod is made (a skipped round's pod took a GPU node to exit 99).
     from airflow.sdk.exceptions import AirflowSkipException
 

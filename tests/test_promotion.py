@@ -379,6 +379,10 @@ def test_the_registry_records_each_verdict_and_challenger_only_follows_undecided
     assert aliases(COST) == {"challenger": "1"}
     record_verdict(BAD, "measurably_slower", "slower")  # the undecided one keeps the alias
     assert aliases(POLICY) == {"champion": GOOD, "challenger": GOOD_TOO}
+    # an older run's gate run again (its task cleared) finds its candidate undecided too: `challenger` stays with
+    # the newest undecided candidate (it had moved back to the older version)
+    assert record_verdict(BAD, "undecided", "straddles again") == []
+    assert aliases(POLICY) == {"champion": GOOD, "challenger": GOOD_TOO} and verdict_tag(BAD) == "undecided"
     record_verdict(GOOD_TOO, "not_better", "re-judged")  # re-judged and decided: the alias goes
     assert aliases(POLICY) == {"champion": GOOD} and aliases(COST) == {}
     # A version an earlier Airflow run registered and left pending (that run failed before its gate) is tagged

@@ -185,3 +185,61 @@ def test_a_stage_run_by_hand_takes_its_runs_params_and_store(tmp_path, monkeypat
     assert seen["params"]["eval_tasks"] == 7 and seen["params"]["eval_rounds"] == 3 and seen["store"] == store
     assert "the run's params (with those given) and MLflow store" in capsys.readouterr().out
     assert not os.path.exists(os.path.join(root, "mlflow.db"))  # no stray store in the root
+    # MLFLOW_TRACKING_URI set to another store: that one is used, and the banner names it (it named the run's)
+    other = f"sqlite:///{tmp_path / 'copy-mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", other)
+    assert stages.main(args) == 0
+    out = capsys.readouterr().out
+    assert seen["store"] == other and f"MLflow store {other} (MLFLOW_TRACKING_URI, not the run's {store})" in out
+
+
+def _make_read_only(path) -> bool:
+    """Make a file unwritable even for root (chattr +i) or, not root, by its mode; False where neither works."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        os.chmod(path, 0o444)
+        return True
+    return subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode == 0
+
+
+def _undo_read_only(path) -> None:
+    import subprocess
+
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+    else:
+        os.chmod(path, 0o644)
+
+
+def test_a_stage_refuses_a_store_it_cannot_write_before_any_work(tmp_path, monkeypatch):
+    """A read-only MLflow store was found out after training (a 200-line SQLAlchemy traceback), an http one that
+    does not answer after minutes of retries; now one line, naming the store, before the stage's work (here the
+    stage's inputs do not even exist: the store is what it names)."""
+    import socket
+    import sqlite3
+
+
+    db = tmp_path / "mlflow.db"
+    with sqlite3.connect(db) as con:
+        con.execute("CREATE TABLE t (x)")
+    if not _make_read_only(db):
+        pytest.skip("cannot make a file read-only here (root without chattr)")
+    try:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+        with pytest.raises(EmbshardError, match="MLflow store cannot be written") as err:
+            stages.run("train_cost_model", str(tmp_path / "root"), {})
+        assert err.value.path == str(db) and "\n" not in str(err.value)
+    finally:
+        _undo_read_only(db)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("EMBSHARD_MLFLOW_WAIT_S", "0")
+    with pytest.raises(EmbshardError, match="tracking server does not answer"):
+        stages.run("evaluate_and_promote", str(tmp_path / "root"), {})
+    # a writable store: on to the stage, which finds its inputs missing
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    with pytest.raises(EmbshardError, match="missing stage output|no such|not found|missing"):
+        stages.run("train_cost_model", str(tmp_path / "root"), {})

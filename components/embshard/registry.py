@@ -290,6 +290,38 @@ def check_server(store: str) -> None:
                                            "if set) at a running one")
 
 
+def check_store(uri: str | None = None) -> None:
+    """Fail in one line, before any work, when the store at `uri` (default: this process's tracking URI) cannot
+    take writes: a local sqlite file that is read-only, or an http(s) server that does not answer (check_server).
+    A stage found out after training, in a 200-line SQLAlchemy traceback or minutes of retries."""
+    import sqlite3
+
+    uri = uri or tracking_uri()
+    if not uri.startswith("sqlite:///"):
+        check_server(uri)
+        return
+    db = uri[len("sqlite:///"):]
+    if db == ":memory:":
+        return
+    folder = os.path.dirname(os.path.abspath(db))
+    try:
+        if not os.path.exists(db):  # MLflow creates it: its folder must take it (and the journal beside it)
+            if os.path.isdir(folder) and not os.access(folder, os.W_OK):
+                raise sqlite3.OperationalError(f"its folder {folder} is not writable")
+            return
+        # a write that is rolled back: the only test that sees a file made immutable or a read-only mount
+        # (permission bits do not stop root)
+        with contextlib.closing(sqlite3.connect(db, timeout=60, isolation_level=None)) as con:
+            version = con.execute("PRAGMA user_version").fetchone()[0]
+            con.execute("BEGIN IMMEDIATE")
+            con.execute(f"PRAGMA user_version = {int(version)}")
+            con.execute("ROLLBACK")
+    except sqlite3.Error as exc:
+        raise EmbshardError(f"the MLflow store cannot be written ({first_line(exc)})", path=db,
+                            fix="make the file and its folder writable (a read-only mount, chattr +i, a full disk), "
+                                "or point MLFLOW_TRACKING_URI at a writable store") from None
+
+
 def version_for_alias(name: str, alias: str):
     """The ModelVersion behind `name@alias`, or None when the model or the alias does not exist."""
     import mlflow

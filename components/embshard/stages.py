@@ -368,6 +368,10 @@ def _note_code_version(root: str, name: str) -> None:
                     "(fix: run the pipeline again from ingest on one version)", name, mine, started)
 
 
+# The stages that log to MLflow or register models (the others only read and write the run root).
+REGISTERS = ("train_cost_model", "train_policy", "measure_policy_plans", "evaluate_and_promote", "export_placements")
+
+
 def run(name: str, root: str, params: dict, chunk: int | None = None, round_index: int | None = None) -> dict:
     """Run one stage on a run root; returns its small JSON-able result. Raises StageSkipped when an outer-loop
     round has nothing to do."""
@@ -389,6 +393,10 @@ def run(name: str, root: str, params: dict, chunk: int | None = None, round_inde
         _note_code_version(root, name)
         if name == "ingest":
             _note_run(root, params)
+    if name in REGISTERS:
+        from . import registry
+
+        registry.check_store()  # before the work: a store that cannot take its results fails it at once
     if name == "benchmark":
         return fn(root, params, int(chunk or 0))
     if name in ROUND_STAGES and round_index is not None:
@@ -496,12 +504,16 @@ def main(args) -> int:
     if run_facts:
         # A stage of a pipeline's run, run again by hand: that run's params (the ones given go over them) and store.
         params = {**(run_facts.get("params") or {}), **params}
-        store = run_facts.get("mlflow_tracking_uri")
-        if store and not os.environ.get("MLFLOW_TRACKING_URI"):
+        store, given = run_facts.get("mlflow_tracking_uri"), os.environ.get("MLFLOW_TRACKING_URI")
+        if store and not given:
             os.environ["MLFLOW_TRACKING_URI"] = store
+        where = f", from {_join(path(root, 'state'), 'run.json')}"
+        if given and given != store:  # the store the stage will use, not the recorded one it will not
+            where += f"; MLflow store {given} (MLFLOW_TRACKING_URI" + (f", not the run's {store})" if store else ")")
+        elif store:
+            where = f" and MLflow store {store}" + where
         print(f"embshard stage {args.name}: the run's params" + (" (with those given)" if args.params else "")
-              + (f" and MLflow store {store}" if store else "") + f", from {_join(path(root, 'state'), 'run.json')}",
-              flush=True)
+              + where, flush=True)
     if not os.environ.get("MLFLOW_TRACKING_URI") and "://" not in str(args.root):
         # By hand, without a store named: the root's own, so that every stage of the root (train_cost_model,
         # train_policy, the gate, export) registers and finds the same models. (The DAG and its pods name one.)

@@ -272,6 +272,12 @@ def _record_aliases(candidate_version: str, verdict: str, reason: str) -> None:
         _follow_cost_model(candidate_version, registry.CHAMPION)
         _drop_challenger()
     elif verdict == registry.UNDECIDED:
+        current = registry.version_for_alias(POLICY, registry.CHALLENGER)
+        if current is not None and int(current.version) > int(candidate_version):
+            # an older run's gate run again (a cleared task): `challenger` is the newest undecided candidate
+            log.info("version %s undecided; challenger stays the newer version %s", candidate_version,
+                     current.version)
+            return
         registry.set_alias(POLICY, registry.CHALLENGER, candidate_version)
         _follow_cost_model(candidate_version, registry.CHALLENGER)
     else:
