@@ -203,6 +203,18 @@ def test_a_stuck_stage_is_timed_out(stuck_run):
     assert "Timeout" in out or "timed out" in out
 
 
+def test_a_timed_out_stage_is_said_to_be_over_its_limit_with_the_param_that_sizes_it():
+    """Airflow's own text was all the console said: 'ingest FAILED after 0.9 s: Timeout, PID: 6778'."""
+    from airflow.sdk.exceptions import AirflowTaskTimeout
+
+    from embshard import stages
+
+    reason = stages.failure_reason(AirflowTaskTimeout("Timeout, PID: 6778"))
+    assert "over its time limit" in reason and "timeout_scale" in reason
+    assert stages.failure_reason(ValueError("first\nsecond")) == "first"
+    assert stages.failure_reason(KeyError()) == "KeyError"
+
+
 def test_devices_per_host_gives_the_runs_tasks_their_hosts(tmp_path):
     """The ingest stage writes the param into tasks.parquet, where planning and export read each task's hosts."""
     from embshard import schemas, stages

@@ -96,10 +96,31 @@ def test_a_gate_stopped_midway_leaves_no_earlier_decision(finished_root, monkeyp
         raise KeyboardInterrupt
 
     monkeypatch.setattr(promote, "evaluate_and_promote", stopped)
+    # inputs that cannot be read: the try fails before it erases anything (a retry on a corrupt tasks.parquet had
+    # erased the record of the decision that moved the alias)
+    tables, tasks = stages.path(finished_root, "tables"), stages.path(finished_root, "tasks")
+    for f in (tables, tasks):
+        os.makedirs(os.path.dirname(f), exist_ok=True)
+        with open(f, "w") as out:
+            out.write("not parquet")
+    with pytest.raises(EmbshardError):
+        stages.evaluate_and_promote(finished_root, {})
+    assert os.path.exists(decision) and os.path.exists(measured)
+    _write_tables_and_tasks(tables, tasks)
     with pytest.raises(KeyboardInterrupt):
         stages.evaluate_and_promote(finished_root, {})
     assert not os.path.exists(decision) and not os.path.exists(measured)
     assert not os.path.exists(os.path.join(finished_root, "state", "promotion.json"))
+
+
+def _write_tables_and_tasks(tables_path: str, tasks_path: str) -> None:
+    from embshard import schemas
+    from embshard.ingest.synthetic import generate_tables
+    from embshard.jobs.tasks import sample_tasks
+
+    df = generate_tables(8, seed=3, bins_batch_size=256)
+    schemas.write(df, tables_path, "tables")
+    schemas.write(sample_tasks(df, 2, "3-4", [2], 64.0, 0, where="test"), tasks_path, "tasks")
 
 
 def test_a_stage_running_other_code_than_the_runs_ingest_says_so(tmp_path, monkeypatch, caplog):

@@ -283,6 +283,11 @@ def evaluate_and_promote(root: str, params: dict) -> dict:
     from .jobs.evaluate import OUTPUT as EVALUATION
 
     evaluation = path(root, "evaluation")
+    # Its inputs first: a try that fails on them must not have erased the decision an earlier try recorded.
+    from . import schemas
+
+    schemas.read(path(root, "tables"), "tables")
+    schemas.read(path(root, "tasks"), "tasks")
     for stale in (_join(path(root, "state"), "promotion.json"), _join(evaluation, "decision.json"),
                   *(_join(evaluation, name) for name in EVALUATION["writes"])):
         storage.remove(stale)
@@ -368,6 +373,14 @@ def _note_code_version(root: str, name: str) -> None:
                     "(fix: run the pipeline again from ingest on one version)", name, mine, started)
 
 
+def failure_reason(exc: BaseException) -> str:
+    """The first line of a stage's error, as the console and `embshard pipeline`'s summary give it."""
+    if type(exc).__name__ == "AirflowTaskTimeout":  # its own text is "Timeout, PID: N"
+        return ("over its time limit (the task's execution_timeout, sized from the run's params: give a larger "
+                "timeout_scale if the stage was not hung)")
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 # The stages that log to MLflow or register models (the others only read and write the run root).
 REGISTERS = ("train_cost_model", "train_policy", "measure_policy_plans", "evaluate_and_promote", "export_placements")
 
@@ -439,7 +452,7 @@ def run_in_task(name: str, data_root: str, mlflow_uri: str, params: dict, *, run
         FAILURES.append((label, "stopped"))
         raise
     except BaseException as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        reason = failure_reason(exc)
         run_context.progress(f"  {label:<28} FAILED after {time.perf_counter() - start:6.1f} s: {reason[:300]}")
         FAILURES.append((label, reason))
         raise
