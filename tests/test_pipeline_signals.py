@@ -45,3 +45,6 @@ def test_sigterm_stops_the_pipeline_before_it_promotes(tmp_path):
 
     with sqlite3.connect(out / "airflow" / "airflow.db") as db:
         assert [s for (s,) in db.execute("select state from dag_run")] == ["failed"]
+        # ... and so is the task it stopped, not left `running`; its owner record is gone (embshard.run_owner).
+        assert "running" not in [s for (s,) in db.execute("select state from task_instance")]
+    assert not list((out / "airflow" / "embshard-owners").glob("*.json"))

@@ -31,6 +31,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from . import run_owner
 from .errors import EmbshardError
 
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
@@ -140,17 +141,20 @@ class LocalAirflow:
                                 fix="stop what listens there (an earlier `make ui`?) or pass --port")
         self.home.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        env = self._component_env()
-        self.password()
-        migrate = subprocess.run(self._airflow("db", "migrate"), env=env, capture_output=True, text=True)
-        if migrate.returncode != 0:
-            (self.log_dir / "db-migrate.log").write_text(migrate.stdout + migrate.stderr)
-            raise EmbshardError("airflow db migrate failed", path=str(self.log_dir / "db-migrate.log"),
-                                fix="read the log; remove AIRFLOW_HOME to start from a fresh database")
-        for name in self.components:
-            self.procs[name] = self._spawn(name)
-        self._write_pids()
+        self._refuse_beside_another_owner()
+        run_owner.write_ui(self.home, self.url, {})  # before anything starts: a pipeline starting now sees it
         try:
+            env = self._component_env()
+            self.password()
+            migrate = subprocess.run(self._airflow("db", "migrate"), env=env, capture_output=True, text=True)
+            if migrate.returncode != 0:
+                (self.log_dir / "db-migrate.log").write_text(migrate.stdout + migrate.stderr)
+                raise EmbshardError("airflow db migrate failed", path=str(self.log_dir / "db-migrate.log"),
+                                    fix="read the log; remove AIRFLOW_HOME to start from a fresh database")
+            self._reap(env)
+            for name in self.components:
+                self.procs[name] = self._spawn(name)
+            self._write_pids()
             self.wait_healthy(timeout_s)
         except BaseException:
             self.stop()
@@ -177,7 +181,34 @@ class LocalAirflow:
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def _write_pids(self) -> None:
-        (self.home / "embshard-pids.json").write_text(json.dumps({k: p.pid for k, p in self.procs.items()}))
+        """The UI's record (run_owner.UI): this process and its components, pids with start times."""
+        run_owner.write_ui(self.home, self.url, {k: p.pid for k, p in self.procs.items()})
+
+    def _refuse_beside_another_owner(self) -> None:
+        """One owner per folder: the scheduler would also run the tasks of an `embshard pipeline`'s dag.test() run
+        (and a second UI's scheduler those of the first)."""
+        for owner in run_owner.live_pipelines(self.home):
+            raise EmbshardError(f"embshard pipeline (pid {owner['pid']}) is running run {owner['run_id']} on this "
+                                "folder; a scheduler here would run its tasks too", path=self.out,
+                                fix="wait for it to end (or stop it with Ctrl-C), or start the UI on another --out")
+        what = run_owner.live_ui(self.home)
+        if what:
+            raise EmbshardError(what, path=self.out, fix="use that UI, or stop it first, or give another --out")
+
+    def _reap(self, env: dict[str, str]) -> None:
+        """Fail the dag.test() runs a killed `embshard pipeline` left running (run_owner.reap), before the
+        scheduler starts: else max_active_runs=1 queues every run behind one that never ends. Airflow reads its
+        home at import, so this runs in a process of the installation's environment."""
+        res = subprocess.run([sys.executable, "-m", "embshard.run_owner", DAG_ID], env=env, capture_output=True,
+                             text=True)
+        lines = [line for line in res.stdout.splitlines() if line.startswith("embshard:")]
+        if res.returncode != 0:
+            (self.log_dir / "reap.log").write_text(res.stdout + res.stderr)
+            lines.append(f"embshard ui: could not check for runs a killed embshard pipeline left running (exit "
+                         f"code {res.returncode}; {self.log_dir / 'reap.log'})")
+        for line in lines:
+            self._log_line("scheduler", line)
+            self.notify(line)
 
     def _supervise(self) -> None:
         while not self._stopping.wait(SUPERVISE_EVERY_S) and self.failed is None:
@@ -272,6 +303,7 @@ class LocalAirflow:
             time.sleep(0.1)
         self.procs.clear()
         self.retired.clear()
+        run_owner.remove_ui(self.home)
 
     def __enter__(self) -> LocalAirflow:
         return self.start()

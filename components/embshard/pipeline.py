@@ -104,6 +104,7 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
     """Run the DAG once with `params`; returns the run's root, state and stage outputs. Bad params are one
     EmbshardError naming each field before Airflow starts (the DAG's check_params task checks them again)."""
     from . import params as params_mod
+    from . import run_context
     from .errors import EmbshardError
 
     # The DAG's first task, at once: every param, and CUDA where asked (the stages run on this machine).
@@ -129,31 +130,47 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
     with _logs_to(log_path):
         dag = load_dag()
         check_conf(dag, params or {})  # before the database and the run: a bad value is one line, at once
-        initdb()
+        from airflow.models.dagrun import DagRun
+        from airflow.utils.types import DagRunType
+
+        from . import run_owner
+
+        # The run's id, known before dag.test() makes the run (it derives the id from these dates), is recorded
+        # with this process as its owner first: an `embshard ui` starting now sees it, and a later start on this
+        # folder fails the run if this process dies without ending it (kill -9, out of memory).
         started = datetime.datetime.now(datetime.UTC)
+        run_id = DagRun.generate_run_id(run_type=DagRunType.MANUAL, logical_date=started, run_after=started)
+        home = env["AIRFLOW_HOME"]
+        owned: dict = {"run_id": run_id, "path": run_owner.record_owner(home, run_id)}
         try:
-            with _stop_between_tasks():
-                dag_run = dag.test(run_conf=params or {})
-        except KeyboardInterrupt:
-            _fail_interrupted_run(dag.dag_id, started)
-            raise
-        except ValueError as exc:  # Airflow's ParamValidationError (a ValueError) of a check we do not repeat
-            err = param_error(exc)
-            if err is None:
+            _refuse_beside_a_scheduler(home, out)
+            initdb()
+            _refuse_beside_a_scheduler(home, out, db=True)
+            for line in run_owner.reap(dag.dag_id, home):
+                print(line, flush=True)  # the log, and the console
+                run_context.progress(line)
+            try:
+                with _stop_between_tasks(lambda ti: _owned(owned, home, ti.run_id)):
+                    dag_run = dag.test(run_conf=params or {}, logical_date=started, run_after=started)
+            except KeyboardInterrupt:
+                _fail_interrupted_run(dag.dag_id, owned["run_id"])
                 raise
-            raise err from exc
+            except ValueError as exc:  # Airflow's ParamValidationError (a ValueError) of a check we do not repeat
+                err = param_error(exc)
+                if err is None:
+                    raise
+                raise err from exc
+        finally:
+            run_owner.forget(owned["path"])
     elapsed = time.perf_counter() - start
     root = stages.run_root(env["EMBSHARD_DATA_ROOT"], dag_run.run_id)
     state = str(dag_run.state)
     result = {"run_id": dag_run.run_id, "state": state, "root": root, "seconds": elapsed, "env": env, "out": out,
               "log": log_path}
     if state != "success":
-        failed = [ti.task_id for ti in dag_run.get_task_instances() if str(ti.state) not in ("success", "skipped")]
-        first = (f"; {stages.FAILURES[failures_before][0]} failed first: {stages.FAILURES[failures_before][1]}"
-                 if len(stages.FAILURES) > failures_before else "")
-        raise EmbshardError(f"the DAG run ended {state} ({len(failed)} tasks not successful: "
-                            f"{', '.join(failed[:6])}{', ...' if len(failed) > 6 else ''}{first})",
-                            path=root, fix=f"see the first failure, then run again; the task logs are in {log_path}")
+        summary = failure_summary(dag_run.get_task_instances(), stages.FAILURES[failures_before:])
+        raise EmbshardError(f"the DAG run ended {state} ({summary})", path=root,
+                            fix=f"see the first failure, then run again; the task logs are in {log_path}")
     for name in ("promotion", "export", "policy", "cost_model"):
         p = os.path.join(root, "state", f"{name}.json")
         if os.path.exists(p):
@@ -162,26 +179,79 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
     return result
 
 
-def _fail_interrupted_run(dag_id: str, started) -> None:
-    """Mark the run this command started failed: left `running` in OUT/airflow, a later `embshard ui` on the same
-    folder resumed it minutes after Ctrl-C, and its gate overwrote the `failed_run` verdict the next pipeline had
-    tagged. Its tasks not run stay unrun; a run of a failed DagRun is never scheduled."""
+def _fail_interrupted_run(dag_id: str, run_id: str) -> None:
+    """Mark the run this command started failed, with its running task: left `running` in OUT/airflow, a later
+    `embshard ui` on the same folder resumed it minutes after Ctrl-C, and its gate overwrote the `failed_run`
+    verdict the next pipeline had tagged. Its tasks not run stay unrun; a run of a failed DagRun is never
+    scheduled. (A run whose process was killed outright is failed by the next start: run_owner.reap.)"""
     from airflow.models.dagrun import DagRun
     from airflow.utils.session import create_session
-    from airflow.utils.state import DagRunState
+
+    from .run_owner import fail_run
 
     with contextlib.suppress(Exception), create_session() as session:  # the interrupt is what the user must see
-        for run in session.query(DagRun).filter(DagRun.dag_id == dag_id, DagRun.state == DagRunState.RUNNING):
-            if run.start_date is None or run.start_date >= started - datetime.timedelta(seconds=5):
-                run.set_state(DagRunState.FAILED)
+        for run in session.query(DagRun).filter(DagRun.dag_id == dag_id, DagRun.run_id == run_id):
+            fail_run(session, run)
+
+
+def _owned(owned: dict, home: str, run_id: str) -> None:
+    """Re-record the owner under the id dag.test() gave its run, should it differ from the one derived before."""
+    from . import run_owner
+
+    if run_id != owned["run_id"]:
+        new = run_owner.record_owner(home, run_id)
+        run_owner.forget(owned["path"])
+        owned.update(run_id=run_id, path=new)
+
+
+def _refuse_beside_a_scheduler(home: str, out: str, db: bool = False) -> None:
+    """A scheduler on this folder's database (an `embshard ui`'s, or what a killed one left) also runs the
+    dag.test() run's tasks: the run failed with its first failure unnamed, and max_active_runs=1 was bypassed.
+    `db`: ask the database for a heartbeating scheduler (after initdb) instead of the UI's record."""
+    from . import run_owner
+    from .errors import EmbshardError
+
+    if db:
+        from airflow.utils.session import create_session
+
+        with create_session() as session:
+            what = run_owner.live_scheduler(session)
+    else:
+        what = run_owner.live_ui(home)
+    if what:
+        raise EmbshardError(f"{what}; its scheduler would run this pipeline's tasks too", path=os.path.abspath(out),
+                            fix="trigger the run from that Airflow's UI or REST API instead, or stop it (Ctrl-C "
+                                "in its terminal) first, or give another --out")
+
+
+def failure_summary(tis, failures: list[tuple[str, str]]) -> str:
+    """Which task failed first (the earliest to end `failed`; tasks after it end upstream_failed), with its reason
+    when it failed in this process (stages.FAILURES), then the tasks not successful."""
+    def label(ti) -> str:
+        return ti.task_id + (f"[{ti.map_index}]" if ti.map_index is not None and ti.map_index >= 0 else "")
+
+    bad = [ti for ti in tis if str(ti.state) not in ("success", "skipped")]
+    failed = sorted((ti for ti in bad if str(ti.state) == "failed"),
+                    key=lambda ti: (ti.end_date is None, ti.end_date or 0, label(ti)))
+    reasons = dict(reversed(failures))  # a task's first reason
+    head = ""
+    if failed:
+        first = label(failed[0])
+        why = reasons.get(first)
+        head = f"{first} failed first" + (f": {why}" if why else " (its log says why)") + "; "
+    elif failures:
+        head = f"{failures[0][0]} failed first: {failures[0][1]}; "
+    others = [f"{label(ti)} {ti.state or 'not run'}" for ti in bad]
+    return (f"{head}{len(bad)} tasks not successful: {', '.join(others[:6])}"
+            f"{', ...' if len(others) > 6 else ''}")
 
 
 @contextlib.contextmanager
-def _stop_between_tasks():
+def _stop_between_tasks(on_task=None):
     """dag.test() runs each task through `_run_task` and goes on after a failed one, and Airflow's task runner
     takes whatever a task raises, KeyboardInterrupt included, for a failed try (a retried one for benchmark): after
     SIGTERM or Ctrl-C (embshard.signals, which stopped the running stage) the next call raises KeyboardInterrupt
-    outside any task, which ends dag.test() and the command."""
+    outside any task, which ends dag.test() and the command. `on_task(ti)` is called before each task."""
     from airflow.sdk.definitions import dag as dag_module
 
     from . import signals
@@ -194,6 +264,8 @@ def _stop_between_tasks():
     def run_task(*args, **kwargs):
         if signals.received is not None:
             raise KeyboardInterrupt
+        if on_task is not None and kwargs.get("ti") is not None:
+            on_task(kwargs["ti"])
         out = original(*args, **kwargs)
         if signals.received is not None:
             raise KeyboardInterrupt
