@@ -54,8 +54,14 @@ def recorders(monkeypatch):
 
 
 def _run_measuring_stages(root: str, params: dict) -> None:
-    for key in ("tables", "tasks"):  # sample_shards checks that ingest wrote them (the faked jobs do not read them)
-        open(stages.path(root, key), "w").close()
+    # sample_shards checks that ingest wrote them, the gate reads them before it starts (the faked jobs do not)
+    from embshard import schemas
+    from embshard.ingest.synthetic import generate_tables
+    from embshard.jobs.tasks import sample_tasks
+
+    df = generate_tables(8, seed=3, bins_batch_size=256)
+    schemas.write(df, stages.path(root, "tables"), "tables")
+    schemas.write(sample_tasks(df, 2, "3-4", [2], 64.0, 0, where="test"), stages.path(root, "tasks"), "tasks")
     stages._state(root, "shards", {"shards": "shards.parquet", "chunks": [0]})
     stages._state(root, "policy", {"policy_dir": "p", "cost_model_uri": "c", "version": "1"})
     stages.run("sample_shards", root, params)

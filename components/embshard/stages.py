@@ -277,24 +277,22 @@ def evaluate_and_promote(root: str, params: dict) -> dict:
 
     p = merged(params)
     pol = _state(root, "policy", keys=("version",))
-    # A decision an earlier try left (perhaps about another candidate) goes first, with the measurements it was
-    # made on: a try stopped before it decides leaves none, never a stale one beside no decision.
-    from . import storage
+    from . import schemas, storage
     from .jobs.evaluate import OUTPUT as EVALUATION
 
-    evaluation = path(root, "evaluation")
-    # Its inputs first: a try that fails on them must not have erased the decision an earlier try recorded.
-    from . import schemas
-
+    # The device and the inputs first: a try that fails on them leaves the decision an earlier try recorded.
+    settings = measure_settings(root, p)
     schemas.read(path(root, "tables"), "tables")
     schemas.read(path(root, "tasks"), "tasks")
+    # Then a decision an earlier try left (perhaps about another candidate) goes, with the measurements it was
+    # made on: a try stopped before it decides leaves none, never a stale one beside no decision.
+    evaluation = path(root, "evaluation")
     for stale in (_join(path(root, "state"), "promotion.json"), _join(evaluation, "decision.json"),
                   *(_join(evaluation, name) for name in EVALUATION["writes"])):
         storage.remove(stale)
     # All rounds in this process, unlike the quality suites' fresh process per round (--round-processes): a
     # process spawned from an Airflow task runner failed (tests/test_airflow_real.py), so the gate keeps the
     # long-process bias docs/method.md describes (large tables 12-17% faster after a while).
-    settings = measure_settings(root, p)
     decision = promote(path(root, "tables"), path(root, "tasks"), path(root, "evaluation"),
                        candidate_version=pol["version"],
                        baselines=params_mod.planners_of(p["eval_planners"]),
