@@ -356,8 +356,19 @@ def test_stage_commands_run_on_a_read_only_root(tmp_path):
     env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
            "PYTHONPATH": str(Path(k8s.__file__).resolve().parents[1]),
            **{name: pod_env[name] for name in k8s.SCRATCH_ENV}}
+    # A checkout (and its venv) under /tmp, as a fresh clone may be, would vanish under the tmpfs standing for the
+    # emptyDir: those folders are bound back over it, read-only like the rest of the image.
+    keep = sorted({"/tmp/" + p.relative_to("/tmp").parts[0] for p in (Path(sys.prefix).resolve(),
+                                                                       Path(k8s.__file__).resolve())
+                   if p.is_relative_to("/tmp")})
     script = """set -e
-mount --bind "$DATA" /mnt && mount -t tmpfs tmpfs /tmp && mount -o remount,bind,ro / && cd /
+mount --bind "$DATA" /mnt
+i=0; for k in $KEEP; do mkdir -p /mnt/.keep$i && mount --bind "$k" /mnt/.keep$i; i=$((i+1)); done
+mount -t tmpfs tmpfs /tmp
+i=0; for k in $KEEP; do
+  mkdir -p "$k" && mount --bind /mnt/.keep$i "$k" && mount -o remount,bind,ro "$k"; i=$((i+1))
+done
+mount -o remount,bind,ro / && cd /
 if touch /probe 2>/dev/null; then echo "the root is writable" >&2; exit 9; fi
 embshard ingest --source synthetic --num-tables 6 --out file:///mnt/run --no-progress
 embshard place --tables /mnt/run/tables.parquet --devices 2 --memory-gb 16 --planner size_greedy --out /mnt/plan
@@ -373,7 +384,7 @@ ls -A "$MPLCONFIGDIR" > /mnt/mplconfig.txt
 """
     data = tmp_path / "data"
     data.mkdir()
-    env["DATA"] = str(data)
+    env["DATA"], env["KEEP"] = str(data), " ".join(keep)
     proc = subprocess.run(["unshare", "-rmpf", "--mount-proc", "sh", "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
