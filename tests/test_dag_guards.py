@@ -213,6 +213,11 @@ def test_a_timed_out_stage_is_said_to_be_over_its_limit_with_the_param_that_size
     assert "over its time limit" in reason and "timeout_scale" in reason
     assert stages.failure_reason(ValueError("first\nsecond")) == "first"
     assert stages.failure_reason(KeyError()) == "KeyError"
+    # a full disk under MLflow's sqlite store: the cause, not SQLAlchemy's note on autoflush
+    autoflush = ("(raised as a result of Query-invoked autoflush; consider using a session.no_autoflush block if "
+                 "this flush is occurring prematurely)\n(sqlite3.OperationalError) database or disk is full\n"
+                 "(Background on this error at: https://sqlalche.me/e/20/e3q8)")
+    assert stages.failure_reason(RuntimeError(autoflush)) == "(sqlite3.OperationalError) database or disk is full"
 
 
 def test_devices_per_host_gives_the_runs_tasks_their_hosts(tmp_path):

@@ -376,7 +376,11 @@ def failure_reason(exc: BaseException) -> str:
     if type(exc).__name__ == "AirflowTaskTimeout":  # its own text is "Timeout, PID: N"
         return ("over its time limit (the task's execution_timeout, sized from the run's params: give a larger "
                 "timeout_scale if the stage was not hung)")
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    # SQLAlchemy puts its context before the cause ("(raised as a result of Query-invoked autoflush; ...)" over
+    # "(sqlite3.OperationalError) database or disk is full"): the cause is the line to show.
+    lines = [line for line in str(exc).splitlines()
+             if line.strip() and not line.startswith(("(raised as a result of", "(Background on this error"))]
+    return lines[0] if lines else type(exc).__name__
 
 
 # The stages that log to MLflow or register models (the others only read and write the run root).
