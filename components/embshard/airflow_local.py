@@ -187,7 +187,9 @@ class LocalAirflow:
     def _refuse_beside_another_owner(self) -> None:
         """One owner per folder: the scheduler would also run the tasks of an `embshard pipeline`'s dag.test() run
         (and a second UI's scheduler those of the first)."""
-        for owner in run_owner.live_pipelines(self.home):
+        pipelines = run_owner.live_pipelines(self.home)
+        if pipelines:
+            owner = pipelines[0]
             raise EmbshardError(f"embshard pipeline (pid {owner['pid']}) is running run {owner['run_id']} on this "
                                 "folder; a scheduler here would run its tasks too", path=self.out,
                                 fix="wait for it to end (or stop it with Ctrl-C), or start the UI on another --out")

@@ -227,8 +227,7 @@ def _refuse_beside_a_scheduler(home: str, out: str, db: bool = False) -> None:
 def failure_summary(tis, failures: list[tuple[str, str]]) -> str:
     """Which task failed first (the earliest to end `failed`; tasks after it end upstream_failed), with its reason
     when it failed in this process (stages.FAILURES), then the tasks not successful."""
-    def label(ti) -> str:
-        return ti.task_id + (f"[{ti.map_index}]" if ti.map_index is not None and ti.map_index >= 0 else "")
+    from .run_owner import task_label as label
 
     bad = [ti for ti in tis if str(ti.state) not in ("success", "skipped")]
     failed = sorted((ti for ti in bad if str(ti.state) == "failed"),

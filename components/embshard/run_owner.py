@@ -143,6 +143,11 @@ def live_scheduler(session) -> str | None:
     return None
 
 
+def task_label(ti) -> str:
+    """A task instance as the console names it: its id, with [N] for a mapped one (benchmark[0])."""
+    return ti.task_id + (f"[{ti.map_index}]" if ti.map_index is not None and ti.map_index >= 0 else "")
+
+
 def fail_run(session, run) -> list[str]:
     """Fail the DagRun `run` and its task instances that were under way (running, queued, scheduled, up for
     retry ...: never to run now); tasks not started stay unrun. Returns the failed tasks' labels."""
@@ -152,7 +157,7 @@ def fail_run(session, run) -> list[str]:
     for ti in run.get_task_instances(session=session):
         if ti.state is not None and ti.state not in State.finished:
             ti.set_state(TaskInstanceState.FAILED, session=session)
-            failed.append(ti.task_id + (f"[{ti.map_index}]" if ti.map_index >= 0 else ""))
+            failed.append(task_label(ti))
     run.set_state(DagRunState.FAILED)
     session.merge(run)
     session.commit()

@@ -133,13 +133,17 @@ MODULE_DICT_ATTRIBUTES = frozenset((
 ))
 
 
+# Bytes per weight of the TorchRec DataTypes (by name) it trains: both ways between a table's bytes_per_element
+# and a config's data_type.
+TRAINED_BYTES = {"FP32": 4, "FP16": 2}
+
+
 def data_type(bytes_per_element: int):
     from torchrec import DataType
 
-    if int(bytes_per_element) == 4:
-        return DataType.FP32
-    if int(bytes_per_element) == 2:
-        return DataType.FP16
+    for name, size in TRAINED_BYTES.items():
+        if int(bytes_per_element) == size:
+            return DataType[name]
     raise EmbshardError(f"{bytes_per_element}-byte weights have no TorchRec training data type",
                         field="bytes_per_element", fix="TorchRec trains fp32 (4) or fp16 (2) tables")
 

@@ -365,10 +365,11 @@ def module_tables(obj) -> tuple[dict[str, tuple[int, int]], dict[str, int]] | No
         configs = list(obj)
     else:
         return None
-    sizes = {"FP32": 4, "FP16": 2}  # the data types TorchRec trains (torchrec_compat.data_type)
+    from ..torchrec_compat import TRAINED_BYTES
+
     return ({str(c.name): (int(c.num_embeddings), int(c.embedding_dim)) for c in configs},
-            {str(c.name): sizes[k] for c in configs
-             if (k := getattr(getattr(c, "data_type", None), "name", None)) in sizes})
+            {str(c.name): TRAINED_BYTES[k] for c in configs
+             if (k := getattr(getattr(c, "data_type", None), "name", None)) in TRAINED_BYTES})
 
 
 def _expected_tables(tables) -> tuple[dict[str, tuple[int, int]] | None, int | None, dict[str, int]]:
