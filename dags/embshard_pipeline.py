@@ -39,7 +39,15 @@ TABLES_ASSET = Asset(name="embshard_tables", uri=os.environ.get("EMBSHARD_TABLES
 PARAMS = {key: Param(spec.default, description=spec.description, **params.form_schema(key))
           for key, spec in params.SPECS.items()}
 
-DEFAULT_ARGS = {"owner": "embshard", "retries": 0}
+
+def end_mlflow_runs(context) -> None:
+    """A failed local task's MLflow runs that its stage could not end (killed hard) are marked KILLED; Airflow runs
+    this in the DAG processor for a task killed from outside. (A pod's stage: its retry ends them, on start.)"""
+    stages.end_failed_task_runs(MLFLOW_URI, context["dag_run"].run_id, context["ti"].task_id)
+
+
+DEFAULT_ARGS = {"owner": "embshard", "retries": 0,
+                **({"on_failure_callback": end_mlflow_runs} if RUNNER == "local" else {})}
 
 
 def time_limit(stage: str, startup_s: int = 0, round_index: int | None = None):

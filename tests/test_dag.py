@@ -76,6 +76,11 @@ def test_each_runner_builds_its_own_kind_of_task(dag_by_runner):
         assert issubclass(cls, KubernetesPodOperator) == (runner == "kubernetes"), task.task_id
     bench = dag.get_task("benchmark")
     assert bench.is_mapped
+    # A local task that fails ends the MLflow runs its stage left open (killed hard); a pod's retry does that.
+    for task in dag.tasks:
+        callbacks = (task.partial_kwargs if task.is_mapped else vars(task)).get("on_failure_callback")
+        names = [getattr(c, "__name__", "") for c in (callbacks if isinstance(callbacks, list) else [callbacks])]
+        assert ("end_mlflow_runs" in names) == (runner == "local"), (task.task_id, callbacks)
     # On one machine the chunks measure one at a time (side by side they share its cores); pods each have theirs.
     assert bench.partial_kwargs.get("max_active_tis_per_dagrun") == (1 if runner == "local" else None)
 

@@ -124,6 +124,11 @@ HANGING = textwrap.dedent("""
     import sys, time
     from embshard import pipeline, stages
     def hang(root, params):
+        from embshard import registry
+        registry.use()
+        registry.start_run(run_name="hung")  # left RUNNING by the kill below
+        from embshard.run_context import progress
+        progress("hung: its MLflow run is open")
         time.sleep(300)  # a long stage, killed below
     stages.STAGES["ingest"] = hang
     pipeline.run(sys.argv[1], {})
@@ -163,7 +168,7 @@ def test_a_run_whose_pipeline_was_killed_is_failed_when_the_ui_starts(tmp_path, 
     try:
         assert proc.stdout is not None
         for line in proc.stdout:  # the stages' progress lines
-            if "ingest" in line and "started" in line:
+            if "hung: its MLflow run is open" in line:
                 break
         owners = run_owner.owners(home)
         assert len(owners) == 1 and run_owner.alive(next(iter(owners.values())))
@@ -187,8 +192,9 @@ def test_a_run_whose_pipeline_was_killed_is_failed_when_the_ui_starts(tmp_path, 
 
     af._reap(env)  # what `embshard ui` does before its scheduler starts
 
-    assert len(lines) == 1, lines
+    assert len(lines) == 2, lines
     assert f"marked run {run_id} failed, with its tasks under way (ingest)" in lines[0]
+    assert "marked its 1 MLflow run(s) left running KILLED" in lines[1]
     assert f"its owner, embshard pipeline pid {proc.pid}" in lines[0] and "is gone" in lines[0]
     assert lines[0] in (home / "logs" / "scheduler.log").read_text()
     with sqlite3.connect(f"file:{home / 'airflow.db'}?mode=ro", uri=True) as db:
@@ -198,6 +204,13 @@ def test_a_run_whose_pipeline_was_killed_is_failed_when_the_ui_starts(tmp_path, 
     assert runs == {run_id: "failed", rest_run: "running"}  # the scheduler's run untouched
     assert tasks == {"check_params": "success", "ingest": "failed"}
     assert run_owner.owners(home) == {}  # the dead owner's record is gone
+    import mlflow
+
+    client = mlflow.MlflowClient(env["MLFLOW_TRACKING_URI"])
+    hung = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [(r.info.run_name, r.info.status, r.data.tags["airflow.task_id"]) for r in hung] == [
+        ("hung", "KILLED", "ingest")]
+    assert "embshard pipeline that ran it is gone" in hung[0].data.tags["embshard.end_reason"]
     lines.clear()
     af._reap(env)
     assert lines == []  # once

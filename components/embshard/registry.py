@@ -123,12 +123,53 @@ class _DropMessage:
 
 
 def start_run(**kwargs):
-    """mlflow.start_run with the Airflow lineage tags of this process (dag, run, task, run root)."""
+    """mlflow.start_run with the Airflow lineage tags of this process (dag, run, task, run root). A retry of an
+    Airflow task first ends what its earlier tries left RUNNING (end_stale_runs): Airflow runs one try at a
+    time, so those tries' processes were killed."""
     import mlflow
 
     from .run_context import mlflow_tags
 
-    return mlflow.start_run(tags={**mlflow_tags(), **kwargs.pop("tags", {})}, **kwargs)
+    tags = mlflow_tags()
+    try_number = tags.get("airflow.try_number", "")
+    if try_number.isdigit() and int(try_number) > 1 and "airflow.task_id" in tags:
+        end_stale_runs(tags["airflow.run_id"], tags["airflow.task_id"], other_try_than=try_number,
+                       reason=f"try {try_number} of its Airflow task started; this earlier try was killed")
+    return mlflow.start_run(tags={**tags, **kwargs.pop("tags", {})}, **kwargs)
+
+
+END_REASON_TAG = "embshard.end_reason"
+
+
+def end_stale_runs(airflow_run_id: str, task_id: str | None = None, *, other_try_than: str | None = None,
+                   reason: str) -> list[str]:
+    """Mark KILLED the MLflow runs still RUNNING that Airflow run `airflow_run_id` (its task `task_id`; tries other
+    than `other_try_than`) started, with `reason` in their END_REASON_TAG. A stage's process killed hard (SIGKILL,
+    out of memory, a lost pod) cannot end its own run, which then read as running in the MLflow UI for good.
+    Returns the MLflow run ids ended. Best effort: a store that cannot be searched ends nothing (a log line)."""
+    import mlflow
+
+    def quoted(value: str) -> str:
+        return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+    where = ["attributes.status = 'RUNNING'", f"tags.`airflow.run_id` = {quoted(airflow_run_id)}"]
+    if task_id is not None:
+        where.append(f"tags.`airflow.task_id` = {quoted(task_id)}")
+    if other_try_than is not None:
+        where.append(f"tags.`airflow.try_number` != {quoted(other_try_than)}")
+    client = mlflow.MlflowClient()
+    ended = []
+    try:
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        runs = client.search_runs(experiments, " and ".join(where), max_results=1000) if experiments else []
+        for run in runs:
+            client.set_tag(run.info.run_id, END_REASON_TAG, reason)
+            client.set_terminated(run.info.run_id, "KILLED")
+            ended.append(run.info.run_id)
+    except Exception as exc:  # cleanup must never fail the stage or the callback that asked for it
+        logging.getLogger(__name__).warning("could not end the MLflow runs left running by %s: %s",
+                                            airflow_run_id, first_line(exc))
+    return ended
 
 
 def log_and_register(python_model, artifacts: dict[str, str], registered_name: str, tags: dict[str, Any],

@@ -195,9 +195,28 @@ def reap(dag_id: str, home: str | os.PathLike, session=None) -> list[str]:
             lines.append(f"embshard: marked run {run.run_id} failed, with its tasks under way "
                          f"({', '.join(tasks) or 'none'}): it was left running and {who}; max_active_runs=1 "
                          "would have queued every new run behind it")
+            ended = _end_mlflow_runs(run.run_id)
+            if ended:
+                lines.append(f"embshard: marked its {len(ended)} MLflow run(s) left running KILLED "
+                             f"({', '.join(ended)})")
             if owner is not None:
                 forget(Path(owner["path"]))
     return lines
+
+
+def _end_mlflow_runs(airflow_run_id: str) -> list[str]:
+    """The MLflow runs the dead run's stages left RUNNING, marked KILLED (registry.end_stale_runs), in the store of
+    this installation (MLFLOW_TRACKING_URI, which `embshard pipeline` and `embshard ui` set); none without one."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return []
+    import mlflow
+
+    from . import registry
+
+    mlflow.set_tracking_uri(uri)
+    return registry.end_stale_runs(airflow_run_id, reason=f"its Airflow run {airflow_run_id} was failed by "
+                                   "embshard: the embshard pipeline that ran it is gone")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -463,6 +463,23 @@ def run_in_task(name: str, data_root: str, mlflow_uri: str, params: dict, *, run
     return _jsonable(result)
 
 
+def end_failed_task_runs(mlflow_uri: str, run_id: str, task_id: str) -> list[str]:
+    """What a failed task of the local runner leaves behind in MLflow, ended (its on_failure_callback): the runs
+    its stage left RUNNING are marked KILLED (registry.end_stale_runs). A stage that raises ends its own run as
+    FAILED; one killed hard (SIGKILL, out of memory) cannot, and Airflow runs this callback for it in the DAG
+    processor. Returns the MLflow run ids ended."""
+    import mlflow
+
+    from . import registry
+
+    mlflow.set_tracking_uri(mlflow_uri)
+    ended = registry.end_stale_runs(run_id, task_id, reason=f"Airflow task {task_id} of run {run_id} failed "
+                                    "while this run was open (its process was killed)")
+    for mlflow_run in ended:
+        log.warning("ended MLflow run %s as KILLED: task %s failed while it was running", mlflow_run, task_id)
+    return ended
+
+
 def _jsonable(value):
     """A stage result as an XCom: JSON values only (NaN and infinities, which JSON cannot hold, become null)."""
     if isinstance(value, dict):
