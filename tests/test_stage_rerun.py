@@ -264,3 +264,31 @@ def test_a_stage_refuses_a_store_it_cannot_write_before_any_work(tmp_path, monke
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
     with pytest.raises(EmbshardError, match="missing stage output|no such|not found|missing"):
         stages.run("train_cost_model", str(tmp_path / "root"), {})
+
+
+def test_a_copied_run_root_reads_its_own_files_not_the_originals(finished_root, tmp_path, monkeypatch):
+    """State files record paths under the root relative to it: a root copied elsewhere (a backup restored, a run
+    moved to other storage) reads its own policy and shards. Absolute paths of older state files still work."""
+    import shutil
+
+    with open(os.path.join(finished_root, "state", "policy-round-1.json"), encoding="utf-8") as f:
+        assert json.load(f)["policy_dir"] == "policy/round-1"
+    copy = str(tmp_path / "moved" / "run")
+    shutil.copytree(finished_root, copy)
+    shutil.rmtree(finished_root)
+    seen = {}
+    monkeypatch.setattr(outer_loop, "measure_round", lambda *a, **kw: seen.setdefault("measure", kw) and "costs")
+    stages.measure_policy_plans(copy, {"policy_rounds": 2}, 2)
+    assert seen["measure"]["policy_dir"] == os.path.join(copy, "policy", "round-1")
+
+    from embshard.jobs import bench
+
+    monkeypatch.setattr(bench, "run", lambda tables, shards, root, **kw: seen.setdefault("bench", shards) and [])
+    monkeypatch.setattr(stages, "measure_settings", lambda root, p: type("S", (), {"device": "cpu"})())
+    stages._state(copy, "shards", {"shards": os.path.join(copy, "shards.parquet"), "chunks": [0]})
+    stages.benchmark(copy, {"bench_chunks": 1}, 0)
+    assert seen["bench"] == os.path.join(copy, "shards.parquet")
+    stages._state(copy, "shards", {"shards": "/elsewhere/shards.parquet", "chunks": [0]})  # an older root's state
+    del seen["bench"]
+    stages.benchmark(copy, {"bench_chunks": 1}, 0)
+    assert seen["bench"] == "/elsewhere/shards.parquet"

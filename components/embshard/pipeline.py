@@ -394,6 +394,8 @@ def main(args) -> int:
 
 
 def summary_text(res: dict) -> str:
+    from .run_layout import in_root
+
     env, root = res["env"], res["root"]
     lines = ["", "=" * 78, f"embshard pipeline: {res['state']} in {res['seconds']:.0f} s   (run {res['run_id']})",
              f"run data: {root}"]
@@ -407,7 +409,7 @@ def summary_text(res: dict) -> str:
                   if not line.lstrip().startswith("plot:")]
     exp = res.get("export") or {}
     if exp:
-        lines.append(f"placements: {exp.get('placements')}")
+        lines.append(f"placements: {in_root(root, exp['placements']) if exp.get('placements') else None}")
         lines.append(f"exported plans (plan.json + TorchRec plan per task): {os.path.join(root, 'export')}")
     store = env["MLFLOW_TRACKING_URI"]
     own_store = store == f"sqlite:///{os.path.join(os.path.abspath(res['out']), 'mlflow.db')}"

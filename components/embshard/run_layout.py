@@ -15,3 +15,17 @@ def _join(root: str, *parts: str) -> str:
 
 def path(root: str, key: str) -> str:
     return _join(root, PATHS[key])
+
+
+def relative_to_root(root: str, value):
+    """`value` as a state file records it: a path under `root` relative to it (a run root copied or moved
+    elsewhere then reads its own files, not the original's), anything else as it is."""
+    prefix = str(root).rstrip("/") + "/"
+    return value[len(prefix):] if isinstance(value, str) and value.startswith(prefix) else value
+
+
+def in_root(root: str, value: str) -> str:
+    """A path read from a state file: relative ones are under `root` (relative_to_root); absolute paths and URIs
+    (state written before paths were recorded relative) are kept."""
+    text = str(value)
+    return text if text.startswith("/") or "://" in text else _join(root, text)

@@ -15,7 +15,13 @@ from collections.abc import Callable
 
 from . import params as params_mod
 from .errors import EmbshardError
-from .run_layout import PATHS, _join, path  # noqa: F401  (PATHS: importable from here, as before)
+from .run_layout import (  # noqa: F401  (PATHS: importable from here, as before)
+    PATHS,
+    _join,
+    in_root,
+    path,
+    relative_to_root,
+)
 from .stage_report import promotion_lines, report, speed_words  # noqa: F401  (importable from here, as before)
 
 log = logging.getLogger(__name__)
@@ -49,8 +55,9 @@ def _state(root: str, name: str, value: dict | None = None, keys: tuple[str, ...
     from . import storage
 
     target = _join(path(root, "state"), f"{name}.json")
-    if value is not None:
-        storage.write_text(target, json.dumps(value, indent=1, default=str))
+    if value is not None:  # paths under the root recorded relative to it (run_layout.in_root reads them)
+        recorded = {k: relative_to_root(root, v) for k, v in value.items()}
+        storage.write_text(target, json.dumps(recorded, indent=1, default=str))
         return value
     if not storage.exists(target):
         raise EmbshardError("missing stage output", path=target, fix=f"run the stage that writes {name} first")
@@ -143,7 +150,7 @@ def benchmark(root: str, params: dict, chunk: int) -> dict:
     p = merged(params)
     st = measure_settings(root, p)
     # sampled once by sample_shards; every chunk reads the same list
-    shards = _state(root, "shards", keys=("shards",))["shards"]
+    shards = in_root(root, _state(root, "shards", keys=("shards",))["shards"])
     parts = bench_run(path(root, "tables"), shards, root, settings=st, chunk=int(chunk),
                       num_chunks=int(p["bench_chunks"]))
     return {"chunk": int(chunk), "parts": parts, "device": st.device}
@@ -269,7 +276,7 @@ def _policy_of_round(root: str, round_index: int) -> tuple[str, str]:
         raise EmbshardError(f"missing stage output (round {round_index}'s policy)",
                             path=_join(path(root, "state"), f"policy-round-{round_index}.json"),
                             fix=f"run train_policy round {round_index} first")
-    return state["policy_dir"], state["cost_model_uri"]
+    return in_root(root, state["policy_dir"]), state["cost_model_uri"]
 
 
 def evaluate_and_promote(root: str, params: dict) -> dict:
