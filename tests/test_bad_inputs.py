@@ -581,7 +581,7 @@ def _slice_gap(doc):
 PLAN_CASES = {
     # (edit of the exported document or raw text, words the one-line error must contain)
     "plan-table-missing": (_drop_table, ["modules", "the plan does not place"]),
-    "plan-rank-99-on-2-devices": (_rank99, ["ranks", "rank 99", "2 devices"]),
+    "plan-rank-99-on-2-devices": (_rank99, ["ranks", "rank 99", "world of 2 ranks"]),
     "plan-ranks-disagree-with-shards": (_ranks_disagree, ["ranks", "disagree"]),
     "plan-sharding-type-bogus": (_edit_param("sharding_type", "bogus"), ["sharding_type", "bogus"]),
     "plan-compute-kernel-bogus": (_edit_param("compute_kernel", "gpu_magic"), ["compute_kernel"]),
@@ -635,7 +635,7 @@ def test_torchrec_plan_checked_against_the_callers_tables_and_world(world, torch
     # An older file without world_size/tables is still checked against what the caller gives.
     old = {k: v for k, v in torchrec_plan_doc.items() if k not in ("world_size", "tables")}
     path.write_text(json.dumps(_rank99(old)))
-    with pytest.raises(EmbshardError, match="rank 99 on a plan of 2 devices"):
+    with pytest.raises(EmbshardError, match="rank 99 is beyond a world of 2 ranks"):
         plan_from_json(str(path), world_size=2)
 
 

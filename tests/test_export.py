@@ -931,29 +931,33 @@ class _Sparse:
 
 
 @needs_torchrec
-def test_plan_from_json_with_the_model_refuses_a_module_path_dmp_would_silently_not_shard(placement, tmp_path):
+def test_plan_from_json_with_the_model_puts_each_table_where_dmp_will_shard_it(placement, tmp_path):
     """DistributedModelParallel leaves a module the plan does not name unsharded, without an error: every rank then
-    holds every full table. `module=model` makes plan_from_json refuse a plan whose module path is not an
-    EmbeddingBagCollection of the model holding the plan's tables, naming the --module-path to export with."""
+    holds every full table. With `module=model`, plan_from_json puts each table under the model's
+    EmbeddingBagCollection that holds it, whatever module path the plan was exported with (a model of several EBCs,
+    a weighted one among them, loads one plan); a table no EBC holds is refused, naming the model's EBCs."""
     from embshard.export.torchrec_plan import build_module, plan_from_json, plan_to_json, to_torchrec_plan
 
     t = placement.tables
     model = _Sparse.model(build_module(t))
     right = "sparse_arch.embedding_bag_collection"
-    for path, says in (("sparse_arch.ebc", "names no module of the model"),
-                       ("", "names a Model, not an EmbeddingBagCollection"),  # the default, with a nested model
-                       ("sparse_arch", "names a Sparse, not an EmbeddingBagCollection")):
+    for path in ("sparse_arch.ebc", "", "sparse_arch", right):  # the default path "" with a nested model too
         doc = plan_to_json(to_torchrec_plan(placement, module_path=path), world_size=D)
-        with pytest.raises(EmbshardError, match=says) as err:
-            plan_from_json(doc, world_size=D, module=model)
-        assert f"--module-path {right}" in str(err.value) and f"'{right}'" in str(err.value)
-        assert len(str(err.value).splitlines()) == 1
+        assert {p: set(m) for p, m in plan_from_json(doc, world_size=D, module=model).plan.items()} == {
+            right: set(t.table_ids)}
+        assert set(plan_from_json(doc, world_size=D, module=build_module(t)).plan) == {""}  # the model is the EBC
+    # Two EBCs (TorchRec's is_weighted is per EBC): each gets its own tables from one plan.
+    two = _Sparse.model(build_module(t.subset(np.arange(7))))
+    two.sparse_arch.weighted = build_module(t.subset(np.arange(7, 10)))
+    routed = plan_from_json(doc, world_size=D, module=two).plan
+    assert {p: set(m) for p, m in routed.items()} == {right: set(t.table_ids[:7]),
+                                                      "sparse_arch.weighted": set(t.table_ids[7:])}
+    # A table that no EBC holds: named, with the model's EBCs.
+    with pytest.raises(EmbshardError, match=f"the plan places table {t.table_ids[9]}, which no "
+                                            f"EmbeddingBagCollection of the model holds \\(the model's: '{right}'"):
+        plan_from_json(plan_to_json(to_torchrec_plan(placement, module_path="sparse_arch"), world_size=D),
+                       module=_Sparse.model(build_module(t.subset(np.arange(9)))))
     doc = plan_to_json(to_torchrec_plan(placement, module_path=right), world_size=D)
-    assert set(plan_from_json(doc, world_size=D, module=model).plan[right]) == set(t.table_ids)
-    # The model is the EBC: the plan of a nested path says to export without --module-path.
-    with pytest.raises(EmbshardError, match="without --module-path"):
-        plan_from_json(doc, module=build_module(t))
-    plan_from_json(plan_to_json(to_torchrec_plan(placement), world_size=D), module=build_module(t))
     # The EBC at the right path, but holding other tables: the table and both shapes are named.
     first = str(t.table_ids[0])
     other = build_module(replace(t, rows=t.rows * 2))
@@ -1094,3 +1098,35 @@ def test_export_refuses_a_spec_table_the_plan_does_not_place_and_names_the_spec_
 
     schemas.write(tables_from_spec(str(spec), progress=False), tmp_path / "tables.parquet", "tables")
     assert main(args + ["--tables", str(tmp_path / "tables.parquet")]) == 0
+
+
+@needs_torchrec
+def test_in_a_job_plan_from_json_checks_the_process_groups_world_and_cuda(placement, tables, tmp_path):
+    """Inside a training job (a process group), a plan for another world size is refused without world_size=
+    (TorchRec failed with an IndexError in its column-wise sharding), and a plan on CUDA devices is refused where
+    there is no CUDA (TorchRec failed deep in DMP: 'Local shard tensor device does not match'). Outside a job both
+    load: reading a GPU job's plan on a CPU machine is fine."""
+    import torch
+    import torch.distributed as dist
+
+    from embshard.export.torchrec_plan import plan_from_json, plan_to_json, to_torchrec_plan
+
+    four = plan_to_json(to_torchrec_plan(placement))  # no world_size in the file
+    one = Placement(tables, 1, int(tables.size_bytes.sum()), [Shard(i, 0) for i in range(len(tables))],
+                    planner="x", task_id="one")
+    on_cuda, on_cpu = (plan_to_json(to_torchrec_plan(one, compute_device=c)) for c in ("cuda", "cpu"))
+    plan_from_json(four)
+    plan_from_json(on_cuda)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(EmbshardError, match=r"rank [1-3] is beyond a world of 1 ranks") as err:
+            plan_from_json(four)
+        assert "load the plan exported for this job's number of devices" in str(err.value)
+        if not torch.cuda.is_available():
+            with pytest.raises(EmbshardError, match="the plan puts table t0000 on rank:0/cuda:0, and this process "
+                                                    "has no CUDA device") as err:
+                plan_from_json(on_cuda)
+            assert "--compute-device cpu" in str(err.value)
+        assert set(plan_from_json(on_cpu).plan[""]) == set(tables.table_ids)
+    finally:
+        dist.destroy_process_group()

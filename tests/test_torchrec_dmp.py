@@ -159,3 +159,144 @@ def test_exported_plan_shards_through_dmp_and_matches_the_unsharded_model(tmp_pa
         assert res["shape"] == [BATCH, sum(d for _, d in SIZES)]
         assert res["norm"] > 1.0  # real lookups, not empty bags
         assert max(res["diffs"].values()) < 1e-5, (rank, res["diffs"])
+
+
+# --- one plan, a model of two EBCs (TorchRec's is_weighted is per EBC) ------------------------------------------
+WEIGHTED = ("t3", "t4")  # looked up with per-id weights, in an EBC of their own
+
+
+def _two_ebcs(tables, device: str):
+    """sparse.ebc (t0-t2) and sparse.webc (t3, t4: is_weighted), as a model with weighted features holds them."""
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    def ebc(names, weighted):
+        return EmbeddingBagCollection(tables=[EmbeddingBagConfig(
+            name=n, feature_names=[f"f_{n}"], num_embeddings=int(tables.rows[i]), embedding_dim=int(tables.dims[i]))
+            for i, n in enumerate(tables.table_ids) if n in names], is_weighted=weighted, device=torch.device(device))
+
+    class Sparse(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ebc = ebc([n for n in tables.table_ids if n not in WEIGHTED], False)
+            self.webc = ebc(WEIGHTED, True)
+
+        def forward(self, kjt, weighted_kjt):
+            return self.ebc(kjt), self.webc(weighted_kjt)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.sparse = Sparse()
+
+        def forward(self, kjt, weighted_kjt):
+            return self.sparse(kjt, weighted_kjt)
+
+    return Model()
+
+
+def _split_batch(kjt):
+    """The rank's batch as (unweighted features, weighted features with weights in [0.5, 1.5))."""
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    d = kjt.to_dict()
+    plain = [k for k in d if k.removeprefix("f_") not in WEIGHTED]
+    weighted = [k for k in d if k.removeprefix("f_") in WEIGHTED]
+
+    def of(keys, weights: bool):
+        values = torch.cat([d[k].values() for k in keys])
+        g = torch.Generator().manual_seed(int(values.sum()))
+        return KeyedJaggedTensor.from_lengths_sync(
+            keys=keys, values=values, lengths=torch.cat([d[k].lengths() for k in keys]),
+            weights=0.5 + torch.rand(len(values), generator=g) if weights else None)
+
+    return of(plain, False), of(weighted, True)
+
+
+def _two_ebc_worker(rank: int, plan_path: str, port: int, out_dir: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    from embshard.export.torchrec_plan import plan_from_json
+
+    torch.set_grad_enabled(False)  # lookups only
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        tables = _tables()
+        torch.manual_seed(0)
+        reference = _two_ebcs(tables, "cpu")
+        for p in reference.parameters():
+            torch.nn.init.uniform_(p, -1.0, 1.0)
+        meta = _two_ebcs(tables, "meta")
+        # One plan exported without --module-path: each table goes to the EBC of the model holding it; the world
+        # size is the process group's.
+        plan = plan_from_json(plan_path, module=meta)
+        model = DistributedModelParallel(meta, device=torch.device("cpu"), plan=plan,
+                                         sharders=[EmbeddingBagCollectionSharder()], init_data_parallel=False)
+        full = reference.state_dict()
+        with torch.no_grad():
+            for name, local in model.state_dict().items():
+                glob = full[name.removeprefix("module.")]
+                if isinstance(local, ShardedTensor):
+                    for shard in local.local_shards():
+                        (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                        shard.tensor.copy_(glob[r0:r0 + nr, c0:c0 + nc])
+                else:
+                    local.copy_(glob)
+        kjt, wkjt = _split_batch(_batch(rank))
+        got = [g.wait() if hasattr(g, "wait") else g for g in model(kjt, wkjt)]
+        want = reference(kjt, wkjt)
+        diffs = {k: float((g.to_dict()[k] - w.to_dict()[k]).abs().max()) for g, w in zip(got, want)
+                 for k in w.to_dict()}
+        # The weights matter: with weights of 1 the weighted sums differ (so they were checked with theirs).
+        ones = reference.sparse.webc(_with_unit_weights(wkjt))
+        ignored = float((ones.values() - want[1].values()).abs().max())
+        with open(os.path.join(out_dir, f"two-rank{rank}.json"), "w") as f:
+            json.dump({"diffs": diffs, "modules": {p: sorted(m) for p, m in plan.plan.items()},
+                       "weights_matter": ignored}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _with_unit_weights(kjt):
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    return KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+                                               weights=torch.ones_like(kjt.weights()))
+
+
+@pytest.mark.skipif(not _has_torchrec(), reason="torchrec extra not installed")
+def test_one_plan_shards_a_model_with_a_weighted_and_an_unweighted_ebc(tmp_path):
+    """A model whose weighted features sit in an EBC of their own (TorchRec's is_weighted is per EBC) loads one
+    exported plan: plan_from_json(path, module=model) puts each table under its EBC, and both EBCs' pooled lookups,
+    weighted ones included, equal the unsharded model's on 2 gloo ranks."""
+    import torch.multiprocessing as mp
+
+    from embshard import schemas
+    from embshard.jobs.export import run as export
+    from embshard.placement import Placement, Shard
+
+    tables = _tables()
+    shards = [Shard(0, 0), Shard(1, 0, 0, 8), Shard(1, 1, 8, 8), Shard(2, 1), Shard(3, 0), Shard(4, 1)]
+    placement = Placement(tables, 2, int(tables.size_bytes.sum()), shards, planner="test", task_id="two")
+    schemas.write(_tables_frame(), tmp_path / "tables.parquet", "tables")
+    schemas.write(placement.to_frame(), tmp_path / "placements.parquet", "placements")
+    result = export(str(tmp_path / "placements.parquet"), str(tmp_path / "tables.parquet"), str(tmp_path / "out"),
+                    compute_device="cpu")
+    path = result["plans"]["two"]["torchrec_plan_json"]
+    mp.start_processes(_two_ebc_worker, args=(str(path), _free_port(), str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    for rank in range(2):
+        res = json.loads((tmp_path / f"two-rank{rank}.json").read_text())
+        assert res["modules"] == {"sparse.ebc": ["t0", "t1", "t2"], "sparse.webc": ["t3", "t4"]}
+        assert set(res["diffs"]) == {f"f_t{i}" for i in range(5)}
+        assert max(res["diffs"].values()) < 1e-5, (rank, res["diffs"])
+        assert res["weights_matter"] > 1e-3  # the weighted lookups were checked with their weights

@@ -522,7 +522,7 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
                 raise bad(f"{f}.ranks", f"ranks {str(ranks)[:40]} are not a list of ranks")
             beyond = [r for r in ranks if world is not None and r >= world]
             if beyond and world is not None:
-                raise bad(f"{f}.ranks", f"rank {beyond[0]} on a plan of {world} devices (ranks 0..{world - 1})",
+                raise bad(f"{f}.ranks", f"rank {beyond[0]} is beyond a world of {world} ranks (ranks 0..{world - 1})",
                           "load the plan exported for this job's number of devices")
             if kind == DATA_PARALLEL:  # a replica on every rank: TorchRec gives it no sharding spec
                 if shards != [] or ranks != list(range(world if world is not None else len(ranks))) or not ranks:
@@ -559,6 +559,12 @@ def _check_module(model, placed: Mapping[str, Mapping[str, tuple[int, int] | Non
     named = dict(model.named_modules())
     ebcs = {p: found for p, m in named.items() if (found := module_tables(m)) is not None}
     for path, tables_of in placed.items():
+        homeless = [n for n in tables_of if not any(n in found[0] for found in ebcs.values())]
+        if path not in ebcs and homeless:  # route_to_model found no EBC of the model for it
+            shown = ", ".join(repr(p) if p else "the model itself" for p in list(ebcs)[:4]) or "none"
+            raise bad(field(path, homeless[0]), f"the plan places table {homeless[0]}, which no "
+                      f"EmbeddingBagCollection of the model holds (the model's: {shown})",
+                      "load the plan exported for this model's tables, or plan again with them")
         if path not in ebcs:
             # the EBC(s) holding the plan's tables, else every EBC: where --module-path should point
             fits = [p for p, found in ebcs.items() if set(found[0]) == set(tables_of)]
@@ -660,6 +666,10 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
     field, before it builds a process group, instead of a wrong or failing sharding. Give `tables`
     (TABLES_ACCEPTED), `world_size` and `module` (the model DistributedModelParallel shards: each module path of
     the plan must be an EmbeddingBagCollection in it holding the plan's tables) to check the plan against them too.
+    With `module`, each table goes to the model's EBC that holds it (route_to_model: a model with a weighted EBC
+    beside an unweighted one loads one plan). Without `world_size`, an initialized process group's is checked.
+    A plan on CUDA devices is refused in a job (a process group) without CUDA: export CPU jobs' plans with
+    `--compute-device cpu`.
     """
     require_torchrec()
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
@@ -685,7 +695,12 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
                                 field="json", fix=_PLAN_FIX) from None
     else:
         where, doc = "<torchrec plan>", data
+    if world_size is None:
+        world_size = _job_world_size()
+    if module is not None and isinstance(doc, Mapping):
+        doc = route_to_model(doc, module)
     check_plan_doc(doc, where, tables=tables, world_size=world_size, module=module)
+    _check_compute_device(doc, where)
     plan = {}
     for path, params in doc["modules"].items():
         module_plan = EmbeddingModuleShardingPlan()
@@ -698,6 +713,60 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
                                                   sharding_spec=spec)
         plan[path] = module_plan
     return ShardingPlan(plan)
+
+
+def _job_world_size() -> int | None:
+    """The world size of this process's default process group (a training job's), None when there is none: a
+    plan for another world size fails inside TorchRec (an IndexError in its sharding) instead of here."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+
+
+def _check_compute_device(doc: Mapping, where: str) -> None:
+    """A plan whose shards live on CUDA devices cannot be loaded by a training job without CUDA (a CPU gloo job:
+    a process group, no CUDA device): TorchRec would fail deep inside DistributedModelParallel ('Local shard tensor
+    device does not match'). Outside a job (no process group: reading a GPU job's plan on a laptop) it loads."""
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available() or not (dist.is_available() and dist.is_initialized()):
+        return
+    for path, params in doc["modules"].items():
+        for name, p in params.items():
+            on_cuda = [s["placement"] for s in p["shards"] if "/cuda" in str(s["placement"])]
+            if on_cuda:
+                f = f"modules.{path}.{name}" if path else f"modules.{name}"
+                raise EmbshardError(f"the plan puts table {name} on {on_cuda[0]}, and this process has no CUDA "
+                                    "device", path=where, field=f"{f}.shards",
+                                    fix="for a CPU job, export with `embshard export --compute-device cpu` "
+                                        "(to_torchrec_plan(..., compute_device='cpu'))")
+
+
+def route_to_model(doc: Mapping, model) -> Mapping:
+    """`doc` with each table under the module path of the EmbeddingBagCollection of `model` that holds it, where
+    the plan's own path does not: one plan for a model of several EBCs (TorchRec's `is_weighted` is per EBC, so
+    weighted features sit in an EBC of their own), whatever `--module-path` it was exported with. Tables that no
+    EBC, or more than one, holds stay where they are (check_plan_doc names them); `doc` itself when nothing moves."""
+    modules = doc.get("modules")
+    if not isinstance(modules, Mapping) or not callable(getattr(model, "named_modules", None)):
+        return doc
+    held: dict[str, list[str]] = {}  # table -> the model's EBC paths holding it
+    for p, m in model.named_modules():
+        if (found := module_tables(m)) is not None:
+            for name in found[0]:
+                held.setdefault(name, []).append(p)
+    routed: dict[str, dict] = {}
+    moved = False
+    for path, params in modules.items():
+        if not isinstance(params, Mapping):
+            return doc
+        for name, p in params.items():
+            homes = held.get(str(name), [])
+            to = homes[0] if len(homes) == 1 and path not in homes else path
+            moved |= to != path
+            routed.setdefault(to, {})[name] = p
+    return {**doc, "modules": routed} if moved else doc
 
 
 def rank_layout(sharding_plan, module_path: str = "") -> dict[str, list[tuple[int, int, int]]]:
