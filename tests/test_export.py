@@ -1130,3 +1130,39 @@ def test_in_a_job_plan_from_json_checks_the_process_groups_world_and_cuda(placem
         assert set(plan_from_json(on_cpu).plan[""]) == set(tables.table_ids)
     finally:
         dist.destroy_process_group()
+
+
+@needs_torchrec
+def test_export_takes_a_hand_edited_plan_json(placement, tables_df, tmp_path):
+    """A plan.json edited by hand (a table moved to another device) exports like placements.parquet: its plan.json,
+    TorchRec plans and rows carry the edit. An edit that breaks the plan (a device over its memory) is one error
+    naming the file, and nothing is written."""
+    from embshard.jobs.export import run as export
+
+    schemas.write(tables_df, tmp_path / "tables.parquet", "tables")
+    plan = write_plan_json(placement, tmp_path / "plan.json", device_costs=COSTS)
+    moved = next(t for t in plan["tables"] if len(t["shards"]) == 1)
+    old_device = moved["shards"][0]["device"]
+    moved["shards"][0]["device"] = (old_device + 1) % D
+    for dev, sign in ((plan["devices"][old_device], -1), (plan["devices"][(old_device + 1) % D], 1)):
+        dev["memory_bytes"] += sign * moved["size_bytes"]  # devices[] follows the shards (its error says how)
+        dev["tables"] = [n for n in dev["tables"] if n != moved["table_id"]] + ([moved["table_id"]] if sign > 0
+                                                                                 else [])
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(plan))
+    res = export(str(edited), str(tmp_path / "tables.parquet"), str(tmp_path / "out"), compute_device="cpu")
+    out = read_plan_json(res["plans"]["task-a"]["plan_json"])
+    assert next(t for t in out["tables"] if t["table_id"] == moved["table_id"])["shards"][0]["device"] == \
+        (old_device + 1) % D
+    rows = schemas.read(tmp_path / "out" / "placements.parquet", "placements")
+    assert int(rows.loc[rows.table_id == moved["table_id"], "device"].iloc[0]) == (old_device + 1) % D
+    with open(res["plans"]["task-a"]["torchrec_plan_json"], encoding="utf-8") as f:
+        doc = json.load(f)
+    assert doc["modules"][""][moved["table_id"]]["ranks"] == [(old_device + 1) % D]
+
+    plan["memory_bytes_per_device"] = max(dev["memory_bytes"] for dev in plan["devices"]) - 1  # one byte short
+    edited.write_text(json.dumps(plan))
+    with pytest.raises(EmbshardError, match="device 0 holds .* bytes, .* over its") as err:
+        export(str(edited), str(tmp_path / "tables.parquet"), str(tmp_path / "out2"))
+    assert str(edited) in str(err.value) and len(str(err.value).splitlines()) == 1
+    assert not (tmp_path / "out2").exists()

@@ -67,7 +67,8 @@ OUTPUT = {"kind": "folder", "inputs": ("placements", "tables", "tasks"),
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--placements", required=True, help="placements.parquet (one or more tasks)")
+    parser.add_argument("--placements", required=True,
+                        help="placements.parquet (one or more tasks), or one task's plan.json (e.g. edited by hand)")
     parser.add_argument("--tables", required=True,
                         help="tables.parquet, or the table spec the plan was made from")
     parser.add_argument("--tasks", default=None,
@@ -122,8 +123,9 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
 
     check_module_path(module_path)
     where = os.fspath(placements)
-    df = schemas.read(placements, "placements")
     table_set = read_tables(tables)
+    df = _plan_json_rows(where, table_set) if where.lower().endswith(".json") else schemas.read(placements,
+                                                                                                "placements")
     # A spec lists the model's tables: without a tasks file, each task's plan must place every one of them (a
     # tables.parquet is a pool that tasks take some tables of).
     model_tables = [str(t) for t in table_set.table_ids] if is_spec_path(tables) and not tasks else None
@@ -202,6 +204,15 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     _remove_stale(out, set(plans), torchrec)
     return {"placements": storage.join(out, "placements.parquet"), "plans": plans, "num_tasks": len(plans),
             "torchrec": torchrec, "torchrec_note": note}
+
+
+def _plan_json_rows(path: str, tables):
+    """The placements rows of one plan.json (ours, edited by hand or written by another tool), checked against
+    its schema and `tables`, so that it exports like a placements.parquet. Its predicted costs are not carried:
+    after a hand edit they no longer hold (`embshard evaluate --plan` measures the plan)."""
+    from ..export.plan_json import placement_from_plan, read_plan_json
+
+    return placement_from_plan(read_plan_json(path), tables, where=path).to_frame()
 
 
 PLAN_FILES = ("plan.json", "torchrec_plan.json", "torchrec_plan.pt")  # all an export writes in a task folder
