@@ -271,3 +271,28 @@ def test_load_planner_takes_the_planners_settings_and_a_path_is_not_called_a_mod
     with pytest.raises(ModelNotFoundError, match="models:/NAME@ALIAS") as exc:
         embshard.load_planner("/no/such/model")
     assert "train and register" not in str(exc.value)
+
+
+def test_a_python_plan_gets_the_predicted_costs_place_writes(store, tmp_path, monkeypatch):
+    """From Python, `planner.predicted_costs(placement)` gives each device's predicted ms (a plan alone carries
+    none, and write_plan_json wrote null costs): the same numbers `embshard place` writes into plan.json."""
+    import json
+
+    import embshard
+    from embshard.export import write_plan_json
+    from embshard.tableset import TableSet
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store["uri"])
+    planner = embshard.load_planner(registry.POLICY_CHAMPION_URI)
+    placement = planner.plan(TableSet.read(store["tables"]), num_devices=4, memory_bytes_per_device=2**36,
+                             task_id="task")
+    costs = planner.predicted_costs(placement)
+    assert costs.shape == (4,) and (costs > 0).all()
+    written = write_plan_json(placement, tmp_path / "plan.json", device_costs=costs)
+    assert written["cost"]["device_costs_ms"] == pytest.approx(costs.tolist())
+    out = tmp_path / "placed"
+    got, proc = run_cli(tmp_path, ["place", "--tables", store["tables"], "--devices", "4", "--memory-gb", "64",
+                                   "--planner", "learned", "--out", str(out)], store["uri"])
+    assert got["rc"] == 0, proc.stderr[-2000:]
+    placed = json.loads(next(out.rglob("plan.json")).read_text())
+    assert placed["cost"]["device_costs_ms"] == pytest.approx(costs.tolist(), rel=1e-5)

@@ -35,7 +35,7 @@ from ..tableset import TableSet
 from ..types import WHOLE, CostEstimator, DeviceTopology
 from .base import Planner, no_room_error
 from .baselines import BASELINES, make_baseline
-from .scoring import TaskScorer, piece_features, replica_extra_ms, single_threaded
+from .scoring import TaskScorer, piece_features, placement_costs, replica_extra_ms, single_threaded
 from .search import Budget, CutCache, SearchState, cut_kind, local_search, try_splits
 from .splitting import (
     DEFAULT_SPEED_SLICE_BYTES,
@@ -505,6 +505,11 @@ class ComposedPlanner(Planner):
         with single_threaded(), torch.inference_mode():
             return self._compose(Problem(tables, topology, task_id, self.cost_model, self.seed, self.on_phase,
                                          explore_cuts=self.explore_cuts, min_slice_bytes=self.slice_floor()))
+
+    def predicted_costs(self, placement: Placement) -> np.ndarray:
+        """Each device's predicted cost (ms) of `placement` by this planner's cost model: what `embshard place`
+        writes, e.g. `write_plan_json(placement, path, device_costs=planner.predicted_costs(placement))`."""
+        return placement_costs(self.cost_model, placement)
 
     def slice_floor(self) -> int:
         """The split search's slice floor (bytes per row): the one given, else the cost model's hardware's."""
