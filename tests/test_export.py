@@ -665,6 +665,11 @@ def test_an_exported_plan_records_data_types_and_refuses_a_model_of_other_ones(t
         doc = json.load(f)
     fp16 = str(placement.tables.table_ids[3])
     assert doc["tables"][fp16]["bytes_per_element"] == 2
+    # What made it, as its plan.json says: a job that logs only this file can be traced to the plan and model.
+    beside = read_plan_json(res["plans"]["task-a"]["plan_json"])
+    assert doc["source"] == {"task_id": "task-a", "planner": "size_greedy", "model_uri": None,
+                             "created_at": beside["created_at"], "embshard_version": beside["embshard_version"],
+                             "plan_json": "plan.json", "compute_device": "cuda"}
     plan_from_json(path, tables=placement.tables)  # the tables it was made for
     wide = tables_df.copy()
     wide.loc[3, "bytes_per_element"] = 4

@@ -319,12 +319,14 @@ def torchrec_planner_for(plan_or_placement, batch_size: int = 512):
 
 
 def plan_to_json(sharding_plan, *, world_size: int | None = None,
-                 tables: Mapping[str, tuple[int, ...]] | None = None) -> dict:
+                 tables: Mapping[str, tuple[int, ...]] | None = None, source: Mapping[str, Any] | None = None) -> dict:
     """A pickle-free, JSON-serialisable form of a torchrec ShardingPlan (table-/column-wise plans).
 
     `world_size` and `tables` ({name: (rows, dim)} or {name: (rows, dim, bytes_per_element)}) are written when
     given, so that `plan_from_json` can refuse a plan with a rank beyond the world, a table missing, or a table of
-    another data type (its memory differs from what the plan balanced) without being told them again."""
+    another data type (its memory differs from what the plan balanced) without being told them again. `source`
+    (what made the plan: task, planner, model version, code version, time) is written as it is, so that a job
+    that logs only this file can still be traced to its plan.json and model."""
     modules = {}
     for path, module_plan in sharding_plan.plan.items():
         params = {}
@@ -341,6 +343,8 @@ def plan_to_json(sharding_plan, *, world_size: int | None = None,
         doc["tables"] = {str(n): {"rows": int(v[0]), "dim": int(v[1]),
                                   **({"bytes_per_element": int(v[2])} if len(v) > 2 else {})}
                          for n, v in tables.items()}
+    if source is not None:
+        doc["source"] = dict(source)
     doc["modules"] = modules
     return doc
 

@@ -189,11 +189,11 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     plans: dict[str, dict[str, str]] = {}
     with storage.staged_dir(out) as stage:
         for task_id, placement, costs, estimate in checked:
-            write_plan_json(placement, os.path.join(stage, task_id, "plan.json"), device_costs=costs,
-                            balanced_estimate=estimate)
+            written = write_plan_json(placement, os.path.join(stage, task_id, "plan.json"), device_costs=costs,
+                                      balanced_estimate=estimate)
             if torchrec:
                 try:
-                    _write_torchrec(placement, os.path.join(stage, task_id), module_path, compute_device)
+                    _write_torchrec(placement, os.path.join(stage, task_id), module_path, compute_device, written)
                 except EmbshardError as exc:  # a layout TorchRec cannot run: name the input and the task
                     raise (exc.at(f"{where} (task {task_id})") if exc.path is None else exc) from None
         schemas.write(df, os.path.join(stage, "placements.parquet"), "placements")
@@ -261,7 +261,8 @@ def _check_complete(rows, task_tables: list[str], where: str, tasks: str) -> Non
                             path=where, field="table_id", fix="export the placements made for this tasks file")
 
 
-def _write_torchrec(placement, folder: str, module_path: str, compute_device: str = "cuda") -> dict[str, str]:
+def _write_torchrec(placement, folder: str, module_path: str, compute_device: str = "cuda",
+                    plan_json: dict | None = None) -> dict[str, str]:
     import io
     import json
 
@@ -272,9 +273,15 @@ def _write_torchrec(placement, folder: str, module_path: str, compute_device: st
 
     plan = to_torchrec_plan(placement, module_path=module_path, compute_device=compute_device)
     t = placement.tables
+    # What made it, as the plan.json beside it says (a job that logs only this file can be traced).
+    source = {"task_id": placement.task_id, "planner": placement.planner, "model_uri": placement.model_uri,
+              "created_at": (plan_json or {}).get("created_at"),
+              "embshard_version": (plan_json or {}).get("embshard_version"), "plan_json": "plan.json",
+              "compute_device": compute_device}
     doc = plan_to_json(plan, world_size=placement.num_devices,
                        tables={str(n): (int(r), int(d), int(b))
-                               for n, r, d, b in zip(t.table_ids, t.rows, t.dims, t.bytes_per_element)})
+                               for n, r, d, b in zip(t.table_ids, t.rows, t.dims, t.bytes_per_element)},
+                       source=source)
     check_plan_doc(doc, "torchrec_plan.json")  # what a training job's plan_from_json will check
     json_path = storage.join(folder, "torchrec_plan.json")
     storage.write_text(json_path, json.dumps(doc, indent=2) + "\n")
