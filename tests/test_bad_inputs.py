@@ -585,6 +585,10 @@ PLAN_CASES = {
     "plan-ranks-disagree-with-shards": (_ranks_disagree, ["ranks", "disagree"]),
     "plan-sharding-type-bogus": (_edit_param("sharding_type", "bogus"), ["sharding_type", "bogus"]),
     "plan-compute-kernel-bogus": (_edit_param("compute_kernel", "gpu_magic"), ["compute_kernel"]),
+    # TorchRec's EBC runs a sharded table with a fused kernel only: dense is data_parallel's, quant inference's
+    "plan-table-wise-with-dense-kernel": (_edit_param("compute_kernel", "dense"),
+                                          ["compute_kernel", "cannot run the 'dense' kernel", "write 'fused'"]),
+    "plan-table-wise-with-quant-kernel": (_edit_param("compute_kernel", "quant"), ["compute_kernel", "'quant'"]),
     "plan-no-shards": (_edit_param("shards", []), ["shards"]),
     "plan-column-gap": (_slice_gap, ["shards", "column"]),
     "plan-no-modules": (lambda doc: {k: v for k, v in doc.items() if k != "modules"}, ["modules"]),

@@ -1171,3 +1171,22 @@ def test_export_takes_a_hand_edited_plan_json(placement, tables_df, tmp_path):
         export(str(edited), str(tmp_path / "tables.parquet"), str(tmp_path / "out2"))
     assert str(edited) in str(err.value) and len(str(err.value).splitlines()) == 1
     assert not (tmp_path / "out2").exists()
+
+
+@needs_torchrec
+def test_a_data_parallel_table_reads_with_null_or_no_shards_and_only_the_dense_kernel(tables):
+    """TorchRec's own plans give a data_parallel table sharding_spec=None: `shards: null` reads like the export's
+    `[]`; a data_parallel table with the fused kernel is refused (TorchRec runs it dense only)."""
+    from embshard.export.torchrec_plan import plan_from_json, plan_to_json, to_torchrec_plan
+
+    n = len(tables)
+    shards = [Shard(i, i % D) for i in range(n - 1)] + [Shard(n - 1, d, kind="replicated") for d in range(D)]
+    doc = plan_to_json(to_torchrec_plan(Placement(tables, D, int(tables.size_bytes.sum()), shards, task_id="dp")),
+                       world_size=D)
+    last = str(tables.table_ids[n - 1])
+    assert doc["modules"][""][last]["shards"] == [] and doc["modules"][""][last]["compute_kernel"] == "dense"
+    doc["modules"][""][last]["shards"] = None
+    assert plan_from_json(doc).plan[""][last].sharding_type == "data_parallel"
+    doc["modules"][""][last]["compute_kernel"] = "fused"
+    with pytest.raises(EmbshardError, match="a data_parallel table cannot run the 'fused' kernel.*write 'dense'"):
+        plan_from_json(doc)

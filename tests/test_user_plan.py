@@ -286,3 +286,25 @@ def test_evaluate_of_a_plan_on_other_tables_names_the_plan_not_a_scratch_file(ti
     assert len(err) == 1 and "embshard-evaluate-" not in err[0], err
     assert tiny["plan"] in err[0] and "unknown table ids" in err[0] and "give --tables the tables" in err[0], err
     assert not out.exists()
+
+
+def test_evaluate_of_a_plan_that_leaves_out_a_table_of_the_spec_is_refused(tiny, tmp_path, capsys):
+    """A spec lists the model's tables: a plan that leaves one out is not a plan of that model. Without --tasks it
+    had been measured on the tables it places, and its ratio read as the model's (export refuses the same)."""
+    from embshard.cli import main
+
+    with open(tiny["plan"], encoding="utf-8") as f:
+        plan = json.load(f)
+    names = [t["table_id"] for t in plan["tables"]]
+    spec = tmp_path / "model.csv"
+    spec.write_text("name,num_embeddings,embedding_dim,pooling_factor\n"
+                    + "".join(f"{n},{r},{d},{p}\n" for n, r, d, p in zip(
+                        names, [t["rows"] for t in plan["tables"]], [t["dim"] for t in plan["tables"]],
+                        tiny["task"].tables.pooling_factor))
+                    + "geo,500,8,1.0\n")
+    out = tmp_path / "ev"
+    assert main(["evaluate", "--tables", str(spec), "--plan", tiny["plan"], "--planners", "size_greedy",
+                 "--rounds", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1 table(s) of the spec" in err[0] and "not placed by the plan (geo)" in err[0], err
+    assert tiny["plan"] in err[0] and not out.exists()

@@ -454,6 +454,7 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
     plan's tables: TorchRec silently leaves a module the plan does not name unsharded (every rank then holds
     every full table)."""
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
     def bad(field: str, message: str, fix: str = _PLAN_FIX) -> EmbshardError:
         return EmbshardError(message, path=where, field=field, fix=fix)
@@ -500,6 +501,7 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
     seen: set[str] = set()
     placed: dict[str, dict[str, tuple[int, int] | None]] = {}  # module path -> table -> (rows, dim) its shards cover
     kernels = {k.value for k in EmbeddingComputeKernel}
+    sharder = EmbeddingBagCollectionSharder()
     for path, params in modules.items():
         if not isinstance(params, Mapping) or not params:
             raise bad(f"modules.{path}", "not an object of tables")
@@ -521,6 +523,12 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
             if p["compute_kernel"] not in kernels:
                 raise bad(f"{f}.compute_kernel", f"compute kernel {str(p['compute_kernel'])[:40]!r} is not a "
                           f"TorchRec kernel ({FUSED}, ...)")
+            allowed = sharder.compute_kernels(kind, "cuda")  # TorchRec's own rule for an EBC's sharding type
+            if p["compute_kernel"] not in allowed:
+                raise bad(f"{f}.compute_kernel", f"a {kind} table cannot run the {p['compute_kernel']!r} kernel "
+                          f"(TorchRec's EmbeddingBagCollection runs {', '.join(map(repr, allowed[:3]))}"
+                          f"{', ...' if len(allowed) > 3 else ''} for {kind})",
+                          f"write {allowed[0]!r} (embshard export writes it)")
             shards, ranks = p["shards"], p["ranks"]
             if not isinstance(ranks, list) or not all(is_int(r) and r >= 0 for r in ranks):
                 raise bad(f"{f}.ranks", f"ranks {str(ranks)[:40]} are not a list of ranks")
@@ -529,8 +537,11 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
                 raise bad(f"{f}.ranks", f"rank {beyond[0]} is beyond a world of {world} ranks (ranks 0..{world - 1})",
                           "load the plan exported for this job's number of devices")
             if kind == DATA_PARALLEL:  # a replica on every rank: TorchRec gives it no sharding spec
-                if shards != [] or ranks != list(range(world if world is not None else len(ranks))) or not ranks:
-                    raise bad(f"{f}.ranks", "a data_parallel table has no shards and every rank in ranks")
+                # no shards: [] as export writes, or null as TorchRec's own sharding_spec=None reads
+                if shards not in ([], None) or ranks != list(range(world if world is not None else len(ranks))) \
+                        or not ranks:
+                    raise bad(f"{f}.ranks", "a data_parallel table has no shards ([] or null) and every rank in "
+                              "ranks")
                 size = None
             else:
                 size = _check_shards(f, kind, shards, ranks, bad, is_int, world)
@@ -738,7 +749,7 @@ def _check_compute_device(doc: Mapping, where: str) -> None:
         return
     for path, params in doc["modules"].items():
         for name, p in params.items():
-            on_cuda = [s["placement"] for s in p["shards"] if "/cuda" in str(s["placement"])]
+            on_cuda = [s["placement"] for s in p["shards"] or [] if "/cuda" in str(s["placement"])]
             if on_cuda:
                 f = f"modules.{path}.{name}" if path else f"modules.{name}"
                 raise EmbshardError(f"the plan puts table {name} on {on_cuda[0]}, and this process has no CUDA "

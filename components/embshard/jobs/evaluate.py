@@ -101,6 +101,17 @@ def main(args) -> int:
 
             user_plan = UserPlan(args.plan)
             if tasks is None:  # the plan's own task: is it better than what the planners make of the same task?
+                if is_spec_path(args.tables):
+                    # A spec lists the model's tables (a tables.parquet is a pool a task takes some of): a plan
+                    # that leaves one out is not a plan of that model, as `export` says too.
+                    left_out = sorted(set(schemas.read(tables, "tables")["table_id"].astype(str))
+                                      - set(user_plan.table_ids()))
+                    if left_out:
+                        raise EmbshardError(
+                            f"{len(left_out)} table(s) of the spec {args.tables} are not placed by the plan "
+                            f"({', '.join(left_out[:3])}{', ...' if len(left_out) > 3 else ''})", path=args.plan,
+                            field="tables", fix="plan again with these tables (embshard place --tables "
+                            f"{args.tables}), or pass the spec the plan was made from")
                 tasks = os.path.join(scratch, "tasks.parquet")
                 schemas.write(user_plan.task_frame(), tasks, "tasks")
                 task_ids = None
