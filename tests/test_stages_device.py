@@ -7,6 +7,7 @@ covered by tests/test_bench*.py (and on a GPU host by tests/test_bench_cuda.py, 
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -216,3 +217,20 @@ def test_the_train_policy_command_runs_the_dags_outer_loop(tmp_path, loop_record
     assert dag_refit[1] == [f"{root}/costs", f"{root}/policy/measured-round-2/costs"]
     assert dag_refit[3:] == (4, 3, root)  # seed + round - 1, the pipeline's 3 members, the run's calibration
     assert [c[0] for c in dag] == ["train", "plans", "bench", "refit", "train"]
+
+
+def test_a_failed_ingest_leaves_nothing_in_the_run_root(tmp_path, capsys):
+    """An ingest whose tasks cannot be sampled (its tables do not fit the devices) had left tables.parquet,
+    state/run.json and state/code_version.json behind, without tasks.parquet: a half-written root."""
+    from embshard import cli
+
+    spec = tmp_path / "s.csv"
+    spec.write_text("name,num_embeddings,embedding_dim,pooling_factor\n"
+                    + "".join(f"t{k},1000000,64,2.0\n" for k in range(12)))  # 12 x 0.24 GiB
+    root = tmp_path / "root"
+    params = json.dumps({"source": "spec", "input": str(spec), "memory_gb": 0.25, "devices": 2,
+                         "tables_per_task": "5", "num_tasks": 1})
+    assert cli.main(["stage", "ingest", "--root", str(root), "--params", params]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "cannot fit" in err, err
+    assert [p for p in root.rglob("*") if p.is_file()] == []

@@ -411,10 +411,10 @@ def run(name: str, root: str, params: dict, chunk: int | None = None, round_inde
         if int(round_index) > MAX_POLICY_ROUNDS:  # the DAG's tasks stop there; a round beyond is a typo
             raise EmbshardError(f"round {round_index}: a run has at most {MAX_POLICY_ROUNDS} rounds", field="round",
                                 fix=f"give --round {first}..{MAX_POLICY_ROUNDS} (up to the run's policy_rounds)")
+    if name == "ingest":
+        return _ingest_or_nothing(root, params)
     if name != "check_params":
         _note_code_version(root, name)
-        if name == "ingest":
-            _note_run(root, params)
     if name in REGISTERS:
         from . import registry
 
@@ -424,6 +424,26 @@ def run(name: str, root: str, params: dict, chunk: int | None = None, round_inde
     if name in ROUND_STAGES and round_index is not None:
         return fn(root, params, int(round_index))
     return fn(root, params)
+
+
+def _ingest_or_nothing(root: str, params: dict) -> dict:
+    """The ingest stage, leaving nothing half-written when it fails: the run's facts it records first
+    (state/run.json, state/code_version.json) and what it wrote before failing (tables.parquet when its tasks
+    could not be sampled) are removed, unless an earlier ingest of the root had written them."""
+    from . import storage
+
+    outputs = [_join(path(root, "state"), f) for f in ("run.json", "code_version.json", "ingest.json")] + [
+        path(root, "tables"), path(root, "tasks")]
+    made = [p for p in outputs if not storage.exists(p)]
+    try:
+        _note_code_version(root, "ingest")
+        _note_run(root, params)
+        return STAGES["ingest"](root, params)
+    except BaseException:
+        for p in made:
+            if storage.exists(p):
+                storage.remove(p)
+        raise
 
 
 # (task, first line of its error) of the stages that failed in this process (the local runner: `embshard

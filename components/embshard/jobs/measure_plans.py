@@ -25,6 +25,7 @@ def run(tables: str, tasks: str, policy_dir: str, cost_model_uri: str, out: str,
     from ..bench.comm import CALIBRATION_FILE
     from ..costmodel import load as load_cost_model
     from ..placement import Placement
+    from ..planners.splitting import split_to_fit
     from ..policy.core import TaskContext, rollout
     from ..policy.model import load_policy_files
     from ..pools import split_train_tasks
@@ -35,15 +36,25 @@ def run(tables: str, tasks: str, policy_dir: str, cost_model_uri: str, out: str,
     fit_tasks, _ = split_train_tasks(tables, tasks)
     rows = []
     for t in fit_tasks[:max(1, int(num_tasks))]:
-        ctx = TaskContext.build(cost_model, t.tables.features(), t.tables.size_bytes, t.num_devices,
-                                t.memory_bytes_per_device)
+        # The policy places the task's pieces: its tables, cut where they would not fit (as the planner does).
+        view = split_to_fit(t.tables, t.devices, t.task_id)
+        ctx = TaskContext.build(cost_model, view.pieces.features(), view.pieces.size_bytes, t.num_devices,
+                                view.memory)
         ro = rollout(policy, ctx, 1, "greedy")
-        pl = Placement.from_assignment(t.tables, ro.assignment[0], t.num_devices, t.memory_bytes_per_device)
+        pl = Placement(t.tables, t.num_devices, t.memory_bytes_per_device, view.shards(ro.assignment[0]))
         for d, shard in enumerate(pl.device_shards()):
             if shard:
-                rows.append({"sample_id": f"policy-r{round_index}-{t.task_id}-d{d}",
-                             "table_ids": [t.tables.table_ids[s.table] for s in shard],
-                             "num_devices": t.num_devices, "origin": "placement:learned"})
+                if not view.is_whole:
+                    shard = sorted(shard, key=lambda s: (str(t.tables.table_ids[s.table]), s.col_offset,
+                                                         s.row_offset))
+                row = {"sample_id": f"policy-r{round_index}-{t.task_id}-d{d}",
+                       "table_ids": [t.tables.table_ids[s.table] for s in shard],
+                       "num_devices": t.num_devices, "origin": "placement:learned"}
+                if not view.is_whole:  # the pieces' widths and rows (as sample_shards writes them)
+                    row.update(col_sizes=[-1 if s.col_size is None else int(s.col_size) for s in shard],
+                               row_offsets=[-1 if s.row_size is None else int(s.row_offset) for s in shard],
+                               row_sizes=[-1 if s.row_size is None else int(s.row_size) for s in shard])
+                rows.append(row)
     shards_path = storage.join(out, "shards.parquet")
     schemas.write(pd.DataFrame(rows), shards_path, "shards")
     # The run's communication calibration, so these costs match the benchmark's.

@@ -2,9 +2,10 @@
 
 The pools are the tables' `pool` column (embshard.pools, decided at ingest: the test pool is never seen in
 training; docs/method.md, "Data and splits"). Each task draws T tables from one pool (T fixed or a
-range), a device count D (one value or a list to draw from) and a per-device memory cap. A task that cannot
-fit (total bytes over D x memory, or one table over the per-device memory) is an error that says which task
-and how much memory would make every task fit; no task is silently dropped.
+range), a device count D (one value or a list to draw from) and a per-device memory cap. A table larger than a
+device is fine: the planners cut it. A task that cannot fit (total bytes over D x memory, or pieces that do not
+pack even cut row-wise) is an error that says which task and how much memory would make every task fit; no task is
+silently dropped.
 """
 from __future__ import annotations
 
@@ -97,24 +98,26 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
             mem = int(mem_choices[rng.integers(len(mem_choices))] * GiB)
             rows.append({"task_id": f"{split}-{k:04d}", "split": split, "num_devices": d,
                          "memory_bytes_per_device": mem, "table_ids": ids})
-    # Feasibility: report the first task that cannot fit and the memory that would make every task fit.
-    need = []  # per task: the per-device memory it needs at least
+    # Feasibility: report the first task that cannot fit and the memory that would make every task fit. A table
+    # larger than a device is cut, as every planner cuts it (planners.splitting): a task fits when its bytes do
+    # and its cut pieces pack.
+    need = []  # per task: the per-device memory it needs at least (its bytes spread over its devices)
     for r in rows:
         sizes = np.array([size[i] for i in r["table_ids"]], dtype=np.int64)
-        need.append(max(int(sizes.max()), -(-int(sizes.sum()) // r["num_devices"])))
-    over = [i for i, r in enumerate(rows) if need[i] > r["memory_bytes_per_device"]]
+        need.append(-(-int(sizes.sum()) // r["num_devices"]))
+    over = [i for i, r in enumerate(rows) if need[i] > r["memory_bytes_per_device"]
+            or not _packs_cut(tables_df, r)]
     if over:
         i = over[0]
         r = rows[i]
         task_sizes = {t: size[t] for t in r["table_ids"]}
-        big = max(task_sizes, key=lambda t: task_sizes[t])
         cap = r["memory_bytes_per_device"]
-        if task_sizes[big] > cap:
-            why = f"table {big} needs {size_text(task_sizes[big])} > {size_text(cap)} per device"
-        else:
+        if need[i] > cap:
             why = (f"its {len(task_sizes)} tables need {size_text(sum(task_sizes.values()))} > {r['num_devices']} "
                    f"devices x {size_text(cap)}")
-        enough = max(need) / GiB
+        else:
+            why = f"its tables do not pack into {r['num_devices']} x {size_text(cap)} even cut row-wise"
+        enough = max(max(need), max(max(size[t] for t in rows[k]["table_ids"]) for k in over)) / GiB
         # the names of `embshard tasks` and of the pipeline's params (its ingest stage samples the tasks here)
         raise InfeasiblePlacementError(
             f"task {r['task_id']} cannot fit: {why}", path=where, field="memory_gb",
@@ -124,6 +127,25 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
     if devices_per_host is not None:
         df["devices_per_host"] = np.int32(devices_per_host)
     return schemas.validate(df, "tasks", where)
+
+
+def _packs_cut(tables_df, task: dict) -> bool:
+    """Whether a task whose bytes fit its devices also packs: whole where every table fits a device (the planners
+    spread them), else with the cuts the planners make (planners.splitting.split_to_fit)."""
+    from ..errors import InfeasiblePlacementError
+    from ..planners.splitting import split_to_fit
+    from ..tableset import TableSet
+    from ..types import DeviceTopology
+
+    sub = tables_df[tables_df["table_id"].astype(str).isin(task["table_ids"])]
+    if int(sub["size_bytes"].max()) <= task["memory_bytes_per_device"]:
+        return True
+    try:
+        split_to_fit(TableSet.from_frame(sub), DeviceTopology(task["num_devices"], task["memory_bytes_per_device"]),
+                     task["task_id"])
+    except InfeasiblePlacementError:
+        return False
+    return True
 
 
 def run(tables: str, out: str, num_tasks: int, tables_per_task=20, devices=4, memory_gb=16.0,

@@ -26,6 +26,7 @@ from ..checks import curriculum_stages as parse_stages
 from ..errors import EmbshardError
 from ..heuristics import PROXIES, greedy_assignment
 from ..planners.scoring import single_threaded
+from ..planners.splitting import piece_task
 from ..policy.core import PolicyNet, TrainConfig
 from ..policy.curriculum import generate_tasks, train_pool
 from ..policy.train import (
@@ -97,8 +98,9 @@ def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST
                            "train_tasks": len(fit_tasks), "val_tasks": len(val_tasks),
                            "cost_model_uri": cost_model_uri, "init_policy": init_policy or "",
                            "curriculum": ",".join(f"{a}-{b}" for a, b in stages) or OFF})
-        train_ctx = task_contexts(cost_model, fit_tasks)
-        val_ctx = task_contexts(cost_model, val_tasks)
+        # Each task as the learned planner's rollouts see it: tables larger than a device cut to fit (piece_task).
+        train_ctx = task_contexts(cost_model, [piece_task(t) for t in fit_tasks])
+        val_ctx = task_contexts(cost_model, [piece_task(t) for t in val_tasks])
         if reward == "estimated":
             policy = train_estimated(policy, train_ctx, val_ctx, cfg, history,
                                      step0=(round_index - 1) * cfg.iterations, progress=progress,

@@ -22,7 +22,7 @@ from ..checks import GiB
 from ..errors import InfeasiblePlacementError
 from ..placement import piece_bytes
 from ..tableset import TableSet
-from ..types import COLUMN, REPLICATED, ROW, DeviceTopology, Shard, row_blocks
+from ..types import COLUMN, REPLICATED, ROW, DeviceTopology, Shard, Task, row_blocks
 
 MIN_SLICE_DIM = 4   # FBGEMM's kernels and TorchRec's column-wise sharding take widths that are multiples of 4
 # A slice cut for speed (not to fit) keeps at least this many bytes of a row, by the hardware the cost model was
@@ -240,6 +240,17 @@ def _split_to_fit(tables: TableSet, topology: DeviceTopology, task_id: str) -> P
             break
         view = finer
     raise unplaceable_error(tables, topology, task_id)
+
+
+def piece_task(task: Task) -> Task:
+    """`task` as the policy learns and plans it: its pieces (split_to_fit: the tables, cut only where they would
+    not fit whole) as its tables, on devices holding what the pinned row pieces leave. The task itself when
+    nothing is cut. Policy training and the outer loop's measured plans see tables larger than a device so, as
+    the learned planner's rollouts do (compose.Problem.ctx)."""
+    view = split_to_fit(task.tables, task.devices, task.task_id)
+    if view.is_whole:
+        return task
+    return Task(task.task_id, view.pieces, replace(task.devices, memory_bytes=view.memory), task.split)
 
 
 def largest_piece_bytes(tables: TableSet, i: int, level: int) -> int:
