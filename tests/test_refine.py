@@ -146,10 +146,14 @@ def test_place_refine_end_to_end_writes_the_refined_plan(small_tables_df, tmp_pa
     tables = str(tmp_path / "tables.parquet")
     schemas.write(small_tables_df.head(6), tables, "tables")
     out = tmp_path / "placed"
+    given = tmp_path / "given"  # --calibration-dir, as evaluate takes it, over EMBSHARD_CALIBRATION_DIR
     proc = _cli(["place", "--tables", tables, "--planner", "size_greedy", "--devices", "2", "--memory-gb", "64",
-                 "--refine", "2", "--refine-rounds", "2", "--out", str(out)], tmp_path)
+                 "--refine", "2", "--refine-rounds", "2", "--calibration-dir", str(given), "--out", str(out)],
+                tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "measured refinement on cpu" in proc.stdout and "winner:" in proc.stdout
+    assert "x the planner's first choice (size_greedy)" in proc.stdout  # not "the learned plan's"
+    assert [p.name for p in given.iterdir()] and not (tmp_path / "calib").exists()
     plan = json.loads((out / "plan.json").read_text())
     refined = plan["meta"]["refined"]
     assert refined["k"] == 2 and refined["rounds"] == 2 and refined["winner_origin"]

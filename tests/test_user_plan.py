@@ -180,6 +180,9 @@ def test_a_torchrec_plan_with_a_bad_world_size_or_a_folder_is_one_line(tmp_path,
             UserPlan(tmp_path / "w.json").plan_task(_task(tables))
     with pytest.raises(EmbshardError, match="field 'plan': cannot be read"):
         UserPlan(tmp_path).plan_task(_task(tables))
+    (tmp_path / "placements.parquet").write_bytes(b"PAR1....PAR1")  # a placements file given as the plan
+    with pytest.raises(EmbshardError, match="a Parquet file .*, not a plan file .*embshard export --placements"):
+        UserPlan(tmp_path / "placements.parquet").plan_task(_task(tables))
 
 
 @pytest.fixture(scope="module")

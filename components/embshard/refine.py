@@ -98,9 +98,9 @@ class Refinement:
             body = self.table.drop(columns=["winner"]).to_string(index=False)
         kept = (f" (the lowest median, {self.not_clear}, is not measurably faster than the first choice)"
                 if self.not_clear else "")
-        return (f"measured refinement on {self.measured_on} ({self.rounds} paired rounds, the hardware the plan is "
-                f"for only when it runs there):\n{body}\nwinner: {self.winner.label} ({self.winner.origin}), "
-                f"{med:.3f}x the learned plan's first choice [95%: {lo:.3f}, {hi:.3f}]{kept}")
+        return (f"measured refinement on {self.measured_on} ({self.rounds} paired rounds; a refinement for this "
+                f"machine's hardware):\n{body}\nwinner: {self.winner.label} ({self.winner.origin}), "
+                f"{med:.3f}x the planner's first choice ({self.first.label}) [95%: {lo:.3f}, {hi:.3f}]{kept}")
 
 
 def candidates(learned: Placement, cost_model=None, *, torchrec: bool = True, seed: int = 0) -> list[Candidate]:

@@ -40,6 +40,10 @@ class UserPlan:
 
             if not storage.exists(self.path):
                 raise EmbshardError("file not found", path=self.path, field="plan", fix=_FIX)
+            if self.path.lower().endswith((".parquet", ".pq")):
+                raise EmbshardError("a Parquet file (placements?), not a plan file", path=self.path, field="plan",
+                                    fix="give one task's plan.json (`embshard place` writes it; `embshard export "
+                                        "--placements FILE` writes one per task) or its torchrec_plan.json")
             try:
                 doc = json.loads(storage.read_text(self.path))
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:

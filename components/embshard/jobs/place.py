@@ -175,12 +175,13 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
           cost_model_uri: str | None = None, tasks: str | None = None, task_id: str | None = None,
           time_budget_s: float | None = None, search_evaluations: int | None = None,
           hardware: str | None = None, refine_k: int = 0, refine_rounds: int = 5,
-          devices_per_host: int | None = None) -> dict:
+          devices_per_host: int | None = None, calibration_dir: str | None = None) -> dict:
     """`devices_per_host`: the devices share hosts of that many (TorchRec's rank order), which lets a planner
     cut a table row-wise over one host's devices (table-row-wise); None: the task's, else one host. `hardware`:
     what the plan is for (default: this machine); a model measured on other hardware is warned
     about in one line, since its predicted costs are for its own hardware. `refine_k` > 0: the K best distinct
-    candidate plans are measured here side by side (embshard.refine) and the measured best is written."""
+    candidate plans are measured here side by side (embshard.refine) and the measured best is written, with the
+    all-to-all calibration in `calibration_dir` (default: EMBSHARD_CALIBRATION_DIR, else calibrated now)."""
     from ..export.placements import plan_frame
     from ..export.plan_json import write_plan_json
     from ..placement_report import device_table, plot_device_costs
@@ -220,7 +221,8 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     _warn_hardware(own or cost_model, hardware, planning=own is not None)
     refined = None
     if refine_k:
-        placement, refined = _refine(placement, p, cost_model, refine_k, refine_rounds, hardware, where)
+        placement, refined = _refine(placement, p, cost_model, refine_k, refine_rounds, hardware, where,
+                                     calibration_dir)
     costs, lb = predicted(placement, p, cost_model)
     _warn_if_full(placement)
     with storage.staged_dir(out) as stage:  # all three files or none
@@ -249,7 +251,8 @@ def _warn_if_priced_for_another_network(cost_model, hardware: str, calibration_d
         log.warning("place --refine: %s", msg)
 
 
-def _refine(placement: Placement, planner, cost_model, k: int, rounds: int, hardware: str | None, where: str):
+def _refine(placement: Placement, planner, cost_model, k: int, rounds: int, hardware: str | None, where: str,
+            calibration_dir: str | None = None):
     """The measured refinement (embshard.refine) on this machine, which must be the hardware the plan is for."""
     from ..bench.backends import hardware as hardware_of
     from ..bench.backends import resolve_device
@@ -264,7 +267,7 @@ def _refine(placement: Placement, planner, cost_model, k: int, rounds: int, hard
         raise EmbshardError(f"--refine measures on this machine ({here}), but the plan is for {hardware}",
                             field="refine", fix="run `embshard place --refine` on the target hardware, or drop "
                                                 "--refine (or --hardware)")
-    settings = MeasureSettings(device="auto", calibration_dir=shared_calibration_dir())
+    settings = MeasureSettings(device="auto", calibration_dir=calibration_dir or shared_calibration_dir())
     model = getattr(planner, "cost_model", None) or cost_model
     _warn_if_priced_for_another_network(model, here, settings.calibration_dir)
     try:
@@ -314,6 +317,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="measure the K best distinct candidate plans (the planner's, its other drafts, the greedy "
                         "heuristics', TorchRec's) side by side on this machine and write the measured best (1-16); "
                         "a refinement only when this machine is the hardware the plan is for")
+    p.add_argument("--calibration-dir", default=None, metavar="DIR",
+                   help="with --refine: the folder of the comm_calibration.json its all-to-all model uses, e.g. a "
+                        "run's RUN/calibration (default: EMBSHARD_CALIBRATION_DIR, else calibrated now, ~15 s)")
     p.add_argument("--refine-rounds", type=int, default=5, metavar="R",
                    help="paired measuring rounds of --refine (default 5; at least 2, which gives an interval of "
                         "the two rounds' range only)")
@@ -352,7 +358,8 @@ def main(args) -> int:
                    planner=args.planner, model_uri=args.model, cost_model_uri=args.cost_model,
                    tasks=args.tasks, task_id=args.task_id, time_budget_s=args.time_budget_s,
                    search_evaluations=args.search_evaluations, hardware=args.hardware, refine_k=refine_k,
-                   refine_rounds=args.refine_rounds, devices_per_host=args.devices_per_host)
+                   refine_rounds=args.refine_rounds, devices_per_host=args.devices_per_host,
+                   calibration_dir=args.calibration_dir)
     if result["refinement"] is not None:
         print(result["refinement"].report())
     print(result["report"])
