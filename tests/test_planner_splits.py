@@ -460,3 +460,20 @@ def test_the_slice_floor_is_the_cost_models_hardwares(mlperf, monkeypatch):
     assert slices(planner("cpu:AMD EPYC")) == [2, 4, 8]
     assert slices(planner("cuda:NVIDIA H100 80GB HBM3")) == [2, 4]
     assert slices(planner("cuda:NVIDIA H100 80GB HBM3", min_slice_bytes=32)) == [2, 4, 8, 16]
+
+
+def test_policy_training_and_measured_plans_see_a_cut_task_as_the_planner_does(mlperf):
+    """piece_task: a task with tables larger than a device is its pieces on the memory pinned pieces leave (what
+    the learned planner's rollouts place); a task that packs whole is itself. The policy trains, and the outer loop
+    measures its plans, on such tasks (they had been refused by `embshard tasks`)."""
+    from embshard.types import Task
+
+    topo = DeviceTopology(8, 16 * GiB)
+    task = Task("t", mlperf, topo, "train")
+    pieces = splitting.piece_task(task)
+    view = split_to_fit(mlperf, topo)
+    assert len(pieces.tables) == len(view.pieces) > len(mlperf)
+    assert pieces.tables.size_bytes.max() <= pieces.memory_bytes_per_device == view.memory
+    assert pieces.num_devices == 8 and pieces.task_id == "t" and pieces.split == "train"
+    whole = Task("w", mlperf, DeviceTopology(8, 80 * GiB))
+    assert splitting.piece_task(whole) is whole
