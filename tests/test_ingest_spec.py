@@ -232,3 +232,27 @@ def test_spaces_around_csv_header_names_are_read_as_around_values(tmp_path):
     path.write_text("name , num_embeddings , embedding_dim , pooling_factor\na,100,16,1\nb , 200, 32 ,2\n")
     df = spec.tables_from_spec(str(path), bins_batch_size=512, progress=False)
     assert list(df["table_id"]) == ["a", "b"] and list(df["rows"]) == [100, 200] and list(df["dim"]) == [16, 32]
+
+
+@pytest.mark.parametrize("name,sep", [("t.tsv", "\t"), ("t.csv", "\t"), ("t.csv", ";")])
+def test_tab_and_semicolon_separated_specs_read_like_csv(tmp_path, name, sep):
+    """A TSV (or a spreadsheet's copy saved as .csv) and Excel's semicolon CSV read as the comma CSV; they had
+    failed as "unknown column 'name\\tnum_embeddings...'"."""
+    path = tmp_path / name
+    rows = [["name", "num_embeddings", "embedding_dim", "pooling_factor"], ["user", "100", "16", "1.5"],
+            ["item", "200", "32", "2"]]
+    path.write_text("".join(sep.join(r) + "\n" for r in rows))
+    df = spec.tables_from_spec(str(path), bins_batch_size=512, progress=False)
+    assert list(df["table_id"]) == ["user", "item"] and list(df["rows"]) == [100, 200]
+    assert list(df["dim"]) == [16, 32] and list(df["pooling_factor"]) == [1.5, 2.0]
+
+
+def test_a_spec_with_a_name_no_reader_knows_says_which_names_are_read(tmp_path):
+    from embshard import schemas as schemas_mod
+    from embshard.errors import EmbshardError
+
+    path = tmp_path / "model.txt"
+    path.write_text("name,num_embeddings,embedding_dim,pooling_factor\nuser,100,16,1.5\n")
+    with pytest.raises(EmbshardError, match=r"not a Parquet file \(fix: give a tables.parquet, or a table spec named "
+                                            r"\*.csv, \*.tsv, \*.yaml or \*.yml"):
+        schemas_mod.read(str(path), "tables")

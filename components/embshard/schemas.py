@@ -411,7 +411,8 @@ def unreadable(path: str | os.PathLike, kind: str) -> str | None:
     return None
 
 
-SPEC_SUFFIXES = (".csv", ".yaml", ".yml")  # a tables contract is Parquet: files named so can only be table specs
+# a tables contract is Parquet: files named so can only be table specs
+SPEC_SUFFIXES = (".csv", ".tsv", ".yaml", ".yml")
 
 
 def spec_columns(names) -> bool:
@@ -441,7 +442,12 @@ def _read_one(where: str) -> pd.DataFrame:
             raise EmbshardError("a DLRM trace, not a Parquet file", path=where,
                                 fix=f"ingest it first: embshard ingest --source dlrm --input {where} --out DIR, then "
                                     "give DIR/tables.parquet") from None
-        if "magic bytes not found" in str(exc):  # not Parquet at all (a JSON or CSV file given), or cut short
+        if "magic bytes not found" in str(exc) and not str(where).lower().endswith((".parquet", ".pq")):
+            # e.g. a spec named .txt, .json or .csv.gz: spec files are told apart from Parquet by their name
+            raise EmbshardError("not a Parquet file", path=where,
+                                fix="give a tables.parquet, or a table spec named *.csv, *.tsv, *.yaml or *.yml "
+                                    "(or Parquet with TorchRec's column names)") from None
+        if "magic bytes not found" in str(exc):  # a .parquet that is not Parquet at all, or cut short
             raise EmbshardError("not a Parquet file (no Parquet footer at its end)", path=where,
                                 fix="give the Parquet file (a JSON, CSV or text file is not one); if it is one, it "
                                     "was cut short: re-run the stage that writes it") from None

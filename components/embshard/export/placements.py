@@ -37,7 +37,7 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
     if len(planners) != 1:  # e.g. an evaluation's placements.parquet: every planner's plan of each task
         raise EmbshardError(f"task {task_id} has the plans of {len(planners)} planners ({', '.join(planners[:4])})",
                             path=where, field="planner",
-                            fix="export one planner's rows (e.g. df[df.planner == 'learned/1'])")
+                            fix=f"export one planner's rows (e.g. df[df.planner == {str(planners[0])!r}])")
     ids: list[str] = []
     for t in df_task["table_id"].astype(str):
         if t not in ids:

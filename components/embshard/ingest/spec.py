@@ -30,7 +30,7 @@ REQUIRED = ["name", "num_embeddings", "embedding_dim", "pooling_factor"]
 KNOWN = [*REQUIRED, "data_type", "zipf_alpha", *schemas.BIN_COLUMNS]
 _DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "datatype.fp32": "fp32",
                   "fp16": "fp16", "float16": "fp16", "half": "fp16", "datatype.fp16": "fp16"}
-_FORMATS = ".csv, .parquet, .yaml or .yml"
+_FORMATS = ".csv (or .tsv), .parquet, .yaml or .yml"
 
 
 def read_spec_file(path: str) -> pd.DataFrame:
@@ -41,7 +41,7 @@ def read_spec_file(path: str) -> pd.DataFrame:
     checks.input_file(path, fix="check the path of the table spec")  # not found, a FIFO (would hang), unreadable
     ext = os.path.splitext(path)[1].lower()
     try:
-        if ext == ".csv":
+        if ext in (".csv", ".tsv"):
             df = _read_csv(path)
         elif ext in (".parquet", ".pq"):
             df = pd.read_parquet(path)
@@ -104,11 +104,14 @@ def _read_csv(path: str) -> pd.DataFrame:
                  if line.strip() and not line.lstrip().startswith("#")]
     if not lines:
         return pd.DataFrame()
-    header = [c.strip() for c in next(csv.reader([lines[0][1]], skipinitialspace=True))]
+    # Commas, else tabs (a TSV, or a spreadsheet's copy), else semicolons (Excel's CSV where ',' is the decimal)
+    sep = next((d for d in (",", "\t", ";") if d in lines[0][1]), ",")
+    header = [c.strip() for c in next(csv.reader([lines[0][1]], skipinitialspace=True, delimiter=sep))]
     while header and header[-1] == "":  # a trailing comma
         header.pop()
     _check_columns(header, path)
-    for (n, _), fields in zip(lines[1:], csv.reader([line for _, line in lines[1:]], skipinitialspace=True)):
+    for (n, _), fields in zip(lines[1:], csv.reader([line for _, line in lines[1:]], skipinitialspace=True,
+                                                    delimiter=sep)):
         if len(fields) > len(header) and any(x.strip() for x in fields[len(header):]):
             raise EmbshardError(f"line {n} has {len(fields)} values but the header has {len(header)} columns "
                                 f"({', '.join(header)})", path=path, field="columns",
@@ -116,7 +119,7 @@ def _read_csv(path: str) -> pd.DataFrame:
     text = "\n".join(line for _, line in lines)
     # Columns by position, named by the header as stripped above (`name , rows` reads as `name`, `rows`, as values
     # are read without spaces); index_col=False: a trailing comma on every row (Excel's empty column) is no index.
-    read = dict(skipinitialspace=True, header=0, index_col=False)
+    read = dict(skipinitialspace=True, header=0, index_col=False, sep=sep)
     df = pd.read_csv(io.StringIO(text), usecols=range(len(header)), **read)
     df.columns = header
     if "name" in header:  # names as written: no number parsing ('007', '1e3') and no NA words ('NA', 'nan')
