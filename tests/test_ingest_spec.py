@@ -256,3 +256,16 @@ def test_a_spec_with_a_name_no_reader_knows_says_which_names_are_read(tmp_path):
     with pytest.raises(EmbshardError, match=r"not a Parquet file \(fix: give a tables.parquet, or a table spec named "
                                             r"\*.csv, \*.tsv, \*.yaml or \*.yml"):
         schemas_mod.read(str(path), "tables")
+
+
+def test_a_table_with_both_a_zipf_alpha_and_bins_is_refused(tmp_path):
+    """The bins had won silently over the alpha written beside them."""
+    from embshard.errors import EmbshardError
+
+    bins = ",".join(["1"] + ["0"] * 16)
+    path = tmp_path / "both.csv"
+    path.write_text("name,num_embeddings,embedding_dim,pooling_factor,zipf_alpha," + ",".join(schemas.BIN_COLUMNS)
+                    + f"\nuser,100,16,1.0,1.2,{bins}\nitem,100,16,1.0,,{bins}\n")
+    with pytest.raises(EmbshardError, match="table user gives both zipf_alpha and the bins") as err:
+        spec.tables_from_spec(str(path), bins_batch_size=64, progress=False)
+    assert err.value.field == "zipf_alpha"

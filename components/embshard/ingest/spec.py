@@ -348,6 +348,10 @@ def tables_from_spec(path: str, seed: int = 0, bins_batch_size: int | None = Non
     has_bins = (spec[schemas.BIN_COLUMNS].notna().all(axis=1).to_numpy() if schemas.BIN_COLUMNS[0] in spec
                 else np.zeros(n, dtype=bool))
     alpha_given = spec["zipf_alpha"].to_numpy() if "zipf_alpha" in spec else np.full(n, np.nan)
+    both = np.flatnonzero(has_bins & np.isfinite(alpha_given.astype(float)))
+    if len(both):  # the bins would win silently over the alpha the user also wrote
+        raise EmbshardError(f"table {spec.loc[both[0], 'name']} gives both zipf_alpha and the bins", path=path,
+                            field="zipf_alpha", fix="give one skew per table: zipf_alpha, or the 17 bins")
     bins = np.empty((n, schemas.NUM_BINS))
     alpha = np.full(n, np.nan)
     sources = []
