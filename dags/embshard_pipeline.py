@@ -42,8 +42,10 @@ PARAMS = {key: Param(spec.default, description=spec.description, **params.form_s
 
 def end_mlflow_runs(context) -> None:
     """A failed local task's MLflow runs that its stage could not end (killed hard) are marked KILLED; Airflow runs
-    this in the DAG processor for a task killed from outside. (A pod's stage: its retry ends them, on start.)"""
-    stages.end_failed_task_runs(MLFLOW_URI, context["dag_run"].run_id, context["ti"].task_id)
+    this in the DAG processor for a task killed from outside. (A pod's stage ends what an earlier try of its task
+    left, when it is retried; a killed pod's run with no retry stays RUNNING.)"""
+    run = context["dag_run"]
+    stages.end_failed_task_runs(MLFLOW_URI, DATA_ROOT, run.dag_id, run.run_id, context["ti"].task_id)
 
 
 DEFAULT_ARGS = {"owner": "embshard", "retries": 0,

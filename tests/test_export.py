@@ -1165,6 +1165,19 @@ def test_export_takes_a_hand_edited_plan_json(placement, tables_df, tmp_path):
         doc = json.load(f)
     assert doc["modules"][""][moved["table_id"]]["ranks"] == [(old_device + 1) % D]
 
+    # A plan.json of other traffic is refused, as a placements.parquet's table_sha256 is (it had exported).
+    changed = tables_df.copy()
+    changed.loc[changed["table_id"] == moved["table_id"], "pooling_factor"] *= 4.5
+    schemas.write(changed, tmp_path / "changed.parquet", "tables")
+    with pytest.raises(EmbshardError, match=f"table {moved['table_id']} changed since the plan was made "
+                                            r"\(pooling_factor"):
+        export(str(edited), str(tmp_path / "changed.parquet"), str(tmp_path / "out3"))
+    # A TorchRec plan given as --placements: the plan.json beside it is what export reads.
+    with pytest.raises(EmbshardError, match="a TorchRec plan, not a plan.json .*the plan.json beside it"):
+        export(res["plans"]["task-a"]["torchrec_plan_json"], str(tmp_path / "tables.parquet"),
+               str(tmp_path / "out3"))
+    assert not (tmp_path / "out3").exists()
+
     plan["memory_bytes_per_device"] = max(dev["memory_bytes"] for dev in plan["devices"]) - 1  # one byte short
     edited.write_text(json.dumps(plan))
     with pytest.raises(EmbshardError, match="device 0 holds .* bytes, .* over its") as err:
@@ -1190,3 +1203,27 @@ def test_a_data_parallel_table_reads_with_null_or_no_shards_and_only_the_dense_k
     doc["modules"][""][last]["compute_kernel"] = "fused"
     with pytest.raises(EmbshardError, match="a data_parallel table cannot run the 'fused' kernel.*write 'dense'"):
         plan_from_json(doc)
+
+
+@needs_torchrec
+def test_routing_keeps_a_table_listed_twice_an_error_and_cpu_plans_take_cpu_kernels(placement):
+    """A table under two module paths is refused with module= too (routing had merged it, the last one winning);
+    a CPU plan (rank:R/cpu) with a kernel TorchRec's EBC runs only on CUDA (fused_uvm) is refused."""
+    import copy
+
+    from embshard.export.torchrec_plan import build_module, plan_from_json, plan_to_json, to_torchrec_plan
+
+    t = placement.tables
+    doc = plan_to_json(to_torchrec_plan(placement), world_size=D)
+    first = str(t.table_ids[0])
+    twice = copy.deepcopy(doc)
+    twice["modules"]["ebc"] = {first: copy.deepcopy(doc["modules"][""][first])}
+    with pytest.raises(EmbshardError, match=f"table {first} is in more than one module"):
+        plan_from_json(twice, module=build_module(t))
+    cpu = plan_to_json(to_torchrec_plan(placement, compute_device="cpu"), world_size=D)
+    whole = next(n for n, p in cpu["modules"][""].items() if p["sharding_type"] == "table_wise")
+    cpu["modules"][""][whole]["compute_kernel"] = "fused_uvm"
+    with pytest.raises(EmbshardError, match=f"{whole}.compute_kernel.*cannot run the 'fused_uvm' kernel"):
+        plan_from_json(cpu)
+    doc["modules"][""][whole]["compute_kernel"] = "fused_uvm"  # on CUDA ranks it runs
+    plan_from_json(doc)

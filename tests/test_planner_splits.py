@@ -477,3 +477,42 @@ def test_policy_training_and_measured_plans_see_a_cut_task_as_the_planner_does(m
     assert pieces.num_devices == 8 and pieces.task_id == "t" and pieces.split == "train"
     whole = Task("w", mlperf, DeviceTopology(8, 80 * GiB))
     assert splitting.piece_task(whole) is whole
+
+
+def test_the_outer_loops_measured_plans_of_a_cut_task_are_its_pieces(tmp_path):
+    """measure_plans: the policy's plan of a training task with a table larger than a device is written as the
+    pieces it places (their widths or rows), which the benchmark measures."""
+    import pandas as pd
+
+    from embshard import schemas
+    from embshard.costmodel.ensemble import CostEnsemble
+    from embshard.costmodel.model import CostModel, CostModelConfig
+    from embshard.features import FeatureScaler, feature_matrix
+    from embshard.jobs import measure_plans
+    from embshard.policy.core import PolicyNet
+    from embshard.policy.model import save_policy
+
+    df = generate_tables(24, seed=4, bins_batch_size=512)
+    df.loc[0, "rows"], df.loc[0, "dim"] = 3_000_000, 128  # 1.43 GiB: larger than a 1 GiB device
+    df["size_bytes"] = df["rows"] * df["dim"] * df["bytes_per_element"]
+    df["rows"] = df["rows"].where(df.index == 0, np.minimum(df["rows"], 20_000))
+    df["size_bytes"] = df["rows"] * df["dim"] * df["bytes_per_element"]
+    table_path = str(tmp_path / "tables.parquet")
+    schemas.write(df, table_path, "tables")
+    ids = list(df["table_id"].astype(str))
+    task_path = str(tmp_path / "tasks.parquet")  # training tasks with the big table (the first validates)
+    schemas.write(pd.DataFrame([{"task_id": f"train-{k:04d}", "split": "train", "num_devices": 4,
+                                 "memory_bytes_per_device": 2**30, "table_ids": [ids[0], *ids[1 + 3 * k:8 + 3 * k]]}
+                                for k in range(5)]), task_path, "tasks")
+    model = CostEnsemble([CostModel.create(CostModelConfig(), FeatureScaler.fit(feature_matrix(df)))])
+    model.save(str(tmp_path / "cost"))
+    save_policy(PolicyNet(), str(tmp_path / "policy"))
+    out = measure_plans.run(table_path, task_path, str(tmp_path / "policy"), str(tmp_path / "cost"),
+                            str(tmp_path / "m"), num_tasks=4)
+    rows = schemas.read(out, "shards")
+    big = str(df.loc[0, "table_id"])
+    with_big = rows[rows["table_ids"].map(lambda ids: big in list(ids))]
+    assert len(with_big) >= 2, "the big table's task is among the measured ones, cut over several devices"
+    for r in with_big.itertuples(index=False):
+        k = list(r.table_ids).index(big)
+        assert 0 < int(r.col_sizes[k]) < 128 or int(r.row_sizes[k]) > 0  # a piece, not the whole table

@@ -136,11 +136,12 @@ def test_an_unanswering_tracking_server_is_asked_a_few_times_and_a_failure_is_no
         registry.check_server(f"http://127.0.0.1:{port}/other")
 
 
-def _open_run(client, experiment_id: str, run_id: str, task_id: str, try_number: str) -> str:
+def _open_run(client, experiment_id: str, run_id: str, task_id: str, try_number: str,
+              root: str = "/data/manual__1") -> str:
     """A run as a stage's process leaves it when killed hard: RUNNING, with the task's lineage tags."""
     return client.create_run(experiment_id, tags={"airflow.dag_id": "embshard_pipeline", "airflow.run_id": run_id,
-                                                  "airflow.task_id": task_id,
-                                                  "airflow.try_number": try_number}).info.run_id
+                                                  "airflow.task_id": task_id, "airflow.try_number": try_number,
+                                                  "embshard.run_root": root}).info.run_id
 
 
 def test_a_retry_and_a_failed_task_end_the_mlflow_runs_killed_tries_left_running(mlflow_uri, monkeypatch):
@@ -156,23 +157,30 @@ def test_a_retry_and_a_failed_task_end_the_mlflow_runs_killed_tries_left_running
     killed_try = _open_run(client, exp, "manual__1", "train_policy", "1")
     other_task = _open_run(client, exp, "manual__1", "train_cost_model", "1")
     other_run = _open_run(client, exp, "manual__2", "train_policy", "1")
+    # Another deployment on the same MLflow server: the same run id (scheduled ids repeat), another data root.
+    elsewhere = _open_run(client, exp, "manual__1", "train_policy", "1", root="/other/deployment/r")
     for var, value in {"EMBSHARD_AIRFLOW_DAG_ID": "embshard_pipeline", "EMBSHARD_AIRFLOW_RUN_ID": "manual__1",
-                       "EMBSHARD_AIRFLOW_TASK_ID": "train_policy", "EMBSHARD_AIRFLOW_TRY_NUMBER": "2"}.items():
+                       "EMBSHARD_AIRFLOW_TASK_ID": "train_policy", "EMBSHARD_AIRFLOW_TRY_NUMBER": "2",
+                       "EMBSHARD_RUN_ROOT": "/data/manual__1"}.items():
         monkeypatch.setenv(var, value)
     with registry.start_run(run_name="retry") as retry:
-        status = {r: client.get_run(r).info.status for r in (killed_try, other_task, other_run)}
-        assert status == {killed_try: "KILLED", other_task: "RUNNING", other_run: "RUNNING"}
+        status = {r: client.get_run(r).info.status for r in (killed_try, other_task, other_run, elsewhere)}
+        assert status == {killed_try: "KILLED", other_task: "RUNNING", other_run: "RUNNING", elsewhere: "RUNNING"}
         assert client.get_run(retry.info.run_id).info.status == "RUNNING"  # the retry's own run, and not ended
         assert "try 2 of its Airflow task started" in client.get_run(killed_try).data.tags[registry.END_REASON_TAG]
 
         # The task's last try killed too: its failure callback ends what is still open (the retry's run included).
-        assert stages.end_failed_task_runs(mlflow_uri, "manual__1", "train_policy") == [retry.info.run_id]
+        assert stages.end_failed_task_runs(mlflow_uri, "/data", "embshard_pipeline", "manual__1",
+                                           "train_policy") == [retry.info.run_id]
     assert client.get_run(other_task).info.status == "RUNNING"
     reason = client.get_run(retry.info.run_id).data.tags[registry.END_REASON_TAG]
     assert "Airflow task train_policy of run manual__1 failed" in reason
     # Nothing open: nothing to end; a store that cannot be searched ends nothing and raises nothing.
-    assert stages.end_failed_task_runs(mlflow_uri, "manual__1", "train_policy") == []
+    assert stages.end_failed_task_runs(mlflow_uri, "/data", "embshard_pipeline", "manual__1", "train_policy") == []
+    assert client.get_run(elsewhere).info.status == "RUNNING"
     assert registry.end_stale_runs("manual__2", reason="x") == [other_run]
     mlflow.set_tracking_uri("http://127.0.0.1:9")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    assert registry.end_stale_runs("manual__1", reason="x") == []
+    mlflow.set_tracking_uri("bogus://x")  # a store MLflow cannot even open: nothing ended, nothing raised
     assert registry.end_stale_runs("manual__1", reason="x") == []

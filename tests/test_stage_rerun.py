@@ -292,3 +292,16 @@ def test_a_copied_run_root_reads_its_own_files_not_the_originals(finished_root, 
     del seen["bench"]
     stages.benchmark(copy, {"bench_chunks": 1}, 0)
     assert seen["bench"] == "/elsewhere/shards.parquet"
+
+
+def test_state_written_under_a_relative_root_before_is_read_as_it_was(tmp_path, monkeypatch):
+    """A root given relative (`embshard stage ... --root runs/x/...`) had its state written with paths that name
+    the root already (runs/x/.../shards.parquet): they are not joined onto it a second time."""
+    from embshard.run_layout import in_root
+
+    monkeypatch.chdir(tmp_path)
+    root = "runs/x/run1"
+    assert in_root(root, "runs/x/run1/shards.parquet") == "runs/x/run1/shards.parquet"
+    assert in_root(root, "shards.parquet") == "runs/x/run1/shards.parquet"
+    assert in_root("s3://b/run1", "policy/round-1") == "s3://b/run1/policy/round-1"
+    assert in_root(root, "/abs/shards.parquet") == "/abs/shards.parquet"

@@ -134,6 +134,7 @@ def start_run(**kwargs):
     try_number = tags.get("airflow.try_number", "")
     if try_number.isdigit() and int(try_number) > 1 and "airflow.task_id" in tags:
         end_stale_runs(tags["airflow.run_id"], tags["airflow.task_id"], other_try_than=try_number,
+                       dag_id=tags.get("airflow.dag_id"), run_root=tags.get("embshard.run_root"),
                        reason=f"try {try_number} of its Airflow task started; this earlier try was killed")
     return mlflow.start_run(tags={**tags, **kwargs.pop("tags", {})}, **kwargs)
 
@@ -142,24 +143,27 @@ END_REASON_TAG = "embshard.end_reason"
 
 
 def end_stale_runs(airflow_run_id: str, task_id: str | None = None, *, other_try_than: str | None = None,
-                   reason: str) -> list[str]:
-    """Mark KILLED the MLflow runs still RUNNING that Airflow run `airflow_run_id` (its task `task_id`; tries other
-    than `other_try_than`) started, with `reason` in their END_REASON_TAG. A stage's process killed hard (SIGKILL,
-    out of memory, a lost pod) cannot end its own run, which then read as running in the MLflow UI for good.
-    Returns the MLflow run ids ended. Best effort: a store that cannot be searched ends nothing (a log line)."""
+                   dag_id: str | None = None, run_root: str | None = None, reason: str) -> list[str]:
+    """Mark KILLED the MLflow runs still RUNNING that Airflow run `airflow_run_id` (of `dag_id`, working under
+    `run_root`: scheduled run ids repeat across deployments sharing one MLflow server; its task `task_id`; tries
+    other than `other_try_than`) started, with `reason` in their END_REASON_TAG. A stage's process killed hard
+    (SIGKILL, out of memory, a lost pod) cannot end its own run, which then read as running in the MLflow UI for
+    good. Returns the MLflow run ids ended. Best effort: a store that cannot be searched ends nothing (a log
+    line)."""
     import mlflow
 
     def quoted(value: str) -> str:
         return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
     where = ["attributes.status = 'RUNNING'", f"tags.`airflow.run_id` = {quoted(airflow_run_id)}"]
-    if task_id is not None:
-        where.append(f"tags.`airflow.task_id` = {quoted(task_id)}")
+    for tag, value in (("airflow.dag_id", dag_id), ("embshard.run_root", run_root), ("airflow.task_id", task_id)):
+        if value is not None:
+            where.append(f"tags.`{tag}` = {quoted(value)}")
     if other_try_than is not None:
         where.append(f"tags.`airflow.try_number` != {quoted(other_try_than)}")
-    client = mlflow.MlflowClient()
     ended = []
     try:
+        client = mlflow.MlflowClient()
         experiments = [e.experiment_id for e in client.search_experiments()]
         runs = client.search_runs(experiments, " and ".join(where), max_results=1000) if experiments else []
         for run in runs:

@@ -13,6 +13,11 @@ def _join(root: str, *parts: str) -> str:
     return "/".join([str(root).rstrip("/"), *parts])
 
 
+def run_root(data_root: str, run_id: str) -> str:
+    """The folder of one Airflow run under the data root (its id made path-safe)."""
+    return _join(data_root, str(run_id).replace(":", "-").replace("+", "-"))
+
+
 def path(root: str, key: str) -> str:
     return _join(root, PATHS[key])
 
@@ -28,4 +33,6 @@ def in_root(root: str, value: str) -> str:
     """A path read from a state file: relative ones are under `root` (relative_to_root); absolute paths and URIs
     (state written before paths were recorded relative) are kept."""
     text = str(value)
-    return text if text.startswith("/") or "://" in text else _join(root, text)
+    if text.startswith("/") or "://" in text or text.startswith(str(root).rstrip("/") + "/"):
+        return text  # absolute, a URI, or written before under a relative root (it names the root already)
+    return _join(root, text)

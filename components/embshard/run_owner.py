@@ -195,7 +195,7 @@ def reap(dag_id: str, home: str | os.PathLike, session=None) -> list[str]:
             lines.append(f"embshard: marked run {run.run_id} failed, with its tasks under way "
                          f"({', '.join(tasks) or 'none'}): it was left running and {who}; max_active_runs=1 "
                          "would have queued every new run behind it")
-            ended = _end_mlflow_runs(run.run_id)
+            ended = _end_mlflow_runs(dag_id, run.run_id)
             if ended:
                 lines.append(f"embshard: marked its {len(ended)} MLflow run(s) left running KILLED "
                              f"({', '.join(ended)})")
@@ -204,19 +204,22 @@ def reap(dag_id: str, home: str | os.PathLike, session=None) -> list[str]:
     return lines
 
 
-def _end_mlflow_runs(airflow_run_id: str) -> list[str]:
-    """The MLflow runs the dead run's stages left RUNNING, marked KILLED (registry.end_stale_runs), in the store of
-    this installation (MLFLOW_TRACKING_URI, which `embshard pipeline` and `embshard ui` set); none without one."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri:
+def _end_mlflow_runs(dag_id: str, airflow_run_id: str) -> list[str]:
+    """The MLflow runs the dead run's stages left RUNNING, marked KILLED (registry.end_stale_runs), in the store and
+    data root of this installation (MLFLOW_TRACKING_URI, EMBSHARD_DATA_ROOT: `embshard pipeline` and `embshard ui`
+    set them); none without them."""
+    uri, data_root = os.environ.get("MLFLOW_TRACKING_URI"), os.environ.get("EMBSHARD_DATA_ROOT")
+    if not uri or not data_root:
         return []
     import mlflow
 
     from . import registry
+    from .run_layout import run_root
 
     mlflow.set_tracking_uri(uri)
-    return registry.end_stale_runs(airflow_run_id, reason=f"its Airflow run {airflow_run_id} was failed by "
-                                   "embshard: the embshard pipeline that ran it is gone")
+    return registry.end_stale_runs(airflow_run_id, dag_id=dag_id, run_root=run_root(data_root, airflow_run_id),
+                                   reason=f"its Airflow run {airflow_run_id} was failed by embshard: the embshard "
+                                   "pipeline that ran it is gone")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -395,7 +395,7 @@ def read(path: str | os.PathLike, kind: str) -> pd.DataFrame:
         checks.input_file(where, fix=f"give the {kind} Parquet file")  # a FIFO would block; permission denied
         if kind == "tables" and os.path.splitext(where)[1].lower() in SPEC_SUFFIXES:
             raise _spec_not_tables(where)
-        df = _read_one(where)
+        df = _read_one(where, kind)
     if kind == "tables" and spec_columns(df.columns):
         raise _spec_not_tables(where)
     return validate(df, kind, where)
@@ -429,7 +429,7 @@ def _spec_not_tables(where: str) -> EmbshardError:
                              "DIR/tables.parquet (embshard place, predict and export read a spec directly)")
 
 
-def _read_one(where: str) -> pd.DataFrame:
+def _read_one(where: str, kind: str = "") -> pd.DataFrame:
     fs, p = storage.resolve(where)
     try:
         with fs.open_input_file(p) as f:
@@ -442,7 +442,8 @@ def _read_one(where: str) -> pd.DataFrame:
             raise EmbshardError("a DLRM trace, not a Parquet file", path=where,
                                 fix=f"ingest it first: embshard ingest --source dlrm --input {where} --out DIR, then "
                                     "give DIR/tables.parquet") from None
-        if "magic bytes not found" in str(exc) and not str(where).lower().endswith((".parquet", ".pq")):
+        if "magic bytes not found" in str(exc) and kind == "tables" and not str(where).lower().endswith(
+                (".parquet", ".pq")):
             # e.g. a spec named .txt, .json or .csv.gz: spec files are told apart from Parquet by their name
             raise EmbshardError("not a Parquet file", path=where,
                                 fix="give a tables.parquet, or a table spec named *.csv, *.tsv, *.yaml or *.yml "

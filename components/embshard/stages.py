@@ -21,6 +21,7 @@ from .run_layout import (  # noqa: F401  (PATHS: importable from here, as before
     in_root,
     path,
     relative_to_root,
+    run_root,
 )
 from .stage_report import promotion_lines, report, speed_words  # noqa: F401  (importable from here, as before)
 
@@ -39,10 +40,6 @@ RUN_ROOT_TEMPLATE = "{data_root}/{{{{ run_id | replace(':', '-') | replace('+', 
 # All of the run's params as one JSON object, rendered by Airflow into a pod's arguments.
 PARAMS_TEMPLATE = ("{ {%- for k, v in params.items() %}{{ k | tojson }}: {{ v | tojson }}"
                    "{%- if not loop.last %}, {% endif %}{%- endfor %} }")
-
-
-def run_root(data_root: str, run_id: str) -> str:
-    return _join(data_root, str(run_id).replace(":", "-").replace("+", "-"))
 
 
 def merged(params: dict | None) -> dict:
@@ -490,7 +487,7 @@ def run_in_task(name: str, data_root: str, mlflow_uri: str, params: dict, *, run
     return _jsonable(result)
 
 
-def end_failed_task_runs(mlflow_uri: str, run_id: str, task_id: str) -> list[str]:
+def end_failed_task_runs(mlflow_uri: str, data_root: str, dag_id: str, run_id: str, task_id: str) -> list[str]:
     """What a failed task of the local runner leaves behind in MLflow, ended (its on_failure_callback): the runs
     its stage left RUNNING are marked KILLED (registry.end_stale_runs). A stage that raises ends its own run as
     FAILED; one killed hard (SIGKILL, out of memory) cannot, and Airflow runs this callback for it in the DAG
@@ -500,8 +497,9 @@ def end_failed_task_runs(mlflow_uri: str, run_id: str, task_id: str) -> list[str
     from . import registry
 
     mlflow.set_tracking_uri(mlflow_uri)
-    ended = registry.end_stale_runs(run_id, task_id, reason=f"Airflow task {task_id} of run {run_id} failed "
-                                    "while this run was open (its process was killed)")
+    ended = registry.end_stale_runs(run_id, task_id, dag_id=dag_id, run_root=run_root(data_root, run_id),
+                                    reason=f"Airflow task {task_id} of run {run_id} failed while this run was "
+                                    "open (its process was killed)")
     for mlflow_run in ended:
         log.warning("ended MLflow run %s as KILLED: task %s failed while it was running", mlflow_run, task_id)
     return ended

@@ -102,6 +102,23 @@ def split_shards(df: pd.DataFrame, tables, share: float = SPLIT_SHARE, seed: int
     return schemas.validate(out, "shards", "<split shards>")
 
 
+def device_shard_row(table_ids, pieces: list, num_devices: int, **fields) -> dict:
+    """A shards row for the pieces one device holds (Shards of one task over `table_ids`), sorted by table and
+    offset: their tables and, per entry, col_size, row_offset and row_size (-1 whole); `replicas` only when one
+    is a replica (rows without stay as they were). `fields` (sample_id, origin, ...) go in too."""
+    from ..types import REPLICATED
+
+    on = sorted(pieces, key=lambda p: (str(table_ids[p.table]), p.col_offset, p.row_offset))
+    first = {k: fields.pop(k) for k in ("sample_id",) if k in fields}  # the columns in sample_shards' order
+    row = {**first, "table_ids": [str(table_ids[p.table]) for p in on], "num_devices": int(num_devices), **fields,
+           "col_sizes": [-1 if p.col_size is None else int(p.col_size) for p in on],
+           "row_offsets": [-1 if p.row_size is None else int(p.row_offset) for p in on],
+           "row_sizes": [-1 if p.row_size is None else int(p.row_size) for p in on]}
+    if any(p.kind == REPLICATED for p in on):
+        row["replicas"] = [int(p.kind == REPLICATED) for p in on]
+    return row
+
+
 def piece_key(row) -> tuple:
     """What a shard measures, order-free: (table id, col_size, row_offset, row_size) per entry (-1: whole)."""
     n = len(row["table_ids"])

@@ -91,9 +91,10 @@ def _check_unchanged(df_task: pd.DataFrame, tables: TableSet, ids: list[str], wh
         raise EmbshardError(f"table(s) {', '.join(changed[:3])}{more} changed since the plan was made (rows, dim, "
                             "bytes per element, pooling or access pattern differ from the tables given)",
                             path=where, field="table_sha256",
-                            fix="pass the tables.parquet the plan was made from (a spec read again samples its access "
-                                "pattern anew: the same --seed and bins batch size give the same tables), or plan "
-                                "again with these tables")
+                            fix="pass the tables.parquet the plan was made from (a spec read again samples its "
+                                "access pattern anew: the same --seed and bins batch size give the same tables, but "
+                                "specs read before embshard seeded each table by its name, 2026-11-27, sampled by "
+                                "row position), or plan again with these tables")
 
 
 def own_devices_per_host(df_task: pd.DataFrame, where: str) -> int | None:

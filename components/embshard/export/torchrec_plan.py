@@ -523,7 +523,7 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
             if p["compute_kernel"] not in kernels:
                 raise bad(f"{f}.compute_kernel", f"compute kernel {str(p['compute_kernel'])[:40]!r} is not a "
                           f"TorchRec kernel ({FUSED}, ...)")
-            allowed = sharder.compute_kernels(kind, "cuda")  # TorchRec's own rule for an EBC's sharding type
+            allowed = _kernels(sharder, kind, p["shards"])  # TorchRec's own rule for an EBC's sharding type
             if p["compute_kernel"] not in allowed:
                 raise bad(f"{f}.compute_kernel", f"a {kind} table cannot run the {p['compute_kernel']!r} kernel "
                           f"(TorchRec's EmbeddingBagCollection runs {', '.join(map(repr, allowed[:3]))}"
@@ -730,6 +730,17 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
     return ShardingPlan(plan)
 
 
+def _kernels(sharder, sharding_type: str, shards) -> list[str]:
+    """The compute kernels TorchRec's EBC sharder runs for `sharding_type` on the device the shards name (CPU
+    ranks: `rank:R/cpu`; a data_parallel table names none: CUDA's list); CUDA's list for a type it does not list
+    for the CPU (row-wise plans run on CPU ranks with the fused kernel)."""
+    on_cpu = bool(shards) and all(str(s.get("placement", "")).endswith("/cpu") for s in shards
+                                  if isinstance(s, Mapping))
+    if on_cpu and sharding_type in sharder.sharding_types("cpu"):
+        return list(sharder.compute_kernels(sharding_type, "cpu"))
+    return list(sharder.compute_kernels(sharding_type, "cuda"))
+
+
 def _job_world_size() -> int | None:
     """The world size of this process's default process group (a training job's), None when there is none: a
     plan for another world size fails inside TorchRec (an IndexError in its sharding) instead of here."""
@@ -779,6 +790,8 @@ def route_to_model(doc: Mapping, model) -> Mapping:
         for name, p in params.items():
             homes = held.get(str(name), [])
             to = homes[0] if len(homes) == 1 and path not in homes else path
+            if name in routed.get(to, {}):
+                return doc  # a table listed under two modules: check_plan_doc refuses the file as it is
             moved |= to != path
             routed.setdefault(to, {})[name] = p
     return {**doc, "modules": routed} if moved else doc

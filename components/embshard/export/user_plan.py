@@ -87,7 +87,8 @@ class UserPlan:
         return [str(n) for n in next(iter(doc["modules"].values()))]
 
     def own_task_id(self) -> str | None:
-        """The task a plan.json was made for (its task_id); None for a TorchRec plan, which names none."""
+        """The task a plan.json was made for (its task_id); None for a TorchRec plan (its `source` says which task
+        made it, but not the task's memory: it is no task to evaluate)."""
         return None if self.is_torchrec() else str(self.document()["task_id"])
 
     def task_frame(self) -> pd.DataFrame:

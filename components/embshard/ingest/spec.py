@@ -104,7 +104,8 @@ def _read_csv(path: str) -> pd.DataFrame:
                  if line.strip() and not line.lstrip().startswith("#")]
     if not lines:
         return pd.DataFrame()
-    # Commas, else tabs (a TSV, or a spreadsheet's copy), else semicolons (Excel's CSV where ',' is the decimal)
+    # Commas, else tabs (a TSV, or a spreadsheet's copy), else semicolons (Excel's CSV in some locales; numbers
+    # still take '.' as the decimal point)
     sep = next((d for d in (",", "\t", ";") if d in lines[0][1]), ",")
     header = [c.strip() for c in next(csv.reader([lines[0][1]], skipinitialspace=True, delimiter=sep))]
     while header and header[-1] == "":  # a trailing comma

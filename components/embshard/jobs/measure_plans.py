@@ -23,6 +23,7 @@ def run(tables: str, tasks: str, policy_dir: str, cost_model_uri: str, out: str,
     path. `settings.calibration_dir`: the run's communication calibration, copied to OUT so that measuring OUT
     gives costs that match the benchmark's."""
     from ..bench.comm import CALIBRATION_FILE
+    from ..bench.sampler import device_shard_row
     from ..costmodel import load as load_cost_model
     from ..placement import Placement
     from ..planners.splitting import split_to_fit
@@ -43,18 +44,14 @@ def run(tables: str, tasks: str, policy_dir: str, cost_model_uri: str, out: str,
         ro = rollout(policy, ctx, 1, "greedy")
         pl = Placement(t.tables, t.num_devices, t.memory_bytes_per_device, view.shards(ro.assignment[0]))
         for d, shard in enumerate(pl.device_shards()):
-            if shard:
-                if not view.is_whole:
-                    shard = sorted(shard, key=lambda s: (str(t.tables.table_ids[s.table]), s.col_offset,
-                                                         s.row_offset))
-                row = {"sample_id": f"policy-r{round_index}-{t.task_id}-d{d}",
-                       "table_ids": [t.tables.table_ids[s.table] for s in shard],
-                       "num_devices": t.num_devices, "origin": "placement:learned"}
-                if not view.is_whole:  # the pieces' widths and rows (as sample_shards writes them)
-                    row.update(col_sizes=[-1 if s.col_size is None else int(s.col_size) for s in shard],
-                               row_offsets=[-1 if s.row_size is None else int(s.row_offset) for s in shard],
-                               row_sizes=[-1 if s.row_size is None else int(s.row_size) for s in shard])
-                rows.append(row)
+            if not shard:
+                continue
+            fields = {"sample_id": f"policy-r{round_index}-{t.task_id}-d{d}", "origin": "placement:learned"}
+            if view.is_whole:  # whole tables: the rows as they were
+                rows.append({**fields, "table_ids": [t.tables.table_ids[s.table] for s in shard],
+                             "num_devices": t.num_devices})
+            else:  # the pieces' widths and rows, as sample_shards writes them
+                rows.append(device_shard_row(t.tables.table_ids, shard, t.num_devices, **fields))
     shards_path = storage.join(out, "shards.parquet")
     schemas.write(pd.DataFrame(rows), shards_path, "shards")
     # The run's communication calibration, so these costs match the benchmark's.

@@ -191,7 +191,7 @@ def plan_shards(tables: TableSet, n: int, *, memory_bytes_per_device: int, seed:
     kept, moved devices first; a set of pieces is kept once.
     origin: 'plan:<planner>[+split][+replica][+move]'.
     """
-    from ..bench.sampler import piece_key
+    from ..bench.sampler import device_shard_row, piece_key
     from ..planners.baselines import GREEDY_BASELINES, PROXIES, make_baseline
     from ..types import REPLICATED
 
@@ -246,14 +246,8 @@ def plan_shards(tables: TableSet, n: int, *, memory_bytes_per_device: int, seed:
             on = [pieces[k] for k in np.flatnonzero(assign == dev)]
             if not on or len(on) > max_shard_tables:
                 continue
-            on.sort(key=lambda p: (str(sub.table_ids[p.table]), p.col_offset, p.row_offset))
-            row = {"sample_id": f"plan-s{seed}-{len(rows):06d}",
-                   "table_ids": [str(sub.table_ids[p.table]) for p in on], "num_devices": nd, "origin": origin,
-                   "col_sizes": [-1 if p.col_size is None else int(p.col_size) for p in on],
-                   "row_offsets": [-1 if p.row_size is None else int(p.row_offset) for p in on],
-                   "row_sizes": [-1 if p.row_size is None else int(p.row_size) for p in on]}
-            if any(p.kind == REPLICATED for p in on):  # only then: shard lists without replicas stay as they were
-                row["replicas"] = [int(p.kind == REPLICATED) for p in on]
+            row = device_shard_row(sub.table_ids, on, nd, sample_id=f"plan-s{seed}-{len(rows):06d}",
+                                   origin=origin)
             key = piece_key(row)
             if key in seen:
                 continue

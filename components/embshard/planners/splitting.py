@@ -244,9 +244,10 @@ def _split_to_fit(tables: TableSet, topology: DeviceTopology, task_id: str) -> P
 
 def piece_task(task: Task) -> Task:
     """`task` as the policy learns and plans it: its pieces (split_to_fit: the tables, cut only where they would
-    not fit whole) as its tables, on devices holding what the pinned row pieces leave. The task itself when
-    nothing is cut. Policy training and the outer loop's measured plans see tables larger than a device so, as
-    the learned planner's rollouts do (compose.Problem.ctx)."""
+    not pack whole: a table larger than a device, or a tight task first-fit cannot pack) as its tables, on devices
+    holding what the pinned row pieces leave. The task itself when nothing is cut; an InfeasiblePlacementError
+    (one line) when even row-wise cuts do not pack. Policy training and the outer loop's measured plans see tasks
+    so, as the learned planner's rollouts do (compose.Problem.ctx)."""
     view = split_to_fit(task.tables, task.devices, task.task_id)
     if view.is_whole:
         return task
