@@ -1362,3 +1362,16 @@ def test_a_library_message_is_cut_at_a_word_end():
     assert cut.endswith("…") and len(cut) <= 101 and not cut[:-1].endswith("yo") and "line 2" not in cut
     assert cut[:-1] == long.args[0][:len(cut) - 1]
     assert first_line(ValueError("short")) == "short" and first_line(KeyError()) == "KeyError"
+
+
+def test_memory_gb_takes_its_unit_and_refuses_gb():
+    """`--memory-gb 16GiB` was 'invalid float value'; GB (10^9 bytes) is refused, not read as GiB."""
+    import argparse
+
+    from embshard.checks import gib_text
+
+    assert gib_text("16GiB") == gib_text("16 gib") == gib_text("16") == 16.0
+    assert gib_text("0.5") == 0.5 and gib_text("nan") != gib_text("nan")  # NaN reaches the range check's message
+    for bad, says in (("16GB", "not GB"), ("16 G", "not G"), ("sixteen", "not a number of GiB")):
+        with pytest.raises(argparse.ArgumentTypeError, match=says):
+            gib_text(bad)

@@ -1227,3 +1227,16 @@ def test_routing_keeps_a_table_listed_twice_an_error_and_cpu_plans_take_cpu_kern
         plan_from_json(cpu)
     doc["modules"][""][whole]["compute_kernel"] = "fused_uvm"  # on CUDA ranks it runs
     plan_from_json(doc)
+
+
+def test_a_hand_edit_that_overfills_a_device_is_told_so_first(placement, tmp_path):
+    """Moving a shard onto a full device without updating devices[]: the error is the memory over the budget (it
+    had been 'devices[] ... hold 0', which hid the real problem)."""
+    plan = write_plan_json(placement, tmp_path / "plan.json", device_costs=COSTS)
+    fullest = max(plan["devices"], key=lambda dev: dev["memory_bytes"])["device"]
+    plan["memory_bytes_per_device"] = max(dev["memory_bytes"] for dev in plan["devices"])
+    moved = next(t for t in plan["tables"] if len(t["shards"]) == 1 and t["shards"][0]["device"] != fullest)
+    moved["shards"][0]["device"] = fullest
+    with pytest.raises(EmbshardError, match=f"field 'devices.{fullest}.memory_bytes': device {fullest} holds .* "
+                                            "over its"):
+        validate_plan(plan, "edited.json")

@@ -143,6 +143,24 @@ def memory_gb(value, *, field: str = "memory_gb", path: str | None = None) -> fl
     return v
 
 
+def gib_text(text: str) -> float:
+    """A command line's GiB: a number, or one written with its unit ('16GiB', '16 GiB'); 'GB' is refused, since
+    GB (10^9 bytes) and GiB (2^30) differ by 7%."""
+    import argparse
+
+    t = str(text).strip()
+    unit = re.search(r"(?<=[0-9.])\s*([a-zA-Z]+)$", t)  # letters after a number ('nan' is a number's text)
+    if unit is not None:
+        if unit.group(1).lower() != "gib":
+            raise argparse.ArgumentTypeError(f"{text!r}: the unit is GiB (2^30 bytes), not {unit.group(1)}; give "
+                                             "a number of GiB, e.g. 16 or 16GiB")
+        t = t[:unit.start()]
+    try:
+        return float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB (e.g. 16 or 16GiB)") from None
+
+
 def memory_bytes(gb, *, field: str = "memory_gb", path: str | None = None) -> int:
     return int(memory_gb(gb, field=field, path=path) * GiB)
 

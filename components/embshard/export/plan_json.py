@@ -366,6 +366,13 @@ def _consistency_check(plan: dict, where: str) -> None:
             if t["sharding_type"] != want:
                 fail(f"tables.{k}.sharding_type", f"table {name}: sharding_type {t['sharding_type']!r} but its "
                      f"shards are {want}", f"write {want!r}")
+    # The budget first, from the shards themselves: a hand edit that overfills a device is told so, not only that
+    # devices[] no longer matches the shards moved.
+    over = [i for i in range(d) if mem[i] > budget]
+    if over:
+        i = over[0]
+        fail(f"devices.{i}.memory_bytes", f"device {i} holds {mem[i]} bytes, {mem[i] - budget} over its "
+             f"{budget}", "this placement breaks the memory budget; re-plan it")
     for dev in plan["devices"]:
         i = dev["device"]
         if dev["memory_bytes"] != mem[i]:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from .. import schemas, storage
-from ..checks import MAX_LOCAL_DEVICES
+from ..checks import MAX_LOCAL_DEVICES, gib_text
 from ..errors import EmbshardError, ModelFilesMissingError, ModelNotFoundError
 from ..ingest.spec import is_spec_path, read_tables, spec_sizes
 from ..placement import Placement
@@ -290,7 +290,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", help="tasks.parquet, with --task-id: place that task's tables")
     p.add_argument("--task-id", help="the task to place (its devices/memory are used unless given)")
     p.add_argument("--devices", type=int, help="number of devices")
-    p.add_argument("--memory-gb", type=float, help="memory per device for embedding weights, GiB (weights only: "
+    p.add_argument("--memory-gb", type=gib_text, help="memory per device for embedding weights, GiB (weights only: "
                    "leave out what optimizer state, buffers and the dense model need)")
     p.add_argument("--planner", default="learned", help="learned (default, from the registry) or a baseline: "
                    "random, round_robin, dim_greedy, size_greedy, lookup_greedy, size_lookup_greedy, "
