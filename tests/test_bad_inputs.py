@@ -1375,3 +1375,16 @@ def test_memory_gb_takes_its_unit_and_refuses_gb():
     for bad, says in (("16GB", "not GB"), ("16 G", "not G"), ("sixteen", "not a number of GiB")):
         with pytest.raises(argparse.ArgumentTypeError, match=says):
             gib_text(bad)
+
+
+def test_a_list_column_written_as_text_is_named_not_read_as_letters():
+    """A hand-made tasks file with table_ids 'user,item' had been read as the ids u, s, e, r, ','."""
+    import pandas as pd
+
+    from embshard.errors import EmbshardError
+
+    df = pd.DataFrame([{"task_id": "t", "split": "train", "num_devices": 2, "memory_bytes_per_device": 2**30,
+                        "table_ids": "user,item"}])
+    with pytest.raises(EmbshardError, match=r"x.parquet: field 'table_ids': text 'user,item' in row 0, not a list "
+                                            r"\(fix: write table_ids as a list column"):
+        schemas.validate(df, "tasks", "x.parquet")

@@ -227,6 +227,12 @@ def validate(df: pd.DataFrame, kind: str, path: str | os.PathLike = "<data>") ->
             bad = s[s.isna()].index[0]
             raise EmbshardError(f"empty/NaN value in row {bad}", path=where, field=c.name,
                                 fix=f"every value must be {c.rule or c.type}")
+        if pa.types.is_list(c.type):  # a text ('user,item') would be coerced to a list of its letters
+            text = s[s.map(lambda v: isinstance(v, str))]
+            if len(text):
+                raise EmbshardError(f"text {_show(text.iloc[0])} in row {text.index[0]}, not a list", path=where,
+                                    field=c.name, fix=f"write {c.name} as a list column (e.g. "
+                                    f"df['{c.name}'] = [['a', 'b'], ...]), not as one string")
         try:
             out[c.name] = _coerce(s, c.type)
         except (ValueError, TypeError, pa.ArrowInvalid, pa.ArrowTypeError) as exc:
