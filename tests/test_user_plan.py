@@ -311,3 +311,44 @@ def test_evaluate_of_a_plan_that_leaves_out_a_table_of_the_spec_is_refused(tiny,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "1 table(s) of the spec" in err[0] and "not placed by the plan (geo)" in err[0], err
     assert tiny["plan"] in err[0] and not out.exists()
+
+
+def test_a_plan_written_by_hand_needs_only_its_tables_and_shards(tiny, tmp_path, capsys):
+    """What a team asks first (is our layout better?) starts from a plan.json they write themselves: the task, the
+    devices and each table's shards are enough; what derives from them (kinds, sizes, devices[], sharding types,
+    cost, provenance) is filled in, and a contradiction in what is given is still refused."""
+    import pandas as pd
+
+    from embshard.cli import main
+    from embshard.export.plan_json import HAND_WRITTEN, read_plan_json
+
+    t = tiny["task"].tables
+    first = t.table_ids[0]
+    tables = []
+    for k, name in enumerate(t.table_ids):
+        rows, dim = int(t.rows[k]), int(t.dims[k])
+        shards = ([{"device": 0, "col_offset": 0, "col_size": dim // 2},
+                   {"device": 1, "col_offset": dim // 2, "col_size": dim - dim // 2}] if name == first
+                  else [{"device": k % 2}])
+        tables.append({"table_id": str(name), "rows": rows, "dim": dim,
+                       "bytes_per_element": int(t.bytes_per_element[k]), "pooling_factor": float(t.pooling_factor[k]),
+                       "shards": shards})
+    doc = {"schema": "embshard.plan/v3", "task_id": "ours", "num_devices": 2,
+           "memory_bytes_per_device": int(tiny["task"].memory_bytes_per_device), "tables": tables}
+    mine = tmp_path / "ours.json"
+    mine.write_text(json.dumps(doc))
+    plan = read_plan_json(mine)
+    assert plan["planner"] == HAND_WRITTEN and len(plan["devices"]) == 2
+    assert plan["tables"][0]["sharding_type"] == "column_wise" and plan["tables"][1]["sharding_type"] == "table_wise"
+    out = tmp_path / "ev"
+    assert main(["evaluate", "--tables", tiny["tables"], "--plan", str(mine), "--planners", "size_greedy",
+                 "--rounds", "2", "--batch-size", "32", "--out", str(out)]) == 0
+    ev = pd.read_parquet(out / "evaluation.parquet")
+    assert ev.set_index("planner").loc["user_plan", "feasible"]
+    doc["tables"][1]["shards"][0]["device"] = 5  # a device the task does not have: one line, as before
+    mine.write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert main(["evaluate", "--tables", tiny["tables"], "--plan", str(mine), "--planners", "size_greedy",
+                 "--rounds", "2", "--out", str(tmp_path / "ev2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "device 5 >= num_devices 2" in err[0], err

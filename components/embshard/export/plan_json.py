@@ -153,8 +153,74 @@ def _sharding_type(rows: int, shards: list[dict], num_devices: int, hosts) -> st
     return KIND_TO_SHARDING[kind]
 
 
+HAND_WRITTEN = "hand-written"  # the planner of a plan.json that names none
+
+
+def completed(plan: Any) -> Any:
+    """A v3 plan.json as a person may write it, with what can be derived filled in where it is missing: a plan
+    names `schema`, `task_id`, `num_devices`, `memory_bytes_per_device` (optional `hosts`) and its `tables`
+    (`table_id`, `rows`, `dim`, `bytes_per_element`, `pooling_factor`, and `shards`: each a `device`, and for a
+    cut `col_offset`/`col_size` or `row_offset`/`row_size`, or `kind: replicated` on every device). Filled in: the
+    shards' kinds, offsets, sizes and bytes, each table's size and sharding type, `devices`, `cost` (no
+    prediction), `planner` (HAND_WRITTEN), `model_uri`, `created_at`, `embshard_version` and `meta`. What is given
+    is kept as given, so the checks still refuse a given field that contradicts the shards. Anything else (another
+    version, values of the wrong type) is returned as it is, for the checks to name."""
+    def whole_number(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not isinstance(plan, dict) or plan.get("schema") != SCHEMA_VERSION:
+        return plan
+    tables, d = plan.get("tables"), plan.get("num_devices")
+    if not isinstance(tables, list) or not isinstance(d, int) or isinstance(d, bool) or not all(
+            isinstance(t, dict) and all(whole_number(t.get(k)) for k in ("rows", "dim", "bytes_per_element"))
+            and isinstance(t.get("shards"), list) and t["shards"]
+            and all(isinstance(s, dict) and whole_number(s.get("device")) for s in t["shards"]) for t in tables):
+        return plan
+    plan = json.loads(json.dumps(plan))  # a copy: the caller's dict is left as it was
+    for t in plan["tables"]:
+        rows, dim, bpe = t["rows"], t["dim"], t["bytes_per_element"]
+        t.setdefault("size_bytes", rows * dim * bpe)
+        for sh in t["shards"]:
+            sh.setdefault("col_offset", 0)
+            sh.setdefault("col_size", dim)
+            sh.setdefault("row_offset", 0)
+            sh.setdefault("row_size", rows)
+            if not all(whole_number(sh[k]) for k in ("col_offset", "col_size", "row_offset", "row_size")):
+                return plan
+            sh.setdefault("kind", "column" if sh["col_size"] < dim else "row" if sh["row_size"] < rows else "whole")
+            sh.setdefault("memory_bytes", sh["row_size"] * sh["col_size"] * bpe)
+            if not whole_number(sh["memory_bytes"]):
+                return plan
+        kinds = {sh["kind"] for sh in t["shards"]}
+        if "sharding_type" not in t and len(kinds) == 1 and kinds <= {"whole", "column", "row", "replicated"}:
+            t["sharding_type"] = _sharding_type(rows, t["shards"], d, plan.get("hosts"))
+    if "devices" not in plan and d > 0:  # from the shards on the task's devices (the checks name any other)
+        mem = [0] * d
+        names: list[list[str]] = [[] for _ in range(d)]
+        for t in plan["tables"]:
+            for sh in t["shards"]:
+                if not 0 <= sh["device"] < d:
+                    continue
+                mem[sh["device"]] += sh["memory_bytes"]
+                if t.get("table_id") not in names[sh["device"]]:
+                    names[sh["device"]].append(t.get("table_id"))
+        budget = plan.get("memory_bytes_per_device")
+        plan["devices"] = [{"device": i, "memory_bytes": mem[i],
+                            "memory_used_fraction": mem[i] / budget if whole_number(budget) and budget > 0 else 0.0,
+                            "predicted_cost_ms": None, "tables": names[i]} for i in range(d)]
+    plan.setdefault("planner", HAND_WRITTEN)
+    plan.setdefault("model_uri", None)
+    plan.setdefault("created_at", "not recorded")
+    plan.setdefault("embshard_version", "")
+    plan.setdefault("cost", {"unit": "ms", "device_costs_ms": None, "overall_ms": None,
+                             ESTIMATE_KEY[SCHEMA_VERSION]: None, "gap": None})
+    plan.setdefault("meta", {})
+    return plan
+
+
 def read_plan_json(path: str | os.PathLike) -> dict:
-    """Read and validate a plan.json (v3, or v2/v1 as written by earlier versions; any other version is refused)."""
+    """Read and validate a plan.json (v3, or v2/v1 as written by earlier versions; any other version is refused).
+    A v3 plan written by hand may leave out what can be derived from its shards (`completed`)."""
     where = os.fspath(path)
     if not storage.exists(where):
         raise EmbshardError("file not found", path=where, fix="check the path, or run `embshard export`")
@@ -163,6 +229,7 @@ def read_plan_json(path: str | os.PathLike) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise EmbshardError(f"not valid JSON ({str(exc)[:80]})", path=where,
                             fix="re-run `embshard export`; the file is corrupt") from None
+    plan = completed(plan)
     validate_plan(plan, where)
     return plan
 
