@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import os
 
 import pandas as pd
@@ -20,8 +22,23 @@ from ..placement import Placement
 from ..tableset import TableSet
 from ..types import DeviceTopology, Task
 
+log = logging.getLogger(__name__)
+
 NAME = "user_plan"
 _FIX = "give a plan.json or torchrec_plan.json that `embshard export` wrote for this task"
+
+
+def _warn_if_other_traffic(doc: dict, tables: TableSet, path: str) -> None:
+    """One warning when a table's pooling (lookups per sample) is not the one the plan.json was made for: the plan
+    is still measured on the tables given (how does our old layout do on today's traffic?), but it was balanced for
+    other traffic, and `export` refuses it for that."""
+    changed = [(t["table_id"], float(t["pooling_factor"]), float(p)) for t, p in zip(doc["tables"],
+               tables.pooling_factor) if not math.isclose(float(t["pooling_factor"]), float(p), rel_tol=1e-9)]
+    if changed:
+        name, was, now = changed[0]
+        more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
+        log.warning("%s: table %s%s has other traffic than the plan was made for (pooling_factor %g in the plan, %g "
+                    "in the tables given): it is measured on the tables given", path, name, more, was, now)
 
 
 class UserPlan:
@@ -141,6 +158,7 @@ class UserPlan:
             from .plan_json import placement_from_plan
 
             theirs = placement_from_plan(doc, tables, where=where)
+            _warn_if_other_traffic(doc, theirs.tables, self.path)
             pos = {t: k for k, t in enumerate(task_ids)}
             shards = [dataclasses.replace(s, table=pos[str(theirs.tables.table_ids[s.table])]) for s in theirs.shards]
             placement = Placement(tables, topology.count, topology.memory_bytes, shards,
