@@ -1388,3 +1388,12 @@ def test_a_list_column_written_as_text_is_named_not_read_as_letters():
     with pytest.raises(EmbshardError, match=r"x.parquet: field 'table_ids': text 'user,item' in row 0, not a list "
                                             r"\(fix: write table_ids as a list column"):
         schemas.validate(df, "tasks", "x.parquet")
+
+
+def test_champion_without_a_store_is_one_line_and_creates_none(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/nowhere/mlflow.db")
+    monkeypatch.chdir(tmp_path)
+    assert cli(["champion"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "there is no MLflow store at" in err[0] and "MLFLOW_TRACKING_URI" in err[0]
+    assert not (tmp_path / "nowhere").exists() and not (tmp_path / "mlflow.db").exists()

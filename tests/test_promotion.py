@@ -497,3 +497,37 @@ def test_the_gate_says_when_it_has_fewer_held_out_tasks_than_eval_tasks(fresh, t
                              baselines=BASELINES, max_tasks=9, settings=fresh["settings"], rounds=2)
     warned = [r.getMessage() for r in caplog.records if "held-out tasks" in r.getMessage()]
     assert len(warned) == 1 and "eval_tasks 9, but the run has 4 held-out tasks" in warned[0], warned
+
+
+def test_a_champion_set_by_hand_moves_both_aliases_says_why_and_needs_force_for_a_bad_verdict(fresh, capsys):
+    """`embshard champion --set V --reason ...`: the rollback an incident needs without a run. The policy's and
+    its cost model's champion move together (the cost model had stayed behind after a rollback by hand), a
+    challenger at that version is dropped, the version records who set it and why, and a version the gate measured
+    slower needs --force; `embshard champion` lists every version with its aliases and verdict."""
+    import mlflow
+
+    from embshard.cli import main
+    from embshard.jobs.champion import CHAMPION_SET_TAG
+
+    registry.set_alias(POLICY, registry.CHAMPION, GOOD)
+    registry.follow_cost_model(GOOD, registry.CHAMPION)
+    registry.set_alias(POLICY, registry.CHALLENGER, BAD)
+    registry.set_verdict(POLICY, BAD, registry.SLOWER, "measured 1.2x the best baseline")
+    assert main(["champion", "--set", BAD, "--reason", "incident 42"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"version {BAD}'s gate verdict is measurably_slower" in err[0] and "--force" in err[0]
+    assert main(["champion", "--set", BAD]) == 2 and "needs a reason" in capsys.readouterr().err
+    assert main(["champion", "--set", "99", "--reason", "x"]) == 2 and "has no version 99" in capsys.readouterr().err
+    assert int(registry.version_for_alias(POLICY, registry.CHAMPION).version) == int(GOOD)  # nothing moved
+
+    assert main(["champion", "--set", BAD, "--reason", "incident 42", "--force"]) == 0
+    out = capsys.readouterr().out
+    client = mlflow.MlflowClient()
+    cost_of_bad = client.get_model_version(POLICY, BAD).tags["cost_model_version"]
+    assert str(registry.version_for_alias(POLICY, registry.CHAMPION).version) == BAD
+    assert str(registry.version_for_alias(COST, registry.CHAMPION).version) == cost_of_bad
+    assert registry.version_for_alias(POLICY, registry.CHALLENGER) is None  # it was the challenger: dropped
+    assert "incident 42" in client.get_model_version(POLICY, BAD).tags[CHAMPION_SET_TAG]
+    assert f"version {GOOD} -> {BAD}" in out and "set champion by hand" in out and "measurably_slower" in out
+    assert main(["champion"]) == 0 and "training jobs load models:/embshard-policy@champion" in \
+        capsys.readouterr().out

@@ -224,6 +224,27 @@ def log_and_register(python_model, artifacts: dict[str, str], registered_name: s
             mlflow.end_run()
 
 
+def drop_challenger() -> None:
+    """Remove `challenger` from the policy and from the cost model that followed it."""
+    delete_alias(POLICY_MODEL, CHALLENGER)
+    delete_alias(COST_MODEL, CHALLENGER)
+
+
+def follow_cost_model(policy_version, alias: str) -> str | None:
+    """Give the cost model the policy version was trained against (its `cost_model_version` tag) the same alias:
+    `embshard-cost@champion` prices what `embshard-policy@champion` plans with. Returns that cost model version
+    (None: the policy names none in the registry, and the cost model's alias is left as it is)."""
+    import mlflow
+
+    mv = mlflow.MlflowClient().get_model_version(POLICY_MODEL, str(policy_version))
+    uri = mv.tags.get("cost_model_uri", "")
+    version = mv.tags.get("cost_model_version", "")
+    if version and uri.startswith(f"models:/{COST_MODEL}"):
+        set_alias(COST_MODEL, alias, version)
+        return str(version)
+    return None
+
+
 def set_alias(name: str, alias: str, version) -> None:
     import mlflow
 

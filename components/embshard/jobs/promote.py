@@ -269,8 +269,8 @@ def _record_aliases(candidate_version: str, verdict: str, reason: str) -> None:
     registry.set_verdict(POLICY, candidate_version, verdict, reason)
     if verdict == registry.PROMOTED:
         registry.set_alias(POLICY, registry.CHAMPION, candidate_version)
-        _follow_cost_model(candidate_version, registry.CHAMPION)
-        _drop_challenger()
+        registry.follow_cost_model(candidate_version, registry.CHAMPION)
+        registry.drop_challenger()
     elif verdict == registry.UNDECIDED:
         current = registry.version_for_alias(POLICY, registry.CHALLENGER)
         if current is not None and int(current.version) > int(candidate_version):
@@ -279,25 +279,10 @@ def _record_aliases(candidate_version: str, verdict: str, reason: str) -> None:
                      current.version)
             return
         registry.set_alias(POLICY, registry.CHALLENGER, candidate_version)
-        _follow_cost_model(candidate_version, registry.CHALLENGER)
+        registry.follow_cost_model(candidate_version, registry.CHALLENGER)
     else:
         current = registry.version_for_alias(POLICY, registry.CHALLENGER)
         if current is not None and str(current.version) == candidate_version:  # re-judged: no longer undecided
-            _drop_challenger()
+            registry.drop_challenger()
 
 
-def _drop_challenger() -> None:
-    """Remove `challenger` from the policy and from the cost model that followed it."""
-    registry.delete_alias(POLICY, registry.CHALLENGER)
-    registry.delete_alias(COST, registry.CHALLENGER)
-
-
-def _follow_cost_model(policy_version: str, alias: str) -> None:
-    """Give the cost model the policy was trained against the same alias."""
-    import mlflow
-
-    mv = mlflow.MlflowClient().get_model_version(POLICY, str(policy_version))
-    uri = mv.tags.get("cost_model_uri", "")
-    version = mv.tags.get("cost_model_version", "")
-    if version and uri.startswith(f"models:/{COST}"):
-        registry.set_alias(COST, alias, version)
