@@ -41,9 +41,9 @@ PARAMS = {key: Param(spec.default, description=spec.description, **params.form_s
 
 
 def end_mlflow_runs(context) -> None:
-    """A failed local task's MLflow runs that its stage could not end (killed hard) are marked KILLED; Airflow runs
-    this in the DAG processor for a task killed from outside. (A pod's stage ends what an earlier try of its task
-    left, when it is retried; a killed pod's run with no retry stays RUNNING.)"""
+    """A failed local task's MLflow runs that its stage could not end are marked KILLED (best effort: Airflow's
+    supervisor fails a SIGKILLed task without running callbacks, seen with 3.3.2; then the next stage that logs,
+    a retry or the next run's, ends them: registry.start_run)."""
     run = context["dag_run"]
     stages.end_failed_task_runs(MLFLOW_URI, DATA_ROOT, run.dag_id, run.run_id, context["ti"].task_id)
 

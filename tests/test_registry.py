@@ -156,16 +156,23 @@ def test_a_retry_and_a_failed_task_end_the_mlflow_runs_killed_tries_left_running
     exp = client.get_experiment_by_name("stale").experiment_id
     killed_try = _open_run(client, exp, "manual__1", "train_policy", "1")
     other_task = _open_run(client, exp, "manual__1", "train_cost_model", "1")
-    other_run = _open_run(client, exp, "manual__2", "train_policy", "1")
+    # An earlier Airflow run of the DAG under the same data root, its stage SIGKILLed (Airflow's supervisor fails
+    # such a task without running callbacks): runs go one at a time, so the next stage that logs ends it.
+    other_run = _open_run(client, exp, "manual__0", "train_policy", "1", root="/data/manual__0")
     # Another deployment on the same MLflow server: the same run id (scheduled ids repeat), another data root.
     elsewhere = _open_run(client, exp, "manual__1", "train_policy", "1", root="/other/deployment/r")
+    elsewhere_earlier = _open_run(client, exp, "manual__0", "train_policy", "1", root="/other/deployment/manual__0")
     for var, value in {"EMBSHARD_AIRFLOW_DAG_ID": "embshard_pipeline", "EMBSHARD_AIRFLOW_RUN_ID": "manual__1",
                        "EMBSHARD_AIRFLOW_TASK_ID": "train_policy", "EMBSHARD_AIRFLOW_TRY_NUMBER": "2",
                        "EMBSHARD_RUN_ROOT": "/data/manual__1"}.items():
         monkeypatch.setenv(var, value)
     with registry.start_run(run_name="retry") as retry:
-        status = {r: client.get_run(r).info.status for r in (killed_try, other_task, other_run, elsewhere)}
-        assert status == {killed_try: "KILLED", other_task: "RUNNING", other_run: "RUNNING", elsewhere: "RUNNING"}
+        status = {r: client.get_run(r).info.status for r in (killed_try, other_task, other_run, elsewhere,
+                                                              elsewhere_earlier)}
+        assert status == {killed_try: "KILLED", other_task: "RUNNING", other_run: "KILLED", elsewhere: "RUNNING",
+                          elsewhere_earlier: "RUNNING"}
+        assert "a later Airflow run of embshard_pipeline" in \
+            client.get_run(other_run).data.tags[registry.END_REASON_TAG]
         assert client.get_run(retry.info.run_id).info.status == "RUNNING"  # the retry's own run, and not ended
         assert "try 2 of its Airflow task started" in client.get_run(killed_try).data.tags[registry.END_REASON_TAG]
 
@@ -178,7 +185,8 @@ def test_a_retry_and_a_failed_task_end_the_mlflow_runs_killed_tries_left_running
     # Nothing open: nothing to end; a store that cannot be searched ends nothing and raises nothing.
     assert stages.end_failed_task_runs(mlflow_uri, "/data", "embshard_pipeline", "manual__1", "train_policy") == []
     assert client.get_run(elsewhere).info.status == "RUNNING"
-    assert registry.end_stale_runs("manual__2", reason="x") == [other_run]
+    assert registry.end_stale_runs("manual__1", other_runs=True, reason="x") == []  # no data root: none ended
+    assert set(registry.end_stale_runs("manual__1", reason="x")) == {elsewhere, other_task}  # unfiltered: all
     mlflow.set_tracking_uri("http://127.0.0.1:9")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     assert registry.end_stale_runs("manual__1", reason="x") == []

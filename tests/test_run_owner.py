@@ -119,6 +119,22 @@ def test_the_failure_summary_names_the_task_that_failed_first():
         "benchmark[0] failed first: disk full;")
 
 
+def test_a_failed_runs_summary_says_when_its_gate_had_already_moved_an_alias(tmp_path):
+    """A run killed during export_placements had promoted its candidate: the red run now says so (a training job
+    loading @champion already gets the new version)."""
+    import json
+
+    (tmp_path / "state").mkdir()
+    assert pipeline._moved_before_failing(str(tmp_path)) == ""
+    (tmp_path / "state" / "promotion.json").write_text(json.dumps({"candidate_version": "8", "verdict": "promoted",
+                                                                   "promoted": True}))
+    text = pipeline._moved_before_failing(str(tmp_path))
+    assert "its gate had already promoted version 8 to champion" in text and "embshard champion --set" in text
+    (tmp_path / "state" / "promotion.json").write_text(json.dumps({"candidate_version": "9", "verdict": "undecided",
+                                                                   "promoted": False}))
+    assert "version 9 the challenger" in pipeline._moved_before_failing(str(tmp_path))
+
+
 # --- a real pipeline killed outright ----------------------------------------------------------------------------
 HANGING = textwrap.dedent("""
     import sys, time

@@ -169,7 +169,7 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
               "log": log_path}
     if state != "success":
         summary = failure_summary(dag_run.get_task_instances(), stages.FAILURES[failures_before:])
-        raise EmbshardError(f"the DAG run ended {state} ({summary})", path=root,
+        raise EmbshardError(f"the DAG run ended {state} ({summary}){_moved_before_failing(root)}", path=root,
                             fix=f"see the first failure, then run again; the task logs are in {log_path}")
     for name in ("promotion", "export", "policy", "cost_model"):
         p = os.path.join(root, "state", f"{name}.json")
@@ -222,6 +222,23 @@ def _refuse_beside_a_scheduler(home: str, out: str, db: bool = False) -> None:
         raise EmbshardError(f"{what}; its scheduler would run this pipeline's tasks too", path=os.path.abspath(out),
                             fix="trigger the run from that Airflow's UI or REST API instead, or stop it (Ctrl-C "
                                 "in its terminal) first, or give another --out")
+
+
+def _moved_before_failing(root: str) -> str:
+    """What a failed run's gate had already done to the registry (its aliases stay: the gate's measurement holds
+    whatever failed after it, e.g. the export), so that a red run does not hide a new champion."""
+    try:
+        with open(os.path.join(root, "state", "promotion.json"), encoding="utf-8") as f:
+            decision = json.load(f)
+    except (OSError, ValueError):
+        return ""
+    version, verdict = decision.get("candidate_version"), decision.get("verdict")
+    if decision.get("promoted"):
+        return (f"; its gate had already promoted version {version} to champion (it stays: `embshard champion "
+                f"--set` rolls it back)")
+    if verdict == "undecided":
+        return f"; its gate had already made version {version} the challenger"
+    return ""
 
 
 def failure_summary(tis, failures: list[tuple[str, str]]) -> str:

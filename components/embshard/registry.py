@@ -123,19 +123,25 @@ class _DropMessage:
 
 
 def start_run(**kwargs):
-    """mlflow.start_run with the Airflow lineage tags of this process (dag, run, task, run root). A retry of an
-    Airflow task first ends what its earlier tries left RUNNING (end_stale_runs): Airflow runs one try at a
-    time, so those tries' processes were killed."""
+    """mlflow.start_run with the Airflow lineage tags of this process (dag, run, task, run root). Inside an Airflow
+    run it first ends what killed processes left RUNNING (end_stale_runs): earlier tries of its task (Airflow runs
+    one try at a time) and stages of the DAG's earlier runs under the same data root (its runs go one at a time,
+    so those are over). A task SIGKILLed under a scheduler is failed by Airflow's supervisor without running
+    callbacks (seen with Airflow 3.3.2's LocalExecutor), so its run is ended here, by the next stage that logs."""
     import mlflow
 
     from .run_context import mlflow_tags
 
     tags = mlflow_tags()
+    run_id, dag_id, root = tags.get("airflow.run_id"), tags.get("airflow.dag_id"), tags.get("embshard.run_root")
     try_number = tags.get("airflow.try_number", "")
-    if try_number.isdigit() and int(try_number) > 1 and "airflow.task_id" in tags:
-        end_stale_runs(tags["airflow.run_id"], tags["airflow.task_id"], other_try_than=try_number,
-                       dag_id=tags.get("airflow.dag_id"), run_root=tags.get("embshard.run_root"),
+    if try_number.isdigit() and int(try_number) > 1 and "airflow.task_id" in tags and run_id:
+        end_stale_runs(run_id, tags["airflow.task_id"], other_try_than=try_number, dag_id=dag_id, run_root=root,
                        reason=f"try {try_number} of its Airflow task started; this earlier try was killed")
+    if run_id and dag_id and root and "/" in root.rstrip("/"):
+        end_stale_runs(run_id, other_runs=True, dag_id=dag_id, data_root=root.rstrip("/").rsplit("/", 1)[0],
+                       reason=f"a later Airflow run of {dag_id} ({run_id}) started a stage: runs go one at a "
+                              "time, so the stage that opened this run was killed")
     return mlflow.start_run(tags={**tags, **kwargs.pop("tags", {})}, **kwargs)
 
 
@@ -143,10 +149,12 @@ END_REASON_TAG = "embshard.end_reason"
 
 
 def end_stale_runs(airflow_run_id: str, task_id: str | None = None, *, other_try_than: str | None = None,
-                   dag_id: str | None = None, run_root: str | None = None, reason: str) -> list[str]:
+                   dag_id: str | None = None, run_root: str | None = None, other_runs: bool = False,
+                   data_root: str | None = None, reason: str) -> list[str]:
     """Mark KILLED the MLflow runs still RUNNING that Airflow run `airflow_run_id` (of `dag_id`, working under
     `run_root`: scheduled run ids repeat across deployments sharing one MLflow server; its task `task_id`; tries
-    other than `other_try_than`) started, with `reason` in their END_REASON_TAG. A stage's process killed hard
+    other than `other_try_than`) started, with `reason` in their END_REASON_TAG. `other_runs`: those of the other
+    Airflow runs instead, whose run roots lie under `data_root` (this deployment's). A stage's process killed hard
     (SIGKILL, out of memory, a lost pod) cannot end its own run, which then read as running in the MLflow UI for
     good. Returns the MLflow run ids ended. Best effort: a store that cannot be searched ends nothing (a log
     line)."""
@@ -155,13 +163,18 @@ def end_stale_runs(airflow_run_id: str, task_id: str | None = None, *, other_try
     def quoted(value: str) -> str:
         return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
-    where = ["attributes.status = 'RUNNING'", f"tags.`airflow.run_id` = {quoted(airflow_run_id)}"]
+    where = ["attributes.status = 'RUNNING'",
+             f"tags.`airflow.run_id` {'!=' if other_runs else '='} {quoted(airflow_run_id)}"]
+    if data_root is not None:
+        where.append(f"tags.`embshard.run_root` LIKE {quoted(data_root.rstrip('/') + '/%')}")
     for tag, value in (("airflow.dag_id", dag_id), ("embshard.run_root", run_root), ("airflow.task_id", task_id)):
         if value is not None:
             where.append(f"tags.`{tag}` = {quoted(value)}")
     if other_try_than is not None:
         where.append(f"tags.`airflow.try_number` != {quoted(other_try_than)}")
-    ended = []
+    ended: list[str] = []
+    if other_runs and data_root is None:
+        return ended  # other deployments' runs are not ours to end
     try:
         client = mlflow.MlflowClient()
         experiments = [e.experiment_id for e in client.search_experiments()]

@@ -490,8 +490,9 @@ def run_in_task(name: str, data_root: str, mlflow_uri: str, params: dict, *, run
 def end_failed_task_runs(mlflow_uri: str, data_root: str, dag_id: str, run_id: str, task_id: str) -> list[str]:
     """What a failed task of the local runner leaves behind in MLflow, ended (its on_failure_callback): the runs
     its stage left RUNNING are marked KILLED (registry.end_stale_runs). A stage that raises ends its own run as
-    FAILED; one killed hard (SIGKILL, out of memory) cannot, and Airflow runs this callback for it in the DAG
-    processor. Returns the MLflow run ids ended."""
+    FAILED; one killed hard (SIGKILL, out of memory) cannot. Best effort: Airflow's supervisor fails a SIGKILLed
+    task without running callbacks (3.3.2's LocalExecutor), and then the next stage that logs to MLflow, a retry
+    or the next run's, ends it (registry.start_run). Returns the MLflow run ids ended."""
     import mlflow
 
     from . import registry
