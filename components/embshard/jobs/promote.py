@@ -252,7 +252,8 @@ def record_verdict(candidate_version: str, verdict: str, reason: str, judged: bo
         made_by = mv.tags.get("airflow.run_id")
         if run_id and made_by and made_by != run_id:
             registry.set_verdict(POLICY, mv.version, registry.FAILED_RUN,
-                                 f"its Airflow run {made_by} ended before the promotion gate (seen by run {run_id})")
+                                 f"its Airflow run {made_by} failed before its promotion gate judged it (seen by "
+                                 f"run {run_id})")
             failed.append(str(mv.version))
         elif root and mv.tags.get("embshard.run_root") == root and (made_by == run_id or not run_id):
             # the same run registered it before a stage was run again, or (a gate run by hand, outside Airflow)
