@@ -81,10 +81,27 @@ def _batch(rank: int):
                                                lengths=torch.tensor(lengths, dtype=torch.int32))
 
 
+def _load_reference_weights(model, reference) -> None:
+    """Each rank's pieces of the unsharded reference's weights into the sharded model (the same weights on every
+    rank, so the sharded lookups can be compared with the reference's)."""
+    import torch
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    full = reference.state_dict()
+    with torch.no_grad():
+        for name, local in model.state_dict().items():
+            glob = full[name.removeprefix("module.")]
+            if isinstance(local, ShardedTensor):
+                for shard in local.local_shards():
+                    (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                    shard.tensor.copy_(glob[r0:r0 + nr, c0:c0 + nc])
+            else:
+                local.copy_(glob)
+
+
 def _worker(rank: int, plan_path: str, port: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
@@ -104,16 +121,7 @@ def _worker(rank: int, plan_path: str, port: int, out_dir: str) -> None:
         plan = plan_from_json(plan_path, tables=tables, world_size=WORLD)
         model = DistributedModelParallel(build_module(tables, device="meta"), device=torch.device("cpu"), plan=plan,
                                          sharders=[EmbeddingBagCollectionSharder()], init_data_parallel=False)
-        full = reference.state_dict()
-        with torch.no_grad():  # each rank's pieces of the reference weights
-            for name, local in model.state_dict().items():
-                glob = full[name.removeprefix("module.")]
-                if isinstance(local, ShardedTensor):
-                    for shard in local.local_shards():
-                        (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                        shard.tensor.copy_(glob[r0:r0 + nr, c0:c0 + nc])
-                else:
-                    local.copy_(glob)
+        _load_reference_weights(model, reference)
         kjt = _batch(rank)
         got = model(kjt)
         got = got.wait() if hasattr(got, "wait") else got
@@ -217,7 +225,6 @@ def _split_batch(kjt):
 def _two_ebc_worker(rank: int, plan_path: str, port: int, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
@@ -240,16 +247,7 @@ def _two_ebc_worker(rank: int, plan_path: str, port: int, out_dir: str) -> None:
         plan = plan_from_json(plan_path, module=meta)
         model = DistributedModelParallel(meta, device=torch.device("cpu"), plan=plan,
                                          sharders=[EmbeddingBagCollectionSharder()], init_data_parallel=False)
-        full = reference.state_dict()
-        with torch.no_grad():
-            for name, local in model.state_dict().items():
-                glob = full[name.removeprefix("module.")]
-                if isinstance(local, ShardedTensor):
-                    for shard in local.local_shards():
-                        (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                        shard.tensor.copy_(glob[r0:r0 + nr, c0:c0 + nc])
-                else:
-                    local.copy_(glob)
+        _load_reference_weights(model, reference)
         kjt, wkjt = _split_batch(_batch(rank))
         got = [g.wait() if hasattr(g, "wait") else g for g in model(kjt, wkjt)]
         want = reference(kjt, wkjt)
