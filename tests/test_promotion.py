@@ -391,7 +391,11 @@ def test_the_registry_records_each_verdict_and_challenger_only_follows_undecided
         registry.set_verdict(POLICY, v, registry.PENDING)
     client.set_model_version_tag(POLICY, BAD, "airflow.run_id", "manual__earlier")
     monkeypatch.setenv("EMBSHARD_AIRFLOW_RUN_ID", "manual__now")
+    registry.set_alias(POLICY, "champion", GOOD_TOO)
     assert record_verdict(GOOD, "promoted", "faster") == [BAD]
+    # the champion it replaced keeps its verdict and says since when it is no longer champion
+    assert f"champion until version {GOOD} was promoted" in client.get_model_version(POLICY, GOOD_TOO).tags[
+        "replaced_by"]
     assert verdict_tag(BAD) == "failed_run" and "manual__earlier" in \
         client.get_model_version(POLICY, BAD).tags[registry.VERDICT_REASON_TAG]
     assert verdict_tag(GOOD_TOO) == "pending" and verdict_tag(GOOD) == "promoted"
@@ -528,6 +532,8 @@ def test_a_champion_set_by_hand_moves_both_aliases_says_why_and_needs_force_for_
     assert str(registry.version_for_alias(COST, registry.CHAMPION).version) == cost_of_bad
     assert registry.version_for_alias(POLICY, registry.CHALLENGER) is None  # it was the challenger: dropped
     assert "incident 42" in client.get_model_version(POLICY, BAD).tags[CHAMPION_SET_TAG]
+    assert f"champion until version {BAD} was set by hand" in client.get_model_version(POLICY, GOOD).tags[
+        "replaced_by"]
     assert f"version {GOOD} -> {BAD}" in out and "set champion by hand" in out and "measurably_slower" in out
     assert main(["champion"]) == 0 and "training jobs load models:/embshard-policy@champion" in \
         capsys.readouterr().out

@@ -258,6 +258,12 @@ def follow_cost_model(policy_version, alias: str) -> str | None:
     return None
 
 
+def tag_version(name: str, version, key: str, value: str) -> None:
+    import mlflow
+
+    mlflow.MlflowClient().set_model_version_tag(name, str(version), key, str(value)[:500])
+
+
 def set_alias(name: str, alias: str, version) -> None:
     import mlflow
 
@@ -285,6 +291,7 @@ def set_verdict(name: str, version, verdict: str, reason: str = "") -> None:
 
 # The gate's check of the champion it measured beside the candidate (jobs.promote.record_champion_health).
 HEALTH_TAG, HEALTH_REASON_TAG = "health", "health_reason"
+REPLACED_TAG = "replaced_by"  # on a champion replaced by the gate or by hand: by which version, and when
 HEALTH_OK, HEALTH_REGRESSED = "ok", "regressed"
 
 

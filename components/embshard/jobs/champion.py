@@ -20,6 +20,7 @@ from ..errors import EmbshardError, ModelNotFoundError
 
 POLICY, COST = registry.POLICY_MODEL, registry.COST_MODEL
 CHAMPION_SET_TAG = "champion_set_by"  # "<user>@<host> <UTC time>: <reason>" on a version made champion by hand
+REPLACED_TAG = registry.REPLACED_TAG  # on the champion it replaced (the gate writes the same tag)
 # Gate verdicts that a champion set by hand must override knowingly (--force).
 NEEDS_FORCE = (registry.SLOWER, registry.INFEASIBLE, registry.FAILED_RUN)
 
@@ -90,6 +91,7 @@ def set_champion(version, reason: str, *, force: bool = False) -> str | None:
         if missing:
             raise ModelNotFoundError(f"version {version} is registered but its files are missing ({missing[0]})",
                                      path=uri, field="set", fix="choose a version whose files are there")
+    before = registry.version_for_alias(POLICY, registry.CHAMPION)
     registry.set_alias(POLICY, registry.CHAMPION, version)
     cost = registry.follow_cost_model(version, registry.CHAMPION)
     challenger = registry.version_for_alias(POLICY, registry.CHALLENGER)
@@ -98,6 +100,9 @@ def set_champion(version, reason: str, *, force: bool = False) -> str | None:
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     who = f"{getpass.getuser()}@{socket.gethostname()} {stamp}: {reason.strip()}"
     client.set_model_version_tag(POLICY, version, CHAMPION_SET_TAG, who[:500])
+    if before is not None and str(before.version) != version:
+        registry.tag_version(POLICY, before.version, REPLACED_TAG, f"champion until version {version} was set by "
+                                                                  f"hand ({who})")
     return cost
 
 
@@ -123,8 +128,10 @@ def versions_table() -> str:
     for mv in sorted(found, key=lambda m: -int(m.version)):
         t = mv.tags
         made = t.get("airflow.run_id") or "a command-line run"
-        note = (f"set champion by hand: {t[CHAMPION_SET_TAG]}" if CHAMPION_SET_TAG in t and
-                registry.CHAMPION in aliases.get(str(mv.version), []) else t.get(registry.VERDICT_REASON_TAG, ""))
+        champion_now = registry.CHAMPION in aliases.get(str(mv.version), [])
+        note = (f"set champion by hand: {t[CHAMPION_SET_TAG]}" if CHAMPION_SET_TAG in t and champion_now else
+                t[REPLACED_TAG] if REPLACED_TAG in t and not champion_now else
+                t.get(registry.VERDICT_REASON_TAG, ""))
         lines.append(f"{mv.version:>7}  {','.join(aliases.get(str(mv.version), [])) or '-':<19} "
                      f"{t.get(registry.VERDICT_TAG, '-'):<18} {t.get(registry.HEALTH_TAG, '-'):<9} "
                      f"{t.get('cost_model_version', '-'):>5}  {made[:44]:<44} {note[:110]}")
