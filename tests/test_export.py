@@ -1240,3 +1240,15 @@ def test_a_hand_edit_that_overfills_a_device_is_told_so_first(placement, tmp_pat
     with pytest.raises(EmbshardError, match=f"field 'devices.{fullest}.memory_bytes': device {fullest} holds .* "
                                             "over its"):
         validate_plan(plan, "edited.json")
+
+
+@needs_torchrec
+def test_a_plan_passed_as_a_dict_is_named_by_where(placement):
+    """Rank 0 reads the file and broadcasts the dict: its errors can name that file (they said '<torchrec plan>')."""
+    from embshard.export.torchrec_plan import plan_from_json, plan_to_json, to_torchrec_plan
+
+    doc = plan_to_json(to_torchrec_plan(placement), world_size=D)
+    with pytest.raises(EmbshardError, match=r"^plans/task-a/torchrec_plan.json: field 'world_size'"):
+        plan_from_json(doc, world_size=D + 1, where="plans/task-a/torchrec_plan.json")
+    with pytest.raises(EmbshardError, match=r"^<torchrec plan>: field 'world_size'"):
+        plan_from_json(doc, world_size=D + 1)

@@ -674,8 +674,10 @@ def _check_row_blocks(f: str, kind: str, placed, rows: int, bad, world: int | No
                   "shard it table_row_wise over one host, or over all ranks; re-export with embshard export")
 
 
-def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size: int | None = None, module=None):
+def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size: int | None = None, module=None,
+                   where: str | None = None):
     """Rebuild the torchrec ShardingPlan from `plan_to_json` output (a dict, or a path to the JSON file).
+    `where` names a dict in errors (e.g. the file rank 0 read it from before broadcasting it).
 
     The plan is checked first (`check_plan_doc`): a training job gets one EmbshardError naming the file and the
     field, before it builds a process group, instead of a wrong or failing sharding. Give `tables`
@@ -709,7 +711,7 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
             raise EmbshardError(f"not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})", path=where,
                                 field="json", fix=_PLAN_FIX) from None
     else:
-        where, doc = "<torchrec plan>", data
+        where, doc = where or "<torchrec plan>", data
     if world_size is None:
         world_size = _job_world_size()
     if module is not None and isinstance(doc, Mapping):
