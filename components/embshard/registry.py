@@ -163,6 +163,9 @@ def end_stale_runs(airflow_run_id: str, task_id: str | None = None, *, other_try
     def quoted(value: str) -> str:
         return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
+    ended: list[str] = []
+    if other_runs and data_root is None:
+        return ended  # other deployments' runs are not ours to end
     where = ["attributes.status = 'RUNNING'",
              f"tags.`airflow.run_id` {'!=' if other_runs else '='} {quoted(airflow_run_id)}"]
     if data_root is not None:
@@ -172,9 +175,6 @@ def end_stale_runs(airflow_run_id: str, task_id: str | None = None, *, other_try
             where.append(f"tags.`{tag}` = {quoted(value)}")
     if other_try_than is not None:
         where.append(f"tags.`airflow.try_number` != {quoted(other_try_than)}")
-    ended: list[str] = []
-    if other_runs and data_root is None:
-        return ended  # other deployments' runs are not ours to end
     try:
         client = mlflow.MlflowClient()
         experiments = [e.experiment_id for e in client.search_experiments()]
@@ -258,10 +258,20 @@ def follow_cost_model(policy_version, alias: str) -> str | None:
     return None
 
 
-def tag_version(name: str, version, key: str, value: str) -> None:
+def utc_now() -> str:
+    """The time a registry tag records (ISO-8601 UTC, seconds)."""
+    import datetime
+
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def mark_replaced(version, by: str) -> None:
+    """Tag a former `embshard-policy` champion with what replaced it (`by`) and when (REPLACED_TAG); its verdict
+    stays (it was promoted, then)."""
     import mlflow
 
-    mlflow.MlflowClient().set_model_version_tag(name, str(version), key, str(value)[:500])
+    mlflow.MlflowClient().set_model_version_tag(POLICY_MODEL, str(version), REPLACED_TAG,
+                                                f"champion until {by}, {utc_now()}"[:500])
 
 
 def set_alias(name: str, alias: str, version) -> None:
@@ -465,7 +475,7 @@ def _from_sqlite(uri: str, read):
     store = _store_uri()
     if not store.startswith("sqlite:///"):
         return False, None
-    if _no_store_error(uri, store) is not None:
+    if no_store_error(uri, store) is not None:
         return True, None
     try:
         with _read_only(store) as db:
@@ -498,7 +508,7 @@ def _store_uri() -> str:
     return os.environ.get("MLFLOW_REGISTRY_URI") or tracking_uri()
 
 
-def _no_store_error(uri: str, store: str) -> ModelNotFoundError | None:
+def no_store_error(uri: str, store: str) -> ModelNotFoundError | None:
     """A missing local store is "no model", not a reason to create an empty mlflow.db where the command runs:
     a command writes nothing outside its --out."""
     db = store[len("sqlite:///"):] if store.startswith("sqlite:///") else None
@@ -527,7 +537,7 @@ def local_artifacts(uri: str) -> dict[str, str] | None:
     store = _store_uri()
     if not store.startswith("sqlite:///"):
         return None
-    if _no_store_error(uri, store) is not None:
+    if no_store_error(uri, store) is not None:
         return None  # MLflow's path raises it (one wording of the error)
     ref = uri[len("models:/"):]
     name, alias = ref.split("@", 1) if "@" in ref else (ref.rsplit("/", 1)[0], None)
@@ -596,7 +606,7 @@ def load_python_model(uri: str):
 
     if uri.startswith(("models:/", "runs:/")):
         store = mlflow.get_registry_uri() if uri.startswith("models:/") else mlflow.get_tracking_uri()
-        if (missing := _no_store_error(uri, store)) is not None:
+        if (missing := no_store_error(uri, store)) is not None:
             raise missing
         check_server(store)
     try:

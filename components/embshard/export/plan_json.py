@@ -236,6 +236,9 @@ def read_plan_json(path: str | os.PathLike) -> dict:
 
 def validate_plan(plan: Any, where: str = "<plan.json>") -> None:
     """Check `plan` against the JSON Schema and the consistency rules; raise EmbshardError naming the field."""
+    if isinstance(plan, Mapping) and str(plan.get("schema", "")).startswith("embshard.torchrec_plan/"):
+        raise EmbshardError("a TorchRec plan, not a plan.json", path=where, field="schema",
+                            fix="give the plan.json beside it (export writes the TorchRec plans from it)")
     if isinstance(plan, Mapping) and plan.get("schema") not in ESTIMATE_KEY:
         raise EmbshardError(f"schema {plan.get('schema')!r} is not {SCHEMA_VERSION!r}", path=where, field="schema",
                             fix="re-export the plan with this embshard version")
@@ -473,6 +476,14 @@ def json_safe(value: Any) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+def changed_pooling(plan: Mapping, tables: TableSet) -> list[tuple[str, float, float]]:
+    """(table, pooling in the plan, pooling in `tables`) of each table whose lookups per sample are not what the
+    plan was made for; `tables` holds the plan's tables in its order (placement_from_plan's)."""
+    return [(str(t["table_id"]), float(t["pooling_factor"]), float(p))
+            for t, p in zip(plan["tables"], tables.pooling_factor)
+            if not math.isclose(float(t["pooling_factor"]), float(p), rel_tol=1e-9)]
 
 
 def placement_from_plan(plan: Mapping, tables: TableSet, where: str | None = None) -> Placement:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 
 import pandas as pd
@@ -32,8 +31,9 @@ def _warn_if_other_traffic(doc: dict, tables: TableSet, path: str) -> None:
     """One warning when a table's pooling (lookups per sample) is not the one the plan.json was made for: the plan
     is still measured on the tables given (how does our old layout do on today's traffic?), but it was balanced for
     other traffic, and `export` refuses it for that."""
-    changed = [(t["table_id"], float(t["pooling_factor"]), float(p)) for t, p in zip(doc["tables"],
-               tables.pooling_factor) if not math.isclose(float(t["pooling_factor"]), float(p), rel_tol=1e-9)]
+    from .plan_json import changed_pooling
+
+    changed = changed_pooling(doc, tables)
     if changed:
         name, was, now = changed[0]
         more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""

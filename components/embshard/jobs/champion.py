@@ -11,8 +11,8 @@ whatever is champion then.
 from __future__ import annotations
 
 import argparse
-import datetime
 import getpass
+import os
 import socket
 
 from .. import registry
@@ -20,7 +20,6 @@ from ..errors import EmbshardError, ModelNotFoundError
 
 POLICY, COST = registry.POLICY_MODEL, registry.COST_MODEL
 CHAMPION_SET_TAG = "champion_set_by"  # "<user>@<host> <UTC time>: <reason>" on a version made champion by hand
-REPLACED_TAG = registry.REPLACED_TAG  # on the champion it replaced (the gate writes the same tag)
 # Gate verdicts that a champion set by hand must override knowingly (--force).
 NEEDS_FORCE = (registry.SLOWER, registry.INFEASIBLE, registry.FAILED_RUN)
 
@@ -37,14 +36,10 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    import os
-
     store = registry.tracking_uri()
-    db = store[len("sqlite:///"):] if store.startswith("sqlite:///") else None
-    if db is not None and not os.path.exists(db):  # nothing is created where the command runs
-        raise ModelNotFoundError(f"there is no MLflow store at {db}", path=db, field="MLFLOW_TRACKING_URI",
-                                 fix="set MLFLOW_TRACKING_URI to the store the pipeline registers in (e.g. "
-                                     "sqlite:///runs/local/mlflow.db)")
+    missing = registry.no_store_error(registry.POLICY_CHAMPION_URI, store)  # nothing is created where it runs
+    if missing is not None:
+        raise missing
     registry.connect()
     registry.check_server(store)
     if args.version is None:
@@ -53,17 +48,17 @@ def main(args: argparse.Namespace) -> int:
     if not (args.reason or "").strip():
         raise EmbshardError("a champion set by hand needs a reason", field="reason",
                             fix='give --reason "..." (recorded on the version, e.g. the incident it answers)')
-    before = registry.version_for_alias(POLICY, registry.CHAMPION)
-    cost = set_champion(args.version, args.reason, force=args.force)
-    print(f"embshard-policy@champion: version {before.version if before is not None else '(none)'} -> "
-          f"{args.version}; embshard-cost@champion -> {cost or '(unchanged: the version names no cost model)'}")
+    before, cost = set_champion(args.version, args.reason, force=args.force)
+    print(f"embshard-policy@champion: version {before or '(none)'} -> {args.version}; embshard-cost@champion -> "
+          f"{cost or '(unchanged: the version names no cost model)'}")
     print(versions_table())
     return 0
 
 
-def set_champion(version, reason: str, *, force: bool = False) -> str | None:
-    """Make policy `version` the champion by hand (module docstring); returns the cost model version that
-    followed. One-line errors: no such version, its files gone, or a verdict that needs `force`."""
+def set_champion(version, reason: str, *, force: bool = False) -> tuple[str | None, str | None]:
+    """Make policy `version` the champion by hand (module docstring); returns (the champion it replaced, the cost
+    model version that followed), None where there is none. One-line errors: no such version, its files gone, or
+    a verdict that needs `force`."""
     import mlflow
     from mlflow.exceptions import MlflowException
 
@@ -85,8 +80,6 @@ def set_champion(version, reason: str, *, force: bool = False) -> str | None:
     uri = f"models:/{POLICY}/{version}"
     files = registry.local_artifacts(uri)
     if files is not None:  # a local store: the files a training job will load must be there
-        import os
-
         missing = [p for p in files.values() if not os.path.exists(p)]
         if missing:
             raise ModelNotFoundError(f"version {version} is registered but its files are missing ({missing[0]})",
@@ -97,13 +90,12 @@ def set_champion(version, reason: str, *, force: bool = False) -> str | None:
     challenger = registry.version_for_alias(POLICY, registry.CHALLENGER)
     if challenger is not None and str(challenger.version) == version:
         registry.drop_challenger()
-    stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    who = f"{getpass.getuser()}@{socket.gethostname()} {stamp}: {reason.strip()}"
-    client.set_model_version_tag(POLICY, version, CHAMPION_SET_TAG, who[:500])
+    who = f"{getpass.getuser()}@{socket.gethostname()}"
+    client.set_model_version_tag(POLICY, version, CHAMPION_SET_TAG,
+                                 f"{who} {registry.utc_now()}: {reason.strip()}"[:500])
     if before is not None and str(before.version) != version:
-        registry.tag_version(POLICY, before.version, REPLACED_TAG, f"champion until version {version} was set by "
-                                                                  f"hand ({who})")
-    return cost
+        registry.mark_replaced(before.version, f"version {version} was set by hand by {who}: {reason.strip()}")
+    return (None if before is None else str(before.version)), cost
 
 
 def versions_table() -> str:
@@ -130,7 +122,7 @@ def versions_table() -> str:
         made = t.get("airflow.run_id") or "a command-line run"
         champion_now = registry.CHAMPION in aliases.get(str(mv.version), [])
         note = (f"set champion by hand: {t[CHAMPION_SET_TAG]}" if CHAMPION_SET_TAG in t and champion_now else
-                t[REPLACED_TAG] if REPLACED_TAG in t and not champion_now else
+                t[registry.REPLACED_TAG] if registry.REPLACED_TAG in t and not champion_now else
                 t.get(registry.VERDICT_REASON_TAG, ""))
         lines.append(f"{mv.version:>7}  {','.join(aliases.get(str(mv.version), [])) or '-':<19} "
                      f"{t.get(registry.VERDICT_TAG, '-'):<18} {t.get(registry.HEALTH_TAG, '-'):<9} "

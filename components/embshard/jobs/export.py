@@ -210,31 +210,19 @@ def _plan_json_rows(path: str, tables):
     """The placements rows of one plan.json (ours, edited by hand or written by another tool), checked against
     its schema and `tables`, so that it exports like a placements.parquet. Its predicted costs are not carried:
     after a hand edit they no longer hold (`embshard evaluate --plan` measures the plan)."""
-    import json
-
-    import numpy as np
-
-    from .. import storage
     from ..errors import EmbshardError
-    from ..export.plan_json import placement_from_plan, read_plan_json
+    from ..export.plan_json import changed_pooling, placement_from_plan, read_plan_json
 
-    try:
-        schema = str(json.loads(storage.read_text(path)).get("schema", ""))
-    except (OSError, ValueError, AttributeError):
-        schema = ""  # read_plan_json says what is wrong with it
-    if schema.startswith("embshard.torchrec_plan/"):
-        raise EmbshardError("a TorchRec plan, not a plan.json", path=path, field="placements",
-                            fix="give the plan.json beside it (export writes the TorchRec plans from it)")
     plan = read_plan_json(path)
     placement = placement_from_plan(plan, tables, where=path)
     # As a placements.parquet's table_sha256 does: a plan made for other traffic is refused (plan.json records each
     # table's pooling; its rows, dim and element size placement_from_plan checks).
-    for t, pooling in zip(plan["tables"], placement.tables.pooling_factor):
-        if not np.isclose(float(t["pooling_factor"]), float(pooling), rtol=1e-9, atol=0.0):
-            raise EmbshardError(f"table {t['table_id']} changed since the plan was made (pooling_factor "
-                                f"{t['pooling_factor']:g} in the plan, {float(pooling):g} in the tables given)",
-                                path=path, field="pooling_factor", fix="pass the tables the plan was made from, "
-                                "or plan again with these tables")
+    changed = changed_pooling(plan, placement.tables)
+    if changed:
+        name, was, now = changed[0]
+        raise EmbshardError(f"table {name} changed since the plan was made (pooling_factor {was:g} in the plan, "
+                            f"{now:g} in the tables given)", path=path, field="pooling_factor",
+                            fix="pass the tables the plan was made from, or plan again with these tables")
     return placement.to_frame()
 
 

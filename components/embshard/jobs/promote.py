@@ -265,12 +265,6 @@ def record_verdict(candidate_version: str, verdict: str, reason: str, judged: bo
     return failed
 
 
-def _now() -> str:
-    import datetime
-
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-
-
 def _record_aliases(candidate_version: str, verdict: str, reason: str) -> None:
     """The candidate's verdict tag, and the aliases that follow from it (record_verdict)."""
     registry.set_verdict(POLICY, candidate_version, verdict, reason)
@@ -278,9 +272,7 @@ def _record_aliases(candidate_version: str, verdict: str, reason: str) -> None:
         before = registry.version_for_alias(POLICY, registry.CHAMPION)
         registry.set_alias(POLICY, registry.CHAMPION, candidate_version)
         if before is not None and str(before.version) != candidate_version:
-            # its `promoted` verdict stays (it was, then): this says since when it is no longer champion
-            registry.tag_version(POLICY, before.version, registry.REPLACED_TAG, f"champion until version "
-                                 f"{candidate_version} was promoted {_now()}")
+            registry.mark_replaced(before.version, f"version {candidate_version} was promoted")
         registry.follow_cost_model(candidate_version, registry.CHAMPION)
         registry.drop_challenger()
     elif verdict == registry.UNDECIDED:
