@@ -106,7 +106,7 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
         sizes = np.array([size[i] for i in r["table_ids"]], dtype=np.int64)
         need.append(-(-int(sizes.sum()) // r["num_devices"]))
     over = [i for i, r in enumerate(rows) if need[i] > r["memory_bytes_per_device"]
-            or not _packs_cut(tables_df, r)]
+            or not _packs_cut(tables_df, r, size)]
     if over:
         i = over[0]
         r = rows[i]
@@ -129,17 +129,18 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
     return schemas.validate(df, "tasks", where)
 
 
-def _packs_cut(tables_df, task: dict) -> bool:
+def _packs_cut(tables_df, task: dict, size: dict) -> bool:
     """Whether a task whose bytes fit its devices also packs: whole where every table fits a device (the planners
-    spread them), else with the cuts the planners make (planners.splitting.split_to_fit)."""
+    spread them; told from `size`, table -> bytes, without touching the frame: up to 20,000 tasks are checked),
+    else with the cuts the planners make (planners.splitting.split_to_fit)."""
+    if max(size[t] for t in task["table_ids"]) <= task["memory_bytes_per_device"]:
+        return True
     from ..errors import InfeasiblePlacementError
     from ..planners.splitting import split_to_fit
     from ..tableset import TableSet
     from ..types import DeviceTopology
 
     sub = tables_df[tables_df["table_id"].astype(str).isin(task["table_ids"])]
-    if int(sub["size_bytes"].max()) <= task["memory_bytes_per_device"]:
-        return True
     try:
         split_to_fit(TableSet.from_frame(sub), DeviceTopology(task["num_devices"], task["memory_bytes_per_device"]),
                      task["task_id"])
