@@ -192,13 +192,15 @@ class TraceFile:
         else:
             assert self._lengths is not None  # no layout: _index found no offsets, so the lengths are there
             lengths = self._lengths[t].astype(np.int64)
+        # Offsets that go backwards are named before any comparison with the lengths: they are what is wrong.
+        if lengths.size and lengths.min() < 0:
+            where = "offsets decrease" if self._layout is not None else "negative bag length"
+            raise EmbshardError(f"{where} in table {t} (sample {int(np.argmax(lengths < 0))})", path=self.path,
+                                field="offsets" if self._layout is not None else "lengths", fix=_FIX_FORMAT)
         if (self._lengths is not None and self._layout is not None
                 and not np.array_equal(lengths, self._lengths[t])):
             raise EmbshardError(f"lengths of table {t} disagree with its offsets", path=self.path,
                                 field="lengths", fix=_FIX_FORMAT)
-        if lengths.size and lengths.min() < 0:
-            raise EmbshardError(f"negative bag length in table {t}", path=self.path, field="offsets",
-                                fix=_FIX_FORMAT)
         view = self._indices[lo:hi]
         indices = view.astype(np.int64, copy=True)
         if self._release_ok:
@@ -443,6 +445,20 @@ def _warn_suspicious(path: str, ids: list[str], rows: np.ndarray, sparse_ids: np
                     "lengths, or drop the table)", path, named(no_lookups))
 
 
+def _warn_batch(path: str, batch: int) -> None:
+    """The access bins are defined on a batch of BINS_BATCH_SIZE samples (docs/method.md); a trace's are counted on
+    its own batch, and an id's count grows with the batch, so a smaller batch makes its tables read colder (a user
+    measured 1.0-3.8x fewer lookups per unique id at 8,192 samples than at 65,536 of the same tables)."""
+    from .synthetic import BINS_BATCH_SIZE
+
+    if batch != BINS_BATCH_SIZE:
+        log.warning("%s: the access bins are counted on the trace's batch of %s samples, but the features (and the "
+                    "cost model trained on them) assume %s: ids repeat %s often in it, so its tables read %s than "
+                    "they are (fix: give a trace of %s-sample batches)", path, f"{batch:,}", f"{BINS_BATCH_SIZE:,}",
+                    "less" if batch < BINS_BATCH_SIZE else "more", "colder" if batch < BINS_BATCH_SIZE else "hotter",
+                    f"{BINS_BATCH_SIZE:,}")
+
+
 def tables_from_trace(path: str, options: TraceOptions | None = None, *, rows: np.ndarray | None = None,
                       dims: np.ndarray | None = None, table_ids: list[str] | None = None,
                       source: str | None = None, progress: bool = True) -> pd.DataFrame:
@@ -474,6 +490,7 @@ def tables_from_trace(path: str, options: TraceOptions | None = None, *, rows: n
         sparse_ids = np.zeros(T, dtype=bool)  # rows from the largest id, far beyond the ids seen: raw ids?
         no_lookups = np.zeros(T, dtype=bool)
         bins = np.empty((T, schemas.NUM_BINS))
+        too_small: list[str] = []  # tables whose --rows-file hash size is below an index they use
         if rows is not None:
             over = [t for t in range(T) if int(rows[t]) * int(dims[t]) * bpe >= checks.MAX_TABLE_BYTES]
             if over:
@@ -486,10 +503,8 @@ def tables_from_trace(path: str, options: TraceOptions | None = None, *, rows: n
             top = int(idx.max()) + 1 if idx.size else 1
             if rows is not None:
                 out_rows[t] = int(rows[t])
-                if top > out_rows[t]:
-                    raise EmbshardError(f"table {t} uses index {top - 1} but has {out_rows[t]} rows",
-                                        path=opt.rows_file or path, field="rows",
-                                        fix="give hash sizes larger than every index, or omit --rows-file")
+                if top > out_rows[t]:  # every such table is named at the end, not one per run
+                    too_small.append(f"table {t} uses index {top - 1:,} but has {int(out_rows[t]):,} rows")
             else:
                 n = top
                 if n * int(dims[t]) * bpe >= checks.MAX_TABLE_BYTES:  # Python ints: never wraps around
@@ -504,8 +519,14 @@ def tables_from_trace(path: str, options: TraceOptions | None = None, *, rows: n
             no_lookups[t] = idx.size == 0
             bins[t] = table_bins(idx, int(out_rows[t]))
             del idx, lengths
+        if too_small:
+            more = f" (and {len(too_small) - 3} more tables)" if len(too_small) > 3 else ""
+            raise EmbshardError("; ".join(too_small[:3]) + more, path=opt.rows_file or path, field="rows",
+                                fix="give hash sizes larger than every index, or omit --rows-file")
         batch = trace.batch_size
     _warn_suspicious(path, ids, out_rows, sparse_ids, no_lookups)
+    if source is None:  # a user's trace (the synthetic source chooses its traces' batch itself)
+        _warn_batch(path, batch)
     df = pd.DataFrame({"table_id": ids, "rows": out_rows, "dim": np.asarray(dims, dtype=np.int64),
                        "pooling_factor": pooling, "bytes_per_element": bpe})
     df["size_bytes"] = df["rows"] * df["dim"] * bpe
@@ -513,7 +534,7 @@ def tables_from_trace(path: str, options: TraceOptions | None = None, *, rows: n
         df[c] = bins[:, k]
     if source is None:
         dim_desc = f"mixed(seed={opt.seed})" if str(opt.dim).lower() == "mixed" else str(int(opt.dim))
-        rows_desc = f"file:{opt.rows_file}" if opt.rows_file else "max-index+1"
+        rows_desc = f"file:{os.path.abspath(opt.rows_file)}" if opt.rows_file else "max-index+1"
         source = (f"dlrm:{os.path.abspath(path)};batch={batch};dim={dim_desc};"
                   f"dtype={str(opt.data_type).lower()};rows={rows_desc}")
     df["source"] = source
