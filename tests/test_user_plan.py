@@ -313,6 +313,34 @@ def test_evaluate_of_a_plan_that_leaves_out_a_table_of_the_spec_is_refused(tiny,
     assert tiny["plan"] in err[0] and not out.exists()
 
 
+def test_a_plan_that_misses_a_few_tables_of_a_tables_file_is_said(tiny, tmp_path, caplog):
+    """A tables.parquet may be a run's pool (a task's plan of some of its tables is normal), so a plan that leaves
+    tables out is not refused; but a plan of 3 of a file's 4 tables had been measured and exported as 3 tables
+    with nothing said. Now evaluate and export name the tables not placed; a task of a pool is not said."""
+    import pandas as pd
+
+    from embshard.cli import main
+
+    pool = pd.read_parquet(tiny["tables"])
+    own = list(tiny["task"].tables.table_ids)
+    extra = next(t for t in pool["table_id"] if t not in own)
+    four = str(tmp_path / "four.parquet")
+    schemas.write(pool[pool["table_id"].isin(own + [extra])].reset_index(drop=True), four, "tables")
+    assert main(["evaluate", "--tables", four, "--plan", tiny["plan"], "--planners", "size_greedy", "--rounds", "1",
+                 "--batch-size", "32", "--out", str(tmp_path / "ev")]) == 0
+    said = [r.getMessage() for r in caplog.records if "not placed" in r.getMessage()]
+    assert len(said) == 1 and f"the plan places 3 of the 4 tables of {four} (not placed: {extra})" in said[0], said
+    assert "only the plan's tables are measured" in said[0] and "fix:" in said[0]
+    caplog.clear()
+    assert main(["export", "--placements", tiny["plan"], "--tables", four, "--no-torchrec",
+                 "--out", str(tmp_path / "ex")]) == 0
+    assert [r.getMessage() for r in caplog.records if f"not placed: {extra}" in r.getMessage()]
+    caplog.clear()
+    assert main(["export", "--placements", tiny["plan"], "--tables", tiny["tables"], "--no-torchrec",
+                 "--out", str(tmp_path / "ex2")]) == 0  # 3 of a pool of 6: a task's plan, nothing said
+    assert not [r for r in caplog.records if "not placed" in r.getMessage()]
+
+
 def test_a_plan_written_by_hand_needs_only_its_tables_and_shards(tiny, tmp_path, capsys):
     """What a team asks first (is our layout better?) starts from a plan.json they write themselves: the task, the
     devices and each table's shards are enough; what derives from them (kinds, sizes, devices[], sharding types,

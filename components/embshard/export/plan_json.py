@@ -486,6 +486,22 @@ def changed_pooling(plan: Mapping, tables: TableSet) -> list[tuple[str, float, f
             if not math.isclose(float(t["pooling_factor"]), float(p), rel_tol=1e-9)]
 
 
+PLAN_AGAIN = "(fix: plan again with every table, if the plan is meant for all of them)"
+
+
+def left_out_note(placed, available, tables_path: str) -> str | None:
+    """A line saying which tables of `available` (a tables file's ids) a plan placing `placed` leaves out, when it
+    leaves out fewer than it places (a plan of most of a file's tables that misses a few looks like a mistake; a
+    task's plan of some tables of a run's pool, the usual case, is not said); None otherwise."""
+    placed = {str(t) for t in placed}
+    left_out = [str(t) for t in available if str(t) not in placed]
+    if not left_out or len(left_out) >= len(placed):
+        return None
+    named = ", ".join(left_out[:3]) + (", ..." if len(left_out) > 3 else "")
+    total = len(placed) + len(left_out)
+    return f"the plan places {len(placed)} of the {total} tables of {tables_path} (not placed: {named})"
+
+
 def placement_from_plan(plan: Mapping, tables: TableSet, where: str | None = None) -> Placement:
     """Rebuild the Placement of a (validated) plan.json of any version over `tables` (a TableSet holding at least
     the plan's tables, with the plan's rows, dims and element sizes: a plan of other tables is refused); its

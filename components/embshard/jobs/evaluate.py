@@ -6,6 +6,7 @@ in embshard.evaluation, which the promotion (jobs.promote) runs too; this module
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 
 from ..bench.runner import MeasureSettings
@@ -26,6 +27,8 @@ from ..evaluation import (  # noqa: F401  (re-exported: the evaluation's names, 
 )
 from ..planners.baselines import BASELINES
 from ..ruler import DEFAULT_ROUNDS
+
+log = logging.getLogger(__name__)
 
 # What `embshard evaluate` writes and reads: its --out is checked before any work (cli.check_output).
 OUTPUT = {"kind": "folder", "inputs": ("tables", "tasks", "plan"),
@@ -112,6 +115,12 @@ def main(args) -> int:
                             f"({', '.join(left_out[:3])}{', ...' if len(left_out) > 3 else ''})", path=args.plan,
                             field="tables", fix="plan again with these tables (embshard place --tables "
                             f"{args.tables}), or pass the spec the plan was made from")
+                else:  # a tables.parquet may be a run's pool: a plan of a few of its tables is said, not refused
+                    from ..export.plan_json import PLAN_AGAIN, left_out_note
+
+                    note = left_out_note(user_plan.table_ids(), schemas.read(tables, "tables")["table_id"], tables)
+                    if note:
+                        log.warning("evaluate --plan: %s: only the plan's tables are measured " + PLAN_AGAIN, note)
                 tasks = os.path.join(scratch, "tasks.parquet")
                 schemas.write(user_plan.task_frame(), tasks, "tasks")
                 task_ids = None

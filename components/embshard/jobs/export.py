@@ -116,7 +116,7 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
         own_devices_per_host,
         placement_from_frame,
     )
-    from ..export.plan_json import write_plan_json
+    from ..export.plan_json import PLAN_AGAIN, left_out_note, write_plan_json
     from ..export.torchrec_plan import check_module_path
     from ..ingest.spec import is_spec_path, read_tables
     from ..types import DeviceTopology, devices_per_host_of
@@ -163,6 +163,10 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
         num_devices, memory = task_info.get(task_id, (None, None))
         placement = placement_from_frame(rows, table_set, num_devices, memory, where=at,
                                          tables_source=os.fspath(tables))
+        if model_tables is None and not tasks:  # a tables.parquet (maybe a run's pool): a near-miss is said
+            note = left_out_note(placement.tables.table_ids, table_set.table_ids, os.fspath(tables))
+            if note:
+                log.warning("export: task %s: %s: only the plan's tables are exported " + PLAN_AGAIN, task_id, note)
         unplaced = [t for t in model_tables or () if t not in set(placement.tables.table_ids)]
         if unplaced:
             raise EmbshardError(f"{len(unplaced)} table(s) of the spec {os.fspath(tables)} are not placed by task "
