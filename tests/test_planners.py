@@ -101,6 +101,24 @@ def test_a_memory_in_gib_typed_as_bytes_is_pointed_out():
     assert "counts bytes" not in str(err.value)
 
 
+def test_a_table_that_alone_overfills_the_devices_is_named(tables):
+    """One stray id of 2^45 in a trace made one table of 16.8 million GiB; `place` said only what the tables need
+    in all, naming neither the table nor its rows."""
+    from embshard.planners.base import check_capacity, check_feasible
+
+    huge = replace(tables, rows=tables.rows.copy(), size_bytes=tables.size_bytes.copy())
+    huge.rows[1] = 2**45
+    huge.size_bytes[1] = 2**45 * int(tables.dims[1]) * int(tables.bytes_per_element[1])
+    with pytest.raises(InfeasiblePlacementError) as err:
+        check_feasible(huge, 8, 80 * 2**30, "t")
+    msg = str(err.value)
+    assert f"table {tables.table_ids[1]} alone needs" in msg and "35,184,372,088,832 rows" in msg, msg
+    assert f"check table {tables.table_ids[1]}'s rows" in msg
+    with pytest.raises(InfeasiblePlacementError) as err:  # no table dominates: none is named
+        check_capacity([2**30] * 4, 1, 2**30, "t", names=["a", "b", "c", "d"])
+    assert "alone" not in str(err.value)
+
+
 def test_empty_task_and_unknown_planner_are_errors(tables):
     with pytest.raises(EmbshardError, match="no tables"):
         get_planner("size_greedy").plan(tables.subset([]), 2, GiB, "empty")

@@ -67,23 +67,36 @@ class Planner(ABC):
 def check_feasible(tables: TableSet, num_devices: int, memory_bytes_per_device: int, task_id: str = "task"):
     """The necessary condition: all tables fit all devices together. A table larger than one device is not an
     error here: planners split it (row- or column-wise) to make it fit."""
-    check_capacity(tables.size_bytes, num_devices, memory_bytes_per_device, task_id)
+    check_capacity(tables.size_bytes, num_devices, memory_bytes_per_device, task_id,
+                   names=tables.table_ids, rows=tables.rows)
 
 
-def check_capacity(size_bytes, num_devices: int, memory_bytes_per_device: int, task_id: str = "task"):
-    """check_feasible on the tables' bytes alone (a spec's sizes, before its access features are sampled)."""
-    total = int(np.asarray(size_bytes, dtype=np.int64).sum())
+def check_capacity(size_bytes, num_devices: int, memory_bytes_per_device: int, task_id: str = "task",
+                   names=None, rows=None):
+    """check_feasible on the tables' bytes alone (a spec's sizes, before its access features are sampled).
+    `names`/`rows`, when given, name a table that alone holds most of what is needed: one stray id of 2^45 in a
+    trace made a 16.8-million-GiB table, and the error had said only what the tables need in all."""
+    sizes = np.asarray(size_bytes, dtype=np.int64)
+    total = int(sizes.sum())
     capacity = num_devices * memory_bytes_per_device
     if total > capacity:
         # A tasks file's memory_bytes_per_device counts bytes: a GiB figure typed there (8) is 8 bytes.
         tiny = 0 < memory_bytes_per_device < 2**20
+        big = int(np.argmax(sizes)) if names is not None and len(sizes) else None
+        dominant = big is not None and 2 * int(sizes[big]) > total
+        if dominant:
+            row_text = f", {int(rows[big]):,} rows" if rows is not None else ""
+            one = f"; table {names[big]} alone needs {size_text(int(sizes[big]))}{row_text}"
         raise InfeasiblePlacementError(
             f"tables need {size_text(total)}, devices hold {size_text(capacity)} "
             f"({size_text(total - capacity)} missing)"
-            + (f" (only {memory_bytes_per_device:,} bytes per device)" if tiny else ""),
+            + (f" (only {memory_bytes_per_device:,} bytes per device)" if tiny else "")
+            + (one if dominant else ""),
             path=task_id, field="memory_bytes_per_device",
             fix="add devices or raise memory per device" + (
-                " (memory_bytes_per_device counts bytes: 16 GiB is 17179869184)" if tiny else ""))
+                " (memory_bytes_per_device counts bytes: 16 GiB is 17179869184)" if tiny else "")
+            + (f", or check table {names[big]}'s rows (a stray large id in a trace sizes its table by that id)"
+               if dominant else ""))
 
 
 def no_room_error(tables: TableSet, table: int, free: np.ndarray, task_id: str) -> InfeasiblePlacementError:
