@@ -215,26 +215,6 @@ def test_a_device_filled_above_95_percent_is_warned_about(caplog):
     assert len(warned) == 1 and "above 95%" in warned[0] and "--memory-gb" in warned[0]
 
 
-def test_more_devices_than_the_cost_model_measured_are_warned_about(caplog):
-    """The default run's cost model saw tasks of 2-16 devices; at 32-128 it predicted the slowest device at about
-    half the measured and ranked plans wrongly, and `place` said nothing. Within the range: no warning."""
-    import logging
-    from types import SimpleNamespace
-
-    from embshard.jobs.place import _warn_unseen_devices
-
-    model = SimpleNamespace(config=SimpleNamespace(num_devices_seen=[2, 4, 8, 16]))
-    with caplog.at_level(logging.WARNING, logger="embshard.jobs.place"):
-        _warn_unseen_devices(model, 16, planning=True)
-        _warn_unseen_devices(model, 3, planning=True)
-        _warn_unseen_devices(SimpleNamespace(config=SimpleNamespace(num_devices_seen=[])), 64)  # not recorded
-        _warn_unseen_devices(model, 64, planning=True)
-    warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 1, warned
-    assert warned[0].startswith("64 devices: the planner chose this plan with a cost model measured on tasks of "
-                                "2, 4, 8, 16 devices only") and "--param devices=64" in warned[0], warned
-
-
 def test_table_ids_torchrec_cannot_take_are_warned_about_when_ingesting_and_placing(tmp_path, caplog):
     """A '.' in a table id plans fine but fails at export ('cannot name TorchRec tables'): ingest and place say so
     first."""

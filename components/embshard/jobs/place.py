@@ -127,22 +127,6 @@ def _warn_hardware(model, hardware: str | None, planning: bool = False) -> None:
         log.warning(line)
 
 
-def _warn_unseen_devices(model, num_devices: int, planning: bool = False) -> None:
-    """One line when the task has more devices than any task the cost model was measured on: its device costs
-    (the all-to-all's latency, a device's fixed costs) are then extrapolated. The default run's model (tasks of
-    2-16 devices) predicted a 100-table list's slowest device at 0.86x, 0.74x and 0.79x of the measured at 4, 8
-    and 16 devices, 0.55x at 32; at 32-128 devices it ranked two plans the wrong way on 2 of 3 tasks
-    (benchmarks/results/README.md, section 1)."""
-    seen = list(getattr(getattr(model, "config", None), "num_devices_seen", None) or [])
-    if model is None or not seen or num_devices <= max(seen):
-        return
-    what = "chose this plan with" if planning else "predicted these costs with"
-    log.warning("%d devices: the planner %s a cost model measured on tasks of %s devices only, so its predictions "
-                "are extrapolated and may rank plans wrongly (fix: train one on such tasks, e.g. `embshard pipeline "
-                "--param devices=%d`, or measure the candidates on the target hardware with --refine K)",
-                num_devices, what, ", ".join(map(str, sorted(seen))), num_devices)
-
-
 # Long plans (thousands of tables with the learned planner take tens of seconds) say that they are going on:
 # a line on stderr after PROGRESS_AFTER_S, then every PROGRESS_EVERY_S, with the planner's current phase.
 PROGRESS_AFTER_S = 5.0
@@ -235,7 +219,6 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
         raise exc.at(where) from None
     own = getattr(p, "cost_model", None)
     _warn_hardware(own or cost_model, hardware, planning=own is not None)
-    _warn_unseen_devices(own or cost_model, D, planning=own is not None)
     refined = None
     if refine_k:
         placement, refined = _refine(placement, p, cost_model, refine_k, refine_rounds, hardware, where,
