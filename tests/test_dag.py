@@ -208,6 +208,17 @@ def test_params_accept_a_small_valid_run(k8s_dag):
     assert stages.merged(values)["source"] == "spec"
 
 
+def test_a_dlrm_runs_dims_type_and_hash_sizes_pass_the_form(k8s_dag):
+    """A trace carries no dims or hash sizes: the form takes them (dim a text field, a number from REST)."""
+    for dim in ("64", 64, "mixed"):
+        params = copy.deepcopy(k8s_dag.params)
+        params.update({"source": "dlrm", "input": "s3://bucket/trace.pt", "dim": dim, "data_type": "fp16",
+                       "rows_file": "s3://bucket/rows.txt", "tables_per_task": "2-4"})
+        values = params.validate()
+        assert stages.merged(values)["dim"] == dim and values["rows_file"] == "s3://bucket/rows.txt"
+    assert k8s_dag.params.get_param("dim").schema["type"][0] == "string"  # the form's field: its first type
+
+
 @pytest.mark.parametrize("key, value, by_form", [
     ("devices", -1, False),
     ("devices", 0, False),
@@ -228,6 +239,9 @@ def test_params_accept_a_small_valid_run(k8s_dag):
     ("export_tasks", "everything", True),
     ("device", "tpu", True),
     ("seed", -1, False),
+    ("dim", 2.5, True),
+    ("data_type", "fp8", True),
+    ("rows_file", 5, True),
 ])
 def test_params_reject_bad_values(k8s_dag, key, value, by_form):
     """Every bad value is refused before any work: types and choices by the form / REST (Airflow's own check,

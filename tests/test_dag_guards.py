@@ -59,6 +59,16 @@ REPO = Path(__file__).resolve().parents[1]
     ({"devices": 256}, "devices_per_host", "256 devices on one host"),
     ({"devices": 12, "devices_per_host": 8}, "devices_per_host", "do not split into hosts of 8"),
     ({"devices_per_host": 0}, "devices_per_host", "minimum of 1"),
+    # what a DLRM trace lacks: its own source only, and values ingest's --dim / --data-type would take
+    ({"source": "dlrm", "input": "s3://b/t.pt", "dim": 6}, "dim", "6 is not a multiple of 4"),
+    ({"source": "dlrm", "input": "s3://b/t.pt", "dim": "0"}, "dim", "0 is not a multiple of 4"),
+    ({"source": "dlrm", "input": "s3://b/t.pt", "dim": "big"}, "dim", "'big' is neither a whole number nor 'mixed'"),
+    ({"source": "dlrm", "input": "s3://b/t.pt", "dim": 70_000}, "dim", "from 4 to 65,536"),
+    ({"source": "dlrm", "input": "s3://b/t.pt", "data_type": "fp8"}, "data_type", "is not one of"),
+    ({"source": "dlrm", "input": "s3://b/t.pt", "rows_file": "/no/such/rows.txt"}, "rows_file", "no file"),
+    ({"dim": 64}, "dim", "only a dlrm trace needs dims, data type and hash sizes given; source synthetic"),
+    ({"data_type": "fp16"}, "data_type", "only a dlrm trace needs"),
+    ({"rows_file": "/no/such/rows.txt"}, "rows_file", "only a dlrm trace needs"),
 ])
 def test_each_bad_value_is_named_with_its_fix(conf, field, words):
     found = params.problems(conf)
@@ -324,3 +334,81 @@ def test_the_pipeline_summary_gives_commands_that_work_from_any_folder(tmp_path)
     assert "make " not in text
     assert f"{os.path.dirname(sys.executable)}/mlflow ui --backend-store-uri '{store}'" in text
     assert f"ui --out {os.path.abspath(out)}" in text
+
+
+# --- a DLRM trace's dims, data type and hash sizes (a user's runs on a trace got mixed dims, fp32, rows = max id + 1)
+def _trace(path, tables: int, batch: int = 32) -> str:
+    """A tiny zip-format DLRM trace: every sample looks up one id, table t's ids are 0..t+2 (t < 30)."""
+    import torch
+
+    lengths = torch.ones(tables, batch, dtype=torch.int64)
+    indices = torch.cat([torch.arange(batch) % (t + 3) for t in range(tables)])
+    torch.save((indices, torch.arange(tables * batch + 1), lengths), path)
+    return str(path)
+
+
+def test_a_dlrm_runs_dims_type_and_hash_sizes_reach_its_tables(tmp_path):
+    import numpy as np
+
+    from embshard import schemas, stages
+    from embshard.ingest import dlrm
+    from embshard.pipeline import _parse_params
+
+    trace = _trace(tmp_path / "t.pt", 8)
+    rows = tmp_path / "rows.txt"
+    rows.write_text(" ".join(str(100 + t) for t in range(8)))
+    conf = {"source": "dlrm", "input": trace, "num_tasks": 1, "tables_per_task": "2", "devices": 2,
+            **_parse_params(["dim=64", "data_type=fp16", f"rows_file=file://{rows}"])}  # as `--param` gives them
+    assert conf["dim"] == "64" and params.check(conf)["rows_file"] == f"file://{rows}"
+    stages.ingest(str(tmp_path / "root"), conf)
+    df = schemas.read(str(tmp_path / "root" / "tables.parquet"), "tables")
+    assert (df["dim"] == 64).all() and (df["bytes_per_element"] == 2).all()
+    assert df["rows"].tolist() == list(range(100, 108))
+    assert "dim=64;dtype=fp16;rows=file:" in df["source"].iloc[0]
+    # the defaults are the ones ingest had: mixed dims, fp32, rows = the largest id + 1
+    stages.ingest(str(tmp_path / "plain"), {**conf, "dim": None, "data_type": None, "rows_file": None})
+    df = schemas.read(str(tmp_path / "plain" / "tables.parquet"), "tables")
+    assert (df["bytes_per_element"] == 4).all() and df["rows"].tolist() == [t + 3 for t in range(8)]
+    assert "dim=mixed" in df["source"].iloc[0]
+    # params refuse what ingest's choose_dims refuses, and take what it takes; the data types are ingest's
+    assert tuple(dlrm.DATA_TYPES) == params.DATA_TYPES
+    for dim in ("mixed", " Mixed", 4, "64", 65_536, 0, 6, "6", "x", 65_540, -4):
+        try:
+            dlrm.choose_dims(dim, 1, 0)
+            ok = True
+        except EmbshardError:
+            ok = False
+        assert (params._dim_problem(dim) is None) == ok, dim
+    assert np.array_equal(dlrm.choose_dims(" Mixed", 3, 1), dlrm.choose_dims("mixed", 3, 1))
+
+
+def test_a_trace_too_small_for_the_tasks_is_refused_before_any_work(tmp_path, capsys):
+    """On a 24-table trace the run failed in ingest, 30-37 s in; now check_params reads the trace's table count
+    (its tensors' shapes, memory-mapped) and refuses at once, as it does for a spec's tables."""
+    import time
+
+    from embshard.cli import main
+
+    trace = _trace(tmp_path / "t.pt", 24)
+    found = params.problems({"source": "dlrm", "input": trace})  # tables_per_task 20-60 from 12 per pool
+    assert found == [("tables_per_task", "tasks of up to 60 tables from the 12 tables of the test pool (the "
+                      "trace's 24 tables, split into train and test pools)", "lower tables_per_task to at most 12, "
+                      "e.g. 6-12")]
+    assert params.check({"source": "dlrm", "input": trace, "tables_per_task": "6-12"})["input"] == trace
+    # not where this process does not see the files (a cluster's worker), nor for a compressed trace
+    assert params.problems({"source": "dlrm", "input": trace}, check_files=False) == []
+    gz = tmp_path / "t.pt.gz"
+    gz.write_bytes(__import__("gzip").compress((tmp_path / "t.pt").read_bytes()))
+    assert params.problems({"source": "dlrm", "input": str(gz)}) == []
+    # a hash-size file of another trace is refused here too, not after the trace was read
+    rows = tmp_path / "rows.txt"
+    rows.write_text("10 10 10")
+    found = params.problems({"source": "dlrm", "input": trace, "tables_per_task": "6-12", "rows_file": str(rows)})
+    assert found == [("rows_file", "has 3 hash sizes for 24 tables", "list one hash size per table of the trace")]
+    # `embshard pipeline --quick` (tasks of 10-20 tables) on it: one line, before Airflow starts
+    start = time.monotonic()
+    assert main(["pipeline", "--quick", "--out", str(tmp_path / "run"), "--param", "source=dlrm",
+                 "--param", f"input={trace}", "--param", "dim=64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tables_per_task: tasks of up to 20 tables from the 12 tables" in err[0], err
+    assert time.monotonic() - start < 20 and not (tmp_path / "run").exists()

@@ -16,6 +16,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from . import checks
 from .checks import CURRICULUM_OFF, DEFAULT_CURRICULUM, MAX_LOCAL_DEVICES, curriculum_stages  # noqa: F401
 from .errors import EmbshardError
 
@@ -25,6 +26,8 @@ MAX_POLICY_ROUNDS = 3  # the DAG has a task per step of each outer-loop round
 EVAL_PLANNER_CHOICES = ("random", "round_robin", "dim_greedy", "size_greedy", "lookup_greedy",
                         "size_lookup_greedy", "torchrec_table_wise", "torchrec_full")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
+DATA_TYPES = ("fp32", "fp16")  # ingest.dlrm.DATA_TYPES' keys (a test holds them equal; that module imports numpy)
+DLRM_KEYS = ("dim", "data_type", "rows_file")  # what a trace lacks (ingest --dim, --data-type, --rows-file)
 # What the trigger form enforces itself (types and choices); the rest of a schema is checked by `check`.
 FORM_KEYS = ("type", "enum", "items", "examples", "uniqueItems")
 
@@ -56,6 +59,14 @@ SPECS: dict[str, ParamSpec] = {
                                     "features (1e7-1e8 rows, 20-120 lookups per sample), which independent draws "
                                     "of size and pooling almost never make (0-1).",
                                     {"type": "number", "minimum": 0, "maximum": 1}),
+    # A DLRM trace holds indices only: without these a run on one got mixed dims, fp32 and rows = largest id + 1.
+    # dim: text in the form (its first type) and from `--param` ("64"); a REST conf may send the number 64.
+    "dim": ParamSpec("mixed", f"DLRM source: embedding dim of every table ({checks.DIM_RULE}), or 'mixed' = a seeded "
+                     "draw from the synthetic mix 4-256.", {"type": ["string", "integer"]},
+                     fix=f"give {checks.DIM_RULE}, or 'mixed'"),
+    "data_type": ParamSpec("fp32", "DLRM source: the tables' weight type.", {"enum": list(DATA_TYPES)}),
+    "rows_file": ParamSpec(None, "DLRM source: hash sizes, one integer per table of the trace (a path or URI; "
+                           "empty: each table's largest index + 1).", {"type": ["null", "string"]}),
     "seed": ParamSpec(0, "Seed of every random choice of the run (0-4,294,967,295).", _int(0, 2**32 - 1)),
     "num_tasks": ParamSpec(12, "Tasks sampled per split (train pool / unseen test pool; 1-10,000).",
                            _int(1, 10_000)),
@@ -173,21 +184,43 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
         elif src == "synthetic" and inp:
             found.append(("input", "the synthetic source reads no file",
                           "leave input empty, or choose source spec or dlrm"))
-        elif inp and check_files and "://" not in inp.replace("file://", "", 1) and \
-                not os.path.isfile(inp.replace("file://", "", 1)):
-            found.append(("input", f"no file {inp!r} here", "give an existing file (a path on the machine that "
-                                                            "runs ingest, or an s3:// URI)"))
+        elif inp and check_files and _missing(inp):
+            found.append(("input", f"no file {inp!r} here", _FIX_MISSING))
+    dlrm = p["source"] == "dlrm"  # another source's dim or rows_file is refused below, whatever its value
+    rows_file = (p["rows_file"] or "").strip() if "rows_file" not in bad else ""
+    if dlrm and rows_file and check_files and _missing(rows_file):
+        found.append(("rows_file", f"no file {rows_file!r} here", _FIX_MISSING))
+    if dlrm and "dim" not in bad and (what := _dim_problem(p["dim"])):
+        found.append(("dim", what, SPECS["dim"].fix))
     if "source" not in bad and p["source"] != "synthetic":
         given = params or {}
         for key in ("num_tables", "hot_large_fraction"):  # the synthetic generator's: another source ignores them
             if given.get(key) is not None and key not in bad and p[key] != SPECS[key].default:
                 found.append((key, f"only the synthetic source generates tables; source {p['source']} reads them "
                               "from its input", f"leave {key} out, or choose source synthetic"))
+    if "source" not in bad and p["source"] != "dlrm":
+        given = params or {}
+        for key in DLRM_KEYS:  # what a trace lacks: the generator draws them, a spec lists them
+            if given.get(key) is not None and key not in bad and p[key] != SPECS[key].default:
+                has = "lists them in its input" if p["source"] == "spec" else "draws them itself"
+                found.append((key, f"only a dlrm trace needs dims, data type and hash sizes given; source "
+                              f"{p['source']} {has}", f"leave {key} out, or choose source dlrm"))
     if "policy_iterations" not in bad and "policy_rounds" not in bad and \
             int(p["policy_iterations"]) < int(p["policy_rounds"]):
         # each round trains policy_iterations // policy_rounds updates (as `embshard train-policy` refuses)
         found.append(("policy_iterations", f"{p['policy_iterations']} updates for {p['policy_rounds']} rounds: a "
                       "round would train none", f"give at least {p['policy_rounds']} (one per round)"))
+    # A local trace's table count, from its tensors' shapes: tasks larger than its pools, or a hash-size file of
+    # another trace, fail here instead of in ingest, after the trace was read (30 s or more).
+    n_trace = _trace_table_count(str(p["input"])) if check_files and dlrm and not {"source", "input"} & bad \
+        else None
+    if rows_file and n_trace is not None and (local_rows := _local_file(rows_file)):
+        from .ingest.dlrm import read_rows_file
+
+        try:
+            read_rows_file(local_rows, n_trace, n_trace)
+        except EmbshardError as e:
+            found.append(("rows_file", e.message, e.fix or ""))
     if "tables_per_task" not in bad:
         lo, _, hi = str(p["tables_per_task"]).partition("-")
         lo_n, hi_n = int(lo), int(hi or lo)
@@ -196,11 +229,9 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
                           f"write it LOW-HIGH, e.g. {hi_n}-{lo_n}"))
         elif p["source"] == "spec" and check_files and "input" not in bad and \
                 (n_spec := _spec_table_count(str(p["input"]))) is not None and hi_n > n_spec // 2:
-            found.append(("tables_per_task", f"tasks of up to {hi_n} tables from the {n_spec // 2} tables of the "
-                          f"test pool (the spec's {n_spec} tables, split into train and test pools)",
-                          "list at least 2 tables in the spec (the tables are split into two pools)" if n_spec < 2
-                          else f"lower tables_per_task to at most {n_spec // 2}" + (
-                              f", e.g. {max(n_spec // 4, 1)}-{n_spec // 2}" if n_spec >= 4 else "")))
+            found.append(_file_pools_too_small(hi_n, n_spec, "the spec's", "list at least 2 tables in the spec"))
+        elif n_trace is not None and hi_n > n_trace // 2:
+            found.append(_file_pools_too_small(hi_n, n_trace, "the trace's", "give a trace of at least 2 tables"))
         elif p["source"] == "synthetic" and "num_tables" not in bad and hi_n > int(p["num_tables"]) // 2:
             # ingest splits the tables into a train and a test pool (pools.assign: the test pool is the smaller
             # half), and every task draws from one pool
@@ -232,6 +263,54 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
     if "eval_planners" not in bad and len(set(p["eval_planners"])) != len(p["eval_planners"]):
         found.append(("eval_planners", "a planner is listed twice", "list each planner once"))
     return found
+
+
+_FIX_MISSING = "give an existing file (a path on the machine that runs ingest, or an s3:// URI)"
+
+
+def _missing(path: str) -> bool:
+    """A local path (or file:// URI) that names no file; a remote URI is left to ingest."""
+    local = path.replace("file://", "", 1)
+    return "://" not in local and not os.path.isfile(local)
+
+
+def _local_file(path: str) -> str | None:
+    """The local file a path or file:// URI names, or None (a remote URI, or no such file)."""
+    local = path.replace("file://", "", 1)
+    return local if "://" not in local and os.path.isfile(local) else None
+
+
+def _dim_problem(value) -> str | None:
+    """What is wrong with a dim param (as ingest.dlrm.choose_dims refuses it), or None."""
+    if isinstance(value, str) and value.strip().lower() == "mixed":
+        return None
+    try:
+        d = int(str(value).strip())  # "64" from the form or `--param`, 64 from REST; not "64.5" or "1e3"
+    except ValueError:
+        return f"{str(value)[:40]!r} is neither a whole number nor 'mixed'"
+    if checks.bad_dim(d):
+        return f"{d} is not {checks.DIM_RULE} (FBGEMM's kernels measure no other)"
+    return None
+
+
+def _trace_table_count(path: str) -> int | None:
+    """The tables of a local DLRM trace, from its tensors' shapes (None: remote, compressed or unreadable; ingest
+    reports those)."""
+    local = _local_file(path)
+    if local is None:
+        return None
+    from .ingest.dlrm import trace_table_count
+
+    return trace_table_count(local)
+
+
+def _file_pools_too_small(hi_n: int, n: int, whose: str, too_few: str) -> tuple[str, str, str]:
+    """tables_per_task's problem when tasks of up to hi_n tables cannot be drawn from a file's n tables."""
+    return ("tables_per_task", f"tasks of up to {hi_n} tables from the {n // 2} tables of the test pool ({whose} "
+            f"{n} tables, split into train and test pools)",
+            f"{too_few} (the tables are split into two pools)" if n < 2
+            else f"lower tables_per_task to at most {n // 2}" + (f", e.g. {max(n // 4, 1)}-{n // 2}" if n >= 4
+                                                                  else ""))
 
 
 def _spec_table_count(path: str) -> int | None:

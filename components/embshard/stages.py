@@ -108,9 +108,15 @@ def ingest(root: str, params: dict) -> dict:
 
     p = merged(params)
     synthetic = p["source"] == "synthetic"
+    kw: dict = {}
+    if synthetic:
+        kw = {"hot_large_fraction": float(p["hot_large_fraction"])}
+    elif p["source"] == "dlrm":  # a trace carries no dims, weight type or hash sizes (`embshard ingest --dim` ...)
+        rows_file, dim = (p["rows_file"] or "").strip(), str(p["dim"]).strip().lower()  # " Mixed", "64" (checked)
+        kw = {"dim": dim if dim == "mixed" else int(dim), "data_type": p["data_type"],
+              "rows_file": rows_file.removeprefix("file://") or None}  # read as a local file, like ingest's
     tables = ingest_run(p["source"], root, input=p["input"] or None, seed=int(p["seed"]),
-                        num_tables=int(p["num_tables"]) if synthetic else None,
-                        **({"hot_large_fraction": float(p["hot_large_fraction"])} if synthetic else {}))
+                        num_tables=int(p["num_tables"]) if synthetic else None, **kw)
     tasks = tasks_run(tables, root, num_tasks=int(p["num_tasks"]), tables_per_task=p["tables_per_task"],
                       devices=p["devices"], memory_gb=p["memory_gb"], seed=int(p["seed"]),
                       devices_per_host=None if p["devices_per_host"] is None else int(p["devices_per_host"]))

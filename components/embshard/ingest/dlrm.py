@@ -223,6 +223,33 @@ class TraceFile:
         self.close()
 
 
+def trace_table_count(path: str) -> int | None:
+    """The tables T of a local zip-format trace, from the shape of its lengths [T, B] or offsets [T, B+1] (the
+    file memory-mapped: nothing is read but the pickled header), for a check before any work. None where that is
+    not cheap (a .pt.gz or a legacy file is read whole), T cannot be told from shapes alone, or the file is
+    unreadable: ingest then counts, or names the problem."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != _ZIP_MAGIC:
+                return None
+        import torch
+
+        obj = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except Exception:  # any failure: ingest reads the file again and says what is wrong
+        return None
+    if isinstance(obj, dict):
+        offsets, lengths = obj.get("offsets"), obj.get("lengths")
+    elif isinstance(obj, (tuple, list)) and len(obj) in (2, 3):
+        offsets, lengths = (*obj, None)[1:3]  # (indices, offsets[, lengths])
+    else:
+        return None
+    for t, extra in ((lengths, 0), (offsets, 1)):  # the order TraceFile._index tells T, B by
+        shape: tuple[int, ...] = tuple(getattr(t, "shape", ()))
+        if len(shape) == 2 and shape[0] > 0 and shape[1] > extra:
+            return int(shape[0])
+    return None
+
+
 def _as_numpy(t) -> np.ndarray:
     return t.numpy() if t.is_contiguous() else t.contiguous().numpy()
 
