@@ -1385,9 +1385,26 @@ def test_a_list_column_written_as_text_is_named_not_read_as_letters():
 
     df = pd.DataFrame([{"task_id": "t", "split": "train", "num_devices": 2, "memory_bytes_per_device": 2**30,
                         "table_ids": "user,item"}])
-    with pytest.raises(EmbshardError, match=r"x.parquet: field 'table_ids': text 'user,item' in row 0, not a list "
-                                            r"\(fix: write table_ids as a list column"):
+    with pytest.raises(EmbshardError, match=r"x.parquet: field 'table_ids': text 'user,item' in row 0 \(task_id 't'\), "
+                                            r"not a list \(fix: write table_ids as a list column"):
         schemas.validate(df, "tasks", "x.parquet")
+
+
+def test_a_bad_value_names_its_rows_id_not_only_its_number():
+    """A trace's table over the pooling limit was 'invalid value 5000 in row 1': its table id is what a user can
+    find (a trace numbers its tables by nothing they see)."""
+    from embshard.errors import EmbshardError
+    from embshard.ingest.synthetic import generate_tables
+
+    df = generate_tables(3, seed=1, bins_batch_size=256)
+    df.loc[1, "pooling_factor"] = 5000.0
+    with pytest.raises(EmbshardError) as exc:
+        schemas.validate(df, "tables", "t.parquet")
+    assert exc.value.field == "pooling_factor" and f"in row 1 (table_id '{df.loc[1, 'table_id']}')" in str(exc.value)
+    df = generate_tables(3, seed=1, bins_batch_size=256)
+    df.loc[2, "size_bytes"] += 4
+    with pytest.raises(EmbshardError, match=rf"in row 2 \(table_id '{df.loc[2, 'table_id']}'\)"):
+        schemas.validate(df, "tables", "t.parquet")
 
 
 def test_champion_without_a_store_is_one_line_and_creates_none(tmp_path, monkeypatch, capsys):

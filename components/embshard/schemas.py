@@ -225,13 +225,13 @@ def validate(df: pd.DataFrame, kind: str, path: str | os.PathLike = "<data>") ->
         s = out[c.name]
         if not c.nullable and s.isna().any() and not pa.types.is_list(c.type):
             bad = s[s.isna()].index[0]
-            raise EmbshardError(f"empty/NaN value in row {bad}", path=where, field=c.name,
+            raise EmbshardError(f"empty/NaN value in {_row(df, bad, kind)}", path=where, field=c.name,
                                 fix=f"every value must be {c.rule or c.type}")
         if pa.types.is_list(c.type):  # a text ('user,item') would be coerced to a list of its letters
             text = s[s.map(lambda v: isinstance(v, str))]
             if len(text):
-                raise EmbshardError(f"text {_show(text.iloc[0])} in row {text.index[0]}, not a list", path=where,
-                                    field=c.name, fix=f"write {c.name} as a list column (e.g. "
+                raise EmbshardError(f"text {_show(text.iloc[0])} in {_row(df, text.index[0], kind)}, not a list",
+                                    path=where, field=c.name, fix=f"write {c.name} as a list column (e.g. "
                                     f"df['{c.name}'] = [['a', 'b'], ...]), not as one string")
         try:
             out[c.name] = _coerce(s, c.type)
@@ -243,9 +243,9 @@ def validate(df: pd.DataFrame, kind: str, path: str | os.PathLike = "<data>") ->
             ok = c.check(nonnull)
             if not bool(np.all(ok)):
                 bad_idx = nonnull.index[~np.asarray(ok, dtype=bool)][0]
-                raise EmbshardError(f"invalid value {_show(nonnull.loc[bad_idx])} in row {bad_idx}",
+                raise EmbshardError(f"invalid value {_show(nonnull.loc[bad_idx])} in {_row(df, bad_idx, kind)}",
                                     path=where, field=c.name, fix=f"every value must be {c.rule}")
-    key = {"tables": "table_id", "tasks": "task_id", "costs": "sample_id", "shards": "sample_id"}.get(kind)
+    key = ROW_KEYS.get(kind)
     if key is not None and out[key].duplicated().any():
         dup = out.loc[out[key].duplicated(), key].iloc[0]
         raise EmbshardError(f"duplicate value {_show(dup)}", path=where, field=key,
@@ -257,6 +257,18 @@ def validate(df: pd.DataFrame, kind: str, path: str | os.PathLike = "<data>") ->
     names = [c.name for c in cols if c.name in out.columns]
     extra = [c for c in out.columns if c not in names]
     return out[names + extra].reset_index(drop=True)
+
+
+ROW_KEYS = {"tables": "table_id", "tasks": "task_id", "costs": "sample_id", "shards": "sample_id"}
+
+
+def _row(df: pd.DataFrame, i, kind: str) -> str:
+    """'row i', with the row's id when the frame has its kind's id column ('row 1 (table_id 't0001')'): a row
+    number alone is hard to find in a frame a program wrote (a trace's tables are numbered by nothing the user
+    sees)."""
+    key = ROW_KEYS.get(kind)
+    value = df[key].get(i) if key is not None and key in df.columns else None
+    return f"row {i}" + (f" ({key} {_show(value)})" if isinstance(value, str) and value else "")
 
 
 def _show(value) -> str:
@@ -273,20 +285,21 @@ def _check_tables(df: pd.DataFrame, where: str) -> None:
     approx = df["rows"].astype(float) * df["dim"].astype(float) * df["bytes_per_element"].astype(float)
     if (approx >= checks.MAX_TABLE_BYTES).any():
         i = approx[approx >= checks.MAX_TABLE_BYTES].index[0]
-        raise EmbshardError(f"rows*dim*bytes_per_element is {approx.loc[i]:.3g} bytes in row {i}, over 2^62",
-                            path=where, field="rows", fix="give hash-table sizes (rows), or re-ingest the tables")
+        raise EmbshardError(f"rows*dim*bytes_per_element is {approx.loc[i]:.3g} bytes in {_row(df, i, 'tables')}, "
+                            "over 2^62", path=where, field="rows",
+                            fix="give hash-table sizes (rows), or re-ingest the tables")
     expected = df["rows"].astype("int64") * df["dim"].astype("int64") * df["bytes_per_element"].astype("int64")
     bad = expected != df["size_bytes"]
     if bad.any():
         i = bad[bad].index[0]
         raise EmbshardError(f"size_bytes {df.loc[i, 'size_bytes']} != rows*dim*bytes_per_element "
-                            f"{expected.loc[i]} in row {i}", path=where, field="size_bytes",
+                            f"{expected.loc[i]} in {_row(df, i, 'tables')}", path=where, field="size_bytes",
                             fix="recompute size_bytes or re-ingest the tables")
     sums = df[BIN_COLUMNS].sum(axis=1)
     off = (sums - 1.0).abs() > 1e-3
     if off.any():
         i = off[off].index[0]
-        raise EmbshardError(f"access bins sum to {sums.loc[i]:.4f}, not 1, in row {i}", path=where,
+        raise EmbshardError(f"access bins sum to {sums.loc[i]:.4f}, not 1, in {_row(df, i, 'tables')}", path=where,
                             field="bin_00..bin_16", fix="bins are fractions of unique indices and must sum to 1")
 
 
