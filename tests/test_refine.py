@@ -152,6 +152,7 @@ def test_place_refine_end_to_end_writes_the_refined_plan(small_tables_df, tmp_pa
                 tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "measured refinement on cpu" in proc.stdout and "winner:" in proc.stdout
+    assert "median of the rounds' paired ratios" in proc.stdout  # not the ratio of the medians beside it
     assert "x the planner's first choice (size_greedy)" in proc.stdout  # not "the learned plan's"
     assert [p.name for p in given.iterdir()] and not (tmp_path / "calib").exists()
     plan = json.loads((out / "plan.json").read_text())
