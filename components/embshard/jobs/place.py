@@ -213,7 +213,8 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
                 p.on_phase = progress.phase
             else:  # TorchRec's planners report no phases: say what runs, and for how long at most
                 timeout = getattr(p, "timeout_s", None)
-                progress.phase("its search" + (f" (stops by {timeout:.0f} s)" if timeout else ""))
+                progress.phase("its search" + (f" (asked to stop by {timeout:.0f} s; TorchRec checks that between "
+                                               "proposals)" if timeout else ""))
             placement = p.plan(table_set, topology, task_id=tid)
     except EmbshardError as exc:  # name the user's file, not the internal task name
         raise exc.at(where) from None
@@ -309,7 +310,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="safety cap on the learned planner's search time (default 60 s); a plan that hits it "
                         "depends on the machine's speed, and the report says so. For torchrec_* planners: the time "
-                        "limit of TorchRec's search (default 60 s; it keeps its best plan so far)")
+                        "limit of TorchRec's search (default 60 s; it keeps its best plan so far). TorchRec checks it "
+                        "only between proposals: torchrec_full of thousands of tables can run minutes past it")
     p.add_argument("--hardware", default=None,
                    help="the hardware the plan is for, e.g. 'cuda:NVIDIA H100' (default: this machine's GPU, else "
                         "its CPU); a warning when the model was measured on other hardware")
