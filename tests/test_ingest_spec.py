@@ -269,3 +269,20 @@ def test_a_table_with_both_a_zipf_alpha_and_bins_is_refused(tmp_path):
     with pytest.raises(EmbshardError, match="table user gives both zipf_alpha and the bins") as err:
         spec.tables_from_spec(str(path), bins_batch_size=64, progress=False)
     assert err.value.field == "zipf_alpha"
+
+
+def test_a_written_nan_skew_is_refused_and_an_empty_cell_is_the_default(tmp_path):
+    """`zipf_alpha=nan` on one row of a 5,000-table CSV was read as "not given": the row got the default skew,
+    silently, while inf and -1 were refused. An empty cell still means the default."""
+    from embshard.errors import EmbshardError
+
+    path = tmp_path / "s.csv"
+    path.write_text("name,num_embeddings,embedding_dim,pooling_factor,zipf_alpha\nuser,100,16,1.0,1.1\n"
+                    "item,100,16,1.0,nan\ngeo,100,16,1.0,\n")
+    with pytest.raises(EmbshardError) as err:
+        spec.tables_from_spec(str(path), bins_batch_size=64, progress=False)
+    assert err.value.field == "zipf_alpha" and "'nan'" in str(err.value) and "line 3" in str(err.value), err.value
+    path.write_text("name,num_embeddings,embedding_dim,pooling_factor,zipf_alpha\nuser,100,16,1.0,1.1\n"
+                    "geo,100,16,1.0, \n")
+    df = spec.tables_from_spec(str(path), bins_batch_size=64, progress=False).set_index("table_id")
+    assert "skew=zipf-1.1" in df.loc["user", "source"] and "default-zipf-1.0" in df.loc["geo", "source"]

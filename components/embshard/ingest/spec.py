@@ -126,6 +126,11 @@ def _read_csv(path: str) -> pd.DataFrame:
     if "name" in header:  # names as written: no number parsing ('007', '1e3') and no NA words ('NA', 'nan')
         df["name"] = pd.read_csv(io.StringIO(text), usecols=[header.index("name")], dtype=str,
                                  keep_default_na=False, **read).iloc[:, 0]
+    for col in ("zipf_alpha", *schemas.BIN_COLUMNS):
+        if col in header:  # an empty cell means "the default skew"; a written 'nan' is a value, refused as one
+            raw = pd.read_csv(io.StringIO(text), usecols=[header.index(col)], dtype=str, keep_default_na=False,
+                              **read).iloc[:, 0].str.strip()
+            df[col] = raw.where(raw != "", None)
     if len(df) == len(lines) - 1:  # one data row per kept line (a quoted value spanning lines has no simple line)
         df.attrs[LINES] = [n for n, _ in lines[1:]]
     return df
