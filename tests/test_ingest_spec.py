@@ -286,3 +286,17 @@ def test_a_written_nan_skew_is_refused_and_an_empty_cell_is_the_default(tmp_path
                     "geo,100,16,1.0, \n")
     df = spec.tables_from_spec(str(path), bins_batch_size=64, progress=False).set_index("table_id")
     assert "skew=zipf-1.1" in df.loc["user", "source"] and "default-zipf-1.0" in df.loc["geo", "source"]
+
+
+def test_a_long_sampling_of_a_spec_is_said_once_with_how_to_skip_it(tmp_path, monkeypatch, caplog):
+    """`place` of a 5,000-table CSV spent 50 s sampling access features with nothing on a non-terminal stderr."""
+    import logging
+
+    monkeypatch.setattr(spec, "SAY_SAMPLING_FROM", 2)
+    path = tmp_path / "s.csv"
+    path.write_text("name,num_embeddings,embedding_dim,pooling_factor\nuser,100,16,1.0\nitem,100,16,1.0\n")
+    with caplog.at_level(logging.INFO, logger="embshard.ingest.spec"):
+        spec.tables_from_spec(str(path), bins_batch_size=64, progress=True)
+        spec.tables_from_spec(str(path), bins_batch_size=64, progress=False)  # a caller's own progress: nothing
+    said = [r.getMessage() for r in caplog.records if "sampling the access features" in r.getMessage()]
+    assert len(said) == 1 and "of 2 tables" in said[0] and "embshard ingest --source spec" in said[0], said

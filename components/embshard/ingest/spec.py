@@ -14,6 +14,7 @@ which skew a row got (`spec:<file>;skew=bins|zipf-<a>|default-zipf-1.0`).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 
 import numpy as np
@@ -22,6 +23,8 @@ import pandas as pd
 from .. import checks, schemas
 from ..errors import EmbshardError, first_line
 from .dlrm import DATA_TYPES
+
+log = logging.getLogger(__name__)
 
 # Default skew where a spec gives none: Zipf alpha 1.0, the classic "web" popularity law, between the
 # near-uniform (0) and very skewed (1.4) ends of the synthetic population.
@@ -202,6 +205,8 @@ def _numbers(df: pd.DataFrame, col: str, path: str, integer: bool, required: boo
     return num.astype("float64")
 
 
+SAY_SAMPLING_FROM = 500     # tables sampled from which tables_from_spec says so (about 13 s and more)
+SAMPLE_S_PER_TABLE = 0.026  # a spec table's access features take about this long to sample (2-core machine)
 LINES = "embshard_lines"  # DataFrame.attrs key: the file line of each table of a CSV or YAML spec
 
 
@@ -363,6 +368,11 @@ def tables_from_spec(path: str, seed: int = 0, bins_batch_size: int | None = Non
     sources = []
     where = f"spec:{os.path.abspath(path)}"
     # The bar shows on a terminal once reading has taken 2 s (a spec's access features take ~26 ms a table to sample).
+    # Where stderr is no terminal (CI, a log) the bar is off, so a long sampling is said once, with how to skip it.
+    sampled = int((~has_bins).sum())
+    if progress and sampled >= SAY_SAMPLING_FROM:
+        log.info("%s: sampling the access features of %d tables (about %.0f s; `embshard ingest --source spec` once, "
+                 "then pass its tables.parquet, skips this)", path, sampled, sampled * SAMPLE_S_PER_TABLE)
     for i in tqdm(range(n), desc="spec tables: sampling access features", unit="table",
                   disable=not progress or None, mininterval=1.0, delay=2.0):
         if has_bins[i]:
