@@ -535,6 +535,8 @@ class ComposedPlanner(Planner):
                 shown = phase
             out = p.propose(problem)
             if out is None:
+                if budget is not None:
+                    budget.no_plan.append(p.name)
                 continue
             if isinstance(out, np.ndarray):
                 drafts.append(Draft.table_wise(problem, p.name, out))
@@ -602,6 +604,12 @@ class ComposedPlanner(Planner):
         })
         if budget.skipped_proposers:
             placement.meta["skipped_proposers"] = list(budget.skipped_proposers)
+        if budget.no_plan:
+            # Under tight memory the policy's rollouts (and the cost greedy) may place nothing; the plan then
+            # starts from a heuristic, which a user had no way to tell from the output.
+            placement.meta["proposers_without_plan"] = list(budget.no_plan)
+            log.info("%s: %s found no plan within memory; the plan starts from %s", problem.task_id,
+                     ", ".join(budget.no_plan), best.name)
         if budget.cap_hit:
             skipped = (f" (proposals skipped: {', '.join(budget.skipped_proposers)})" if budget.skipped_proposers
                        else "")

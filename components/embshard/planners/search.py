@@ -96,6 +96,7 @@ class Budget:
     used: int = 0
     cap_hit: bool = False
     skipped_proposers: list = field(default_factory=list)  # proposers not run: the cap had passed (compose)
+    no_plan: list = field(default_factory=list)  # proposers that ran and placed nothing (compose)
     guard_stops: int = 0  # searches stopped because the best move's gain was inside the model's uncertainty
     side: int = 0  # work done on allowances of their own (compose.Splits' branches), not counted in `used`
 
