@@ -300,3 +300,14 @@ def test_a_long_sampling_of_a_spec_is_said_once_with_how_to_skip_it(tmp_path, mo
         spec.tables_from_spec(str(path), bins_batch_size=64, progress=False)  # a caller's own progress: nothing
     said = [r.getMessage() for r in caplog.records if "sampling the access features" in r.getMessage()]
     assert len(said) == 1 and "of 2 tables" in said[0] and "embshard ingest --source spec" in said[0], said
+
+
+def test_a_value_out_of_range_names_its_line_beside_its_table(tmp_path):
+    """In a 5,000-table spec `num_embeddings -5` was named by its table alone, while a NaN got its line too."""
+    from embshard.errors import EmbshardError
+
+    path = tmp_path / "s.csv"
+    path.write_text("# a model\nname,num_embeddings,embedding_dim,pooling_factor\nuser,100,16,1.0\n\nitem,-5,16,1.0\n")
+    with pytest.raises(EmbshardError) as err:
+        spec.tables_from_spec(str(path), bins_batch_size=64, progress=False)
+    assert err.value.field == "num_embeddings" and "of table 'item' (line 5) is not > 0" in str(err.value), err.value

@@ -221,6 +221,12 @@ def _name(df: pd.DataFrame, i: int) -> str:
     return f"table {_show(df['name'].iloc[i])}" if "name" in df.columns else _at(df, i)
 
 
+def _where(df: pd.DataFrame, i: int) -> str:
+    """Table i by its name and its place in the file ('table 'x' (line 2502)'): in a 5,000-table spec a value out of
+    range had been named by the table alone."""
+    return f"{_name(df, i)} ({_at(df, i)})" if "name" in df.columns else _at(df, i)
+
+
 def _yaml_table_lines(path: str, count: int) -> list[int] | None:
     """The line where each of the `count` tables of a YAML spec starts (its sequence item), or None."""
     import yaml
@@ -270,12 +276,12 @@ def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
         v = _numbers(df, col, path, integer=True)
         if (v <= 0).any():
             i = int(np.flatnonzero((v <= 0).to_numpy())[0])
-            raise EmbshardError(f"value {checks.number(v.iloc[i])} of {_name(df, i)} is not > 0", path=path,
+            raise EmbshardError(f"value {checks.number(v.iloc[i])} of {_where(df, i)} is not > 0", path=path,
                                 field=col, fix="rows and dims must be positive integers")
         upper = checks.MAX_DIM if col == "embedding_dim" else checks.MAX_TABLE_BYTES
         if (v > upper).any():
             i = int(np.flatnonzero((v > upper).to_numpy())[0])
-            raise EmbshardError(f"value {checks.number(v.iloc[i])} of {_name(df, i)} is too large", path=path,
+            raise EmbshardError(f"value {checks.number(v.iloc[i])} of {_where(df, i)} is too large", path=path,
                                 field=col, fix=f"give at most {checks.number(upper)}"
                                 + (" (the largest dims in use are a few thousand)" if col == "embedding_dim" else ""))
         if col == "embedding_dim":
@@ -292,7 +298,7 @@ def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
     bad = ~np.isfinite(pf) | (pf < 0) | (pf > checks.MAX_POOLING_FACTOR)
     if bad.any():
         i = int(np.flatnonzero(bad.to_numpy())[0])
-        raise EmbshardError(f"value {checks.number(pf.iloc[i])} of {_name(df, i)} is not a finite number from 0 "
+        raise EmbshardError(f"value {checks.number(pf.iloc[i])} of {_where(df, i)} is not a finite number from 0 "
                             f"to {checks.number(checks.MAX_POOLING_FACTOR)}", path=path, field="pooling_factor",
                             fix="give the mean lookups per sample of every table")
     out["pooling_factor"] = pf
@@ -301,7 +307,7 @@ def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
         unknown = ~dt.isin(list(_DTYPE_ALIASES))
         if unknown.any():
             i = int(np.flatnonzero(unknown.to_numpy())[0])
-            raise EmbshardError(f"unsupported data type {df['data_type'].iloc[i]!r} of {_name(df, i)}",
+            raise EmbshardError(f"unsupported data type {df['data_type'].iloc[i]!r} of {_where(df, i)}",
                                 path=path, field="data_type", fix="use fp32 or fp16")
         out["data_type"] = dt.map(_DTYPE_ALIASES)
     else:
@@ -309,14 +315,14 @@ def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
     size = out["num_embeddings"].astype(float) * out["embedding_dim"] * out["data_type"].map(DATA_TYPES)
     if (size >= checks.MAX_TABLE_BYTES).any():
         i = int(np.flatnonzero((size >= checks.MAX_TABLE_BYTES).to_numpy())[0])
-        raise EmbshardError(f"{_name(df, i)} would need {size.iloc[i]:.3g} bytes", path=path, field="num_embeddings",
+        raise EmbshardError(f"{_where(df, i)} would need {size.iloc[i]:.3g} bytes", path=path, field="num_embeddings",
                             fix="give a table below 2^62 bytes (num_embeddings x embedding_dim x bytes per value)")
     if "zipf_alpha" in df.columns:
         za = _numbers(df, "zipf_alpha", path, integer=False, required=False)
         bad = za.notna() & (~np.isfinite(za) | (za < 0))
         if bad.any():
             i = int(np.flatnonzero(bad.to_numpy())[0])
-            raise EmbshardError(f"value {checks.number(za.iloc[i])} of {_name(df, i)} is not a finite number >= 0",
+            raise EmbshardError(f"value {checks.number(za.iloc[i])} of {_where(df, i)} is not a finite number >= 0",
                                 path=path,
                                 field="zipf_alpha",
                                 fix="give a skew >= 0 (0 = uniform, ~1 = typical) or leave it empty")
@@ -332,13 +338,13 @@ def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
         partial = bins.notna().any(axis=1) & ~given
         if partial.any():
             i = int(np.flatnonzero(partial.to_numpy())[0])
-            raise EmbshardError(f"{_name(df, i)} has some bins empty", path=path, field="bin_00..bin_16",
+            raise EmbshardError(f"{_where(df, i)} has some bins empty", path=path, field="bin_00..bin_16",
                                 fix="give all 17 bins of a table, or none")
         vals = bins.to_numpy()
         bad = given.to_numpy() & ((vals < 0).any(axis=1) | (np.abs(np.nansum(vals, axis=1) - 1) > 1e-3))
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise EmbshardError(f"bins of {_name(df, i)} are not fractions summing to 1", path=path,
+            raise EmbshardError(f"bins of {_where(df, i)} are not fractions summing to 1", path=path,
                                 field="bin_00..bin_16", fix="give the fraction of unique indices in each bin")
         for c in schemas.BIN_COLUMNS:
             out[c] = bins[c]
