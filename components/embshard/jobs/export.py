@@ -164,9 +164,10 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
         placement = placement_from_frame(rows, table_set, num_devices, memory, where=at,
                                          tables_source=os.fspath(tables))
         if model_tables is None and not tasks:  # a tables.parquet (maybe a run's pool): a near-miss is said
-            note = left_out_note(placement.tables.table_ids, table_set.table_ids, os.fspath(tables))
-            if note:
-                log.warning("export: task %s: %s: only the plan's tables are exported " + PLAN_AGAIN, task_id, note)
+            left_out = left_out_note(placement.tables.table_ids, table_set.table_ids, os.fspath(tables))
+            if left_out:  # (not `note`: that is the TorchRec note the result returns)
+                log.warning("export: task %s: %s: only the plan's tables are exported " + PLAN_AGAIN, task_id,
+                            left_out)
         unplaced = [t for t in model_tables or () if t not in set(placement.tables.table_ids)]
         if unplaced:
             raise EmbshardError(f"{len(unplaced)} table(s) of the spec {os.fspath(tables)} are not placed by task "
