@@ -380,13 +380,18 @@ def test_a_dlrm_runs_dims_type_and_hash_sizes_reach_its_tables(tmp_path):
             ok = False
         assert (params._dim_problem(dim) is None) == ok, dim
     assert np.array_equal(dlrm.choose_dims(" Mixed", 3, 1), dlrm.choose_dims("mixed", 3, 1))
+    assert params._dim_problem(64.0) is None and params._dim_problem(64.5) is not None  # REST's 64.0 is 64
+    # a default written another way is no value given to another source
+    assert params.problems({"source": "synthetic", "rows_file": "", "dim": " Mixed", "tables_per_task": "2"}) == []
+    # a trace is read from a local or mounted path: file:// is taken off, an s3:// URI is one line, not a traceback
+    assert len(dlrm.tables_from_trace(f"file://{trace}", dlrm.TraceOptions(dim=8), progress=False)) == 8
+    with pytest.raises(EmbshardError, match="is a s3:// URI, but this file is read from a local path only"):
+        dlrm.tables_from_trace("s3://bucket/t.pt", dlrm.TraceOptions(dim=8), progress=False)
 
 
 def test_a_trace_too_small_for_the_tasks_is_refused_before_any_work(tmp_path, capsys):
     """On a 24-table trace the run failed in ingest, 30-37 s in; now check_params reads the trace's table count
     (its tensors' shapes, memory-mapped) and refuses at once, as it does for a spec's tables."""
-    import time
-
     from embshard.cli import main
 
     trace = _trace(tmp_path / "t.pt", 24)
@@ -406,9 +411,8 @@ def test_a_trace_too_small_for_the_tasks_is_refused_before_any_work(tmp_path, ca
     found = params.problems({"source": "dlrm", "input": trace, "tables_per_task": "6-12", "rows_file": str(rows)})
     assert found == [("rows_file", "has 3 hash sizes for 24 tables", "list one hash size per table of the trace")]
     # `embshard pipeline --quick` (tasks of 10-20 tables) on it: one line, before Airflow starts
-    start = time.monotonic()
     assert main(["pipeline", "--quick", "--out", str(tmp_path / "run"), "--param", "source=dlrm",
                  "--param", f"input={trace}", "--param", "dim=64"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tables_per_task: tasks of up to 20 tables from the 12 tables" in err[0], err
-    assert time.monotonic() - start < 20 and not (tmp_path / "run").exists()
+    assert not (tmp_path / "run").exists()

@@ -117,7 +117,7 @@ def test_infeasible_memory_is_reported_before_any_model_load(store, tmp_path):
     assert got["modules"] == [] and not out.exists()
 
 
-def test_a_spec_that_cannot_fit_is_refused_before_its_tables_are_read(tmp_path, monkeypatch):
+def test_a_spec_that_cannot_fit_is_refused_before_its_tables_are_read(tmp_path, monkeypatch, capsys):
     """A spec's access features take ~26 ms a table to sample (5,000 tables: minutes): tables that cannot fit all
     devices are refused from the spec's sizes, before any sampling."""
     from embshard.cli import main
@@ -135,6 +135,8 @@ def test_a_spec_that_cannot_fit_is_refused_before_its_tables_are_read(tmp_path, 
     assert main(["place", "--tables", str(path), "--devices", "8", "--memory-gb", "16", "--planner", "size_greedy",
                  "--out", str(out)]) == 2
     assert not out.exists()
+    err = capsys.readouterr().err  # the table that alone needs most of it is named, with its rows
+    assert "table huge alone needs" in err and "100,000,000,000,000 rows" in err, err
 
 
 def test_cost_model_given_gives_predicted_costs_without_mlflow(store, tmp_path):

@@ -247,6 +247,13 @@ def test_trace_errors_name_what_is_wrong(tmp_path, tables):
         dlrm.tables_from_trace(str(tmp_path / "h.pt"), dlrm.TraceOptions(dim=8, rows_file=str(tmp_path / "rows.txt")),
                                progress=False)
     assert "table 0 uses index 5 but has 2 rows; table 1 uses index 1 but has 1 rows" in str(exc.value)
+    # a stray id of 2^40 against a small hash size: the same one line, not a bincount of 2^40 counters
+    torch.save((torch.tensor([1, 2, 3, 2 ** 40, 1, 2, 3, 4]), torch.tensor([0, 2, 4, 6, 8]),
+                torch.tensor([[2, 2], [2, 2]])), tmp_path / "stray.pt")
+    (tmp_path / "rows100.txt").write_text("100 100")
+    with pytest.raises(dlrm.EmbshardError, match="table 0 uses index 1,099,511,627,776 but has 100 rows"):
+        dlrm.tables_from_trace(str(tmp_path / "stray.pt"),
+                               dlrm.TraceOptions(dim=8, rows_file=str(tmp_path / "rows100.txt")), progress=False)
     (tmp_path / "ok.txt").write_text("6 2")
     cwd = os.getcwd()
     os.chdir(tmp_path)

@@ -296,10 +296,12 @@ def test_a_long_sampling_of_a_spec_is_said_once_with_how_to_skip_it(tmp_path, mo
     path = tmp_path / "s.csv"
     path.write_text("name,num_embeddings,embedding_dim,pooling_factor\nuser,100,16,1.0\nitem,100,16,1.0\n")
     with caplog.at_level(logging.INFO, logger="embshard.ingest.spec"):
-        spec.tables_from_spec(str(path), bins_batch_size=64, progress=True)
+        spec.tables_from_spec(str(path), bins_batch_size=64, progress=True, reread=True)  # place's --tables
+        spec.tables_from_spec(str(path), bins_batch_size=64, progress=True)  # ingest itself: no advice to ingest
         spec.tables_from_spec(str(path), bins_batch_size=64, progress=False)  # a caller's own progress: nothing
     said = [r.getMessage() for r in caplog.records if "sampling the access features" in r.getMessage()]
-    assert len(said) == 1 and "of 2 tables" in said[0] and "embshard ingest --source spec" in said[0], said
+    assert len(said) == 2 and all("of 2 tables" in m for m in said), said
+    assert "embshard ingest --source spec" in said[0] and "embshard ingest" not in said[1], said
 
 
 def test_a_value_out_of_range_names_its_line_beside_its_table(tmp_path):

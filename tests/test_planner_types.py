@@ -205,4 +205,4 @@ def test_proposers_that_place_nothing_are_said(world, caplog):
     with caplog.at_level(logging.INFO, logger="embshard.planners.compose"):
         p = planner.plan(ts, DeviceTopology(4, mem), task_id="t")
     assert p.meta["proposers_without_plan"] == ["policy_greedy"] and p.meta["start_candidate"] == "size_greedy"
-    assert "t: policy_greedy found no plan within memory; the plan starts from size_greedy" in caplog.text
+    assert "t: policy_greedy placed nothing (within memory, or at all); the plan starts from size_greedy" in caplog.text

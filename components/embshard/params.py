@@ -49,7 +49,8 @@ SPECS: dict[str, ParamSpec] = {
                         "(CSV/Parquet/YAML, TorchRec names) or a DLRM trace (.pt/.pt.gz).",
                         {"enum": ["synthetic", "spec", "dlrm"]}),
     # Optional (null allowed): the synthetic source needs no file, and the UI form must submit with the defaults.
-    "input": ParamSpec(None, "Spec or trace file for source spec/dlrm (a path or URI); empty for synthetic.",
+    "input": ParamSpec(None, "Spec or trace file for source spec/dlrm (a local or mounted path, or file://); "
+                       "empty for synthetic.",
                        {"type": ["null", "string"]}),
     "num_tables": ParamSpec(240, "Synthetic source: how many tables to generate (2-100,000).", _int(2, 100_000)),
     # 0.04 by default for coverage: they are the tables a plan must cut, and a cost model that never measured
@@ -65,8 +66,8 @@ SPECS: dict[str, ParamSpec] = {
                      "draw from the synthetic mix 4-256.", {"type": ["string", "integer"]},
                      fix=f"give {checks.DIM_RULE}, or 'mixed'"),
     "data_type": ParamSpec("fp32", "DLRM source: the tables' weight type.", {"enum": list(DATA_TYPES)}),
-    "rows_file": ParamSpec(None, "DLRM source: hash sizes, one integer per table of the trace (a path or URI; "
-                           "empty: each table's largest index + 1).", {"type": ["null", "string"]}),
+    "rows_file": ParamSpec(None, "DLRM source: hash sizes, one integer per table of the trace (a local or mounted "
+                           "path; empty: each table's largest index + 1).", {"type": ["null", "string"]}),
     "seed": ParamSpec(0, "Seed of every random choice of the run (0-4,294,967,295).", _int(0, 2**32 - 1)),
     "num_tasks": ParamSpec(12, "Tasks sampled per split (train pool / unseen test pool; 1-10,000).",
                            _int(1, 10_000)),
@@ -180,7 +181,7 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
     if "source" not in bad and "input" not in bad:
         src, inp = p["source"], (p["input"] or "").strip()
         if src in ("spec", "dlrm") and not inp:
-            found.append(("input", f"source {src} needs an input file", f"give the {src} file's path or URI"))
+            found.append(("input", f"source {src} needs an input file", f"give the {src} file's path"))
         elif src == "synthetic" and inp:
             found.append(("input", "the synthetic source reads no file",
                           "leave input empty, or choose source spec or dlrm"))
@@ -201,7 +202,7 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
     if "source" not in bad and p["source"] != "dlrm":
         given = params or {}
         for key in DLRM_KEYS:  # what a trace lacks: the generator draws them, a spec lists them
-            if given.get(key) is not None and key not in bad and p[key] != SPECS[key].default:
+            if given.get(key) is not None and key not in bad and _dlrm_value(key, p[key]) != SPECS[key].default:
                 has = "lists them in its input" if p["source"] == "spec" else "draws them itself"
                 found.append((key, f"only a dlrm trace needs dims, data type and hash sizes given; source "
                               f"{p['source']} {has}", f"leave {key} out, or choose source dlrm"))
@@ -265,19 +266,30 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
     return found
 
 
-_FIX_MISSING = "give an existing file (a path on the machine that runs ingest, or an s3:// URI)"
+_FIX_MISSING = "give an existing file (a path on the machine that runs ingest, or on its mounted volume)"
 
 
 def _missing(path: str) -> bool:
-    """A local path (or file:// URI) that names no file; a remote URI is left to ingest."""
-    local = path.replace("file://", "", 1)
-    return "://" not in local and not os.path.isfile(local)
+    """A path (or file:// URI) that names no file here; a remote URI names none either (ingest reads local or
+    mounted paths only, checks.local_input_file)."""
+    local = path.removeprefix("file://")
+    return "://" in local or not os.path.isfile(local)
 
 
 def _local_file(path: str) -> str | None:
     """The local file a path or file:// URI names, or None (a remote URI, or no such file)."""
-    local = path.replace("file://", "", 1)
+    local = path.removeprefix("file://")
     return local if "://" not in local and os.path.isfile(local) else None
+
+
+def _dlrm_value(key: str, value):
+    """A dlrm param as ingest reads it, so that a default written another way (`--param rows_file=`, dim ' Mixed')
+    is not refused as a value given to another source."""
+    if key == "rows_file":
+        return (str(value).strip() or None) if value is not None else None
+    if key == "dim" and isinstance(value, str):
+        return value.strip().lower()
+    return value
 
 
 def _dim_problem(value) -> str | None:
@@ -285,8 +297,9 @@ def _dim_problem(value) -> str | None:
     if isinstance(value, str) and value.strip().lower() == "mixed":
         return None
     try:
-        d = int(str(value).strip())  # "64" from the form or `--param`, 64 from REST; not "64.5" or "1e3"
-    except ValueError:
+        # "64" from the form or `--param`, 64 or 64.0 from REST (JSON schema's integer takes 64.0); not "64.5"
+        d = int(value) if isinstance(value, float) and value.is_integer() else int(str(value).strip())
+    except (ValueError, OverflowError):
         return f"{str(value)[:40]!r} is neither a whole number nor 'mixed'"
     if checks.bad_dim(d):
         return f"{d} is not {checks.DIM_RULE} (FBGEMM's kernels measure no other)"
@@ -315,8 +328,8 @@ def _file_pools_too_small(hi_n: int, n: int, whose: str, too_few: str) -> tuple[
 
 def _spec_table_count(path: str) -> int | None:
     """The tables a local spec file lists (None: a remote or unreadable file, whose errors ingest reports)."""
-    local = path.replace("file://", "", 1)
-    if "://" in local or not os.path.isfile(local):
+    local = _local_file(path)
+    if local is None:
         return None
     from .ingest.spec import read_spec_file
 

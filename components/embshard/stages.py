@@ -113,7 +113,7 @@ def ingest(root: str, params: dict) -> dict:
         kw = {"hot_large_fraction": float(p["hot_large_fraction"])}
     elif p["source"] == "dlrm":  # a trace carries no dims, weight type or hash sizes (`embshard ingest --dim` ...)
         rows_file, dim = (p["rows_file"] or "").strip(), str(p["dim"]).strip().lower()  # " Mixed", "64" (checked)
-        kw = {"dim": dim if dim == "mixed" else int(dim), "data_type": p["data_type"],
+        kw = {"dim": dim if dim == "mixed" else int(float(dim)), "data_type": p["data_type"],
               "rows_file": rows_file.removeprefix("file://") or None}  # read as a local file, like ingest's
     tables = ingest_run(p["source"], root, input=p["input"] or None, seed=int(p["seed"]),
                         num_tables=int(p["num_tables"]) if synthetic else None, **kw)

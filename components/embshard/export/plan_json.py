@@ -493,12 +493,13 @@ def left_out_note(placed, available, tables_path: str) -> str | None:
     """A line saying which tables of `available` (a tables file's ids) a plan placing `placed` leaves out, when it
     leaves out fewer than it places (a plan of most of a file's tables that misses a few looks like a mistake; a
     task's plan of some tables of a run's pool, the usual case, is not said); None otherwise."""
-    placed = {str(t) for t in placed}
-    left_out = [str(t) for t in available if str(t) not in placed]
+    available = [str(t) for t in available]
+    placed = {str(t) for t in placed} & set(available)  # a plan's table not in the file is another check's error
+    left_out = [t for t in available if t not in placed]
     if not left_out or len(left_out) >= len(placed):
         return None
     named = ", ".join(left_out[:3]) + (", ..." if len(left_out) > 3 else "")
-    total = len(placed) + len(left_out)
+    total = len(available)
     return f"the plan places {len(placed)} of the {total} tables of {tables_path} (not placed: {named})"
 
 

@@ -50,9 +50,10 @@ class TraceFile:
     def __init__(self, path: str | os.PathLike, tmp_dir: str | None = None, tmp_tag: str | None = None):
         self.path = os.fspath(path)
         self._tmp: str | None = None
-        if os.path.isdir(self.path):
+        if os.path.isdir(self.path.removeprefix("file://")):
             raise EmbshardError("is a folder, not a file", path=self.path, fix="give the trace file itself")
-        checks.input_file(self.path, fix="check the --input path")  # not found, a FIFO (would hang), unreadable
+        # not found, a FIFO (would hang), unreadable, a remote URI; file:// taken off
+        self.path = checks.local_input_file(self.path, fix="check the --input path")
         with open(self.path, "rb") as f:
             magic = f.read(4)
         load_path = self.path
@@ -392,9 +393,9 @@ class TraceOptions:
 def read_rows_file(path: str, num_tables: int, trace_tables: int | None = None) -> np.ndarray:
     """Hash sizes from a text file: integers separated by commas, spaces or newlines, one per table: the
     `num_tables` read, or all `trace_tables` of the trace (the first `num_tables` are used)."""
-    if os.path.isdir(path):
+    if os.path.isdir(path.removeprefix("file://")):
         raise EmbshardError("is a folder, not a file", path=path, field="rows", fix="give the rows file itself")
-    checks.input_file(path, field="rows", fix="check the --rows-file path")
+    path = checks.local_input_file(path, field="rows", fix="check the --rows-file path")
     try:
         with open(path, encoding="utf-8") as f:
             raw = f.read()
@@ -532,6 +533,7 @@ def tables_from_trace(path: str, options: TraceOptions | None = None, *, rows: n
                 out_rows[t] = int(rows[t])
                 if top > out_rows[t]:  # every such table is named at the end, not one per run
                     too_small.append(f"table {t} uses index {top - 1:,} but has {int(out_rows[t]):,} rows")
+                    continue  # no bins: counting up to a stray id of 2^40 would ask for terabytes
             else:
                 n = top
                 if n * int(dims[t]) * bpe >= checks.MAX_TABLE_BYTES:  # Python ints: never wraps around

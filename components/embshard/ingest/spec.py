@@ -39,9 +39,10 @@ _FORMATS = ".csv (or .tsv), .parquet, .yaml or .yml"
 def read_spec_file(path: str) -> pd.DataFrame:
     """The raw rows of a spec file; unreadable files and empty lists are errors naming the file."""
     path = os.fspath(path)
-    if os.path.isdir(path):
+    if os.path.isdir(path.removeprefix("file://")):
         raise EmbshardError("is a folder, not a file", path=path, fix="give the spec file itself as --input")
-    checks.input_file(path, fix="check the path of the table spec")  # not found, a FIFO (would hang), unreadable
+    # not found, a FIFO (would hang), unreadable, a remote URI; file:// taken off
+    path = checks.local_input_file(path, fix="check the path of the table spec")
     ext = os.path.splitext(path)[1].lower()
     try:
         if ext in (".csv", ".tsv"):
@@ -352,8 +353,9 @@ def validate_spec(df: pd.DataFrame, path: str) -> pd.DataFrame:
 
 
 def tables_from_spec(path: str, seed: int = 0, bins_batch_size: int | None = None,
-                     progress: bool = True) -> pd.DataFrame:
-    """A validated tables frame (+ `zipf_alpha`, NaN where bins were given) from a spec file."""
+                     progress: bool = True, reread: bool = False) -> pd.DataFrame:
+    """A validated tables frame (+ `zipf_alpha`, NaN where bins were given) from a spec file. `reread`: a command
+    that reads the spec as its --tables (place, export, evaluate): a long sampling then says how to skip it."""
     from tqdm.auto import tqdm
 
     from .synthetic import BINS_BATCH_SIZE, sample_table_batch, table_bins
@@ -377,8 +379,9 @@ def tables_from_spec(path: str, seed: int = 0, bins_batch_size: int | None = Non
     # Where stderr is no terminal (CI, a log) the bar is off, so a long sampling is said once, with how to skip it.
     sampled = int((~has_bins).sum())
     if progress and sampled >= SAY_SAMPLING_FROM:
-        log.info("%s: sampling the access features of %d tables (about %.0f s; `embshard ingest --source spec` once, "
-                 "then pass its tables.parquet, skips this)", path, sampled, sampled * SAMPLE_S_PER_TABLE)
+        log.info("%s: sampling the access features of %d tables (about %.0f s%s)", path, sampled,
+                 sampled * SAMPLE_S_PER_TABLE, "; `embshard ingest --source spec` once, then pass its tables.parquet, "
+                 "skips this" if reread else "")
     for i in tqdm(range(n), desc="spec tables: sampling access features", unit="table",
                   disable=not progress or None, mininterval=1.0, delay=2.0):
         if has_bins[i]:
@@ -416,12 +419,14 @@ def _name_seed(name: str) -> list[int]:
     return [int.from_bytes(digest[k:k + 4], "little") for k in range(0, 16, 4)]
 
 
-def spec_sizes(path) -> np.ndarray:
-    """(N,) bytes of each table a spec lists, from its validated rows alone (no access features sampled: those
-    take ~26 ms a table), so that a command can refuse tables that cannot fit before it reads them in full."""
+def spec_sizes(path) -> tuple[np.ndarray, list[str], np.ndarray]:
+    """(bytes (N,), names, rows (N,)) of the tables a spec lists, from its validated rows alone (no access
+    features sampled: those take ~26 ms a table), so that a command can refuse tables that cannot fit, naming a
+    table that alone needs most of the memory, before it reads them in full."""
     spec = validate_spec(read_spec_file(os.fspath(path)), os.fspath(path))
     bpe = spec["data_type"].map(DATA_TYPES).astype(np.int64).to_numpy()
-    return spec["num_embeddings"].to_numpy(dtype=np.int64) * spec["embedding_dim"].to_numpy(dtype=np.int64) * bpe
+    rows = spec["num_embeddings"].to_numpy(dtype=np.int64)
+    return rows * spec["embedding_dim"].to_numpy(dtype=np.int64) * bpe, [str(n) for n in spec["name"]], rows
 
 
 def is_spec_path(path) -> bool:
@@ -447,5 +452,5 @@ def read_tables(path, seed: int = 0):
     from ..tableset import TableSet
 
     if is_spec_path(path):  # a progress bar on a terminal when this takes long: `embshard ingest` once saves it
-        return TableSet.from_frame(tables_from_spec(os.fspath(path), seed=seed, progress=True))
+        return TableSet.from_frame(tables_from_spec(os.fspath(path), seed=seed, progress=True, reread=True))
     return TableSet.read(path)

@@ -97,7 +97,7 @@ def main(args) -> int:
             from ..ingest.spec import tables_from_spec
 
             tables = os.path.join(scratch, "tables.parquet")
-            schemas.write(tables_from_spec(args.tables, progress=False), tables, "tables")
+            schemas.write(tables_from_spec(args.tables, progress=True, reread=True), tables, "tables")
         if getattr(args, "plan", None):
             from ..export.user_plan import NAME, UserPlan
             from ..types import load_tasks

@@ -34,7 +34,8 @@ def resolve_task(tables: str, tasks: str | None, task_id: str | None, devices: i
     if task_id is None and devices is not None and memory_bytes is not None and is_spec_path(tables):
         # A spec's access features take ~26 ms a table to sample: tables that cannot fit are said before that.
         try:
-            check_capacity(spec_sizes(tables), int(devices), int(memory_bytes))
+            sizes, names, rows = spec_sizes(tables)
+            check_capacity(sizes, int(devices), int(memory_bytes), names=names, rows=rows)
         except EmbshardError as exc:
             raise exc.at(os.fspath(tables)) from None
     table_set = read_tables(tables)

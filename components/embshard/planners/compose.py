@@ -608,7 +608,7 @@ class ComposedPlanner(Planner):
             # Under tight memory the policy's rollouts (and the cost greedy) may place nothing; the plan then
             # starts from a heuristic, which a user had no way to tell from the output.
             placement.meta["proposers_without_plan"] = list(budget.no_plan)
-            log.info("%s: %s found no plan within memory; the plan starts from %s", problem.task_id,
+            log.info("%s: %s placed nothing (within memory, or at all); the plan starts from %s", problem.task_id,
                      ", ".join(budget.no_plan), best.name)
         if budget.cap_hit:
             skipped = (f" (proposals skipped: {', '.join(budget.skipped_proposers)})" if budget.skipped_proposers
