@@ -49,8 +49,8 @@ SPECS: dict[str, ParamSpec] = {
                         "(CSV/Parquet/YAML, TorchRec names) or a DLRM trace (.pt/.pt.gz).",
                         {"enum": ["synthetic", "spec", "dlrm"]}),
     # Optional (null allowed): the synthetic source needs no file, and the UI form must submit with the defaults.
-    "input": ParamSpec(None, "Spec or trace file for source spec/dlrm (a local or mounted path, or file://); "
-                       "empty for synthetic.",
+    "input": ParamSpec(None, "Spec or trace file for source spec/dlrm (a path; a trace is read from a local or "
+                       "mounted one only); empty for synthetic.",
                        {"type": ["null", "string"]}),
     "num_tables": ParamSpec(240, "Synthetic source: how many tables to generate (2-100,000).", _int(2, 100_000)),
     # 0.04 by default for coverage: they are the tables a plan must cut, and a cost model that never measured
@@ -270,10 +270,10 @@ _FIX_MISSING = "give an existing file (a path on the machine that runs ingest, o
 
 
 def _missing(path: str) -> bool:
-    """A path (or file:// URI) that names no file here; a remote URI names none either (ingest reads local or
-    mounted paths only, checks.local_input_file)."""
+    """A local path (or file:// URI) that names no file; a remote URI is left to ingest (a trace or a rows file
+    is read from a local path only, and ingest says so in one line: checks.local_input_file)."""
     local = path.removeprefix("file://")
-    return "://" in local or not os.path.isfile(local)
+    return "://" not in local and not os.path.isfile(local)
 
 
 def _local_file(path: str) -> str | None:

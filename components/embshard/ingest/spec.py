@@ -39,10 +39,9 @@ _FORMATS = ".csv (or .tsv), .parquet, .yaml or .yml"
 def read_spec_file(path: str) -> pd.DataFrame:
     """The raw rows of a spec file; unreadable files and empty lists are errors naming the file."""
     path = os.fspath(path)
-    if os.path.isdir(path.removeprefix("file://")):
+    if os.path.isdir(path):
         raise EmbshardError("is a folder, not a file", path=path, fix="give the spec file itself as --input")
-    # not found, a FIFO (would hang), unreadable, a remote URI; file:// taken off
-    path = checks.local_input_file(path, fix="check the path of the table spec")
+    checks.input_file(path, fix="check the path of the table spec")  # not found, a FIFO (would hang), unreadable
     ext = os.path.splitext(path)[1].lower()
     try:
         if ext in (".csv", ".tsv"):
