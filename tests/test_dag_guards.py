@@ -384,7 +384,8 @@ def test_a_dlrm_runs_dims_type_and_hash_sizes_reach_its_tables(tmp_path):
     # a default written another way is no value given to another source
     assert params.problems({"source": "synthetic", "rows_file": "", "dim": " Mixed", "tables_per_task": "2"}) == []
     # a trace is read from a local or mounted path: file:// is taken off, an s3:// URI is one line, not a traceback
-    assert len(dlrm.tables_from_trace(f"file://{trace}", dlrm.TraceOptions(dim=8), progress=False)) == 8
+    via_uri = dlrm.tables_from_trace(f"file://{trace}", dlrm.TraceOptions(dim=8), progress=False)
+    assert len(via_uri) == 8 and (via_uri["trace_file"] == os.path.abspath(trace)).all()  # what bench replays
     with pytest.raises(EmbshardError, match="is a s3:// URI, but this file is read from a local path only"):
         dlrm.tables_from_trace("s3://bucket/t.pt", dlrm.TraceOptions(dim=8), progress=False)
 

@@ -500,6 +500,7 @@ def tables_from_trace(path: str, options: TraceOptions | None = None, *, rows: n
     from .synthetic import table_bins
 
     opt = options or TraceOptions()
+    path = os.fspath(path).removeprefix("file://")  # the trace_file recorded for the benchmark is a plain path
     bpe = bytes_per_element(opt.data_type)
     with TraceFile(path, tmp_dir=opt.tmp_dir, tmp_tag=opt.tmp_tag) as trace:
         T = trace.num_tables if opt.num_tables is None else min(int(opt.num_tables), trace.num_tables)
