@@ -313,3 +313,27 @@ def test_a_value_out_of_range_names_its_line_beside_its_table(tmp_path):
     with pytest.raises(EmbshardError) as err:
         spec.tables_from_spec(str(path), bins_batch_size=64, progress=False)
     assert err.value.field == "num_embeddings" and "of table 'item' (line 5) is not > 0" in str(err.value), err.value
+
+
+def test_a_written_nan_skew_is_refused_in_yaml_and_parquet_too(tmp_path):
+    """Only a CSV told a written nan from an empty cell; a YAML `.nan` or a Parquet NaN still read as "not given"."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from embshard.errors import EmbshardError
+
+    y = tmp_path / "s.yaml"
+    y.write_text("- {name: user, num_embeddings: 100, embedding_dim: 16, pooling_factor: 1.0, zipf_alpha: 1.1}\n"
+                 "- {name: item, num_embeddings: 100, embedding_dim: 16, pooling_factor: 1.0, zipf_alpha: .nan}\n")
+    with pytest.raises(EmbshardError) as err:
+        spec.tables_from_spec(str(y), bins_batch_size=64, progress=False)
+    assert err.value.field == "zipf_alpha" and "line 2" in str(err.value), err.value
+    cols = {"name": ["user", "item", "geo"], "num_embeddings": [100, 100, 100], "embedding_dim": [16, 16, 16],
+            "pooling_factor": [1.0, 1.0, 1.0]}
+    pq.write_table(pa.table({**cols, "zipf_alpha": pa.array([1.1, None, 0.5])}), tmp_path / "ok.parquet")
+    df = spec.tables_from_spec(str(tmp_path / "ok.parquet"), bins_batch_size=64, progress=False)
+    assert "default-zipf-1.0" in df.set_index("table_id").loc["item", "source"]  # null: the default
+    pq.write_table(pa.table({**cols, "zipf_alpha": pa.array([1.1, float("nan"), 0.5])}), tmp_path / "nan.parquet")
+    with pytest.raises(EmbshardError) as err:
+        spec.tables_from_spec(str(tmp_path / "nan.parquet"), bins_batch_size=64, progress=False)
+    assert err.value.field == "zipf_alpha" and "row 1 (table 'item')" in str(err.value), err.value

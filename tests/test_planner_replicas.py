@@ -128,6 +128,31 @@ def test_no_replica_when_its_copies_do_not_fit():
     assert replica_candidate(ts, shards, tight, model, on_b, single) != t
 
 
+def test_a_table_never_looked_up_is_no_replica_candidate():
+    """A trace's unread table (pooling 0) was replicated on all 8 devices: a replica saves lookups, and it has
+    none; the model's price of an empty table's fixed cost only multiplies."""
+    from dataclasses import replace
+
+    from embshard.planners.search import SearchState, replica_candidate
+
+    ts, t = tiny_hot()
+    model = analytic()
+    shards = [Shard(i, i % D) for i in range(len(ts))]
+    assign = np.array([s.device for s in shards])
+    on_t = np.flatnonzero(assign == assign[t])
+
+    def candidate(tables):
+        feats = piece_features(tables, shards, D)
+        state = SearchState(TaskScorer(model, feats, D), tables.size_bytes.copy(), int(tables.size_bytes.sum()),
+                            assign)
+        return replica_candidate(tables, shards, state, model, on_t, state.scorer.single_costs()[on_t])
+
+    assert candidate(ts) == t
+    pooling = ts.pooling_factor.copy()
+    pooling[t] = 0.0
+    assert candidate(replace(ts, pooling_factor=pooling)) != t
+
+
 def test_baselines_never_replicate():
     from embshard.planners.baselines import make_baseline
 

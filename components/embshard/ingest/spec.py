@@ -47,7 +47,15 @@ def read_spec_file(path: str) -> pd.DataFrame:
         if ext in (".csv", ".tsv"):
             df = _read_csv(path)
         elif ext in (".parquet", ".pq"):
-            df = pd.read_parquet(path)
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(path)
+            written_nan = _parquet_nan_skew(table)  # NaN, unlike null, is a value written: pandas makes both NaN
+            df = table.to_pandas()
+            if written_nan is not None:
+                col, i = written_nan
+                raise EmbshardError(f"value NaN in row {i} ({_name(df, i)}) is not a number", path=path, field=col,
+                                    fix=SKEW_NAN_FIX)
         elif ext in (".yaml", ".yml"):
             import yaml
 
@@ -68,6 +76,13 @@ def read_spec_file(path: str) -> pd.DataFrame:
                 raise EmbshardError("expected a list of tables (mappings), or a mapping with a 'tables' list",
                                     path=path, field="tables", fix="write one mapping per table under 'tables:'")
             lines = _yaml_table_lines(path, len(doc))
+            for i, r in enumerate(doc):  # a written .nan skew is a value; a missing key is the default
+                for k in ("zipf_alpha", *schemas.BIN_COLUMNS):
+                    v = r.get(k)
+                    if isinstance(v, float) and v != v:
+                        at = f"line {lines[i]}" if lines else f"table {i + 1} of the list"
+                        raise EmbshardError(f"value .nan in {at} is not a number", path=path, field=k,
+                                            fix=SKEW_NAN_FIX)
             for i, r in enumerate(doc):  # YAML reads yes/no, 012 (octal), 1_000, dates as other types
                 if r.get("name") is not None and not isinstance(r["name"], str):
                     at = f"line {lines[i]}" if lines else f"table {i + 1} of the list"
@@ -93,6 +108,22 @@ def read_spec_file(path: str) -> pd.DataFrame:
         raise EmbshardError("the table list is empty", path=path, field="name",
                             fix="describe at least one table (one row per table)")
     return df
+
+
+SKEW_NAN_FIX = "give a number, or leave the skew out (empty, null) for the default"
+
+
+def _parquet_nan_skew(table) -> tuple[str, int] | None:
+    """(column, row) of the first NaN written in a skew column of a Parquet spec (null is "not given"), or None."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for col in ("zipf_alpha", *schemas.BIN_COLUMNS):
+        if col in table.column_names and pa.types.is_floating(table.schema.field(col).type):
+            nan = pc.fill_null(pc.is_nan(table.column(col)), False).to_numpy(zero_copy_only=False)
+            if nan.any():
+                return col, int(np.flatnonzero(nan)[0])
+    return None
 
 
 def _read_csv(path: str) -> pd.DataFrame:

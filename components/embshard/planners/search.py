@@ -306,7 +306,10 @@ def replica_candidate(tables: TableSet, shards: list[Shard], state: SearchState,
     pieces = np.asarray(pieces)
     fullest_other = np.where(state.assignment[pieces] == top[0], used[top[1]], used[top[0]])
     whole = np.array([shards[p].kind == WHOLE for p in pieces], dtype=bool)
-    ok = np.flatnonzero(whole & (fullest_other + state.sizes[pieces] <= state.memory))
+    # A table never looked up saves no lookups by being replicated (a trace's unread table was replicated on all
+    # 8 devices: the model prices an empty table's fixed cost, which a replica only multiplies).
+    read = np.array([tables.pooling_factor[shards[p].table] > 0 for p in pieces], dtype=bool)
+    ok = np.flatnonzero(whole & read & (fullest_other + state.sizes[pieces] <= state.memory))
     if not len(ok):
         return None
     cands = pieces[ok]
