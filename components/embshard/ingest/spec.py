@@ -157,14 +157,20 @@ def _read_csv(path: str) -> pd.DataFrame:
     read = dict(skipinitialspace=True, header=0, index_col=False, sep=sep)
     df = pd.read_csv(io.StringIO(text), usecols=range(len(header)), **read)
     df.columns = header
-    if "name" in header:  # names as written: no number parsing ('007', '1e3') and no NA words ('NA', 'nan')
-        df["name"] = pd.read_csv(io.StringIO(text), usecols=[header.index("name")], dtype=str,
-                                 keep_default_na=False, **read).iloc[:, 0]
-    for col in ("zipf_alpha", *schemas.BIN_COLUMNS):
-        if col in header:  # an empty cell means "the default skew"; a written 'nan' is a value, refused as one
-            raw = pd.read_csv(io.StringIO(text), usecols=[header.index(col)], dtype=str, keep_default_na=False,
-                              **read).iloc[:, 0].str.strip()
-            df[col] = raw.where(raw != "", None)
+    # Read once more as written, the columns whose text matters: names (no number parsing of '007' or '1e3', no NA
+    # words like 'NA' or 'nan'), and the skews (an empty cell is "the default skew"; a written 'nan' is a value,
+    # refused as one).
+    skews = [c for c in ("zipf_alpha", *schemas.BIN_COLUMNS) if c in header]
+    written = [c for c in ("name", *skews) if c in header]
+    if written:
+        raw = pd.read_csv(io.StringIO(text), usecols=[header.index(c) for c in written], dtype=str,
+                          keep_default_na=False, **read)
+        raw.columns = [header[i] for i in sorted(header.index(c) for c in written)]  # pandas keeps file order
+        if "name" in written:
+            df["name"] = raw["name"]
+        for col in skews:
+            cell = raw[col].str.strip()
+            df[col] = cell.where(cell != "", None)
     if len(df) == len(lines) - 1:  # one data row per kept line (a quoted value spanning lines has no simple line)
         df.attrs[LINES] = [n for n, _ in lines[1:]]
     return df
