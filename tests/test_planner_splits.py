@@ -19,7 +19,7 @@ from embshard.planners.baselines import BASELINES, make_baseline
 from embshard.planners.learned import LearnedPlanner
 from embshard.planners.scoring import placement_costs
 from embshard.planners.search import Budget, SearchState, local_search
-from embshard.planners.splitting import ROW_LEVEL, PieceView, column_widths, split_to_fit
+from embshard.planners.splitting import ROW_LEVEL, PieceView, column_widths, first_fit, split_to_fit
 from embshard.tableset import TableSet
 from embshard.types import DeviceTopology, Shard, row_blocks
 
@@ -74,6 +74,44 @@ def test_tables_larger_than_a_device_get_the_fewest_cuts_that_pack(mlperf):
     assert big.sum() == 5 and sorted(view.levels[big]) == [2, 2, 2, 2, 4] and not view.levels[~big].any()
     assert view.pieces.size_bytes.max() <= topo.memory_bytes
     assert column_widths(128, 4) == [32, 32, 32, 32] and column_widths(10, 2) == [4, 6]
+
+
+def test_cut_to_fit_with_a_slice_floor_goes_row_wise_instead_of_below_it(mlperf):
+    """Five 19 GiB tables of 128 fp32 columns on 32 x 4 GiB: the planners' view cuts them into slices of 16 and 8
+    columns (narrow slices measured 0.72-0.86x the row-wise cuts on this CPU); with a floor of 128 bytes a row
+    (32 columns) they are cut row-wise instead, as TorchRec cuts them, and that view packs too. A floor the
+    view's cuts stay above (8 x 16 GiB: halves and quarters) changes nothing."""
+    topo = DeviceTopology(32, 4 * GiB)
+    big = np.flatnonzero(mlperf.size_bytes > topo.memory_bytes)
+    narrow = split_to_fit(mlperf, topo)
+    assert min(s.col_size for s in narrow.free if s.kind == "column") <= 16
+    floored = split_to_fit(mlperf, topo, fit_slice_bytes=128)
+    assert (floored.levels[big] == ROW_LEVEL).all() and floored.fit_slice_bytes == 128
+    assert all(s.col_size >= 32 for s in floored.free if s.kind == "column")
+    assert first_fit(floored)[0] and floored.memory >= 0
+    assert split_to_fit(mlperf, topo) is narrow  # each view is kept apart
+    roomy = DeviceTopology(8, 16 * GiB)
+    assert np.array_equal(split_to_fit(mlperf, roomy, fit_slice_bytes=128).levels, split_to_fit(mlperf, roomy).levels)
+    # a view cut finer keeps its floor: the next cut of a 32-column quarter is row-wise, not eighths
+    quarter = PieceView.build(mlperf, topo, np.where(np.arange(len(mlperf)) == big[0], 4, 0), fit_slice_bytes=128)
+    assert quarter.refined(int(big[0])).levels[big[0]] == ROW_LEVEL
+    assert PieceView.build(mlperf, topo, quarter.levels).refined(int(big[0])).levels[big[0]] == 8
+
+
+def test_the_learned_planner_weighs_the_row_wise_fit_against_narrow_slices(mlperf):
+    """Where the two views differ, the cost greedy on the row-wise one is a candidate beside the others (the cost
+    model chooses: which is cheaper depends on the hardware); where they agree it is not run, and not reported
+    among the proposers that placed nothing."""
+    planner = LearnedPlanner(None, analytic(), composition_name="no_policy", search_evaluations=2_000)
+    tight = planner.plan(mlperf, DeviceTopology(32, 4 * GiB))
+    tight.check()
+    costs = tight.meta["candidate_costs"]
+    assert "row_wise_fit" in costs
+    assert placement_costs(planner.cost_model, tight).max() <= min(costs.values()) * (1 + 1e-5)
+    assert "row_wise_fit" not in tight.meta.get("proposers_without_plan", [])
+    roomy = planner.plan(mlperf, DeviceTopology(8, 16 * GiB))
+    assert "row_wise_fit" not in roomy.meta["candidate_costs"]
+    assert "row_wise_fit" not in roomy.meta.get("proposers_without_plan", [])
 
 
 def test_a_view_cut_finer_is_the_view_built_at_those_levels(small_tables_df):
