@@ -169,6 +169,35 @@ def test_exported_plan_shards_through_dmp_and_matches_the_unsharded_model(tmp_pa
         assert max(res["diffs"].values()) < 1e-5, (rank, res["diffs"])
 
 
+@pytest.mark.skipif(not _has_torchrec(), reason="torchrec extra not installed")
+def test_a_table_row_wise_plan_is_refused_in_a_job_whose_hosts_are_another_size(tmp_path, monkeypatch):
+    """t3 is cut table-row-wise over hosts of 2 ranks. A job that groups its ranks otherwise (LOCAL_WORLD_SIZE 4 or
+    1, or unset: TorchRec then takes the world) failed inside DistributedModelParallel (an IndexError in TorchRec's
+    table-row-wise sharding, or 'Number of local shards (0) does not match'); it is one line naming the fix."""
+    from embshard import schemas
+    from embshard.errors import EmbshardError
+    from embshard.export.torchrec_plan import plan_from_json
+    from embshard.jobs.export import run as export
+
+    schemas.write(_tables_frame(), tmp_path / "tables.parquet", "tables")
+    schemas.write(_placement().to_frame(), tmp_path / "placements.parquet", "placements")
+    path = export(str(tmp_path / "placements.parquet"), str(tmp_path / "tables.parquet"), str(tmp_path / "out"),
+                  compute_device="cpu")["plans"]["dmp"]["torchrec_plan_json"]
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert plan_from_json(path, world_size=WORLD)  # outside a job: nothing to compare with
+    assert plan_from_json(path, world_size=WORLD, local_world_size=LOCAL)
+    with pytest.raises(EmbshardError) as err:
+        plan_from_json(path, world_size=WORLD, local_world_size=4)
+    line = str(err.value)
+    assert "\n" not in line and "field 'local_world_size'" in line and "hosts of 2 ranks" in line
+    assert "LOCAL_WORLD_SIZE=2" in line and "--devices-per-host 4" in line
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(EmbshardError, match="hold 1 \\(LOCAL_WORLD_SIZE\\)"):
+        plan_from_json(path, world_size=WORLD)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(LOCAL))
+    assert plan_from_json(path, world_size=WORLD)
+
+
 # --- one plan, a model of two EBCs (TorchRec's is_weighted is per EBC) ------------------------------------------
 WEIGHTED = ("t3", "t4")  # looked up with per-id weights, in an EBC of their own
 

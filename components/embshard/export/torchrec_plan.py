@@ -675,7 +675,7 @@ def _check_row_blocks(f: str, kind: str, placed, rows: int, bad, world: int | No
 
 
 def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size: int | None = None, module=None,
-                   where: str | None = None):
+                   where: str | None = None, local_world_size: int | None = None):
     """Rebuild the torchrec ShardingPlan from `plan_to_json` output (a dict, or a path to the JSON file).
     `where` names a dict in errors (e.g. the file rank 0 read it from before broadcasting it).
 
@@ -686,7 +686,8 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
     With `module`, each table goes to the model's EBC that holds it (route_to_model: a model with a weighted EBC
     beside an unweighted one loads one plan). Without `world_size`, an initialized process group's is checked.
     A plan on CUDA devices is refused in a job (a process group) without CUDA: export CPU jobs' plans with
-    `--compute-device cpu`.
+    `--compute-device cpu`. A plan that cuts a table table-row-wise (over one host's ranks) is checked against the
+    job's ranks per host: `local_world_size`, else LOCAL_WORLD_SIZE, else the world size, as TorchRec reads it.
     """
     require_torchrec()
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
@@ -718,6 +719,7 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
         doc = route_to_model(doc, module)
     check_plan_doc(doc, where, tables=tables, world_size=world_size, module=module)
     _check_compute_device(doc, where)
+    _check_host_size(doc, where, local_world_size)
     plan = {}
     for path, params in doc["modules"].items():
         module_plan = EmbeddingModuleShardingPlan()
@@ -741,6 +743,40 @@ def _kernels(sharder, sharding_type: str, shards) -> list[str]:
     if on_cpu and sharding_type in sharder.sharding_types("cpu"):
         return list(sharder.compute_kernels(sharding_type, "cpu"))
     return list(sharder.compute_kernels(sharding_type, "cuda"))
+
+
+def _check_host_size(doc: Mapping, where: str, local_world_size: int | None) -> None:
+    """A table_row_wise table's ranks are one host of the plan (check_plan_doc: consecutive, from a multiple of
+    their count), so the plan's ranks per host are their count. TorchRec groups the job's ranks into hosts of
+    LOCAL_WORLD_SIZE (default: the world): other hosts fail deep inside DistributedModelParallel (an IndexError in
+    its table-row-wise sharding, or "Number of local shards (0) does not match")."""
+    plan_local = next((len(p["ranks"]) for params in doc["modules"].values() for p in params.values()
+                       if p["sharding_type"] == TABLE_ROW_WISE), None)
+    if plan_local is None:
+        return
+    name = next(n for params in doc["modules"].values() for n, p in params.items()
+                if p["sharding_type"] == TABLE_ROW_WISE)
+    source = "local_world_size"
+    if local_world_size is None and os.environ.get("LOCAL_WORLD_SIZE", "").strip():
+        source = "LOCAL_WORLD_SIZE"
+        try:
+            local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
+        except ValueError:
+            raise EmbshardError(f"LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']!r} is not a whole number",
+                                path=where, field="local_world_size",
+                                fix="set LOCAL_WORLD_SIZE to the job's ranks per host (torchrun sets it)") from None
+    if local_world_size is None:
+        world = _job_world_size()
+        if world is None:
+            return  # outside a job (no process group), reading a plan: nothing to compare with
+        source, local_world_size = "the world size: LOCAL_WORLD_SIZE is not set", int(world)
+    if int(local_world_size) != plan_local:
+        raise EmbshardError(
+            f"table {name} is cut table-row-wise over hosts of {plan_local} ranks, but this job's hosts hold "
+            f"{int(local_world_size)} ({source})", path=where, field="local_world_size",
+            fix=f"run the job with {plan_local} ranks per host (LOCAL_WORLD_SIZE={plan_local}; torchrun "
+                f"--nproc-per-node {plan_local}), or plan and export again with --devices-per-host "
+                f"{int(local_world_size)}")
 
 
 def _job_world_size() -> int | None:
