@@ -67,3 +67,25 @@ def test_the_registered_planner_refuses_a_call_without_devices_or_memory():
     with pytest.raises(EmbshardError, match="memory_bytes_per_device is a whole number \\(bytes\\), got 0.5") as err:
         model.predict(None, pd.DataFrame(), params={"num_devices": 4, "memory_bytes_per_device": 0.5})
     assert "2**30" in err.value.fix
+
+
+def test_the_registered_planner_plans_for_hosts_and_refuses_memory_place_refuses(small_tables_df):
+    """`devices_per_host` plans for hosts (TorchRec's export needs them above 128 GPUs; the pyfunc had dropped it),
+    and memory above 1 PiB per device is refused as `embshard place --memory-gb` refuses it."""
+    from fixed_models import analytic
+
+    from embshard.errors import EmbshardError
+    from embshard.planners.registered import PolicyPythonModel
+
+    model = PolicyPythonModel()
+    model.policy, model.cost_model = None, analytic()
+    params = {"num_devices": 4, "memory_bytes_per_device": 2**40}
+    out = model.predict(None, small_tables_df, params={**params, "devices_per_host": 2})
+    assert set(out["devices_per_host"]) == {2} and set(out["device"]) <= {0, 1, 2, 3}
+    one = model.predict(None, small_tables_df, params={**params, "devices_per_host": 0})
+    assert "devices_per_host" not in one or one["devices_per_host"].isna().all()
+    with pytest.raises(EmbshardError, match="do not split into hosts of 3"):
+        model.predict(None, small_tables_df, params={**params, "devices_per_host": 3})
+    with pytest.raises(EmbshardError, match="more than 1,048,576 GiB") as err:
+        model.predict(None, small_tables_df, params={**params, "memory_bytes_per_device": 2**51})
+    assert err.value.field == "memory_bytes_per_device"

@@ -209,7 +209,8 @@ def _signature(policy, cost_model, tables: str, task: Task):
     frame = frame[frame["table_id"].isin(list(task.tables.table_ids))].reset_index(drop=True)
     # MLflow hands a predict call without params these defaults: 0 (no devices), which predict refuses, so that a
     # job that forgets them gets an error, not a plan for this validation task's devices and memory.
-    params = {"num_devices": 0, "memory_bytes_per_device": 0, "task_id": "task"}
+    # devices_per_host 0: one host (TorchRec's export needs the hosts above 128 GPUs).
+    params = {"num_devices": 0, "memory_bytes_per_device": 0, "devices_per_host": 0, "task_id": "task"}
     placement = LearnedPlanner(policy, cost_model).plan_task(task)
     contract = {c.name for c in schemas.SCHEMAS["tables"] if c.required}
     return registry.signature(frame, placement.to_frame(placement_costs(cost_model, placement)), params,

@@ -41,13 +41,14 @@ def _policy_python_model() -> Any:
             self.policy, self.cost_model, self.config = bundle_from_artifacts(context.artifacts)
 
         def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:  # noqa: ARG002 (MLflow's signature)
-            from .. import schemas
+            from .. import checks, schemas
             from ..costmodel.scoring import placement_costs
             from ..errors import EmbshardError
             from ..tableset import TableSet
+            from ..types import DeviceTopology
 
             params = params or {}
-            for key in ("num_devices", "memory_bytes_per_device"):  # int() would cut 0.5 (GiB meant) to 0 bytes
+            for key in ("num_devices", "memory_bytes_per_device", "devices_per_host"):  # int() would cut 0.5 to 0
                 value = params.get(key)
                 if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) \
                         and not float(value).is_integer():  # numpy floats too
@@ -60,9 +61,16 @@ def _policy_python_model() -> Any:
                 raise EmbshardError("no devices or no memory per device given", field="params",
                                     fix="call predict(tables, params={'num_devices': D, "
                                         "'memory_bytes_per_device': BYTES}) (the task's own)")
+            if memory > checks.MAX_MEMORY_GB * checks.GiB:  # as `embshard place --memory-gb` refuses it
+                raise EmbshardError(f"{memory:,} bytes per device is more than {checks.MAX_MEMORY_GB:,.0f} GiB "
+                                    "(1 PiB)", field="memory_bytes_per_device",
+                                    fix="give memory in bytes, e.g. 80 * 2**30 for 80 GiB")
+            # Versions registered before devices_per_host was a param drop it (MLflow warns): one host.
+            per_host = int(params.get("devices_per_host") or 0) or None
             tables = TableSet.from_frame(schemas.validate(model_input, "tables", "<model input>"))
             planner = LearnedPlanner(self.policy, self.cost_model)
-            placement = planner.plan(tables, devices, memory, str(params.get("task_id") or "task"))
+            placement = planner.plan(tables, DeviceTopology.on_hosts(devices, memory, per_host),
+                                     task_id=str(params.get("task_id") or "task"))
             return placement.to_frame(placement_costs(self.cost_model, placement))
 
     # Pickled by reference as embshard.planners.registered.PolicyPythonModel (this module's __getattr__ finds it).
