@@ -214,3 +214,56 @@ def test_a_search_past_its_limit_and_a_table_larger_than_a_device_are_said_hones
         TorchRecPlanner(search="table_wise").plan(tables, 64, small, task_id="t")
     msg = str(err.value)
     assert "never cuts a table larger than a device" in msg and "add devices" not in msg, msg
+
+
+# A user's 24 tables (fp16 and fp32) on 8 x 6 GiB, where TorchRec's full search returned one of two plans by the
+# process's string hash: PYTHONHASHSEED 2 cut 4 tables, 5 cut 11 (TorchRec intersects the allowed sharding types
+# and kernels as sets; the two plans measured 1.27x apart).
+HASH_SEEDED_SPEC = """name,num_embeddings,embedding_dim,pooling_factor,data_type
+feat_004,4815575,64,30,fp16
+feat_005,1360488,128,50,fp16
+feat_006,1292994,64,30,fp16
+feat_007,3311259,128,30,fp16
+feat_008,9586738,32,9.5,fp32
+feat_009,9782180,128,4.6,fp32
+feat_010,881527,128,8.7,fp16
+feat_011,7131986,32,5.9,fp16
+feat_012,9499557,128,2.6,fp32
+feat_013,6347794,32,5.9,fp32
+feat_014,9568528,32,6.6,fp16
+feat_015,9020785,64,8.0,fp16
+feat_016,9924097,64,4.3,fp32
+feat_017,3115985,128,8.0,fp32
+feat_018,9737230,64,5.7,fp16
+feat_019,7630188,64,6.5,fp32
+feat_020,2080815,128,4.8,fp16
+feat_021,2649877,64,4.8,fp32
+feat_022,9462957,128,8.1,fp16
+feat_023,5806306,128,4.2,fp16
+feat_024,9829027,64,1.6,fp32
+feat_025,4628829,64,7.3,fp32
+feat_026,1117864,128,7.3,fp16
+feat_027,4874720,128,4.5,fp16
+"""
+
+
+def test_torchrec_full_plans_the_same_in_every_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    spec = tmp_path / "spec.csv"
+    spec.write_text(HASH_SEEDED_SPEC)
+    script = ("import sys; from embshard.ingest.spec import tables_from_spec; from embshard.tableset import "
+              "TableSet; from embshard.planners.torchrec_planner import TorchRecPlanner; "
+              "ts = TableSet.from_frame(tables_from_spec(sys.argv[1], bins_batch_size=1024, progress=False)); "
+              "p = TorchRecPlanner(search='full').plan(ts, 8, 6 * 2**30, 't'); "
+              "print(sorted((s.table, s.device, s.col_offset, s.col_size, s.row_offset, s.row_size) "
+              "for s in p.shards))")
+    plans = []
+    for seed in ("2", "5"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run([sys.executable, "-c", script, str(spec)], env=env, capture_output=True, text=True,
+                             timeout=300, check=True)
+        plans.append(out.stdout.strip().splitlines()[-1])
+    assert plans[0] == plans[1]
