@@ -345,8 +345,10 @@ def format_summary(summary: pd.DataFrame, rounds: int = 1) -> str:
     ran): a column of NaN tells a reader nothing."""
     summary = summary.dropna(axis=1, how="all")
     with pd.option_context("display.width", 180, "display.max_columns", 20, "display.float_format", "{:.3f}".format):
+        interval = ("the 95% interval of the median" if rounds >= 6 else
+                    f"a task's {stats.interval_words(rounds)}, a suite's bootstrap interval over tasks and rounds")
         return (f"measured cost per planner over {rounds} round(s) (ratios: lower is better; [ci_low, ci_high] is "
-                "the 95% interval of the median; failed = tasks it could not place; gap = measured / balanced estimate "
+                f"{interval}; failed = tasks it could not place; gap = measured / balanced estimate "
                 "- 1, an estimate of a perfectly balanced plan, not a bound: a gap can be negative)\n"
                 + summary.to_string())
 

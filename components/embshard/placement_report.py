@@ -30,8 +30,12 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
     shards = placement.device_shards()
     # `place` without --task-id names its one task "task": no "task task:" header then
     named = f"task {placement.task_id}: " if placement.task_id and placement.task_id != "task" else ""
+    refined = placement.meta.get("refined") if isinstance(placement.meta, dict) else None
+    # A refined plan keeps the planner's identity (refine.winner_placement); the plan may be another's.
+    won = (f", refined by measurement: the plan of {refined['winner']}"
+           if isinstance(refined, dict) and refined.get("winner") else "")
     lines = [f"{named}{len(placement.tables)} tables on {placement.num_devices} devices, "
-             f"planner {placement.planner}" + (f" ({placement.model_uri})" if placement.model_uri else "")]
+             f"planner {placement.planner}" + (f" ({placement.model_uri})" if placement.model_uri else "") + won]
     head = f"{'device':>6} {'tables':>6} {'splits':>6} {'memory GiB':>11} {'mem %':>6}"
     if device_costs is not None:
         head += f" {'pred. ms':>9} {'vs mean':>8}"

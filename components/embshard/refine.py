@@ -103,7 +103,8 @@ class Refinement:
         return (f"measured refinement on {self.measured_on} ({self.rounds} paired rounds; a refinement for this "
                 f"machine's hardware; ratio_to_first_choice is the median of the rounds' paired ratios, not the ratio "
                 f"of the medians):\n{body}\nwinner: {self.winner.label} ({self.winner.origin}), "
-                f"{med:.3f}x the planner's first choice ({self.first.label}) [95%: {lo:.3f}, {hi:.3f}]{kept}")
+                f"{med:.3f}x the planner's first choice ({self.first.label}) [{stats.interval_words(self.rounds)}: "
+                f"{lo:.3f}, {hi:.3f}]{kept}")
 
 
 def candidates(learned: Placement, cost_model=None, *, torchrec: bool = True, seed: int = 0) -> list[Candidate]:
