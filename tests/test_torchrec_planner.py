@@ -267,3 +267,12 @@ def test_torchrec_full_plans_the_same_in_every_process(tmp_path):
                              timeout=300, check=True)
         plans.append(out.stdout.strip().splitlines()[-1])
     assert plans[0] == plans[1]
+
+
+def test_on_one_device_torchrecs_row_wise_tables_are_whole(tables):
+    """On one device TorchRec's full search returns some tables 'row_wise' in one block of every row: nothing is
+    cut, and the plan said '11 tables cut, in 1 row-wise piece over every device' (a row piece is one of k >= 2)."""
+    placement = TorchRecPlanner(search="full").plan(tables, 1, int(tables.size_bytes.sum() * 2), task_id="one")
+    placement.check()
+    assert all(s.kind == "whole" and s.device == 0 for s in placement.shards)
+    assert len(placement.shards) == len(tables)

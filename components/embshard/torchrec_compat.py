@@ -206,7 +206,8 @@ def placement_from_sharding_plan(sharding_plan, tables: TableSet, num_devices: i
 
     Column slices of one table on the same rank that touch are merged; a table whose slices all sit on one
     rank becomes a whole-table shard. Row-wise and table-row-wise shards become row pieces (TorchRec's empty
-    trailing row blocks are dropped), data_parallel a replica on every device. Anything else (grid shards, a
+    trailing row blocks are dropped; all rows on one rank, as on a world of 1: the table whole), data_parallel a
+    replica on every device (the table whole on one device). Anything else (grid shards, a
     shard split by rows and columns) cannot be expressed and raises one error naming the table.
     """
     names = names if names is not None else [str(t) for t in tables.table_ids]
@@ -222,7 +223,10 @@ def placement_from_sharding_plan(sharding_plan, tables: TableSet, num_devices: i
             raise EmbshardError(f"table {name} is missing from the TorchRec plan", field="table_id")
         rows, dim = int(tables.rows[i]), int(tables.dims[i])
         if ps.sharding_type == DATA_PARALLEL:
-            shards.extend(Shard(i, d, kind="replicated") for d in range(int(num_devices)))
+            if num_devices > 1:
+                shards.extend(Shard(i, d, kind="replicated") for d in range(int(num_devices)))
+            else:
+                shards.append(Shard(i, 0))  # a copy on the one device: the table, whole
             continue
         if ps.sharding_type not in SHARDING_TYPES or ps.sharding_spec is None:
             raise EmbshardError(f"table {name} is sharded {ps.sharding_type}, which a placement cannot express",
@@ -240,7 +244,9 @@ def placement_from_sharding_plan(sharding_plan, tables: TableSet, num_devices: i
                                     field="shard_offsets", fix=fix)
             pieces.append((row_off, n_rows, int(meta.placement.rank())) if by_rows
                           else (col_off, n_cols, int(meta.placement.rank())))
-        if by_rows:
+        if by_rows and len(pieces) == 1 and pieces[0][:2] == (0, rows):
+            shards.append(Shard(i, pieces[0][2]))  # every row on one rank (e.g. a world of 1): the table, whole
+        elif by_rows:
             shards.extend(Shard(i, rank, row_offset=off, row_size=n) for off, n, rank in sorted(pieces))
         else:
             shards.extend(_merge_slices(i, sorted(pieces), dim))
