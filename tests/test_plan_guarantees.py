@@ -74,6 +74,20 @@ def test_no_planner_is_predicted_below_its_balanced_estimate(setup):
                 assert costs.max() >= estimate * (1 - 1e-9), (planner.name, costs.max(), estimate)
 
 
+def test_on_one_device_the_balanced_estimate_is_the_plan_itself(setup):
+    """One device: all tables fused is the only plan, so its estimate is that plan's cost (gap 0); the min with the
+    sum of single-table costs had put it below every plan (`place` printed a +73% gap on one device)."""
+    from embshard.evaluation import _estimate
+
+    ts, policy, model = setup
+    sub = ts.subset(range(12))
+    placement = make_baseline("dim_greedy").plan(sub, 1, int(sub.size_bytes.sum() * 2), "one")
+    costs, estimate = predicted(placement, make_baseline("dim_greedy"), model)
+    assert estimate is not None and estimate == pytest.approx(float(costs.max()), rel=1e-5)
+    fused, singles = np.array([3.0, 5.0, 0.0]), np.array([4.0, 4.0, 0.0])
+    assert _estimate(fused, singles, 1) == 8.0 and _estimate(fused, singles, 2) == 3.5
+
+
 def test_measured_costs_are_not_grossly_below_the_measured_estimate(tmp_path):
     """A small measured case: three tables on two devices, every greedy baseline measured with real kernels."""
     from embshard import schemas

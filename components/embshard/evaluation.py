@@ -426,7 +426,10 @@ def balanced_estimate_rounds(probes: dict[str, np.ndarray], num_tables: int,
 
 
 def _estimate(fused_heads: np.ndarray, singles_sum: np.ndarray, num_devices: int):
-    """The balanced estimate's formula over the last axis (the heads): sum of min(fused, sum of singles) / D."""
+    """The balanced estimate's formula over the last axis (the heads): sum of min(fused, sum of singles) / D; on
+    one device the fused cost itself (all tables fused is the only plan there is)."""
+    if num_devices <= 1:
+        return np.asarray(fused_heads).sum(-1)
     return np.minimum(fused_heads, singles_sum).sum(-1) / num_devices
 
 

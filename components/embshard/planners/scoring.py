@@ -19,6 +19,8 @@ from ..placement import Placement
 from ..types import CostEstimator
 from .baselines import BASELINES, make_baseline
 
+FLOAT_TOL = 1e-5  # relative: predictions are float32 sums (on one device the estimate is the plan's own cost)
+
 
 def checked_balanced_estimate(cost_model: CostEstimator, placement: Placement, estimate: float,
                               device_costs: np.ndarray) -> float | None:
@@ -35,7 +37,7 @@ def checked_balanced_estimate(cost_model: CostEstimator, placement: Placement, e
     candidates = placement.meta.get("candidate_costs")
     if candidates:  # a composed plan scored its candidates (the baselines' plans among them) already
         witnesses += [float(c) for c in candidates.values()]
-        return None if min(witnesses) < estimate * (1 - 1e-9) else estimate
+        return None if min(witnesses) < estimate * (1 - FLOAT_TOL) else estimate
     for name in BASELINES:
         try:
             other = make_baseline(name).plan(placement.tables, placement.num_devices,
@@ -43,7 +45,7 @@ def checked_balanced_estimate(cost_model: CostEstimator, placement: Placement, e
         except EmbshardError:
             continue
         witnesses.append(float(placement_costs(cost_model, other).max()))
-    return None if min(witnesses) < estimate * (1 - 1e-9) else estimate
+    return None if min(witnesses) < estimate * (1 - FLOAT_TOL) else estimate
 
 
 def predicted_costs(cost_model: CostEstimator, placement: Placement) -> tuple[np.ndarray, float, float | None]:
