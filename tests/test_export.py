@@ -1098,6 +1098,14 @@ def test_export_refuses_a_spec_table_the_plan_does_not_place_and_names_the_spec_
     err = capsys.readouterr().err.strip()
     assert f"unknown table ids ['{ts.table_ids[8]}']" in err and f"use ids present in {tmp_path / 'eight.yaml'}" in err
     assert "tables.parquet" not in err
+    # The same through a plan.json (a user's hand-written plan): the fix names the spec given, too.
+    from embshard.export.plan_json import write_plan_json
+
+    write_plan_json(nine, tmp_path / "plan.json")
+    json_args = ["export", "--placements", str(tmp_path / "plan.json"), "--out", str(out), "--no-torchrec"]
+    assert main(json_args + ["--tables", str(tmp_path / "eight.yaml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"use ids present in {tmp_path / 'eight.yaml'}" in err and "tables.parquet" not in err
     # A tables.parquet is a pool that tasks take some tables of: its other tables are no error.
     from embshard.ingest.spec import tables_from_spec
 

@@ -503,15 +503,17 @@ def left_out_note(placed, available, tables_path: str) -> str | None:
     return f"the plan places {len(placed)} of the {total} tables of {tables_path} (not placed: {named})"
 
 
-def placement_from_plan(plan: Mapping, tables: TableSet, where: str | None = None) -> Placement:
+def placement_from_plan(plan: Mapping, tables: TableSet, where: str | None = None,
+                        tables_source: str = "tables.parquet") -> Placement:
     """Rebuild the Placement of a (validated) plan.json of any version over `tables` (a TableSet holding at least
     the plan's tables, with the plan's rows, dims and element sizes: a plan of other tables is refused); its
-    topology carries the plan's hosts. `where` names the plan in errors (default its task id)."""
+    topology carries the plan's hosts. `where` names the plan in errors (default its task id), `tables_source`
+    the file the tables were read from."""
     from ..types import DeviceTopology
 
     where = where or str(plan.get("task_id", "plan.json"))
     ids = [t["table_id"] for t in plan["tables"]]
-    sub = tables.select(ids, where=where)
+    sub = tables.select(ids, where=where, source=tables_source)
     for k, t in enumerate(plan["tables"]):
         for key, theirs in (("rows", sub.rows), ("dim", sub.dims), ("bytes_per_element", sub.bytes_per_element)):
             if int(t[key]) != int(theirs[k]):

@@ -124,8 +124,8 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     check_module_path(module_path)
     where = os.fspath(placements)
     table_set = read_tables(tables)
-    df = _plan_json_rows(where, table_set) if where.lower().endswith(".json") else schemas.read(placements,
-                                                                                                "placements")
+    df = _plan_json_rows(where, table_set, os.fspath(tables)) if where.lower().endswith(".json") \
+        else schemas.read(placements, "placements")
     # A spec lists the model's tables: without a tasks file, each task's plan must place every one of them (a
     # tables.parquet is a pool that tasks take some tables of).
     model_tables = [str(t) for t in table_set.table_ids] if is_spec_path(tables) and not tasks else None
@@ -211,7 +211,7 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
             "torchrec": torchrec, "torchrec_note": note}
 
 
-def _plan_json_rows(path: str, tables):
+def _plan_json_rows(path: str, tables, tables_source: str = "tables.parquet"):
     """The placements rows of one plan.json (ours, edited by hand or written by another tool), checked against
     its schema and `tables`, so that it exports like a placements.parquet. Its predicted costs are not carried:
     after a hand edit they no longer hold (`embshard evaluate --plan` measures the plan)."""
@@ -219,7 +219,7 @@ def _plan_json_rows(path: str, tables):
     from ..export.plan_json import changed_pooling, placement_from_plan, read_plan_json
 
     plan = read_plan_json(path)
-    placement = placement_from_plan(plan, tables, where=path)
+    placement = placement_from_plan(plan, tables, where=path, tables_source=tables_source)
     # As a placements.parquet's table_sha256 does: a plan made for other traffic is refused (plan.json records each
     # table's pooling; its rows, dim and element size placement_from_plan checks).
     changed = changed_pooling(plan, placement.tables)
