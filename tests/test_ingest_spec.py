@@ -128,6 +128,22 @@ def test_bad_spec_files(tmp_path, capsys, name, content, field, words):
     assert not (out / "tables.parquet").exists()
 
 
+@pytest.mark.parametrize("name,encoding", [("latin1.csv", "latin-1"), ("excel_unicode.csv", "utf-16"),
+                                           ("latin1.yaml", "latin-1")])
+def test_a_spec_not_in_utf8_says_to_save_it_as_utf8(tmp_path, capsys, name, encoding):
+    """A Latin-1 name or Excel's "Unicode text" (UTF-16) export had said only "cannot read this file", with no
+    field and no fix."""
+    path = tmp_path / name
+    text = GOOD.replace("x,", "\u00e9t\u00e9,") if name.endswith(".csv") else \
+        "tables:\n  - {name: \u00e9t\u00e9, num_embeddings: 100, embedding_dim: 16, pooling_factor: 1}\n"
+    path.write_bytes(text.encode(encoding))
+    assert cli(["ingest", "--source", "spec", "--input", str(path), "--out", str(tmp_path / "out"),
+                "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and str(path) in err and "field 'encoding'" in err and "not UTF-8" in err, err
+    assert "save the file as UTF-8" in err
+
+
 def test_bad_parquet_and_other_files(tmp_path, capsys):
     out = tmp_path / "out"
     ok = pd.DataFrame({"name": ["a", "b"], "num_embeddings": [10, 20], "embedding_dim": [4, 8],

@@ -98,6 +98,10 @@ def read_spec_file(path: str) -> pd.DataFrame:
         raise (exc if exc.path else exc.at(path)) from None
     except pd.errors.EmptyDataError:
         df = pd.DataFrame()
+    except UnicodeDecodeError as exc:  # e.g. Latin-1, or Excel's "Unicode text" (UTF-16)
+        raise EmbshardError(f"is not UTF-8 text (byte {exc.object[exc.start:exc.start + 1]!r} at offset "
+                            f"{exc.start:,}; UTF-16 or Latin-1?)", path=path, field="encoding",
+                            fix="save the file as UTF-8 (in Excel: 'CSV UTF-8'; iconv -f latin1 -t utf-8)") from None
     except Exception as exc:  # parser errors of three libraries: one line naming the file
         reason = first_line(exc)
         raise EmbshardError(f"cannot read this file ({reason})", path=path,
