@@ -48,6 +48,7 @@ class UserPlan:
         self.path = os.fspath(path)
         self.name = name
         self._doc: dict | None = None
+        self._warned: set[str] = set()  # tasks whose traffic warning was given (check_tasks, then the plan)
 
     def document(self) -> dict:
         """The file's JSON, read and checked once: a plan.json fully (schema and coverage), a TorchRec plan's
@@ -158,7 +159,9 @@ class UserPlan:
             from .plan_json import placement_from_plan
 
             theirs = placement_from_plan(doc, tables, where=where)
-            _warn_if_other_traffic(doc, theirs.tables, self.path)
+            if task_id not in self._warned:
+                self._warned.add(task_id)
+                _warn_if_other_traffic(doc, theirs.tables, self.path)
             pos = {t: k for k, t in enumerate(task_ids)}
             shards = [dataclasses.replace(s, table=pos[str(theirs.tables.table_ids[s.table])]) for s in theirs.shards]
             placement = Placement(tables, topology.count, topology.memory_bytes, shards,
