@@ -19,6 +19,7 @@ from embshard.planners.compose import (
     ComposedPlanner,
     Composition,
     CostGreedy,
+    DominantCuts,
     Heuristic,
     LocalSearch,
     Splits,
@@ -117,7 +118,8 @@ def test_compositions_are_built_from_parts_and_a_custom_one_plans(world):
     ts, model, mem = world
     learned = composition("learned", PolicyNet())
     assert [p.name for p in learned.proposers][:3] == ["policy_greedy", "policy_sampled", "cost_greedy"]
-    assert [type(r) for r in learned.refiners] == [LocalSearch, Splits]
+    assert [type(r) for r in learned.refiners] == [LocalSearch, Splits, DominantCuts]
+    assert [type(r) for r in composition("no_dominant_cut", PolicyNet()).refiners] == [LocalSearch, Splits]
     only = composition("policy_only", PolicyNet())
     assert [p.name for p in only.proposers] == ["policy_greedy"] and only.refiners == [] and only.fallbacks
     assert {"learned", "policy_only", "no_portfolio", "no_splits", "no_column_splits",

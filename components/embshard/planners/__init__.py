@@ -8,8 +8,9 @@ from .base import Planner
 
 LEARNED = "learned"
 # The learned compositions (planners.compose.COMPOSITIONS), longest first so that a name's prefix is found.
-LEARNED_COMPOSITIONS = ("learned_with_torchrec", "no_column_splits", "no_row_splits", "no_replicas", "no_cost_greedy",
-                        "no_portfolio", "no_branches", "policy_only", "no_splits", "no_policy", "no_search", "learned")
+LEARNED_COMPOSITIONS = ("learned_with_torchrec", "no_dominant_cut", "no_column_splits", "no_row_splits",
+                        "no_replicas", "no_cost_greedy", "no_portfolio", "no_branches", "policy_only", "no_splits",
+                        "no_policy", "no_search", "learned")
 
 
 def composition_of(name: str) -> str | None:
