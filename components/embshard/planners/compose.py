@@ -291,9 +291,10 @@ class DominantCut:
     name: str = "dominant_cut"
     phase: str = "heuristic starting points"
 
-    def _levels(self, problem) -> np.ndarray | None:
+    def levels(self, problem) -> np.ndarray | None:
+        """The view's cut levels with the dominant tables cut, or None when no table dominates."""
         view, tables, D = problem.view, problem.tables, problem.topology.count
-        if D < 2:
+        if D < 2 or not view.free:
             return None
         single = problem.ctx.single
         target = balanced_estimate(problem.cost_model, tables, D, column_splits=True)
@@ -320,10 +321,10 @@ class DominantCut:
         return levels
 
     def applies(self, problem) -> bool:
-        return bool(problem.view.free) and self._levels(problem) is not None
+        return self.levels(problem) is not None
 
-    def propose(self, problem):
-        levels = self._levels(problem)
+    def propose(self, problem, levels: np.ndarray | None = None):
+        levels = self.levels(problem) if levels is None else levels
         if levels is None:
             return None
         view = PieceView.build(problem.tables, problem.topology, levels)
@@ -354,10 +355,11 @@ class DominantCuts:
         maker = DominantCut()
         # Its own allowance, as the split search's branches have: not skipped when the shared work is spent (on
         # 300 tables x 128 devices it was, and the line predicted 0.70x); the safety cap still holds.
-        if time.perf_counter() > budget.deadline or not maker.applies(problem):
+        levels = None if time.perf_counter() > budget.deadline else maker.levels(problem)
+        if levels is None:
             return drafts
         problem.phase("dominant tables cut")
-        shards = maker.propose(problem)
+        shards = maker.propose(problem, levels)
         if shards is None:
             return drafts
         start = Draft.of_shards(problem, maker.name, shards)

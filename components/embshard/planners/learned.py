@@ -8,6 +8,8 @@ plan():
     within a work budget (scored candidates, not seconds: the same inputs and seed give the same plan);
  3. splits of dominant tables (k column slices, row-wise, table-row-wise within a host) where they lower the
     predicted cost; tables that would not fit whole are cut before anything is proposed (planners.splitting);
+    then a second line that cuts every dominant table before placing (compose.DominantCuts), kept where it is
+    predicted lower;
  4. portfolio guarantee: the result is never predicted worse than the best baseline placement, since those are
     candidates and search only accepts improvements.
 `policy_only` and the ablations are other entries of compose.COMPOSITIONS (`composition=`).
