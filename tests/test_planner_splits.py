@@ -118,7 +118,7 @@ def test_dominant_tables_are_cut_before_placing_where_memory_does_not_force_it()
     """A table whose cost alone exceeds the balanced estimate is cut into the fewest slices under it (down to the
     slice floor) and the cost greedy places that view: a start the split search, one table at a time and stopped
     by its guard, did not reach (a user's 120 tables on 32 devices planned 6.78 ms at 80 GiB, 5.93 at 12 GiB where
-    cutting to fit had cut them; measured 0.84x the former plan). Not made where no table dominates."""
+    cutting to fit had cut them; measured 0.80x the former plan). Not made where no table dominates."""
     from embshard.planners.compose import DominantCut, Problem
 
     ts = hot_tables(30)
