@@ -134,14 +134,17 @@ def test_a_spec_not_in_utf8_says_to_save_it_as_utf8(tmp_path, capsys, name, enco
     """A Latin-1 name or Excel's "Unicode text" (UTF-16) export had said only "cannot read this file", with no
     field and no fix."""
     path = tmp_path / name
+    pad = "# " + "x" * 60 + "\n"  # past the first chunk a text stream decodes: its error counts from that chunk
     text = GOOD.replace("x,", "\u00e9t\u00e9,") if name.endswith(".csv") else \
-        "tables:\n  - {name: \u00e9t\u00e9, num_embeddings: 100, embedding_dim: 16, pooling_factor: 1}\n"
+        "tables:\n" + pad * 200 + "  - {name: \u00e9t\u00e9, num_embeddings: 100, embedding_dim: 16, " \
+        "pooling_factor: 1}\n"
     path.write_bytes(text.encode(encoding))
+    at = text.encode(encoding).index("\u00e9".encode(encoding)) if encoding == "latin-1" else 0
     assert cli(["ingest", "--source", "spec", "--input", str(path), "--out", str(tmp_path / "out"),
                 "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and str(path) in err and "field 'encoding'" in err and "not UTF-8" in err, err
-    assert "save the file as UTF-8" in err
+    assert "save the file as UTF-8" in err and f"at offset {at:,}" in err
 
 
 def test_bad_parquet_and_other_files(tmp_path, capsys):

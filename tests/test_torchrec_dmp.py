@@ -183,19 +183,25 @@ def test_a_table_row_wise_plan_is_refused_in_a_job_whose_hosts_are_another_size(
     schemas.write(_placement().to_frame(), tmp_path / "placements.parquet", "placements")
     path = export(str(tmp_path / "placements.parquet"), str(tmp_path / "tables.parquet"), str(tmp_path / "out"),
                   compute_device="cpu")["plans"]["dmp"]["torchrec_plan_json"]
-    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert plan_from_json(path, world_size=WORLD)  # outside a job: nothing to compare with
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert plan_from_json(path, world_size=WORLD)  # outside a job (evaluate --plan, a laptop): nothing to compare
     assert plan_from_json(path, world_size=WORLD, local_world_size=LOCAL)
     with pytest.raises(EmbshardError) as err:
         plan_from_json(path, world_size=WORLD, local_world_size=4)
     line = str(err.value)
     assert "\n" not in line and "field 'local_world_size'" in line and "hosts of 2 ranks" in line
     assert "LOCAL_WORLD_SIZE=2" in line and "--devices-per-host 4" in line
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    with pytest.raises(EmbshardError, match="hold 1 \\(LOCAL_WORLD_SIZE\\)"):
-        plan_from_json(path, world_size=WORLD)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(LOCAL))
-    assert plan_from_json(path, world_size=WORLD)
+    # In a job, TorchRec's own get_local_size decides: unset, it is 8 where that divides the world, else the world
+    # (here a process group of 1), not the plan's 2.
+    import torch.distributed as dist
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(EmbshardError, match="hold 1 \\(TorchRec's ranks per host: LOCAL_WORLD_SIZE is not set"):
+            plan_from_json(path, world_size=WORLD)
+    finally:
+        dist.destroy_process_group()
 
 
 # --- one plan, a model of two EBCs (TorchRec's is_weighted is per EBC) ------------------------------------------

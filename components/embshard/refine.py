@@ -7,8 +7,9 @@ before those cuts), the greedy baselines' plans and TorchRec's table-wise plan. 
 (device numbers aside) cost the same and are measured once. The learned plan, the best predicted of each
 kind of candidate, then the best predicted of the rest (K in all) are measured in R ruler rounds (embshard.ruler:
 every distinct device shard once per round, in a fresh random order, paired per round). The winner is, of the
-candidates whose paired per-round ratio to the learned plan's first choice has a 95% bootstrap interval below 1,
-the one of lowest median cost, else the first choice; it is reported with that ratio and interval. It measures
+candidates whose paired per-round ratio to the learned plan's first choice has a 95% bootstrap interval below 1
+(with fewer than 6 rounds, that interval is the rounds' range: stats.interval_words), the one of lowest median
+cost, else the first choice; it is reported with that ratio and interval. It measures
 on this machine, so it is a refinement only when this machine is the hardware the plan is for: the CPU here, the
 GPU (torch backend) on a GPU host, same code.
 
@@ -74,7 +75,7 @@ class Refinement:
     table: pd.DataFrame          # one row per measured candidate, the winner flagged
     rounds: int
     measured_on: str             # the hardware measured ("cpu:...", "cuda:...")
-    ratio: tuple[float, float, float]  # winner / learned first choice: median, 95% low, high (paired per round)
+    ratio: tuple[float, float, float]  # winner / learned first choice: median, interval (stats.median_ci; paired)
     shard_measurements: int
     not_clear: str | None = None  # the lowest median when it is not the winner (not measurably faster)
 
@@ -86,7 +87,7 @@ class Refinement:
                             "measured_cost_ms": float(w["measured_cost_ms"]),
                             "ratio_to_first_choice": [float(x) for x in self.ratio],
                             "candidates": int(len(self.table)),
-                            # what was measured: each candidate's paired ratio to the first choice [95% CI]
+                            # what was measured: each candidate's paired ratio to the first choice [interval]
                             "measured": [{"candidate": r.candidate, "origin": r.origin,
                                           "ratio_to_first_choice": [float(r.ratio_to_first_choice),
                                                                     float(r.ratio_ci_low), float(r.ratio_ci_high)]}

@@ -32,6 +32,8 @@ def interval_words(rounds: int) -> str:
     to 94% (5 values) of the time (1 - 2 x 0.5^n)."""
     if rounds >= 6:
         return "95% interval"
+    if rounds <= 1:
+        return "no interval (one round)"
     cover = 100 * (1 - 2 * 0.5 ** max(int(rounds), 1))
     return f"range of {int(rounds)} rounds (covers the median {cover:.0f}% of the time)"
 

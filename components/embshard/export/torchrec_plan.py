@@ -687,7 +687,7 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
     beside an unweighted one loads one plan). Without `world_size`, an initialized process group's is checked.
     A plan on CUDA devices is refused in a job (a process group) without CUDA: export CPU jobs' plans with
     `--compute-device cpu`. A plan that cuts a table table-row-wise (over one host's ranks) is checked against the
-    job's ranks per host: `local_world_size`, else LOCAL_WORLD_SIZE, else the world size, as TorchRec reads it.
+    job's ranks per host: `local_world_size` when given, else, in a job, TorchRec's own `get_local_size`.
     """
     require_torchrec()
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
@@ -747,9 +747,12 @@ def _kernels(sharder, sharding_type: str, shards) -> list[str]:
 
 def _check_host_size(doc: Mapping, where: str, local_world_size: int | None) -> None:
     """A table_row_wise table's ranks are one host of the plan (check_plan_doc: consecutive, from a multiple of
-    their count), so the plan's ranks per host are their count. TorchRec groups the job's ranks into hosts of
-    LOCAL_WORLD_SIZE (default: the world): other hosts fail deep inside DistributedModelParallel (an IndexError in
-    its table-row-wise sharding, or "Number of local shards (0) does not match")."""
+    their count), so the plan's ranks per host are their count. TorchRec groups a job's ranks into hosts of
+    `get_local_size`: LOCAL_WORLD_SIZE (or MPI's local size), 8 when none is set, the world when that does not
+    divide it. Other hosts fail deep inside DistributedModelParallel (an IndexError in its table-row-wise
+    sharding, or "Number of local shards (0) does not match"). Checked against `local_world_size` when given, else
+    inside a job (a process group) against what TorchRec will use; outside a job (reading or evaluating a plan)
+    there is nothing to compare with."""
     plan_local = next((len(p["ranks"]) for params in doc["modules"].values() for p in params.values()
                        if p["sharding_type"] == TABLE_ROW_WISE), None)
     if plan_local is None:
@@ -757,19 +760,16 @@ def _check_host_size(doc: Mapping, where: str, local_world_size: int | None) -> 
     name = next(n for params in doc["modules"].values() for n, p in params.items()
                 if p["sharding_type"] == TABLE_ROW_WISE)
     source = "local_world_size"
-    if local_world_size is None and os.environ.get("LOCAL_WORLD_SIZE", "").strip():
-        source = "LOCAL_WORLD_SIZE"
-        try:
-            local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
-        except ValueError:
-            raise EmbshardError(f"LOCAL_WORLD_SIZE={os.environ['LOCAL_WORLD_SIZE']!r} is not a whole number",
-                                path=where, field="local_world_size",
-                                fix="set LOCAL_WORLD_SIZE to the job's ranks per host (torchrun sets it)") from None
     if local_world_size is None:
         world = _job_world_size()
         if world is None:
-            return  # outside a job (no process group), reading a plan: nothing to compare with
-        source, local_world_size = "the world size: LOCAL_WORLD_SIZE is not set", int(world)
+            return
+        from torchrec.distributed.comm import get_local_size
+
+        local_world_size = int(get_local_size(world))
+        set_to = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+        source = (f"TorchRec's ranks per host from LOCAL_WORLD_SIZE={set_to}" if set_to else
+                  "TorchRec's ranks per host: LOCAL_WORLD_SIZE is not set")
     if int(local_world_size) != plan_local:
         raise EmbshardError(
             f"table {name} is cut table-row-wise over hosts of {plan_local} ranks, but this job's hosts hold "

@@ -98,9 +98,9 @@ def read_spec_file(path: str) -> pd.DataFrame:
         raise (exc if exc.path else exc.at(path)) from None
     except pd.errors.EmptyDataError:
         df = pd.DataFrame()
-    except UnicodeDecodeError as exc:  # e.g. Latin-1, or Excel's "Unicode text" (UTF-16)
-        raise EmbshardError(f"is not UTF-8 text (byte {exc.object[exc.start:exc.start + 1]!r} at offset "
-                            f"{exc.start:,}; UTF-16 or Latin-1?)", path=path, field="encoding",
+    except UnicodeDecodeError:  # e.g. Latin-1, or Excel's "Unicode text" (UTF-16)
+        raise EmbshardError(f"is not UTF-8 text ({_first_bad_byte(path)}; UTF-16 or Latin-1?)", path=path,
+                            field="encoding",
                             fix="save the file as UTF-8 (in Excel: 'CSV UTF-8'; iconv -f latin1 -t utf-8)") from None
     except Exception as exc:  # parser errors of three libraries: one line naming the file
         reason = first_line(exc)
@@ -115,6 +115,17 @@ def read_spec_file(path: str) -> pd.DataFrame:
 
 
 SKEW_NAN_FIX = "give a number, or leave the skew out (empty, null) for the default"
+
+
+def _first_bad_byte(path: str) -> str:
+    """Where a file stops being UTF-8, from its bytes (a text stream's error counts from its current chunk)."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"byte {raw[exc.start:exc.start + 1]!r} at offset {exc.start:,}"
+    return "a byte that is not UTF-8"
 
 
 def _parquet_nan_skew(table) -> tuple[str, int] | None:

@@ -267,16 +267,26 @@ class RowWiseFit:
         view, tables = problem.view, problem.tables
         narrow = any(s.col_size * int(tables.bytes_per_element[s.table]) < problem.min_slice_bytes
                      for s in view.free if s.kind == COLUMN)
-        return narrow and not np.array_equal(self._view(problem).levels, view.levels)
+        if not narrow:
+            return False
+        try:
+            return not np.array_equal(self._view(problem).levels, view.levels)
+        except EmbshardError:  # row-wise cuts that do not pack where the slices do: nothing to propose
+            return False
 
     def propose(self, problem):
         view = self._view(problem)
-        if not view.free:
-            return list(view.pinned)
-        ctx = TaskContext.build(problem.cost_model, view.pieces.features(), view.pieces.size_bytes,
-                                problem.topology.count, view.memory)
-        assignment = cost_greedy(ctx)
-        return None if assignment is None else view.shards(assignment)
+        return greedy_on_view(problem, view)
+
+
+def greedy_on_view(problem, view: PieceView) -> list[Shard] | None:
+    """The cost greedy's plan of another view of the task than the problem's own (its pieces encoded for it)."""
+    if not view.free:
+        return list(view.pinned)
+    ctx = TaskContext.build(problem.cost_model, view.pieces.features(), view.pieces.size_bytes,
+                            problem.topology.count, view.memory)
+    assignment = cost_greedy(ctx)
+    return None if assignment is None else view.shards(assignment)
 
 
 @dataclass
@@ -298,7 +308,7 @@ class DominantCut:
             return None
         single = problem.ctx.single
         target = balanced_estimate(problem.cost_model, tables, D, column_splits=True)
-        trials: list[tuple[int, int, Shard]] = []  # (table, k, its widest slice)
+        trials: list[tuple[int, int, Shard]] = []  # (table, k, its widest slice: a width's remainder is the last's)
         for p, piece in enumerate(view.free):
             t = piece.table
             if piece.kind != WHOLE or single[p] <= target:
@@ -307,7 +317,7 @@ class DominantCut:
                                            problem.min_slice_bytes)
             k = 2
             while k <= min(parts, D):
-                trials.append((t, k, column_pieces(t, int(tables.dims[t]), k)[0]))
+                trials.append((t, k, max(column_pieces(t, int(tables.dims[t]), k), key=lambda c: c.col_size or 0)))
                 k *= 2
         if not trials:
             return None
@@ -328,12 +338,7 @@ class DominantCut:
         if levels is None:
             return None
         view = PieceView.build(problem.tables, problem.topology, levels)
-        if not first_fit(view)[0]:
-            return None
-        ctx = TaskContext.build(problem.cost_model, view.pieces.features(), view.pieces.size_bytes,
-                                problem.topology.count, view.memory)
-        assignment = cost_greedy(ctx)
-        return None if assignment is None else view.shards(assignment)
+        return greedy_on_view(problem, view) if first_fit(view)[0] else None
 
 
 @dataclass
@@ -356,7 +361,10 @@ class DominantCuts:
         maker = DominantCut()
         # Its own allowance, as the split search's branches have: not skipped when the shared work is spent (on
         # 300 tables x 128 devices it was, and the line predicted 0.70x); the safety cap still holds.
-        levels = None if time.perf_counter() > budget.deadline else maker.levels(problem)
+        if time.perf_counter() > budget.deadline:
+            budget.cap_hit = True  # skipped by the safety cap: the plan depends on the machine's speed (reported)
+            return drafts
+        levels = maker.levels(problem)
         if levels is None:
             return drafts
         problem.phase("dominant tables cut")
@@ -667,11 +675,11 @@ class ComposedPlanner(Planner):
         drafts: list[Draft] = []
         shown = None
         for p in proposers:
-            if not getattr(p, "applies", lambda _: True)(problem):  # a proposer for some tasks only
-                continue
             if budget is not None and drafts and time.perf_counter() > budget.deadline:
                 budget.cap_hit = True
                 budget.skipped_proposers.append(p.name)
+                continue
+            if not getattr(p, "applies", lambda _: True)(problem):  # a proposer for some tasks only
                 continue
             phase = getattr(p, "phase", p.name)
             if phase != shown:
@@ -773,7 +781,9 @@ def _learned(policy, *, num_samples=8, refine_top=3, policy_proposers=True, cost
         if num_samples > 0:
             proposers.append(PolicySampled(policy, num_samples))
     if cost_greedy:
-        proposers.extend([CostGreedy(), RowWiseFit()])
+        proposers.append(CostGreedy())
+    if cost_greedy or portfolio:  # not part of the cost greedy's ablation; not in policy_only (the policy alone)
+        proposers.append(RowWiseFit())
 
     heuristics: list[Proposer] = [Heuristic(b) for b in BASELINES]
     if torchrec:

@@ -53,7 +53,7 @@ def _policy_python_model() -> Any:
                 if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) \
                         and not float(value).is_integer():  # numpy floats too
                     raise EmbshardError(f"{key} is a whole number ({'bytes' if 'bytes' in key else 'devices'}), "
-                                        f"got {value}", field="params",
+                                        f"got {value}", field=key,
                                         fix="give memory in bytes, e.g. 80 * 2**30 for 80 GiB" if "bytes" in key
                                         else "give a whole number of devices")
             devices, memory = int(params.get("num_devices") or 0), int(params.get("memory_bytes_per_device") or 0)
