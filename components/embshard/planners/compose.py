@@ -291,13 +291,12 @@ def greedy_on_view(problem, view: PieceView) -> list[Shard] | None:
 
 @dataclass
 class DominantCut:
-    """The cost greedy on a view whose dominant tables are cut before anything is placed: every whole table (or
-    table cut to fit into slices) whose predicted cost alone (a slice's) exceeds the balanced estimate (what a
-    device would cost if the work were spread evenly) into the fewest column slices, 2, 4, ... down to the
-    hardware's slice floor, whose cost alone does not (the finest allowed when none does). No plan when no table
-    dominates. The learned planner carries it on after the split search (DominantCuts), not as a proposal: as the
-    best-predicted start it took the split search from the uncut drafts, whose cuts (row-wise, one host's rows)
-    predicted better on the MLPerf-like lists."""
+    """The cost greedy on a view whose dominant tables are cut before anything is placed: every whole table whose
+    predicted cost alone exceeds the balanced estimate (what a device would cost if the work were spread evenly)
+    into the fewest column slices, 2, 4, ... down to the hardware's slice floor, whose cost alone does not (the
+    finest allowed when none does). No plan when no table dominates. The learned planner carries it on after the
+    split search (DominantCuts), not as a proposal: as the best-predicted start it took the split search from the
+    uncut drafts, whose cuts (row-wise, one host's rows) predicted better on the MLPerf-like lists."""
 
     name: str = "dominant_cut"
     phase: str = "heuristic starting points"
@@ -310,16 +309,13 @@ class DominantCut:
         single = problem.ctx.single
         target = balanced_estimate(problem.cost_model, tables, D, column_splits=True)
         trials: list[tuple[int, int, Shard]] = []  # (table, k, its widest slice: a width's remainder is the last's)
-        seen: set[int] = set()
         for p, piece in enumerate(view.free):
             t = piece.table
-            # a whole table, or the slices of one cut to fit (with more memory it would have been whole)
-            if piece.kind not in (WHOLE, COLUMN) or single[p] <= target or t in seen:
+            if piece.kind != WHOLE or single[p] <= target:
                 continue
-            seen.add(t)
             parts = max_speed_column_parts(int(tables.dims[t]), int(tables.bytes_per_element[t]),
                                            problem.min_slice_bytes)
-            k = 2 * max(int(view.levels[t]), 1)
+            k = 2
             while k <= min(parts, D):
                 trials.append((t, k, max(column_pieces(t, int(tables.dims[t]), k), key=lambda c: c.col_size or 0)))
                 k *= 2
