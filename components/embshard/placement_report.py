@@ -32,8 +32,9 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
     named = f"task {placement.task_id}: " if placement.task_id and placement.task_id != "task" else ""
     refined = placement.meta.get("refined") if isinstance(placement.meta, dict) else None
     # A refined plan keeps the planner's identity (refine.winner_placement); the plan may be another's.
-    won = (f", refined by measurement: the plan of {refined['winner']}"
-           if isinstance(refined, dict) and refined.get("winner") else "")
+    won = "" if not (isinstance(refined, dict) and refined.get("winner")) else (
+        ", refined by measurement: its first choice kept" if refined["winner"] == placement.planner
+        else f", refined by measurement: the plan of {refined['winner']}")
     lines = [f"{named}{len(placement.tables)} tables on {placement.num_devices} devices, "
              f"planner {placement.planner}" + (f" ({placement.model_uri})" if placement.model_uri else "") + won]
     head = f"{'device':>6} {'tables':>6} {'splits':>6} {'memory GiB':>11} {'mem %':>6}"
