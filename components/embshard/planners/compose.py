@@ -450,7 +450,10 @@ def cost_greedy(ctx: TaskContext) -> np.ndarray | None:
 @dataclass
 class LocalSearch:
     """Moves and swaps off the slowest device on each of the `top` best drafts, which share `share` of the whole
-    budget equally; keeps the best (ties: the better-ranked start)."""
+    budget equally; keeps the best (ties: the better-ranked start). The drafts as proposed stay candidates behind
+    them (each search moves a copy): joining a searched plan's slices can raise its cost
+    (splitting.merge_shared_slices), and with a small budget a plan had ended above the best baseline's (the
+    portfolio guarantee)."""
 
     top: int = 3
     share: float = 1.0
@@ -463,10 +466,11 @@ class LocalSearch:
             problem.phase(f"search from {d.name} ({k + 1} of {len(top)}; {budget.used:,} of "
                           f"{budget.evaluations:,} evaluations)")
             sub = budget.share((total - budget.used) // (len(top) - k))
-            state = local_search(d.state, sub) if sub.evaluations > 0 else d.state
+            if sub.evaluations > 0:
+                out.append(Draft(d.name, d.pieces, local_search(d.state.copy(), sub)))
             budget.absorb(sub)
-            out.append(Draft(d.name, d.pieces, state))
-        return sorted(out, key=lambda d: d.overall)  # stable: ties keep the better-ranked start
+        # stable: ties keep the better-ranked start (a searched draft before the same draft as proposed)
+        return sorted([*out, *drafts], key=lambda d: d.overall)
 
 
 @dataclass

@@ -70,6 +70,11 @@ class SearchState:
     def overall(self) -> float:
         return float(self.costs_np.max())
 
+    def copy(self) -> SearchState:
+        """The same assignment in a state of its own (a search moves pieces in place)."""
+        movable = None if self.movable is None else self.movable.copy()
+        return SearchState(self.scorer, self.sizes, self.memory, self.assignment.copy(), movable=movable)
+
     def apply_move(self, piece: int, dst: int) -> None:
         src = int(self.assignment[piece])
         e = self.enc_np[piece]
