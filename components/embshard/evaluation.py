@@ -132,8 +132,7 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
     else:
         singles = measured_singles(sub, D, single_settings, singles_cache)
         est_split = measured_balanced_estimate(sub, D, singles, single_settings, task.task_id)
-        # one device: the all-on-one plan is the only one (_estimate), the largest table alone no floor of it
-        est_table = est_split if D <= 1 else max(est_split, float(singles.sum(1).max()))
+        est_table = float(_table_wise(est_split, float(singles.sum(1).max()), D))
         est_rounds = None
     # Comparators: the greedy baselines measured here (first entries of their names) and TorchRec's plans.
     greedy = {lbl: by_label[lbl] for lbl, name, ns in labels if name in GREEDY_BASELINES and not ns
@@ -423,7 +422,13 @@ def balanced_estimate_rounds(probes: dict[str, np.ndarray], num_tables: int,
     `measured_balanced_estimate`; and (R,) the table-wise one (at least the largest table alone)."""
     singles = np.stack([probes[f"alone:{i}"] for i in range(num_tables)])  # (N, R, 3)
     est = _estimate(probes[FUSED_PROBE], singles.sum(0), num_devices)
-    return est, (est if num_devices <= 1 else np.maximum(est, singles.sum(2).max(0)))
+    return est, _table_wise(est, singles.sum(2).max(0), num_devices)
+
+
+def _table_wise(estimate, largest_single, num_devices: int):
+    """The table-wise estimate: at least the costliest table alone; on one device the all-on-one plan, the only
+    one there is (`_estimate`), which no single table's floor applies to."""
+    return estimate if num_devices <= 1 else np.maximum(estimate, largest_single)
 
 
 def _estimate(fused_heads: np.ndarray, singles_sum: np.ndarray, num_devices: int):

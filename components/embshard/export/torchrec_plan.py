@@ -753,12 +753,10 @@ def _check_host_size(doc: Mapping, where: str, local_world_size: int | None) -> 
     sharding, or "Number of local shards (0) does not match"). Checked against `local_world_size` when given, else
     inside a job (a process group) against what TorchRec will use; outside a job (reading or evaluating a plan)
     there is nothing to compare with."""
-    plan_local = next((len(p["ranks"]) for params in doc["modules"].values() for p in params.values()
-                       if p["sharding_type"] == TABLE_ROW_WISE), None)
+    name, plan_local = next(((n, len(p["ranks"])) for params in doc["modules"].values() for n, p in params.items()
+                             if p["sharding_type"] == TABLE_ROW_WISE), (None, None))
     if plan_local is None:
         return
-    name = next(n for params in doc["modules"].values() for n, p in params.items()
-                if p["sharding_type"] == TABLE_ROW_WISE)
     source = "local_world_size"
     if local_world_size is None:
         world = _job_world_size()

@@ -275,8 +275,7 @@ class RowWiseFit:
             return False
 
     def propose(self, problem):
-        view = self._view(problem)
-        return greedy_on_view(problem, view)
+        return greedy_on_view(problem, self._view(problem))
 
 
 def greedy_on_view(problem, view: PieceView) -> list[Shard] | None:
@@ -299,7 +298,6 @@ class DominantCut:
     uncut drafts, whose cuts (row-wise, one host's rows) predicted better on the MLPerf-like lists."""
 
     name: str = "dominant_cut"
-    phase: str = "heuristic starting points"
 
     def levels(self, problem) -> np.ndarray | None:
         """The view's cut levels with the dominant tables cut, or None when no table dominates."""
@@ -378,9 +376,7 @@ class DominantCuts:
                                     allowance, self.max_splits, columns=self.columns, rows=self.rows,
                                     replicas=self.replicas, cache=problem.cuts,
                                     min_slice_bytes=problem.min_slice_bytes)
-        budget.side += allowance.used
-        budget.cap_hit |= allowance.cap_hit
-        budget.guard_stops += allowance.guard_stops
+        budget.absorb_side(allowance)
         line = Draft(maker.name, carried, state)
         # stable: at equal cost the plan so far stays first
         return sorted([*drafts, line], key=lambda d: (d.alternative, d.overall))
@@ -543,9 +539,7 @@ class Splits:
                                     replicas=self.replicas, cache=problem.cuts,
                                     min_slice_bytes=problem.min_slice_bytes)
         if charged:
-            budget.side += allowance.used
-            budget.cap_hit |= allowance.cap_hit
-            budget.guard_stops += allowance.guard_stops
+            budget.absorb_side(allowance)
         pieces_before = Counter(p.table for p in lead.shards if p.kind != WHOLE)
         if not any(p.kind != WHOLE and p.table not in pieces_before for p in carried):
             return None  # no other table cut: the lead itself is the draft of this kind
@@ -788,7 +782,6 @@ def _learned(policy, *, num_samples=8, refine_top=3, policy_proposers=True, cost
         proposers.append(CostGreedy())
     if cost_greedy or portfolio:  # not part of the cost greedy's ablation; not in policy_only (the policy alone)
         proposers.append(RowWiseFit())
-
     heuristics: list[Proposer] = [Heuristic(b) for b in BASELINES]
     if torchrec:
         heuristics.append(TorchRecProposal(torchrec))

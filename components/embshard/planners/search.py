@@ -103,7 +103,7 @@ class Budget:
     skipped_proposers: list = field(default_factory=list)  # proposers not run: the cap had passed (compose)
     no_plan: list = field(default_factory=list)  # proposers that ran and placed nothing (compose)
     guard_stops: int = 0  # searches stopped because the best move's gain was inside the model's uncertainty
-    side: int = 0  # work done on allowances of their own (compose.Splits' branches), not counted in `used`
+    side: int = 0  # work done on allowances of their own (Splits' branches, DominantCuts), not counted in `used`
 
     def spend(self, n: int) -> None:
         self.used += int(n)
@@ -124,6 +124,13 @@ class Budget:
         self.used += sub.used
         self.cap_hit |= sub.cap_hit
         self.guard_stops += sub.guard_stops
+
+    def absorb_side(self, allowance: Budget) -> None:
+        """Record the work of an allowance of its own (a line beside the shared search) apart (`side`); its
+        safety-cap hits and guard stops count with the planner's."""
+        self.side += allowance.used
+        self.cap_hit |= allowance.cap_hit
+        self.guard_stops += allowance.guard_stops
 
 
 @dataclass
