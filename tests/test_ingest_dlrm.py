@@ -262,3 +262,85 @@ def test_trace_errors_name_what_is_wrong(tmp_path, tables):
     finally:
         os.chdir(cwd)
     assert f"rows=file:{tmp_path / 'ok.txt'}" in df["source"].iloc[0]
+
+
+def test_several_files_of_one_trace_are_ingested_as_one(tmp_path, tables, capsys):
+    """Meta's dataset holds one batch per file (fbgemm_t856_bs65536_0.pt ... _15.pt): the files of one trace give
+    one table each, whose features describe all of them, and the benchmark replays the first file."""
+    from embshard.bench import inputs, runner
+    from embshard.features import bin_histogram
+    from embshard.tableset import TableSet
+
+    # Natural order (_2 before _10), different seeds and batch sizes, one of them gzip-compressed.
+    names = {2: ("tr_2.pt", 48, 11), 10: ("tr_10.pt.gz", 64, 12), 1: ("tr_1.pt", 32, 13)}
+    for name, batch, seed in names.values():
+        write_dlrm_traces(tables, str(tmp_path / name), batch_size=batch, seed=seed)
+    order = [str(tmp_path / names[k][0]) for k in (1, 2, 10)]
+    out = tmp_path / "out"
+    assert cli(["ingest", "--source", "dlrm", "--input", str(tmp_path / "tr_*.pt*"), "--out", str(out),
+                "--dim", "32", "--no-progress"]) == 0
+    df = schemas.read(out / "tables.parquet", "tables")
+    per_file = [_direct(p) for p in order]
+    for t in range(len(tables)):
+        idx = [f[t][0] for f in per_file]
+        lens = [f[t][1] for f in per_file]
+        row = df.iloc[t]
+        assert row["rows"] == max(max((int(i.max()) + 1 for i in idx if i.size), default=1), 1)
+        assert row["pooling_factor"] == pytest.approx(sum(int(x.sum()) for x in lens) / (32 + 48 + 64))
+        # each file is one batch: the unique ids per bin of each batch, added up
+        hist = sum(bin_histogram(np.unique(i, return_counts=True)[1]) for i in idx if i.size)
+        np.testing.assert_allclose(row[schemas.BIN_COLUMNS].to_numpy(float), hist / hist.sum())
+        assert row["trace_file"] == os.path.abspath(order[0])
+        assert row["trace_pooling_factor"] == pytest.approx(lens[0].sum() / 32)
+    assert "files=3" in df["source"].iloc[0] and "batch=32+48+64" in df["source"].iloc[0]
+    # The same files listed (the shell's expansion), in the same order: the same tables.
+    out2 = tmp_path / "out2"
+    assert cli(["ingest", "--source", "dlrm", "--input", *order, "--out", str(out2), "--dim", "32",
+                "--no-progress"]) == 0
+    assert schemas.read(out2 / "tables.parquet", "tables").equals(df)
+    # The benchmark replays the first file and checks it against that file's own bag length.
+    ts = TableSet.from_frame(df)
+    spec = runner._table_inputs(ts, np.array([1]), None)[0]
+    assert spec.trace_pooling_factor == pytest.approx(per_file[0][1][1].sum() / 32)
+    assert len(inputs.trace_windows(spec, 16, 2)) == 2
+    # One file alone: no trace_pooling_factor column, as before.
+    one = tmp_path / "one"
+    assert cli(["ingest", "--source", "dlrm", "--input", order[0], "--out", str(one), "--no-progress"]) == 0
+    assert "trace_pooling_factor" not in schemas.read(one / "tables.parquet", "tables").columns
+
+
+def test_files_of_different_traces_or_a_pattern_that_matches_nothing_are_one_line_errors(tmp_path, tables, capsys):
+    write_dlrm_traces(tables, str(tmp_path / "a_0.pt"), batch_size=16, seed=1)
+    write_dlrm_traces(tables.head(5), str(tmp_path / "a_1.pt"), batch_size=16, seed=2)
+    out = tmp_path / "out"
+    base = ["ingest", "--source", "dlrm", "--out", str(out), "--no-progress", "--input"]
+    _fails(capsys, base + [str(tmp_path / "a_*.pt")], "a_1.pt", "holds 5 tables, a_0.pt holds 7", "fix:")
+    _fails(capsys, base + [str(tmp_path / "b_*.pt")], "b_*.pt", "no trace file matches", "field 'input'")
+    _fails(capsys, base + [f"{tmp_path / 'a_0.pt'},{tmp_path / 'a_0.pt'}"], "a_0.pt", "names one file twice")
+    _fails(capsys, base + [str(tmp_path / "a_0.pt"), str(tmp_path / "nope.pt")], "nope.pt", "not found")
+    _fails(capsys, ["ingest", "--source", "spec", "--out", str(out), "--no-progress", "--input",
+                    str(tmp_path / "a_0.pt"), str(tmp_path / "a_1.pt")], "2 files given; a spec is one file")
+    assert not out.exists() or os.listdir(out) == []  # nothing half-written
+
+
+def test_pipeline_params_take_a_pattern_of_trace_files(tmp_path, tables):
+    from embshard.errors import EmbshardError
+    from embshard.params import check as validate
+
+    for k in range(2):
+        write_dlrm_traces(tables, str(tmp_path / f"d_{k}.pt"), batch_size=16, seed=k)
+    ok = validate({"source": "dlrm", "input": str(tmp_path / "d_*.pt"), "tables_per_task": "2-3"})
+    assert ok["input"] == str(tmp_path / "d_*.pt")
+    with pytest.raises(EmbshardError, match="no trace file matches") as err:
+        validate({"source": "dlrm", "input": str(tmp_path / "x_*.pt")})
+    assert err.value.field == "input"
+    with pytest.raises(EmbshardError, match="no file") as err:
+        validate({"source": "dlrm", "input": f"{tmp_path / 'd_0.pt'},{tmp_path / 'gone.pt'}"})
+    # tasks larger than the first file's pools are refused before any work, as for one file
+    with pytest.raises(EmbshardError, match="tables_per_task"):
+        validate({"source": "dlrm", "input": str(tmp_path / "d_*.pt"), "tables_per_task": "5-6"})
+    # each file is read in full: the ingest stage's time limit grows with them
+    from embshard.params import stage_timeout_s
+
+    one = {"source": "dlrm", "input": str(tmp_path / "d_0.pt"), "num_tables": 5000}
+    assert stage_timeout_s("ingest", {**one, "input": str(tmp_path / "d_*.pt")}) == 2 * stage_timeout_s("ingest", one)

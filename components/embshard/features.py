@@ -45,8 +45,14 @@ def access_bins(indices: np.ndarray) -> np.ndarray:
 
 def bins_from_counts(counts: np.ndarray) -> np.ndarray:
     """The 17 bins from the access count of every unique index."""
-    hist = np.bincount(bin_of_count(counts), minlength=NUM_BINS).astype(np.float64)
+    hist = bin_histogram(counts).astype(np.float64)
     return hist / hist.sum()
+
+
+def bin_histogram(counts: np.ndarray) -> np.ndarray:
+    """(17,) int64: how many unique indices fall in each bin, from their access counts (bins_from_counts before
+    it is normalised: histograms of several batches add up)."""
+    return np.bincount(bin_of_count(counts), minlength=NUM_BINS)
 
 
 def feature_matrix(tables) -> np.ndarray:

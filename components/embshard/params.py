@@ -50,7 +50,8 @@ SPECS: dict[str, ParamSpec] = {
                         {"enum": ["synthetic", "spec", "dlrm"]}),
     # Optional (null allowed): the synthetic source needs no file, and the UI form must submit with the defaults.
     "input": ParamSpec(None, "Spec or trace file for source spec/dlrm (a path; a trace is read from a local or "
-                       "mounted one only); empty for synthetic.",
+                       "mounted one only; dlrm: also several files of one trace, as a glob pattern such as "
+                       "/data/fbgemm_t856_bs65536_*.pt or a comma-separated list); empty for synthetic.",
                        {"type": ["null", "string"]}),
     "num_tables": ParamSpec(240, "Synthetic source: how many tables to generate (2-100,000).", _int(2, 100_000)),
     # 0.04 by default for coverage: they are the tables a plan must cut, and a cost model that never measured
@@ -185,6 +186,14 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
         elif src == "synthetic" and inp:
             found.append(("input", "the synthetic source reads no file",
                           "leave input empty, or choose source spec or dlrm"))
+        elif inp and check_files and src == "dlrm":
+            try:
+                missing = [f for f in _trace_files(inp) if _missing(f)]
+            except EmbshardError as e:
+                found.append(("input", e.message, e.fix or ""))
+            else:
+                if missing:
+                    found.append(("input", f"no file {missing[0]!r} here", _FIX_MISSING))
         elif inp and check_files and _missing(inp):
             found.append(("input", f"no file {inp!r} here", _FIX_MISSING))
     dlrm = p["source"] == "dlrm"  # another source's dim or rows_file is refused below, whatever its value
@@ -306,9 +315,30 @@ def _dim_problem(value) -> str | None:
     return None
 
 
+def _trace_files(spec: str) -> list[str]:
+    """The files a dlrm input names (one, a glob pattern or a comma-separated list: ingest.dlrm.trace_files)."""
+    from .ingest.dlrm import trace_files
+
+    return trace_files(spec)
+
+
+def _input_files(p: dict) -> int:
+    """How many files ingest reads (a dlrm input may name several: each is read in full)."""
+    if p["source"] != "dlrm" or not (p["input"] or "").strip():
+        return 1
+    try:
+        return len(_trace_files(str(p["input"])))
+    except EmbshardError:
+        return 1  # check_params names the input's problem
+
+
 def _trace_table_count(path: str) -> int | None:
-    """The tables of a local DLRM trace, from its tensors' shapes (None: remote, compressed or unreadable; ingest
-    reports those)."""
+    """The tables of a local DLRM trace (its first file, where the input names several), from its tensors'
+    shapes (None: remote, compressed or unreadable; ingest reports those, and files of another table count)."""
+    try:
+        path = _trace_files(path)[0]
+    except EmbshardError:
+        return None  # reported with the input's other problems
     local = _local_file(path)
     if local is None:
         return None
@@ -411,7 +441,8 @@ def stage_timeout_s(stage: str, params: dict | None) -> float:
     gpu = GPU_FACTOR if p["device"] != "cpu" else 1.0
     shards = int(p["bench_shards"]) + int(p["num_tables"])
     work = {
-        "ingest": RATE_S["ingest"] * int(p["num_tables"]) * (1 if p["source"] == "synthetic" else 20),
+        "ingest": RATE_S["ingest"] * int(p["num_tables"]) * (1 if p["source"] == "synthetic" else 20)
+        * _input_files(p),
         "benchmark": RATE_S["benchmark"] * shards / int(p["bench_chunks"]) * gpu,
         "train_cost_model": RATE_S["train_cost_model"] * shards * int(p["cost_members"]) / 3,
         # the curriculum (its 1,000-table updates capped by work, and validation on 12+ tasks of all its shapes)

@@ -110,6 +110,10 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("source", _STR),
         Column("trace_file", _STR, required=False, nullable=True),
         Column("trace_table_index", pa.int64(), required=False, nullable=True),
+        # Ingested from several files of one trace (ingest.dlrm.trace_files): the mean bag length of trace_file's
+        # own table, which the benchmark replays and checks (pooling_factor is all the files').
+        Column("trace_pooling_factor", _F64, required=False, nullable=True, check=_pooling,
+               rule=f"a finite number from 0 to {checks.MAX_POOLING_FACTOR:,.0f}"),
         # embshard.pools: decided once at ingest; files without it get the same seeded rule on read.
         Column("pool", _STR, required=False, check=lambda s: s.isin(["train", "test"]), rule="'train' or 'test'"),
     ],

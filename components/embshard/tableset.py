@@ -22,6 +22,9 @@ class TableSet:
     bins: np.ndarray               # (N, 17) float64
     trace_file: np.ndarray         # (N,) object, None where no trace
     trace_table_index: np.ndarray  # (N,) int64, -1 where no trace
+    # (N,) float64: the mean bag length of trace_file's own table where the features came from several files of
+    # the trace (ingest.dlrm.tables_from_trace), NaN where it is pooling_factor
+    trace_pooling: np.ndarray
 
     @classmethod
     def from_frame(cls, df: pd.DataFrame) -> TableSet:
@@ -40,6 +43,8 @@ class TableSet:
             bins=df[schemas.BIN_COLUMNS].to_numpy(dtype=np.float64),
             trace_file=trace_file,
             trace_table_index=trace_idx,
+            trace_pooling=(df["trace_pooling_factor"].to_numpy(dtype=np.float64, na_value=np.nan)
+                           if "trace_pooling_factor" in df.columns else np.full(n, np.nan)),
         )
 
     @classmethod

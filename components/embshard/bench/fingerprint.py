@@ -34,6 +34,8 @@ def tables_hash(ts: TableSet) -> str:
     for arr in (ts.rows, ts.dims, ts.pooling_factor, ts.bytes_per_element, ts.bins, ts.trace_table_index):
         h.update(np.ascontiguousarray(arr).tobytes())
     h.update("\0".join("" if f is None else str(f) for f in ts.trace_file).encode())
+    if not np.isnan(ts.trace_pooling).all():  # tables of several trace files (only then: older hashes unchanged)
+        h.update(np.ascontiguousarray(ts.trace_pooling).tobytes())
     return h.hexdigest()
 
 

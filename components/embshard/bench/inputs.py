@@ -64,6 +64,7 @@ class TableInput:
     bins: np.ndarray     # (17,)
     trace_file: str | None = None
     trace_table_index: int = -1
+    trace_pooling_factor: float | None = None  # trace_file's own mean bag length, where it is not pooling_factor
     scaled_rows: int | None = None
     row_offset: int = 0            # a row range [row_offset, row_offset + row_size) of the table (kind `row`)
     row_size: int | None = None    # None: all rows
@@ -161,10 +162,13 @@ def _trace_at(path: str, stamp: tuple, table_index: int  # noqa: ARG001 (the cac
 def check_trace_matches(t: TableInput, top: int, pooling: float) -> None:
     """The trace still holds what the table was ingested from: the same mean bag length (`pooling`; ingest's
     pooling factor came from the same lengths) and no id past the table's rows (`top`: its largest id). A trace
-    regenerated at the same path (a daily export) would otherwise be replayed silently, its ids folded."""
-    if top >= int(t.rows) or not np.isclose(pooling, float(t.pooling_factor), rtol=1e-9, atol=1e-12):
+    regenerated at the same path (a daily export) would otherwise be replayed silently, its ids folded. A table
+    ingested from several files of its trace replays the first, and its own bag length is compared
+    (`trace_pooling_factor`)."""
+    want = float(t.pooling_factor if t.trace_pooling_factor is None else t.trace_pooling_factor)
+    if top >= int(t.rows) or not np.isclose(pooling, want, rtol=1e-9, atol=1e-12):
         found = (f"ids up to {top:,} for {int(t.rows):,} rows" if top >= int(t.rows)
-                 else f"a mean bag length of {pooling:.6g}, ingested as {float(t.pooling_factor):.6g}")
+                 else f"a mean bag length of {pooling:.6g}, ingested as {want:.6g}")
         raise EmbshardError(f"table {t.table_id} (trace table {int(t.trace_table_index)}) has {found}: the trace "
                             "changed since its tables were ingested", path=str(t.trace_file), field="trace_file",
                             fix="ingest the trace again (embshard ingest --source dlrm), then measure")

@@ -241,6 +241,7 @@ def _table_inputs(tables: TableSet, members: np.ndarray, col_sizes, row_ranges=N
             pooling_factor=float(tables.pooling_factor[i]), bins=tables.bins[i],
             trace_file=None if tf is None or (isinstance(tf, float) and math.isnan(tf)) or tf == "" else str(tf),
             trace_table_index=int(tables.trace_table_index[i]),
+            trace_pooling_factor=None if np.isnan(tables.trace_pooling[i]) else float(tables.trace_pooling[i]),
             row_offset=0 if rr is None else rr[0], row_size=None if rr is None else rr[1]))
     return out
 

@@ -9,12 +9,17 @@ tables' lookups, which is the same in every layout, so no layout guessing is nee
 The real file holds ~887M indices (4.2 GB): zip-format `.pt` files are memory-mapped
 (`torch.load(mmap=True)`), so only the table being read is resident, and the pages of a finished table are
 handed back to the kernel. A `.pt.gz` is stream-decompressed to a temporary file first, then mapped.
+
+Meta's dataset comes as several files of the same tables, one batch each (`fbgemm_t856_bs65536_0.pt` ... `_15.pt`):
+an input may name several (`trace_files`: a glob pattern or a comma-separated list), read one after another, and a
+table's features then describe all of them (`tables_from_trace`).
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import ctypes
+import glob
 import gzip
 import logging
 import os
@@ -379,6 +384,54 @@ def _close_all() -> None:
 
 
 # -- ingestion -------------------------------------------------------------------------------------------------
+GLOB_CHARS = "*?["
+
+
+def trace_files(spec: str | os.PathLike | list | tuple) -> list[str]:
+    """The trace files an input names, in order: one path; a glob pattern (`/data/fbgemm_t856_bs65536_*.pt`),
+    its matches in natural order (_2 before _10); a comma-separated list, in its order; or a list of paths (the
+    shell's expansion of `--input a.pt b.pt`). A path that exists as a file is that file, whatever characters it
+    holds. Local paths only (`file://` taken off); a pattern that matches nothing, or a list that names one file
+    twice, is a one-line error naming the input."""
+    if isinstance(spec, (list, tuple)):
+        if len(spec) == 1:
+            return trace_files(spec[0])
+        return _distinct([os.fspath(x).strip() for x in spec], ", ".join(map(os.fspath, spec)))
+    text = os.fspath(spec).strip()
+    local = text.removeprefix("file://")
+    if "://" in local or os.path.isfile(local):
+        return [text]  # one file (a URI is refused, in one line, where it is read)
+    if any(c in local for c in GLOB_CHARS) and "," not in local:
+        found = sorted((f for f in glob.glob(local) if os.path.isfile(f)), key=_natural_key)
+        if not found:
+            raise EmbshardError("no trace file matches this pattern", path=text, field="input",
+                                fix="check the folder and the pattern (quote it, so the shell leaves it to embshard)")
+        return found
+    if "," not in local:
+        return [text]
+    return _distinct([x.strip() for x in text.split(",") if x.strip()], text)
+
+
+def _distinct(parts: list[str], given: str) -> list[str]:
+    """`parts`, refused in one line when empty or when one file is named twice."""
+    if not parts:
+        raise EmbshardError("names no file", path=given, field="input", fix="give one trace file, a comma-separated "
+                            "list or a glob pattern")
+    seen: set[str] = set()
+    for x in parts:
+        key = os.path.abspath(x.removeprefix("file://"))
+        if key in seen:
+            raise EmbshardError("names one file twice", path=x, field="input",
+                                fix="list each trace file once (its batches would count twice)")
+        seen.add(key)
+    return parts
+
+
+def _natural_key(path: str) -> list:
+    """Sort key that orders the numbers in a name by value (`_2` before `_10`)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path)]
+
+
 @dataclass
 class TraceOptions:
     dim: str | int = "mixed"            # an int for every table, or "mixed": a seeded draw from the synthetic mix
@@ -487,87 +540,141 @@ def _warn_batch(path: str, batch: int) -> None:
                     f"{BINS_BATCH_SIZE:,}")
 
 
-def tables_from_trace(path: str, options: TraceOptions | None = None, *, rows: np.ndarray | None = None,
+def tables_from_trace(path: str | list[str], options: TraceOptions | None = None, *,
+                      rows: np.ndarray | None = None,
                       dims: np.ndarray | None = None, table_ids: list[str] | None = None,
                       source: str | None = None, progress: bool = True) -> pd.DataFrame:
     """A validated tables frame with one row per table of the trace, features computed from its indices.
 
+    `path` may name several files of the same tables (`trace_files`: Meta's dataset holds one batch per file):
+    they are read one after another (one decompressed at a time), and a table's features describe all of them:
+    its rows from its largest id in any file, its pooling factor the lookups of all files over their samples, its
+    access bins the unique ids per bin of each file's batch added up (each file is one batch, the batch the bins
+    are defined on). The benchmark replays the first file (`trace_file`), whose own mean bag length is kept in
+    `trace_pooling_factor` to check it against (bench.inputs.check_trace_matches).
     `rows`/`dims`/`table_ids` override what the options would choose (the synthetic source passes its own).
     Tables are streamed one at a time; every row points back at its trace (trace_file, trace_table_index).
     """
     from tqdm.auto import tqdm
 
-    from .synthetic import table_bins
+    from .synthetic import table_bin_histogram
 
     opt = options or TraceOptions()
-    path = os.fspath(path).removeprefix("file://")  # the trace_file recorded for the benchmark is a plain path
+    files = [f.removeprefix("file://") for f in trace_files(path)]
+    first = files[0]  # the trace_file recorded for the benchmark is a plain path: the first file's
     bpe = bytes_per_element(opt.data_type)
-    with TraceFile(path, tmp_dir=opt.tmp_dir, tmp_tag=opt.tmp_tag) as trace:
-        T = trace.num_tables if opt.num_tables is None else min(int(opt.num_tables), trace.num_tables)
-        if T <= 0:
-            raise EmbshardError("must be > 0", field="num_tables", fix="ask for at least one table")
-        if opt.num_tables is not None and int(opt.num_tables) > trace.num_tables:
-            raise EmbshardError(f"asked for {int(opt.num_tables)} tables, the trace holds {trace.num_tables}",
-                                path=path, field="num_tables", fix=f"ask for at most {trace.num_tables}, or omit it")
-        if rows is None and opt.rows_file:
-            rows = read_rows_file(opt.rows_file, T, trace.num_tables)
-        if dims is None:
-            dims = choose_dims(opt.dim, T, opt.seed)
-        ids = table_ids or [f"t{i:04d}" for i in range(T)]
-        out_rows = np.empty(T, dtype=np.int64)
-        pooling = np.empty(T)
-        sparse_ids = np.zeros(T, dtype=bool)  # rows from the largest id, far beyond the ids seen: raw ids?
-        no_lookups = np.zeros(T, dtype=bool)
-        bins = np.empty((T, schemas.NUM_BINS))
-        too_small: list[str] = []  # tables whose --rows-file hash size is below an index they use
-        if rows is not None:
-            over = [t for t in range(T) if int(rows[t]) * int(dims[t]) * bpe >= checks.MAX_TABLE_BYTES]
-            if over:
-                raise EmbshardError(f"table {over[0]}: {int(rows[over[0]]):,} rows x {int(dims[over[0]])} columns "
-                                    "would need 2^62 bytes or more", path=opt.rows_file or path, field="rows",
-                                    fix="give the hash-table sizes (rows), not byte counts")
-        for t in tqdm(range(T), desc="ingest tables", unit="table", disable=not progress or None,
-                      mininterval=1.0):
-            idx, lengths = trace.table(t)
-            top = int(idx.max()) + 1 if idx.size else 1
-            if rows is not None:
-                out_rows[t] = int(rows[t])
-                if top > out_rows[t]:  # every such table is named at the end, not one per run
-                    too_small.append(f"table {t} uses index {top - 1:,} but has {int(out_rows[t]):,} rows")
-                    continue  # no bins: counting up to a stray id of 2^40 would ask for terabytes
-            else:
-                n = top
-                if n * int(dims[t]) * bpe >= checks.MAX_TABLE_BYTES:  # Python ints: never wraps around
-                    raise EmbshardError(f"table {t} uses index {top - 1}: {n:,} rows x {int(dims[t])} columns would "
-                                        "need 2^62 bytes or more", path=path, field="indices",
-                                        fix="remap the ids to hash-table rows (the trace holds raw ids), or give "
-                                            "--rows-file")
-                out_rows[t] = n
-            pooling[t] = lengths.sum() / trace.batch_size
-            if rows is None and idx.size:
-                sparse_ids[t] = top > RAW_ID_ROWS and top > RAW_ID_RATIO * len(np.unique(idx))
-            no_lookups[t] = idx.size == 0
-            bins[t] = table_bins(idx, int(out_rows[t]))
-            del idx, lengths
-        if too_small:
-            more = f" (and {len(too_small) - 3} more tables)" if len(too_small) > 3 else ""
-            raise EmbshardError("; ".join(too_small[:3]) + more, path=opt.rows_file or path, field="rows",
-                                fix="give hash sizes larger than every index, or omit --rows-file")
-        batch = trace.batch_size
-    _warn_suspicious(path, ids, out_rows, sparse_ids, no_lookups)
+    stats: _TraceStats | None = None
+    batches: list[int] = []
+    for k, file in enumerate(files):
+        with TraceFile(file, tmp_dir=opt.tmp_dir, tmp_tag=opt.tmp_tag) as trace:
+            if stats is None:
+                T = trace.num_tables if opt.num_tables is None else min(int(opt.num_tables), trace.num_tables)
+                if T <= 0:
+                    raise EmbshardError("must be > 0", field="num_tables", fix="ask for at least one table")
+                if opt.num_tables is not None and int(opt.num_tables) > trace.num_tables:
+                    raise EmbshardError(f"asked for {int(opt.num_tables)} tables, the trace holds {trace.num_tables}",
+                                        path=file, field="num_tables",
+                                        fix=f"ask for at most {trace.num_tables}, or omit it")
+                if rows is None and opt.rows_file:
+                    rows = read_rows_file(opt.rows_file, T, trace.num_tables)
+                if dims is None:
+                    dims = choose_dims(opt.dim, T, opt.seed)
+                if rows is not None:
+                    over = [t for t in range(T) if int(rows[t]) * int(dims[t]) * bpe >= checks.MAX_TABLE_BYTES]
+                    if over:
+                        raise EmbshardError(f"table {over[0]}: {int(rows[over[0]]):,} rows x {int(dims[over[0]])} "
+                                            "columns would need 2^62 bytes or more", path=opt.rows_file or file,
+                                            field="rows", fix="give the hash-table sizes (rows), not byte counts")
+                stats = _TraceStats(T, trace.num_tables)
+            elif trace.num_tables != stats.file_tables:
+                raise EmbshardError(f"holds {trace.num_tables} tables, {os.path.basename(files[0])} holds "
+                                    f"{stats.file_tables}: not batches of one trace", path=file, field="input",
+                                    fix="give files of the same tables (e.g. fbgemm_t856_bs65536_*.pt)")
+            assert dims is not None
+            desc = "ingest tables" + (f" (file {k + 1} of {len(files)})" if len(files) > 1 else "")
+            for t in tqdm(range(stats.T), desc=desc, unit="table", disable=not progress or None, mininterval=1.0):
+                idx, lengths = trace.table(t)
+                stats.add(t, idx, lengths, trace.batch_size, None if rows is None else int(rows[t]),
+                          int(dims[t]), bpe, file, first=k == 0, histogram=table_bin_histogram)
+                del idx, lengths
+            batches.append(trace.batch_size)
+    assert stats is not None and dims is not None
+    if stats.too_small:
+        more = f" (and {len(stats.too_small) - 3} more tables)" if len(stats.too_small) > 3 else ""
+        raise EmbshardError("; ".join(stats.too_small[:3]) + more, path=opt.rows_file or first, field="rows",
+                            fix="give hash sizes larger than every index, or omit --rows-file")
+    T = stats.T
+    ids = table_ids or [f"t{i:04d}" for i in range(T)]
+    out_rows = np.asarray(rows[:T], dtype=np.int64) if rows is not None else np.maximum(stats.top, 1)
+    sparse_ids = ((stats.top > RAW_ID_ROWS) & (stats.top > RAW_ID_RATIO * stats.unique)) if rows is None \
+        else np.zeros(T, dtype=bool)  # rows from the largest id, far beyond the ids seen: raw ids?
+    _warn_suspicious(first, ids, out_rows, sparse_ids, stats.lookups == 0)
     if source is None:  # a user's trace (the synthetic source chooses its traces' batch itself)
-        _warn_batch(path, batch)
+        for batch in dict.fromkeys(batches):
+            _warn_batch(files[batches.index(batch)], batch)
     df = pd.DataFrame({"table_id": ids, "rows": out_rows, "dim": np.asarray(dims, dtype=np.int64),
-                       "pooling_factor": pooling, "bytes_per_element": bpe})
+                       "pooling_factor": stats.lookups / float(sum(batches)), "bytes_per_element": bpe})
     df["size_bytes"] = df["rows"] * df["dim"] * bpe
+    bins = stats.bins()
     for k, c in enumerate(schemas.BIN_COLUMNS):
         df[c] = bins[:, k]
     if source is None:
         dim_desc = f"mixed(seed={opt.seed})" if str(opt.dim).lower() == "mixed" else str(int(opt.dim))
         rows_desc = f"file:{os.path.abspath(opt.rows_file)}" if opt.rows_file else "max-index+1"
-        source = (f"dlrm:{os.path.abspath(path)};batch={batch};dim={dim_desc};"
-                  f"dtype={str(opt.data_type).lower()};rows={rows_desc}")
+        where = os.path.abspath(first) if len(files) == 1 else ",".join(os.path.abspath(f) for f in files)
+        batch_desc = str(batches[0]) if len(set(batches)) == 1 else "+".join(map(str, batches))
+        source = (f"dlrm:{where};{f'files={len(files)};' if len(files) > 1 else ''}batch={batch_desc};"
+                  f"dim={dim_desc};dtype={str(opt.data_type).lower()};rows={rows_desc}")
     df["source"] = source
-    df["trace_file"] = os.path.abspath(path)
+    df["trace_file"] = os.path.abspath(first)
     df["trace_table_index"] = np.arange(T, dtype=np.int64)
-    return schemas.validate(df, "tables", path)
+    if len(files) > 1:
+        df["trace_pooling_factor"] = stats.first_pooling
+    return schemas.validate(df, "tables", first)
+
+
+_INT64_MAX = (1 << 63) - 1
+
+
+class _TraceStats:
+    """What tables_from_trace keeps of each table while it reads the files one after another."""
+
+    def __init__(self, num_tables: int, file_tables: int):
+        T = self.T = num_tables
+        self.file_tables = file_tables  # tables in each file (num_tables may read only the first ones)
+        self.top = np.zeros(T, dtype=np.int64)       # largest id + 1 in any file (0: no lookups)
+        self.lookups = np.zeros(T)                    # lookups of all files (float: a sum of up to 2^60)
+        self.first_pooling = np.zeros(T)              # the first file's mean bag length (the one replayed)
+        self.unique = np.zeros(T, dtype=np.int64)     # unique ids summed over the files (an upper bound of all's)
+        self.hist = np.zeros((T, schemas.NUM_BINS), dtype=np.int64)
+        self.too_small: list[str] = []                # tables whose --rows-file hash size is below an id they use
+        self._too_small: set[int] = set()
+
+    def add(self, t: int, idx: np.ndarray, lengths: np.ndarray, batch: int, rows: int | None, dim: int, bpe: int,
+            file: str, first: bool, histogram) -> None:
+        top = int(idx.max()) + 1 if idx.size else 0
+        self.top[t] = max(int(self.top[t]), min(top, _INT64_MAX))  # an id of 2^63 - 1 is refused below
+        self.lookups[t] += float(lengths.sum())
+        if first:
+            self.first_pooling[t] = float(lengths.sum()) / batch
+        if rows is not None:
+            if top > rows:  # every such table is named at the end, not one per run
+                if t not in self._too_small:
+                    self._too_small.add(t)
+                    self.too_small.append(f"table {t} uses index {top - 1:,} but has {rows:,} rows")
+                return  # no bins: counting up to a stray id of 2^40 would ask for terabytes
+        elif top * dim * bpe >= checks.MAX_TABLE_BYTES:  # Python ints: never wraps around
+            raise EmbshardError(f"table {t} uses index {top - 1}: {top:,} rows x {dim} columns would need 2^62 bytes "
+                                "or more", path=file, field="indices",
+                                fix="remap the ids to hash-table rows (the trace holds raw ids), or give --rows-file")
+        if rows is None and idx.size:
+            self.unique[t] += len(np.unique(idx))
+        self.hist[t] += histogram(idx, rows if rows is not None else top)
+
+    def bins(self) -> np.ndarray:
+        """(T, 17) each table's access bins (fractions of its unique ids per bin; bin 0 where never read)."""
+        hist = self.hist.astype(np.float64)
+        total = hist.sum(axis=1, keepdims=True)
+        out = np.divide(hist, total, out=np.zeros_like(hist), where=total > 0)
+        out[total[:, 0] == 0, 0] = 1.0  # a table never looked up: treat as uniformly cold (features.access_bins)
+        return out

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from .. import schemas
-from ..features import access_bins, bins_from_counts
+from ..features import access_bins, bin_histogram, bins_from_counts
 
 MIN_ROWS, MAX_ROWS = 10, 10**8
 DIMS = np.array([4, 8, 16, 32, 64, 128, 256])
@@ -126,6 +126,20 @@ def table_bins(indices: np.ndarray, rows: int | None = None) -> np.ndarray:
         return access_bins(indices)
     counts = np.bincount(indices, minlength=0)
     return bins_from_counts(counts[counts > 0])
+
+
+def table_bin_histogram(indices: np.ndarray, rows: int | None = None) -> np.ndarray:
+    """(17,) int64 unique indices per bin of one batch (features.bin_histogram; all zero for no lookups): the
+    histograms of several batches of a table add up; normalised, one batch's is `table_bins`."""
+    indices = np.asarray(indices)
+    if indices.size == 0:
+        return np.zeros(schemas.NUM_BINS, dtype=np.int64)
+    if rows is None or rows > 4 * indices.size + (1 << 16):
+        _, counts = np.unique(indices, return_counts=True)
+    else:
+        counts = np.bincount(indices, minlength=0)
+        counts = counts[counts > 0]
+    return bin_histogram(counts)
 
 
 TRACE_LAYOUTS = ("flat", "per_table", "per_table_cumulative")

@@ -13,7 +13,7 @@ TABLES_FILE = "tables.parquet"
 TRACES_FILE = "traces.pt"
 
 
-def run(source: str, out: str, input: str | None = None, seed: int = 0, num_tables: int | None = None,
+def run(source: str, out: str, input: str | list[str] | None = None, seed: int = 0, num_tables: int | None = None,
         **kw) -> str:
     """Ingest tables from `source` into `<out>/tables.parquet`; returns that path.
 
@@ -21,7 +21,8 @@ def run(source: str, out: str, input: str | None = None, seed: int = 0, num_tabl
       `<out>/traces.pt` in the DLRM format (kw `trace_batch_size`, default 4096; `trace_layout`) and takes
       the pooling factors and bins from those traces, so rows point at them; `bins_batch_size`,
       `bytes_per_element`.
-    source="dlrm": `input` a .pt/.pt.gz trace; kw `dim` (int or "mixed"), `data_type` ("fp32"/"fp16"),
+    source="dlrm": `input` a .pt/.pt.gz trace, or several files of one trace (a glob pattern, a comma-separated
+      list or a list: ingest.dlrm.trace_files); kw `dim` (int or "mixed"), `data_type` ("fp32"/"fp16"),
       `rows_file`; `num_tables` reads only the first N tables.
     source="spec": `input` a CSV/Parquet/YAML table spec; kw `bins_batch_size`.
     kw `progress` (default True) shows a bar over tables. Writes are atomic: on error nothing is left behind.
@@ -63,6 +64,11 @@ def run(source: str, out: str, input: str | None = None, seed: int = 0, num_tabl
         batch = kw.pop("bins_batch_size", None)
         _no_extra(kw)
         assert input is not None  # required for spec, checked above
+        if isinstance(input, (list, tuple)):
+            if len(input) != 1:
+                raise EmbshardError(f"{len(input)} files given; a spec is one file", field="input",
+                                    fix="give one spec file (several are read only as files of one dlrm trace)")
+            input = input[0]
         df = tables_from_spec(input, seed=seed, bins_batch_size=batch, progress=progress)
     from .. import pools
 
@@ -158,7 +164,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", required=True, choices=["dlrm", "spec", "synthetic"],
                    help="dlrm: a .pt/.pt.gz trace (Meta's open format); spec: a CSV/Parquet/YAML table list "
                         "with TorchRec's names; synthetic: a seeded DLRM-like population")
-    p.add_argument("--input", help="the trace or spec file (dlrm, spec)")
+    p.add_argument("--input", nargs="+", help="the trace or spec file (dlrm, spec); dlrm: also several files of "
+                   "one trace (Meta's dataset holds one batch per file: --input fbgemm_t856_bs65536_*.pt, or the "
+                   "pattern quoted, or a comma-separated list), whose features then describe all of them")
     p.add_argument("--out", required=True, help="output folder; writes OUT/tables.parquet")
     p.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
     p.add_argument("--num-tables", type=int, default=None,
