@@ -21,7 +21,7 @@ PKG = "embshard"
 LAYERS: dict[str, tuple[str, ...]] = {
     # What the DAG and people call: the command line, the local runners, the public API (embshard.load_planner).
     "entry": ("embshard", "embshard.__main__", "embshard.cli", "embshard.pipeline", "embshard.airflow_local",
-              "embshard.run_owner"),
+              "embshard.run_owner", "embshard.prune"),
     # The stage table (what a DAG task runs), its report, the outer loop shared by the DAG and the CLI, the
     # params and the pod configuration.
     "stages": ("embshard.stages", "embshard.stage_report", "embshard.outer_loop", "embshard.params", "embshard.k8s"),

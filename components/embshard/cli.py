@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "evaluate": ("embshard.jobs.evaluate", "measure several planners' placements side by side"),
     "export": ("embshard.jobs.export", "export placements (plan.json, Parquet, TorchRec plan)"),
     "champion": ("embshard.jobs.champion", "list the registered planners; --set VERSION rolls the champion back"),
+    "prune": ("embshard.prune", "delete old runs' folders and logs and unaliased old registry versions"),
     "pipeline": ("embshard.pipeline", "run the whole Airflow DAG locally"),
     "ui": ("embshard.airflow_local", "start a real local Airflow (UI, scheduler) that runs the pipeline DAG"),
     "stage": ("embshard.stages", "run one pipeline stage on a run root (what the DAG's tasks and pods run)"),

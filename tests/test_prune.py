@@ -1,0 +1,123 @@
+"""`embshard prune`: what a local installation keeps and deletes as scheduled runs pile up."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from embshard import registry, run_owner
+from embshard.cli import main as cli
+
+RUNS = ["manual__2026-11-01T08:00:00+00:00", "scheduled__2026-11-08T00:00:00+00:00",
+        "manual__2026-11-10T09:30:00.5+00:00", "scheduled__2026-11-15T00:00:00+00:00"]
+
+
+@pytest.fixture()
+def installation(tmp_path, monkeypatch):
+    """Four runs (folders, Airflow logs, pipeline logs) and registry versions: embshard-cost 1-4, embshard-policy
+    1-2 (policy 1 trained against cost 1 and champion; policy 2 against cost 3)."""
+    from embshard.costmodel.ensemble import CostEnsemble
+    from embshard.costmodel.model import CostModel, CostModelConfig
+    from embshard.costmodel.pyfunc import CostModelPyfunc
+    from embshard.features import FeatureScaler, feature_matrix
+    from embshard.ingest.synthetic import generate_tables
+    from embshard.run_layout import run_root
+
+    root = tmp_path / "inst"
+    for k, run in enumerate(RUNS):
+        folder = run_root(str(root / "data"), run)
+        os.makedirs(os.path.join(folder, "export"))
+        with open(os.path.join(folder, "tables.parquet"), "wb") as f:
+            f.write(b"x" * 1000 * (k + 1))
+        logs = root / "airflow" / "logs" / "dag_id=embshard_pipeline" / f"run_id={run}" / "task_id=ingest"
+        logs.mkdir(parents=True)
+        (logs / "attempt=1.log").write_text("log\n")
+        os.makedirs(root / "logs", exist_ok=True)
+        (root / "logs" / f"pipeline-202611{k + 1:02d}-000000.log").write_text("pipeline\n")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = registry.connect(str(root))
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    feats = feature_matrix(generate_tables(6, seed=1, bins_batch_size=256))
+    arts = CostEnsemble([CostModel.create(CostModelConfig(), FeatureScaler.fit(feats))]).save(str(tmp_path / "m"))
+    registry.use(str(root))
+    for _ in range(4):
+        registry.log_and_register(CostModelPyfunc(), arts, registry.COST_MODEL, {})
+    for cost in (1, 3):
+        registry.log_and_register(CostModelPyfunc(), arts, registry.POLICY_MODEL, {
+            "cost_model_uri": f"models:/{registry.COST_MODEL}/{cost}", "cost_model_version": str(cost)})
+    registry.set_alias(registry.POLICY_MODEL, registry.CHAMPION, 1)
+    registry.set_alias(registry.COST_MODEL, registry.CHAMPION, 1)
+    yield root
+    mlflow.set_tracking_uri(None)
+
+
+def _versions(name):
+    import mlflow
+
+    return sorted(int(mv.version) for mv in mlflow.MlflowClient().search_model_versions(f"name='{name}'"))
+
+
+def _model_folders(root):
+    return sorted(os.listdir(root / "mlartifacts" / "models"))
+
+
+def test_a_dry_run_lists_and_deletes_nothing_then_yes_deletes_what_it_listed(installation, capsys):
+    root = installation
+    before = _model_folders(root)
+    assert cli(["prune", "--out", str(root), "--keep-runs", "2", "--keep-versions", "1"]) == 0
+    listed = capsys.readouterr().out
+    # the two oldest runs by their time (not by name: 'manual' sorts before 'scheduled'), the oldest pipeline logs
+    assert "run manual__2026-11-01T08-00-00-00-00" in listed and "run scheduled__2026-11-08T00-00-00-00-00" in listed
+    assert "manual__2026-11-10" not in listed.split("kept:")[0] and "pipeline-20261101-000000.log" in listed
+    # versions: policy 2 is the newest, 1 the champion: both kept, and with them cost 3 (policy 2's) and cost 1
+    # (champion; policy 1's); cost 4 is the newest: only cost 2 goes
+    assert f"{registry.COST_MODEL} 2 " in listed and f"{registry.POLICY_MODEL} 1 " not in listed
+    assert "would delete" in listed and len(os.listdir(root / "data")) == 4 and _model_folders(root) == before
+    assert _versions(registry.COST_MODEL) == [1, 2, 3, 4]
+
+    assert cli(["prune", "--out", str(root), "--keep-runs", "2", "--keep-versions", "1", "--yes"]) == 0
+    assert "deleted:" in capsys.readouterr().out
+    assert sorted(os.listdir(root / "data")) == ["manual__2026-11-10T09-30-00.5-00-00",
+                                                 "scheduled__2026-11-15T00-00-00-00-00"]
+    logs = sorted(os.listdir(root / "airflow" / "logs" / "dag_id=embshard_pipeline"))
+    assert logs == ["run_id=manual__2026-11-10T09:30:00.5+00:00", "run_id=scheduled__2026-11-15T00:00:00+00:00"]
+    assert sorted(os.listdir(root / "logs")) == ["pipeline-20261103-000000.log", "pipeline-20261104-000000.log"]
+    assert _versions(registry.COST_MODEL) == [1, 3, 4] and _versions(registry.POLICY_MODEL) == [1, 2]
+    assert len(_model_folders(root)) == len(before) - 1
+    # what training jobs load still loads
+    assert registry.load_python_model(registry.POLICY_CHAMPION_URI) is not None
+    assert registry.load_python_model(f"models:/{registry.COST_MODEL}/3") is not None
+    # run again: nothing left to delete
+    assert cli(["prune", "--out", str(root), "--keep-runs", "2", "--keep-versions", "1", "--yes"]) == 0
+    assert "nothing" in capsys.readouterr().out
+
+
+def test_prune_refuses_while_a_pipeline_runs_on_the_folder_and_deletes_nothing(installation, capsys):
+    root = installation
+    owner = run_owner.record_owner(root / "airflow", RUNS[-1])  # this process: alive
+    try:
+        assert cli(["prune", "--out", str(root), "--keep-runs", "0", "--yes"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "embshard pipeline" in err and "field 'out'" in err and "fix:" in err
+        assert len(os.listdir(root / "data")) == 4 and _versions(registry.COST_MODEL) == [1, 2, 3, 4]
+    finally:
+        run_owner.forget(owner)
+
+
+def test_prune_needs_an_installation_and_a_count_of_zero_or_more(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    for argv, words in ((["--out", str(tmp_path / "empty")], ["not an embshard installation"]),
+                        (["--out", str(tmp_path / "gone")], ["no such folder"]),
+                        (["--out", str(tmp_path / "empty"), "--keep-runs", "-1"], ["field 'keep-runs'"])):
+        assert cli(["prune", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and all(w in err for w in words), err
+    # runs but no registry: the runs alone, and it says there is no store
+    (tmp_path / "runs_only" / "data" / "manual__2026-11-01T08-00-00-00-00").mkdir(parents=True)
+    assert cli(["prune", "--out", str(tmp_path / "runs_only"), "--keep-runs", "0", "--yes"]) == 0
+    out = capsys.readouterr().out
+    assert "(none in this folder)" in out and os.listdir(tmp_path / "runs_only" / "data") == []
+    assert json.dumps(out)  # plain text
