@@ -344,3 +344,59 @@ def test_pipeline_params_take_a_pattern_of_trace_files(tmp_path, tables):
 
     one = {"source": "dlrm", "input": str(tmp_path / "d_0.pt"), "num_tables": 5000}
     assert stage_timeout_s("ingest", {**one, "input": str(tmp_path / "d_*.pt")}) == 2 * stage_timeout_s("ingest", one)
+
+
+def test_every_way_of_naming_several_files_reads_the_same_files_or_says_what_is_wrong(tmp_path, tables, capsys,
+                                                                                        caplog):
+    """Found by a user's session of the multi-file input: file:// entries of a list, a comma in a folder's name, a
+    link to a file listed, an empty --input (an unset variable), --input given twice, a pattern inside a list."""
+    comma = tmp_path / "run,2024"
+    folder = tmp_path / "run"
+    for where in (comma, folder):
+        where.mkdir()
+        for k in range(3):
+            write_dlrm_traces(tables, str(where / f"x_{k}.pt"), batch_size=16, seed=k)
+    # a comma in the folder's name: a pattern that matches files is a pattern, a file a file
+    assert dlrm.trace_files(str(comma / "x_*.pt")) == [str(comma / f"x_{k}.pt") for k in range(3)]
+    assert dlrm.trace_files(str(comma / "x_0.pt")) == [str(comma / "x_0.pt")]
+    files = [str(folder / f"x_{k}.pt") for k in range(3)]
+    assert dlrm.trace_files(f"{files[0]}, file://{files[1]},{files[2]},") == [files[0], f"file://{files[1]}",
+                                                                              files[2]]
+    assert dlrm.trace_files(f"{files[0]},{folder}/x_[12].pt") == files  # a pattern inside a list
+    (tmp_path / "link.pt").symlink_to(files[0])
+    with pytest.raises(dlrm.EmbshardError, match="names one file twice"):
+        dlrm.trace_files([files[0], str(tmp_path / "link.pt")])
+    out = tmp_path / "out"
+    base = ["ingest", "--source", "dlrm", "--out", str(out), "--no-progress", "--dim", "32"]
+    _fails(capsys, base + ["--input", ""], "field 'input'", "empty", "unset shell variable")
+    _fails(capsys, base + ["--input", files[0], ""], "field 'input'", "empty")
+    _fails(capsys, ["ingest", "--source", "spec", "--out", str(out), "--input", ""], "field 'input'", "empty")
+    # --input given twice: both (argparse kept only the last)
+    assert cli(base + ["--input", files[0], "--input", files[1], "f" + "ile://" + files[2]]) == 0
+    assert "files=3" in schemas.read(out / "tables.parquet", "tables")["source"].iloc[0]
+    # A file of another trace is refused before any file is read (zip-format files tell their tables at once).
+    write_dlrm_traces(tables.head(3), str(tmp_path / "other.pt"), batch_size=16, seed=9)
+    _fails(capsys, base + ["--input", *files, str(tmp_path / "other.pt")], "other.pt", "holds 3 tables")
+    from embshard.params import check
+
+    with pytest.raises(dlrm.EmbshardError, match="holds 3 tables"):
+        check({"source": "dlrm", "input": f"{files[0]},{tmp_path / 'other.pt'}"})
+
+
+def test_a_table_the_replayed_file_reads_unlike_the_others_is_warned_about(tmp_path, caplog):
+    """The benchmark replays the first file: a table it never reads (the others do) would be measured as never
+    read, against features that say it is."""
+    import logging
+
+    def save(path, lengths_1):
+        lengths = torch.tensor([[1, 1, 1, 1], lengths_1])
+        indices = torch.arange(int(lengths.sum())) % 3
+        torch.save((indices, None, lengths), path)
+
+    save(tmp_path / "e_0.pt", [0, 0, 0, 0])
+    save(tmp_path / "e_1.pt", [2, 2, 2, 2])
+    with caplog.at_level(logging.WARNING, logger="embshard.ingest.dlrm"):
+        df = dlrm.tables_from_trace(str(tmp_path / "e_*.pt"), progress=False)
+    assert df["trace_pooling_factor"].tolist() == [1.0, 0.0] and df["pooling_factor"].tolist() == [1.0, 1.0]
+    text = caplog.text
+    assert "e_0.pt" in text and "t0001 (0 against 1)" in text and "t0000" not in text.split("benchmark replays")[0]

@@ -50,6 +50,11 @@ def installation(tmp_path, monkeypatch):
             "cost_model_uri": f"models:/{registry.COST_MODEL}/{cost}", "cost_model_version": str(cost)})
     registry.set_alias(registry.POLICY_MODEL, registry.CHAMPION, 1)
     registry.set_alias(registry.COST_MODEL, registry.CHAMPION, 1)
+    # the store the newest run's stages used, as ingest records it
+    state = os.path.join(run_root(str(root / "data"), RUNS[-1]), "state")
+    os.makedirs(state)
+    with open(os.path.join(state, "run.json"), "w") as f:
+        json.dump({"params": {}, "mlflow_tracking_uri": uri}, f)
     yield root
     mlflow.set_tracking_uri(None)
 
@@ -64,9 +69,12 @@ def _model_folders(root):
     return sorted(os.listdir(root / "mlartifacts" / "models"))
 
 
-def test_a_dry_run_lists_and_deletes_nothing_then_yes_deletes_what_it_listed(installation, capsys):
+def test_a_dry_run_lists_and_deletes_nothing_then_yes_deletes_what_it_listed(installation, capsys, monkeypatch,
+                                                                              tmp_path):
     root = installation
     before = _model_folders(root)
+    # a store set in the shell for other work is not the installation's: the one its runs recorded is pruned
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/other.db")
     assert cli(["prune", "--out", str(root), "--keep-runs", "2", "--keep-versions", "1"]) == 0
     listed = capsys.readouterr().out
     # the two oldest runs by their time (not by name: 'manual' sorts before 'scheduled'), the oldest pipeline logs
@@ -107,7 +115,8 @@ def test_prune_refuses_while_a_pipeline_runs_on_the_folder_and_deletes_nothing(i
         run_owner.forget(owner)
 
 
-def test_prune_needs_an_installation_and_a_count_of_zero_or_more(tmp_path, capsys):
+def test_prune_needs_an_installation_and_a_count_of_zero_or_more(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/elsewhere.db")  # never pruned from here
     (tmp_path / "empty").mkdir()
     for argv, words in ((["--out", str(tmp_path / "empty")], ["not an embshard installation"]),
                         (["--out", str(tmp_path / "gone")], ["no such folder"]),
@@ -119,5 +128,5 @@ def test_prune_needs_an_installation_and_a_count_of_zero_or_more(tmp_path, capsy
     (tmp_path / "runs_only" / "data" / "manual__2026-11-01T08-00-00-00-00").mkdir(parents=True)
     assert cli(["prune", "--out", str(tmp_path / "runs_only"), "--keep-runs", "0", "--yes"]) == 0
     out = capsys.readouterr().out
-    assert "(none in this folder)" in out and os.listdir(tmp_path / "runs_only" / "data") == []
+    assert "registry: (none" in out and os.listdir(tmp_path / "runs_only" / "data") == []
     assert json.dumps(out)  # plain text

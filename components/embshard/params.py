@@ -188,9 +188,15 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
                           "leave input empty, or choose source spec or dlrm"))
         elif inp and check_files and src == "dlrm":
             try:
-                missing = [f for f in _trace_files(inp) if _missing(f)]
+                files = _trace_files(inp)
+                missing = [f for f in files if _missing(f)]
+                if not missing:
+                    from .ingest.dlrm import check_table_counts
+
+                    check_table_counts(files)  # files of one trace: the same tables
             except EmbshardError as e:
-                found.append(("input", e.message, e.fix or ""))
+                found.append(("input", f"{e.path}: {e.message}" if e.path and e.path != inp else e.message,
+                              e.fix or ""))
             else:
                 if missing:
                     found.append(("input", f"no file {missing[0]!r} here", _FIX_MISSING))

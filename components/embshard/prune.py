@@ -115,19 +115,26 @@ def find(root: str, keep_runs: int, keep_versions: int) -> Plan:
     versions: list[Item] = []
     kept_versions: dict[str, list[str]] = {}
     if store is not None:
-        versions, kept_versions = _old_versions(root, keep_versions)
+        versions, kept_versions = _old_versions(root, store, keep_versions)
     return Plan(runs + old_logs + versions, kept_runs, kept_versions, store)
 
 
 def _store(root: str) -> str | None:
-    """The MLflow store of the installation (MLFLOW_TRACKING_URI where set, as its pipeline used it, else the
-    folder's mlflow.db), or None when it has none."""
-    from . import registry
+    """The installation's MLflow store: the one its newest run recorded (state/run.json, what its stages used),
+    else the folder's own mlflow.db; None when it has neither. Never MLFLOW_TRACKING_URI of the shell prune runs
+    in: a variable set for other work would have pruned another registry."""
+    import json
 
-    uri = registry.tracking_uri(root)
-    if uri.startswith("sqlite:///") and not os.path.exists(uri[len("sqlite:///"):]):
-        return None
-    return uri
+    runs = sorted(glob.glob(os.path.join(root, "data", "*", "state", "run.json")),
+                  key=lambda f: _run_time(f.split(os.sep)[-3], f), reverse=True)
+    for record in runs:
+        with contextlib.suppress(OSError, ValueError):
+            with open(record, encoding="utf-8") as f:
+                uri = json.load(f).get("mlflow_tracking_uri")
+            if isinstance(uri, str) and uri:
+                return uri
+    db = os.path.join(root, "mlflow.db")
+    return f"sqlite:///{db}" if os.path.exists(db) else None
 
 
 def _run_time(name: str, fallback: str) -> tuple[str, str]:
@@ -160,14 +167,16 @@ def _old_runs(root: str, keep: int) -> tuple[list[Item], list[str]]:
     return old, order[:keep]
 
 
-def _old_versions(root: str, keep: int) -> tuple[list[Item], dict[str, list[str]]]:
-    """(the registry versions prune deletes, with their logged models' folders; model -> versions kept)."""
+def _old_versions(root: str, store: str, keep: int) -> tuple[list[Item], dict[str, list[str]]]:
+    """(the registry versions of `store` prune deletes, with their logged models' folders; model -> versions
+    kept)."""
     from . import registry
 
-    registry.connect(root)
-    registry.check_server(registry.tracking_uri(root))
+    registry.check_server(store)
     import mlflow
 
+    mlflow.set_tracking_uri(store)
+    mlflow.set_registry_uri(store)
     client = mlflow.MlflowClient()
     found = {name: sorted(client.search_model_versions(f"name='{name}'"), key=lambda mv: int(mv.version),
                           reverse=True)
@@ -219,7 +228,7 @@ def report(root: str, plan: Plan, deleted: bool) -> str:
     lines.append(f"kept: {len(plan.kept_runs)} run(s)" + (f", newest {plan.kept_runs[0]}" if plan.kept_runs else ""))
     for name, versions in plan.kept_versions.items():
         lines.append(f"kept: {name} versions {', '.join(versions) or '(none)'}")
-    lines.append(f"registry: {plan.store or '(none in this folder)'}")
+    lines.append(f"registry: {plan.store or '(none: no run recorded one, and no mlflow.db in the folder)'}")
     return "\n".join(lines)
 
 

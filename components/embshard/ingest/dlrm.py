@@ -389,42 +389,87 @@ GLOB_CHARS = "*?["
 
 def trace_files(spec: str | os.PathLike | list | tuple) -> list[str]:
     """The trace files an input names, in order: one path; a glob pattern (`/data/fbgemm_t856_bs65536_*.pt`),
-    its matches in natural order (_2 before _10); a comma-separated list, in its order; or a list of paths (the
-    shell's expansion of `--input a.pt b.pt`). A path that exists as a file is that file, whatever characters it
-    holds. Local paths only (`file://` taken off); a pattern that matches nothing, or a list that names one file
-    twice, is a one-line error naming the input."""
+    its matches in natural order (_2 before _10); a comma-separated list, in its order, whose entries may be
+    patterns too; or a list of them (the shell's expansion of `--input a.pt b.pt`). A path that exists as a file is
+    that file, and a pattern that matches files is that pattern, whatever characters they hold (a comma in a
+    folder's name). `file://` is taken off each entry; another URI is refused, in one line, where it is read. An
+    empty entry (an unset shell variable), a pattern that matches nothing, or one file named twice (through a link
+    too) is a one-line error naming the input."""
     if isinstance(spec, (list, tuple)):
-        if len(spec) == 1:
-            return trace_files(spec[0])
-        return _distinct([os.fspath(x).strip() for x in spec], ", ".join(map(os.fspath, spec)))
+        if not spec:
+            raise EmbshardError("names no file", path="", field="input", fix=_FIX_NO_FILE)
+        return _distinct([f for x in spec for f in trace_files(os.fspath(x))])
     text = os.fspath(spec).strip()
+    if not text:
+        raise EmbshardError("is empty (an unset shell variable?)", path="''", field="input", fix=_FIX_NO_FILE)
+    whole = _matches(text)
+    if whole is not None or "," not in text:
+        return _distinct(whole if whole is not None else _entry(text))
+    parts = [x.strip() for x in text.split(",")]
+    parts = parts[:-1] if parts[-1] == "" else parts  # a trailing comma
+    if not any(parts):
+        raise EmbshardError("names no file", path=text, field="input", fix=_FIX_NO_FILE)
+    return _distinct([f for x in parts for f in _entry(x)])
+
+
+_FIX_NO_FILE = "give a trace file, a comma-separated list of them or a glob pattern (quoted)"
+
+
+def _matches(text: str) -> list[str] | None:
+    """The files `text` names as it is: itself when it is a file, a pattern's matches (natural order) when it
+    matches files; None otherwise."""
     local = text.removeprefix("file://")
-    if "://" in local or os.path.isfile(local):
-        return [text]  # one file (a URI is refused, in one line, where it is read)
-    if any(c in local for c in GLOB_CHARS) and "," not in local:
-        found = sorted((f for f in glob.glob(local) if os.path.isfile(f)), key=_natural_key)
-        if not found:
-            raise EmbshardError("no trace file matches this pattern", path=text, field="input",
-                                fix="check the folder and the pattern (quote it, so the shell leaves it to embshard)")
-        return found
-    if "," not in local:
+    if "://" in local:
+        return None
+    if os.path.isfile(local):
         return [text]
-    return _distinct([x.strip() for x in text.split(",") if x.strip()], text)
+    if any(c in local for c in GLOB_CHARS):
+        found = sorted((f for f in glob.glob(local) if os.path.isfile(f)), key=_natural_key)
+        return found or None
+    return None
 
 
-def _distinct(parts: list[str], given: str) -> list[str]:
-    """`parts`, refused in one line when empty or when one file is named twice."""
-    if not parts:
-        raise EmbshardError("names no file", path=given, field="input", fix="give one trace file, a comma-separated "
-                            "list or a glob pattern")
-    seen: set[str] = set()
+def _entry(text: str) -> list[str]:
+    """One entry of an input (a path, or a pattern that must match a file)."""
+    text = text.strip()
+    if not text:
+        raise EmbshardError("an entry of the input is empty (an unset shell variable?)", path="''", field="input",
+                            fix=_FIX_NO_FILE)
+    found = _matches(text)
+    if found is not None:
+        return found
+    local = text.removeprefix("file://")
+    if "://" not in local and any(c in local for c in GLOB_CHARS):
+        raise EmbshardError("no trace file matches this pattern", path=text, field="input",
+                            fix="check the folder and the pattern (quote it, so the shell leaves it to embshard)")
+    return [text]  # read (or refused: missing, a folder, a URI) in one line where it is opened
+
+
+def _distinct(parts: list[str]) -> list[str]:
+    """`parts`, refused in one line when one file is named twice (by another path or through a link)."""
+    seen: dict[str, str] = {}
     for x in parts:
-        key = os.path.abspath(x.removeprefix("file://"))
+        key = os.path.realpath(x.removeprefix("file://"))
         if key in seen:
-            raise EmbshardError("names one file twice", path=x, field="input",
+            same = "" if os.path.abspath(x.removeprefix("file://")) == os.path.abspath(
+                seen[key].removeprefix("file://")) else f" (as {seen[key]})"
+            raise EmbshardError(f"names one file twice{same}", path=x, field="input",
                                 fix="list each trace file once (its batches would count twice)")
-        seen.add(key)
+        seen[key] = x
     return parts
+
+
+def check_table_counts(files: list[str]) -> None:
+    """Files of one trace hold the same number of tables: checked before any is read where their shapes tell
+    (zip-format `.pt`, trace_table_count), so a file of another trace fails at once, not after the others were
+    read (minutes each for Meta's files)."""
+    counts = [(f, trace_table_count(f.removeprefix("file://"))) for f in files] if len(files) > 1 else []
+    known = [(f, n) for f, n in counts if n is not None]
+    for f, n in known[1:]:
+        if n != known[0][1]:
+            raise EmbshardError(f"holds {n} tables, {os.path.basename(known[0][0])} holds {known[0][1]}: not "
+                                "batches of one trace", path=f, field="input",
+                                fix="give files of the same tables (e.g. fbgemm_t856_bs65536_*.pt)")
 
 
 def _natural_key(path: str) -> list:
@@ -526,6 +571,22 @@ def _warn_suspicious(path: str, ids: list[str], rows: np.ndarray, sparse_ids: np
                     "lengths, or drop the table)", path, named(no_lookups))
 
 
+REPLAY_RATIO = 2.0  # a replayed file's mean bag length this far from all the files' is named
+
+
+def _warn_replayed(first: str, ids: list[str], replayed: np.ndarray, pooling: np.ndarray) -> None:
+    """Where the first file (the one the benchmark replays) reads a table much less or more than all the files do,
+    its measurements will not match its features: a warning names the tables (ingest goes on)."""
+    far = (pooling > 0) & ((replayed * REPLAY_RATIO < pooling) | (replayed > REPLAY_RATIO * pooling))
+    if far.any():
+        shown = [f"{ids[t]} ({replayed[t]:.3g} against {pooling[t]:.3g})" for t in np.flatnonzero(far)[:3]]
+        more = int(far.sum()) - len(shown)
+        log.warning("%s: table(s) %s%s: the benchmark replays this file, whose mean bag length is over %gx off the "
+                    "files' together, so those tables are measured unlike their features (fix: put a file that "
+                    "reads them as the others do first)", first, ", ".join(shown),
+                    f" and {more} more" if more > 0 else "", REPLAY_RATIO)
+
+
 def _warn_batch(path: str, batch: int) -> None:
     """The access bins are defined on a batch of BINS_BATCH_SIZE samples (docs/method.md); a trace's are counted on
     its own batch, and an id's count grows with the batch, so a smaller batch makes its tables read colder (a user
@@ -561,6 +622,7 @@ def tables_from_trace(path: str | list[str], options: TraceOptions | None = None
 
     opt = options or TraceOptions()
     files = [f.removeprefix("file://") for f in trace_files(path)]
+    check_table_counts(files)
     first = files[0]  # the trace_file recorded for the benchmark is a plain path: the first file's
     bpe = bytes_per_element(opt.data_type)
     stats: _TraceStats | None = None
@@ -585,7 +647,7 @@ def tables_from_trace(path: str | list[str], options: TraceOptions | None = None
                         raise EmbshardError(f"table {over[0]}: {int(rows[over[0]]):,} rows x {int(dims[over[0]])} "
                                             "columns would need 2^62 bytes or more", path=opt.rows_file or file,
                                             field="rows", fix="give the hash-table sizes (rows), not byte counts")
-                stats = _TraceStats(T, trace.num_tables)
+                stats = _TraceStats(T, trace.num_tables, several=len(files) > 1)
             elif trace.num_tables != stats.file_tables:
                 raise EmbshardError(f"holds {trace.num_tables} tables, {os.path.basename(files[0])} holds "
                                     f"{stats.file_tables}: not batches of one trace", path=file, field="input",
@@ -608,7 +670,10 @@ def tables_from_trace(path: str | list[str], options: TraceOptions | None = None
     out_rows = np.asarray(rows[:T], dtype=np.int64) if rows is not None else np.maximum(stats.top, 1)
     sparse_ids = ((stats.top > RAW_ID_ROWS) & (stats.top > RAW_ID_RATIO * stats.unique)) if rows is None \
         else np.zeros(T, dtype=bool)  # rows from the largest id, far beyond the ids seen: raw ids?
-    _warn_suspicious(first, ids, out_rows, sparse_ids, stats.lookups == 0)
+    label = first if len(files) == 1 else f"{first} and {len(files) - 1} more file(s)"
+    _warn_suspicious(label, ids, out_rows, sparse_ids, stats.lookups == 0)
+    if len(files) > 1:
+        _warn_replayed(first, ids, stats.first_pooling, stats.lookups / float(sum(batches)))
     if source is None:  # a user's trace (the synthetic source chooses its traces' batch itself)
         for batch in dict.fromkeys(batches):
             _warn_batch(files[batches.index(batch)], batch)
@@ -639,8 +704,9 @@ _INT64_MAX = (1 << 63) - 1
 class _TraceStats:
     """What tables_from_trace keeps of each table while it reads the files one after another."""
 
-    def __init__(self, num_tables: int, file_tables: int):
+    def __init__(self, num_tables: int, file_tables: int, several: bool = False):
         T = self.T = num_tables
+        self.several = several  # several files: an error names the file it is about
         self.file_tables = file_tables  # tables in each file (num_tables may read only the first ones)
         self.top = np.zeros(T, dtype=np.int64)       # largest id + 1 in any file (0: no lookups)
         self.lookups = np.zeros(T)                    # lookups of all files (float: a sum of up to 2^60)
@@ -661,7 +727,8 @@ class _TraceStats:
             if top > rows:  # every such table is named at the end, not one per run
                 if t not in self._too_small:
                     self._too_small.add(t)
-                    self.too_small.append(f"table {t} uses index {top - 1:,} but has {rows:,} rows")
+                    where = f" in {os.path.basename(file)}" if self.several else ""
+                    self.too_small.append(f"table {t} uses index {top - 1:,}{where} but has {rows:,} rows")
                 return  # no bins: counting up to a stray id of 2^40 would ask for terabytes
         elif top * dim * bpe >= checks.MAX_TABLE_BYTES:  # Python ints: never wraps around
             raise EmbshardError(f"table {t} uses index {top - 1}: {top:,} rows x {dim} columns would need 2^62 bytes "

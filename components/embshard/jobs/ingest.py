@@ -164,9 +164,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", required=True, choices=["dlrm", "spec", "synthetic"],
                    help="dlrm: a .pt/.pt.gz trace (Meta's open format); spec: a CSV/Parquet/YAML table list "
                         "with TorchRec's names; synthetic: a seeded DLRM-like population")
-    p.add_argument("--input", nargs="+", help="the trace or spec file (dlrm, spec); dlrm: also several files of "
-                   "one trace (Meta's dataset holds one batch per file: --input fbgemm_t856_bs65536_*.pt, or the "
-                   "pattern quoted, or a comma-separated list), whose features then describe all of them")
+    p.add_argument("--input", nargs="+", action="extend",
+                   help="the trace or spec file (dlrm, spec); dlrm: also several files of one trace (Meta's dataset "
+                        "holds one batch per file: --input fbgemm_t856_bs65536_*.pt, or the pattern quoted, or a "
+                        "comma-separated list), whose features then describe all of them")
     p.add_argument("--out", required=True, help="output folder; writes OUT/tables.parquet")
     p.add_argument("--seed", type=int, default=0, help="seed of every random choice (default 0)")
     p.add_argument("--num-tables", type=int, default=None,
@@ -206,6 +207,9 @@ def main(args: argparse.Namespace) -> int:
     from .. import schemas
     from ..errors import EmbshardError
 
+    if args.input is not None and any(not str(x).strip() for x in args.input):
+        raise EmbshardError("an --input is empty (an unset shell variable?)", field="input",
+                            fix="give the trace or spec file's path")
     for option, dest, default, sources in SOURCE_OPTIONS:  # an option of another source is a mistake, not a no-op
         if args.source not in sources and getattr(args, dest) != default:
             raise EmbshardError(f"does not apply to --source {args.source}", field=option,
