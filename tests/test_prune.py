@@ -130,3 +130,78 @@ def test_prune_needs_an_installation_and_a_count_of_zero_or_more(tmp_path, capsy
     out = capsys.readouterr().out
     assert "registry: (none" in out and os.listdir(tmp_path / "runs_only" / "data") == []
     assert json.dumps(out)  # plain text
+
+
+def test_prune_leaves_alone_what_is_not_the_folders_own_and_what_kept_versions_need(installation, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """Found by a reviewer trying to make prune delete the wrong things: a link out of the folder, folders of
+    data/ that are not runs, a store the runs recorded elsewhere (a copied installation), a logged model a kept
+    version was registered from too, glob characters in the folder's name."""
+    import shutil
+
+    import mlflow
+
+    # A copy under a name with glob characters: prune works on the copy's own store, never the original's.
+    copy = tmp_path / "inst[1]"
+    shutil.copytree(installation, copy, symlinks=True)
+    outside = tmp_path / "outside"
+    (outside / "run").mkdir(parents=True)
+    (outside / "run" / "big").write_bytes(b"x" * 4096)
+    os.symlink(outside / "run", copy / "data" / "manual__2020-01-01T00-00-00-00-00")
+    (copy / "data" / "plans-for-job").mkdir()  # not a run: never counted, never deleted
+    # cost 4 (newest) re-registered as cost 5 from cost 2's logged model: deleting 2 must not take 5's files
+    client = mlflow.MlflowClient()
+    source = client.get_model_version(registry.COST_MODEL, "2").source
+    original = sorted(os.listdir(installation / "data")), _versions(registry.COST_MODEL)
+    mlflow.set_tracking_uri(f"sqlite:///{copy}/mlflow.db")
+    mlflow.set_registry_uri(f"sqlite:///{copy}/mlflow.db")
+    mlflow.register_model(source, registry.COST_MODEL)
+    mlflow.set_tracking_uri(None)
+    mlflow.set_registry_uri(None)
+    assert cli(["prune", "--out", str(copy), "--keep-runs", "1", "--keep-versions", "1", "--yes"]) == 0
+    out = capsys.readouterr().out
+    assert "left alone: data/plans-for-job (not runs)" in out
+    assert "(a link, or outside the folder)" in out and "run manual__2020-01-01" not in out.split("total")[0]
+    assert f"left alone: the MLflow store sqlite:///{installation}/mlflow.db" in out
+    assert f"registry: sqlite:///{copy}/mlflow.db" in out
+    assert (outside / "run" / "big").exists() and os.path.islink(copy / "data" / "manual__2020-01-01T00-00-00-00-00")
+    assert (copy / "data" / "plans-for-job").is_dir()
+    assert "scheduled__2026-11-15T00-00-00-00-00" in os.listdir(copy / "data")
+    # the original installation is untouched
+    mlflow.set_tracking_uri(f"sqlite:///{installation}/mlflow.db")
+    mlflow.set_registry_uri(f"sqlite:///{installation}/mlflow.db")
+    assert (sorted(os.listdir(installation / "data")), _versions(registry.COST_MODEL)) == original
+    # the copy: cost 5 (newest) kept and loadable although cost 2 (its logged model's first version) went
+    mlflow.set_tracking_uri(f"sqlite:///{copy}/mlflow.db")
+    mlflow.set_registry_uri(f"sqlite:///{copy}/mlflow.db")
+    assert 2 not in _versions(registry.COST_MODEL) and 5 in _versions(registry.COST_MODEL)
+    assert registry.load_python_model(f"models:/{registry.COST_MODEL}/5") is not None
+
+
+def test_prune_refuses_while_any_embshard_process_works_inside_the_folder(installation, capsys, monkeypatch,
+                                                                          tmp_path):
+    """A pipeline whose Airflow home is elsewhere records itself there, not in the folder: its process, given a
+    path inside the folder, is found all the same."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "embshard", "stage", "benchmark",
+                             "--root", str(installation / "data" / "x")])
+    try:
+        assert cli(["prune", "--out", str(installation), "--keep-runs", "0", "--yes"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and f"pid {proc.pid}" in err and "works on this folder" in err
+        assert len(os.listdir(installation / "data")) == 4
+        # and a pipeline recorded under AIRFLOW_HOME elsewhere
+        proc.kill()
+        proc.wait()
+        home = tmp_path / "ah"
+        monkeypatch.setenv("AIRFLOW_HOME", str(home))
+        owner = run_owner.record_owner(home, RUNS[-1])
+        try:
+            assert cli(["prune", "--out", str(installation), "--keep-runs", "0", "--yes"]) == 2
+            assert "embshard pipeline" in capsys.readouterr().err
+        finally:
+            run_owner.forget(owner)
+    finally:
+        proc.kill()

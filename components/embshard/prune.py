@@ -8,13 +8,19 @@ model's files under `mlartifacts/models/m-*`. `embshard prune --out DIR` lists w
 frees; `--yes` deletes it:
 - every run but the newest `--keep-runs` (by the time in its run id): its folder and its Airflow logs, and the
   pipeline logs but the newest as many. A run deleted cannot be finished by hand or exported again from its stages,
-  and the plans it exported (`data/<run id>/export`) go with it;
-- every registry version but the newest `--keep-versions` of each model, never one an alias names (champion,
-  challenger: what training jobs load) nor the cost model a kept policy version was trained against (its
-  `cost_model_version` tag); each with its logged model and that model's files.
-The MLflow runs of the stages (metrics, parameters, plots) are kept: they are small, and kept versions name theirs
-as their source. It refuses, before anything is deleted, while an `embshard pipeline` or `embshard ui` runs on the
-folder (a run writes its folder and registers versions; the UI's scheduler may start one at any time).
+  and the plans it exported (`data/<run id>/export`) go with it. Only runs count: a folder of `data/` whose name is
+  not an Airflow run id and that holds no run state (`state/run.json`) is left alone;
+- every registry version of the folder's own store (`DIR/mlflow.db`) but the newest `--keep-versions` of each
+  model, never one an alias names (champion, challenger: what training jobs load) nor the cost model a kept policy
+  version was trained against (its `cost_model_version` tag); each with its logged model and that model's files,
+  unless a kept version was registered from the same logged model. Another store (a server, or one a moved folder's
+  runs recorded) is never touched.
+Nothing outside DIR is deleted: a link is left as it is (and what it points to), and a version whose files are
+reached only through a link is kept, so that no version is left without its files. It refuses, before anything is
+deleted, while a process works on the folder: an `embshard pipeline` or `embshard ui` recorded there or under
+AIRFLOW_HOME, or any embshard process given a path inside DIR (a stage run by hand, a pipeline whose Airflow home is
+elsewhere). The MLflow runs of the stages (metrics, parameters, plots) are kept: they are small, and kept versions
+name theirs as their source.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ import glob
 import os
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import EmbshardError
 
@@ -36,7 +42,9 @@ DEFAULT_KEEP_VERSIONS = 5
 # The time an Airflow run id carries (manual__2026-11-27T06:15:44.350654+00:00), as written in a run's folder name
 # too (':' and '+' made '-': run_layout.run_root).
 _RUN_TIME = re.compile(r"(\d{4}-\d{2}-\d{2})T(\d{2})[:-](\d{2})[:-](\d{2})")
-_PIPELINE_LOG = re.compile(r"pipeline-(\d{8}-\d{6})\.log$")
+_RUN_ID = re.compile(r"^[a-z_]+__\d{4}-\d{2}-\d{2}T\d{2}[:-]\d{2}[:-]\d{2}")  # <run type>__<logical date>...
+_PIPELINE_LOG = re.compile(r"^pipeline-\d{8}-\d{6}\.log$")
+_FIX_OUT = "give the folder `embshard pipeline --out` used (e.g. runs/local)"
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -58,9 +66,9 @@ class Item:
 
     kind: str                 # "run", "pipeline log" or the registered model's name
     name: str                 # the run id, the log's file name, or the version
-    paths: list[str]          # files and folders deleted with it
+    paths: list[str]          # files and folders deleted with it (inside the folder, no links)
     size: int                 # their bytes
-    model_id: str | None = None  # a version's logged model (models:/m-...)
+    model_id: str | None = None  # a version's logged model (models:/m-...) deleted with it
 
 
 @dataclass
@@ -68,73 +76,125 @@ class Plan:
     delete: list[Item]
     kept_runs: list[str]
     kept_versions: dict[str, list[str]]  # model -> versions kept (aliased ones marked "3 (champion)")
-    store: str | None = None  # the MLflow store whose versions are listed (None: the folder has none)
+    store: str | None = None  # the folder's own MLflow store (None: it has none)
+    notes: list[str] = field(default_factory=list)  # what was left alone, and why
 
 
 def main(args: argparse.Namespace) -> int:
+    if not str(args.out).strip():
+        raise EmbshardError("is empty", path="''", field="out", fix=_FIX_OUT)
     root = os.path.abspath(args.out)
     for option in ("keep_runs", "keep_versions"):
         if getattr(args, option) < 0:
+            what = "runs" if option == "keep_runs" else "versions (besides those aliases name)"
             raise EmbshardError(f"{getattr(args, option)} is negative", field=option.replace("_", "-"),
-                                fix="give 0 or more (0 keeps only what aliases name)")
+                                fix=f"give 0 or more: the newest {what} kept")
+    if os.path.isfile(root):
+        raise EmbshardError("is a file, not a folder", path=args.out, field="out", fix=_FIX_OUT)
     if not os.path.isdir(root):
-        raise EmbshardError("no such folder", path=args.out, field="out", fix="give the folder `embshard pipeline "
-                            "--out` used (e.g. runs/local)")
-    if not any(os.path.exists(os.path.join(root, x)) for x in ("data", "mlflow.db", "airflow")):
-        raise EmbshardError("is not an embshard installation (no data/, mlflow.db or airflow/ in it)", path=args.out,
-                            field="out", fix="give the folder `embshard pipeline --out` used (e.g. runs/local)")
+        raise EmbshardError("no such folder", path=args.out, field="out", fix=_FIX_OUT)
+    if not (os.path.isfile(os.path.join(root, "mlflow.db")) or os.path.isdir(os.path.join(root, "airflow"))
+            or _run_folders(root)):
+        raise EmbshardError("is not an embshard installation (no mlflow.db, airflow/ or run folders in data/)",
+                            path=args.out, field="out", fix=_FIX_OUT)
     refuse_while_running(root)
     plan = find(root, args.keep_runs, args.keep_versions)
-    print(report(root, plan, deleted=args.yes))
     if args.yes:
         apply(root, plan)
+    print(report(root, plan, deleted=args.yes))
     return 0
 
 
 def refuse_while_running(root: str) -> None:
-    """One line when an `embshard pipeline` or `embshard ui` runs on `root` (run_owner's records)."""
+    """One line when a process works on `root`: an `embshard pipeline` or `embshard ui` recorded under its Airflow
+    home (the folder's, or AIRFLOW_HOME's), or an embshard process given a path inside it."""
     from .run_owner import live_pipelines, live_ui
 
-    home = os.path.join(root, "airflow")
-    running = [f"embshard pipeline (pid {o['pid']}, run {o['run_id']})" for o in live_pipelines(home)]
-    ui = live_ui(home)
-    if ui:
-        running.append(f"embshard ui ({ui})")
+    homes = dict.fromkeys(os.path.abspath(h) for h in (os.path.join(root, "airflow"), os.environ.get("AIRFLOW_HOME"))
+                          if h)
+    running = []
+    for home in homes:
+        running += [f"embshard pipeline (pid {o['pid']}, run {o['run_id']}) runs on this folder"
+                    for o in live_pipelines(home)]
+        ui = live_ui(home)
+        if ui:
+            running.append(ui)
+    if not running:
+        running = [f"embshard (pid {pid}: {cmd}) works on this folder" for pid, cmd in _processes_on(root)[:1]]
     if running:
-        raise EmbshardError(f"{'; '.join(running)} runs on this folder", path=root, field="out",
+        raise EmbshardError("; ".join(running), path=root, field="out",
                             fix="prune when it has finished (stop the UI first)")
+
+
+def _processes_on(root: str) -> list[tuple[int, str]]:
+    """(pid, command) of the other live embshard processes given a path inside `root` (resolved from their own
+    working folder), whatever their Airflow home."""
+    import psutil
+
+    real = os.path.realpath(root)
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            cmd = proc.info["cmdline"] or []
+            if proc.pid == os.getpid() or not any("embshard" in os.path.basename(a) or a == "embshard" for a in cmd):
+                continue
+            cwd = proc.cwd()
+        except (psutil.Error, OSError):
+            continue
+        for arg in cmd[1:]:
+            value = arg.split("=", 1)[1] if arg.startswith("--") and "=" in arg else arg
+            if not value or value.startswith("-"):
+                continue
+            path = os.path.realpath(os.path.join(cwd, value.removeprefix("file://")))
+            if path == real or path.startswith(real + os.sep):
+                found.append((proc.pid, " ".join(cmd)[:120]))
+                break
+    return found
 
 
 def find(root: str, keep_runs: int, keep_versions: int) -> Plan:
     """What prune deletes under `root` (module docstring), deleting nothing."""
-    runs, kept_runs = _old_runs(root, keep_runs)
-    logs = sorted(glob.glob(os.path.join(root, "logs", "pipeline-*.log")), key=os.path.basename, reverse=True)
-    logs = [p for p in logs if _PIPELINE_LOG.search(p)]
-    old_logs = [Item("pipeline log", os.path.basename(p), [p], _size(p)) for p in logs[keep_runs:]]
-    store = _store(root)
+    notes: list[str] = []
+    runs, kept_runs = _old_runs(root, keep_runs, notes)
+    logs = sorted((p for p in glob.glob(os.path.join(glob.escape(root), "logs", "pipeline-*.log"))
+                   if _PIPELINE_LOG.match(os.path.basename(p))), key=os.path.basename, reverse=True)
+    old_logs = [Item("pipeline log", os.path.basename(p), *_deletable(root, [p], notes)) for p in logs[keep_runs:]]
+    store = _store(root, notes)
     versions: list[Item] = []
     kept_versions: dict[str, list[str]] = {}
     if store is not None:
-        versions, kept_versions = _old_versions(root, store, keep_versions)
-    return Plan(runs + old_logs + versions, kept_runs, kept_versions, store)
+        versions, kept_versions = _old_versions(root, store, keep_versions, notes)
+    return Plan([i for i in runs + old_logs if i.paths] + versions, kept_runs, kept_versions, store, notes)
 
 
-def _store(root: str) -> str | None:
-    """The installation's MLflow store: the one its newest run recorded (state/run.json, what its stages used),
-    else the folder's own mlflow.db; None when it has neither. Never MLFLOW_TRACKING_URI of the shell prune runs
-    in: a variable set for other work would have pruned another registry."""
+def _deletable(root: str, paths: list[str], notes: list[str]) -> tuple[list[str], int]:
+    """(the paths prune may delete: inside `root` and not links, noting the others; their bytes)."""
+    real = os.path.realpath(root) + os.sep
+    ok = []
+    for p in paths:
+        if os.path.islink(p) or not os.path.realpath(p).startswith(real):
+            notes.append(f"left alone: {os.path.relpath(p, root)} (a link, or outside the folder)")
+        elif os.path.lexists(p):
+            ok.append(p)
+    return ok, sum(_size(p) for p in ok)
+
+
+def _store(root: str, notes: list[str]) -> str | None:
+    """The folder's own MLflow store (DIR/mlflow.db), or None. Never MLFLOW_TRACKING_URI of the shell prune runs
+    in, nor a store a run recorded elsewhere (a server, or the folder's place before it was moved or copied): the
+    versions there are another installation's too."""
     import json
 
-    runs = sorted(glob.glob(os.path.join(root, "data", "*", "state", "run.json")),
-                  key=lambda f: _run_time(f.split(os.sep)[-3], f), reverse=True)
-    for record in runs:
-        with contextlib.suppress(OSError, ValueError):
+    db = os.path.join(root, "mlflow.db")
+    own = f"sqlite:///{db}"
+    for record in glob.glob(os.path.join(glob.escape(root), "data", "*", "state", "run.json")):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             with open(record, encoding="utf-8") as f:
                 uri = json.load(f).get("mlflow_tracking_uri")
-            if isinstance(uri, str) and uri:
-                return uri
-    db = os.path.join(root, "mlflow.db")
-    return f"sqlite:///{db}" if os.path.exists(db) else None
+            if isinstance(uri, str) and uri and uri != own:
+                notes.append(f"left alone: the MLflow store {uri} (runs recorded it; prune only the folder's own)")
+                break
+    return own if os.path.isfile(db) else None
 
 
 def _run_time(name: str, fallback: str) -> tuple[str, str]:
@@ -149,25 +209,37 @@ def _run_time(name: str, fallback: str) -> tuple[str, str]:
         return ("", name)
 
 
-def _old_runs(root: str, keep: int) -> tuple[list[Item], list[str]]:
+def _run_folders(root: str) -> dict[str, str]:
+    """name -> folder of the runs under data/: folders named as an Airflow run id, or holding a run's state."""
+    out = {}
+    for folder in sorted(glob.glob(os.path.join(glob.escape(root), "data", "*"))):
+        name = os.path.basename(folder)
+        if os.path.isdir(folder) and (_RUN_ID.match(name) or os.path.isfile(os.path.join(folder, "state",
+                                                                                          "run.json"))):
+            out[name] = folder
+    return out
+
+
+def _old_runs(root: str, keep: int, notes: list[str]) -> tuple[list[Item], list[str]]:
     """(the runs past the newest `keep`, with their folders and logs; the run ids kept). A run is its folder
     under data/ and its Airflow log folders, matched by the folder-safe form of its id (run_layout.run_root)."""
     from .run_layout import run_root
 
-    data = os.path.join(root, "data")
-    paths: dict[str, list[str]] = {}
-    for folder in sorted(glob.glob(os.path.join(data, "*"))):
-        if os.path.isdir(folder):
-            paths.setdefault(os.path.basename(folder), []).append(folder)
-    for folder in sorted(glob.glob(os.path.join(root, "airflow", "logs", "dag_id=*", "run_id=*"))):
+    paths: dict[str, list[str]] = {name: [folder] for name, folder in _run_folders(root).items()}
+    others = [os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(root), "data", "*"))
+              if os.path.basename(f) not in paths]
+    if others:
+        notes.append(f"left alone: data/{', data/'.join(sorted(others)[:3])}{' ...' if len(others) > 3 else ''} "
+                     "(not runs)")
+    for folder in sorted(glob.glob(os.path.join(glob.escape(root), "airflow", "logs", "dag_id=*", "run_id=*"))):
         run_id = os.path.basename(folder)[len("run_id="):]
         paths.setdefault(os.path.basename(run_root("", run_id)), []).append(folder)
     order = sorted(paths, key=lambda name: _run_time(name, paths[name][0]), reverse=True)
-    old = [Item("run", name, paths[name], sum(_size(p) for p in paths[name])) for name in order[keep:]]
+    old = [Item("run", name, *_deletable(root, paths[name], notes)) for name in order[keep:]]
     return old, order[:keep]
 
 
-def _old_versions(root: str, store: str, keep: int) -> tuple[list[Item], dict[str, list[str]]]:
+def _old_versions(root: str, store: str, keep: int, notes: list[str]) -> tuple[list[Item], dict[str, list[str]]]:
     """(the registry versions of `store` prune deletes, with their logged models' folders; model -> versions
     kept)."""
     from . import registry
@@ -196,23 +268,39 @@ def _old_versions(root: str, store: str, keep: int) -> tuple[list[Item], dict[st
             cost = mv.tags.get("cost_model_version", "")
             if cost and mv.tags.get("cost_model_uri", "").startswith(f"models:/{registry.COST_MODEL}"):
                 keep_set[registry.COST_MODEL].add(str(cost))
+    kept_models = {_model_id(mv) for name, mvs in found.items() for mv in mvs if str(mv.version) in keep_set[name]}
     delete: list[Item] = []
     kept: dict[str, list[str]] = {}
-    artifacts = os.path.realpath(os.path.join(root, "mlartifacts"))
+    models = os.path.join(root, "mlartifacts", "models")
     for name, mvs in found.items():
+        for mv in mvs:
+            if str(mv.version) in keep_set[name]:
+                continue
+            model_id = _model_id(mv)
+            if model_id is None or model_id in kept_models:  # a kept (or an earlier) version has it too
+                delete.append(Item(name, str(mv.version), [], 0))
+                continue
+            kept_models.add(model_id)  # deleted with this version: not again with another
+            folder = os.path.join(models, model_id)
+            held: list[str] = []
+            paths, size = _deletable(root, [folder], held) if os.path.lexists(folder) else ([], 0)
+            if held:  # its files are reached through a link: kept, so that no version loses its files
+                notes.append(f"left alone: {name} version {mv.version} (its files {os.path.relpath(folder, root)} "
+                             "are a link, or outside the folder)")
+                keep_set[name].add(str(mv.version))
+                continue
+            delete.append(Item(name, str(mv.version), paths, size, model_id))
         named = aliases[name]
         kept[name] = [str(mv.version) + (f" ({', '.join(sorted(named[str(mv.version)]))})"
                                          if str(mv.version) in named else "")
                       for mv in mvs if str(mv.version) in keep_set[name]]
-        for mv in mvs:
-            if str(mv.version) in keep_set[name]:
-                continue
-            source = str(mv.source or "")
-            model_id = source[len("models:/"):] if source.startswith("models:/m-") else None
-            folder = os.path.join(artifacts, "models", model_id) if model_id else None
-            paths = [folder] if folder and os.path.isdir(folder) else []
-            delete.append(Item(name, str(mv.version), paths, sum(_size(p) for p in paths), model_id))
     return delete, kept
+
+
+def _model_id(mv) -> str | None:
+    """The logged model a version was registered from (its source models:/m-...), or None."""
+    source = str(mv.source or "")
+    return source[len("models:/"):] if source.startswith("models:/m-") else None
 
 
 def report(root: str, plan: Plan, deleted: bool) -> str:
@@ -225,34 +313,35 @@ def report(root: str, plan: Plan, deleted: bool) -> str:
         lines.append("  nothing")
     total = sum(i.size for i in plan.delete)
     lines.append(f"  {'total':<64} {_mb(total):>10}")
+    lines += [f"  {note}" for note in plan.notes]
     lines.append(f"kept: {len(plan.kept_runs)} run(s)" + (f", newest {plan.kept_runs[0]}" if plan.kept_runs else ""))
     for name, versions in plan.kept_versions.items():
         lines.append(f"kept: {name} versions {', '.join(versions) or '(none)'}")
-    lines.append(f"registry: {plan.store or '(none: no run recorded one, and no mlflow.db in the folder)'}")
+    lines.append(f"registry: {plan.store or '(none: no mlflow.db in the folder)'}")
     return "\n".join(lines)
 
 
 def apply(root: str, plan: Plan) -> None:
-    """Delete what `find` listed: registry versions first (the store says what exists), then files."""
+    """Delete what `find` listed: registry versions first (the store says what exists), then files; never a link
+    or anything outside `root` (checked again here)."""
     versions = [i for i in plan.delete if i.kind not in ("run", "pipeline log")]
     if versions:
         import mlflow
+        from mlflow.exceptions import MlflowException
 
         client = mlflow.MlflowClient()
         for item in versions:
             client.delete_model_version(item.kind, item.name)
             if item.model_id:
-                from mlflow.exceptions import MlflowException
-
-                # gone already (with its version, or by hand): its files go below
+                # gone already (another version of it deleted here, or by hand): its files go below
                 with contextlib.suppress(MlflowException):
                     client.delete_logged_model(item.model_id)
     inside = os.path.realpath(root) + os.sep
     for item in plan.delete:
         for p in item.paths:
-            if not os.path.realpath(p).startswith(inside):
-                continue  # never outside the installation, whatever a link says
-            if os.path.isdir(p) and not os.path.islink(p):
+            if os.path.islink(p) or not os.path.realpath(p).startswith(inside):
+                continue
+            if os.path.isdir(p):
                 shutil.rmtree(p)
             elif os.path.lexists(p):
                 os.remove(p)
