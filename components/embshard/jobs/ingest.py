@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 
 SOURCES = ("dlrm", "spec", "synthetic")
 TABLES_FILE = "tables.parquet"
@@ -229,5 +230,16 @@ def main(args: argparse.Namespace) -> int:
     gib = df["size_bytes"].sum() / 2**30
     print(f"wrote {path}: {len(df)} tables, {gib:,.1f} GiB, rows {df['rows'].min():,}..{df['rows'].max():,}, "
           f"dims {df['dim'].min()}..{df['dim'].max()}, pooling {df['pooling_factor'].mean():.2f} mean "
-          f"(source {df['source'].iloc[0].split(';')[0]})")
+          f"(source {_source_words(df['source'].iloc[0])})")
     return 0
+
+
+def _source_words(source: str) -> str:
+    """A tables frame's source as the summary line shows it: its kind and input, several trace files as the first
+    and a count (the column lists them all)."""
+    head = source.split(";")[0]
+    count = re.search(r";files=(\d+);", source)
+    if count is None:
+        return head
+    n = int(count.group(1))
+    return f"{head[:len(head) - len(','.join(head.split(',')[-(n - 1):])) - 1]} and {n - 1} more files"
