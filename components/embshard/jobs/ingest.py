@@ -242,4 +242,4 @@ def _source_words(source: str) -> str:
     if count is None:
         return head
     n = int(count.group(1))
-    return f"{head[:len(head) - len(','.join(head.split(',')[-(n - 1):])) - 1]} and {n - 1} more files"
+    return f"{head.rsplit(',', n - 1)[0]} and {n - 1} more files"
