@@ -124,12 +124,19 @@ def test_prune_needs_an_installation_and_a_count_of_zero_or_more(tmp_path, capsy
         assert cli(["prune", *argv]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and all(w in err for w in words), err
+    # a plain Airflow home (~/airflow: other DAGs' logs) is not an installation
+    (tmp_path / "home" / "airflow" / "logs" / "dag_id=my_etl" / "run_id=scheduled__2020-01-01T00:00:00+00:00").mkdir(
+        parents=True)
+    assert cli(["prune", "--out", str(tmp_path / "home"), "--keep-runs", "0", "--yes"]) == 2
+    assert "not an embshard installation" in capsys.readouterr().err
+    assert (tmp_path / "home" / "airflow" / "logs" / "dag_id=my_etl").is_dir()
     # runs but no registry: the runs alone, and it says there is no store
-    (tmp_path / "runs_only" / "data" / "manual__2026-11-01T08-00-00-00-00").mkdir(parents=True)
+    (tmp_path / "runs_only" / "data" / "manual__2026-11-01T08-00-00-00-00" / "state").mkdir(parents=True)
+    (tmp_path / "runs_only" / "data" / "manual__2026-11-01T08-00-00-00-00" / "state" / "run.json").write_text("{}")
     assert cli(["prune", "--out", str(tmp_path / "runs_only"), "--keep-runs", "0", "--yes"]) == 0
     out = capsys.readouterr().out
     assert "registry: (none" in out and os.listdir(tmp_path / "runs_only" / "data") == []
-    assert json.dumps(out)  # plain text
+    assert "deleted:" in out and "\x1b[" not in out  # plain text, no colour codes
 
 
 def test_prune_leaves_alone_what_is_not_the_folders_own_and_what_kept_versions_need(installation, tmp_path, capsys,
@@ -178,6 +185,31 @@ def test_prune_leaves_alone_what_is_not_the_folders_own_and_what_kept_versions_n
     assert registry.load_python_model(f"models:/{registry.COST_MODEL}/5") is not None
 
 
+def test_versions_a_kept_run_registered_stay_and_other_dags_logs_are_not_prunes(installation, capsys):
+    """A kept run's stages, run again, reload the versions it registered (state/*.json names them); an Airflow
+    home may hold other DAGs' logs, which are not prune's."""
+    import mlflow
+
+    other = installation / "airflow" / "logs" / "dag_id=my_etl" / "run_id=scheduled__2020-01-01T00:00:00+00:00"
+    other.mkdir(parents=True)
+    mlflow.MlflowClient().set_model_version_tag(registry.COST_MODEL, "2", "airflow.run_id", RUNS[-1])
+    assert cli(["prune", "--out", str(installation), "--keep-runs", "1", "--keep-versions", "1", "--yes"]) == 0
+    capsys.readouterr()
+    assert _versions(registry.COST_MODEL) == [1, 2, 3, 4] and other.is_dir()
+
+
+def test_prune_under_a_wrapper_runs_and_finds_nothing_of_its_own(installation):
+    """cron and scripts run it under `timeout`, `uv run`, a shell: its own parents are not other processes."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(["timeout", "120", sys.executable, "-m", "embshard", "prune", "--out", str(installation),
+                           "--keep-runs", "3"], capture_output=True, text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "AIRFLOW_HOME"})
+    assert proc.returncode == 0, proc.stderr
+    assert "would delete" in proc.stdout and "run manual__2026-11-01T08-00-00-00-00" in proc.stdout
+
+
 def test_prune_refuses_while_any_embshard_process_works_inside_the_folder(installation, capsys, monkeypatch,
                                                                           tmp_path):
     """A pipeline whose Airflow home is elsewhere records itself there, not in the folder: its process, given a
@@ -185,18 +217,25 @@ def test_prune_refuses_while_any_embshard_process_works_inside_the_folder(instal
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "embshard", "stage", "benchmark",
-                             "--root", str(installation / "data" / "x")])
+    fake = tmp_path / "bin" / "embshard"  # an `embshard stage` run by hand on a run of the folder, as ps shows it
+    fake.parent.mkdir()
+    fake.write_text("import time\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, str(fake), "stage", "benchmark", "--root",
+                             str(installation / "data" / "x")])
     try:
         assert cli(["prune", "--out", str(installation), "--keep-runs", "0", "--yes"]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and f"pid {proc.pid}" in err and "works on this folder" in err
         assert len(os.listdir(installation / "data")) == 4
-        # and a pipeline recorded under AIRFLOW_HOME elsewhere
+        # and a pipeline recorded under AIRFLOW_HOME elsewhere, whose run is this folder's
         proc.kill()
         proc.wait()
         home = tmp_path / "ah"
         monkeypatch.setenv("AIRFLOW_HOME", str(home))
+        unrelated = run_owner.record_owner(home, "manual__2030-01-01T00:00:00+00:00")  # another folder's run
+        assert cli(["prune", "--out", str(installation), "--keep-runs", "4"]) == 0
+        capsys.readouterr()
+        run_owner.forget(unrelated)
         owner = run_owner.record_owner(home, RUNS[-1])
         try:
             assert cli(["prune", "--out", str(installation), "--keep-runs", "0", "--yes"]) == 2

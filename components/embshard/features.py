@@ -36,17 +36,24 @@ def access_bins(indices: np.ndarray) -> np.ndarray:
     """The 17 bins of one table's indices in one batch (fractions summing to 1; all zero bins -> bin 0 = 1)."""
     indices = np.asarray(indices)
     if indices.size == 0:
-        out = np.zeros(NUM_BINS)
-        out[0] = 1.0  # a table never looked up: treat as uniformly cold
-        return out
+        return bins_from_histogram(np.zeros(NUM_BINS, dtype=np.int64))
     _, counts = np.unique(indices, return_counts=True)
     return bins_from_counts(counts)
 
 
 def bins_from_counts(counts: np.ndarray) -> np.ndarray:
     """The 17 bins from the access count of every unique index."""
-    hist = bin_histogram(counts).astype(np.float64)
-    return hist / hist.sum()
+    return bins_from_histogram(bin_histogram(counts))
+
+
+def bins_from_histogram(hist: np.ndarray) -> np.ndarray:
+    """(..., 17) fractions of the unique indices per bin from their counts per bin (bin_histogram, or several
+    batches' added up); a table never looked up (no index at all) is uniformly cold: bin 0 = 1."""
+    hist = np.asarray(hist, dtype=np.float64)
+    total = hist.sum(axis=-1, keepdims=True)
+    out = np.divide(hist, total, out=np.zeros_like(hist), where=total > 0)
+    out[..., 0] = np.where(total[..., 0] > 0, out[..., 0], 1.0)
+    return out
 
 
 def bin_histogram(counts: np.ndarray) -> np.ndarray:

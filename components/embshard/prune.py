@@ -11,16 +11,18 @@ frees; `--yes` deletes it:
   and the plans it exported (`data/<run id>/export`) go with it. Only runs count: a folder of `data/` whose name is
   not an Airflow run id and that holds no run state (`state/run.json`) is left alone;
 - every registry version of the folder's own store (`DIR/mlflow.db`) but the newest `--keep-versions` of each
-  model, never one an alias names (champion, challenger: what training jobs load) nor the cost model a kept policy
-  version was trained against (its `cost_model_version` tag); each with its logged model and that model's files,
+  model, never one an alias names (champion, challenger: what training jobs load), one a kept run registered (its
+  stages, run again, reload them) nor the cost model a kept policy version was trained against (its
+  `cost_model_version` tag); each with its logged model and that model's files,
   unless a kept version was registered from the same logged model. Another store (a server, or one a moved folder's
   runs recorded) is never touched.
 Nothing outside DIR is deleted: a link is left as it is (and what it points to), and a version whose files are
 reached only through a link is kept, so that no version is left without its files. It refuses, before anything is
-deleted, while a process works on the folder: an `embshard pipeline` or `embshard ui` recorded there or under
-AIRFLOW_HOME, or any embshard process given a path inside DIR (a stage run by hand, a pipeline whose Airflow home is
-elsewhere). The MLflow runs of the stages (metrics, parameters, plots) are kept: they are small, and kept versions
-name theirs as their source.
+deleted, while a process works on the folder: an `embshard pipeline` or `embshard ui` recorded there (or under
+AIRFLOW_HOME, for a run of this folder), any embshard process given a path inside DIR (a stage run by hand, a
+pipeline whose Airflow home is elsewhere), or an Airflow process whose home is DIR's (a scheduler started by hand).
+Only the embshard DAG's Airflow logs are prune's. The MLflow runs of the stages (metrics, parameters, plots) are
+kept: they are small, and kept versions name theirs as their source.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 
-from .errors import EmbshardError
+from .errors import EmbshardError, first_line
 
 OUTPUT = None  # deletes; writes nothing
 
@@ -45,6 +47,7 @@ _RUN_TIME = re.compile(r"(\d{4}-\d{2}-\d{2})T(\d{2})[:-](\d{2})[:-](\d{2})")
 _RUN_ID = re.compile(r"^[a-z_]+__\d{4}-\d{2}-\d{2}T\d{2}[:-]\d{2}[:-]\d{2}")  # <run type>__<logical date>...
 _PIPELINE_LOG = re.compile(r"^pipeline-\d{8}-\d{6}\.log$")
 _FIX_OUT = "give the folder `embshard pipeline --out` used (e.g. runs/local)"
+DAG_ID = "embshard_pipeline"  # airflow_local.DAG_ID: only its logs are prune's (an Airflow home may hold others)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -93,10 +96,9 @@ def main(args: argparse.Namespace) -> int:
         raise EmbshardError("is a file, not a folder", path=args.out, field="out", fix=_FIX_OUT)
     if not os.path.isdir(root):
         raise EmbshardError("no such folder", path=args.out, field="out", fix=_FIX_OUT)
-    if not (os.path.isfile(os.path.join(root, "mlflow.db")) or os.path.isdir(os.path.join(root, "airflow"))
-            or _run_folders(root)):
-        raise EmbshardError("is not an embshard installation (no mlflow.db, airflow/ or run folders in data/)",
-                            path=args.out, field="out", fix=_FIX_OUT)
+    if not is_installation(root):
+        raise EmbshardError("is not an embshard installation (no mlflow.db, run state in data/ or embshard records "
+                            "in airflow/)", path=args.out, field="out", fix=_FIX_OUT)
     refuse_while_running(root)
     plan = find(root, args.keep_runs, args.keep_versions)
     if args.yes:
@@ -105,49 +107,77 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def is_installation(root: str) -> bool:
+    """What only an embshard installation holds: its MLflow store, a run's state, or embshard's records under its
+    Airflow home (a plain Airflow home, `~/airflow`, is not one: its other DAGs' logs are not prune's)."""
+    from .run_owner import OWNERS, UI
+
+    return (os.path.isfile(os.path.join(root, "mlflow.db"))
+            or bool(glob.glob(os.path.join(glob.escape(root), "data", "*", "state", "run.json")))
+            or os.path.isdir(os.path.join(root, "airflow", OWNERS))
+            or os.path.isfile(os.path.join(root, "airflow", UI)))
+
+
 def refuse_while_running(root: str) -> None:
     """One line when a process works on `root`: an `embshard pipeline` or `embshard ui` recorded under its Airflow
-    home (the folder's, or AIRFLOW_HOME's), or an embshard process given a path inside it."""
+    home, a pipeline recorded under AIRFLOW_HOME whose run's folder is in `root`, an embshard process given a path
+    inside `root` (or started there with its default --out), or an Airflow process whose home is `root`'s (a
+    scheduler not started by `embshard ui`)."""
+    from .run_layout import run_root
     from .run_owner import live_pipelines, live_ui
 
-    homes = dict.fromkeys(os.path.abspath(h) for h in (os.path.join(root, "airflow"), os.environ.get("AIRFLOW_HOME"))
-                          if h)
-    running = []
-    for home in homes:
-        running += [f"embshard pipeline (pid {o['pid']}, run {o['run_id']}) runs on this folder"
-                    for o in live_pipelines(home)]
-        ui = live_ui(home)
-        if ui:
-            running.append(ui)
+    own = os.path.join(root, "airflow")
+    running = [f"embshard pipeline (pid {o['pid']}, run {o['run_id']}) runs on this folder"
+               for o in live_pipelines(own)]
+    running += [ui for ui in [live_ui(own)] if ui]
+    elsewhere = os.environ.get("AIRFLOW_HOME")
+    if elsewhere and os.path.realpath(elsewhere) != os.path.realpath(own):
+        running += [f"embshard pipeline (pid {o['pid']}, run {o['run_id']}, AIRFLOW_HOME {elsewhere}) runs on this "
+                    "folder" for o in live_pipelines(elsewhere)
+                    if os.path.isdir(run_root(os.path.join(root, "data"), o["run_id"]))]
     if not running:
-        running = [f"embshard (pid {pid}: {cmd}) works on this folder" for pid, cmd in _processes_on(root)[:1]]
+        running = [f"{what} (pid {pid}: {cmd}) works on this folder" for pid, what, cmd in _processes_on(root)[:1]]
     if running:
         raise EmbshardError("; ".join(running), path=root, field="out",
                             fix="prune when it has finished (stop the UI first)")
 
 
-def _processes_on(root: str) -> list[tuple[int, str]]:
-    """(pid, command) of the other live embshard processes given a path inside `root` (resolved from their own
-    working folder), whatever their Airflow home."""
+def _processes_on(root: str) -> list[tuple[int, str, str]]:
+    """(pid, what, command) of the other live processes working on `root`: embshard processes given a path inside
+    it (resolved from their own working folder; `pipeline` and `ui` without --out use runs/local there), and
+    Airflow processes whose AIRFLOW_HOME is its airflow/. This process and the ones it runs under (`timeout`,
+    `uv run`, cron's shell) are not counted."""
     import psutil
 
     real = os.path.realpath(root)
+    home = os.path.realpath(os.path.join(root, "airflow"))
+    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
     found = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         try:
             cmd = proc.info["cmdline"] or []
-            if proc.pid == os.getpid() or not any("embshard" in os.path.basename(a) or a == "embshard" for a in cmd):
+            if proc.pid in mine or not cmd:
+                continue
+            names = [os.path.basename(a) for a in cmd[:3]]
+            if any(n == "airflow" or n.startswith("airflow ") for n in names):
+                env_home = proc.environ().get("AIRFLOW_HOME")
+                if env_home and os.path.realpath(os.path.join(proc.cwd(), env_home)) == home:
+                    found.append((proc.pid, "airflow", " ".join(cmd)[:120]))
+                continue
+            if not any("embshard" in n for n in names):
                 continue
             cwd = proc.cwd()
         except (psutil.Error, OSError):
             continue
-        for arg in cmd[1:]:
-            value = arg.split("=", 1)[1] if arg.startswith("--") and "=" in arg else arg
+        values = [a.split("=", 1)[1] if a.startswith("--") and "=" in a else a for a in cmd[1:]]
+        if "--out" not in cmd and not any(a.startswith("--out=") for a in cmd) and ({"pipeline", "ui"} & set(cmd)):
+            values.append("runs/quick" if "--quick" in cmd and "pipeline" in cmd else "runs/local")
+        for value in values:
             if not value or value.startswith("-"):
                 continue
             path = os.path.realpath(os.path.join(cwd, value.removeprefix("file://")))
             if path == real or path.startswith(real + os.sep):
-                found.append((proc.pid, " ".join(cmd)[:120]))
+                found.append((proc.pid, "embshard", " ".join(cmd)[:120]))
                 break
     return found
 
@@ -163,7 +193,7 @@ def find(root: str, keep_runs: int, keep_versions: int) -> Plan:
     versions: list[Item] = []
     kept_versions: dict[str, list[str]] = {}
     if store is not None:
-        versions, kept_versions = _old_versions(root, store, keep_versions, notes)
+        versions, kept_versions = _old_versions(root, store, keep_versions, set(kept_runs), notes)
     return Plan([i for i in runs + old_logs if i.paths] + versions, kept_runs, kept_versions, store, notes)
 
 
@@ -231,7 +261,8 @@ def _old_runs(root: str, keep: int, notes: list[str]) -> tuple[list[Item], list[
     if others:
         notes.append(f"left alone: data/{', data/'.join(sorted(others)[:3])}{' ...' if len(others) > 3 else ''} "
                      "(not runs)")
-    for folder in sorted(glob.glob(os.path.join(glob.escape(root), "airflow", "logs", "dag_id=*", "run_id=*"))):
+    for folder in sorted(glob.glob(os.path.join(glob.escape(root), "airflow", "logs", f"dag_id={DAG_ID}",
+                                                "run_id=*"))):
         run_id = os.path.basename(folder)[len("run_id="):]
         paths.setdefault(os.path.basename(run_root("", run_id)), []).append(folder)
     order = sorted(paths, key=lambda name: _run_time(name, paths[name][0]), reverse=True)
@@ -239,10 +270,13 @@ def _old_runs(root: str, keep: int, notes: list[str]) -> tuple[list[Item], list[
     return old, order[:keep]
 
 
-def _old_versions(root: str, store: str, keep: int, notes: list[str]) -> tuple[list[Item], dict[str, list[str]]]:
+def _old_versions(root: str, store: str, keep: int, kept_runs: set[str], notes: list[str]
+                  ) -> tuple[list[Item], dict[str, list[str]]]:
     """(the registry versions of `store` prune deletes, with their logged models' folders; model -> versions
-    kept)."""
+    kept). Kept: the newest `keep` of each model, those an alias names, those a kept run registered (a stage of it
+    run again reloads them: state/*.json names them), and the cost model of every kept policy version."""
     from . import registry
+    from .run_layout import run_root
 
     registry.check_server(store)
     import mlflow
@@ -259,8 +293,11 @@ def _old_versions(root: str, store: str, keep: int, notes: list[str]) -> tuple[l
         if mvs:
             for alias, version in client.get_registered_model(name).aliases.items():
                 aliases[name].setdefault(str(version), []).append(alias)
-    keep_set: dict[str, set[str]] = {name: {str(mv.version) for mv in mvs[:keep]} | set(aliases[name])
-                                     for name, mvs in found.items()}
+    keep_set: dict[str, set[str]] = {
+        name: {str(mv.version) for mv in mvs[:keep]} | set(aliases[name]) | {
+            str(mv.version) for mv in mvs
+            if mv.tags.get("airflow.run_id") and os.path.basename(run_root("", mv.tags["airflow.run_id"])) in kept_runs}
+        for name, mvs in found.items()}
     # The cost model each kept policy version was trained against (registry.follow_cost_model gives it the
     # policy's alias when it is promoted).
     for mv in found[registry.POLICY_MODEL]:
@@ -331,7 +368,14 @@ def apply(root: str, plan: Plan) -> None:
 
         client = mlflow.MlflowClient()
         for item in versions:
-            client.delete_model_version(item.kind, item.name)
+            try:
+                client.delete_model_version(item.kind, item.name)
+            except MlflowException as exc:
+                if getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+                    continue  # deleted meanwhile (the MLflow UI, another prune)
+                raise EmbshardError(f"could not delete {item.kind} version {item.name} ({first_line(exc)})",
+                                    path=plan.store, field="registry",
+                                    fix="check the MLflow store, then run prune again") from None
             if item.model_id:
                 # gone already (another version of it deleted here, or by hand): its files go below
                 with contextlib.suppress(MlflowException):
@@ -348,13 +392,14 @@ def apply(root: str, plan: Plan) -> None:
 
 
 def _size(path: str) -> int:
-    if os.path.isfile(path):
-        return os.path.getsize(path)
+    """Bytes a delete of `path` frees: links count as themselves, never as what they point to."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return os.lstat(path).st_size if os.path.lexists(path) else 0
     total = 0
     for dirpath, _, files in os.walk(path):
         for f in files:
             with contextlib.suppress(OSError):  # gone meanwhile
-                total += os.path.getsize(os.path.join(dirpath, f))
+                total += os.lstat(os.path.join(dirpath, f)).st_size
     return total
 
 

@@ -34,6 +34,7 @@ import pandas as pd
 
 from .. import checks, schemas, storage
 from ..errors import EmbshardError, first_line
+from ..features import bins_from_histogram
 
 log = logging.getLogger(__name__)
 
@@ -392,9 +393,9 @@ def trace_files(spec: str | os.PathLike | list | tuple) -> list[str]:
     its matches in natural order (_2 before _10); a comma-separated list, in its order, whose entries may be
     patterns too; or a list of them (the shell's expansion of `--input a.pt b.pt`). A path that exists as a file is
     that file, and a pattern that matches files is that pattern, whatever characters they hold (a comma in a
-    folder's name). `file://` is taken off each entry; another URI is refused, in one line, where it is read. An
-    empty entry (an unset shell variable), a pattern that matches nothing, or one file named twice (through a link
-    too) is a one-line error naming the input."""
+    folder's name). Entries come back as given (a `file://` prefix kept: the reader takes it off); another URI is
+    refused, in one line, where it is read. An empty entry (an unset shell variable), a pattern that matches
+    nothing, or one file named twice (through a link too) is a one-line error naming the input."""
     if isinstance(spec, (list, tuple)):
         if not spec:
             raise EmbshardError("names no file", path="", field="input", fix=_FIX_NO_FILE)
@@ -409,7 +410,7 @@ def trace_files(spec: str | os.PathLike | list | tuple) -> list[str]:
     parts = parts[:-1] if parts[-1] == "" else parts  # a trailing comma
     if not any(parts):
         raise EmbshardError("names no file", path=text, field="input", fix=_FIX_NO_FILE)
-    return _distinct([f for x in parts for f in _entry(x)])
+    return _distinct([f for x in parts for f in _entry(x, text)])
 
 
 _FIX_NO_FILE = "give a trace file, a comma-separated list of them or a glob pattern (quoted)"
@@ -429,12 +430,12 @@ def _matches(text: str) -> list[str] | None:
     return None
 
 
-def _entry(text: str) -> list[str]:
-    """One entry of an input (a path, or a pattern that must match a file)."""
+def _entry(text: str, given: str | None = None) -> list[str]:
+    """One entry of an input (a path, or a pattern that must match a file); `given`: the whole input it is in."""
     text = text.strip()
     if not text:
-        raise EmbshardError("an entry of the input is empty (an unset shell variable?)", path="''", field="input",
-                            fix=_FIX_NO_FILE)
+        raise EmbshardError("an entry of the input is empty (an unset shell variable?)", path=given or "''",
+                            field="input", fix=_FIX_NO_FILE)
     found = _matches(text)
     if found is not None:
         return found
@@ -467,9 +468,13 @@ def check_table_counts(files: list[str]) -> None:
     known = [(f, n) for f, n in counts if n is not None]
     for f, n in known[1:]:
         if n != known[0][1]:
-            raise EmbshardError(f"holds {n} tables, {os.path.basename(known[0][0])} holds {known[0][1]}: not "
-                                "batches of one trace", path=f, field="input",
-                                fix="give files of the same tables (e.g. fbgemm_t856_bs65536_*.pt)")
+            raise _not_one_trace(f, n, known[0][0], known[0][1])
+
+
+def _not_one_trace(file: str, tables: int, first: str, first_tables: int) -> EmbshardError:
+    return EmbshardError(f"holds {tables} tables, {os.path.basename(first)} holds {first_tables}: not batches of one "
+                         "trace", path=file, field="input",
+                         fix="give files of the same tables (e.g. fbgemm_t856_bs65536_*.pt)")
 
 
 def _natural_key(path: str) -> list:
@@ -649,9 +654,7 @@ def tables_from_trace(path: str | list[str], options: TraceOptions | None = None
                                             field="rows", fix="give the hash-table sizes (rows), not byte counts")
                 stats = _TraceStats(T, trace.num_tables, several=len(files) > 1)
             elif trace.num_tables != stats.file_tables:
-                raise EmbshardError(f"holds {trace.num_tables} tables, {os.path.basename(files[0])} holds "
-                                    f"{stats.file_tables}: not batches of one trace", path=file, field="input",
-                                    fix="give files of the same tables (e.g. fbgemm_t856_bs65536_*.pt)")
+                raise _not_one_trace(file, trace.num_tables, files[0], stats.file_tables)
             assert dims is not None
             desc = "ingest tables" + (f" (file {k + 1} of {len(files)})" if len(files) > 1 else "")
             for t in tqdm(range(stats.T), desc=desc, unit="table", disable=not progress or None, mininterval=1.0):
@@ -734,14 +737,10 @@ class _TraceStats:
             raise EmbshardError(f"table {t} uses index {top - 1}: {top:,} rows x {dim} columns would need 2^62 bytes "
                                 "or more", path=file, field="indices",
                                 fix="remap the ids to hash-table rows (the trace holds raw ids), or give --rows-file")
-        if rows is None and idx.size:
-            self.unique[t] += len(np.unique(idx))
-        self.hist[t] += histogram(idx, rows if rows is not None else top)
+        hist = histogram(idx, rows if rows is not None else top)
+        self.hist[t] += hist
+        self.unique[t] += int(hist.sum())  # the histogram counts every unique id once: no second sort
 
     def bins(self) -> np.ndarray:
         """(T, 17) each table's access bins (fractions of its unique ids per bin; bin 0 where never read)."""
-        hist = self.hist.astype(np.float64)
-        total = hist.sum(axis=1, keepdims=True)
-        out = np.divide(hist, total, out=np.zeros_like(hist), where=total > 0)
-        out[total[:, 0] == 0, 0] = 1.0  # a table never looked up: treat as uniformly cold (features.access_bins)
-        return out
+        return bins_from_histogram(self.hist)

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from .. import schemas
-from ..features import access_bins, bin_histogram, bins_from_counts
+from ..features import bin_histogram, bins_from_histogram
 
 MIN_ROWS, MAX_ROWS = 10, 10**8
 DIMS = np.array([4, 8, 16, 32, 64, 128, 256])
@@ -116,21 +116,14 @@ def generate_tables(num_tables: int, seed: int = 0, bytes_per_element: int = 4,
 
 
 def table_bins(indices: np.ndarray, rows: int | None = None) -> np.ndarray:
-    """features.access_bins, computed with a bincount when the id space is small (same result, faster).
-
-    np.unique sorts the batch; a bincount over [0, rows) is linear and wins whenever the table is not much
-    larger than the batch. Huge tables fall back to the sort.
-    """
-    indices = np.asarray(indices)
-    if indices.size == 0 or rows is None or rows > 4 * indices.size + (1 << 16):
-        return access_bins(indices)
-    counts = np.bincount(indices, minlength=0)
-    return bins_from_counts(counts[counts > 0])
+    """features.access_bins, computed with a bincount when the id space is small (same result, faster)."""
+    return bins_from_histogram(table_bin_histogram(indices, rows))
 
 
 def table_bin_histogram(indices: np.ndarray, rows: int | None = None) -> np.ndarray:
     """(17,) int64 unique indices per bin of one batch (features.bin_histogram; all zero for no lookups): the
-    histograms of several batches of a table add up; normalised, one batch's is `table_bins`."""
+    histograms of several batches of a table add up. np.unique sorts the batch; a bincount over [0, rows) is linear
+    and wins whenever the table is not much larger than the batch, so huge tables alone fall back to the sort."""
     indices = np.asarray(indices)
     if indices.size == 0:
         return np.zeros(schemas.NUM_BINS, dtype=np.int64)

@@ -216,6 +216,13 @@ def main(args: argparse.Namespace) -> int:
             raise EmbshardError(f"does not apply to --source {args.source}", field=option,
                                 fix=f"drop {option} (it is for --source {' or '.join(sources)})")
     kw: dict = {"progress": not args.no_progress}
+    if args.source == "dlrm" and args.input:
+        # A pattern or a list names the files only once expanded: the output must be none of them either.
+        from .. import storage
+        from ..ingest.dlrm import trace_files
+
+        storage.check_output(args.out, kind="folder", writes=tuple(OUTPUT["writes"]),
+                             inputs={"--input": trace_files(args.input)})
     if args.source == "dlrm":
         kw.update(dim=args.dim, data_type=args.data_type, rows_file=args.rows_file)
     elif args.source == "synthetic":
@@ -230,16 +237,16 @@ def main(args: argparse.Namespace) -> int:
     gib = df["size_bytes"].sum() / 2**30
     print(f"wrote {path}: {len(df)} tables, {gib:,.1f} GiB, rows {df['rows'].min():,}..{df['rows'].max():,}, "
           f"dims {df['dim'].min()}..{df['dim'].max()}, pooling {df['pooling_factor'].mean():.2f} mean "
-          f"(source {_source_words(df['source'].iloc[0])})")
+          f"(source {_source_words(df)})")
     return 0
 
 
-def _source_words(source: str) -> str:
-    """A tables frame's source as the summary line shows it: its kind and input, several trace files as the first
-    and a count (the column lists them all)."""
-    head = source.split(";")[0]
+def _source_words(df) -> str:
+    """A tables frame's source as the summary line shows it: its kind and input; several trace files as the first
+    (the one replayed, `trace_file`) and a count (the column lists them all)."""
+    source = str(df["source"].iloc[0])
     count = re.search(r";files=(\d+);", source)
     if count is None:
-        return head
+        return source.split(";")[0]
     n = int(count.group(1))
-    return f"{head.rsplit(',', n - 1)[0]} and {n - 1} more files"
+    return f"dlrm:{df['trace_file'].iloc[0]} and {n - 1} more files"
