@@ -665,8 +665,9 @@ def tables_from_trace(path: str | list[str], options: TraceOptions | None = None
             batches.append(trace.batch_size)
     assert stats is not None and dims is not None
     if stats.too_small:
-        more = f" (and {len(stats.too_small) - 3} more tables)" if len(stats.too_small) > 3 else ""
-        raise EmbshardError("; ".join(stats.too_small[:3]) + more, path=opt.rows_file or first, field="rows",
+        found = list(stats.too_small.values())
+        more = f" (and {len(found) - 3} more tables)" if len(found) > 3 else ""
+        raise EmbshardError("; ".join(found[:3]) + more, path=opt.rows_file or first, field="rows",
                             fix="give hash sizes larger than every index, or omit --rows-file")
     T = stats.T
     ids = table_ids or [f"t{i:04d}" for i in range(T)]
@@ -716,8 +717,7 @@ class _TraceStats:
         self.first_pooling = np.zeros(T)              # the first file's mean bag length (the one replayed)
         self.unique = np.zeros(T, dtype=np.int64)     # unique ids summed over the files (an upper bound of all's)
         self.hist = np.zeros((T, schemas.NUM_BINS), dtype=np.int64)
-        self.too_small: list[str] = []                # tables whose --rows-file hash size is below an id they use
-        self._too_small: set[int] = set()
+        self.too_small: dict[int, str] = {}           # table -> its id at or past its --rows-file hash size
 
     def add(self, t: int, idx: np.ndarray, lengths: np.ndarray, batch: int, rows: int | None, dim: int, bpe: int,
             file: str, first: bool, histogram) -> None:
@@ -728,10 +728,9 @@ class _TraceStats:
             self.first_pooling[t] = float(lengths.sum()) / batch
         if rows is not None:
             if top > rows:  # every such table is named at the end, not one per run
-                if t not in self._too_small:
-                    self._too_small.add(t)
+                if t not in self.too_small:
                     where = f" in {os.path.basename(file)}" if self.several else ""
-                    self.too_small.append(f"table {t} uses index {top - 1:,}{where} but has {rows:,} rows")
+                    self.too_small[t] = f"table {t} uses index {top - 1:,}{where} but has {rows:,} rows"
                 return  # no bins: counting up to a stray id of 2^40 would ask for terabytes
         elif top * dim * bpe >= checks.MAX_TABLE_BYTES:  # Python ints: never wraps around
             raise EmbshardError(f"table {t} uses index {top - 1}: {top:,} rows x {dim} columns would need 2^62 bytes "
