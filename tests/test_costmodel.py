@@ -98,6 +98,45 @@ def test_network_handles_any_table_and_device_count_and_empty_devices_cost_nothi
     assert model.overall_from_sums(torch.stack([sums[0]] * 5)[None]).shape == (1,)
 
 
+def test_a_trained_model_never_predicts_a_device_cheaper_for_one_more_table(trained, measured):
+    """The compute heads are monotone (model._Head): adding a table to a device never lowers its predicted cost.
+    An unconstrained model had predicted a hot table's device 13% cheaper with tiny tables beside it, and the
+    planner packed them there (the plan measured 1.19x the best greedy's)."""
+    from embshard.tableset import TableSet
+
+    model = trained["model"]
+    assert all(m.config.monotone for m in model.members)
+    feats = TableSet.read(measured["tables"]).features()
+    enc = model.encode(feats)
+    rng = np.random.default_rng(0)
+    for devices in (1, 4, 64):
+        for _ in range(50):
+            on = rng.choice(len(feats), size=int(rng.integers(1, 6)), replace=False)
+            before = model.member_totals_from_sums(enc[on].sum(0, keepdim=True), devices)  # (K, 1)
+            after = model.member_totals_from_sums(enc[on].sum(0) + enc, devices)  # (K, N): each table added
+            assert (after >= before * (1 - 1e-6)).all()
+
+
+def test_a_model_trained_before_monotone_heads_loads_as_it_was_trained(tmp_path):
+    """A config without `monotone` (every model registered before it) loads unconstrained heads, so its
+    predictions are the ones it was trained and evaluated with."""
+    import json
+
+    from embshard.costmodel.model import CostModel
+
+    model, feats = _tiny_model()
+    with torch.no_grad():
+        model.net.fwd.mlp[0].weight.fill_(-0.1)  # an unconstrained head may hold negative weights
+    model.save(str(tmp_path))
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["monotone"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    loaded = CostModel.load_dir(str(tmp_path))
+    assert not loaded.config.monotone and not loaded.net.fwd.monotone
+    np.testing.assert_array_equal(loaded.predict_shards(feats, [np.arange(5)], 4),
+                                  model.predict_shards(feats, [np.arange(5)], 4))
+
+
 def test_comm_head_sees_the_exact_dim_sum():
     model, feats = _tiny_model()
     enc = model.encode(feats)

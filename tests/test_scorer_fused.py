@@ -15,13 +15,19 @@ from embshard.ingest.synthetic import generate_tables
 from embshard.tableset import TableSet
 
 
+@pytest.mark.parametrize("monotone", [False, True])
 @pytest.mark.parametrize("members", [1, 3])
 @pytest.mark.parametrize("devices", [1, 2, 16])
-def test_fused_totals_match_the_model(members, devices):
+def test_fused_totals_match_the_model(members, devices, monotone):
     torch.manual_seed(members)
     ts = TableSet.from_frame(generate_tables(40, seed=3, bins_batch_size=512))
     scaler = FeatureScaler.fit(ts.features())
-    models = [CostModel.create(CostModelConfig(), scaler) for _ in range(members)]
+    models = [CostModel.create(CostModelConfig(monotone=monotone), scaler) for _ in range(members)]
+    if monotone:  # biases that put some units on either side of their kink (fresh ones are near zero)
+        with torch.no_grad():
+            for m in models:
+                for head in (m.net.fwd, m.net.bwd):
+                    head.mlp[0].bias.uniform_(-2.0, 2.0)
     model = models[0] if members == 1 else CostEnsemble(models)
     sc = TaskScorer(model, ts.features(), devices)
     assert sc._fused is not None

@@ -163,13 +163,16 @@ class _FusedHeads:
         self.dimsum_col = self.width - NUM_EXTRA + DIMSUM
         sp = torch.nn.functional.softplus
         with torch.no_grad():
-            self.w1 = torch.stack([torch.cat([n.fwd.mlp[0].weight, n.bwd.mlp[0].weight, n.fwd.skip.weight,
-                                              n.bwd.skip.weight]).t() for n in nets]).contiguous()  # (K, W, 2hh+2)
-            self.b1 = torch.cat([torch.cat([n.fwd.mlp[0].bias, n.bwd.mlp[0].bias]) for n in nets])  # (K*2hh,)
+            # Each head as relu units alone (a monotone head's concave units folded in: model._Head.relu_weights):
+            # (W1, b1, w2, b2, skip) per member, fwd then bwd.
+            heads = [(n.fwd.relu_weights(), n.bwd.relu_weights()) for n in nets]
+            self.w1 = torch.stack([torch.cat([f[0], b[0], f[4], b[4]]).t() for f, b in heads]
+                                  ).contiguous()  # (K, W, 2hh+2)
+            self.b1 = torch.cat([torch.cat([f[1], b[1]]) for f, b in heads])  # (K*2hh,)
             # (2K, hh): member j's fwd, then bwd output weights. A multiply and a sum over the hidden units (MKL's
             # product with 2K output columns is ~10x slower on this machine's AMD CPU).
-            self.w2 = torch.cat([torch.cat([n.fwd.mlp[2].weight, n.bwd.mlp[2].weight]) for n in nets])
-            self.b2 = torch.cat([torch.cat([n.fwd.mlp[2].bias, n.bwd.mlp[2].bias]) for n in nets])  # (2K,)
+            self.w2 = torch.cat([torch.cat([f[2], b[2]]) for f, b in heads])
+            self.b2 = torch.cat([torch.cat([f[3], b[3]]) for f, b in heads])  # (2K,)
             nd = torch.tensor(float(num_devices)).clamp(min=1.0)
             on = float(num_devices > 1)  # one device: no comm
             comm_rate = torch.stack([sp(n.comm_rate) * (nd - 1.0) / nd * on for n in nets])  # (K,)
@@ -266,7 +269,8 @@ def _fused_heads(cost_model, num_devices: int) -> _FusedHeads | None:
     nets = [getattr(m, "net", None) for m in members]
     fused = None
     try:
-        if all(n is not None and hasattr(n, "fwd") and hasattr(n, "comm_rate") for n in nets):
+        if all(n is not None and hasattr(n, "fwd") and hasattr(n.fwd, "relu_weights") and hasattr(n, "comm_rate")
+               for n in nets):
             # Ordinary tensors even when a planner asks under inference_mode: the cache outlives the plan, and
             # training (rollouts with autograd on) may read it later.
             with torch.inference_mode(False):

@@ -44,6 +44,7 @@ class TrainParams:
     hidden: int = 128
     embed: int = 32
     head_hidden: int = 64
+    monotone: bool = True          # compute heads that never predict less for one more table (model._Head)
 
 
 @dataclass
@@ -105,6 +106,7 @@ def fit(data: CostData, params: TrainParams) -> tuple[CostModel, History]:
     y_tr = data.targets[tr]
     scale = [float(np.median(y_tr[y_tr[:, h] > 0, h])) if (y_tr[:, h] > 0).any() else 1.0 for h in range(3)]
     cfg = CostModelConfig(hidden=params.hidden, embed=params.embed, head_hidden=params.head_hidden,
+                          monotone=params.monotone,
                           target_scale=scale, batch_size=data.batch_size, cache_bytes=data.cache_bytes,
                           hardware=data.hardware,
                           backend=data.backend, dataset_hash=data.dataset_hash,
@@ -165,6 +167,7 @@ def fit(data: CostData, params: TrainParams) -> tuple[CostModel, History]:
             opt.zero_grad()
             loss.backward()
             opt.step()
+            net.constrain_()
             total, n = total + loss.item() * len(idx), n + len(idx)
         with torch.no_grad():
             net.eval()

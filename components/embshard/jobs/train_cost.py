@@ -306,6 +306,7 @@ def run(costs: str | list[str], tables: str, out: str | None = None, *, seed: in
             mlflow.log_params({"seed": seed, "members": members, "max_epochs": max_epochs,
                                "patience": patience, "lr": params.lr, "hidden": params.hidden,
                                "embed": params.embed, "head_hidden": params.head_hidden,
+                               "monotone": params.monotone,
                                "batch_shards": params.batch_shards,
                                "costs": costs, "tables": tables, "batch_size": data.batch_size,
                                **comm_params, **{f"n_{k}": v for k, v in counts.items()},
