@@ -20,6 +20,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -91,34 +92,47 @@ class _Head(nn.Module):
         self.convex = hidden - hidden // 2  # the first units are relu(u), the rest min(u, 0)
         if self.monotone:
             with torch.no_grad():
-                for w in (self.mlp[0].weight, self.mlp[2].weight, self.skip.weight):
+                for w in self._weights():
                     w.abs_()
+
+    @property
+    def inner(self) -> nn.Linear:
+        """The first layer (in `mlp`, whose state-dict keys every saved model has)."""
+        return cast(nn.Linear, self.mlp[0])
+
+    @property
+    def outer(self) -> nn.Linear:
+        return cast(nn.Linear, self.mlp[2])
+
+    def _weights(self) -> tuple[torch.Tensor, ...]:
+        return self.inner.weight, self.outer.weight, self.skip.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.monotone:
             return self.mlp(x) + self.skip(x)
-        u = self.mlp[0](x)
+        u = self.inner(x)
         c = self.convex
         hidden = torch.cat([torch.relu(u[..., :c]), -torch.relu(-u[..., c:])], dim=-1)
-        return self.mlp[2](hidden) + self.skip(x)
+        return self.outer(hidden) + self.skip(x)
 
     def constrain_(self) -> None:
         """Project the weights back onto >= 0 (after an optimizer step); nothing for an unconstrained head."""
         if self.monotone:
             with torch.no_grad():
-                for w in (self.mlp[0].weight, self.mlp[2].weight, self.skip.weight):
+                for w in self._weights():
                     w.clamp_(min=0.0)
 
     def relu_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(W1 (hidden, width), b1, w2 (1, hidden), b2, skip (1, width)) of the same function written with relu
         units alone: a concave unit v * min(u, 0) is (-v) * relu(-u) (costmodel.scoring's fused evaluator)."""
-        w1, b1 = self.mlp[0].weight, self.mlp[0].bias
-        w2, b2 = self.mlp[2].weight, self.mlp[2].bias
+        w1: torch.Tensor = self.inner.weight
+        b1: torch.Tensor = self.inner.bias
+        w2: torch.Tensor = self.outer.weight
         if self.monotone:
             sign = torch.ones(len(b1), dtype=w1.dtype)
             sign[self.convex:] = -1.0
             w1, b1, w2 = w1 * sign.unsqueeze(1), b1 * sign, w2 * sign
-        return w1, b1, w2, b2, self.skip.weight
+        return w1, b1, w2, self.outer.bias, self.skip.weight
 
 
 class CostNet(nn.Module):
