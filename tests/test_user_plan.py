@@ -212,14 +212,23 @@ def test_evaluate_measures_the_plan_beside_the_planners(tiny, tmp_path, capsys):
 
     out = tmp_path / "ev"
     assert main(["evaluate", "--tables", tiny["tables"], "--tasks", tiny["tasks"], "--planners", "size_greedy",
-                 "--plan", tiny["plan"], "--rounds", "1", "--batch-size", "32", "--out", str(out)]) == 0
+                 "--plan", tiny["plan"], "--rounds", "2", "--batch-size", "32", "--out", str(out)]) == 0
     # stderr is no terminal here (a log): the progress bar comes as lines, not carriage-return redraws
-    err = capsys.readouterr().err
-    assert "evaluate (measured rounds)" in err and "\r" not in err
+    captured = capsys.readouterr()
+    assert "evaluate (measured rounds)" in captured.err and "\r" not in captured.err
     ev = pd.read_parquet(out / "evaluation.parquet")
     assert list(ev["planner"]) == ["size_greedy", "user_plan"]
     row = ev[ev["planner"] == "user_plan"].iloc[0]
     assert row["feasible"] and row["measured_cost_ms"] > 0
+    # The question --plan asks, answered paired per round: each planner over the user's plan, with its interval.
+    greedy = ev[ev["planner"] == "size_greedy"].iloc[0]
+    want = np.median(np.array(greedy["round_costs_ms"]) / np.array(row["round_costs_ms"]))
+    assert greedy["ratio_to_user_plan"] == pytest.approx(want)
+    assert greedy["ratio_user_plan_ci_low"] <= greedy["ratio_to_user_plan"] <= greedy["ratio_user_plan_ci_high"]
+    ratios = pd.read_parquet(out / "ratios.parquet")
+    assert len(ratios[(ratios["planner"] == "size_greedy") & (ratios["versus"] == "user_plan")]) == 1
+    assert f"size_greedy: {greedy['ratio_to_user_plan']:.3f} [" in captured.out
+    assert "against your plan (user_plan), paired over 2 round(s)" in captured.out
     placed = pd.read_parquet(out / "placements.parquet")
     assert set(placed[placed["planner"] == "user_plan"]["table_id"]) == set(tiny["task"].tables.table_ids)
 
@@ -399,3 +408,34 @@ def test_a_plan_measured_on_other_traffic_says_so(tiny, caplog):
     caplog.clear()
     UserPlan(tiny["plan"]).plan_task(task)
     assert not [r for r in caplog.records if "other traffic" in r.getMessage()]
+
+
+def test_evaluate_of_a_torchrec_plan_without_tasks_takes_its_memory_from_memory_gb(tiny, tmp_path, capsys):
+    """A team's TorchRec plan records no memory per device: `--memory-gb` makes its task (its tables, its world
+    size); without it, or beside --tasks, one line says what to give."""
+    pytest.importorskip("torchrec")
+    import pandas as pd
+
+    from embshard.cli import main
+    from embshard.export.torchrec_plan import plan_to_json, to_torchrec_plan
+    from embshard.planners.baselines import make_baseline
+
+    task = tiny["task"]
+    t = task.tables
+    doc = plan_to_json(to_torchrec_plan(make_baseline("size_greedy").plan_task(task)), world_size=task.num_devices,
+                       tables={str(n): (int(r), int(d)) for n, r, d in zip(t.table_ids, t.rows, t.dims)})
+    plan = tmp_path / "torchrec_plan.json"
+    plan.write_text(json.dumps(doc))
+    common = ["--tables", tiny["tables"], "--plan", str(plan), "--planners", "round_robin", "--rounds", "1",
+              "--batch-size", "32"]
+    assert main(["evaluate", *common, "--out", str(tmp_path / "no-mem")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "records no memory per device" in err[0] and "--memory-gb" in err[0]
+    assert main(["evaluate", *common, "--tasks", tiny["tasks"], "--memory-gb", "1",
+                 "--out", str(tmp_path / "both")]) == 2
+    assert "--memory-gb sizes the task of --plan" in capsys.readouterr().err
+    assert main(["evaluate", *common, "--memory-gb", "1", "--out", str(tmp_path / "ev")]) == 0
+    ev = pd.read_parquet(tmp_path / "ev" / "evaluation.parquet")
+    assert list(ev["planner"]) == ["round_robin", "user_plan"] and ev["feasible"].all()
+    assert set(ev["memory_bytes_per_device"]) == {2**30} and set(ev["num_devices"]) == {task.num_devices}
+    assert "round_robin: " in capsys.readouterr().out

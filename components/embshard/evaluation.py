@@ -41,6 +41,10 @@ from .ruler import DEFAULT_ROUNDS, Entry, RoundCosts, measure_probed, round_sett
 from .tableset import TableSet
 from .types import Shard, Task, load_tasks
 
+# The entry of a plan the user handed in (`embshard evaluate --plan`, export.user_plan.NAME): every planner is
+# also compared with it, paired per round, since "is it better than the plan we run now?" is the question.
+USER_PLAN = "user_plan"
+
 log = logging.getLogger(__name__)
 # Every learned composition (planners.compose.COMPOSITIONS) takes @ALIAS or /VERSION like `learned`.
 PLANNER_NAMES = "learned, learned@ALIAS, learned/VERSION, " + ", ".join(
@@ -173,11 +177,17 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
                                                                                       c / best_cost])
         if tr_cost is not None:
             row["ratio_to_torchrec"] = stats.median_ci(c / tr_cost)[0]
-        # Paired ratios to every other entry that is a baseline (and to the first of a repeated name: A/A).
+        user = by_label.get(USER_PLAN)
+        if user is not None and e.label != USER_PLAN:
+            u_med, u_lo, u_hi = stats.median_ci(c / user)
+            row.update(ratio_to_user_plan=u_med, ratio_user_plan_ci_low=u_lo, ratio_user_plan_ci_high=u_hi,
+                       ratios_to_user_plan=[float(x) for x in c / user])
+        # Paired ratios to every other entry that is a baseline or the user's plan (and to the first of a repeated
+        # name: A/A).
         for k, other in enumerate(entries):
             base = other.label.split("#")[0]
-            if other.label == e.label or not (base in BASELINES or base.startswith("torchrec") or
-                                              e.label.split("#")[0] == base):
+            if other.label == e.label or not (base in BASELINES or base.startswith("torchrec") or base == USER_PLAN
+                                              or e.label.split("#")[0] == base):
                 continue
             m, lo2, hi2 = stats.median_ci(c / costs[k])
             res.ratio_rows.append({"task_id": task.task_id, "planner": e.label, "versus": other.label,
@@ -335,9 +345,21 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
                     "wilcoxon_p": stats.wilcoxon_p(g["ratio_to_best_baseline"].dropna()),
                     "worst_ratio_best_baseline": g["ratio_to_best_baseline"].max(),
                     "median_ratio_torchrec": g["ratio_to_torchrec"].median(),
+                    **_user_plan_ratio(g),
                     "median_gap_to_estimate": g["gap_to_estimate"].median(),
                     "median_planning_s": g["planning_time_s"].median()})
     return pd.DataFrame(out).set_index("planner")
+
+
+def _user_plan_ratio(g: pd.DataFrame) -> dict:
+    """A planner's ratio to the user's plan over the tasks (paired per round; bootstrap over tasks and rounds),
+    when `--plan` was measured beside it."""
+    per_task = [np.asarray(v, dtype=float) for v in g.get("ratios_to_user_plan", pd.Series(dtype=object))
+                if isinstance(v, (list, np.ndarray)) and len(v)]
+    if not per_task:
+        return {}
+    med, lo, hi = stats.suite_ci(per_task)
+    return {"median_ratio_user_plan": med, "user_plan_ci_low": lo, "user_plan_ci_high": hi}
 
 
 def format_summary(summary: pd.DataFrame, rounds: int = 1) -> str:

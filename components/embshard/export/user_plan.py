@@ -109,16 +109,22 @@ class UserPlan:
         made it, but not the task's memory: it is no task to evaluate)."""
         return None if self.is_torchrec() else str(self.document()["task_id"])
 
-    def task_frame(self) -> pd.DataFrame:
-        """The plan.json's own task as a tasks.parquet row (its tables, devices, memory and hosts): what
-        `evaluate --plan` measures when no tasks file is given."""
-        if self.is_torchrec():
-            raise EmbshardError("a TorchRec plan records no memory per device, so it makes no task", path=self.path,
-                                field="tasks", fix="give --tasks (a tasks.parquet, e.g. from `embshard tasks`), "
-                                "or pass the plan.json the export wrote beside it")
+    def task_frame(self, memory_bytes: int | None = None) -> pd.DataFrame:
+        """The plan's own task as a tasks.parquet row (its tables, devices, memory and hosts): what
+        `evaluate --plan` measures when no tasks file is given. `memory_bytes` (evaluate's --memory-gb) replaces
+        a plan.json's memory per device; a TorchRec plan records none, so it needs one."""
         doc = self.document()
+        if self.is_torchrec():
+            if memory_bytes is None:
+                raise EmbshardError("a TorchRec plan records no memory per device, so it makes no task",
+                                    path=self.path, field="memory_gb",
+                                    fix="give --memory-gb (what a device may hold of embedding weights), or --tasks")
+            name = os.path.splitext(os.path.basename(self.path))[0]
+            return pd.DataFrame([{"task_id": name, "split": "test", "num_devices": int(doc["world_size"]),
+                                  "memory_bytes_per_device": int(memory_bytes), "table_ids": self.table_ids()}])
         row = {"task_id": str(doc["task_id"]), "split": "test", "num_devices": int(doc["num_devices"]),
-               "memory_bytes_per_device": int(doc["memory_bytes_per_device"]), "table_ids": self.table_ids()}
+               "memory_bytes_per_device": int(doc["memory_bytes_per_device"] if memory_bytes is None
+                                              else memory_bytes), "table_ids": self.table_ids()}
         hosts = doc.get("hosts")
         if hosts is not None and len(set(hosts)) > 1:
             row["devices_per_host"] = int(doc["num_devices"]) // len(set(hosts))

@@ -10,9 +10,11 @@ import logging
 import os
 
 from ..bench.runner import MeasureSettings
+from ..checks import gib_text
 from ..errors import EmbshardError
 from ..evaluation import (  # noqa: F401  (re-exported: the evaluation's names, importable from the job)
     PLANNER_NAMES,
+    USER_PLAN,
     check_planner_names,
     entry_labels,
     evaluate_task,
@@ -50,6 +52,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", default=None, metavar="FILE",
                    help="also measure this placement (a plan.json of any version, or the torchrec_plan.json "
                         "`embshard export` wrote), as the entry `user_plan`; it must be a plan of every task evaluated")
+    p.add_argument("--memory-gb", type=gib_text, default=None,
+                   help="with --plan and no --tasks: memory per device for embedding weights, GiB, of the plan's "
+                        "task (needed for a torchrec_plan.json, which records none; for a plan.json it replaces "
+                        "the plan's own)")
     p.add_argument("--split", default="test", help="which tasks: test (default), train or all")
     p.add_argument("--max-tasks", type=int, default=None, help="evaluate at most this many tasks")
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
@@ -81,7 +87,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def main(args) -> int:
     import tempfile
 
-    from .. import schemas
+    from .. import checks, schemas
     from ..ingest.spec import is_spec_path
 
     planners = [p for p in args.planners.split(",") if p]
@@ -91,6 +97,10 @@ def main(args) -> int:
         raise EmbshardError("no tasks to evaluate", field="tasks",
                             fix="give --tasks (a tasks.parquet, e.g. from `embshard tasks`), or --plan FILE to "
                                 "measure a plan.json on its own task beside --planners")
+    memory_gb = getattr(args, "memory_gb", None)
+    if memory_gb is not None and (tasks is not None or not getattr(args, "plan", None)):
+        raise EmbshardError("--memory-gb sizes the task of --plan, and --tasks has its own memory per device",
+                            field="memory_gb", fix="leave out --memory-gb, or --tasks to measure the plan's own task")
     with tempfile.TemporaryDirectory(prefix="embshard-evaluate-") as scratch:
         tables = args.tables
         if is_spec_path(tables):  # the tables ingest would make of the spec (the same seed: the same tables)
@@ -122,7 +132,8 @@ def main(args) -> int:
                     if note:
                         log.warning("evaluate --plan: %s: only the plan's tables are measured " + PLAN_AGAIN, note)
                 tasks = os.path.join(scratch, "tasks.parquet")
-                schemas.write(user_plan.task_frame(), tasks, "tasks")
+                memory = None if memory_gb is None else checks.memory_bytes(memory_gb, field="memory_gb")
+                schemas.write(user_plan.task_frame(memory), tasks, "tasks")
                 task_ids = None
             elif task_ids is None and user_plan.own_task_id() in set(
                     schemas.read(tasks, "tasks")["task_id"].astype(str)):
@@ -158,6 +169,8 @@ def _evaluate(args, planners: list[str], given: dict, tables: str, tasks: str, t
                                        or shared_calibration_dir()),
               estimate_in_rounds=args.estimate_in_rounds)
     print(res["summary_text"])
+    if given:
+        print(_against_user_plan(res["summary"], int(args.rounds)))
     rk = res["ranking"]
     if rk["pairs"]:
         print(f"cost model ranking: it orders {rk['correct']} of the {rk['pairs']} placement pairs the ruler tells "
@@ -170,4 +183,22 @@ def _evaluate(args, planners: list[str], given: dict, tables: str, tasks: str, t
     print(f"wrote {res['evaluation']}, {res['ratios']}{placed} and {res['plot']}")
     return 0
 
+
+def _against_user_plan(summary, rounds: int) -> str:
+    """What `--plan` asks: each planner's measured cost over the user's plan, paired per round, with its
+    interval and what it says (a difference only where the interval clears 1; with a repeated planner name the
+    ruler's A/A floor is in ratios.parquet)."""
+    import numpy as np
+
+    from ..stats import floor_verdict
+
+    if "median_ratio_user_plan" not in summary.columns:
+        return f"no planner placed a task beside {USER_PLAN}: nothing to compare it with"
+    lines = [f"against your plan ({USER_PLAN}), paired over {rounds} round(s) (under 1: faster than yours):"]
+    for name, row in summary.iterrows():
+        med, lo, hi = (float(row[k]) for k in ("median_ratio_user_plan", "user_plan_ci_low", "user_plan_ci_high"))
+        if name == USER_PLAN or not np.isfinite(med):
+            continue
+        lines.append(f"  {name}: {med:.3f} [{lo:.3f}, {hi:.3f}] {floor_verdict(lo, hi, np.nan, np.nan)}")
+    return "\n".join(lines)
 
