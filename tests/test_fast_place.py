@@ -290,7 +290,8 @@ def test_a_python_plan_gets_the_predicted_costs_place_writes(store, tmp_path, mo
                              task_id="task")
     costs = planner.predicted_costs(placement)
     assert costs.shape == (4,) and (costs > 0).all()
-    written = write_plan_json(placement, tmp_path / "plan.json", device_costs=costs)
+    written = write_plan_json(placement, tmp_path / "plan.json", device_costs=costs,
+                              balanced_estimate=planner.balanced_estimate(placement))
     assert written["cost"]["device_costs_ms"] == pytest.approx(costs.tolist())
     out = tmp_path / "placed"
     got, proc = run_cli(tmp_path, ["place", "--tables", store["tables"], "--devices", "4", "--memory-gb", "64",
@@ -298,3 +299,7 @@ def test_a_python_plan_gets_the_predicted_costs_place_writes(store, tmp_path, mo
     assert got["rc"] == 0, proc.stderr[-2000:]
     placed = json.loads(next(out.rglob("plan.json")).read_text())
     assert placed["cost"]["device_costs_ms"] == pytest.approx(costs.tolist(), rel=1e-5)
+    # the README's snippet writes the same balanced estimate and gap as `place` (it had written null for both)
+    assert placed["cost"]["balanced_estimate_ms"] is not None
+    for key in ("balanced_estimate_ms", "gap"):
+        assert written["cost"][key] == pytest.approx(placed["cost"][key], rel=1e-5)

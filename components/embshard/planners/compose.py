@@ -40,6 +40,7 @@ from .scoring import (
     balanced_estimate,
     piece_features,
     placement_costs,
+    predicted_costs,
     replica_extra_ms,
     single_threaded,
 )
@@ -658,6 +659,12 @@ class ComposedPlanner(Planner):
         """Each device's predicted cost (ms) of `placement` by this planner's cost model: what `embshard place`
         writes, e.g. `write_plan_json(placement, path, device_costs=planner.predicted_costs(placement))`."""
         return placement_costs(self.cost_model, placement)
+
+    def balanced_estimate(self, placement: Placement) -> float | None:
+        """The balanced estimate (ms) `embshard place` writes beside the costs, e.g. `write_plan_json(placement,
+        path, device_costs=..., balanced_estimate=planner.balanced_estimate(placement))`: None where the model's
+        own predictions contradict it (scoring.predicted_costs)."""
+        return predicted_costs(self.cost_model, placement)[2]
 
     def slice_floor(self) -> int:
         """The split search's slice floor (bytes per row): the one given, else the cost model's hardware's."""
