@@ -159,3 +159,26 @@ def test_baselines_never_replicate():
     ts, _ = tiny_hot()
     for name in ("size_greedy", "lookup_greedy"):
         assert not any(s.kind == "replicated" for s in make_baseline(name).plan(ts, D, int(ts.size_bytes.sum())).shards)
+
+
+def test_place_names_replicated_tables_apart_from_cut_ones_and_counts_them_apart():
+    """`place`'s report: a replicated table is not "cut" (it is whole on every device), each device row counts its
+    pieces of cut tables and its replicas apart, and a long list says how many more there are."""
+    from embshard.placement_report import device_table, split_summary
+
+    ts = TableSet.from_frame(generate_tables(20, seed=3, bins_batch_size=512))
+    ts = replace(ts, dims=np.full(20, 16), size_bytes=ts.rows * 16 * ts.bytes_per_element)
+    shards = [Shard(0, 0, col_offset=0, col_size=8), Shard(0, 1, col_offset=8, col_size=8)]
+    shards += [Shard(t, d, kind="replicated") for t in (1, 2) for d in range(2)]
+    shards += [Shard(t, t % 2) for t in range(3, 20)]
+    p = Placement(ts, 2, int(ts.size_bytes.sum()), shards)
+    p.check()
+    line = split_summary(p)
+    assert line.startswith(f"cut tables (1): {ts.table_ids[0]} in 2 column slices; ")
+    assert line.endswith(f"replicated on every device (2): {ts.table_ids[1]}, {ts.table_ids[2]}")
+    rows = device_table(p).splitlines()
+    assert rows[1].split()[:4] == ["device", "tables", "pieces", "replicas"]
+    assert rows[2].split()[2:4] == ["1", "2"]  # device 0: one column slice, two replicas
+    many = Placement(ts, 2, int(ts.size_bytes.sum()), [Shard(t, d, kind="replicated") for t in range(20)
+                                                         for d in range(2)])
+    assert split_summary(many, limit=12).endswith(" and 8 more (plan.json lists them)")

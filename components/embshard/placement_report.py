@@ -37,7 +37,9 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
         else f", refined by measurement: the plan of {refined['winner']}")
     lines = [f"{named}{len(placement.tables)} tables on {placement.num_devices} devices, "
              f"planner {placement.planner}" + (f" ({placement.model_uri})" if placement.model_uri else "") + won]
-    head = f"{'device':>6} {'tables':>6} {'splits':>6} {'memory GiB':>11} {'mem %':>6}"
+    # pieces: the device's column slices and row ranges of cut tables; replicas: tables it holds whole as one of
+    # every device's copies (data-parallel)
+    head = f"{'device':>6} {'tables':>6} {'pieces':>6} {'replicas':>8} {'memory GiB':>11} {'mem %':>6}"
     if device_costs is not None:
         head += f" {'pred. ms':>9} {'vs mean':>8}"
     lines.append(head)
@@ -46,7 +48,9 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
     for k, d in enumerate(shown):
         if k and d != shown[k - 1] + 1:
             lines.append(f"{'...':>6}")
-        row = (f"{d:>6} {len({s.table for s in shards[d]}):>6} {sum(s.kind != 'whole' for s in shards[d]):>6} "
+        pieces = sum(s.kind in ("column", "row") for s in shards[d])
+        replicas = sum(s.kind == "replicated" for s in shards[d])
+        row = (f"{d:>6} {len({s.table for s in shards[d]}):>6} {pieces:>6} {replicas:>8} "
                f"{mem[d] / GiB:>11.3f} {100 * mem[d] / placement.memory_bytes_per_device:>5.1f}%")
         if device_costs is not None:
             row += f" {device_costs[d]:>9.3f} {device_costs[d] / mean if mean else 0:>7.2f}x"
@@ -120,18 +124,21 @@ def plot_device_costs(placement: Placement, device_costs: np.ndarray | None, pat
     plt.close(fig)
 
 
-def split_summary(placement: Placement, limit: int = 6) -> str:
-    """One line naming the tables the plan cuts and how (empty when every table is whole); `splits` in the device
-    table counts a device's pieces of cut tables."""
+def split_summary(placement: Placement, limit: int = 12) -> str:
+    """One line naming the tables the plan cuts and how, then the tables it replicates (empty when every table is
+    whole and on one device); past `limit` of either, how many more (plan.json lists every shard)."""
     by_table: dict[int, list] = {}
     for s in placement.shards:
         if s.kind != "whole":
             by_table.setdefault(s.table, []).append(s)
     if not by_table:
         return ""
-    words = {"column": "column slices", "row": "row-wise pieces", "replicated": "replicas"}
+    ids = placement.tables.table_ids
+    words = {"column": "column slices", "row": "row-wise pieces"}
+    cut = {t: pieces for t, pieces in by_table.items() if pieces[0].kind != "replicated"}
+    replicated = [str(ids[t]) for t, pieces in by_table.items() if pieces[0].kind == "replicated"]
     parts = []
-    for t, pieces in list(by_table.items())[:limit]:
+    for t, pieces in list(cut.items())[:limit]:
         kind = pieces[0].kind
         where = ""
         if kind == "row":
@@ -140,10 +147,18 @@ def split_summary(placement: Placement, limit: int = 6) -> str:
                      else f" on device {devices[0]}" if len(devices) == 1
                      else f" on devices {devices[0]}..{devices[-1]}")
         word = words.get(kind, kind)
-        parts.append(f"{placement.tables.table_ids[t]} in {len(pieces)} {word[:-1] if len(pieces) == 1 else word}"
-                     f"{where}")
-    more = f" and {len(by_table) - limit} more" if len(by_table) > limit else ""
+        parts.append(f"{ids[t]} in {len(pieces)} {word[:-1] if len(pieces) == 1 else word}{where}")
+
+    def more(n: int) -> str:
+        return f" and {n - limit} more (plan.json lists them)" if n > limit else ""
+
+    said = []
+    if cut:
+        said.append(f"cut tables ({len(cut)}): " + "; ".join(parts) + more(len(cut)))
+    if replicated:
+        said.append(f"replicated on every device ({len(replicated)}): " + ", ".join(replicated[:limit])
+                    + more(len(replicated)))
     # A plan from a branch of the split search (planners.compose.Splits) says which first cut it carried on.
     branch = placement.meta.get("cut")
     found = f" (the split search's branch: {branch})" if branch else ""
-    return f"cut tables ({len(by_table)}): " + "; ".join(parts) + more + found
+    return "; ".join(said) + found

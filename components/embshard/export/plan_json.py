@@ -223,7 +223,8 @@ def read_plan_json(path: str | os.PathLike) -> dict:
     A v3 plan written by hand may leave out what can be derived from its shards (`completed`)."""
     where = os.fspath(path)
     if not storage.exists(where):
-        raise EmbshardError("file not found", path=where, fix="check the path, or run `embshard export`")
+        raise EmbshardError("file not found", path=where,
+                            fix="check the path (`embshard place --out DIR` writes DIR/plan.json)")
     try:
         plan = json.loads(storage.read_text(where))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
