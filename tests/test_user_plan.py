@@ -178,7 +178,7 @@ def test_a_torchrec_plan_with_a_bad_world_size_or_a_folder_is_one_line(tmp_path,
         (tmp_path / "w.json").write_text(json.dumps({**doc, "world_size": world}))
         with pytest.raises(EmbshardError, match="w.json: field 'world_size'"):
             UserPlan(tmp_path / "w.json").plan_task(_task(tables))
-    with pytest.raises(EmbshardError, match="field 'plan': cannot be read"):
+    with pytest.raises(EmbshardError, match="field 'plan': is a folder, not a file"):
         UserPlan(tmp_path).plan_task(_task(tables))
     (tmp_path / "placements.parquet").write_bytes(b"PAR1....PAR1")  # a placements file given as the plan
     with pytest.raises(EmbshardError, match="a Parquet file .*, not a plan file .*embshard export --placements"):
@@ -439,3 +439,44 @@ def test_evaluate_of_a_torchrec_plan_without_tasks_takes_its_memory_from_memory_
     assert list(ev["planner"]) == ["round_robin", "user_plan"] and ev["feasible"].all()
     assert set(ev["memory_bytes_per_device"]) == {2**30} and set(ev["num_devices"]) == {task.num_devices}
     assert "round_robin: " in capsys.readouterr().out
+
+
+def test_hostile_plan_files_are_one_line_before_anything_is_read_or_written(tiny, tmp_path, capsys):
+    """From an adversarial pass over the plan readers: a task_id holding a path made `export` write plan files
+    outside --out (over another folder's plan.json); a FIFO blocked `evaluate --plan` past its timeout; 4.0 for an
+    integer and deeply nested JSON ended in tracebacks. Each is now one line, exit 2, nothing written."""
+    import os
+    from pathlib import Path
+
+    from embshard.cli import main
+
+    doc = json.loads(Path(tiny["plan"]).read_text())
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "plan.json").write_text("ORIGINAL")
+    cases = {
+        "traversal.json": {**doc, "task_id": "../victim"},
+        "absolute.json": {**doc, "task_id": str(victim)},
+        "float.json": {**doc, "num_devices": float(doc["num_devices"])},
+        "device_float.json": {**doc, "tables": [{**doc["tables"][0], "shards": [
+            {**s, "device": float(s["device"])} for s in doc["tables"][0]["shards"]]}, *doc["tables"][1:]]},
+    }
+    for name, bad in cases.items():
+        (tmp_path / name).write_text(json.dumps(bad))
+    (tmp_path / "nested.json").write_text('{"schema": "embshard.plan/v3", "meta": ' + "[" * 200_000 + "]" * 200_000
+                                          + "}")
+    os.mkfifo(tmp_path / "fifo.json")
+    want = {"traversal.json": "is not an id", "absolute.json": "is not an id", "float.json": "not of type 'integer'",
+            "device_float.json": "not of type 'integer'", "nested.json": "nested too deeply",
+            "fifo.json": "FIFO"}
+    for name, words in want.items():
+        path = str(tmp_path / name)
+        for argv in (["evaluate", "--tables", tiny["tables"], "--plan", path, "--planners", "round_robin",
+                      "--rounds", "1", "--out", str(tmp_path / "ev" / name)],
+                     ["export", "--placements", path, "--tables", tiny["tables"],
+                      "--out", str(tmp_path / "out" / name)]):
+            assert main(argv) == 2, (name, argv[0])
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and words in err[0] and name in err[0], (name, argv[0], err)
+    assert (victim / "plan.json").read_text() == "ORIGINAL" and sorted(os.listdir(victim)) == ["plan.json"]
+    assert not (tmp_path / "ev").exists() and not (tmp_path / "out").exists()

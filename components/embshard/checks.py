@@ -110,6 +110,31 @@ def input_file(path: str, *, field: str | None = None, fix: str = "check the pat
     return text
 
 
+def read_json_file(path, *, field: str | None = None, fix: str = "check the path"):
+    """The JSON value in a file (a plan a user hands in): `input_file`'s checks first (a FIFO would block the read
+    forever), then one line for a file that is no JSON, no UTF-8, or nested too deeply for the parser (a
+    RecursionError), with `field` and `fix`. URIs are read through storage."""
+    import json
+
+    from . import storage
+
+    text = input_file(path, field=field, fix=fix)
+    try:
+        return json.loads(storage.read_text(text))
+    except json.JSONDecodeError as exc:
+        raise EmbshardError(f"not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})", path=text,
+                            field=field, fix=fix) from None
+    except UnicodeDecodeError:
+        raise EmbshardError("not valid JSON (not UTF-8 text)", path=text, field=field, fix=fix) from None
+    except RecursionError:
+        raise EmbshardError("not a plan: its JSON is nested too deeply to read", path=text, field=field,
+                            fix=fix) from None
+    except FileNotFoundError:
+        raise EmbshardError("file not found", path=text, field=field, fix=fix) from None
+    except OSError as exc:
+        raise EmbshardError(f"cannot be read ({exc.strerror or exc})", path=text, field=field, fix=fix) from None
+
+
 def local_input_file(path, *, field: str | None = None, fix: str = "check the path") -> str:
     """The local path of a file that is read with plain file reads (a DLRM trace, a rows file, a spec): `file://`
     taken off, any other URI refused in one line (an s3:// trace had ended in a FileNotFoundError traceback), then

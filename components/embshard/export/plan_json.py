@@ -44,6 +44,7 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from importlib import resources
 from typing import Any
@@ -51,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from .. import storage
+from ..checks import ID_RULE
 from ..errors import EmbshardError
 from ..placement import Placement, Shard
 from ..tableset import TableSet
@@ -221,15 +223,10 @@ def completed(plan: Any) -> Any:
 def read_plan_json(path: str | os.PathLike) -> dict:
     """Read and validate a plan.json (v3, or v2/v1 as written by earlier versions; any other version is refused).
     A v3 plan written by hand may leave out what can be derived from its shards (`completed`)."""
+    from ..checks import read_json_file
+
     where = os.fspath(path)
-    if not storage.exists(where):
-        raise EmbshardError("file not found", path=where,
-                            fix="check the path (`embshard place --out DIR` writes DIR/plan.json)")
-    try:
-        plan = json.loads(storage.read_text(where))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise EmbshardError(f"not valid JSON ({str(exc)[:80]})", path=where,
-                            fix="re-run `embshard export`; the file is corrupt") from None
+    plan = read_json_file(where, fix="check the path (`embshard place --out DIR` writes DIR/plan.json)")
     plan = completed(plan)
     validate_plan(plan, where)
     return plan
@@ -266,16 +263,25 @@ def _schema_check(plan: Any, schema: dict, where: str) -> None:
             raise EmbshardError(err[1], path=where, field=err[0] or "<root>",
                                 fix=f"follow the {SCHEMA_VERSION} schema (embshard/export/{SCHEMA_FILE})") from None
         return
-    validator = jsonschema.Draft202012Validator(schema)
-    errors = sorted(validator.iter_errors(plan), key=lambda e: list(e.absolute_path))
+    errors = sorted(_validator(jsonschema)(schema).iter_errors(plan), key=lambda e: list(e.absolute_path))
     if errors:
         e = errors[0]
         parts = [str(p) for p in e.absolute_path]
         if e.validator == "required":  # name the missing key, not its parent
             parts += [next(k for k in e.validator_value if k not in e.instance)]
         field = ".".join(parts) or "<root>"
-        raise EmbshardError(e.message[:200], path=where, field=field,
+        message = (f"{str(e.instance)[:60]!r} is not an id ({ID_RULE})" if e.validator == "pattern" else
+                   e.message[:200])
+        raise EmbshardError(message, path=where, field=field,
                             fix=f"follow the {SCHEMA_VERSION} schema (embshard/export/{SCHEMA_FILE})")
+
+
+def _validator(jsonschema):
+    """Draft 2020-12 with JSON's integers only: the draft counts 4.0 as an integer, and a device number written as
+    1.0 had reached a list index (a traceback); 4.0 is refused as "not of type 'integer'" instead."""
+    base = jsonschema.Draft202012Validator
+    checker = base.TYPE_CHECKER.redefine("integer", lambda _, value: _is_type(value, "integer"))
+    return jsonschema.validators.extend(base, type_checker=checker)
 
 
 def _non_finite(value: Any, at: str) -> str | None:
@@ -320,6 +326,8 @@ def _mini_validate(value: Any, schema: dict, at: str) -> tuple[str, str] | None:
         return at, f"{value} is greater than the maximum of {schema['maximum']}"
     if isinstance(value, str) and len(value) < schema.get("minLength", 0):
         return at, "must not be empty"
+    if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
+        return at, f"{value[:60]!r} is not an id ({ID_RULE})"
     if isinstance(value, dict):
         for key in schema.get("required", []):
             if key not in value:

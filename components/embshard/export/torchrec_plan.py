@@ -24,14 +24,13 @@ TorchRec numbers ranks host by host (host h holds ranks h*L .. h*L+L-1 with L de
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from ..checks import MAX_LOCAL_DEVICES
-from ..errors import EmbshardError, first_line
+from ..errors import EmbshardError
 from ..placement import Placement
 from ..tableset import TableSet
 from ..torchrec_compat import (  # noqa: F401  (the export's TorchRec vocabulary, shared with the TorchRec planner)
@@ -695,22 +694,10 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
 
     doc: Mapping
     if isinstance(data, (str, os.PathLike)):
-        from .. import storage
+        from ..checks import read_json_file
 
         where = data = os.fspath(data)
-        try:
-            text = storage.read_text(data)
-        except FileNotFoundError:
-            raise EmbshardError("not found", path=where, fix="give the torchrec_plan.json that "
-                                "`embshard export` wrote") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise EmbshardError(f"cannot read the plan ({first_line(exc, 100)})", path=where,
-                                fix="give a readable torchrec_plan.json") from None
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise EmbshardError(f"not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})", path=where,
-                                field="json", fix=_PLAN_FIX) from None
+        doc = read_json_file(where, field="json", fix=_PLAN_FIX)
     else:
         where, doc = where or "<torchrec plan>", data
     if world_size is None:

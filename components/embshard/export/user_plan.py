@@ -10,7 +10,6 @@ naming the file.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 
@@ -54,22 +53,14 @@ class UserPlan:
         """The file's JSON, read and checked once: a plan.json fully (schema and coverage), a TorchRec plan's
         structure when it is applied to a task."""
         if self._doc is None:
-            from .. import storage
+            from ..checks import input_file, read_json_file
 
-            if not storage.exists(self.path):
-                raise EmbshardError("file not found", path=self.path, field="plan", fix=_FIX)
+            input_file(self.path, field="plan", fix=_FIX)
             if self.path.lower().endswith((".parquet", ".pq")):
                 raise EmbshardError("a Parquet file (placements?), not a plan file", path=self.path, field="plan",
                                     fix="give one task's plan.json (`embshard place` writes it; `embshard export "
                                         "--placements FILE` writes one per task) or its torchrec_plan.json")
-            try:
-                doc = json.loads(storage.read_text(self.path))
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise EmbshardError(f"not valid JSON ({str(exc)[:80]})", path=self.path, field="plan",
-                                    fix=_FIX) from None
-            except OSError as exc:  # a folder, or unreadable
-                raise EmbshardError(f"cannot be read ({exc.strerror or exc})", path=self.path, field="plan",
-                                    fix=_FIX) from None
+            doc = read_json_file(self.path, field="plan", fix=_FIX)
             schema = str(doc.get("schema", "")) if isinstance(doc, dict) else ""
             if schema.startswith("embshard.plan/"):
                 from .plan_json import read_plan_json

@@ -109,6 +109,7 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     nothing is left behind. `compute_device`: what the TorchRec plans name as each rank's device (cuda: its GPU on
     its host; cpu: CPU ranks)."""
     from .. import schemas, storage
+    from ..checks import ID_RULE, bad_id
     from ..errors import EmbshardError
     from ..export.placements import (
         balanced_estimate_from_frame,
@@ -154,6 +155,9 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     checked = []
     for task_id, rows in df.groupby("task_id", sort=False):
         task_id = str(task_id)
+        if bad_id(task_id):  # it names a folder under --out: '../x' or '/abs' would write outside it
+            raise EmbshardError(f"task_id {task_id[:60]!r} is not an id ({ID_RULE})", path=where, field="task_id",
+                                fix="give the task an id of those characters")
         at = f"{where} (task {task_id})"
         if tasks and task_id not in task_info:
             raise EmbshardError(f"task {task_id} is not in the tasks file {tasks}", path=where, field="task_id",
