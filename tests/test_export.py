@@ -827,6 +827,14 @@ def test_a_rank_holding_slices_of_one_table_of_unequal_widths_is_refused(placeme
     with pytest.raises(EmbshardError, match=r"rank 3 holds column slices of widths") as err:
         check_plan_doc(doc, "torchrec_plan.json")
     assert "torchrec_plan.json" in str(err.value)
+    # Widths that are no multiples of 4 (62 + 66): FBGEMM cannot run them; a training job's check refuses them.
+    odd = plan_to_json(to_torchrec_plan(placement), world_size=D)
+    shards = sorted(odd["modules"][""][name]["shards"], key=lambda s: s["offsets"][1])
+    shards[0]["sizes"][1] -= 2
+    shards[1]["offsets"][1] -= 2
+    shards[1]["sizes"][1] += 2
+    with pytest.raises(EmbshardError, match=r"column slices of \d+ columns \(slices must be multiples of 4"):
+        check_plan_doc(odd, "torchrec_plan.json")
 
 
 @needs_torchrec

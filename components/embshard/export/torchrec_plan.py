@@ -29,7 +29,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ..checks import MAX_LOCAL_DEVICES
+from ..checks import DIM_MULTIPLE, MAX_LOCAL_DEVICES
 from ..errors import EmbshardError
 from ..placement import Placement
 from ..tableset import TableSet
@@ -636,6 +636,11 @@ def _check_shards(f: str, kind: str, shards, ranks: list[int], bad, is_int, worl
                   "split a table by rows (row_wise, table_row_wise) or by columns, not both")
     if any(size == 0 for _, size, _, _ in spans) and not by_rows:
         raise bad(f"{f}.shards", "an empty column slice")
+    odd = sorted({cs for _, _, _, cs, _ in placed if cs % DIM_MULTIPLE}) if kind != TABLE_WISE and not by_rows else []
+    if odd:  # FBGEMM's kernels take widths of multiples of 4: DMP would fail later, inside the job
+        raise bad(f"{f}.shards", f"column slices of {odd[0]} columns (slices must be multiples of {DIM_MULTIPLE} "
+                  "columns)", f"cut the table into slices of multiples of {DIM_MULTIPLE} columns; re-plan with "
+                  "embshard place")
     if not by_rows and (mixed := unequal_widths_on_a_rank([(r, cs) for _, _, _, cs, r in placed])) is not None:
         raise bad(f"{f}.shards", f"rank {mixed[0]} holds column slices of widths {mixed[1]}, which TorchRec cannot "
                   "run (a rank's slices of one table must be one width)",
