@@ -460,6 +460,7 @@ def test_hostile_plan_files_are_one_line_before_anything_is_read_or_written(tiny
         "float.json": {**doc, "num_devices": float(doc["num_devices"])},
         "device_float.json": {**doc, "tables": [{**doc["tables"][0], "shards": [
             {**s, "device": float(s["device"])} for s in doc["tables"][0]["shards"]]}, *doc["tables"][1:]]},
+        "hosts.json": {**doc, "hosts": list(range(doc["num_devices"]))[::-1]},  # [1, 0]: hosts not in rank order
     }
     for name, bad in cases.items():
         (tmp_path / name).write_text(json.dumps(bad))
@@ -468,7 +469,7 @@ def test_hostile_plan_files_are_one_line_before_anything_is_read_or_written(tiny
     os.mkfifo(tmp_path / "fifo.json")
     want = {"traversal.json": "is not an id", "absolute.json": "is not an id", "float.json": "not of type 'integer'",
             "device_float.json": "not of type 'integer'", "nested.json": "nested too deeply",
-            "fifo.json": "FIFO"}
+            "fifo.json": "FIFO", "hosts.json": "not TorchRec's rank order"}
     for name, words in want.items():
         path = str(tmp_path / name)
         for argv in (["evaluate", "--tables", tiny["tables"], "--plan", path, "--planners", "round_robin",

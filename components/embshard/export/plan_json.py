@@ -390,6 +390,13 @@ def _consistency_check(plan: dict, where: str) -> None:
         fail("hosts", f"a {plan['schema']} plan has no hosts", f"write {SCHEMA_VERSION} to give hosts")
     if "hosts" in plan and len(plan["hosts"]) != d:
         fail("hosts", f"{len(plan['hosts'])} hosts for {d} devices", "give the host of every device, or none")
+    from ..types import DeviceTopology
+
+    if "hosts" in plan and DeviceTopology(d, budget, hosts=tuple(plan["hosts"])).devices_per_host() is None:
+        # TorchRec numbers ranks host by host: another layout is one no job runs (export had dropped it silently)
+        shown = ", ".join(str(h) for h in plan["hosts"][:8]) + (", ..." if d > 8 else "")
+        fail("hosts", f"hosts [{shown}] are not TorchRec's rank order (host h holds devices h*L .. h*L+L-1, L "
+             "devices each)", "list the hosts in rank order, or plan again with --devices-per-host")
     if [dev["device"] for dev in plan["devices"]] != list(range(d)):
         fail("devices", f"devices must be listed 0..{d - 1} in order", "one entry per device")
     ids = [t["table_id"] for t in plan["tables"]]
