@@ -389,6 +389,16 @@ def test_a_plan_written_by_hand_needs_only_its_tables_and_shards(tiny, tmp_path,
                  "--rounds", "2", "--out", str(tmp_path / "ev2")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "device 5 >= num_devices 2" in err[0], err
+    # A wrong value in what a person writes is named, not a field derived from it (it had said "'planner' is a
+    # required property" for a word as col_size, and a negative devices[].memory_used_fraction for row_size -3).
+    doc["tables"][1]["shards"][0]["device"] = 1
+    for field, value, words in (("col_size", "sixty-four", "'sixty-four' is not of type 'integer'"),
+                                ("row_size", -3, "-3 is less than the minimum")):
+        bad = json.loads(json.dumps(doc))
+        bad["tables"][0]["shards"][0][field] = value
+        mine.write_text(json.dumps(bad))
+        with pytest.raises(EmbshardError, match=f"field 'tables.0.shards.0.{field}': {words}"):
+            read_plan_json(mine)
 
 
 def test_a_plan_measured_on_other_traffic_says_so(tiny, caplog):

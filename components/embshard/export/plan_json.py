@@ -156,6 +156,9 @@ def _sharding_type(rows: int, shards: list[dict], num_devices: int, hosts) -> st
 
 
 HAND_WRITTEN = "hand-written"  # the planner of a plan.json that names none
+# What `completed` fills in from the fields a person writes: a check names these only after the written ones.
+DERIVED_KEYS = ("kind", "memory_bytes", "size_bytes", "sharding_type", "devices", "cost", "planner", "model_uri",
+                "created_at", "embshard_version", "meta")
 
 
 def completed(plan: Any) -> Any:
@@ -263,12 +266,19 @@ def _schema_check(plan: Any, schema: dict, where: str) -> None:
             raise EmbshardError(err[1], path=where, field=err[0] or "<root>",
                                 fix=f"follow the {SCHEMA_VERSION} schema (embshard/export/{SCHEMA_FILE})") from None
         return
-    errors = sorted(_validator(jsonschema)(schema).iter_errors(plan), key=lambda e: list(e.absolute_path))
-    if errors:
-        e = errors[0]
+    def named(e) -> list[str]:
         parts = [str(p) for p in e.absolute_path]
         if e.validator == "required":  # name the missing key, not its parent
             parts += [next(k for k in e.validator_value if k not in e.instance)]
+        return parts
+
+    # A field a person wrote is named before one derived from it (a hand-written plan whose col_size is a word
+    # cannot be completed, and "'planner' is a required property" said nothing of the word).
+    errors = sorted(_validator(jsonschema)(schema).iter_errors(plan),
+                    key=lambda e: (any(p in DERIVED_KEYS for p in named(e)), list(e.absolute_path)))
+    if errors:
+        e = errors[0]
+        parts = named(e)
         field = ".".join(parts) or "<root>"
         message = (f"{str(e.instance)[:60]!r} is not an id ({ID_RULE})" if e.validator == "pattern" else
                    e.message[:200])
