@@ -1167,6 +1167,7 @@ def test_export_takes_a_hand_edited_plan_json(placement, tables_df, tmp_path):
     moved["shards"][0]["device"] = (old_device + 1) % D
     for dev, sign in ((plan["devices"][old_device], -1), (plan["devices"][(old_device + 1) % D], 1)):
         dev["memory_bytes"] += sign * moved["size_bytes"]  # devices[] follows the shards (its error says how)
+        dev["memory_used_fraction"] = dev["memory_bytes"] / plan["memory_bytes_per_device"]
         dev["tables"] = [n for n in dev["tables"] if n != moved["table_id"]] + ([moved["table_id"]] if sign > 0
                                                                                  else [])
     edited = tmp_path / "edited.json"

@@ -471,6 +471,10 @@ def test_hostile_plan_files_are_one_line_before_anything_is_read_or_written(tiny
         "device_float.json": {**doc, "tables": [{**doc["tables"][0], "shards": [
             {**s, "device": float(s["device"])} for s in doc["tables"][0]["shards"]]}, *doc["tables"][1:]]},
         "hosts.json": {**doc, "hosts": list(range(doc["num_devices"]))[::-1]},  # [1, 0]: hosts not in rank order
+        # derived fields that contradict what they derive from
+        "fraction.json": {**doc, "devices": [{**doc["devices"][0], "memory_used_fraction": 0.5}, *doc["devices"][1:]]},
+        "overall.json": {**doc, "cost": {**doc["cost"], "device_costs_ms": [2.0] * doc["num_devices"],
+                                         "overall_ms": 0.001}},
     }
     for name, bad in cases.items():
         (tmp_path / name).write_text(json.dumps(bad))
@@ -479,7 +483,8 @@ def test_hostile_plan_files_are_one_line_before_anything_is_read_or_written(tiny
     os.mkfifo(tmp_path / "fifo.json")
     want = {"traversal.json": "is not an id", "absolute.json": "is not an id", "float.json": "not of type 'integer'",
             "device_float.json": "not of type 'integer'", "nested.json": "nested too deeply",
-            "fifo.json": "FIFO", "hosts.json": "not TorchRec's rank order"}
+            "fifo.json": "FIFO", "hosts.json": "not TorchRec's rank order",
+            "fraction.json": "memory_used_fraction 0.5 but its shards fill", "overall.json": "overall_ms 0.001 but"}
     for name, words in want.items():
         path = str(tmp_path / name)
         for argv in (["evaluate", "--tables", tiny["tables"], "--plan", path, "--planners", "round_robin",

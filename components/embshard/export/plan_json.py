@@ -479,6 +479,11 @@ def _consistency_check(plan: dict, where: str) -> None:
         if mem[i] > budget:
             fail(f"devices.{i}.memory_bytes", f"device {i} holds {mem[i]} bytes, {mem[i] - budget} over its "
                  f"{budget}", "this placement breaks the memory budget; re-plan it")
+        used = dev.get("memory_used_fraction")
+        if used is not None and not math.isclose(used, mem[i] / budget, rel_tol=1e-9, abs_tol=1e-12):
+            fail(f"devices.{i}.memory_used_fraction", f"device {i}: memory_used_fraction {used:g} but its shards "
+                 f"fill {mem[i] / budget:g} of it", "devices[] is derived from tables[].shards: set it to "
+                 "memory_bytes / memory_bytes_per_device, or leave devices[] out")
         if set(dev["tables"]) != holders[i]:
             extra, missing = sorted(set(dev["tables"]) - holders[i]), sorted(holders[i] - set(dev["tables"]))
             fail(f"devices.{i}.tables", f"device {i}: lists {extra[:3] or 'no table'} without a shard there and "
@@ -487,6 +492,14 @@ def _consistency_check(plan: dict, where: str) -> None:
     costs = plan["cost"]["device_costs_ms"]
     if costs is not None and len(costs) != d:
         fail("cost.device_costs_ms", f"{len(costs)} costs for {d} devices", "one cost per device")
+    # The costs' summaries are derived from them: one that contradicts them would be quoted as the plan's cost.
+    overall = plan["cost"].get("overall_ms")
+    if costs is not None and overall is not None and not math.isclose(overall, max(costs), rel_tol=1e-9):
+        fail("cost.overall_ms", f"overall_ms {overall:g} but the slowest device_costs_ms is {max(costs):g}",
+             "overall_ms is the largest device cost: set it to that, or null")
+    if (costs is None) != (overall is None):
+        fail("cost.overall_ms", "overall_ms and device_costs_ms must be given together",
+             "give both (the largest device cost is overall_ms), or neither")
 
 
 def json_safe(value: Any) -> Any:
