@@ -115,6 +115,15 @@ def markdown(full: dict | None, root: str, out_dir: str, hw_line: str, model_uri
                   "greedy plans of 20-200-table tasks on 2-16 devices, half one search step away: the shards "
                   "planners compare), `placement` (the learned planner's own measured plans):", "",
                   md_table(pd.DataFrame(origin_rows), {"n": 0}), ""]
+    mono_rows = [{"split": split, "additions tried": m["additions"], "predicted cheaper": m["lower"],
+                  "share %": 100 * m["share_lower"], "worst drop %": 100 * max(m["worst_drop"], 0.0)}
+                 for split, rep in full.get("report", {}).items()
+                 if (m := rep.get("monotonicity") or {}).get("additions")]
+    if mono_rows:
+        lines += ["One more table on a device, predicted cheaper than the device without it (measured device contents "
+                  "of the split, every other table added in turn; a planner takes every such prediction as a free "
+                  "lunch; 0 for a monotone model):", "",
+                  md_table(pd.DataFrame(mono_rows), {"additions tried": 0, "predicted cheaper": 0}), ""]
     head = {}
     for split in ("unseen", "heldout"):
         sub = tab[(tab["split"] == split) & (tab["head"] == "total_compute")]

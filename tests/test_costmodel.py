@@ -115,6 +115,9 @@ def test_a_trained_model_never_predicts_a_device_cheaper_for_one_more_table(trai
             before = model.member_totals_from_sums(enc[on].sum(0, keepdim=True), devices)  # (K, 1)
             after = model.member_totals_from_sums(enc[on].sum(0) + enc, devices)  # (K, N): each table added
             assert (after >= before * (1 - 1e-6)).all()
+    # ... and the model's report says so (it counts such additions on each evaluated split)
+    for split, rep in trained["report"].items():
+        assert rep["monotonicity"]["additions"] > 0 and rep["monotonicity"]["lower"] == 0, split
 
 
 def test_a_model_trained_before_monotone_heads_loads_as_it_was_trained(tmp_path):

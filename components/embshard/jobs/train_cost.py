@@ -120,11 +120,44 @@ def evaluate(model, data: CostData, analytic: AnalyticEstimator, seed: int = 0) 
         rep["rows_capped"] = capped_breakdown(learned, data, idx)
         rep["by_origin"] = origin_breakdown(learned, data, idx)
         rep["by_shard_kind"] = kind_breakdown(learned, data, idx)
+        rep["monotonicity"] = monotonicity(model, data, idx, seed)
         if "spread" in data.frame.columns:
             sp = data.frame["spread"].to_numpy(float)[idx]
             rep["noise_spread_median"] = float(np.nanmedian(sp)) if np.isfinite(sp).any() else float("nan")
         report[split] = rep
     return report
+
+
+def monotonicity(model, data: CostData, idx: np.ndarray, seed: int = 0, sets: int = 200) -> dict:
+    """How often the model predicts a device CHEAPER for one more table: `sets` device contents drawn from the
+    split's measured shards, each with every other table of the split added in turn, at the shard's device count.
+    A planner minimises the prediction, so every such addition is a free lunch it takes (an unconstrained model
+    predicted 4% of them, and the plan that packed tiny tables onto a hot table's device measured 1.19x the best
+    greedy's); a monotone model (model._Head) has none."""
+    import torch
+
+    tables = np.unique(np.concatenate([data.shards[s] for s in idx])) if len(idx) else np.array([], dtype=int)
+    if len(tables) < 2:
+        return {}
+    rng = np.random.default_rng(seed + 11)
+    enc = model.encode(data.features)
+    additions = lower = 0
+    worst = 0.0
+    for s in rng.choice(idx, size=min(sets, len(idx)), replace=False):
+        on = data.shards[s]
+        rest = np.setdiff1d(tables, on)
+        if not len(rest):
+            continue
+        d = int(data.num_devices[s])
+        base = enc[torch.from_numpy(on)].sum(0)
+        before = float(model.totals_from_sums(base[None], d)[0])
+        after = model.totals_from_sums(base + enc[torch.from_numpy(rest)], d).numpy().astype(float)
+        drop = (before - after) / max(before, 1e-12)
+        additions += len(rest)
+        lower += int((drop > 1e-6).sum())
+        worst = max(worst, float(drop.max()))
+    return {"additions": int(additions), "lower": int(lower),
+            "share_lower": lower / additions if additions else float("nan"), "worst_drop": worst}
 
 
 def _evaluate_overall(model, data: CostData, idx: np.ndarray, seed: int) -> dict:
@@ -190,6 +223,11 @@ def summary_table(report: dict) -> str:
             lines.append("  compute on split shards (column slices, row ranges): " + ", ".join(
                 f"{k} MAPE {v['mape']:.1f}% Spearman {v['spearman']:.3f} (n={v['n']})" if v.get("n")
                 else f"{k} none measured" for k, v in kinds.items()))
+        mono = rep.get("monotonicity") or {}
+        if mono.get("additions"):
+            lines.append(f"  one more table predicted cheaper: {mono['lower']} of {mono['additions']} additions "
+                         f"({100 * mono['share_lower']:.1f}%), worst {100 * max(mono['worst_drop'], 0.0):.1f}% "
+                         "lower (0 for a monotone model)")
         by = {k: v for k, v in (rep.get("by_origin") or {}).items() if v.get("n")}
         if by:
             lines.append("  compute by shard origin: " + ", ".join(
