@@ -320,3 +320,23 @@ def test_the_cost_model_page_reads_the_report_of_the_round_it_names(tmp_path):
     text, _ = costmodel_accuracy.markdown(full, str(tmp_path), str(tmp_path), "hw", "models:/embshard-cost/2",
                                           round_index=2)
     assert full["best_epoch"] == 397 and "best epoch 397" in text
+
+
+def test_model_ab_pairs_the_two_versions_round_by_round_and_judges_by_the_floor():
+    """benchmarks.model_ab: B's cost over A's per round of each task, the suite's median with its interval, and the
+    ruler's verdict against the suite's A/A floor (a suite whose interval holds the floor says no difference)."""
+    from benchmarks.model_ab import paired
+
+    rows = []
+    for suite, factor in (("faster", 0.5), ("same", 1.0)):
+        for task in ("t0", "t1", "t2"):
+            for planner, scale in (("learned/1", 1.0), ("learned/2", factor)):
+                costs = [10.0 * scale * (1 + 0.01 * k) for k in range(5)]
+                rows.append({"suite": suite, "task_id": task, "planner": planner, "feasible": True,
+                             "round_costs_ms": costs, "ratio_to_best_baseline": scale, "ratio_to_torchrec": scale,
+                             "aa_floor": 1.0, "aa_ci_low": 0.98, "aa_ci_high": 1.02})
+    per_suite, per_task = paired(pd.DataFrame(rows), "learned/1", "learned/2")
+    by = per_suite.set_index("suite")
+    assert by.loc["faster", "learned/2 / learned/1"] == pytest.approx(0.5)
+    assert by.loc["faster", "verdict"] == "faster" and by.loc["same", "verdict"] == "no difference"
+    assert len(per_task) == 6 and (per_task["learned/2 / best greedy"] <= 1.0).all()
