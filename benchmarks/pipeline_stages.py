@@ -80,7 +80,17 @@ def reuse(run_dir: str) -> RunInfo:
                             field="run", fix="run `make run` (or `embshard pipeline --out DIR`) first")
     root = os.path.dirname(os.path.dirname(done[-1]))
     progress(f"pipeline: reusing the trained models of {root}")
-    return _info(root, None, trained_here=False, params={}, dag_seconds=None)
+    info = _info(root, None, trained_here=False, params={}, dag_seconds=None)
+    # The planner a user gets now: the registry's champion, which `embshard champion --set` may have moved since
+    # the run (the run's state records the champion as it left it).
+    from embshard import registry
+
+    champion = registry.pinned(registry.POLICY_CHAMPION_URI)
+    if champion.startswith(f"models:/{registry.POLICY_MODEL}/") and champion != info.policy_uri:
+        progress(f"pipeline: the registry's champion is {champion} (set after that run): measuring it")
+        info.policy_uri = champion
+        info.cost_model_uri = registry.version_tag(champion, "cost_model_uri") or info.cost_model_uri
+    return info
 
 
 def _info(root: str, run_id: str | None, *, trained_here: bool, params: dict, dag_seconds: float | None) -> RunInfo:
