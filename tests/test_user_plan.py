@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import numpy as np
 import pytest
@@ -393,7 +394,8 @@ def test_a_plan_written_by_hand_needs_only_its_tables_and_shards(tiny, tmp_path,
     # required property" for a word as col_size, and a negative devices[].memory_used_fraction for row_size -3).
     doc["tables"][1]["shards"][0]["device"] = 1
     for field, value, words in (("col_size", "sixty-four", "'sixty-four' is not of type 'integer'"),
-                                ("row_size", -3, "-3 is less than the minimum")):
+                                ("row_size", -3, "-3 is less than the minimum"),
+                                ("device", 1.0, "1.0 is not of type 'integer'")):
         bad = json.loads(json.dumps(doc))
         bad["tables"][0]["shards"][0][field] = value
         mine.write_text(json.dumps(bad))
@@ -434,7 +436,7 @@ def test_evaluate_of_a_torchrec_plan_without_tasks_takes_its_memory_from_memory_
     t = task.tables
     doc = plan_to_json(to_torchrec_plan(make_baseline("size_greedy").plan_task(task)), world_size=task.num_devices,
                        tables={str(n): (int(r), int(d)) for n, r, d in zip(t.table_ids, t.rows, t.dims)})
-    plan = tmp_path / "torchrec_plan.json"
+    plan = tmp_path / "team plan (1).json"  # a name that is no id: the task is named after it, made one
     plan.write_text(json.dumps(doc))
     common = ["--tables", tiny["tables"], "--plan", str(plan), "--planners", "round_robin", "--rounds", "1",
               "--batch-size", "32"]
@@ -448,6 +450,7 @@ def test_evaluate_of_a_torchrec_plan_without_tasks_takes_its_memory_from_memory_
     ev = pd.read_parquet(tmp_path / "ev" / "evaluation.parquet")
     assert list(ev["planner"]) == ["round_robin", "user_plan"] and ev["feasible"].all()
     assert set(ev["memory_bytes_per_device"]) == {2**30} and set(ev["num_devices"]) == {task.num_devices}
+    assert set(ev["task_id"]) == {"team_plan__1_"}
     assert "round_robin: " in capsys.readouterr().out
 
 
@@ -495,4 +498,14 @@ def test_hostile_plan_files_are_one_line_before_anything_is_read_or_written(tiny
             err = capsys.readouterr().err.strip().splitlines()
             assert len(err) == 1 and words in err[0] and name in err[0], (name, argv[0], err)
     assert (victim / "plan.json").read_text() == "ORIGINAL" and sorted(os.listdir(victim)) == ["plan.json"]
+    # The schema's id pattern is checks.ID_PATTERN, and an id is matched whole (a trailing newline is no id).
+    from embshard.checks import ID_PATTERN
+    from embshard.export.plan_json import json_schema, read_plan_json
+
+    schema = json_schema()
+    assert schema["properties"]["task_id"]["pattern"] == ID_PATTERN
+    assert schema["properties"]["tables"]["items"]["properties"]["table_id"]["pattern"] == ID_PATTERN
+    (tmp_path / "newline.json").write_text(json.dumps({**doc, "task_id": "t0\n"}))
+    with pytest.raises(EmbshardError, match=re.escape(f"field 'task_id': {'t0' + chr(10)!r} is not an id")):
+        read_plan_json(tmp_path / "newline.json")
     assert not (tmp_path / "ev").exists() and not (tmp_path / "out").exists()

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from .. import storage
-from ..checks import ID_RULE
+from ..checks import ID_RULE, bad_id
 from ..errors import EmbshardError
 from ..placement import Placement, Shard
 from ..tableset import TableSet
@@ -157,8 +157,9 @@ def _sharding_type(rows: int, shards: list[dict], num_devices: int, hosts) -> st
 
 HAND_WRITTEN = "hand-written"  # the planner of a plan.json that names none
 # What `completed` fills in from the fields a person writes: a check names these only after the written ones.
-DERIVED_KEYS = ("kind", "memory_bytes", "size_bytes", "sharding_type", "devices", "cost", "planner", "model_uri",
-                "created_at", "embshard_version", "meta")
+DERIVED_KEYS = ("kind", "col_offset", "col_size", "row_offset", "row_size", "memory_bytes", "size_bytes",
+                "sharding_type", "devices", "cost", "planner", "model_uri", "created_at", "embshard_version", "meta")
+COMPUTED_KEYS = ("kind", "memory_bytes", "size_bytes", "sharding_type")  # of those, the ones computed from others
 
 
 def completed(plan: Any) -> Any:
@@ -274,15 +275,24 @@ def _schema_check(plan: Any, schema: dict, where: str) -> None:
 
     # A field a person wrote is named before one derived from it (a hand-written plan whose col_size is a word
     # cannot be completed, and "'planner' is a required property" said nothing of the word).
-    errors = sorted(_validator(jsonschema)(schema).iter_errors(plan),
-                    key=lambda e: (any(p in DERIVED_KEYS for p in named(e)), list(e.absolute_path)))
+    def rank(e) -> tuple:
+        path = named(e)
+        missing = e.validator == "required"
+        # under a derived object, or a derived key missing: what `completed` could not fill in (last); a wrong
+        # value of a key computed from others (memory_bytes from a wrong row_size) before those
+        return (any(p in DERIVED_KEYS for p in path[:-1]) or (missing and path[-1] in DERIVED_KEYS),
+                not missing and bool(path) and path[-1] in COMPUTED_KEYS, list(e.absolute_path))
+
+    errors = sorted(_validator(jsonschema)(schema).iter_errors(plan), key=rank)
     if errors:
         e = errors[0]
         parts = named(e)
         field = ".".join(parts) or "<root>"
-        message = (f"{str(e.instance)[:60]!r} is not an id ({ID_RULE})" if e.validator == "pattern" else
-                   e.message[:200])
-        raise EmbshardError(message, path=where, field=field,
+        if e.validator == "pattern":  # an id (the only patterns of the schema)
+            raise EmbshardError(f"{str(e.instance)[:60]!r} is not an id ({ID_RULE})", path=where, field=field,
+                                fix="rename it (a plan's task_id names export's folder of the task; a table_id is "
+                                    "the table's name in TorchRec's plan)")
+        raise EmbshardError(e.message[:200], path=where, field=field,
                             fix=f"follow the {SCHEMA_VERSION} schema (embshard/export/{SCHEMA_FILE})")
 
 
@@ -386,6 +396,11 @@ def _consistency_check(plan: dict, where: str) -> None:
     d = plan["num_devices"]
     budget = plan["memory_bytes_per_device"]
     v3 = plan["schema"] == SCHEMA_VERSION
+    # The schema's id pattern ends in `$`, which lets a trailing newline through (re.search): the whole id here.
+    for field, value in [("task_id", plan["task_id"])] + [(f"tables.{k}.table_id", t["table_id"])
+                                                          for k, t in enumerate(plan["tables"])]:
+        if bad_id(value):
+            fail(field, f"{str(value)[:60]!r} is not an id ({ID_RULE})", "rename it")
     if v3:  # the schema keeps these optional so that v1/v2 files pass it; v3 writes them always
         for k, t in enumerate(plan["tables"]):
             if "sharding_type" not in t:

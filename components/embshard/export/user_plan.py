@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 
 import pandas as pd
 
@@ -110,7 +111,9 @@ class UserPlan:
                 raise EmbshardError("a TorchRec plan records no memory per device, so it makes no task",
                                     path=self.path, field="memory_gb",
                                     fix="give --memory-gb (what a device may hold of embedding weights), or --tasks")
-            name = os.path.splitext(os.path.basename(self.path))[0]
+            # the task is named after the file, made an id ('team plan (1).json' -> 'team_plan__1_')
+            name = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.splitext(os.path.basename(self.path))[0])
+            name = ("_" + name if not name or name[0] in ".-" else name)[:128]
             return pd.DataFrame([{"task_id": name, "split": "test", "num_devices": int(doc["world_size"]),
                                   "memory_bytes_per_device": int(memory_bytes), "table_ids": self.table_ids()}])
         row = {"task_id": str(doc["task_id"]), "split": "test", "num_devices": int(doc["num_devices"]),
