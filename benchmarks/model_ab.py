@@ -1,6 +1,7 @@
 """Two registered versions of the learned planner, measured side by side on the held-out quality suites.
 
-`python -m benchmarks.model_ab --run runs/local --a learned/1 --b learned/2 [--suite main|split] [--spec F:D:GB]`
+`python -m benchmarks.model_ab --run runs/local --a learned/1 --b learned/2 [--suite main|split] [--spec F:D:GB]
+[--note TEXT]`
 
 What the pipeline's promotion gate asks on its 5 tasks (is the candidate better than the champion?), asked on the
 quality suites with the ruler: every task is planned by both versions and the greedy baselines and TorchRec's
@@ -24,9 +25,21 @@ from .common import hardware, md_table, progress, write_text
 BASELINES = ["dim_greedy", "lookup_greedy", "size_lookup_greedy", "torchrec_table_wise"]
 
 
-def configure(suite: str, a: str, b: str, specs: list[str]):
+def spec_arg(text: str) -> tuple[str, int, float]:
+    """--spec FILE:DEVICES:GIB as (the file's absolute path, devices, GiB per device)."""
+    parts = text.rsplit(":", 2)
+    try:
+        path, devices, gib = parts[0], int(parts[1]), float(parts[2])
+    except (IndexError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not FILE:DEVICES:GIB (e.g. my_tables.csv:8:16)") from None
+    if not os.path.isfile(path) or devices < 1 or gib <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give an existing table spec, devices >= 1 and GiB > 0")
+    return os.path.abspath(path), devices, gib
+
+
+def configure(suite: str, a: str, b: str, specs: list[tuple[str, int, float]]):
     """The quality suites of `suite` with A, B and the baselines as planners (the A/A entry is added by quality),
-    plus one suite per --spec."""
+    plus one suite per --spec (spec_arg's tuples)."""
     from . import quality
 
     cfg = quality.split_config() if suite == "split" else quality.full_config()
@@ -34,11 +47,14 @@ def configure(suite: str, a: str, b: str, specs: list[str]):
     planners = [a, b, *BASELINES]
     for s in cfg.suites:
         s.planners = list(planners)
-    for spec in specs:
-        path, devices, gib = spec.rsplit(":", 2)
-        cfg.suites.append(quality.Suite(f"{os.path.basename(path)} D={devices} {gib} GiB", os.path.abspath(path),
-                                        None, [int(devices)], planners=list(planners), memory_gb=float(gib)))
+    for path, devices, gib in specs:
+        cfg.suites.append(quality.Suite(spec_suite_name(path, devices, gib), path, None, [devices],
+                                        planners=list(planners), memory_gb=gib))
     return cfg
+
+
+def spec_suite_name(path: str, devices: int, gib: float) -> str:
+    return f"{os.path.basename(path)} D={devices} {gib:g} GiB"
 
 
 def paired(frame: pd.DataFrame, a: str, b: str) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -98,8 +114,9 @@ def main(argv=None) -> int:
     ap.add_argument("--a", default="learned/1", help="planner A, e.g. learned/1 or learned@champion")
     ap.add_argument("--b", default="learned@challenger", help="planner B")
     ap.add_argument("--suite", default="main", choices=["main", "split"])
-    ap.add_argument("--spec", action="append", default=[], metavar="FILE:DEVICES:GIB",
+    ap.add_argument("--spec", action="append", default=[], metavar="FILE:DEVICES:GIB", type=spec_arg,
                     help="also a table list of one's own on DEVICES devices of GIB GiB (repeatable)")
+    ap.add_argument("--note", default="", help="a sentence for the page: where A and B come from, why the lists")
     ap.add_argument("--name", default="model_ab", help="page name (default model_ab: model_ab.md)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--workdir", default=None, help="suite files (default: a temporary folder)")
@@ -122,7 +139,8 @@ def main(argv=None) -> int:
     frame.drop(columns=[c for c in ("error",) if c in frame.columns]).to_csv(
         os.path.join(args.out, "raw", f"{args.name}.csv"), index=False)
     write_text(os.path.join(args.out, f"{args.name}.md"),
-               markdown(frame, args.a, args.b, args.suite, hardware().line(), secs, uris))
+               markdown(frame, args.a, args.b, args.suite, hardware().line(), secs, uris,
+                        f" {args.note}" if args.note else ""))
     per_suite, _ = paired(frame, args.a, args.b)
     progress("model A/B: " + "; ".join(f"{r['suite']}: {r[f'{args.b} / {args.a}']:.3f} {r['verdict']}"
                                        for _, r in per_suite.iterrows()))

@@ -340,3 +340,12 @@ def test_model_ab_pairs_the_two_versions_round_by_round_and_judges_by_the_floor(
     assert by.loc["faster", "learned/2 / learned/1"] == pytest.approx(0.5)
     assert by.loc["faster", "verdict"] == "faster" and by.loc["same", "verdict"] == "no difference"
     assert len(per_task) == 6 and (per_task["learned/2 / best greedy"] <= 1.0).all()
+    import argparse
+
+    from benchmarks.model_ab import spec_arg
+
+    path, devices, gib = spec_arg(os.path.join(REPO, "benchmarks", "data", "user_list_8.csv") + ":4:4")
+    assert os.path.isabs(path) and (devices, gib) == (4, 4.0)
+    for bad in ("nope", "benchmarks/data/user_list_8.csv:four:4", "/no/such.csv:4:4"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            spec_arg(bad)
