@@ -106,6 +106,8 @@ def test_a_trained_model_never_predicts_a_device_cheaper_for_one_more_table(trai
 
     model = trained["model"]
     assert all(m.config.monotone for m in model.members)
+    measured_types = sorted(set(int(b) for b in TableSet.read(measured["tables"]).bytes_per_element))
+    assert all(m.config.element_bytes_seen == measured_types for m in model.members)  # what `place` warns against
     feats = TableSet.read(measured["tables"]).features()
     enc = model.encode(feats)
     rng = np.random.default_rng(0)

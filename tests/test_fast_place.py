@@ -217,6 +217,32 @@ def test_a_device_filled_above_95_percent_is_warned_about(caplog):
     assert len(warned) == 1 and "above 95%" in warned[0] and "--memory-gb" in warned[0]
 
 
+def test_tables_of_a_type_the_cost_model_never_measured_are_warned_about(caplog):
+    """The cost model's features carry a table's bytes, not its type: a model measured on FP32 tables prices an
+    FP16 table as an FP32 one of half the bytes (measured 9-44% above that on this CPU). `place` names such tables
+    in one line; nothing for the types it saw, or for a model that did not record them (older)."""
+    import logging
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from embshard.ingest.synthetic import generate_tables
+    from embshard.jobs.place import _warn_unseen_types
+    from embshard.tableset import TableSet
+
+    ts = TableSet.from_frame(generate_tables(5, seed=0, bins_batch_size=256))
+    ts = replace(ts, bytes_per_element=np.array([4, 2, 4, 2, 4]))
+    with caplog.at_level(logging.WARNING, logger="embshard.jobs.place"):
+        _warn_unseen_types(SimpleNamespace(config=SimpleNamespace(element_bytes_seen=[4])), ts)
+        _warn_unseen_types(SimpleNamespace(config=SimpleNamespace(element_bytes_seen=[2, 4])), ts)
+        _warn_unseen_types(SimpleNamespace(config=SimpleNamespace(element_bytes_seen=[])), ts)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith(f"2 table(s) of 2 bytes per element ({ts.table_ids[1]}, {ts.table_ids[3]})")
+    assert "saw 4 bytes per element" in warned[0]
+
+
 def test_table_ids_torchrec_cannot_take_are_warned_about_when_ingesting_and_placing(tmp_path, caplog):
     """A '.' in a table id plans fine but fails at export ('cannot name TorchRec tables'): ingest and place say so
     first."""

@@ -509,3 +509,28 @@ def test_hostile_plan_files_are_one_line_before_anything_is_read_or_written(tiny
     with pytest.raises(EmbshardError, match=re.escape(f"field 'task_id': {'t0' + chr(10)!r} is not an id")):
         read_plan_json(tmp_path / "newline.json")
     assert not (tmp_path / "ev").exists() and not (tmp_path / "out").exists()
+
+
+def test_evaluate_says_why_a_planner_could_not_place_a_task(tiny, tmp_path, capsys):
+    """`failed` in the summary counts the tasks a planner could not place; the reason (a good one-line error) was
+    only in evaluation.parquet: each is printed under the summary."""
+    pytest.importorskip("torchrec")
+    import pandas as pd
+
+    from embshard.cli import main
+    from embshard.types import load_tasks
+
+    t = tiny["task"].tables
+    largest = int(t.size_bytes.max())
+    tasks = pd.DataFrame([{"task_id": "tight", "split": "test", "num_devices": 2,
+                           "memory_bytes_per_device": int(largest * 0.75), "table_ids": list(t.table_ids)}])
+    path = tmp_path / "tasks.parquet"
+    schemas.write(tasks, path, "tasks")
+    assert load_tasks(tiny["tables"], str(path), "test")[0].num_devices == 2
+    assert main(["evaluate", "--tables", tiny["tables"], "--tasks", str(path), "--planners",
+                 "dim_greedy,torchrec_table_wise", "--rounds", "1", "--batch-size", "32",
+                 "--out", str(tmp_path / "ev")]) == 0
+    out = capsys.readouterr().out
+    ev = pd.read_parquet(tmp_path / "ev" / "evaluation.parquet").set_index("planner")
+    assert ev.loc["dim_greedy", "feasible"] and not ev.loc["torchrec_table_wise", "feasible"]
+    assert f"torchrec_table_wise could not place task tight: {ev.loc['torchrec_table_wise', 'error']}" in out

@@ -54,6 +54,7 @@ class CostData:
     dropped: dict
     piece_table: np.ndarray | None = None  # (N + P,) the table of each feature row; None: rows are the tables
     is_split: np.ndarray | None = None     # (S,) True where the shard holds a column slice or a row range
+    element_bytes: tuple[int, ...] = ()    # the bytes per element of the measured tables (4: FP32, 2: FP16, ...)
 
     def index(self, split: str) -> np.ndarray:
         return np.flatnonzero(self.split == split)
@@ -140,7 +141,16 @@ def load(costs: str | list[str], tables: str, *, seed: int = 0, val_frac: float 
                     num_devices=nd, frame=cdf, split=split, batch_size=int(cdf["batch_size"].iloc[0]),
                     cache_bytes=cache,
                     hardware=str(cdf["hardware"].iloc[0]), backend=str(cdf["backend"].iloc[0]),
-                    dataset_hash=dataset_hash(cdf), dropped=dropped, piece_table=piece_table, is_split=is_split)
+                    dataset_hash=dataset_hash(cdf), dropped=dropped, piece_table=piece_table, is_split=is_split,
+                    element_bytes=_measured_element_bytes(tdf, cdf))
+
+
+def _measured_element_bytes(tdf: pd.DataFrame, cdf: pd.DataFrame) -> tuple[int, ...]:
+    """The distinct bytes per element of the tables the costs measured: the model knows the types it saw only
+    (features carry a table's bytes, not its type), so a planner warns about others (jobs.place)."""
+    measured = {t for v in cdf["table_ids"] for t in v}
+    bpe = tdf.loc[tdf["table_id"].astype(str).isin(measured), "bytes_per_element"]
+    return tuple(sorted(int(b) for b in bpe.unique()))
 
 
 def comm_targets(cdf: pd.DataFrame) -> np.ndarray:

@@ -64,6 +64,8 @@ class CostModelConfig:
     # Compute heads that never predict a device cheaper for one more table (_Head). False in the configs of models
     # trained before it existed, which load as they were trained.
     monotone: bool = False
+    # Bytes per element of the tables the model was measured on (4: FP32, 2: FP16); empty: not recorded (older).
+    element_bytes_seen: list[int] = field(default_factory=list)
 
 
 def _share_sent(num_devices: torch.Tensor) -> torch.Tensor:

@@ -106,7 +106,7 @@ def fit(data: CostData, params: TrainParams) -> tuple[CostModel, History]:
     y_tr = data.targets[tr]
     scale = [float(np.median(y_tr[y_tr[:, h] > 0, h])) if (y_tr[:, h] > 0).any() else 1.0 for h in range(3)]
     cfg = CostModelConfig(hidden=params.hidden, embed=params.embed, head_hidden=params.head_hidden,
-                          monotone=params.monotone,
+                          monotone=params.monotone, element_bytes_seen=list(data.element_bytes),
                           target_scale=scale, batch_size=data.batch_size, cache_bytes=data.cache_bytes,
                           hardware=data.hardware,
                           backend=data.backend, dataset_hash=data.dataset_hash,

@@ -169,6 +169,9 @@ def _evaluate(args, planners: list[str], given: dict, tables: str, tasks: str, t
                                        or shared_calibration_dir()),
               estimate_in_rounds=args.estimate_in_rounds)
     print(res["summary_text"])
+    frame = res["frame"]
+    for r in frame[~frame["feasible"].astype(bool)].itertuples():  # `failed` counts them; here is why
+        print(f"{r.planner} could not place task {r.task_id}: {r.error}")
     if given:
         print(_against_user_plan(res["summary"], int(args.rounds)))
     rk = res["ranking"]
