@@ -230,6 +230,12 @@ def test_evaluate_measures_the_plan_beside_the_planners(tiny, tmp_path, capsys):
     assert len(ratios[(ratios["planner"] == "size_greedy") & (ratios["versus"] == "user_plan")]) == 1
     assert f"size_greedy: {greedy['ratio_to_user_plan']:.3f} [" in captured.out
     assert "against your plan (user_plan), paired over 2 round(s)" in captured.out
+    # A planner named twice: its A/A floor is said and judged against (the repeat itself is no answer).
+    assert main(["evaluate", "--tables", tiny["tables"], "--tasks", tiny["tasks"], "--planners",
+                 "size_greedy,size_greedy", "--plan", tiny["plan"], "--rounds", "2", "--batch-size", "32",
+                 "--out", str(tmp_path / "aa")]) == 0
+    printed = capsys.readouterr().out
+    assert "the ruler's A/A floor, size_greedy against itself: [" in printed and "size_greedy#2:" not in printed
     placed = pd.read_parquet(out / "placements.parquet")
     assert set(placed[placed["planner"] == "user_plan"]["table_id"]) == set(tiny["task"].tables.table_ids)
 

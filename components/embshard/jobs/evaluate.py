@@ -173,7 +173,7 @@ def _evaluate(args, planners: list[str], given: dict, tables: str, tasks: str, t
     for r in frame[~frame["feasible"].astype(bool)].itertuples():  # `failed` counts them; here is why
         print(f"{r.planner} could not place task {r.task_id}: {r.error}")
     if given:
-        print(_against_user_plan(res["summary"], int(args.rounds)))
+        print(_against_user_plan(res["summary"], int(args.rounds), res["ratio_frame"]))
     rk = res["ranking"]
     if rk["pairs"]:
         print(f"cost model ranking: it orders {rk['correct']} of the {rk['pairs']} placement pairs the ruler tells "
@@ -187,21 +187,26 @@ def _evaluate(args, planners: list[str], given: dict, tables: str, tasks: str, t
     return 0
 
 
-def _against_user_plan(summary, rounds: int) -> str:
+def _against_user_plan(summary, rounds: int, ratios=None) -> str:
     """What `--plan` asks: each planner's measured cost over the user's plan, paired per round, with its
-    interval and what it says (a difference only where the interval clears 1; with a repeated planner name the
-    ruler's A/A floor is in ratios.parquet)."""
+    interval and what it says: a difference only where the interval clears 1, and the ruler's A/A floor too where a
+    planner was named twice (`ratios`: the evaluation's ratio frame)."""
     import numpy as np
 
-    from ..stats import floor_verdict
+    from ..stats import aa_floor, floor_verdict
 
     if "median_ratio_user_plan" not in summary.columns:
         return f"no planner placed a task beside {USER_PLAN}: nothing to compare it with"
-    lines = [f"against your plan ({USER_PLAN}), paired over {rounds} round(s) (under 1: faster than yours):"]
+    repeated = [str(n).split("#")[0] for n in summary.index if str(n).endswith("#2")]
+    aa_lo = aa_hi = np.nan
+    head = f"against your plan ({USER_PLAN}), paired over {rounds} round(s) (under 1: faster than yours"
+    if repeated and ratios is not None:
+        _, aa_lo, aa_hi = aa_floor(ratios, repeated[0])
+        head += f"; the ruler's A/A floor, {repeated[0]} against itself: [{aa_lo:.3f}, {aa_hi:.3f}]"
+    lines = [head + "):"]
     for name, row in summary.iterrows():
         med, lo, hi = (float(row[k]) for k in ("median_ratio_user_plan", "user_plan_ci_low", "user_plan_ci_high"))
-        if name == USER_PLAN or not np.isfinite(med):
+        if name == USER_PLAN or str(name).endswith("#2") or not np.isfinite(med):
             continue
-        lines.append(f"  {name}: {med:.3f} [{lo:.3f}, {hi:.3f}] {floor_verdict(lo, hi, np.nan, np.nan)}")
+        lines.append(f"  {name}: {med:.3f} [{lo:.3f}, {hi:.3f}] {floor_verdict(lo, hi, aa_lo, aa_hi)}")
     return "\n".join(lines)
-
