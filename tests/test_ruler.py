@@ -107,7 +107,9 @@ def test_evaluate_uses_the_calibration_it_is_given(monkeypatch, capsys, tmp_path
 
     def fake_run(*a, settings, **k):
         seen["dir"] = settings.calibration_dir
-        return {"summary_text": "", "ranking": {"pairs": 0}, "evaluation": "e", "ratios": "r", "plot": "p"}
+        frame = pd.DataFrame({"planner": ["a"], "task_id": ["t"], "feasible": [True], "error": [None]})
+        return {"summary_text": "", "ranking": {"pairs": 0}, "evaluation": "e", "ratios": "r", "plot": "p",
+                "frame": frame}
 
     monkeypatch.setattr(job, "run", fake_run)
     monkeypatch.chdir(tmp_path)
