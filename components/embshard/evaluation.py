@@ -336,30 +336,27 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     (bootstrap over tasks and rounds) and Wilcoxon p, the worst task, the ratio to TorchRec, the median gap."""
     out = []
     for name, g in df.groupby("planner", sort=False):
-        per_task = [np.asarray(v, dtype=float) for v in g.get("ratios_to_best_baseline", pd.Series(dtype=object))
-                    if isinstance(v, (list, np.ndarray)) and len(v)]
-        med, lo, hi = stats.suite_ci(per_task) if per_task else (np.nan, np.nan, np.nan)
+        med, lo, hi = _pooled(g, "ratios_to_best_baseline")
+        u_med, u_lo, u_hi = _pooled(g, "ratios_to_user_plan")
         out.append({"planner": name, "tasks": len(g), "failed": int((~g["feasible"].astype(bool)).sum()),
                     "median_ms": g["measured_cost_ms"].median(),
                     "median_ratio_best_baseline": med, "ci_low": lo, "ci_high": hi,
                     "wilcoxon_p": stats.wilcoxon_p(g["ratio_to_best_baseline"].dropna()),
                     "worst_ratio_best_baseline": g["ratio_to_best_baseline"].max(),
                     "median_ratio_torchrec": g["ratio_to_torchrec"].median(),
-                    **_user_plan_ratio(g),
+                    **({"median_ratio_user_plan": u_med, "user_plan_ci_low": u_lo, "user_plan_ci_high": u_hi}
+                       if np.isfinite(u_med) else {}),  # only when `--plan` was measured beside it
                     "median_gap_to_estimate": g["gap_to_estimate"].median(),
                     "median_planning_s": g["planning_time_s"].median()})
     return pd.DataFrame(out).set_index("planner")
 
 
-def _user_plan_ratio(g: pd.DataFrame) -> dict:
-    """A planner's ratio to the user's plan over the tasks (paired per round; bootstrap over tasks and rounds),
-    when `--plan` was measured beside it."""
-    per_task = [np.asarray(v, dtype=float) for v in g.get("ratios_to_user_plan", pd.Series(dtype=object))
+def _pooled(g: pd.DataFrame, column: str) -> tuple[float, float, float]:
+    """The median over a planner's tasks of the per-round ratios in `column` (lists), with the bootstrap interval
+    over tasks and rounds; NaNs when no task has them."""
+    per_task = [np.asarray(v, dtype=float) for v in g.get(column, pd.Series(dtype=object))
                 if isinstance(v, (list, np.ndarray)) and len(v)]
-    if not per_task:
-        return {}
-    med, lo, hi = stats.suite_ci(per_task)
-    return {"median_ratio_user_plan": med, "user_plan_ci_low": lo, "user_plan_ci_high": hi}
+    return stats.suite_ci(per_task) if per_task else (np.nan, np.nan, np.nan)
 
 
 def format_summary(summary: pd.DataFrame, rounds: int = 1) -> str:

@@ -56,6 +56,7 @@ from ..checks import ID_RULE, bad_id
 from ..errors import EmbshardError
 from ..placement import Placement, Shard
 from ..tableset import TableSet
+from ..types import DeviceTopology
 
 SCHEMA_VERSION = "embshard.plan/v3"
 # Versions a reader accepts, with the name each gives the balanced estimate in `cost`.
@@ -289,11 +290,17 @@ def _schema_check(plan: Any, schema: dict, where: str) -> None:
         parts = named(e)
         field = ".".join(parts) or "<root>"
         if e.validator == "pattern":  # an id (the only patterns of the schema)
-            raise EmbshardError(f"{str(e.instance)[:60]!r} is not an id ({ID_RULE})", path=where, field=field,
-                                fix="rename it (a plan's task_id names export's folder of the task; a table_id is "
-                                    "the table's name in TorchRec's plan)")
+            raise EmbshardError(_not_an_id(e.instance), path=where, field=field, fix=ID_FIX)
         raise EmbshardError(e.message[:200], path=where, field=field,
                             fix=f"follow the {SCHEMA_VERSION} schema (embshard/export/{SCHEMA_FILE})")
+
+
+ID_FIX = ("rename it (a plan's task_id names export's folder of the task; a table_id is the table's name in "
+          "TorchRec's plan)")
+
+
+def _not_an_id(value) -> str:
+    return f"{str(value)[:60]!r} is not an id ({ID_RULE})"
 
 
 def _validator(jsonschema):
@@ -347,7 +354,7 @@ def _mini_validate(value: Any, schema: dict, at: str) -> tuple[str, str] | None:
     if isinstance(value, str) and len(value) < schema.get("minLength", 0):
         return at, "must not be empty"
     if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
-        return at, f"{value[:60]!r} is not an id ({ID_RULE})"
+        return at, _not_an_id(value)
     if isinstance(value, dict):
         for key in schema.get("required", []):
             if key not in value:
@@ -400,7 +407,7 @@ def _consistency_check(plan: dict, where: str) -> None:
     for field, value in [("task_id", plan["task_id"])] + [(f"tables.{k}.table_id", t["table_id"])
                                                           for k, t in enumerate(plan["tables"])]:
         if bad_id(value):
-            fail(field, f"{str(value)[:60]!r} is not an id ({ID_RULE})", "rename it")
+            fail(field, _not_an_id(value), ID_FIX)
     if v3:  # the schema keeps these optional so that v1/v2 files pass it; v3 writes them always
         for k, t in enumerate(plan["tables"]):
             if "sharding_type" not in t:
@@ -415,8 +422,6 @@ def _consistency_check(plan: dict, where: str) -> None:
         fail("hosts", f"a {plan['schema']} plan has no hosts", f"write {SCHEMA_VERSION} to give hosts")
     if "hosts" in plan and len(plan["hosts"]) != d:
         fail("hosts", f"{len(plan['hosts'])} hosts for {d} devices", "give the host of every device, or none")
-    from ..types import DeviceTopology
-
     if "hosts" in plan and DeviceTopology(d, budget, hosts=tuple(plan["hosts"])).devices_per_host() is None:
         # TorchRec numbers ranks host by host: another layout is one no job runs (export had dropped it silently)
         shown = ", ".join(str(h) for h in plan["hosts"][:8]) + (", ..." if d > 8 else "")
@@ -563,8 +568,6 @@ def placement_from_plan(plan: Mapping, tables: TableSet, where: str | None = Non
     the plan's tables, with the plan's rows, dims and element sizes: a plan of other tables is refused); its
     topology carries the plan's hosts. `where` names the plan in errors (default its task id), `tables_source`
     the file the tables were read from."""
-    from ..types import DeviceTopology
-
     where = where or str(plan.get("task_id", "plan.json"))
     ids = [t["table_id"] for t in plan["tables"]]
     sub = tables.select(ids, where=where, source=tables_source)

@@ -238,8 +238,7 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
         raise exc.at(where) from None
     own = getattr(p, "cost_model", None)
     _warn_hardware(own or cost_model, hardware, planning=own is not None)
-    if own is not None or cost_model is not None:
-        _warn_unseen_types(own or cost_model, table_set)
+    _warn_unseen_types(own or cost_model, table_set)  # nothing without a model, or one that recorded no types
     refined = None
     if refine_k:
         placement, refined = _refine(placement, p, cost_model, refine_k, refine_rounds, hardware, where,
