@@ -115,6 +115,14 @@ def markdown(full: dict | None, root: str, out_dir: str, hw_line: str, model_uri
                   "greedy plans of 20-200-table tasks on 2-16 devices, half one search step away: the shards "
                   "planners compare), `placement` (the learned planner's own measured plans):", "",
                   md_table(pd.DataFrame(origin_rows), {"n": 0}), ""]
+    type_rows = [{"split": split, "shards": kind, "n": v["n"], "compute MAPE %": v["mape"],
+                  "compute Spearman": v["spearman"]}
+                 for split, rep in full.get("report", {}).items()
+                 for kind, v in (rep.get("by_element_type") or {}).items() if v.get("n")]
+    if any(r["shards"] == "holds_fp16" for r in type_rows):
+        lines += ["Compute error by weight type: shards holding an FP16 table, and FP32-only ones (the model tells the "
+                  "types apart by a table's bytes per row: it prices a type well only where it measured it):", "",
+                  md_table(pd.DataFrame(type_rows), {"n": 0}), ""]
     mono_rows = [{"split": split, "additions tried": m["additions"], "predicted cheaper": m["lower"],
                   "share %": 100 * m["share_lower"], "worst drop %": 100 * max(m["worst_drop"], 0.0)}
                  for split, rep in full.get("report", {}).items()

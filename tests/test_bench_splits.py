@@ -195,6 +195,36 @@ def test_report_gives_split_shard_accuracy_separately(tables_df, tables_path, tm
     assert "split shards" in text and "split MAPE 20.0%" in text
 
 
+def test_report_gives_fp16_shard_accuracy_separately(tables_df, tmp_path):
+    """Shards holding an FP16 table (split pieces too) are scored apart from FP32-only ones: the model tells the
+    types apart by a table's bytes per row, so it prices FP16 only where it measured it."""
+    from embshard.costmodel.data import load
+    from embshard.jobs.train_cost import element_breakdown, summary_table
+
+    df = tables_df.copy()
+    half = df.index % 3 == 0
+    df.loc[half, "bytes_per_element"] = 2
+    df["size_bytes"] = df["rows"] * df["dim"] * df["bytes_per_element"]
+    schemas.write(df, tmp_path / "tables.parquet", "tables")
+    schemas.write(_synthetic_costs(df), tmp_path / "costs.parquet", "costs")
+    data = load(str(tmp_path / "costs.parquet"), str(tmp_path / "tables.parquet"))
+    fp16_ids = set(df.loc[half, "table_id"])
+    want = np.array([bool(set(v) & fp16_ids) for v in data.frame["table_ids"]])
+    assert data.element_bytes == (2, 4) and (data.holds_fp16 == want).all()
+    assert (want & data.is_split).any() and 0 < want.sum() < len(want)  # split pieces of FP16 tables included
+    idx = np.arange(len(data.frame))
+    learned = data.targets[idx] * np.where(want, 1.3, 1.05)[:, None]
+    rep = element_breakdown(learned, data, idx)
+    assert rep["holds_fp16"]["n"] == want.sum() and rep["fp32_only"]["n"] == (~want).sum()
+    assert rep["holds_fp16"]["mape"] == pytest.approx(30.0) and rep["fp32_only"]["mape"] == pytest.approx(5.0)
+    m = {"mape": 1.0, "rmse": 1.0, "spearman": 1.0, "n": 3}
+    text = summary_table({"heldout": {"n_shards": 3, "n_compared": 3, "by_element_type": rep,
+                                      **{e: {h: m for h in ("fwd_compute", "bwd_compute", "total_compute",
+                                                             "comm", "total")}
+                                         for e in ("learned", "sum_singles", "analytic")}}})
+    assert "by weight type: holds_fp16 MAPE 30.0%" in text
+
+
 def test_sampler_emits_split_pieces_at_the_rate_deterministically(ts):
     base = random_shards(list(ts.table_ids), 400, seed=5)
     a = split_shards(base, ts, seed=5)

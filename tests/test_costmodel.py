@@ -120,6 +120,9 @@ def test_a_trained_model_never_predicts_a_device_cheaper_for_one_more_table(trai
     # ... and the model's report says so (it counts such additions on each evaluated split)
     for split, rep in trained["report"].items():
         assert rep["monotonicity"]["additions"] > 0 and rep["monotonicity"]["lower"] == 0, split
+        # FP32 tables only: every shard is scored as an FP32-only one (test_bench_splits: FP16 ones apart)
+        assert rep["by_element_type"]["holds_fp16"]["n"] == 0
+        assert rep["by_element_type"]["fp32_only"]["n"] == rep["n_shards"]
 
 
 def test_a_model_trained_before_monotone_heads_loads_as_it_was_trained(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from embshard import schemas
@@ -75,6 +76,32 @@ def test_hot_large_fraction_draws_large_multi_hot_tables_and_leaves_the_others_a
     assert ((df["rows"] >= 10**7) & (df["pooling_factor"] >= 20)).any()
 
 
+def test_fp16_fraction_draws_fp16_tables_and_leaves_their_shapes_alone(tmp_path):
+    from embshard.ingest.synthetic import generate_tables
+
+    base = generate_tables(400, seed=5, bins_batch_size=256)
+    mixed = generate_tables(400, seed=5, bins_batch_size=256, fp16_fraction=0.25)
+    half = mixed["bytes_per_element"] == 2
+    assert (base["bytes_per_element"] == 4).all()
+    assert 0.18 < half.mean() < 0.32 and set(mixed["bytes_per_element"]) == {2, 4}  # about the fraction asked for
+    # only the weight type and its bytes change: shapes and accesses are the same tables'
+    same = ["table_id", "rows", "dim", "pooling_factor", "zipf_alpha", *schemas.BIN_COLUMNS]
+    pd.testing.assert_frame_equal(mixed[same], base[same])
+    assert (mixed["size_bytes"] == mixed["rows"] * mixed["dim"] * mixed["bytes_per_element"]).all()
+    # the pipeline's synthetic source draws them (its default fraction, 0.25), `embshard ingest` on asking
+    assert cli(["ingest", "--source", "synthetic", "--num-tables", "60", "--fp16-fraction", "0.5",
+                "--bins-batch-size", "256", "--out", str(tmp_path / "o"), "--no-progress"]) == 0
+    df = schemas.read(tmp_path / "o" / "tables.parquet", "tables")
+    assert set(df["bytes_per_element"]) == {2, 4}
+    # traces written: the types are kept beside the traced pooling and bins
+    assert cli(["ingest", "--source", "synthetic", "--num-tables", "12", "--fp16-fraction", "0.5", "--write-traces",
+                "--trace-batch-size", "64", "--out", str(tmp_path / "t"), "--no-progress"]) == 0
+    traced = schemas.read(tmp_path / "t" / "tables.parquet", "tables")
+    want = generate_tables(12, seed=0, bins_batch_size=64, fp16_fraction=0.5)["bytes_per_element"].to_numpy()
+    assert (traced["bytes_per_element"].to_numpy() == want).all() and (want == 2).any()
+    assert (traced["size_bytes"] == traced["rows"] * traced["dim"] * traced["bytes_per_element"]).all()
+
+
 def test_bad_synthetic_requests(tmp_path, capsys):
     out = tmp_path / "out"
     assert cli(["ingest", "--source", "synthetic", "--num-tables", "0", "--out", str(out)]) == 2
@@ -87,4 +114,9 @@ def test_bad_synthetic_requests(tmp_path, capsys):
         assert cli(["ingest", "--source", "synthetic", "--num-tables", "3", "--hot-large-fraction", bad,
                     "--out", str(out)]) == 2
         assert "hot_large_fraction" in capsys.readouterr().err
+        assert cli(["ingest", "--source", "synthetic", "--num-tables", "3", "--fp16-fraction", bad,
+                    "--out", str(out)]) == 2
+        assert "fp16_fraction" in capsys.readouterr().err
+    assert cli(["ingest", "--source", "spec", "--input", "x.csv", "--fp16-fraction", "0.5", "--out", str(out)]) == 2
+    assert "--fp16-fraction" in capsys.readouterr().err  # another source's tables have their own types
     assert not out.exists() or os.listdir(out) == []

@@ -458,6 +458,25 @@ def test_evaluate_of_a_torchrec_plan_without_tasks_takes_its_memory_from_memory_
     assert set(ev["memory_bytes_per_device"]) == {2**30} and set(ev["num_devices"]) == {task.num_devices}
     assert set(ev["task_id"]) == {"team_plan__1_"}
     assert "round_robin: " in capsys.readouterr().out
+    # its hosts (a TorchRec plan records none): --devices-per-host lays the task out, as place and export take it
+    from embshard.export.user_plan import UserPlan
+
+    frame = UserPlan(str(plan)).task_frame(2**30, devices_per_host=1)
+    assert frame["devices_per_host"].tolist() == [1] and frame["num_devices"].tolist() == [task.num_devices]
+    assert "devices_per_host" not in UserPlan(str(plan)).task_frame(2**30, devices_per_host=task.num_devices)
+    assert main(["evaluate", *common, "--memory-gb", "1", "--devices-per-host", "1", "--rounds", "1",
+                 "--out", str(tmp_path / "hosts")]) == 0
+    capsys.readouterr()
+    for extra, words in ((["--memory-gb", "1", "--devices-per-host", "3"], "do not split into hosts of 3"),
+                         (["--tasks", tiny["tasks"], "--devices-per-host", "1"], "--tasks has its own hosts")):
+        assert main(["evaluate", *common, *extra, "--out", str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0] and "devices_per_host" in err[0], err
+    # a plan.json records its hosts (one here): another layout is refused, not measured as if planned for it
+    assert main(["evaluate", "--tables", tiny["tables"], "--plan", tiny["plan"], "--planners", "round_robin",
+                 "--devices-per-host", "1", "--out", str(tmp_path / "bad")]) == 2
+    assert "records 2 devices per host, not 1" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
 
 
 def test_hostile_plan_files_are_one_line_before_anything_is_read_or_written(tiny, tmp_path, capsys):

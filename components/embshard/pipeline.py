@@ -401,7 +401,9 @@ def main(args) -> int:
     given = _parse_params(args.param)
     params = dict(QUICK_PARAMS) if args.quick else {}
     if given.get("source", "synthetic") != "synthetic":  # --quick's generator sizes do not apply to a file
-        params = {k: v for k, v in params.items() if k not in ("num_tables", "hot_large_fraction")}
+        from .params import SYNTHETIC_KEYS
+
+        params = {k: v for k, v in params.items() if k not in SYNTHETIC_KEYS}
     params.update(given)
     for line in outside_out(args.out):
         print(line, flush=True)

@@ -110,7 +110,7 @@ def ingest(root: str, params: dict) -> dict:
     synthetic = p["source"] == "synthetic"
     kw: dict = {}
     if synthetic:
-        kw = {"hot_large_fraction": float(p["hot_large_fraction"])}
+        kw = {"hot_large_fraction": float(p["hot_large_fraction"]), "fp16_fraction": float(p["fp16_fraction"])}
     elif p["source"] == "dlrm":  # a trace carries no dims, weight type or hash sizes (`embshard ingest --dim` ...)
         rows_file, dim = (p["rows_file"] or "").strip(), str(p["dim"]).strip().lower()  # " Mixed", "64" (checked)
         kw = {"dim": dim if dim == "mixed" else int(float(dim)), "data_type": p["data_type"],

@@ -55,6 +55,7 @@ class CostData:
     piece_table: np.ndarray | None = None  # (N + P,) the table of each feature row; None: rows are the tables
     is_split: np.ndarray | None = None     # (S,) True where the shard holds a column slice or a row range
     element_bytes: tuple[int, ...] = ()    # the bytes per element of the measured tables (4: FP32, 2: FP16, ...)
+    holds_fp16: np.ndarray | None = None   # (S,) True where the shard holds an FP16 table (the report's breakdown)
 
     def index(self, split: str) -> np.ndarray:
         return np.flatnonzero(self.split == split)
@@ -142,7 +143,15 @@ def load(costs: str | list[str], tables: str, *, seed: int = 0, val_frac: float 
                     cache_bytes=cache,
                     hardware=str(cdf["hardware"].iloc[0]), backend=str(cdf["backend"].iloc[0]),
                     dataset_hash=dataset_hash(cdf), dropped=dropped, piece_table=piece_table, is_split=is_split,
-                    element_bytes=_measured_element_bytes(tdf, cdf))
+                    element_bytes=_measured_element_bytes(tdf, cdf),
+                    holds_fp16=_holds_fp16(tdf, shards, piece_table))
+
+
+def _holds_fp16(tdf: pd.DataFrame, shards: list[np.ndarray], piece_table: np.ndarray) -> np.ndarray:
+    """(S,) True where a measured shard holds a table of 2-byte weights (its rows are feature rows: a piece's
+    maps to its table through `piece_table`)."""
+    half = tdf["bytes_per_element"].to_numpy(np.int64) == 2
+    return np.array([bool(half[piece_table[s]].any()) for s in shards], dtype=bool)
 
 
 def _measured_element_bytes(tdf: pd.DataFrame, cdf: pd.DataFrame) -> tuple[int, ...]:

@@ -101,11 +101,23 @@ class UserPlan:
         made it, but not the task's memory: it is no task to evaluate)."""
         return None if self.is_torchrec() else str(self.document()["task_id"])
 
-    def task_frame(self, memory_bytes: int | None = None) -> pd.DataFrame:
+    def task_frame(self, memory_bytes: int | None = None, devices_per_host: int | None = None) -> pd.DataFrame:
         """The plan's own task as a tasks.parquet row (its tables, devices, memory and hosts): what
         `evaluate --plan` measures when no tasks file is given. `memory_bytes` (evaluate's --memory-gb) replaces
-        a plan.json's memory per device; a TorchRec plan records none, so it needs one."""
+        a plan.json's memory per device; a TorchRec plan records none, so it needs one. `devices_per_host`
+        (evaluate's --devices-per-host): a TorchRec plan's hosts (it records none: one host without it); a
+        plan.json records its own, and another count is refused."""
         doc = self.document()
+        if devices_per_host is not None:
+            devices = int(doc["world_size"] if self.is_torchrec() else doc["num_devices"])
+            DeviceTopology.on_hosts(devices, 1, int(devices_per_host))  # divides the devices, or one line
+            hosts = None if self.is_torchrec() else doc.get("hosts")
+            own = devices // len(set(hosts)) if hosts is not None else devices
+            if not self.is_torchrec() and own != int(devices_per_host):
+                raise EmbshardError(f"the plan records {own} devices per host, not {devices_per_host}", path=self.path,
+                                    field="devices_per_host",
+                                    fix="leave out --devices-per-host (a plan.json records its hosts), or plan again "
+                                        f"with --devices-per-host {devices_per_host}")
         if self.is_torchrec():
             if memory_bytes is None:
                 raise EmbshardError("a TorchRec plan records no memory per device, so it makes no task",
@@ -114,8 +126,11 @@ class UserPlan:
             # the task is named after the file, made an id ('team plan (1).json' -> 'team_plan__1_')
             name = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.splitext(os.path.basename(self.path))[0])
             name = ("_" + name if not name or name[0] in ".-" else name)[:128]
-            return pd.DataFrame([{"task_id": name, "split": "test", "num_devices": int(doc["world_size"]),
-                                  "memory_bytes_per_device": int(memory_bytes), "table_ids": self.table_ids()}])
+            row = {"task_id": name, "split": "test", "num_devices": int(doc["world_size"]),
+                   "memory_bytes_per_device": int(memory_bytes), "table_ids": self.table_ids()}
+            if devices_per_host is not None and int(devices_per_host) < int(doc["world_size"]):
+                row["devices_per_host"] = int(devices_per_host)
+            return pd.DataFrame([row])
         row = {"task_id": str(doc["task_id"]), "split": "test", "num_devices": int(doc["num_devices"]),
                "memory_bytes_per_device": int(doc["memory_bytes_per_device"] if memory_bytes is None
                                               else memory_bytes), "table_ids": self.table_ids()}

@@ -56,6 +56,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="with --plan and no --tasks: memory per device for embedding weights, GiB, of the plan's "
                         "task (needed for a torchrec_plan.json, which records none; for a plan.json it replaces "
                         "the plan's own)")
+    p.add_argument("--devices-per-host", type=int, default=None, metavar="L",
+                   help="with --plan and no --tasks: devices per host of a torchrec_plan.json's task (host h holds "
+                        "ranks h*L .. h*L+L-1), so that its table-row-wise cuts and the planners' are measured on "
+                        "their hosts (default: one host; a plan.json records its own hosts)")
     p.add_argument("--split", default="test", help="which tasks: test (default), train or all")
     p.add_argument("--max-tasks", type=int, default=None, help="evaluate at most this many tasks")
     p.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
@@ -101,6 +105,11 @@ def main(args) -> int:
     if memory_gb is not None and (tasks is not None or not getattr(args, "plan", None)):
         raise EmbshardError("--memory-gb sizes the task of --plan, and --tasks has its own memory per device",
                             field="memory_gb", fix="leave out --memory-gb, or --tasks to measure the plan's own task")
+    per_host = getattr(args, "devices_per_host", None)
+    if per_host is not None and (tasks is not None or not getattr(args, "plan", None)):
+        raise EmbshardError("--devices-per-host lays out the task of --plan, and --tasks has its own hosts",
+                            field="devices_per_host",
+                            fix="leave out --devices-per-host, or --tasks to measure the plan's own task")
     with tempfile.TemporaryDirectory(prefix="embshard-evaluate-") as scratch:
         tables = args.tables
         if is_spec_path(tables):  # the tables ingest would make of the spec (the same seed: the same tables)
@@ -133,7 +142,7 @@ def main(args) -> int:
                         log.warning("evaluate --plan: %s: only the plan's tables are measured " + PLAN_AGAIN, note)
                 tasks = os.path.join(scratch, "tasks.parquet")
                 memory = None if memory_gb is None else checks.memory_bytes(memory_gb, field="memory_gb")
-                schemas.write(user_plan.task_frame(memory), tasks, "tasks")
+                schemas.write(user_plan.task_frame(memory, per_host), tasks, "tasks")
                 task_ids = None
             elif task_ids is None and user_plan.own_task_id() in set(
                     schemas.read(tasks, "tasks")["task_id"].astype(str)):

@@ -21,7 +21,7 @@ def run(source: str, out: str, input: str | list[str] | None = None, seed: int =
     source="synthetic": `num_tables` (default 856) seeded tables; kw `write_traces=True` also writes
       `<out>/traces.pt` in the DLRM format (kw `trace_batch_size`, default 4096; `trace_layout`) and takes
       the pooling factors and bins from those traces, so rows point at them; `bins_batch_size`,
-      `bytes_per_element`.
+      `bytes_per_element`, `hot_large_fraction`, `fp16_fraction` (about that fraction of the tables in FP16).
     source="dlrm": `input` a .pt/.pt.gz trace, or several files of one trace (a glob pattern, a comma-separated
       list or a list: ingest.dlrm.trace_files); kw `dim` (int or "mixed"), `data_type` ("fp32"/"fp16"),
       `rows_file`; `num_tables` reads only the first N tables.
@@ -125,9 +125,11 @@ def _synthetic(out: str, seed: int, num_tables: int, progress: bool, local_out: 
     bins_batch = int(kw.pop("bins_batch_size", None) or BINS_BATCH_SIZE)
     bpe = int(kw.pop("bytes_per_element", 4))
     hot_large = float(kw.pop("hot_large_fraction", 0.0))
+    fp16 = float(kw.pop("fp16_fraction", 0.0))
     _no_extra(kw)
     df = generate_tables(num_tables, seed=seed, bytes_per_element=bpe,
-                         bins_batch_size=trace_batch if write_traces else bins_batch, hot_large_fraction=hot_large)
+                         bins_batch_size=trace_batch if write_traces else bins_batch, hot_large_fraction=hot_large,
+                         fp16_fraction=fp16)
     if not write_traces:
         return df
     if not local_out:
@@ -149,8 +151,8 @@ def _synthetic(out: str, seed: int, num_tables: int, progress: bool, local_out: 
         if not existed:
             os.remove(trace_path)
         raise
-    traced["bytes_per_element"] = bpe
-    traced["size_bytes"] = traced["rows"] * traced["dim"] * bpe
+    traced["bytes_per_element"] = df["bytes_per_element"].to_numpy()  # per table (fp16_fraction)
+    traced["size_bytes"] = traced["rows"] * traced["dim"] * traced["bytes_per_element"]
     traced["zipf_alpha"] = df["zipf_alpha"].to_numpy()
     return traced
 
@@ -187,6 +189,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hot-large-fraction", type=float, default=0.0,
                    help="fraction of the tables drawn as large multi-hot features (1e7-1e8 rows, 20-120 lookups "
                         "per sample; default 0: sizes and pooling drawn independently)")
+    g.add_argument("--fp16-fraction", type=float, default=0.0,
+                   help="fraction of the tables drawn with FP16 weights, the others of --data-type (default 0)")
     g.add_argument("--trace-batch-size", type=int, default=4096, help="samples per table in traces.pt")
     g.add_argument("--trace-layout", default="flat", choices=["flat", "per_table", "per_table_cumulative"],
                    help="offsets layout of traces.pt (default flat, as the open dataset)")
@@ -200,6 +204,7 @@ SOURCE_OPTIONS = (("--input", "input", None, ("dlrm", "spec")), ("--dim", "dim",
                   ("--rows-file", "rows_file", None, ("dlrm",)),
                   ("--write-traces", "write_traces", False, ("synthetic",)),
                   ("--hot-large-fraction", "hot_large_fraction", 0.0, ("synthetic",)),
+                  ("--fp16-fraction", "fp16_fraction", 0.0, ("synthetic",)),
                   ("--trace-batch-size", "trace_batch_size", 4096, ("synthetic",)),
                   ("--trace-layout", "trace_layout", "flat", ("synthetic",)))
 
@@ -229,7 +234,7 @@ def main(args: argparse.Namespace) -> int:
         kw.update(write_traces=args.write_traces, trace_batch_size=args.trace_batch_size,
                   trace_layout=args.trace_layout, bins_batch_size=args.bins_batch_size,
                   bytes_per_element=4 if args.data_type == "fp32" else 2,
-                  hot_large_fraction=args.hot_large_fraction)
+                  hot_large_fraction=args.hot_large_fraction, fp16_fraction=args.fp16_fraction)
     else:
         kw.update(bins_batch_size=args.bins_batch_size)
     path = run(args.source, args.out, input=args.input, seed=args.seed, num_tables=args.num_tables, **kw)

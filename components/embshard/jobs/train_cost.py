@@ -94,6 +94,15 @@ def kind_breakdown(learned: np.ndarray, data: CostData, idx: np.ndarray) -> dict
     return _compute_metrics_by(learned, data, idx, {"split": split, "whole": ~split})
 
 
+def element_breakdown(learned: np.ndarray, data: CostData, idx: np.ndarray) -> dict:
+    """Compute metrics on shards holding an FP16 table and on FP32-only ones, separately (the model learns a
+    table's type from its bytes: only where it measured both does it price both)."""
+    if data.holds_fp16 is None:
+        return {}
+    half = data.holds_fp16[np.asarray(idx, dtype=np.int64)]
+    return _compute_metrics_by(learned, data, idx, {"holds_fp16": half, "fp32_only": ~half})
+
+
 def evaluate(model, data: CostData, analytic: AnalyticEstimator, seed: int = 0) -> dict:
     """Nested report: report[split][estimator][head] = {mape, rmse, spearman, n}, plus coverage and overall."""
     report: dict = {}
@@ -120,6 +129,7 @@ def evaluate(model, data: CostData, analytic: AnalyticEstimator, seed: int = 0) 
         rep["rows_capped"] = capped_breakdown(learned, data, idx)
         rep["by_origin"] = origin_breakdown(learned, data, idx)
         rep["by_shard_kind"] = kind_breakdown(learned, data, idx)
+        rep["by_element_type"] = element_breakdown(learned, data, idx)
         rep["monotonicity"] = monotonicity(model, data, idx, seed)
         if "spread" in data.frame.columns:
             sp = data.frame["spread"].to_numpy(float)[idx]
@@ -223,6 +233,11 @@ def summary_table(report: dict) -> str:
             lines.append("  compute on split shards (column slices, row ranges): " + ", ".join(
                 f"{k} MAPE {v['mape']:.1f}% Spearman {v['spearman']:.3f} (n={v['n']})" if v.get("n")
                 else f"{k} none measured" for k, v in kinds.items()))
+        types = rep.get("by_element_type") or {}
+        if types.get("holds_fp16", {}).get("n"):
+            lines.append("  compute by weight type: " + ", ".join(
+                f"{k} MAPE {v['mape']:.1f}% Spearman {v['spearman']:.3f} (n={v['n']})" for k, v in types.items()
+                if v.get("n")))
         mono = rep.get("monotonicity") or {}
         if mono.get("additions"):
             lines.append(f"  one more table predicted cheaper: {mono['lower']} of {mono['additions']} additions "
