@@ -5,9 +5,11 @@
 
 A model's features carry a table's bytes, not its type, so a model measured on FP32 tables alone prices an FP16
 one as some FP32 table of half the rows. This page scores A and B on one pipeline run's measured shards (`--data`:
-a run data folder whose tables hold FP16 ones, default the newest such run of `--run`), on the splits its own
-training never saw (`heldout`: unseen shards of seen tables; `unseen`: tables of the test pool), with the shards
-holding an FP16 table apart from the FP32-only ones: MAPE of forward + backward compute, and the median signed
+a run data folder whose tables hold FP16 ones, default the newest such run of `--run`), on its `unseen` shards:
+those made only of tables of the test pool, which no model of the run's seed trains on (the `heldout` split of
+seen tables is a random draw over the costs a model was fitted on: a refit's includes its round's measured plans,
+so a draw over the first costs alone would score shards it trained on). The shards holding an FP16 table are
+apart from the FP32-only ones: MAPE of forward + backward compute, and the median signed
 error (a model that never measured FP16 is biased, which a MAPE hides). Writes costmodel_types.md under --out.
 """
 from __future__ import annotations
@@ -49,8 +51,9 @@ def rows(name: str, model, data, split: str) -> list[dict]:
             continue
         m = metrics(pred[sel], true[sel])
         ok = true[sel] > 0
+        signed = float(np.median(pred[sel][ok] / true[sel][ok] - 1) * 100) if ok.any() else float("nan")
         out.append({"model": name, "split": split, "shards": group, "n": int(sel.sum()), "compute MAPE %": m["mape"],
-                    "median signed error %": float(np.median(pred[sel][ok] / true[sel][ok] - 1) * 100),
+                    "median signed error %": signed,
                     "Spearman": m["spearman"]})
     return out
 
@@ -75,13 +78,13 @@ def main(argv=None) -> int:
     for name in (args.a, args.b):
         progress(f"costmodel_types: scoring {name} on {folder}")
         model = load_model(name)
-        table += [r for split in ("heldout", "unseen") for r in rows(name, model, data, split)]
+        table += rows(name, model, data, "unseen")
     frame = pd.DataFrame(table)
     lines = ["# Cost-model error by weight type (FP16 against FP32)", "", hardware().line(), "",
              f"A = `{args.a}`, B = `{args.b}`, scored on the measured shards of `{os.path.relpath(folder)}` "
-             f"({data.hardware}, {data.backend}, batch {data.batch_size}) that B's training never saw (its seed's "
-             "splits: `heldout` unseen shards of seen tables, `unseen` tables of the test pool). Compute = forward "
-             "+ backward; the signed error is prediction / measured - 1 (negative: priced too cheap).", ""]
+             f"({data.hardware}, {data.backend}, batch {data.batch_size}) made only of tables of the test pool "
+             "(`unseen`: no model of the run's seed trains on them). Compute = forward + backward; the signed error "
+             "is prediction / measured - 1 (negative: priced too cheap).", ""]
     if args.note:
         lines += [args.note, ""]
     lines += [md_table(frame, {"n": 0}), ""]

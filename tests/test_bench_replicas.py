@@ -42,6 +42,10 @@ def test_allreduce_model_is_a_ring():
     m = comm.CommModel(latency_s=10e-6, bandwidth_Bps=1e9, source="given")
     g = comm.replica_grad_bytes(1000, 64)
     assert g == 1000 * 64 * 4
+    # a data-parallel table's gradient has its weights' type: an FP16 replica all-reduces half the bytes
+    assert comm.replica_grad_bytes(1000, 64, 2) == 1000 * 64 * 2
+    assert comm.replica_grad_bytes(np.array([1000, 10]), np.array([64, 8]), np.array([2, 4])).tolist() == [
+        1000 * 64 * 2, 10 * 8 * 4]
     assert m.allreduce_ms(g, 4) == pytest.approx(1e3 * (10e-6 + 2 * g * 3 / 4 / 1e9))
     assert m.allreduce_ms(g, 1) == 0.0
     # a W-rank group moving what a D-device ring moves per device
@@ -61,7 +65,7 @@ def test_replica_shard_uses_its_share_of_the_batch_and_pays_the_allreduce(ts, cf
     assert 0.5 / D < ratio < 2.0 / D
     mw = runner.measure_shard(ts, [t], cfg, num_devices=D)
     mr = runner.measure_shard(ts, [t], cfg, num_devices=D, replicas=[D])
-    grad = comm.replica_grad_bytes(int(ts.rows[t]), int(ts.dims[t]))
+    grad = comm.replica_grad_bytes(int(ts.rows[t]), int(ts.dims[t]), int(ts.bytes_per_element[t]))
     assert mr["allreduce_ms"] == pytest.approx(cfg.comm.allreduce_ms(grad, D))
     assert mr["fwd_comm_ms"] == 0.0  # no all-to-all of a replica's outputs
     assert mr["bwd_comm_ms"] == pytest.approx(mr["allreduce_ms"])

@@ -1269,3 +1269,28 @@ def test_a_plan_passed_as_a_dict_is_named_by_where(placement):
         plan_from_json(doc, world_size=D + 1, where="plans/task-a/torchrec_plan.json")
     with pytest.raises(EmbshardError, match=r"^<torchrec plan>: field 'world_size'"):
         plan_from_json(doc, world_size=D + 1)
+
+
+@needs_torchrec
+def test_a_torchrec_plan_cut_table_row_wise_is_measured_only_on_its_hosts(tmp_path, split_placement, tables):
+    """A TorchRec plan records no hosts: its table-row-wise table (2 ranks here) is measured only on a task whose
+    hosts hold that many devices (evaluate --devices-per-host), not as rows spread over another layout."""
+    from embshard.export.torchrec_plan import plan_to_json, to_torchrec_plan
+    from embshard.export.user_plan import UserPlan
+    from embshard.types import DeviceTopology
+
+    doc = plan_to_json(to_torchrec_plan(split_placement), world_size=D,
+                       tables={str(n): (int(r), int(d)) for n, r, d in zip(tables.table_ids, tables.rows, tables.dims)})
+    path = tmp_path / "torchrec_plan.json"
+    path.write_text(json.dumps(doc))
+    plan, mem = UserPlan(str(path)), split_placement.memory_bytes_per_device
+    with pytest.raises(EmbshardError, match="table-row-wise over hosts of 2 ranks, task t has 4 devices per host") as e:
+        plan._plan(tables, DeviceTopology(D, mem), "t")
+    assert e.value.field == "devices_per_host" and "--devices-per-host 2" in e.value.fix
+    assert plan.task_frame(mem, devices_per_host=2)["devices_per_host"].tolist() == [2]
+    placed = plan._plan(tables, DeviceTopology.on_hosts(D, mem, 2), "t")
+    assert placed.devices.hosts == (0, 0, 1, 1)
+    assert sorted(map(repr, placed.shards)) == sorted(map(repr, split_placement.shards))
+    with pytest.raises(EmbshardError, match="4 devices do not split into hosts of 3") as e:
+        plan.task_frame(mem, devices_per_host=3)
+    assert e.value.path == str(path) and e.value.field == "devices_per_host"

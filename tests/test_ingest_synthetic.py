@@ -88,7 +88,7 @@ def test_fp16_fraction_draws_fp16_tables_and_leaves_their_shapes_alone(tmp_path)
     same = ["table_id", "rows", "dim", "pooling_factor", "zipf_alpha", *schemas.BIN_COLUMNS]
     pd.testing.assert_frame_equal(mixed[same], base[same])
     assert (mixed["size_bytes"] == mixed["rows"] * mixed["dim"] * mixed["bytes_per_element"]).all()
-    # the pipeline's synthetic source draws them (its default fraction, 0.25), `embshard ingest` on asking
+    # `embshard ingest` draws them on asking (the pipeline's fp16_fraction, 0 by default)
     assert cli(["ingest", "--source", "synthetic", "--num-tables", "60", "--fp16-fraction", "0.5",
                 "--bins-batch-size", "256", "--out", str(tmp_path / "o"), "--no-progress"]) == 0
     df = schemas.read(tmp_path / "o" / "tables.parquet", "tables")
@@ -117,6 +117,8 @@ def test_bad_synthetic_requests(tmp_path, capsys):
         assert cli(["ingest", "--source", "synthetic", "--num-tables", "3", "--fp16-fraction", bad,
                     "--out", str(out)]) == 2
         assert "fp16_fraction" in capsys.readouterr().err
+    with pytest.raises(Exception, match="fp16_fraction.*every table is FP16 already"):  # a share of all: no-op
+        run("synthetic", str(out), num_tables=3, bytes_per_element=2, fp16_fraction=0.5, progress=False)
     assert cli(["ingest", "--source", "spec", "--input", "x.csv", "--fp16-fraction", "0.5", "--out", str(out)]) == 2
     assert "--fp16-fraction" in capsys.readouterr().err  # another source's tables have their own types
     assert not out.exists() or os.listdir(out) == []

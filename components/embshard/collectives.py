@@ -45,11 +45,13 @@ def allreduce_bytes(grad_bytes, num_devices: int):
     return 2.0 * g * (num_devices - 1) / num_devices if num_devices > 1 else 0.0 * g
 
 
-def replica_grad_bytes(rows, dim):
-    """The dense FP32 gradient of a replica (or of each of arrays of them), all-reduced every step (bench.comm)."""
+def replica_grad_bytes(rows, dim, bytes_per_element=4):
+    """The dense gradient of a replica (or of each of arrays of them), all-reduced every step (bench.comm), in the
+    table's own precision (a data-parallel table's gradient has its weights' type: 2 bytes for FP16)."""
     if isinstance(rows, np.ndarray):
-        return rows.astype(np.float64) * np.asarray(dim, dtype=np.float64) * 4.0
-    return float(rows) * float(dim) * 4.0
+        return (rows.astype(np.float64) * np.asarray(dim, dtype=np.float64)
+                * np.asarray(bytes_per_element, dtype=np.float64))
+    return float(rows) * float(dim) * float(bytes_per_element)
 
 
 def allreduce_numel(grad_bytes: float, num_devices: int, world: int) -> int:

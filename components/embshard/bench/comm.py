@@ -15,9 +15,10 @@ all_to_all_single of the same size stands in for the reduce-scatter), small next
 
 A replica (kind 'replicated', TorchRec's data_parallel) sends no pooled outputs (each device looks up its own
 B/D samples in its full copy), so its dim is left out of S; instead its gradient is all-reduced over the D
-devices every step: G = rows x dim x 4 bytes (dense FP32 gradients), of which a ring all-reduce moves
-2 x (D-1)/D x G per device (reduce-scatter then all-gather). One all-reduce per replica (its latency paid per
-replica, as costmodel.scoring prices it; TorchRec's DDP may bucket small ones), counted in the backward comm:
+devices every step: G = rows x dim x bytes per element (dense gradients of the weights' type), of which a ring
+all-reduce moves 2 x (D-1)/D x G per device (reduce-scatter then all-gather). One all-reduce per replica (its
+latency paid per replica, as costmodel.scoring prices it; TorchRec's DDP may bucket small ones), counted in the
+backward comm:
 - model: latency + 2 (D-1)/D G / bandwidth, with the same calibrated constants as the all-to-all
   (`CommModel.allreduce_ms`; the all-to-all's calibration stands in for the all-reduce's: one ring step
   moves bytes between the same processes or GPUs);

@@ -456,7 +456,7 @@ def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: i
     """Measure one device shard (positions `members` into `tables`; pieces: `col_sizes`, `row_ranges`,
     `replicas` as shard_inputs takes them); returns the measured numbers. The communication counts each piece's
     output width (bench.comm: a column slice col_size, a row range the full dim of its partial sums); a replica
-    sends no outputs but all-reduces its full gradient (rows x dim x 4 bytes) in the backward (`allreduce_ms`,
+    sends no outputs but all-reduces its full gradient (rows x dim x bytes per element) in the backward (`allreduce_ms`,
     one all-reduce per replica, as costmodel.scoring prices it).
     `inputs`: the shard's inputs made beforehand (e.g. by a worker process), else made here."""
     from .comm import replica_grad_bytes
@@ -467,7 +467,8 @@ def measure_shard(tables: TableSet, members, cfg: BenchConfig, *, num_devices: i
     members = np.asarray(members, dtype=np.int64)
     reps = [k for k in range(len(members)) if _replica_of(replicas, k)]
     rep_dims = int(sum(inputs.dims[k] for k in reps))
-    grads = [replica_grad_bytes(int(tables.rows[members[k]]), int(tables.dims[members[k]])) for k in reps]
+    grads = [replica_grad_bytes(int(tables.rows[members[k]]), int(tables.dims[members[k]]),
+                                int(tables.bytes_per_element[members[k]])) for k in reps]
     m.update(_comm(cfg, int(sum(inputs.dims)) - rep_dims, num_devices, grads, rep_dims))
     return m
 

@@ -8,7 +8,7 @@ Replicas (kind 'replicated'): the model prices a replica's compute from its feat
 `piece_features`); its communication differs in kind from a table's, so it is an additive analytic term per
 piece (`replica_extra_ms`, carried as one more channel of the scorer's sums): minus the all-to-all the model
 would charge for its dim (a replica sends no pooled outputs) plus the ring all-reduce of its gradient
-(rows x dim x 4 bytes, latency + 2 (D-1)/D bytes / bandwidth), as the benchmark measures it (bench.comm).
+(rows x dim x bytes per element, latency + 2 (D-1)/D bytes / bandwidth), as the benchmark measures it (bench.comm).
 """
 from __future__ import annotations
 
@@ -415,7 +415,8 @@ def replica_extras(cost_model: CostEstimator, tables: TableSet, tabs: np.ndarray
     a2a = np.maximum(sent[:, 0] - sent[:, 1], 0.0)
     j = int(np.argmax(widths))
     model = replica_comm_model(cost_model, num_devices, float(a2a[j]), int(widths[j]), float(sent[j, 1]))
-    grad = replica_grad_bytes(tables.rows[tabs].astype(np.float64), tables.dims[tabs].astype(np.float64))
+    grad = replica_grad_bytes(tables.rows[tabs].astype(np.float64), tables.dims[tabs].astype(np.float64),
+                              tables.bytes_per_element[tabs])
     return model.allreduce_ms(grad, num_devices) - a2a
 
 

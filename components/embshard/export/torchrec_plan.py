@@ -737,6 +737,12 @@ def _kernels(sharder, sharding_type: str, shards) -> list[str]:
     return list(sharder.compute_kernels(sharding_type, "cuda"))
 
 
+def table_row_wise_host(doc: Mapping) -> tuple[str | None, int | None]:
+    """(a table cut table-row-wise, its ranks: the plan's ranks per host), or (None, None) when none is."""
+    return next(((n, len(p["ranks"])) for params in doc["modules"].values() for n, p in params.items()
+                 if p["sharding_type"] == TABLE_ROW_WISE), (None, None))
+
+
 def _check_host_size(doc: Mapping, where: str, local_world_size: int | None) -> None:
     """A table_row_wise table's ranks are one host of the plan (check_plan_doc: consecutive, from a multiple of
     their count), so the plan's ranks per host are their count. TorchRec groups a job's ranks into hosts of
@@ -745,8 +751,7 @@ def _check_host_size(doc: Mapping, where: str, local_world_size: int | None) -> 
     sharding, or "Number of local shards (0) does not match"). Checked against `local_world_size` when given, else
     inside a job (a process group) against what TorchRec will use; outside a job (reading or evaluating a plan)
     there is nothing to compare with."""
-    name, plan_local = next(((n, len(p["ranks"])) for params in doc["modules"].values() for n, p in params.items()
-                             if p["sharding_type"] == TABLE_ROW_WISE), (None, None))
+    name, plan_local = table_row_wise_host(doc)
     if plan_local is None:
         return
     source = "local_world_size"

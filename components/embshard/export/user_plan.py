@@ -110,14 +110,19 @@ class UserPlan:
         doc = self.document()
         if devices_per_host is not None:
             devices = int(doc["world_size"] if self.is_torchrec() else doc["num_devices"])
-            DeviceTopology.on_hosts(devices, 1, int(devices_per_host))  # divides the devices, or one line
-            hosts = None if self.is_torchrec() else doc.get("hosts")
-            own = devices // len(set(hosts)) if hosts is not None else devices
-            if not self.is_torchrec() and own != int(devices_per_host):
-                raise EmbshardError(f"the plan records {own} devices per host, not {devices_per_host}", path=self.path,
-                                    field="devices_per_host",
-                                    fix="leave out --devices-per-host (a plan.json records its hosts), or plan again "
-                                        f"with --devices-per-host {devices_per_host}")
+            if not self.is_torchrec():  # a plan.json records its hosts (none: one host)
+                hosts = doc.get("hosts")
+                own = devices // len(set(hosts)) if hosts is not None else devices
+                if own != int(devices_per_host):
+                    raise EmbshardError(
+                        f"the plan records {own} devices per host, not {devices_per_host}", path=self.path,
+                        field="devices_per_host",
+                        fix="leave out --devices-per-host (a plan.json records its hosts), or plan again with "
+                            f"--devices-per-host {devices_per_host} (a plan written by hand: add its `hosts`)")
+            if int(devices_per_host) < 1 or devices % int(devices_per_host):
+                raise EmbshardError(f"the plan's {devices} devices do not split into hosts of {devices_per_host}",
+                                    path=self.path, field="devices_per_host",
+                                    fix="give a number of devices per host that divides the plan's world_size")
         if self.is_torchrec():
             if memory_bytes is None:
                 raise EmbshardError("a TorchRec plan records no memory per device, so it makes no task",
@@ -164,8 +169,17 @@ class UserPlan:
             raise EmbshardError(f"the plan is for {world} devices, task {task_id} has {topology.count}",
                                 path=self.path, field="num_devices", fix=_FIX)
         if self.is_torchrec():
-            from .torchrec_plan import placement_from_sharding_plan, plan_from_json
+            from .torchrec_plan import placement_from_sharding_plan, plan_from_json, table_row_wise_host
 
+            # A table cut table-row-wise is on one host's ranks: the task must have hosts of that many (a TorchRec
+            # plan records none), else its rows would be measured as spread over another layout.
+            name, ranks = table_row_wise_host(doc)
+            if ranks is not None and ranks != topology.local_world_size:
+                raise EmbshardError(
+                    f"the plan cuts table {name} table-row-wise over hosts of {ranks} ranks, task {task_id} has "
+                    f"{topology.local_world_size} devices per host", path=self.path, field="devices_per_host",
+                    fix=f"give --devices-per-host {ranks} (evaluate --plan), or tasks whose devices_per_host is "
+                        f"{ranks}")
             sharding_plan = plan_from_json(self.path, tables=tables, world_size=topology.count)
             placement = placement_from_sharding_plan(sharding_plan, tables, topology.count, topology.memory_bytes,
                                                      names=task_ids, module_path=next(iter(doc["modules"])))

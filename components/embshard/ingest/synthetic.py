@@ -117,6 +117,10 @@ def generate_tables(num_tables: int, seed: int = 0, bytes_per_element: int = 4,
         if not 0.0 <= float(value) <= 1.0:  # also refuses NaN
             raise EmbshardError(f"{value} is not a fraction", field=name,
                                 fix=f"give a value from 0 to 1 (e.g. {example})")
+    if float(fp16_fraction) > 0 and int(bytes_per_element) == 2:
+        raise EmbshardError("every table is FP16 already (bytes_per_element 2, --data-type fp16)",
+                            field="fp16_fraction",
+                            fix="leave out fp16_fraction, or draw FP32 tables (--data-type fp32) with a share in FP16")
     pop = sample_population(num_tables, seed, float(hot_large_fraction))
     rng = np.random.default_rng(seed + 1)
     bins = np.empty((num_tables, schemas.NUM_BINS))

@@ -131,7 +131,8 @@ def _warn_unseen_types(model, tables) -> None:
         names = ", ".join(t for t, _ in odd[:3]) + (f" and {len(odd) - 3} more" if len(odd) > 3 else "")
         log.warning("%d table(s) of %s (%s) are of a type the cost model was never measured on (it saw %s bytes per "
                     "element): their predicted costs are extrapolated from their bytes (fix: measure such tables: run "
-                    "the pipeline on a table spec that has them, source=spec)", len(odd), kinds, names,
+                    "the pipeline with fp16_fraction > 0, or on a table spec that has them)",
+                    len(odd), kinds, names,
                     ", ".join(map(str, seen)))
 
 
