@@ -43,10 +43,12 @@ def placement(tables) -> Placement:
                      topology=DeviceTopology(D, mem, hosts=(0, 0, 1, 1)))
 
 
-def _task(tables, memory=None, devices=D) -> Task:
-    # The task lists its tables in another order than the plan: the plan is matched by table id.
+def _task(tables, memory=None, devices=D, per_host=2) -> Task:
+    # The task lists its tables in another order than the plan: the plan is matched by table id. Its hosts are the
+    # plan's (2 devices each): a table-row-wise cut is measured only there.
     return Task("task-u", tables.subset(np.arange(len(tables))[::-1]),
-                DeviceTopology(devices, int(memory or tables.size_bytes.sum())))
+                DeviceTopology.on_hosts(devices, int(memory or tables.size_bytes.sum()),
+                                        per_host if per_host and devices % per_host == 0 else None))
 
 
 def _same(a: Placement, b: Placement) -> bool:
@@ -63,6 +65,8 @@ def test_plan_json_round_trip_is_the_original(tmp_path, placement, tables):
     got = UserPlan(path).plan_task(_task(tables))
     assert _same(got, placement) and got.planner == "user_plan" and got.task_id == "task-u"
     assert got.memory_per_device().max() == placement.memory_per_device().max()
+    with pytest.raises(EmbshardError, match="table-row-wise over hosts of 2 devices, task task-u has 4 devices per"):
+        UserPlan(path).plan_task(_task(tables, per_host=None))  # the plan records its hosts: measured only there
 
 
 def test_a_v2_plan_json_is_read(tmp_path, tables):
@@ -88,6 +92,9 @@ def test_exported_torchrec_json_round_trip_is_the_original(tmp_path, placement, 
     path = tmp_path / "torchrec_plan.json"
     path.write_text(json.dumps(doc))
     assert _same(UserPlan(path).plan_task(_task(tables)), placement)
+    # its table-row-wise table (ranks 2-3: one host of 2) is not measured as spread over one host of 4
+    with pytest.raises(EmbshardError, match="table-row-wise over hosts of 2 ranks, task task-u has 4 devices per"):
+        UserPlan(path).plan_task(_task(tables, per_host=None))
 
 
 def test_a_plan_that_is_not_the_tasks_is_one_line_naming_the_file(tmp_path, placement, tables):

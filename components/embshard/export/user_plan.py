@@ -187,6 +187,16 @@ class UserPlan:
         else:
             from .plan_json import placement_from_plan
 
+            # As for a TorchRec plan: a table cut table-row-wise is on one of the plan's hosts, measured only there.
+            name = next((str(t["table_id"]) for t in doc["tables"] if t.get("sharding_type") == "table_row_wise"),
+                        None)
+            hosts = tuple(int(h) for h in doc.get("hosts") or ())
+            if name is not None and hosts and topology.hosts != hosts:
+                own = topology.count // len(set(hosts))
+                raise EmbshardError(
+                    f"the plan cuts table {name} table-row-wise over hosts of {own} devices, task {task_id} has "
+                    f"{topology.local_world_size} devices per host", path=self.path, field="devices_per_host",
+                    fix=f"evaluate the plan's own task (leave out --tasks), or tasks whose devices_per_host is {own}")
             theirs = placement_from_plan(doc, tables, where=where)
             if task_id not in self._warned:
                 self._warned.add(task_id)
