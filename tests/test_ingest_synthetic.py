@@ -76,7 +76,7 @@ def test_hot_large_fraction_draws_large_multi_hot_tables_and_leaves_the_others_a
     assert ((df["rows"] >= 10**7) & (df["pooling_factor"] >= 20)).any()
 
 
-def test_fp16_fraction_draws_fp16_tables_and_leaves_their_shapes_alone(tmp_path):
+def test_fp16_fraction_draws_fp16_tables_and_leaves_their_shapes_alone(tmp_path, capsys):
     from embshard.ingest.synthetic import generate_tables
 
     base = generate_tables(400, seed=5, bins_batch_size=256)
@@ -93,6 +93,7 @@ def test_fp16_fraction_draws_fp16_tables_and_leaves_their_shapes_alone(tmp_path)
                 "--bins-batch-size", "256", "--out", str(tmp_path / "o"), "--no-progress"]) == 0
     df = schemas.read(tmp_path / "o" / "tables.parquet", "tables")
     assert set(df["bytes_per_element"]) == {2, 4}
+    assert f"{int((df['bytes_per_element'] == 2).sum())} of them FP16" in capsys.readouterr().out  # said, not hidden
     # traces written: the types are kept beside the traced pooling and bins
     assert cli(["ingest", "--source", "synthetic", "--num-tables", "12", "--fp16-fraction", "0.5", "--write-traces",
                 "--trace-batch-size", "64", "--out", str(tmp_path / "t"), "--no-progress"]) == 0

@@ -463,6 +463,7 @@ def test_evaluate_of_a_torchrec_plan_without_tasks_takes_its_memory_from_memory_
     ev = pd.read_parquet(tmp_path / "ev" / "evaluation.parquet")
     assert list(ev["planner"]) == ["round_robin", "user_plan"] and ev["feasible"].all()
     assert set(ev["memory_bytes_per_device"]) == {2**30} and set(ev["num_devices"]) == {task.num_devices}
+    assert set(ev["batch_size"]) == {32}  # the batch measured, recorded beside the costs
     assert set(ev["task_id"]) == {"team_plan__1_"}
     assert "round_robin: " in capsys.readouterr().out
     # its hosts (a TorchRec plan records none): --devices-per-host lays the task out, as place and export take it

@@ -233,6 +233,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     given = given or {}
     planner_objs = {name: given[name] if name in given else _make_planner(name, planner_kw or {}, settings)
                     for name in dict.fromkeys(planners)}
+    batch = warn_batch_mismatch(planner_objs, settings)
     rows, placements, ratio_rows = [], [], []
     round_costs: dict[str, dict[str, list[float]]] = {}
     singles_cache: dict = {}
@@ -248,7 +249,7 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
         one = evaluate_task(t, labels, planner_objs, rounds=int(rounds), settings=settings,
                             single_settings=single_settings, judge=judge, singles_cache=singles_cache, seed=seed,
                             estimate_in_rounds=estimate_in_rounds)
-        rows += one.rows
+        rows += [{**r, "batch_size": batch} for r in one.rows]
         ratio_rows += one.ratio_rows
         placements += one.placements
         round_costs[t.task_id] = one.round_costs
@@ -285,6 +286,22 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
             "ranking": {**ranking, "accuracy": ranking["correct"] / ranking["pairs"] if ranking["pairs"] else
                         float("nan"), **placement_accuracy(judged_tasks)},
             "shard_measurements": shard_measurements}
+
+
+def warn_batch_mismatch(planner_objs: dict, settings: MeasureSettings) -> int:
+    """The batch size measured (the settings', else the device's default); one warning per model-based planner whose
+    cost model was measured at another: it plans for its own batch, and per-lookup and fixed costs weigh otherwise
+    at another (a user's list: learned 0.70x the best greedy at the model's 2048, 1.03x at 512)."""
+    from .bench.runner import resolve_settings
+
+    batch = int(resolve_settings(settings)["batch_size"])
+    for name, p in planner_objs.items():
+        trained = getattr(getattr(getattr(p, "cost_model", None), "config", None), "batch_size", None)
+        if trained and int(trained) != batch:
+            log.warning("%s plans with a cost model measured at batch %d; this evaluation measures batch %d, so its "
+                        "plans are judged at a batch they were not made for (fix: leave out --batch-size, or give "
+                        "--batch-size %d)", name, int(trained), batch, int(trained))
+    return batch
 
 
 def judged_costs(model, entries: list[Entry]) -> dict[int, float]:

@@ -293,8 +293,8 @@ def given_calibration_dir(path: str | None, field: str = "calibration_dir") -> s
     if path is None or "://" in str(path) or os.path.isdir(path):
         return path
     raise EmbshardError(f"no folder {path!r}", path=str(path), field=field,
-                        fix=f"give the folder of a run's {CALIBRATION_FILE} (e.g. RUN/calibration), or create the "
-                            "folder first to calibrate into it")
+                        fix=f"give the folder of a run's {CALIBRATION_FILE} (e.g. a pipeline folder's "
+                            "OUT/calibration, or a run's data folder), or create the folder first to calibrate into it")
 
 
 def describe(device: str) -> str:

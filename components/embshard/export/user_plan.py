@@ -110,6 +110,11 @@ class UserPlan:
         doc = self.document()
         if devices_per_host is not None:
             devices = int(doc["world_size"] if self.is_torchrec() else doc["num_devices"])
+            # a flag's mistake, not the file's: named by the flag (the file only in the message)
+            if int(devices_per_host) < 1 or devices % int(devices_per_host):
+                raise EmbshardError(f"the plan's {devices} devices ({os.path.basename(self.path)}) do not split "
+                                    f"into hosts of {devices_per_host}", field="devices_per_host",
+                                    fix="give a number of devices per host that divides them")
             if not self.is_torchrec():  # a plan.json records its hosts (none: one host)
                 hosts = doc.get("hosts")
                 own = devices // len(set(hosts)) if hosts is not None else devices
@@ -119,10 +124,6 @@ class UserPlan:
                         field="devices_per_host",
                         fix="leave out --devices-per-host (a plan.json records its hosts), or plan again with "
                             f"--devices-per-host {devices_per_host} (a plan written by hand: add its `hosts`)")
-            if int(devices_per_host) < 1 or devices % int(devices_per_host):
-                raise EmbshardError(f"the plan's {devices} devices do not split into hosts of {devices_per_host}",
-                                    path=self.path, field="devices_per_host",
-                                    fix="give a number of devices per host that divides the plan's world_size")
         if self.is_torchrec():
             if memory_bytes is None:
                 raise EmbshardError("a TorchRec plan records no memory per device, so it makes no task",

@@ -71,8 +71,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--statistic", default="median", choices=["median", "min"],
                    help="of a shard's timed iterations within a round (median, or min-of-k)")
     p.add_argument("--calibration-dir", default=None, metavar="DIR",
-                   help="folder of the comm_calibration.json the all-to-all model uses, e.g. a run's "
-                        "RUN/calibration (default: EMBSHARD_CALIBRATION_DIR, else calibrated now: a fresh "
+                   help="folder of the comm_calibration.json the all-to-all model uses, e.g. a pipeline "
+                        "folder's OUT/calibration (runs/local/calibration) or a run's data folder (default: "
+                        "EMBSHARD_CALIBRATION_DIR, else calibrated now: a fresh "
                         "calibration moves from one call to the next, so compare evaluations that share one)")
     p.add_argument("--round-processes", action="store_true",
                    help="measure each round in a fresh process (CPU; about 2.5 s more per round): in one "

@@ -242,8 +242,14 @@ def main(args: argparse.Namespace) -> int:
     gib = df["size_bytes"].sum() / 2**30
     print(f"wrote {path}: {len(df)} tables, {gib:,.1f} GiB, rows {df['rows'].min():,}..{df['rows'].max():,}, "
           f"dims {df['dim'].min()}..{df['dim'].max()}, pooling {df['pooling_factor'].mean():.2f} mean "
-          f"(source {_source_words(df)})")
+          f"(source {_source_words(df)}){_types_words(df)}")
     return 0
+
+
+def _types_words(df) -> str:
+    """', 10 of them FP16' where some tables are FP16 and others not ('' otherwise)."""
+    half = int((df["bytes_per_element"] == 2).sum())
+    return f", {half} of them FP16" if 0 < half < len(df) else (", all FP16" if half else "")
 
 
 def _source_words(df) -> str:

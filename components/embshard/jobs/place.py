@@ -130,10 +130,10 @@ def _warn_unseen_types(model, tables) -> None:
         kinds = ", ".join(sorted({f"{b} bytes per element" for _, b in odd}))
         names = ", ".join(t for t, _ in odd[:3]) + (f" and {len(odd) - 3} more" if len(odd) > 3 else "")
         log.warning("%d table(s) of %s (%s) are of a type the cost model was never measured on (it saw %s bytes per "
-                    "element): their predicted costs are extrapolated from their bytes (fix: measure such tables: run "
-                    "the pipeline with fp16_fraction > 0, or on a table spec that has them)",
-                    len(odd), kinds, names,
-                    ", ".join(map(str, seen)))
+                    "element): their predicted costs are extrapolated from their bytes (an FP32-only model priced "
+                    "FP16 shards 16-22%% below their measured cost on a CPU) (fix: measure such tables, a table spec "
+                    "with them or fp16_fraction > 0, and compare the two models' plans: python -m "
+                    "benchmarks.model_ab)", len(odd), kinds, names, ", ".join(map(str, seen)))
 
 
 def _warn_hardware(model, hardware: str | None, planning: bool = False) -> None:
@@ -209,9 +209,12 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     table_set, D, mem, tid, where, task_per_host = resolve_task(tables, tasks, task_id, devices, memory_bytes)
     try:
         check_feasible(table_set, D, mem, tid)
-        topology = DeviceTopology.on_hosts(D, mem, task_per_host if devices_per_host is None else devices_per_host)
     except EmbshardError as exc:
         raise exc.at(where) from None
+    try:
+        topology = DeviceTopology.on_hosts(D, mem, task_per_host if devices_per_host is None else devices_per_host)
+    except EmbshardError as exc:  # --devices-per-host's mistake (the file's only when it is the task's own)
+        raise (exc.at(where) if devices_per_host is None else exc) from None
     warn_if_unnamable(table_set.table_ids, log)
     if topology.hosts is None and D > MAX_LOCAL_DEVICES:  # export would refuse it (torchrec_plan.to_torchrec_plan)
         log.warning("%d devices on one host: the TorchRec export needs the GPUs per host (torch numbers a host's "
@@ -341,7 +344,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                         "a refinement only when this machine is the hardware the plan is for")
     p.add_argument("--calibration-dir", default=None, metavar="DIR",
                    help="with --refine: the folder of the comm_calibration.json its all-to-all model uses, e.g. a "
-                        "run's RUN/calibration (default: EMBSHARD_CALIBRATION_DIR, else calibrated now, ~15 s)")
+                        "pipeline folder's OUT/calibration, or a run's data folder (default: "
+                        "EMBSHARD_CALIBRATION_DIR, else calibrated now, ~15 s)")
     p.add_argument("--refine-rounds", type=int, default=5, metavar="R",
                    help="paired measuring rounds of --refine (default 5; at least 2, which gives an interval of "
                         "the two rounds' range only)")
