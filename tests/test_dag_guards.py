@@ -77,6 +77,14 @@ def test_each_bad_value_is_named_with_its_fix(conf, field, words):
     assert words in what and fix
 
 
+def test_fp16_weights_of_a_synthetic_run_point_to_fp16_fraction():
+    """`ingest --source synthetic --data-type fp16` exists; the pipeline's way is fp16_fraction, and its fix says so."""
+    (field, _, fix), = params.problems({"data_type": "fp16"})
+    assert field == "data_type" and "fp16_fraction (1: every table)" in fix
+    spec = {f: fix for f, _, fix in params.problems({"source": "spec", "input": "x.csv", "data_type": "fp16"})}
+    assert "data_type" in spec and "fp16_fraction" not in spec["data_type"]  # a spec lists its types
+
+
 def test_every_problem_at_once_in_one_line():
     conf = {"nosuch": 1, "num_tables": -5, "tables_per_task": "abc", "eval_planners": ["nosuchplanner"]}
     with pytest.raises(EmbshardError) as exc:

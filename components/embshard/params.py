@@ -226,8 +226,10 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
         for key in DLRM_KEYS:  # what a trace lacks: the generator draws them, a spec lists them
             if given.get(key) is not None and key not in bad and _dlrm_value(key, p[key]) != SPECS[key].default:
                 has = "lists them in its input" if p["source"] == "spec" else "draws them itself"
+                also = ("; synthetic FP16 tables: fp16_fraction (1: every table)"
+                        if key == "data_type" and p["source"] == "synthetic" else "")
                 found.append((key, f"only a dlrm trace needs dims, data type and hash sizes given; source "
-                              f"{p['source']} {has}", f"leave {key} out, or choose source dlrm"))
+                              f"{p['source']} {has}", f"leave {key} out, or choose source dlrm{also}"))
     if "policy_iterations" not in bad and "policy_rounds" not in bad and \
             int(p["policy_iterations"]) < int(p["policy_rounds"]):
         # each round trains policy_iterations // policy_rounds updates (as `embshard train-policy` refuses)
