@@ -67,6 +67,15 @@ def test_replica_shard_uses_its_share_of_the_batch_and_pays_the_allreduce(ts, cf
     mr = runner.measure_shard(ts, [t], cfg, num_devices=D, replicas=[D])
     grad = comm.replica_grad_bytes(int(ts.rows[t]), int(ts.dims[t]), int(ts.bytes_per_element[t]))
     assert mr["allreduce_ms"] == pytest.approx(cfg.comm.allreduce_ms(grad, D))
+    # an FP16 table's replica all-reduces a gradient of its own type: half the bytes
+    from dataclasses import replace
+
+    bpe, size = ts.bytes_per_element.copy(), ts.size_bytes.copy()
+    bpe[t], size[t] = 2, int(ts.rows[t]) * int(ts.dims[t]) * 2
+    m16 = runner.measure_shard(replace(ts, bytes_per_element=bpe, size_bytes=size), [t], cfg, num_devices=D,
+                               replicas=[D])
+    half = comm.replica_grad_bytes(int(ts.rows[t]), int(ts.dims[t]), 2)
+    assert half == grad / 2 and m16["allreduce_ms"] == pytest.approx(cfg.comm.allreduce_ms(half, D))
     assert mr["fwd_comm_ms"] == 0.0  # no all-to-all of a replica's outputs
     assert mr["bwd_comm_ms"] == pytest.approx(mr["allreduce_ms"])
     assert mw["fwd_comm_ms"] > 0 and mw.get("allreduce_ms", 0.0) == 0.0

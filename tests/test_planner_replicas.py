@@ -60,6 +60,14 @@ def test_the_scorer_adds_the_allreduce_and_drops_the_replicas_all_to_all():
     feats = piece_features(ts, shards, D)
     base = TaskScorer(model, feats, D).device_costs(pl.device_of_shards())
     assert placement_costs(model, pl) == pytest.approx(base + ring - a2a, rel=1e-5)
+    # an FP16 table's replica all-reduces its gradient in its weights' type: half the bytes of an FP32 one's
+    bpe, size = ts.bytes_per_element.copy(), ts.size_bytes.copy()
+    bpe[t], size[t] = 2, int(ts.rows[t]) * int(ts.dims[t]) * 2
+    half = replace(ts, bytes_per_element=bpe, size_bytes=size)
+    ring16 = CommModel(20e-6, 10e9, "given").allreduce_ms(replica_grad_bytes(int(ts.rows[t]), int(ts.dims[t]), 2), D)
+    # (this analytic model prices the all-to-all it takes back by the table's bytes too: half of it)
+    assert ring16 < ring and replica_extra_ms(model, half, shards, D)[-D:] == pytest.approx(ring16 - a2a / 2,
+                                                                                            rel=1e-4)
 
 
 def test_replica_costs_asked_again_from_the_task_cache_are_the_same():

@@ -298,9 +298,11 @@ def warn_batch_mismatch(planner_objs: dict, settings: MeasureSettings) -> int:
     for name, p in planner_objs.items():
         trained = getattr(getattr(getattr(p, "cost_model", None), "config", None), "batch_size", None)
         if trained and int(trained) != batch:
+            # the batch given (leave it out) or the device's default (another device's model: give the model's)
+            fix = (f"give --batch-size {int(trained)}" if settings.batch_size is None
+                   else f"leave out --batch-size, or give --batch-size {int(trained)}")
             log.warning("%s plans with a cost model measured at batch %d; this evaluation measures batch %d, so its "
-                        "plans are judged at a batch they were not made for (fix: leave out --batch-size, or give "
-                        "--batch-size %d)", name, int(trained), batch, int(trained))
+                        "plans are judged at a batch they were not made for (fix: %s)", name, int(trained), batch, fix)
     return batch
 
 

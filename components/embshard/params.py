@@ -62,9 +62,10 @@ SPECS: dict[str, ParamSpec] = {
                                     "features (1e7-1e8 rows, 20-120 lookups per sample), which independent draws "
                                     "of size and pooling almost never make (0-1).",
                                     {"type": "number", "minimum": 0, "maximum": 1}),
-    # 0 by default: a model measured on FP32 tables alone prices FP16 ones 16-22% too cheap, yet a run with a quarter
-    # of its tables FP16 planned no better (FP32 suites) or worse (two FP16-heavy lists: 1.46x, 1.15x), its model's
-    # FP32 calibration lost (benchmarks/results/model_ab_fp16.md, costmodel_types.md).
+    # 0 by default: a model measured on FP32 tables alone prices shards holding an FP16 table 16% too cheap (median,
+    # unseen tables), yet a run with a quarter of its tables FP16 planned no better on FP32 suites and slower on the
+    # all-FP16 MLPerf-like list (1.146x), its model's FP32 calibration lost (benchmarks/results/model_ab_fp16.md,
+    # costmodel_types.md).
     "fp16_fraction": ParamSpec(0.0, "Synthetic source: fraction of the tables drawn with FP16 weights (the "
                                "others FP32), so that the cost model measures both types (0-1).",
                                {"type": "number", "minimum": 0, "maximum": 1}),

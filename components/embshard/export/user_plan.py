@@ -189,7 +189,9 @@ class UserPlan:
             from .plan_json import placement_from_plan
 
             # As for a TorchRec plan: a table cut table-row-wise is on one of the plan's hosts, measured only there.
-            name = next((str(t["table_id"]) for t in doc["tables"] if t.get("sharding_type") == "table_row_wise"),
+            from ..torchrec_compat import TABLE_ROW_WISE
+
+            name = next((str(t["table_id"]) for t in doc["tables"] if t.get("sharding_type") == TABLE_ROW_WISE),
                         None)
             hosts = tuple(int(h) for h in doc.get("hosts") or ())
             if name is not None and hosts and topology.hosts != hosts:
