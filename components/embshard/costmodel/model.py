@@ -66,6 +66,10 @@ class CostModelConfig:
     monotone: bool = False
     # Bytes per element of the tables the model was measured on (4: FP32, 2: FP16); empty: not recorded (older).
     element_bytes_seen: list[int] = field(default_factory=list)
+    # A table's bytes per element (size_bytes / (rows x dim)) as one more encoder input: its type, seen directly
+    # rather than as a small shift of log size_bytes against rows and dim. False in older configs (two derived
+    # inputs), which load as they were trained.
+    type_input: bool = False
 
 
 def _share_sent(num_devices: torch.Tensor) -> torch.Tensor:
@@ -150,7 +154,9 @@ class CostNet(nn.Module):
         e = cfg.embed
         self.batch_size = int(cfg.batch_size or DEFAULT_BATCH_SIZE)
         self.cache_bytes = float(cfg.cache_bytes or DEFAULT_CACHE_BYTES)
-        self.encoder = nn.Sequential(nn.Linear(NUM_FEATURES + NUM_DERIVED, cfg.hidden), nn.ReLU(),
+        self.type_input = bool(cfg.type_input)
+        self.num_derived = NUM_DERIVED + int(self.type_input)
+        self.encoder = nn.Sequential(nn.Linear(NUM_FEATURES + self.num_derived, cfg.hidden), nn.ReLU(),
                                      nn.Linear(cfg.hidden, e), nn.ReLU())
         h_in = e + NUM_EXTRA
         self.fwd = _Head(h_in, cfg.head_hidden, cfg.monotone)
@@ -170,8 +176,8 @@ class CostNet(nn.Module):
         self.register_buffer("target_scale", torch.tensor(cfg.target_scale, dtype=torch.float32))
         self.register_buffer("scaler_mean", torch.zeros(NUM_FEATURES))
         self.register_buffer("scaler_std", torch.ones(NUM_FEATURES))
-        self.register_buffer("derived_mean", torch.zeros(NUM_DERIVED))
-        self.register_buffer("derived_std", torch.ones(NUM_DERIVED))
+        self.register_buffer("derived_mean", torch.zeros(self.num_derived))
+        self.register_buffer("derived_std", torch.ones(self.num_derived))
 
     def constrain_(self) -> None:
         """Keep monotone compute heads monotone after an optimizer step (_Head.constrain_)."""
@@ -183,15 +189,19 @@ class CostNet(nn.Module):
         ws = working_set_bytes(raw.detach().cpu().numpy(), self.batch_size)
         return torch.as_tensor(ws, dtype=raw.dtype, device=raw.device)
 
-    def derived(self, ws: torch.Tensor) -> torch.Tensor:
-        """(N, NUM_DERIVED) unscaled, from working sets (N,): log1p(bytes), log of the working set's cache share."""
-        return torch.stack([torch.log1p(ws), torch.log((ws + 1.0) / self.cache_bytes)], dim=-1)
+    def derived(self, ws: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+        """(N, num_derived) unscaled, from working sets (N,) and raw features: log1p(bytes), log of the working
+        set's cache share, and with `type_input` the bytes per element (size_bytes / (rows x dim))."""
+        cols = [torch.log1p(ws), torch.log((ws + 1.0) / self.cache_bytes)]
+        if self.type_input:
+            cols.append(raw[:, 3] / (raw[:, 1] * raw[:, 0]).clamp(min=1.0))
+        return torch.stack(cols, dim=-1)
 
     def encode_scaled(self, x: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
         """(N, H) encodings from scaled features x and raw features (for the derived inputs and the additive
         channels)."""
         ws = self.working_set(raw)
-        d = ((self.derived(ws) - self.derived_mean) / self.derived_std).clamp(-Z_CLIP, Z_CLIP)
+        d = ((self.derived(ws, raw) - self.derived_mean) / self.derived_std).clamp(-Z_CLIP, Z_CLIP)
         extra = torch.stack([torch.ones_like(raw[:, 0]), raw[:, 0] / DIM_SCALE,
                              raw[:, 0] * raw[:, 2] / LOOKUP_SCALE, ws / self.cache_bytes], dim=-1)
         return torch.cat([self.encoder(torch.cat([x, d.to(x.dtype)], dim=-1)), extra.to(x.dtype)], dim=-1)
@@ -249,8 +259,10 @@ class CostModel:
         net = CostNet(config)
         if train_raw is not None and len(train_raw):
             with torch.no_grad():
-                d = net.derived(net.working_set(torch.as_tensor(np.asarray(train_raw, dtype=np.float32))))
-            d_std = d.std(0) if len(d) > 1 else torch.ones(NUM_DERIVED)
+                raw_t = torch.as_tensor(np.asarray(train_raw, dtype=np.float32))
+                d = net.derived(net.working_set(raw_t), raw_t)
+            # (one type only: a constant input, std 1 below, centred to 0)
+            d_std = d.std(0) if len(d) > 1 else torch.ones(net.num_derived)
             d_std = torch.where(d_std < 1e-3, torch.ones_like(d_std), d_std)
             net.derived_mean.copy_(d.mean(0))
             net.derived_std.copy_(d_std)

@@ -45,6 +45,7 @@ class TrainParams:
     embed: int = 32
     head_hidden: int = 64
     monotone: bool = True          # compute heads that never predict less for one more table (model._Head)
+    type_input: bool = True        # a table's bytes per element as an encoder input (model.CostModelConfig)
 
 
 @dataclass
@@ -107,6 +108,7 @@ def fit(data: CostData, params: TrainParams) -> tuple[CostModel, History]:
     scale = [float(np.median(y_tr[y_tr[:, h] > 0, h])) if (y_tr[:, h] > 0).any() else 1.0 for h in range(3)]
     cfg = CostModelConfig(hidden=params.hidden, embed=params.embed, head_hidden=params.head_hidden,
                           monotone=params.monotone, element_bytes_seen=list(data.element_bytes),
+                          type_input=params.type_input,
                           target_scale=scale, batch_size=data.batch_size, cache_bytes=data.cache_bytes,
                           hardware=data.hardware,
                           backend=data.backend, dataset_hash=data.dataset_hash,

@@ -186,11 +186,10 @@ class UserPlan:
                                                      names=task_ids, module_path=next(iter(doc["modules"])))
             placement.meta = {"plan_file": self.path}
         else:
+            from ..torchrec_compat import TABLE_ROW_WISE
             from .plan_json import placement_from_plan
 
             # As for a TorchRec plan: a table cut table-row-wise is on one of the plan's hosts, measured only there.
-            from ..torchrec_compat import TABLE_ROW_WISE
-
             name = next((str(t["table_id"]) for t in doc["tables"] if t.get("sharding_type") == TABLE_ROW_WISE),
                         None)
             hosts = tuple(int(h) for h in doc.get("hosts") or ())
