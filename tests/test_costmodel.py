@@ -145,6 +145,50 @@ def test_a_model_trained_before_monotone_heads_loads_as_it_was_trained(tmp_path)
                                   model.predict_shards(feats, [np.arange(5)], 4))
 
 
+def test_the_type_input_shows_a_tables_bytes_per_element_and_older_configs_load_without_it(tmp_path):
+    """With `type_input` the encoder sees size_bytes / (rows x dim) (4 FP32, 2 FP16, for column slices and row
+    ranges alike), so two tables of one shape and another type encode apart; a config without the key (every model
+    before it) loads with its two derived inputs and predicts as it did."""
+    import json
+
+    from embshard.costmodel.model import CostModel, CostModelConfig
+    from embshard.costmodel.scoring import piece_features
+    from embshard.features import FeatureScaler
+    from embshard.ingest.synthetic import generate_tables
+    from embshard.tableset import TableSet
+    from embshard.types import Shard
+
+    df = generate_tables(12, seed=3, bins_batch_size=512, fp16_fraction=0.5)
+    half = df["bytes_per_element"].to_numpy() == 2
+    feats = feature_matrix(df)
+    torch.manual_seed(0)
+    model = CostModel.create(CostModelConfig(type_input=True), FeatureScaler.fit(feats), train_raw=feats)
+    raw = torch.as_tensor(feats, dtype=torch.float32)
+    d = model.net.derived(model.net.working_set(raw), raw)
+    assert d.shape == (12, 3) and d[half, 2].tolist() == [2.0] * int(half.sum())
+    assert d[~half, 2].tolist() == [4.0] * int((~half).sum())
+    ts = TableSet.from_frame(df)
+    t = int(np.flatnonzero(half)[0])
+    cut = piece_features(ts, [Shard(t, 0, 0, 4), Shard(t, 1, row_offset=0, row_size=max(int(ts.rows[t]) // 2, 1))])
+    cut_t = torch.as_tensor(cut, dtype=torch.float32)
+    assert model.net.derived(model.net.working_set(cut_t), cut_t)[:, 2].tolist() == [2.0, 2.0]  # pieces keep it
+    as_fp32 = feats[[t]].copy()
+    as_fp32[0, 3] *= 2  # the same table in FP32: twice the bytes
+    assert not torch.allclose(model.encode(feats[[t]]), model.encode(as_fp32))
+    # an older config: two derived inputs, as trained
+    model.save(str(tmp_path))
+    old, _ = _tiny_model()
+    old.save(str(tmp_path / "old"))
+    cfg = json.loads((tmp_path / "old" / "config.json").read_text())
+    del cfg["type_input"]
+    (tmp_path / "old" / "config.json").write_text(json.dumps(cfg))
+    loaded = CostModel.load_dir(str(tmp_path / "old"))
+    assert not loaded.config.type_input and loaded.net.num_derived == 2
+    np.testing.assert_array_equal(loaded.predict_shards(feats, [np.arange(5)], 4), old.predict_shards(
+        feats, [np.arange(5)], 4))
+    assert CostModel.load_dir(str(tmp_path)).net.num_derived == 3
+
+
 def test_comm_head_sees_the_exact_dim_sum():
     model, feats = _tiny_model()
     enc = model.encode(feats)
