@@ -1,7 +1,7 @@
 """Two registered cost models' compute error by weight type, on the same measured shards (FP16 against FP32).
 
 `python -m benchmarks.costmodel_types --run runs/local --a models:/embshard-cost/1 --b models:/embshard-cost/4
-[--data DIR] [--note TEXT]`
+[--b ...] [--data DIR] [--note TEXT] [--name PAGE]`
 
 A model's features carry a table's bytes, not its type, so a model measured on FP32 tables alone prices an FP16
 one as some FP32 table of half the rows. This page scores A and B on one pipeline run's measured shards (`--data`:
@@ -10,7 +10,8 @@ those made only of tables of the test pool, which no model of the run's seed tra
 seen tables is a random draw over the costs a model was fitted on: a refit's includes its round's measured plans,
 so a draw over the first costs alone would score shards it trained on). The shards holding an FP16 table are
 apart from the FP32-only ones: MAPE of forward + backward compute, and the median signed
-error (a model that never measured FP16 is biased, which a MAPE hides). Writes costmodel_types.md under --out.
+error (a model that never measured FP16 is biased, which a MAPE hides). Writes costmodel_types.md (or --name)
+under --out.
 """
 from __future__ import annotations
 
@@ -62,10 +63,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.costmodel_types", description=__doc__.split("\n")[0])
     ap.add_argument("--run", required=True, help="the pipeline folder whose registry holds both models")
     ap.add_argument("--a", required=True, help="cost model A, e.g. models:/embshard-cost/1")
-    ap.add_argument("--b", required=True, help="cost model B")
+    ap.add_argument("--b", required=True, action="append", help="cost model B (repeatable: each is scored)")
     ap.add_argument("--data", default=None, help="a run data folder (tables.parquet + costs/); default: the newest "
                                                  "of --run with FP16 tables")
     ap.add_argument("--note", default="", help="a sentence for the page: where A and B come from")
+    ap.add_argument("--name", default="costmodel_types", help="page name (default costmodel_types)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args(argv)
     os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{os.path.abspath(args.run)}/mlflow.db")
@@ -75,13 +77,14 @@ def main(argv=None) -> int:
     folder = args.data or fp16_run_data(args.run)
     data = load_data(os.path.join(folder, "costs"), os.path.join(folder, "tables.parquet"))
     table = []
-    for name in (args.a, args.b):
+    for name in (args.a, *args.b):
         progress(f"costmodel_types: scoring {name} on {folder}")
         model = load_model(name)
         table += rows(name, model, data, "unseen")
     frame = pd.DataFrame(table)
     lines = ["# Cost-model error by weight type (FP16 against FP32)", "", hardware().line(), "",
-             f"A = `{args.a}`, B = `{args.b}`, scored on the measured shards of `{os.path.relpath(folder)}` "
+             f"A = `{args.a}`, B = {', '.join(f'`{b}`' for b in args.b)}, scored on the measured shards of "
+             f"`{os.path.relpath(folder)}` "
              f"({data.hardware}, {data.backend}, batch {data.batch_size}) made only of tables of the test pool "
              "(`unseen`: no model of the run's seed trains on them). Compute = forward + backward; the signed error "
              "is prediction / measured - 1 (negative: priced too cheap).", ""]
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
         lines += [args.note, ""]
     lines += [md_table(frame, {"n": 0}), ""]
     os.makedirs(args.out, exist_ok=True)
-    write_text(os.path.join(args.out, "costmodel_types.md"), "\n".join(lines))
+    write_text(os.path.join(args.out, f"{args.name}.md"), "\n".join(lines))
     print("\n".join(lines))
     return 0
 

@@ -45,7 +45,10 @@ class TrainParams:
     embed: int = 32
     head_hidden: int = 64
     monotone: bool = True          # compute heads that never predict less for one more table (model._Head)
-    type_input: bool = True        # a table's bytes per element as an encoder input (model.CostModelConfig)
+    # A table's bytes per element as an encoder input (model.CostModelConfig). Off: with FP16 tables in training its
+    # first model priced both types closer, but the refit its policy planned with did not, nor did the plans
+    # (benchmarks/results/model_ab_fp16_type.md, costmodel_types_type_input.md).
+    type_input: bool = False
 
 
 @dataclass
