@@ -39,18 +39,19 @@ def fp16_run_data(run: str) -> str:
 
 
 def rows(name: str, model, data, split: str) -> list[dict]:
-    from embshard.costmodel.reference import metrics
-    from embshard.jobs.train_cost import predict_rows
+    """The report's weight-type breakdown (train_cost.element_breakdown) plus the median signed error."""
+    from embshard.jobs.train_cost import element_breakdown, predict_rows
 
     idx = data.index(split)
-    pred = predict_rows(model, data, idx)[:, :2].sum(1)
-    true = data.targets[idx, :2].sum(1)
+    learned = predict_rows(model, data, idx)
+    by_type = element_breakdown(learned, data, idx)
+    pred, true = learned[:, :2].sum(1), data.targets[idx, :2].sum(1)
     half = data.holds_fp16[idx]
     out = []
-    for group, sel in (("holds an FP16 table", half), ("FP32 only", ~half)):
+    for group, key, sel in (("holds an FP16 table", "holds_fp16", half), ("FP32 only", "fp32_only", ~half)):
         if not sel.any():
             continue
-        m = metrics(pred[sel], true[sel])
+        m = by_type[key]
         ok = true[sel] > 0
         signed = float(np.median(pred[sel][ok] / true[sel][ok] - 1) * 100) if ok.any() else float("nan")
         out.append({"model": name, "split": split, "shards": group, "n": int(sel.sum()), "compute MAPE %": m["mape"],

@@ -116,8 +116,7 @@ class UserPlan:
                                     f"into hosts of {devices_per_host}", field="devices_per_host",
                                     fix="give a number of devices per host that divides them")
             if not self.is_torchrec():  # a plan.json records its hosts (none: one host)
-                hosts = doc.get("hosts")
-                own = devices // len(set(hosts)) if hosts is not None else devices
+                own = self._own_devices_per_host()
                 if own != int(devices_per_host):
                     raise EmbshardError(
                         f"the plan records {own} devices per host, not {devices_per_host}", path=self.path,
@@ -140,10 +139,16 @@ class UserPlan:
         row = {"task_id": str(doc["task_id"]), "split": "test", "num_devices": int(doc["num_devices"]),
                "memory_bytes_per_device": int(doc["memory_bytes_per_device"] if memory_bytes is None
                                               else memory_bytes), "table_ids": self.table_ids()}
-        hosts = doc.get("hosts")
-        if hosts is not None and len(set(hosts)) > 1:
-            row["devices_per_host"] = int(doc["num_devices"]) // len(set(hosts))
+        own = self._own_devices_per_host()
+        if own < int(doc["num_devices"]):
+            row["devices_per_host"] = own
         return pd.DataFrame([row])
+
+    def _own_devices_per_host(self) -> int:
+        """A plan.json's devices per host, from the hosts it records (none: one host of all its devices)."""
+        doc = self.document()
+        hosts = doc.get("hosts")
+        return int(doc["num_devices"]) // len(set(hosts)) if hosts else int(doc["num_devices"])
 
     def plan_task(self, task: Task) -> Placement:
         """The file's placement of `task` (checked against its tables, devices and memory)."""
@@ -194,7 +199,7 @@ class UserPlan:
                         None)
             hosts = tuple(int(h) for h in doc.get("hosts") or ())
             if name is not None and hosts and topology.hosts != hosts:
-                own = topology.count // len(set(hosts))
+                own = self._own_devices_per_host()
                 raise EmbshardError(
                     f"the plan cuts table {name} table-row-wise over hosts of {own} devices, task {task_id} has "
                     f"{topology.local_world_size} devices per host", path=self.path, field="devices_per_host",
