@@ -226,7 +226,9 @@ CASES = {
     "place-memory-inf": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "inf"), ["memory_gb"]),
     "place-memory-too-small": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "0.000001"),
                                             ["tables.parquet", "memory_bytes_per_device"]),
-    "place-no-devices": lambda w, d: (_place(w, "--memory-gb", "8"), ["devices"]),
+    "place-no-devices": lambda w, d: (_place(w, "--memory-gb", "8"), ["field 'devices'", "--devices is required"]),
+    # the flag left out is named, not the one given
+    "place-no-memory": lambda w, d: (_place(w, "--devices", "8"), ["field 'memory_gb'", "--memory-gb is required"]),
     "place-unknown-task": lambda w, d: (_place(w, "--tasks", w["tasks"], "--task-id", "nope"),
                                         ["tasks.parquet", "task_id"]),
     "place-task-without-tasks": lambda w, d: (_place(w, "--task-id", w["task_id"]), ["tasks"]),

@@ -2,6 +2,8 @@
 save -> register -> load by alias, and clear errors on bad costs input."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pyarrow as pa
@@ -268,6 +270,16 @@ def test_save_register_load_by_alias_gives_identical_predictions(trained, measur
     out = wrapper.predict(None, df)
     np.testing.assert_allclose(out["total_ms"], want[:3].sum(1), rtol=1e-5)
     assert (out["total_ms_low"] <= out["total_ms"]).all() and (out["total_ms"] <= out["total_ms_high"]).all()
+    # `embshard predict` records the version the alias named, not the alias (it moves on)
+    from embshard.jobs import predict
+
+    shards_csv = Path(trained["out"]) / "shards_for_predict.csv"
+    ids = schemas.read(measured["tables"], "tables")["table_id"].tolist()
+    pd.DataFrame({"sample_id": ["s0"], "num_devices": [4], "table_ids": [";".join(ids[:3])]}).to_csv(shards_csv,
+                                                                                                     index=False)
+    rows = predict.run(measured["tables"], str(shards_csv), str(Path(trained["out"]) / "pred.csv"),
+                       "models:/embshard-cost@champion")
+    assert set(rows["model"]) == {f"models:/embshard-cost/{trained['model_version']}"}
 
 
 def test_mlflow_run_has_curves_metrics_and_plots(trained):

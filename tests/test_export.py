@@ -544,6 +544,37 @@ def test_pickle_free_plan_round_trip(tmp_path, placement):
 
 
 @needs_torchrec
+def test_a_plan_exported_for_one_host_loads_with_the_jobs_gpu_names(placement, split_placement, caplog):
+    """A plan exported without hosts names rank R's GPU cuda:R; a job on hosts of L runs rank R on cuda:R % L
+    (TorchRec's naming) and DistributedModelParallel fails on the mismatch deep inside. plan_from_json names
+    the GPUs for the job's hosts (local_world_size; TorchRec's own in a job), warning that it did; the ranks
+    are unchanged. A table-row-wise plan is still refused on other hosts than its own."""
+    from embshard.export import to_torchrec_plan
+    from embshard.export.torchrec_plan import plan_from_json, plan_to_json, rank_layout
+
+    doc = plan_to_json(to_torchrec_plan(placement), world_size=D)
+    assert "rank:3/cuda:3" in json.dumps(doc)
+    with caplog.at_level("WARNING"):
+        on_hosts = plan_from_json(doc, local_world_size=2)
+    places = [str(s.placement) for ps in on_hosts.plan[""].values() for s in ps.sharding_spec.shards]
+    assert "rank:3/cuda:1" in places and "rank:2/cuda:0" in places
+    assert all(int(p.split(":")[-1]) == int(p.split("/")[0][5:]) % 2 for p in places)
+    assert rank_layout(on_hosts) == rank_layout(plan_from_json(doc))  # who holds what: unchanged
+    assert "renamed as TorchRec names them" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert str(plan_from_json(doc, local_world_size=D)) == str(plan_from_json(doc))  # one host: as written
+    assert "renamed" not in caplog.text
+    cpu = plan_to_json(to_torchrec_plan(placement, compute_device="cpu"), world_size=D)
+    assert str(plan_from_json(cpu, local_world_size=2)) == str(plan_from_json(cpu))  # no GPU index to name
+    twrw = plan_to_json(to_torchrec_plan(split_placement, local_world_size=2), world_size=D)
+    with pytest.raises(EmbshardError, match="table-row-wise over hosts of 2"):
+        plan_from_json(twrw, local_world_size=4)
+    with pytest.raises(EmbshardError, match="no ranks per host"):
+        plan_from_json(doc, local_world_size=0)
+
+
+@needs_torchrec
 def test_plan_names_must_be_valid_module_keys(tables):
     from embshard.export import to_torchrec_plan
 

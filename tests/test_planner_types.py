@@ -51,6 +51,29 @@ def test_a_topology_or_two_ints_give_the_same_plan_and_the_placement_keeps_the_t
         DeviceTopology(4, mem, hosts=(0, 1))
 
 
+def test_a_topology_never_silently_ignores_what_it_names(world, caplog):
+    """Bandwidths are not modelled (one calibrated all-to-all): setting one is a one-line error, not a plan that
+    ignores it. A hardware name other than the cost model's gets the warning `place --hardware` gives: the costs
+    are still the model's measurements."""
+    from dataclasses import replace
+
+    ts, model, mem = world
+    for field in ("intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps"):
+        with pytest.raises(EmbshardError, match=f"{field}=25.0 is not used") as err:
+            DeviceTopology(8, mem, hosts=(0,) * 4 + (1,) * 4, **{field: 25.0})
+        assert err.value.field == field
+    cpu_model = CostModel.create(replace(CostModelConfig(), hardware="cpu:AMD EPYC"), FeatureScaler.fit(ts.features()))
+    planner = ComposedPlanner(Composition([CostGreedy()], [], []), cpu_model, name="greedy")
+    with caplog.at_level("WARNING"):
+        planner.plan(ts, DeviceTopology(4, mem, hardware="cuda:NVIDIA H100"), task_id="t")
+    assert "measured on cpu:AMD EPYC but the topology's hardware is cuda:NVIDIA H100" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        planner.plan(ts, DeviceTopology(4, mem, hardware="cpu:AMD EPYC"), task_id="t")
+        planner.plan(ts, DeviceTopology(4, mem), task_id="t")
+    assert "measured on" not in caplog.text
+
+
 def test_shard_kinds_and_the_coverage_rules_of_a_placement(world):
     ts, _, mem = world
     assert Shard(0, 1).kind == "whole" and Shard(0, 1, 0, 4).kind == "column" and Shard(0, 1, row_size=3).kind == "row"
@@ -208,3 +231,7 @@ def test_proposers_that_place_nothing_are_said(world, caplog):
         p = planner.plan(ts, DeviceTopology(4, mem), task_id="t")
     assert p.meta["proposers_without_plan"] == ["policy_greedy"] and p.meta["start_candidate"] == "size_greedy"
     assert "t: policy_greedy placed nothing (within memory, or at all); the plan starts from size_greedy" in caplog.text
+    # ... and `place`'s report says it too (an INFO log is not shown by default: a user saw "planner learned" only)
+    from embshard.placement_report import device_table
+
+    assert "note: policy_greedy placed nothing within memory; the plan starts from size_greedy" in device_table(p)

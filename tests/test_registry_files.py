@@ -3,6 +3,7 @@ names the version and the missing file and says how to move the alias, where it 
 missing policy.pt was a traceback). And a plan records the version an alias named (registry.pinned)."""
 from __future__ import annotations
 
+import re
 import sqlite3
 
 import pytest
@@ -59,9 +60,14 @@ def test_the_registered_planner_refuses_a_call_without_devices_or_memory():
     from embshard.planners.registered import PolicyPythonModel
 
     model = PolicyPythonModel()
-    for params in (None, {"num_devices": 0, "memory_bytes_per_device": 0}, {"num_devices": 4}):
-        with pytest.raises(EmbshardError, match="no devices or no memory per device given") as err:
+    for params, said in ((None, "num_devices is 0 (0: not given, or given as 0); memory_bytes_per_device is 0"),
+                         ({"num_devices": 0, "memory_bytes_per_device": 0}, "num_devices is 0 (0: not given"),
+                         ({"num_devices": 4}, "memory_bytes_per_device is 0 (0: not given"),
+                         ({"num_devices": -2, "memory_bytes_per_device": 2**30}, "num_devices is -2$"),
+                         ({"num_devices": 4, "memory_bytes_per_device": -1}, "memory_bytes_per_device is -1$")):
+        with pytest.raises(EmbshardError) as err:
             model.predict(None, pd.DataFrame(), params=params)
+        assert re.search(said.replace("(", "\\(").replace(")", "\\)"), err.value.message), err.value.message
         assert "num_devices" in err.value.fix
     # 0.5 meant as GiB had been cut to 0 bytes ("no memory given"): a fraction is refused, naming the unit
     with pytest.raises(EmbshardError, match="memory_bytes_per_device is a whole number \\(bytes\\), got 0.5") as err:

@@ -237,6 +237,7 @@ def test_evaluate_measures_the_plan_beside_the_planners(tiny, tmp_path, capsys):
     assert len(ratios[(ratios["planner"] == "size_greedy") & (ratios["versus"] == "user_plan")]) == 1
     assert f"size_greedy: {greedy['ratio_to_user_plan']:.3f} [" in captured.out
     assert "against your plan (user_plan), paired over 2 round(s)" in captured.out
+    assert "no verdict from 2 rounds (--rounds 5 or more)" in captured.out  # a 2-round range misses half the time
     # A planner named twice: its A/A floor is said and judged against (the repeat itself is no answer).
     assert main(["evaluate", "--tables", tiny["tables"], "--tasks", tiny["tasks"], "--planners",
                  "size_greedy,size_greedy", "--plan", tiny["plan"], "--rounds", "2", "--batch-size", "32",
@@ -245,6 +246,25 @@ def test_evaluate_measures_the_plan_beside_the_planners(tiny, tmp_path, capsys):
     assert "the ruler's A/A floor, size_greedy against itself: [" in printed and "size_greedy#2:" not in printed
     placed = pd.read_parquet(out / "placements.parquet")
     assert set(placed[placed["planner"] == "user_plan"]["table_id"]) == set(tiny["task"].tables.table_ids)
+
+
+def test_the_answer_to_a_users_plan_gives_a_verdict_only_from_enough_rounds():
+    """Below 5 rounds the interval is the rounds' range (it misses the median a quarter to half of the time) and
+    one round has none: the ratio is printed, the verdict is not (a user read 'faster' off 2 rounds, and 'not
+    measured' off a measured round)."""
+    import pandas as pd
+
+    from embshard.jobs.evaluate import _against_user_plan
+
+    def summary(lo, hi):
+        return pd.DataFrame({"median_ratio_user_plan": [0.8, 1.0], "user_plan_ci_low": [lo, np.nan],
+                             "user_plan_ci_high": [hi, np.nan]}, index=["size_greedy", "user_plan"])
+
+    assert "size_greedy: 0.800 [0.700, 0.900] faster" in _against_user_plan(summary(0.7, 0.9), 5)
+    assert "size_greedy: 0.800 [0.700, 0.900] no verdict from 2 rounds (--rounds 5 or more)" in \
+        _against_user_plan(summary(0.7, 0.9), 2)
+    one = _against_user_plan(summary(np.nan, np.nan), 1)
+    assert "size_greedy: 0.800 [no interval] no verdict from 1 round (" in one and "not measured" not in one
 
 
 def test_evaluate_refuses_a_plan_of_another_task_before_measuring(tiny, tmp_path, capsys):

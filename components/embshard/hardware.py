@@ -102,13 +102,15 @@ def same_hardware(a: str, b: str) -> bool:
     return bool(a and b) and (a.startswith(b) or b.startswith(a))
 
 
-def mismatch_warning(model_hardware: str, target: str, *, asked: bool, planning: bool = False) -> str | None:
+def mismatch_warning(model_hardware: str, target: str, *, asked: bool, planning: bool = False,
+                     source: str | None = None) -> str | None:
     """One line when a model measured on one hardware is asked to plan or predict for another (None when they
-    agree or the model does not say). `asked`: the target came from --hardware, else from this machine.
-    `planning`: the model chooses a plan (embshard place), so the line also says that its cuts are the model's."""
+    agree or the model does not say). `asked`: the target came from --hardware (or `source`, e.g. a
+    DeviceTopology's hardware), else from this machine. `planning`: the model chooses a plan (embshard place), so
+    the line also says that its cuts are the model's."""
     if not model_hardware or not target or same_hardware(model_hardware, target):
         return None
-    source = "--hardware" if asked else "this machine"
+    source = source or ("--hardware" if asked else "this machine")
     # Which cuts pay differs between machines: a CPU-trained plan measured 1.25x slower on an H100 than the plan it
     # rejected (benchmarks/results/split_runs/run3-branches/gpu-quality-nvidia-h100.md), so the fix names --refine.
     what = "its predicted costs, and so the cuts its plans choose, are" if planning else "its predicted costs are"

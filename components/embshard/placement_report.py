@@ -79,6 +79,10 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
         lines.append(f"note: the search hit its time cap after {placement.meta.get('search_evaluations')} of "
                      f"{placement.meta.get('search_budget')} evaluations: this plan depends on the machine's speed "
                      "(raise --time-budget-s for a reproducible plan)")
+    gave_up = placement.meta.get("proposers_without_plan")
+    if gave_up:  # near full memory the policy may place nothing: the plan is then a searched heuristic's
+        lines.append(f"note: {', '.join(map(str, gave_up))} placed nothing within memory; the plan starts from "
+                     f"{placement.meta.get('start_candidate', 'a heuristic')} (searched and cut from there)")
     return "\n".join(lines)
 
 

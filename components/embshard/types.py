@@ -34,17 +34,28 @@ class DeviceTopology:
 
     count: int                              # devices (ranks) the tables are placed on
     memory_bytes: int                       # embedding memory per device
-    hardware: str | None = None             # e.g. "cuda:NVIDIA H100 80GB HBM3"; None: the cost model's own
-    intra_node_bandwidth_gbps: float | None = None  # None: the cost model's communication model decides
+    # e.g. "cuda:NVIDIA H100 80GB HBM3"; None: the cost model's own. Costs are the cost model's measurements
+    # whatever is named here: a model-based planner warns when it names other hardware than its model's.
+    hardware: str | None = None
+    # Not modelled: the all-to-all is priced with the cost model's one calibrated bandwidth between every pair of
+    # devices. Kept as fields so that code setting them gets a one-line error instead of a silently ignored value.
+    intra_node_bandwidth_gbps: float | None = None
     inter_node_bandwidth_gbps: float | None = None
     hosts: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if self.hosts is not None and len(self.hosts) != self.count:
-            from .errors import EmbshardError
+        from .errors import EmbshardError
 
+        if self.hosts is not None and len(self.hosts) != self.count:
             raise EmbshardError(f"{len(self.hosts)} host entries for {self.count} devices", field="hosts",
                                 fix="give the host of every device, or none for one host")
+        for name in ("intra_node_bandwidth_gbps", "inter_node_bandwidth_gbps"):
+            if getattr(self, name) is not None:
+                raise EmbshardError(
+                    f"{name}={getattr(self, name)} is not used: the all-to-all is priced with the cost model's one "
+                    "calibrated bandwidth between every pair of devices (hosts decide only where table-row-wise "
+                    "cuts may go)", field=name, fix="leave it out; the pipeline's benchmark stage calibrates the "
+                    "all-to-all on the hardware it measures (--param recalibrate_comm=true)")
 
     @classmethod
     def of(cls, devices: int | DeviceTopology, memory_bytes: int | None = None) -> DeviceTopology:

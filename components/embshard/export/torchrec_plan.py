@@ -24,6 +24,7 @@ TorchRec numbers ranks host by host (host h holds ranks h*L .. h*L+L-1 with L de
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -348,7 +349,9 @@ def plan_to_json(sharding_plan, *, world_size: int | None = None,
     return doc
 
 
+log = logging.getLogger(__name__)
 _PLACEMENT = re.compile(r"^rank:(\d+)/[a-z_]+(:\d+)?$")
+_GPU_PLACEMENT = re.compile(r"^rank:(\d+)/(cuda|mtia):(\d+)$")  # the devices TorchRec indexes per host
 _PLAN_FIX = "re-export the plan with `embshard export` (this file was edited or made for other tables/devices)"
 
 
@@ -691,7 +694,9 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
     beside an unweighted one loads one plan). Without `world_size`, an initialized process group's is checked.
     A plan on CUDA devices is refused in a job (a process group) without CUDA: export CPU jobs' plans with
     `--compute-device cpu`. A plan that cuts a table table-row-wise (over one host's ranks) is checked against the
-    job's ranks per host: `local_world_size` when given, else, in a job, TorchRec's own `get_local_size`.
+    job's ranks per host: `local_world_size` when given, else, in a job, TorchRec's own `get_local_size`; with
+    those ranks per host known, each rank's GPU is named as TorchRec names it there (gpus_on_hosts: a plan
+    exported without hosts loads on a job of several).
     """
     require_torchrec()
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
@@ -711,7 +716,9 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
         doc = route_to_model(doc, module)
     check_plan_doc(doc, where, tables=tables, world_size=world_size, module=module)
     _check_compute_device(doc, where)
-    _check_host_size(doc, where, local_world_size)
+    job_local = _check_host_size(doc, where, local_world_size)
+    if job_local is not None:
+        doc = gpus_on_hosts(doc, job_local, where)
     plan = {}
     for path, params in doc["modules"].items():
         module_plan = EmbeddingModuleShardingPlan()
@@ -743,35 +750,72 @@ def table_row_wise_host(doc: Mapping) -> tuple[str | None, int | None]:
                  if p["sharding_type"] == TABLE_ROW_WISE), (None, None))
 
 
-def _check_host_size(doc: Mapping, where: str, local_world_size: int | None) -> None:
+def _check_host_size(doc: Mapping, where: str, local_world_size: int | None) -> int | None:
     """A table_row_wise table's ranks are one host of the plan (check_plan_doc: consecutive, from a multiple of
     their count), so the plan's ranks per host are their count. TorchRec groups a job's ranks into hosts of
     `get_local_size`: LOCAL_WORLD_SIZE (or MPI's local size), 8 when none is set, the world when that does not
     divide it. Other hosts fail deep inside DistributedModelParallel (an IndexError in its table-row-wise
     sharding, or "Number of local shards (0) does not match"). Checked against `local_world_size` when given, else
     inside a job (a process group) against what TorchRec will use; outside a job (reading or evaluating a plan)
-    there is nothing to compare with."""
+    there is nothing to compare with. Returns the ranks per host it checked against (None: none known)."""
     name, plan_local = table_row_wise_host(doc)
-    if plan_local is None:
-        return
     source = "local_world_size"
     if local_world_size is None:
         world = _job_world_size()
         if world is None:
-            return
+            return None
         from torchrec.distributed.comm import get_local_size
 
         local_world_size = int(get_local_size(world))
         set_to = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
         source = (f"TorchRec's ranks per host from LOCAL_WORLD_SIZE={set_to}" if set_to else
                   "TorchRec's ranks per host: LOCAL_WORLD_SIZE is not set")
-    if int(local_world_size) != plan_local:
+    if int(local_world_size) < 1:
+        raise EmbshardError(f"local_world_size {local_world_size}: no ranks per host", path=where,
+                            field="local_world_size", fix="give the job's ranks per host (at least 1)")
+    if plan_local is not None and int(local_world_size) != plan_local:
         raise EmbshardError(
             f"table {name} is cut table-row-wise over hosts of {plan_local} ranks, but this job's hosts hold "
             f"{int(local_world_size)} ({source})", path=where, field="local_world_size",
             fix=f"run the job with {plan_local} ranks per host (LOCAL_WORLD_SIZE={plan_local}; torchrun "
                 f"--nproc-per-node {plan_local}), or plan and export again with --devices-per-host "
                 f"{int(local_world_size)}")
+    return int(local_world_size)
+
+
+def gpus_on_hosts(doc: Mapping, local: int, where: str) -> Mapping:
+    """`doc` with every shard's GPU named as TorchRec names it on hosts of `local` ranks: rank R's GPU is
+    cuda:{R % local} (torchrec.distributed.sharding_plan.placement). Which rank holds what is the plan's; the GPU
+    index is the job's: a plan exported without hosts names rank 10's GPU cuda:10, which a job on hosts of 8
+    runs as cuda:2, and DistributedModelParallel fails on the mismatch deep inside ("Local shard tensor device
+    does not match"). So the names follow the job, with a warning when they change. Table-row-wise plans were
+    checked against the job's hosts before (_check_host_size): for them nothing changes. `doc` itself when no name
+    does."""
+    renamed: list[str] = []
+    modules: dict[str, dict] = {}
+    for path, params in doc["modules"].items():
+        out: dict[str, Any] = {}
+        for name, p in params.items():
+            shards = p.get("shards")
+            if not shards:
+                out[name] = p
+                continue
+            new_shards = []
+            for s in shards:
+                m = _GPU_PLACEMENT.match(str(s["placement"]))
+                placement = s["placement"] if m is None else \
+                    f"rank:{m.group(1)}/{m.group(2)}:{int(m.group(1)) % int(local)}"
+                if placement != s["placement"] and len(renamed) < 1:
+                    renamed.append(f"{s['placement']} -> {placement}")
+                new_shards.append(s if placement == s["placement"] else {**s, "placement": placement})
+            out[name] = p if all(a is b for a, b in zip(new_shards, shards)) else {**p, "shards": new_shards}
+        modules[path] = out
+    if not renamed:
+        return doc
+    log.warning("%s names its ranks' GPUs for other hosts than this job's %d ranks per host: renamed as TorchRec "
+                "names them (rank R on cuda:R %% %d, e.g. %s); which rank holds what is unchanged", where, int(local),
+                int(local), renamed[0])
+    return {**doc, "modules": modules}
 
 
 def _job_world_size() -> int | None:

@@ -197,6 +197,11 @@ def _evaluate(args, planners: list[str], given: dict, tables: str, tasks: str, t
     return 0
 
 
+# Fewest rounds whose interval a verdict is read from: below it the interval is the rounds' range, which misses the
+# median a quarter (3 rounds) to half (2) of the time (stats.interval_words); a user read "faster" off 2 rounds.
+VERDICT_ROUNDS = 5
+
+
 def _against_user_plan(summary, rounds: int, ratios=None) -> str:
     """What `--plan` asks: each planner's measured cost over the user's plan, paired per round, with its
     interval and what it says: a difference only where the interval clears 1, and the ruler's A/A floor too where a
@@ -218,5 +223,8 @@ def _against_user_plan(summary, rounds: int, ratios=None) -> str:
         med, lo, hi = (float(row[k]) for k in ("median_ratio_user_plan", "user_plan_ci_low", "user_plan_ci_high"))
         if name == USER_PLAN or str(name).endswith("#2") or not np.isfinite(med):
             continue
-        lines.append(f"  {name}: {med:.3f} [{lo:.3f}, {hi:.3f}] {floor_verdict(lo, hi, aa_lo, aa_hi)}")
+        verdict = floor_verdict(lo, hi, aa_lo, aa_hi) if rounds >= VERDICT_ROUNDS else \
+            f"no verdict from {rounds} round{'s' if rounds != 1 else ''} (--rounds {VERDICT_ROUNDS} or more)"
+        interval = f"[{lo:.3f}, {hi:.3f}]" if np.isfinite(lo) and np.isfinite(hi) else "[no interval]"
+        lines.append(f"  {name}: {med:.3f} {interval} {verdict}")
     return "\n".join(lines)

@@ -361,8 +361,10 @@ def main(args) -> int:
     from ..errors import EmbshardError
 
     if (args.devices is None or args.memory_gb is None) and not args.task_id:
-        raise EmbshardError("--devices and --memory-gb are required without --task-id", field="devices",
-                            fix="give --devices N --memory-gb M")
+        missing = [flag for flag, v in (("--devices", args.devices), ("--memory-gb", args.memory_gb)) if v is None]
+        raise EmbshardError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required without "
+                            "--task-id", field="memory_gb" if args.devices is not None else "devices",
+                            fix="give --devices N --memory-gb M (weights' GiB per device)")
     # Given values are checked as given: 0 is an error, never "use the task's value".
     devices = None if args.devices is None else checks.devices(args.devices, field="devices")
     memory = None if args.memory_gb is None else checks.memory_bytes(args.memory_gb, field="memory_gb")

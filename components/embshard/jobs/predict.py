@@ -65,6 +65,9 @@ def run(tables: str, shards: str, out: str, model_uri: str = COST_CHAMPION_URI,
     if missing:
         raise EmbshardError(f"{len(missing)} table ids are not in the tables file, e.g. {missing[:3]}", path=shards,
                             field="table_ids", fix=f"use ids of {os.fspath(tables)}")
+    from .. import registry
+
+    model_uri = registry.pinned(model_uri)  # the version an alias names now: what the rows record (an alias moves)
     model = costmodel.load(model_uri)
     feats, rows = _shard_features(ts, sdf, row_of)
     cfg = model.config
@@ -148,6 +151,6 @@ def main(args: argparse.Namespace) -> int:
         print(show.to_string(index=False))
     if len(df) > 10:
         print(f"... {len(df) - 10} more")
-    print(f"wrote {len(df)} shards to {args.out} (model {args.model}, {df['hardware'].iloc[0]}, "
+    print(f"wrote {len(df)} shards to {args.out} (model {df['model'].iloc[0]}, {df['hardware'].iloc[0]}, "
           f"batch {df['batch_size'].iloc[0]})")
     return 0

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import EmbshardError
+from ..hardware import mismatch_warning
 from ..placement import Placement, Shard
 from ..policy.core import PolicyNet, TaskContext, rollout
 from ..tableset import TableSet
@@ -649,6 +650,12 @@ class ComposedPlanner(Planner):
         return float(self.time_budget_s) if self.time_budget_s is not None else 60.0
 
     def _plan(self, tables, topology, task_id):
+        if topology.hardware:  # the costs are the model's measurements whatever the topology names
+            config = getattr(self.cost_model, "config", None)
+            line = mismatch_warning(str(getattr(config, "hardware", "") or ""), topology.hardware, asked=True,
+                                    planning=True, source="the topology's hardware")
+            if line:
+                log.warning("%s: %s", task_id, line)
         # inference_mode, not no_grad: no version counters or view tracking on the thousands of tiny ops of a
         # plan (14% of its time at 10-200 tables, measured); nothing it makes outlives the plan but Python values.
         with single_threaded(), torch.inference_mode():

@@ -57,10 +57,14 @@ def _policy_python_model() -> Any:
                                         fix="give memory in bytes, e.g. 80 * 2**30 for 80 GiB" if "bytes" in key
                                         else "give a whole number of devices")
             devices, memory = int(params.get("num_devices") or 0), int(params.get("memory_bytes_per_device") or 0)
-            if devices <= 0 or memory <= 0:
-                raise EmbshardError("no devices or no memory per device given", field="params",
+            bad = [(k, v) for k, v in (("num_devices", devices), ("memory_bytes_per_device", memory)) if v <= 0]
+            if bad:  # MLflow passes a param the call leaves out as its signature's default, 0
+                raise EmbshardError("; ".join(f"{k} is {v}" + (" (0: not given, or given as 0)" if v == 0 else "")
+                                              for k, v in bad),
+                                    field=bad[0][0] if len(bad) == 1 else "params",
                                     fix="call predict(tables, params={'num_devices': D, "
-                                        "'memory_bytes_per_device': BYTES}) (the task's own)")
+                                        "'memory_bytes_per_device': BYTES}) (the task's own; memory in bytes, e.g. "
+                                        "80 * 2**30 for 80 GiB)")
             if memory > checks.MAX_MEMORY_GB * checks.GiB:  # as `embshard place --memory-gb` refuses it
                 raise EmbshardError(f"{memory:,} bytes per device is more than {checks.MAX_MEMORY_GB:,.0f} GiB "
                                     "(1 PiB)", field="memory_bytes_per_device",
