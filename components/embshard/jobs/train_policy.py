@@ -198,9 +198,10 @@ def check_training(iterations, rounds, rollouts_per_task) -> None:
 
 
 def _signature(policy, cost_model, tables: str, task: Task):
-    """The registered planner's signature, from planning one validation task: tables in (the tables contract's
-    required columns required; its optional ones, and what the run's own tables carry beyond the contract, e.g.
-    the synthetic `zipf_alpha`, optional), placements out, devices and memory as params."""
+    """The registered planner's signature, from planning one validation task: tables in (every column optional to
+    MLflow, with its type: predict checks the tables contract itself, so a missing column is one line naming it,
+    where MLflow's check of a required one printed the whole frame and schema, 13 lines, the cause at the end),
+    placements out, devices and memory as params."""
     from .. import registry
     from ..planners.learned import LearnedPlanner
     from ..planners.scoring import placement_costs
@@ -212,9 +213,8 @@ def _signature(policy, cost_model, tables: str, task: Task):
     # devices_per_host 0: one host (TorchRec's export needs the hosts above 128 GPUs).
     params = {"num_devices": 0, "memory_bytes_per_device": 0, "devices_per_host": 0, "task_id": "task"}
     placement = LearnedPlanner(policy, cost_model).plan_task(task)
-    contract = {c.name for c in schemas.SCHEMAS["tables"] if c.required}
     return registry.signature(frame, placement.to_frame(placement_costs(cost_model, placement)), params,
-                              required=[c for c in frame.columns if c in contract])
+                              required=[])
 
 
 def _cost_model_version(uri: str) -> str:
