@@ -241,7 +241,7 @@ def test_tables_of_a_type_the_cost_model_never_measured_are_warned_about(caplog)
     assert len(warned) == 1, warned
     assert warned[0].startswith(f"2 table(s) of 2 bytes per element ({ts.table_ids[1]}, {ts.table_ids[3]})")
     assert "saw 4 bytes per element" in warned[0]
-    assert "16% below" in warned[0] and "benchmarks.model_ab" in warned[0]  # how far off, and what to do
+    assert "16-34% below" in warned[0] and "benchmarks.model_ab" in warned[0]  # how far off, and what to do
 
 
 def test_evaluate_warns_when_it_measures_another_batch_than_the_models(caplog):

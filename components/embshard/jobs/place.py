@@ -121,7 +121,8 @@ def _warn_if_full(placement: Placement) -> None:
 def _warn_unseen_types(model, tables) -> None:
     """One warning line when tables hold an element type the cost model was never measured on: its features carry a
     table's bytes, not its type, so it prices an FP16 table as an FP32 table of half the bytes (on this CPU, FP16
-    tables measured 9-44% above such predictions on a user's list; the median shard holding one, 16%)."""
+    tables measured 9-44% above such predictions on a user's list; the median shard holding one, 16-34% by model:
+    benchmarks/results/costmodel_types.md, costmodel_seeds_fp16.md)."""
     seen = list(getattr(getattr(model, "config", None), "element_bytes_seen", None) or [])
     if not seen:  # a model trained before it was recorded: nothing to compare
         return
@@ -131,7 +132,7 @@ def _warn_unseen_types(model, tables) -> None:
         names = ", ".join(t for t, _ in odd[:3]) + (f" and {len(odd) - 3} more" if len(odd) > 3 else "")
         log.warning("%d table(s) of %s (%s) are of a type the cost model was never measured on (it saw %s bytes per "
                     "element): their predicted costs are extrapolated from their bytes (an FP32-only model priced "
-                    "shards holding an FP16 table a median 16%% below their measured cost on a CPU) (fix: measure "
+                    "shards holding an FP16 table a median 16-34%% below their measured cost on a CPU) (fix: measure "
                     "such tables, a table spec with them or fp16_fraction > 0, and compare the two models' plans: "
                     "python -m benchmarks.model_ab)", len(odd), kinds, names, ", ".join(map(str, seen)))
 
