@@ -90,13 +90,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     df = run(args.data, seeds=args.seeds, refit=args.refit, score_dir=args.score,
              rules=(True,) if args.only_new else (False, True))
-    what = "its benchmark costs and round-2 measured plans (the refit)" if args.refit else "its benchmark costs"
+    what = "benchmark costs and round-2 measured plans (the refit)" if args.refit else "benchmark costs"
     where = f"`{os.path.relpath(args.score)}`'s" if args.score else "the run's"
     lines = ["# Cost model: accuracy on unseen tables by split seed", "", hardware().line(), "",
-             f"Ensembles of 3 members trained on `{os.path.relpath(args.data)}`'s {what}, split seeds 0-"
-             f"{args.seeds - 1}, each scored on {where} `unseen` shards (test-pool tables; the same shards for every "
-             "model; shards holding an FP16 table apart where there are). `former`: every shard, a table measured "
-             "alone included, drawn into train 70% / val 15% / "
+             f"Ensembles of 3 members (the pipeline's) trained on `{os.path.relpath(args.data)}`'s {what}, split "
+             f"seeds 0-{args.seeds - 1}, each scored on {where} `unseen` shards (test-pool tables; the same shards "
+             "for every model; shards holding an FP16 table apart where there are). `former`: every shard, a "
+             "table measured alone included, drawn into train 70% / val 15% / "
              "heldout 15%; `tables alone train`: each table's own measurement always trains (the default). "
              "Signed error: prediction / measured - 1, median (positive: priced too dear). "
              f"`python -m benchmarks.costmodel_seeds --data {os.path.relpath(args.data)}"

@@ -572,6 +572,29 @@ def test_a_plan_exported_for_one_host_loads_with_the_jobs_gpu_names(placement, s
         plan_from_json(twrw, local_world_size=4)
     with pytest.raises(EmbshardError, match="no ranks per host"):
         plan_from_json(doc, local_world_size=0)
+    with pytest.raises(EmbshardError, match="4 ranks do not split into hosts of 3"):
+        plan_from_json(doc, local_world_size=3, world_size=D)
+
+
+@needs_torchrec
+def test_inside_a_job_gpus_are_renamed_only_for_hosts_its_launcher_set(placement, monkeypatch, caplog):
+    """In a job, TorchRec's ranks per host fall back to a guess (8, or the world) when no launcher variable says
+    them (srun, mp.spawn): a plan for hosts of 2 must then load as written, not be renamed for that guess. With
+    LOCAL_WORLD_SIZE set (torchrun), the GPUs follow it."""
+    from embshard.export import to_torchrec_plan
+    from embshard.export import torchrec_plan as tp
+
+    doc = tp.plan_to_json(to_torchrec_plan(placement, local_world_size=2), world_size=D)
+    assert "rank:3/cuda:1" in json.dumps(doc)
+    monkeypatch.setattr(tp, "_job_world_size", lambda: D)  # a job of D ranks (no process group needed)
+    for k in tp._LOCAL_SIZE_ENV:
+        monkeypatch.delenv(k, raising=False)
+    with caplog.at_level("WARNING"):
+        assert str(tp.plan_from_json(doc)) == str(tp.plan_from_json(doc, local_world_size=2))
+    assert "renamed" not in caplog.text
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one host of 4 (the job's): rank 3 is cuda:3 there
+    places = [str(s.placement) for ps in tp.plan_from_json(doc).plan[""].values() for s in ps.sharding_spec.shards]
+    assert "rank:3/cuda:3" in places and "renamed" in caplog.text
 
 
 @needs_torchrec

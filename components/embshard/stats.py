@@ -26,6 +26,11 @@ def median_ci(values, seed: int = 0, n_boot: int = N_BOOT) -> tuple[float, float
     return med, float(np.exp(lo)), float(np.exp(hi))
 
 
+# Fewest rounds a verdict is read from (the ruler's default): below it the interval is the range of fewer rounds,
+# which misses the median 1 time in 4 (3 rounds) to 1 in 2 (2); at 5, 1 in 16 (interval_words).
+VERDICT_ROUNDS = 5
+
+
 def interval_words(rounds: int) -> str:
     """What `median_ci` of `rounds` values is, in words. Below 6 values the bootstrap's 2.5-97.5% quantiles of
     the median are the smallest and the largest value: the range, which holds the true median only 75% (3 values)

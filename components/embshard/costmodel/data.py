@@ -134,9 +134,9 @@ def load(costs: str | list[str], tables: str, *, seed: int = 0, val_frac: float 
     # alone, and the model's cost of unseen tables swung with the draw, bimodally, member by member: one run's
     # costs trained models from 2% below to 34% above the measured cost of test-pool shards (median; MAPE 17-50%)
     # over five split seeds, and with the singles in training 5% below to 0% (MAPE 17-20%); the outer loop's
-    # refits alike. The other shards keep their draws, so val and heldout hold random and plan shards (of one
-    # table or several) and still judge small shards (moving every one-table shard to training left a val of
-    # several-table shards alone, and the swing came back: MAPE 16-36%).
+    # refits alike (benchmarks/results/costmodel_seeds*.md). The other shards keep their draws, so val and heldout
+    # hold random and plan shards, of one table or several, and still judge small shards (in a trial, moving every
+    # one-table shard to training left a val of several-table shards only, and the swing partly came back).
     if singles_train and "origin" in cdf.columns:
         alone = (cdf["origin"].astype(str) == "single").to_numpy()
         split[seen_idx[alone[seen_idx]]] = "train"

@@ -695,8 +695,8 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
     A plan on CUDA devices is refused in a job (a process group) without CUDA: export CPU jobs' plans with
     `--compute-device cpu`. A plan that cuts a table table-row-wise (over one host's ranks) is checked against the
     job's ranks per host: `local_world_size` when given, else, in a job, TorchRec's own `get_local_size`; with
-    those ranks per host known, each rank's GPU is named as TorchRec names it there (gpus_on_hosts: a plan
-    exported without hosts loads on a job of several).
+    ranks per host given, or set by the job's launcher (LOCAL_WORLD_SIZE, MPI's), each rank's GPU is named as
+    TorchRec names it there (gpus_on_hosts: a plan exported without hosts loads on a job of several).
     """
     require_torchrec()
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
@@ -716,8 +716,11 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
         doc = route_to_model(doc, module)
     check_plan_doc(doc, where, tables=tables, world_size=world_size, module=module)
     _check_compute_device(doc, where)
-    job_local = _check_host_size(doc, where, local_world_size)
-    if job_local is not None:
+    job_local = _check_host_size(doc, where, local_world_size, world_size)
+    # GPUs are named again only for ranks per host that are known: given, or set in the job's environment (torchrun,
+    # MPI). TorchRec's own fallback (8, or the world) is a guess: a plan for hosts of 4 loaded by a job that sets
+    # none (srun, mp.spawn) would be renamed to GPUs its hosts lack.
+    if job_local is not None and (local_world_size is not None or _local_size_in_env()):
         doc = gpus_on_hosts(doc, job_local, where)
     plan = {}
     for path, params in doc["modules"].items():
@@ -750,7 +753,17 @@ def table_row_wise_host(doc: Mapping) -> tuple[str | None, int | None]:
                  if p["sharding_type"] == TABLE_ROW_WISE), (None, None))
 
 
-def _check_host_size(doc: Mapping, where: str, local_world_size: int | None) -> int | None:
+# What TorchRec's get_local_size reads, in its order (torchrec.distributed.comm).
+_LOCAL_SIZE_ENV = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE")
+
+
+def _local_size_in_env() -> bool:
+    """Whether the job's environment says its ranks per host (a launcher set one of TorchRec's variables)."""
+    return any(os.environ.get(k, "").strip().isdigit() and int(os.environ[k]) > 0 for k in _LOCAL_SIZE_ENV)
+
+
+def _check_host_size(doc: Mapping, where: str, local_world_size: int | None,
+                     world_size: int | None = None) -> int | None:
     """A table_row_wise table's ranks are one host of the plan (check_plan_doc: consecutive, from a multiple of
     their count), so the plan's ranks per host are their count. TorchRec groups a job's ranks into hosts of
     `get_local_size`: LOCAL_WORLD_SIZE (or MPI's local size), 8 when none is set, the world when that does not
@@ -773,6 +786,10 @@ def _check_host_size(doc: Mapping, where: str, local_world_size: int | None) -> 
     if int(local_world_size) < 1:
         raise EmbshardError(f"local_world_size {local_world_size}: no ranks per host", path=where,
                             field="local_world_size", fix="give the job's ranks per host (at least 1)")
+    if world_size is not None and int(world_size) % int(local_world_size):
+        raise EmbshardError(f"{int(world_size)} ranks do not split into hosts of {int(local_world_size)}",
+                            path=where, field="local_world_size",
+                            fix="give the job's ranks per host, a divisor of its world size")
     if plan_local is not None and int(local_world_size) != plan_local:
         raise EmbshardError(
             f"table {name} is cut table-row-wise over hosts of {plan_local} ranks, but this job's hosts hold "

@@ -197,18 +197,14 @@ def _evaluate(args, planners: list[str], given: dict, tables: str, tasks: str, t
     return 0
 
 
-# Fewest rounds whose interval a verdict is read from: below it the interval is the rounds' range, which misses the
-# median a quarter (3 rounds) to half (2) of the time (stats.interval_words); a user read "faster" off 2 rounds.
-VERDICT_ROUNDS = 5
-
-
 def _against_user_plan(summary, rounds: int, ratios=None) -> str:
     """What `--plan` asks: each planner's measured cost over the user's plan, paired per round, with its
     interval and what it says: a difference only where the interval clears 1, and the ruler's A/A floor too where a
-    planner was named twice (`ratios`: the evaluation's ratio frame)."""
+    planner was named twice (`ratios`: the evaluation's ratio frame); no verdict from fewer than
+    stats.VERDICT_ROUNDS rounds (a user read "faster" off 2)."""
     import numpy as np
 
-    from ..stats import aa_floor, floor_verdict
+    from ..stats import VERDICT_ROUNDS, aa_floor, floor_verdict
 
     if "median_ratio_user_plan" not in summary.columns:
         return f"no planner placed a task beside {USER_PLAN}: nothing to compare it with"

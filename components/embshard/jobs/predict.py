@@ -17,7 +17,7 @@ import pandas as pd
 
 from .. import schemas, storage
 from ..errors import EmbshardError, first_line
-from ..registry import COST_CHAMPION_URI
+from ..registry import COST_CHAMPION_URI, pinned
 
 
 def read_shards(path: str) -> pd.DataFrame:
@@ -65,9 +65,7 @@ def run(tables: str, shards: str, out: str, model_uri: str = COST_CHAMPION_URI,
     if missing:
         raise EmbshardError(f"{len(missing)} table ids are not in the tables file, e.g. {missing[:3]}", path=shards,
                             field="table_ids", fix=f"use ids of {os.fspath(tables)}")
-    from .. import registry
-
-    model_uri = registry.pinned(model_uri)  # the version an alias names now: what the rows record (an alias moves)
+    model_uri = pinned(model_uri)  # the version an alias names now: what the rows record (an alias moves)
     model = costmodel.load(model_uri)
     feats, rows = _shard_features(ts, sdf, row_of)
     cfg = model.config

@@ -361,6 +361,8 @@ def run(costs: str | list[str], tables: str, out: str | None = None, *, seed: in
                                "embed": params.embed, "head_hidden": params.head_hidden,
                                "monotone": params.monotone,
                                "batch_shards": params.batch_shards,
+                               # which split the val/heldout metrics are of (costmodel.data.load)
+                               "split_rule": "tables alone train",
                                "costs": costs, "tables": tables, "batch_size": data.batch_size,
                                **comm_params, **{f"n_{k}": v for k, v in counts.items()},
                                **{f"dropped_{k}": v for k, v in data.dropped.items()}})
