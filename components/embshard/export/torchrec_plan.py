@@ -808,31 +808,22 @@ def gpus_on_hosts(doc: Mapping, local: int, where: str) -> Mapping:
     does not match"). So the names follow the job, with a warning when they change. Table-row-wise plans were
     checked against the job's hosts before (_check_host_size): for them nothing changes. `doc` itself when no name
     does."""
-    renamed: list[str] = []
-    modules: dict[str, dict] = {}
-    for path, params in doc["modules"].items():
-        out: dict[str, Any] = {}
-        for name, p in params.items():
-            shards = p.get("shards")
-            if not shards:
-                out[name] = p
-                continue
-            new_shards = []
-            for s in shards:
-                m = _GPU_PLACEMENT.match(str(s["placement"]))
-                placement = s["placement"] if m is None else \
-                    f"rank:{m.group(1)}/{m.group(2)}:{int(m.group(1)) % int(local)}"
-                if placement != s["placement"] and len(renamed) < 1:
-                    renamed.append(f"{s['placement']} -> {placement}")
-                new_shards.append(s if placement == s["placement"] else {**s, "placement": placement})
-            out[name] = p if all(a is b for a, b in zip(new_shards, shards)) else {**p, "shards": new_shards}
-        modules[path] = out
-    if not renamed:
+    from torchrec.distributed.sharding_plan import placement  # TorchRec's own naming, as the export uses it
+
+    def named(shard: Mapping) -> str:
+        m = _GPU_PLACEMENT.match(str(shard["placement"]))
+        return shard["placement"] if m is None else placement(m.group(2), int(m.group(1)), int(local))
+
+    changed = [(s["placement"], named(s)) for params in doc["modules"].values() for p in params.values()
+               for s in p.get("shards") or () if named(s) != s["placement"]]
+    if not changed:
         return doc
     log.warning("%s names its ranks' GPUs for other hosts than this job's %d ranks per host: renamed as TorchRec "
-                "names them (rank R on cuda:R %% %d, e.g. %s); which rank holds what is unchanged", where, int(local),
-                int(local), renamed[0])
-    return {**doc, "modules": modules}
+                "names them (rank R on cuda:R %% %d, e.g. %s -> %s); which rank holds what is unchanged", where,
+                int(local), int(local), *changed[0])
+    return {**doc, "modules": {path: {name: {**p, "shards": [{**s, "placement": named(s)} for s in p["shards"]]}
+                                      if p.get("shards") else p for name, p in params.items()}
+                               for path, params in doc["modules"].items()}}
 
 
 def _job_world_size() -> int | None:
