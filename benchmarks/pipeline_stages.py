@@ -24,11 +24,12 @@ FULL_PARAMS = {"num_tables": 240, "num_tasks": 8, "tables_per_task": "20-60", "d
                "bench_shards": 300, "bench_chunks": 2, "bench_batch_size": 1024, "eval_tasks": 3,
                "eval_planners": ["dim_greedy", "size_greedy", "lookup_greedy", "size_lookup_greedy"]}
 # The configuration tests/test_pipeline_e2e.py runs end to end (smaller than embshard.pipeline.QUICK_PARAMS; no
-# large multi-hot tables, as there).
+# large multi-hot tables, as there). The gate's baseline is size_greedy, as there: the quick run checks the
+# mechanics, export included, and a tiny planner judged against the strong greedies on one task is left undecided
+# now and then (CI once: no champion, export skipped, a red harness test).
 QUICK_PARAMS = {"num_tables": 40, "hot_large_fraction": 0.0, "num_tasks": 2, "tables_per_task": "6-10", "devices": 2,
                 "memory_gb": 256.0, "bench_shards": 16, "bench_chunks": 2, "bench_batch_size": 256,
-                "policy_iterations": 10, "cost_members": 2, "eval_tasks": 1,
-                "eval_planners": ["dim_greedy", "size_lookup_greedy"]}
+                "policy_iterations": 10, "cost_members": 2, "eval_tasks": 1, "eval_planners": ["size_greedy"]}
 
 
 @dataclass
@@ -172,6 +173,11 @@ def markdown(info: RunInfo, hw_line: str) -> str:
               "(mapped) task instances; `share`: of the summed stage wall times."]
     if info.dag_seconds:
         lines += ["", f"Whole DAG run: {info.dag_seconds:.0f} s (scheduling overhead of dag.test() included)."]
+    promo = info.state.get("promotion")
+    if promo:
+        # export_placements is skipped while no version is champion: say so beside its row, not only in Airflow
+        lines += ["", f"Gate: candidate version {promo.get('candidate_version')} `{promo.get('verdict')}` "
+                      f"({promo.get('reason', '')}); `export_placements` runs only when a version is champion."]
     return "\n".join(lines)
 
 

@@ -5,6 +5,7 @@ One harness run is shared by the tests of this module (it is the expensive part:
 in the background from the session's start (tests/background.py)."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -128,9 +129,15 @@ def test_planning_times_and_cost_model_pages(quick):
 def test_pipeline_stage_times_from_airflow(quick):
     st = pd.read_csv(quick["out"] / "raw" / "pipeline_stages.csv")
     assert list(st["stage"]) == STAGES
-    skipped = st["stage"].isin(SKIPPED_ROUND)
+    # export_placements runs only when the gate crowned a champion (this first run's candidate): its state follows
+    # the verdict the run recorded, which the page repeats beside the stage times
+    (promotion,) = glob.glob(str(quick["work"] / "pipeline" / "**" / "state" / "promotion.json"), recursive=True)
+    promo = json.loads(Path(promotion).read_text())
+    skipped = st["stage"].isin(SKIPPED_ROUND if promo["promoted"] else [*SKIPPED_ROUND, "export_placements"])
     assert (st.loc[~skipped, "state"] == "success").all() and (st.loc[skipped, "state"] == "skipped").all()
     assert (st.loc[~skipped, "wall_s"] > 0).all()
+    page = (quick["out"] / "pipeline.md").read_text()
+    assert f"candidate version {promo['candidate_version']} `{promo['verdict']}`" in page
     assert abs(st["share"].sum() - 1.0) < 1e-6
 
 
