@@ -12,6 +12,7 @@ os.environ.setdefault("AIRFLOW_HOME", os.path.join(_SESSION_HOME, "airflow"))
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ.setdefault("MLFLOW_TRACKING_URI", f"sqlite:///{_SESSION_HOME}/mlflow.db")
 os.environ.setdefault("EMBSHARD_NUM_THREADS", "1")
+os.environ.setdefault("EMBSHARD_CACHE_DIR", os.path.join(_SESSION_HOME, "cache"))  # spec bins: not ~/.cache
 
 
 @pytest.fixture(autouse=True)

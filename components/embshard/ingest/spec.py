@@ -22,6 +22,7 @@ import pandas as pd
 
 from .. import checks, schemas
 from ..errors import EmbshardError, first_line
+from . import bins_cache
 from .dlrm import DATA_TYPES
 
 log = logging.getLogger(__name__)
@@ -423,29 +424,40 @@ def tables_from_spec(path: str, seed: int = 0, bins_batch_size: int | None = Non
         raise EmbshardError(f"table {spec.loc[both[0], 'name']} gives both zipf_alpha and the bins", path=path,
                             field="zipf_alpha", fix="give one skew per table: zipf_alpha, or the 17 bins")
     bins = np.empty((n, schemas.NUM_BINS))
-    alpha = np.full(n, np.nan)
-    sources = []
+    alpha = np.where(has_bins, np.nan, np.where(np.isfinite(alpha_given.astype(float)), alpha_given,
+                                                DEFAULT_ZIPF_ALPHA)).astype(np.float64)
     where = f"spec:{os.path.abspath(path)}"
-    # The bar shows on a terminal once reading has taken 2 s (a spec's access features take ~26 ms a table to sample).
-    # Where stderr is no terminal (CI, a log) the bar is off, so a long sampling is said once, with how to skip it.
-    sampled = int((~has_bins).sum())
-    if progress and sampled >= SAY_SAMPLING_FROM:
-        log.info("%s: sampling the access features of %d tables (about %.0f s%s)", path, sampled,
-                 sampled * SAMPLE_S_PER_TABLE, "; `embshard ingest --source spec` once, then pass its tables.parquet, "
-                 "skips this" if reread else "")
-    for i in tqdm(range(n), desc="spec tables: sampling access features", unit="table",
-                  disable=not progress or None, mininterval=1.0, delay=2.0):
+    sources = []
+    for i in range(n):
         if has_bins[i]:
             bins[i] = spec.loc[i, schemas.BIN_COLUMNS].to_numpy(dtype=np.float64)
             bins[i] /= bins[i].sum()
             sources.append(f"{where};skew=bins")
-            continue
-        if np.isfinite(alpha_given[i]):
-            alpha[i] = alpha_given[i]
+        elif np.isfinite(alpha_given[i]):
             sources.append(f"{where};skew=zipf-{alpha[i]:g};bins_batch={batch}")
         else:
-            alpha[i] = DEFAULT_ZIPF_ALPHA
             sources.append(f"{where};skew=default-zipf-{DEFAULT_ZIPF_ALPHA:.1f};bins_batch={batch}")
+    # Bins sampled by an earlier read of the same rows come from the cache (bins_cache: the same arrays).
+    folder = bins_cache.cache_dir()
+    keys = {int(i): bins_cache.table_key(seed, batch, str(spec.loc[i, "name"]), int(spec.loc[i, "num_embeddings"]),
+                                         float(spec.loc[i, "pooling_factor"]), float(alpha[i]))
+            for i in np.flatnonzero(~has_bins)}
+    todo = []
+    for i, key in keys.items():
+        hit = bins_cache.load(folder, key)
+        if hit is None:
+            todo.append(i)
+        else:
+            bins[i] = hit
+    # The bar shows on a terminal once reading has taken 2 s (a spec's access features take ~26 ms a table to sample).
+    # Where stderr is no terminal (CI, a log) the bar is off, so a long sampling is said once, with how to skip it.
+    if progress and len(todo) >= SAY_SAMPLING_FROM:
+        log.info("%s: sampling the access features of %d tables (about %.0f s%s)", path, len(todo),
+                 len(todo) * SAMPLE_S_PER_TABLE, "; `embshard ingest --source spec` once, then pass its "
+                 "tables.parquet, skips this" if reread else "")
+    writer = bins_cache.Writer(folder)
+    for i in tqdm(todo, desc="spec tables: sampling access features", unit="table",
+                  disable=not progress or None, mininterval=1.0, delay=2.0):
         # A stream per table, seeded by its name: its bins (and content hash) do not depend on the order or
         # number of rows in the file (seeded by the row index, a reordered spec changed every table's bins, so
         # `export` refused a plan of the same tables as "changed" and the learned planner planned them otherwise).
@@ -453,6 +465,7 @@ def tables_from_spec(path: str, seed: int = 0, bins_batch_size: int | None = Non
         rows = int(spec.loc[i, "num_embeddings"])
         idx, _ = sample_table_batch(rows, float(spec.loc[i, "pooling_factor"]), float(alpha[i]), batch, rng)
         bins[i] = table_bins(idx, rows)
+        writer.store(keys[i], bins[i])
     bpe = spec["data_type"].map(DATA_TYPES).astype(np.int64)
     df = pd.DataFrame({"table_id": spec["name"], "rows": spec["num_embeddings"], "dim": spec["embedding_dim"],
                        "pooling_factor": spec["pooling_factor"], "bytes_per_element": bpe})
