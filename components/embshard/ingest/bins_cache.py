@@ -33,7 +33,9 @@ FOLDER = "spec-bins"
 
 
 def cache_dir() -> str | None:
-    """The folder of bin entries, or None when the cache is off."""
+    """The folder of bin entries, or None when the cache is off (or the sampler's source cannot be read)."""
+    if _sampler_fingerprint() is None:
+        return None
     given = os.environ.get(ENV)
     if given is not None:
         if given.strip().lower() in OFF or not given.strip():
@@ -44,21 +46,27 @@ def cache_dir() -> str | None:
 
 
 @lru_cache(maxsize=1)
-def _sampler_fingerprint() -> str:
-    """numpy's version and the source of every function that turns a spec row into bins (see the module doc)."""
+def _sampler_fingerprint() -> str | None:
+    """numpy's version and the source of every function that turns a spec row into bins (see the module doc);
+    None where the source is not installed (bytecode only): no key could tell a changed sampler, so no cache."""
     from .. import features
     from . import synthetic
 
     parts = [np.__version__]
-    for fn in (synthetic.sample_table_batch, synthetic.bag_lengths, synthetic.zipf_indices, synthetic.table_bins,
-               synthetic.table_bin_histogram, features.bin_histogram, features.bins_from_histogram):
-        parts.append(inspect.getsource(fn))
+    try:
+        for fn in (synthetic.sample_table_batch, synthetic.bag_lengths, synthetic.zipf_indices,
+                   synthetic.table_bins, synthetic.table_bin_histogram, features.bin_histogram,
+                   features.bins_from_histogram):
+            parts.append(inspect.getsource(fn))
+    except (OSError, TypeError):
+        log.debug("the sampler's source is not installed: spec bins are not cached")
+        return None
     return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()
 
 
 def table_key(seed: int, batch: int, name: str, rows: int, pooling_factor: float, alpha: float) -> str:
     """The entry name of one table's sampled bins (repr keeps every bit of the floats)."""
-    text = "|".join([_sampler_fingerprint(), str(int(seed)), str(int(batch)), name, str(int(rows)),
+    text = "|".join([str(_sampler_fingerprint()), str(int(seed)), str(int(batch)), name, str(int(rows)),
                      repr(float(pooling_factor)), repr(float(alpha))])
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
