@@ -1,10 +1,16 @@
 """A per-device table of a placement that a person reads at a glance (tables, memory, predicted cost)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from .checks import GiB
 from .placement import Placement
+from .types import Shard
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 MAX_ROWS = 40  # a screenful; beyond it the table shows the first, the last and the busiest devices
 SHOWN = 10     # of each of those three groups
@@ -86,61 +92,131 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
     return "\n".join(lines)
 
 
-def plot_device_costs(placement: Placement, device_costs: np.ndarray | None, path: str,
-                      balanced_estimate: float | None = None) -> None:
-    """Bars of each device's predicted cost and memory use: imbalance at a glance (PNG)."""
+MAX_HOST_LINES = 64   # beyond, lines between hosts would cover the bars: the x label counts the hosts instead
+MAX_HOST_LABELS = 8   # "host 0" ... side by side above a chart half the figure wide
+
+
+def host_runs(placement: Placement) -> list[tuple[int, int, int]]:
+    """(host, first device, one past the last) of each run of consecutive devices on one host, in device order;
+    one run on one host."""
+    hosts = placement.devices.hosts
+    if hosts is None:
+        return [(0, 0, placement.num_devices)]
+    starts = [0] + [d for d in range(1, len(hosts)) if hosts[d] != hosts[d - 1]]
+    return [(hosts[a], a, b) for a, b in zip(starts, starts[1:] + [len(hosts)])]
+
+
+def device_costs_figure(placement: Placement, device_costs: np.ndarray | None,
+                        balanced_estimate: float | None = None) -> Figure:
+    """The figure of plot_device_costs: bars of each device's predicted cost and memory use, lines between hosts,
+    hatched bars for the devices holding pieces of cut tables, grey for the memory of replicas."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from . import storage
+    from matplotlib.patches import Patch
 
     devices = np.arange(placement.num_devices)
     mem = placement.memory_per_device() / placement.memory_bytes_per_device * 100
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.4))
-    # Thousands of bars take minutes to draw and show nothing more than a line does.
+    cut, replicated = split_tables(placement)
+    holds_pieces = sorted({s.device for pieces in cut.values() for s in pieces})
+    is_replica = np.array([s.kind == "replicated" for s in placement.shards], dtype=bool)
+    # every device holds every replica (Placement.check): its share of memory, not which devices, is the news
+    replica_mem = np.bincount(placement.device_of_shards()[is_replica], weights=placement.shard_bytes()[is_replica],
+                              minlength=placement.num_devices) / placement.memory_bytes_per_device * 100
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
+    # Thousands of bars take minutes to draw and show nothing more than a line does; the lines carry no marks
+    # for pieces or replicas (the title still counts them).
     many = placement.num_devices > 512
 
-    def bars(a, values, color):
+    def bars(a, values, color, bottom=None) -> None:
         if many:
             a.plot(devices, values, color=color, lw=0.6)
-        else:
-            a.bar(devices, values, color=color)
+            return
+        drawn = a.bar(devices, values, color=color, bottom=bottom)
+        for d in holds_pieces:
+            drawn.patches[d].set_hatch("///")
 
+    keys = []  # one legend under both charts: inside either, it would cover the bars of its first devices
     if device_costs is not None:
         bars(ax[0], device_costs, "tab:blue")
         if balanced_estimate:
-            ax[0].axhline(balanced_estimate, color="black", ls="--", lw=1, label="balanced estimate")
-            ax[0].legend(fontsize=8)
+            keys.append(ax[0].axhline(balanced_estimate, color="black", ls="--", lw=1, label="balanced estimate"))
         ax[0].set_ylabel("predicted cost (ms)")
     else:
         ax[0].text(0.5, 0.5, "no cost model: costs not predicted", ha="center", transform=ax[0].transAxes)
-    ax[0].set_xlabel("device")
-    bars(ax[1], mem, "tab:orange")
+    if replicated and not many:
+        ax[1].bar(devices, replica_mem, color="0.6")
+        bars(ax[1], mem - replica_mem, "tab:orange", bottom=replica_mem)
+    else:
+        bars(ax[1], mem, "tab:orange")
+    if holds_pieces and not many:
+        keys.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="holds pieces of cut tables"))
+    if replicated and not many:
+        keys.append(Patch(color="0.6", label="memory of replicas (every device holds them)"))
     ax[1].axhline(100, color="red", lw=1)
     ax[1].set_ylabel("memory used (% of the device)")
-    ax[1].set_xlabel("device")
-    fig.suptitle(f"{placement.task_id}: {len(placement.tables)} tables, planner {placement.planner}")
-    fig.tight_layout()
+    runs = host_runs(placement)
+    per_host = placement.devices.devices_per_host()
+    xlabel = "device"
+    if len(runs) > 1:
+        for a in ax if device_costs is not None else ax[1:]:  # an empty chart's x axis is not the devices'
+            if len(runs) <= MAX_HOST_LINES:
+                for _, first, _ in runs[1:]:
+                    a.axvline(first - 0.5, color="0.5", lw=0.6, zorder=0, gid="host boundary")
+            if len(runs) <= MAX_HOST_LABELS:
+                top = a.secondary_xaxis("top")
+                top.set_xticks([(first + end - 1) / 2 for _, first, end in runs],
+                               [f"host {h}" for h, _, _ in runs], fontsize=7)
+                top.tick_params(length=0)
+        if len(runs) > MAX_HOST_LABELS:
+            hosts = f"{len(runs)} hosts" + (f" of {per_host}" if per_host else "")
+            xlabel += f" ({hosts}{'; lines between hosts' if len(runs) <= MAX_HOST_LINES else ''})"
+    for a in ax:
+        a.set_xlabel(xlabel)
+    title = f"{placement.task_id}: {len(placement.tables)} tables, planner {placement.planner}"
+    split = [f"{len(cut)} cut into pieces"] if cut else []
+    split += [f"{len(replicated)} replicated on every device"] if replicated else []
+    fig.suptitle(title + ("\n" + ", ".join(split) if split else ""), fontsize=11)
+    if keys:
+        fig.legend(handles=keys, loc="lower center", ncol=len(keys), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07 if keys else 0, 1, 1))
+    return fig
+
+
+def plot_device_costs(placement: Placement, device_costs: np.ndarray | None, path: str,
+                      balanced_estimate: float | None = None) -> None:
+    """Bars of each device's predicted cost and memory use: imbalance at a glance (PNG)."""
+    import matplotlib.pyplot as plt
+
+    from . import storage
+
+    fig = device_costs_figure(placement, device_costs, balanced_estimate)
     with storage.atomic_write(path) as f:
         fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
 
 
-def split_summary(placement: Placement, limit: int = 12) -> str:
-    """One line naming the tables the plan cuts and how, then the tables it replicates (empty when every table is
-    whole and on one device); past `limit` of either, how many more (plan.json lists every shard)."""
-    by_table: dict[int, list] = {}
+def split_tables(placement: Placement) -> tuple[dict[int, list[Shard]], list[int]]:
+    """The tables the plan cuts (table index -> its column slices or row ranges) and the tables it replicates
+    (indices), in the order of their first shard."""
+    by_table: dict[int, list[Shard]] = {}
     for s in placement.shards:
         if s.kind != "whole":
             by_table.setdefault(s.table, []).append(s)
-    if not by_table:
+    cut = {t: pieces for t, pieces in by_table.items() if pieces[0].kind != "replicated"}
+    return cut, [t for t, pieces in by_table.items() if pieces[0].kind == "replicated"]
+
+
+def split_summary(placement: Placement, limit: int = 12) -> str:
+    """One line naming the tables the plan cuts and how, then the tables it replicates (empty when every table is
+    whole and on one device); past `limit` of either, how many more (plan.json lists every shard)."""
+    cut, replicated_tables = split_tables(placement)
+    if not cut and not replicated_tables:
         return ""
     ids = placement.tables.table_ids
     words = {"column": "column slices", "row": "row-wise pieces"}
-    cut = {t: pieces for t, pieces in by_table.items() if pieces[0].kind != "replicated"}
-    replicated = [str(ids[t]) for t, pieces in by_table.items() if pieces[0].kind == "replicated"]
+    replicated = [str(ids[t]) for t in replicated_tables]
     parts = []
     for t, pieces in list(cut.items())[:limit]:
         kind = pieces[0].kind
