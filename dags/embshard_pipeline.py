@@ -48,6 +48,8 @@ def end_mlflow_runs(context) -> None:
     stages.end_failed_task_runs(MLFLOW_URI, DATA_ROOT, run.dag_id, run.run_id, context["ti"].task_id)
 
 
+# A stage pod is tried again after an eviction, a preemption or a lost node (StagePod); a local task is not.
+POD_RETRIES, POD_RETRY_DELAY = 2, timedelta(seconds=60)
 DEFAULT_ARGS = {"owner": "embshard", "retries": 0,
                 **({"on_failure_callback": end_mlflow_runs} if RUNNER == "local" else {})}
 
@@ -74,6 +76,9 @@ def time_limit(stage: str, startup_s: int = 0, round_index: int | None = None):
         if not seconds > 0:  # a negative timeout_scale: check_params refuses it (the task had timed out at once)
             seconds = params.stage_timeout_s(stage, params.DEFAULT_PARAMS)
         context["task"].execution_timeout = timedelta(seconds=seconds + startup_s)
+        if hasattr(context["task"], "active_deadline_seconds"):
+            # a pod outlives a worker killed mid-task: Kubernetes stops it at the task's own limit (no GPU held)
+            context["task"].active_deadline_seconds = int(seconds + startup_s)
     return {"pre_execute": set_limit,
             "execution_timeout": timedelta(seconds=params.stage_timeout_s(stage, params.DEFAULT_PARAMS) + startup_s)}
 
@@ -175,8 +180,25 @@ with DAG(
 
     elif RUNNER == "kubernetes":
         from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+        from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
         from embshard import k8s
+
+        class StagePod(KubernetesPodOperator):
+            """A stage's pod, retried (POD_RETRIES) when it ends without the stage's verdict: evicted, preempted,
+            OOM-killed, its node lost (the stages are safe to run again). A stage that exits 2 said what is wrong
+            (bad input, one line in its log): failed at once, since running it again changes nothing."""
+
+            def cleanup(self, pod, remote_pod, xcom_result=None, context=None):
+                try:
+                    super().cleanup(pod, remote_pod, xcom_result, context)
+                except AirflowSkipException:
+                    raise
+                except AirflowException as exc:
+                    if k8s.stage_exit_code(remote_pod, self.base_container_name) == k8s.BAD_INPUT_EXIT_CODE:
+                        raise AirflowFailException(f"{exc} (exit code {k8s.BAD_INPUT_EXIT_CODE}: the stage's "
+                                                   "input or settings, see its log; not retried)") from exc
+                    raise
 
         pod_config = k8s.load_pod_config()
         root = stages.RUN_ROOT_TEMPLATE.format(data_root=k8s.data_root(pod_config))
@@ -188,7 +210,8 @@ with DAG(
         startup_s = k8s.startup_allowance_s(pod_config)
 
         def pod(task_id: str, stage: str, doc: str, round_index: int | None = None, **kw):
-            return KubernetesPodOperator(task_id=task_id, doc_md=TASK_DOCS[doc], **{
+            return StagePod(task_id=task_id, doc_md=TASK_DOCS[doc], **{
+                "retries": POD_RETRIES, "retry_delay": POD_RETRY_DELAY,
                 **k8s.pod_operator_kwargs(stage, stage_args(stage, round_index), pod_config),
                 **time_limit(stage, startup_s, round_index), **kw})
 
@@ -196,14 +219,16 @@ with DAG(
         # does not mount the data volume the pods read: the input file is checked by the ingest pod.
         @task(task_id="check_params", doc_md=TASK_DOCS["check_params"], **time_limit("check_params"))
         def check_params_task(params=None) -> dict:
-            return stages.check_params("", dict(params), check_files=False)
+            checked = stages.check_params("", dict(params), check_files=False)
+            k8s.check_run_params(pod_config, stages.merged(dict(params)))
+            return checked
 
         ingest = check_params_task() >> pod("ingest", "ingest", "ingest")
         # (names apart from the local branch's @task functions: different types, the same task ids)
         sample_shards_pod = pod("sample_shards", "sample_shards", "sample_shards", do_xcom_push=True)
         # At most maxBenchmarkPods chunk pods of a run at once (each holds GPUs; 0: no limit).
-        benchmark_pods = KubernetesPodOperator.partial(
-            task_id="benchmark", retries=2, retry_delay=timedelta(seconds=30), doc_md=TASK_DOCS["benchmark"],
+        benchmark_pods = StagePod.partial(
+            task_id="benchmark", retries=POD_RETRIES, retry_delay=timedelta(seconds=30), doc_md=TASK_DOCS["benchmark"],
             max_active_tis_per_dagrun=int(pod_config.get("maxBenchmarkPods") or 0) or None,
             **time_limit("benchmark", startup_s),
             **{k: v for k, v in k8s.pod_operator_kwargs("benchmark", [], pod_config).items() if k != "arguments"},
@@ -216,7 +241,7 @@ with DAG(
             last = last >> pod(task_id, stage, doc, r, skip_on_exit_code=stages.SKIP_EXIT_CODE)
         last >> pod("evaluate_and_promote", "evaluate_and_promote", "evaluate_and_promote",
                     trigger_rule=AFTER_LOOP) \
-            >> pod("export_placements", "export_placements", "export_placements", retries=1,
+            >> pod("export_placements", "export_placements", "export_placements",
                    skip_on_exit_code=stages.SKIP_EXIT_CODE)  # no champion yet: skipped, as in the local runner
     else:
         raise ValueError(f"EMBSHARD_RUNNER={RUNNER!r}: use 'local' or 'kubernetes'")

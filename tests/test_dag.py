@@ -114,16 +114,19 @@ def test_every_task_has_a_time_limit_sized_from_the_run_params(dag_by_runner):
         assert timeout is not None and timeout.total_seconds() > 0, task.task_id
         stage = STAGE_OF.get(task.task_id, ("check_params",))[0]
         hook = task.partial_kwargs["pre_execute"] if task.is_mapped else task._pre_execute_hook
-        op = types.SimpleNamespace(execution_timeout=None)
+        is_pod = runner == "kubernetes" and task.task_id != "check_params"
+        op = (types.SimpleNamespace(execution_timeout=None, active_deadline_seconds=None) if is_pod
+              else types.SimpleNamespace(execution_timeout=None))
         hook({"task": op, "params": {**params.DEFAULT_PARAMS, "timeout_scale": 3.0, "policy_rounds": 3}})
         # a pod's limit also covers its scheduling and image pull (KubernetesPodOperator waits for them in the task)
-        startup = (k8s.startup_allowance_s(k8s.load_pod_config())
-                   if runner == "kubernetes" and task.task_id != "check_params" else 0)
+        startup = k8s.startup_allowance_s(k8s.load_pod_config()) if is_pod else 0
         assert op.execution_timeout.total_seconds() == pytest.approx(
             params.stage_timeout_s(stage, {"timeout_scale": 3.0}) + startup), task.task_id
-        if runner == "kubernetes" and task.task_id != "check_params":  # the allowance is both of the waits
+        if is_pod:  # the allowance is both of the waits
             kw = task.partial_kwargs if task.is_mapped else vars(task)
             assert startup == kw["schedule_timeout_seconds"] + kw["startup_timeout_seconds"], task.task_id
+            # the pod itself stops at the same limit, should the worker that waits for it be killed
+            assert op.active_deadline_seconds == int(op.execution_timeout.total_seconds()), task.task_id
 
 
 @pytest.mark.parametrize("bad", [{"bench_chunks": 0}, {"tables_per_task": "abc", "num_tables": -5},
@@ -395,4 +398,92 @@ def test_benchmark_pods_of_a_run_can_be_capped(monkeypatch, tmp_path):
     bag = DagBag(dag_folder=str(DAG_FILE), safe_mode=False)
     assert bag.import_errors == {}
     assert bag.dags[DAG_ID].get_task("benchmark").partial_kwargs["max_active_tis_per_dagrun"] == 2
-    assert bag.dags[DAG_ID].get_task("export_placements").retries == 1  # as in the local runner
+    assert bag.dags[DAG_ID].get_task("export_placements").retries == 2  # as every stage pod (StagePod)
+
+
+def _ended_pod(exit_code: int | None):
+    """A stage pod as the API returns it once it ended: its container terminated with `exit_code`, or (None)
+    evicted before the container ended."""
+    from kubernetes.client import models as km
+
+    statuses = None if exit_code is None else [km.V1ContainerStatus(
+        name="base", image="embshard", image_id="", ready=False, restart_count=0,
+        state=km.V1ContainerState(terminated=km.V1ContainerStateTerminated(exit_code=exit_code)))]
+    return km.V1Pod(metadata=km.V1ObjectMeta(name="embshard-x", namespace="embshard"),
+                    spec=km.V1PodSpec(containers=[km.V1Container(name="base")]),
+                    status=km.V1PodStatus(phase="Failed", reason=None if statuses else "Evicted",
+                                          container_statuses=statuses))
+
+
+class _OfflineApi:
+    """The Kubernetes API the pod operator asks while it cleans up (there is no cluster here): the ended pod read
+    back, no events, every write accepted."""
+
+    def __init__(self, pod):
+        self.pod = pod
+
+    def read_pod(self, pod):  # noqa: ARG002
+        return self.pod
+
+    def read_pod_events(self, pod):  # noqa: ARG002
+        return types.SimpleNamespace(items=[])
+
+    def __getattr__(self, name):
+        return lambda *args, **kw: None
+
+
+def _cleanup(task, exit_code):
+    pod = _ended_pod(exit_code)
+    task.__dict__["pod_manager"] = task.__dict__["client"] = _OfflineApi(pod)  # the cached properties
+    task.cleanup(pod, pod)
+
+
+def test_a_stage_pod_is_retried_after_an_eviction_but_not_after_saying_what_is_wrong(monkeypatch):
+    """Every stage pod but benchmark and export ran without retries: a spot reclaim or a node drain failed the
+    whole run and paged someone to clear the task. Now each is retried, unless the stage exited 2 (its input or
+    settings: the same again), which fails at once; a skipped round (exit 99) is still skipped."""
+    from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
+
+    dag = load_bag(monkeypatch, "kubernetes").dags[DAG_ID]  # its own tasks: the API stand-in stays on them
+    pods = [t for t in dag.tasks if t.task_id != "check_params"]
+    assert {t.task_id: (t.partial_kwargs["retries"] if t.is_mapped else t.retries) for t in pods} == {
+        t.task_id: 2 for t in pods}
+    task = dag.get_task("train_policy")
+    with pytest.raises(AirflowFailException, match="exit code 2"):
+        _cleanup(task, 2)
+    for code in (137, 1, None):  # OOM-killed, a crash, evicted: tried again
+        with pytest.raises(AirflowException) as caught:
+            _cleanup(task, code)
+        assert not isinstance(caught.value, AirflowFailException), code
+    with pytest.raises(AirflowSkipException):
+        _cleanup(dag.get_task("train_policy_r3"), stages.SKIP_EXIT_CODE)
+
+
+def test_refine_on_a_cluster_needs_a_gpu_in_the_export_pod(monkeypatch, tmp_path):
+    """refine_k measures in the export_placements pod, which had no GPU: with device cuda the last stage failed
+    after hours, with auto the exported plans were chosen from CPU timings. check_params refuses it up front."""
+    from embshard.errors import EmbshardError
+
+    config = k8s.load_pod_config()
+    with pytest.raises(EmbshardError, match="refine_k.*export_placements.gpu: true"):
+        k8s.check_run_params(config, {**stages.DEFAULT_PARAMS, "refine_k": 2})
+    for ok in ({"refine_k": 0}, {"refine_k": 2, "device": "cpu"}):
+        k8s.check_run_params(config, {**stages.DEFAULT_PARAMS, **ok})
+    path = tmp_path / "pods.yaml"
+    path.write_text("stages:\n  export_placements:\n    gpu: true\n")
+    k8s.check_run_params(k8s.load_pod_config(path), {**stages.DEFAULT_PARAMS, "refine_k": 2})
+    # the DAG's own check_params task runs it
+    with pytest.raises(EmbshardError, match="refine_k"):
+        load_bag(monkeypatch, "kubernetes").dags[DAG_ID].get_task("check_params").python_callable(
+            params={"refine_k": 2})
+
+
+def test_training_pods_run_as_many_threads_as_their_cpu_limit_and_measuring_pods_their_own():
+    def env(stage, config=None):
+        return {e.name: e.value for e in k8s.pod_operator_kwargs(stage, ["x"], config)["env_vars"]}
+
+    limit = k8s.load_pod_config()["stages"]["train_policy"]["resources"]["limits"]["cpu"]
+    assert env("train_policy")["OMP_NUM_THREADS"] == env("train_policy")["EMBSHARD_NUM_THREADS"] == str(int(limit))
+    for stage in (*k8s.MEASURING, "export_placements"):  # a measurement's threads are part of its fingerprint
+        assert "OMP_NUM_THREADS" not in env(stage) and "EMBSHARD_NUM_THREADS" not in env(stage), stage
+    assert [k8s._cpu_limit_threads(q) for q in ("500m", "2.5", "16", None, "lots")] == [1, 2, 16, None, None]

@@ -319,7 +319,7 @@ def test_the_scratch_env_can_be_overridden(tmp_path):
 
 
 def test_stages_wait_longer_than_a_command_for_an_mlflow_server_that_does_not_answer(tmp_path):
-    """Most stage pods run without retries: an MLflow pod restarting must not fail them (a command gives up after
+    """A stage pod must not fail (and be retried, or fail a run) for an MLflow pod restarting (a command gives up after
     10 s); the setting can be overridden like any other."""
     from embshard import registry
 

@@ -37,6 +37,14 @@ MLFLOW_WAIT_ENV, MLFLOW_WAIT_S = "EMBSHARD_MLFLOW_WAIT_S", 300  # registry.WAIT_
 STAGES = ("ingest", "sample_shards", "benchmark", "train_cost_model", "train_policy", "measure_policy_plans",
           "evaluate_and_promote", "export_placements")
 
+# Stages that time kernels (export_placements too with refine_k > 0) and those that never do: a measuring stage's
+# threads are the measurement's own (EMBSHARD_NUM_THREADS is part of a cost's fingerprint), the others' follow the
+# pod's CPU limit.
+MEASURING = ("sample_shards", "benchmark", "measure_policy_plans", "evaluate_and_promote")
+NEVER_MEASURING = ("ingest", "train_cost_model", "train_policy")
+# `embshard stage` exits 2 on an EmbshardError (cli): it said what to fix, and running it again changes nothing.
+BAD_INPUT_EXIT_CODE = 2
+
 # The stage container's root filesystem is read-only (containerSecurityContext.readOnlyRootFilesystem): what a
 # stage writes besides its data goes to an emptyDir at SCRATCH (benchmark inputs, a decompressed trace, MLflow's
 # artifact staging), and these point every home, cache and config there. The image's home is read-only, so
@@ -300,6 +308,11 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
     if storage["type"] == "bucket" and storage.get("s3Endpoint"):
         # pyarrow's S3 filesystem and boto3 both read AWS_ENDPOINT_URL.
         env["AWS_ENDPOINT_URL"] = storage["s3Endpoint"]
+    threads = _cpu_limit_threads(limits.get("cpu"))
+    if threads and stage in NEVER_MEASURING:
+        # torch counts the node's cores, not the pod's limit: a training pod limited to 8 CPUs on a 96-core node
+        # ran 96 threads and was throttled by the CFS quota
+        env.update({"OMP_NUM_THREADS": str(threads), "EMBSHARD_NUM_THREADS": str(threads)})
     if not spec.get("gpu"):
         # The CUDA image sets NVIDIA_VISIBLE_DEVICES=all: where the NVIDIA runtime is the node's default, a pod
         # that requested no GPU would see (and measure on) every GPU of the node.
@@ -360,6 +373,40 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
         "log_events_on_failure": True,
         "do_xcom_push": False,
     }
+
+
+def _cpu_limit_threads(limit: str | None) -> int | None:
+    """Whole CPUs of a Kubernetes CPU quantity ("8", "2.5", "500m"), at least 1; None when not given or unread."""
+    if not limit:
+        return None
+    try:
+        cpus = float(limit[:-1]) / 1000 if limit.endswith("m") else float(limit)
+    except ValueError:
+        return None
+    return max(int(cpus), 1)
+
+
+def stage_exit_code(remote_pod, container: str) -> int | None:
+    """The exit code of the pod's stage container, None when it did not terminate (evicted, preempted, lost)."""
+    statuses = (remote_pod.status.container_statuses if remote_pod is not None and remote_pod.status else None) or []
+    status = next((c for c in statuses if c.name == container), None)
+    terminated = status.state.terminated if status is not None and status.state is not None else None
+    return None if terminated is None else terminated.exit_code
+
+
+def check_run_params(config: dict, params: dict) -> None:
+    """The cluster's own rules for a run's params, checked by check_params on the Airflow worker: a measured
+    refinement (refine_k) runs in the export_placements pod, which must then measure on the run's device."""
+    p = {**{"refine_k": 0, "device": "auto"}, **params}
+    stages = config["stages"]
+    if int(p["refine_k"]) > 0 and str(p["device"]) != "cpu" and not (stages.get("export_placements") or {}).get("gpu"):
+        measured_on_gpu = any((stages.get(s) or {}).get("gpu") for s in MEASURING)
+        if measured_on_gpu or str(p["device"]).startswith("cuda"):
+            raise EmbshardError(
+                f"refine_k {p['refine_k']} measures the exported plans in the export_placements pod, which has no "
+                f"GPU: it would measure on the CPU (device auto) or fail at the end of the run (device cuda)",
+                field="refine_k",
+                fix="set stagePods.stages.export_placements.gpu: true in the chart's values, or give refine_k 0")
 
 
 def startup_timeout_s(config: dict) -> int:
