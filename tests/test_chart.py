@@ -6,6 +6,7 @@ What needs a real cluster (images pulling, MLflow reaching Postgres/MinIO, RWX s
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -181,8 +182,39 @@ def test_bucket_storage_on_the_bundled_minio_gets_its_endpoint():
 
     bucket = {"stagePods": {"storage": {"type": "bucket", "dataRoot": "s3://embshard/runs"}}}
     assert pod_storage(bucket)["s3Endpoint"].startswith("http://embshard-minio.")
-    assert pod_storage({**bucket, "minio": {"enabled": False}})["s3Endpoint"] == ""  # AWS S3
+    external = {"minio": {"enabled": False}, "mlflow": {"artifactsDestination": "s3://team-bucket/mlflow"}}
+    assert pod_storage({**bucket, **external})["s3Endpoint"] == ""  # AWS S3
     assert pod_storage({})["s3Endpoint"] == ""  # a shared volume needs none
+
+
+def test_without_minio_mlflow_writes_to_the_bucket_given_as_the_identity_annotated_for_it():
+    """With minio.enabled=false MLflow wrote to s3://mlflow/artifacts (a bucket on AWS nobody here owns), and ran as
+    the namespace's default ServiceAccount, so an IRSA / workload-identity annotation on embshard-stage (what the
+    docs said to do) never reached it: model registration failed."""
+    with pytest.raises(helm.HelmError, match="minio.enabled=false needs mlflow.artifactsDestination"):
+        render({"minio": {"enabled": False}})
+
+    def mlflow_pod(values):
+        return by_kind(objects(values), "Deployment")["embshard-mlflow"]["spec"]["template"]["spec"]
+
+    spec = mlflow_pod({"minio": {"enabled": False}, "mlflow": {"artifactsDestination": "s3://team-bucket/mlflow"}})
+    assert "--artifacts-destination=s3://team-bucket/mlflow" in spec["containers"][0]["args"]
+    assert spec["serviceAccountName"] == "embshard-stage"  # the ServiceAccount serviceAccount.annotations annotate
+    spec = mlflow_pod({"mlflow": {"serviceAccountName": "mlflow-writer"}})
+    assert spec["serviceAccountName"] == "mlflow-writer"
+    assert "--artifacts-destination=s3://mlflow/artifacts" in spec["containers"][0]["args"]  # the bundled MinIO
+
+
+@pytest.mark.parametrize("storage, words", [
+    ({"mountPath": "/mnt/embshard"}, "dataRoot file:///data/embshard is not on the volume mounted at /mnt/embshard"),
+    ({"mountPath": "/tmp", "dataRoot": "file:///tmp/embshard"}, "/tmp is the stage pods' scratch folder"),
+    ({"mountPath": "/"}, "a mount path below /"),
+])
+def test_stage_volume_settings_the_dag_would_refuse_fail_at_render(storage, words):
+    """These rendered and linted, then every DAG import failed (k8s.load_pod_config), runs in flight included."""
+    with pytest.raises(helm.HelmError, match=re.escape(words)):
+        render({"stagePods": {"storage": storage}})
+    render({"stagePods": {"storage": {"mountPath": "/mnt/embshard", "dataRoot": "file:///mnt/embshard/runs"}}})
 
 
 def test_missing_backend_store_is_a_clear_render_error():

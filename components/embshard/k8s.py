@@ -104,8 +104,11 @@ POD_DEFAULTS: dict[str, Any] = {
         # preempt others for GPU nodes; a lower one leaves them to run in the gaps.
         "priorityClassName": "",
     },
+    # fsGroupChangePolicy: the volume is re-owned only when its root is not the group's (a full chown of a volume
+    # holding every run slowed each pod's start)
     "podSecurityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001,
-                           "fsGroup": 10001, "seccompProfile": {"type": "RuntimeDefault"}},
+                           "fsGroup": 10001, "fsGroupChangePolicy": "OnRootMismatch",
+                           "seccompProfile": {"type": "RuntimeDefault"}},
     # Read-only root: the stage writes only to its data (volume or bucket) and the emptyDir at SCRATCH.
     "containerSecurityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
                                  "readOnlyRootFilesystem": True},

@@ -57,6 +57,21 @@ app.kubernetes.io/component: {{ .component }}
 {{- end }}
 {{- $_ := set $cfg "mlflowTrackingUri" (include "embshard.mlflowUri" .) }}
 {{- end }}
+{{- /* A volume the stages cannot use fails here, at `helm upgrade`, not as an import error of the whole DAG
+  (components/embshard/k8s.py holds the same rules). */}}
+{{- if eq $cfg.storage.type "pvc" }}
+{{- $mount := printf "/%s" (trimAll "/" (toString $cfg.storage.mountPath)) }}
+{{- $root := printf "/%s" (trimAll "/" (trimPrefix "file://" (toString $cfg.storage.dataRoot))) }}
+{{- if eq $mount "/" }}
+{{- fail "stagePods.storage.mountPath: a pvc storage needs a mount path below /, e.g. /data" }}
+{{- end }}
+{{- if eq $mount "/tmp" }}
+{{- fail "stagePods.storage.mountPath: /tmp is the stage pods' scratch folder (an emptyDir); mount the data volume elsewhere, e.g. /data" }}
+{{- end }}
+{{- if not (or (eq $root $mount) (hasPrefix (printf "%s/" $mount) $root)) }}
+{{- fail (printf "stagePods.storage.dataRoot %s is not on the volume mounted at %s: put it under the mount, e.g. file://%s/embshard" $cfg.storage.dataRoot $cfg.storage.mountPath $mount) }}
+{{- end }}
+{{- end }}
 {{- /* Bucket storage on the bundled MinIO: its endpoint, as mlflow.s3Endpoint defaults to it. */}}
 {{- if and (eq $cfg.storage.type "bucket") (not $cfg.storage.s3Endpoint) .Values.minio.enabled }}
 {{- $_ := set $cfg.storage "s3Endpoint" (include "embshard.minioEndpoint" .) }}
