@@ -102,6 +102,26 @@ def test_only_measuring_stages_get_a_gpu_and_the_gpu_nodes(stage):
     assert resources["requests"]["memory"] and resources["limits"]["memory"]
 
 
+def test_pods_with_several_gpus_get_a_shared_memory_for_nccl(tmp_path):
+    """NCCL among a pod's GPUs (the all-to-all measured) moves data through /dev/shm, 64 MiB by the container
+    runtime's default: a memory-backed one of gpu.shmSize on measuring pods with 2+ GPUs, none elsewhere."""
+    path = tmp_path / "pods.yaml"
+    path.write_text("gpu:\n  count: 4\n  shmSize: 4Gi\n")
+    config = k8s.load_pod_config(path)
+    for stage in k8s.STAGES:
+        pod = pod_manifest(stage, config)
+        kubernetes_validate.validate(pod, desired_version=KUBE_VERSION, strict=True)
+        shm = [v for v in pod["spec"]["volumes"] if v["name"] == "dshm"]
+        mounts = [m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]]
+        if stage in GPU_STAGES:
+            assert shm == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "4Gi"}}], stage
+            assert "/dev/shm" in mounts
+        else:
+            assert not shm and "/dev/shm" not in mounts, stage
+    assert not [v for v in pod_manifest("benchmark")["spec"]["volumes"] if v["name"] == "dshm"]  # one GPU: none
+    assert chart_stage_pods({"stagePods": {"gpu": {"count": 2}}})["gpu"]["shmSize"] == "2Gi"
+
+
 def test_a_pod_with_the_xcom_sidecar_is_valid():
     """The DAG's sample_shards task pushes its chunk list as an XCom: the operator adds a sidecar container."""
     from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
@@ -159,9 +179,10 @@ def test_chart_configmap_drives_the_pods(tmp_path, monkeypatch):
     assert container["resources"]["limits"][GPU] == "2"
     assert spec["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
     assert len(spec["tolerations"]) == 2
-    # bucket: no data volume, only the scratch folder
-    assert [v["name"] for v in spec["volumes"]] == ["scratch"]
-    assert container["volumeMounts"] == [{"name": "scratch", "mountPath": "/tmp"}]
+    # bucket: no data volume, only the scratch folder (and, with 2 GPUs, NCCL's shared memory)
+    assert [v["name"] for v in spec["volumes"]] == ["scratch", "dshm"]
+    assert container["volumeMounts"] == [{"name": "scratch", "mountPath": "/tmp"},
+                                         {"name": "dshm", "mountPath": "/dev/shm"}]
     env = {e["name"]: e for e in container["env"]}
     assert env["EMBSHARD_DATA_ROOT"]["value"] == "s3://embshard/runs"
     assert env["AWS_ENDPOINT_URL"]["value"] == "http://embshard-minio.ml.svc.cluster.local:9000"

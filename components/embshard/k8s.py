@@ -94,6 +94,8 @@ POD_DEFAULTS: dict[str, Any] = {
     "gpu": {
         "resourceName": "nvidia.com/gpu",
         "count": 1,
+        # /dev/shm of a pod with 2+ GPUs (NCCL's buffers; the runtime's default is 64 MiB), from its memory limit
+        "shmSize": "2Gi",
         # None by default: the GPU request alone keeps a pod on GPU nodes, and GPU feature discovery's labels
         # (nvidia.com/gpu.present, .product) are not on every cluster (a selector on them left pods Pending, and an
         # autoscaler cannot scale a GPU pool up from zero for a label added after boot). Pin a product here to
@@ -336,6 +338,12 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
     # The scratch folder is always there (harmless with a writable root, needed with a read-only one).
     volumes = [k8s.V1Volume(name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource())]
     volume_mounts = [k8s.V1VolumeMount(name="scratch", mount_path=SCRATCH)]
+    if spec.get("gpu") and int(gpu["count"]) >= 2:
+        # NCCL among the pod's GPUs (the all-to-all measured) moves data through /dev/shm, which the container
+        # runtime sizes at 64 MiB: too small for NCCL's buffers. Memory-backed, counted in the pod's memory limit.
+        volumes.append(k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(
+            medium="Memory", size_limit=str(gpu.get("shmSize") or "2Gi"))))
+        volume_mounts.append(k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"))
     if storage["type"] == "pvc":
         volumes.append(k8s.V1Volume(name="embshard-data", persistent_volume_claim=(
             k8s.V1PersistentVolumeClaimVolumeSource(claim_name=storage["claimName"]))))
