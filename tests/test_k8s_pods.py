@@ -122,6 +122,23 @@ def test_pods_with_several_gpus_get_a_shared_memory_for_nccl(tmp_path):
     assert chart_stage_pods({"stagePods": {"gpu": {"count": 2}}})["gpu"]["shmSize"] == "2Gi"
 
 
+def test_extra_volumes_reach_every_stage_pod_as_the_chart_gives_them():
+    """DLRM traces are read from a local path (ingest, and the benchmark replays them): with bucket storage no pod
+    had a volume to read them from. A volume of the chart's values is mounted in every stage pod."""
+    values = {"stagePods": {
+        "storage": {"type": "bucket", "dataRoot": "s3://embshard/runs"},
+        "extraVolumes": [{"name": "traces", "persistentVolumeClaim": {"claimName": "dlrm-traces", "readOnly": True}}],
+        "extraVolumeMounts": [{"name": "traces", "mountPath": "/traces", "readOnly": True}]}}
+    config = k8s._check(k8s._merge(k8s.POD_DEFAULTS, chart_stage_pods(values)), "stage-pods.yaml")
+    for stage in k8s.STAGES:
+        pod = pod_manifest(stage, config)
+        kubernetes_validate.validate(pod, desired_version=KUBE_VERSION, strict=True)
+        assert {"name": "traces", "persistentVolumeClaim": {"claimName": "dlrm-traces", "readOnly": True}} \
+            in pod["spec"]["volumes"], stage
+        assert {"name": "traces", "mountPath": "/traces", "readOnly": True} \
+            in pod["spec"]["containers"][0]["volumeMounts"], stage
+
+
 def test_a_pod_with_the_xcom_sidecar_is_valid():
     """The DAG's sample_shards task pushes its chunk list as an XCom: the operator adds a sidecar container."""
     from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
@@ -217,6 +234,12 @@ def test_partial_override_keeps_the_rest(tmp_path):
     ("secretEnv:\n  - name: X\n", "secretEnv"),
     ("- a\n- b\n", "mapping"),
     ("image: [unclosed\n", "not valid YAML"),
+    ("extraVolumes:\n  - emptyDir: {}\n", "each with a name"),
+    ("extraVolumes:\n  - {name: scratch, emptyDir: {}}\n", "volume name 'scratch' is taken"),
+    ("extraVolumes:\n  - {name: t, emptyDir: {}}\nextraVolumeMounts:\n  - {name: u, mountPath: /traces}\n",
+     "mount 'u' names no volume"),
+    ("extraVolumes:\n  - {name: t, emptyDir: {}}\nextraVolumeMounts:\n  - {name: t, mountPath: /data}\n",
+     "mount path '/data' is the stage pods' own"),
 ])
 def test_bad_pod_settings_are_one_line_errors(tmp_path, text, match):
     path = tmp_path / "pods.yaml"

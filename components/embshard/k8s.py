@@ -82,6 +82,10 @@ POD_DEFAULTS: dict[str, Any] = {
     "envFromSecrets": [{"name": "embshard-credentials", "optional": True}],
     # Single keys from Secrets: [{"name": ENV_NAME, "secretName": ..., "key": ..., "optional": bool}].
     "secretEnv": [],
+    # Volumes every stage pod mounts besides its own (Kubernetes Volume and VolumeMount specs, camelCase): e.g. a
+    # read-only volume of DLRM traces, which are read from a local path (ingest, and the benchmark replays them).
+    "extraVolumes": [],
+    "extraVolumeMounts": [],
     # Where stages exchange Parquet: a shared ReadWriteMany PVC, or a bucket (then no volume is mounted).
     "storage": {
         "type": "pvc",  # "pvc" | "bucket"
@@ -226,7 +230,35 @@ def _check(config: dict, source: str) -> dict:
         if not {"name", "secretName", "key"} <= set(item):
             raise EmbshardError("each secretEnv entry needs name, secretName and key", path=source,
                                 field="secretEnv")
+    _check_extra_volumes(config, source)
     return config
+
+
+OWN_VOLUMES = ("scratch", "embshard-data", "dshm")  # the volumes a stage pod mounts itself
+
+
+def _check_extra_volumes(config: dict, source: str) -> None:
+    """extraVolumes / extraVolumeMounts: each a named mapping, no name or path a stage pod uses itself, every mount
+    of a volume given (a pod naming a missing volume is refused by the API server only when a run starts)."""
+    volumes, mounts = config.get("extraVolumes") or [], config.get("extraVolumeMounts") or []
+    for field, items in (("extraVolumes", volumes), ("extraVolumeMounts", mounts)):
+        if not isinstance(items, list) or not all(isinstance(v, dict) and v.get("name") for v in items):
+            raise EmbshardError("needs a list of mappings, each with a name", path=source, field=field,
+                                fix="e.g. [{name: traces, persistentVolumeClaim: {claimName: dlrm-traces}}]")
+    names = [v["name"] for v in volumes]
+    taken = [n for n in names if n in OWN_VOLUMES] or [n for n in set(names) if names.count(n) > 1]
+    if taken:
+        raise EmbshardError(f"volume name {taken[0]!r} is taken", path=source, field="extraVolumes",
+                            fix=f"name each extra volume once, and none of {list(OWN_VOLUMES)}")
+    own_paths = {SCRATCH, "/dev/shm", "/" + str(config["storage"].get("mountPath", "")).strip("/")}
+    for m in mounts:
+        path = "/" + str(m.get("mountPath", "")).strip("/")
+        if m["name"] not in names:
+            raise EmbshardError(f"mount {m['name']!r} names no volume of extraVolumes", path=source,
+                                field="extraVolumeMounts", fix=f"add it to extraVolumes, or use one of {names}")
+        if path == "/" or path in own_paths:
+            raise EmbshardError(f"mount path {m.get('mountPath')!r} is the stage pods' own", path=source,
+                                field="extraVolumeMounts", fix="mount it elsewhere, e.g. /traces")
 
 
 def _check_image(ref: Any, source: str, field: str) -> None:
@@ -348,6 +380,8 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
         volumes.append(k8s.V1Volume(name="embshard-data", persistent_volume_claim=(
             k8s.V1PersistentVolumeClaimVolumeSource(claim_name=storage["claimName"]))))
         volume_mounts.append(k8s.V1VolumeMount(name="embshard-data", mount_path=storage["mountPath"]))
+    volumes += [_deserialize(k8s.V1Volume, v) for v in config.get("extraVolumes") or []]
+    volume_mounts += [_deserialize(k8s.V1VolumeMount, m) for m in config.get("extraVolumeMounts") or []]
 
     psc = config.get("podSecurityContext") or {}
     csc = config.get("containerSecurityContext") or {}
@@ -435,6 +469,11 @@ def _security(cls, settings: dict):
     """A kubernetes-client security context object from camelCase settings (None when empty)."""
     if not settings:
         return None
+    return _deserialize(cls, settings)
+
+
+def _deserialize(cls, settings: dict):
+    """A kubernetes-client model object from its camelCase manifest form."""
     from kubernetes.client import ApiClient
 
     # The client's own deserializer maps camelCase JSON onto its snake_case models.
