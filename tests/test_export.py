@@ -595,6 +595,13 @@ def test_inside_a_job_gpus_are_renamed_only_for_hosts_its_launcher_set(placement
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one host of 4 (the job's): rank 3 is cuda:3 there
     places = [str(s.placement) for ps in tp.plan_from_json(doc).plan[""].values() for s in ps.sharding_spec.shards]
     assert "rank:3/cuda:3" in places and "renamed" in caplog.text
+    # torchrun's job before init_process_group (no group yet, the world size given): the same names
+    monkeypatch.setattr(tp, "_job_world_size", lambda: None)
+    places = [str(s.placement) for ps in tp.plan_from_json(doc, world_size=D).plan[""].values()
+              for s in ps.sharding_spec.shards]
+    assert "rank:3/cuda:3" in places
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # no launcher, no group: as written
+    assert str(tp.plan_from_json(doc, world_size=D)) == str(tp.plan_from_json(doc, local_world_size=2))
 
 
 @needs_torchrec

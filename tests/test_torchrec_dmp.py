@@ -183,9 +183,16 @@ def test_a_table_row_wise_plan_is_refused_in_a_job_whose_hosts_are_another_size(
     schemas.write(_placement().to_frame(), tmp_path / "placements.parquet", "placements")
     path = export(str(tmp_path / "placements.parquet"), str(tmp_path / "tables.parquet"), str(tmp_path / "out"),
                   compute_device="cpu")["plans"]["dmp"]["torchrec_plan_json"]
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    for k in ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(k, raising=False)
     assert plan_from_json(path, world_size=WORLD)  # outside a job (evaluate --plan, a laptop): nothing to compare
     assert plan_from_json(path, world_size=WORLD, local_world_size=LOCAL)
+    # a torchrun job that loads its plan before init_process_group: its launcher's LOCAL_WORLD_SIZE is the job's
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(EmbshardError, match="hold 1 \\(TorchRec's ranks per host from LOCAL_WORLD_SIZE=1\\)"):
+        plan_from_json(path, world_size=WORLD)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(LOCAL))
+    assert plan_from_json(path, world_size=WORLD)
     with pytest.raises(EmbshardError) as err:
         plan_from_json(path, world_size=WORLD, local_world_size=4)
     line = str(err.value)

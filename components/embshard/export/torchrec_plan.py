@@ -769,12 +769,16 @@ def _check_host_size(doc: Mapping, where: str, local_world_size: int | None,
     `get_local_size`: LOCAL_WORLD_SIZE (or MPI's local size), 8 when none is set, the world when that does not
     divide it. Other hosts fail deep inside DistributedModelParallel (an IndexError in its table-row-wise
     sharding, or "Number of local shards (0) does not match"). Checked against `local_world_size` when given, else
-    inside a job (a process group) against what TorchRec will use; outside a job (reading or evaluating a plan)
-    there is nothing to compare with. Returns the ranks per host it checked against (None: none known)."""
+    inside a job against what TorchRec will use: a job has a process group, or its launcher set the ranks per host
+    (torchrun's LOCAL_WORLD_SIZE: a script that loads its plan before init_process_group); outside a job (reading
+    or evaluating a plan) there is nothing to compare with. Returns the ranks per host it checked against (None:
+    none known)."""
     name, plan_local = table_row_wise_host(doc)
     source = "local_world_size"
     if local_world_size is None:
         world = _job_world_size()
+        if world is None and world_size is not None and _local_size_in_env():
+            world = int(world_size)  # the launcher's job, before its process group: TorchRec reads the same
         if world is None:
             return None
         from torchrec.distributed.comm import get_local_size

@@ -186,7 +186,9 @@ class UserPlan:
                     f"{topology.local_world_size} devices per host", path=self.path, field="devices_per_host",
                     fix=f"give --devices-per-host {ranks} (evaluate --plan), or tasks whose devices_per_host is "
                         f"{ranks}")
-            sharding_plan = plan_from_json(self.path, tables=tables, world_size=topology.count)
+            # the task's hosts, not a launcher's variables this process may have inherited (no job here)
+            sharding_plan = plan_from_json(self.path, tables=tables, world_size=topology.count,
+                                           local_world_size=topology.local_world_size)
             placement = placement_from_sharding_plan(sharding_plan, tables, topology.count, topology.memory_bytes,
                                                      names=task_ids, module_path=next(iter(doc["modules"])))
             placement.meta = {"plan_file": self.path}
