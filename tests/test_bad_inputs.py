@@ -801,6 +801,24 @@ def test_unreachable_s3_out_is_one_line(world, tmp_path, capsys, monkeypatch):
     assert time.time() - t0 < 30, line
 
 
+def test_unreachable_s3_tables_are_one_line(world, tmp_path, capsys, monkeypatch):
+    """`--tables s3://...` that does not answer ended in a 33-line traceback, exit 1 (place, evaluate, export,
+    predict all read tables this way); an s3:// spec, which is read from a local path only, says so."""
+    for key, value in (("AWS_ENDPOINT_URL", "http://127.0.0.1:9"), ("AWS_ACCESS_KEY_ID", "x"),
+                       ("AWS_SECRET_ACCESS_KEY", "y"), ("AWS_EC2_METADATA_DISABLED", "true")):
+        monkeypatch.setenv(key, value)
+    cases = {"s3-tables": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "8",
+                                               tables="s3://embshard-nosuch/tables.parquet"),
+                                        ["s3://embshard-nosuch/tables.parquet", "cannot reach", "check the bucket"]),
+             "s3-spec": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "8",
+                                             tables="s3://embshard-nosuch/spec.csv"),
+                                      ["s3://embshard-nosuch/spec.csv", "local path only"])}
+    for case, make in cases.items():
+        monkeypatch.setitem(CASES, case, make)
+        (tmp_path / case).mkdir()
+        test_bad_input(case, world, tmp_path / case, capsys)
+
+
 def test_place_with_a_cost_model_as_policy_is_one_line(world, tmp_path, capsys, monkeypatch):
     """`place --model models:/embshard-cost@...`: the registry hands back a cost model, not a policy."""
     from embshard import registry

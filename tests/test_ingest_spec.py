@@ -417,3 +417,12 @@ def test_every_input_of_a_tables_sample_is_in_its_cache_key(change):
 
     base = dict(seed=0, batch=64, name="t", rows=10, pooling_factor=2.0, alpha=1.0)
     assert bins_cache.table_key(**{**base, **change}) != bins_cache.table_key(**base)
+
+
+def test_a_spec_given_as_a_file_uri_reads_as_its_path(tmp_path):
+    """`--tables file:///.../tables.parquet` worked, `file:///.../spec.csv` said "No such file or directory"."""
+    path = tmp_path / "s.csv"
+    path.write_text(GOOD)
+    assert spec.is_spec_path(f"file://{path}")
+    pd.testing.assert_frame_equal(spec.tables_from_spec(f"file://{path}", bins_batch_size=64, progress=False),
+                                  spec.tables_from_spec(str(path), bins_batch_size=64, progress=False))

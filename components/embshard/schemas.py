@@ -394,8 +394,13 @@ def write(df: pd.DataFrame, path: str | os.PathLike, kind: str) -> pd.DataFrame:
 def read(path: str | os.PathLike, kind: str) -> pd.DataFrame:
     """Read and validate a contract file; a folder reads all its part-*.parquet files (costs)."""
     where = os.fspath(path)
-    fs, p = storage.resolve(where)
-    info = fs.get_file_info(p)
+    try:
+        fs, p = storage.resolve(where)
+        info = fs.get_file_info(p)
+    except (OSError, ValueError) as exc:  # a bucket that does not answer, no credentials: not a traceback
+        raise EmbshardError(f"cannot reach it ({first_line(exc, 140)})", path=where,
+                            fix="check the bucket, the credentials (AWS_*) and the endpoint, or give a local "
+                                "file") from None
     if info.type == pafs.FileType.NotFound:
         raise EmbshardError("file not found", path=where, fix=f"check the path, or run the stage that writes {kind}")
     if info.type == pafs.FileType.Directory and kind != "costs":

@@ -40,9 +40,11 @@ _FORMATS = ".csv (or .tsv), .parquet, .yaml or .yml"
 def read_spec_file(path: str) -> pd.DataFrame:
     """The raw rows of a spec file; unreadable files and empty lists are errors naming the file."""
     path = os.fspath(path)
-    if os.path.isdir(path):
+    if os.path.isdir(path.removeprefix("file://")):
         raise EmbshardError("is a folder, not a file", path=path, fix="give the spec file itself as --input")
-    checks.input_file(path, fix="check the path of the table spec")  # not found, a FIFO (would hang), unreadable
+    # file:// taken off (tables.parquet takes it too); an s3:// spec refused in one line; not found, a FIFO (would
+    # hang), unreadable
+    path = checks.local_input_file(path, fix="check the path of the table spec")
     ext = os.path.splitext(path)[1].lower()
     try:
         if ext in (".csv", ".tsv"):
@@ -500,12 +502,12 @@ def is_spec_path(path) -> bool:
     ext = os.path.splitext(path)[1].lower()
     if ext in schemas.SPEC_SUFFIXES:
         return True
-    if ext not in (".parquet", ".pq") or not os.path.isfile(path):
+    if ext not in (".parquet", ".pq") or not os.path.isfile(path.removeprefix("file://")):
         return False
     import pyarrow.parquet as pq
 
     try:
-        return schemas.spec_columns(pq.read_schema(path).names)
+        return schemas.spec_columns(pq.read_schema(path.removeprefix("file://")).names)
     except Exception:  # not readable as Parquet: the tables reader says why
         return False
 
