@@ -414,7 +414,7 @@ def tables_from_spec(path: str, seed: int = 0, bins_batch_size: int | None = Non
 
     from .synthetic import BINS_BATCH_SIZE, sample_table_batch, table_bins
 
-    path = os.fspath(path)
+    path = os.fspath(path).removeprefix("file://")  # as tables.parquet reads it (its `source` names the path)
     batch = int(bins_batch_size or BINS_BATCH_SIZE)
     spec = validate_spec(read_spec_file(path), path)
     n = len(spec)
