@@ -1356,3 +1356,23 @@ def test_a_torchrec_plan_cut_table_row_wise_is_measured_only_on_its_hosts(tmp_pa
     with pytest.raises(EmbshardError, match=r"4 devices \(torchrec_plan.json\) do not split into hosts of 3") as e:
         plan.task_frame(mem, devices_per_host=3)
     assert e.value.path is None and e.value.field == "devices_per_host"  # the flag's mistake, not the file's
+
+
+def test_a_torchrec_plan_with_a_uvm_table_is_refused_not_measured_as_held_in_memory(tmp_path, placement, tables):
+    """A team's TorchRec plan put a table in UVM (fused_uvm_caching: rows in host memory behind a cache):
+    `evaluate --plan` counted it whole against the device, or measured it as if it were in device memory."""
+    from embshard.export.torchrec_plan import plan_to_json, to_torchrec_plan
+    from embshard.export.user_plan import UserPlan
+    from embshard.types import DeviceTopology
+
+    doc = plan_to_json(to_torchrec_plan(placement), world_size=D)
+    topology = DeviceTopology(D, placement.memory_bytes_per_device)
+    path = tmp_path / "torchrec_plan.json"
+    path.write_text(json.dumps(doc))
+    assert UserPlan(str(path))._plan(tables, topology, "t").num_devices == D  # fused: measured
+    name = str(tables.table_ids[0])
+    doc["modules"][""][name]["compute_kernel"] = "fused_uvm_caching"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(EmbshardError, match=f"table {name} runs compute kernel 'fused_uvm_caching'") as e:
+        UserPlan(str(path))._plan(tables, topology, "t")
+    assert e.value.field == "compute_kernel" and "compute_kernels=['fused']" in e.value.fix

@@ -24,6 +24,7 @@ from ..types import DeviceTopology, Task
 log = logging.getLogger(__name__)
 
 NAME = "user_plan"
+MEASURED_KERNELS = ("fused", "dense")  # TorchRec's EmbeddingComputeKernel values of what the benchmark runs
 _FIX = "give a plan.json or torchrec_plan.json that `embshard export` wrote for this task"
 
 
@@ -187,6 +188,18 @@ class UserPlan:
                     fix=f"give --devices-per-host {ranks} (evaluate --plan), or tasks whose devices_per_host is "
                         f"{ranks}")
             # the task's hosts, not a launcher's variables this process may have inherited (no job here)
+            # Only tables held in device memory are measured (FBGEMM's fused kernel; a replica's dense one): a
+            # UVM table (rows in host memory behind a cache) was counted whole against the device and measured as
+            # if it were in it.
+            for params in doc["modules"].values():
+                for name, p in params.items():
+                    if str(p.get("compute_kernel")) not in MEASURED_KERNELS:
+                        raise EmbshardError(
+                            f"table {name} runs compute kernel {str(p.get('compute_kernel'))[:40]!r}: embshard "
+                            f"measures tables held in device memory only ({', '.join(MEASURED_KERNELS)})",
+                            path=self.path, field="compute_kernel",
+                            fix="plan it with the fused kernel (TorchRec: ParameterConstraints(compute_kernels="
+                                "['fused'])) and the memory it then needs")
             sharding_plan = plan_from_json(self.path, tables=tables, world_size=topology.count,
                                            local_world_size=topology.local_world_size)
             placement = placement_from_sharding_plan(sharding_plan, tables, topology.count, topology.memory_bytes,
