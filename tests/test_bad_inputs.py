@@ -1060,6 +1060,9 @@ CASES_S11 = {
         _place(w, "--devices", "2", "--memory-gb", "8", "--refine-rounds", "3"), ["refine_rounds", "--refine K"]),
     "s11-synthetic-with-dlrm-dim": lambda w, d: (["ingest", "--source", "synthetic", "--num-tables", "4", "--dim", "8"],
                                                  ["--dim", "--source synthetic"]),
+    # a TorchRec team's session (twenty-fourth): --batch-size 0 ran at the default batch, said nowhere
+    "s24-evaluate-batch-size-0": lambda w, d: (_evaluate(w, w["tasks"], "--batch-size", "0", "--rounds", "1"),
+                                               ["field 'batch_size'", "batch size 0"]),
 }
 CASES_26 = {**CASES_26_EXPORT, **CASES_26_DATA, **CASES_S11}
 

@@ -225,7 +225,8 @@ def test_evaluate_measures_the_plan_beside_the_planners(tiny, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "evaluate (measured rounds)" in captured.err and "\r" not in captured.err
     ev = pd.read_parquet(out / "evaluation.parquet")
-    assert list(ev["planner"]) == ["size_greedy", "user_plan"]
+    # the user's plan twice: the ruler's A/A floor of this very run (a 0.93 had read "faster" inside [0.89, 1.04])
+    assert list(ev["planner"]) == ["size_greedy", "user_plan", "user_plan#2"]
     row = ev[ev["planner"] == "user_plan"].iloc[0]
     assert row["feasible"] and row["measured_cost_ms"] > 0
     # The question --plan asks, answered paired per round: each planner over the user's plan, with its interval.
@@ -237,6 +238,7 @@ def test_evaluate_measures_the_plan_beside_the_planners(tiny, tmp_path, capsys):
     assert len(ratios[(ratios["planner"] == "size_greedy") & (ratios["versus"] == "user_plan")]) == 1
     assert f"size_greedy: {greedy['ratio_to_user_plan']:.3f} [" in captured.out
     assert "against your plan (user_plan), paired over 2 round(s)" in captured.out
+    assert "the ruler's A/A floor, user_plan against itself: [" in captured.out and "user_plan#2:" not in captured.out
     assert "no verdict from 2 rounds (--rounds 5 or more)" in captured.out  # a 2-round range misses half the time
     # A planner named twice: its A/A floor is said and judged against (the repeat itself is no answer).
     assert main(["evaluate", "--tables", tiny["tables"], "--tasks", tiny["tasks"], "--planners",
@@ -244,6 +246,8 @@ def test_evaluate_measures_the_plan_beside_the_planners(tiny, tmp_path, capsys):
                  "--out", str(tmp_path / "aa")]) == 0
     printed = capsys.readouterr().out
     assert "the ruler's A/A floor, size_greedy against itself: [" in printed and "size_greedy#2:" not in printed
+    assert list(pd.read_parquet(tmp_path / "aa" / "evaluation.parquet")["planner"]) == [
+        "size_greedy", "size_greedy#2", "user_plan"]  # a floor already: the plan is measured once
     placed = pd.read_parquet(out / "placements.parquet")
     assert set(placed[placed["planner"] == "user_plan"]["table_id"]) == set(tiny["task"].tables.table_ids)
 
@@ -298,7 +302,8 @@ def test_evaluate_without_a_tasks_file_measures_the_plan_on_its_own_task(tiny, t
     out = tmp_path / "own"
     assert main(["evaluate", "--tables", tiny["tables"], "--plan", tiny["plan"], *common, "--out", str(out)]) == 0
     ev = pd.read_parquet(out / "evaluation.parquet")
-    assert set(ev["task_id"]) == {tiny["task"].task_id} and list(ev["planner"]) == ["size_greedy", "user_plan"]
+    assert set(ev["task_id"]) == {tiny["task"].task_id} and list(ev["planner"]) == ["size_greedy", "user_plan",
+                                                                                   "user_plan#2"]
     # Two tasks in the file: the plan's own is evaluated (the other has other tables), and said so.
     from embshard.jobs import tasks
 
@@ -481,7 +486,7 @@ def test_evaluate_of_a_torchrec_plan_without_tasks_takes_its_memory_from_memory_
     assert "--memory-gb sizes the task of --plan" in capsys.readouterr().err
     assert main(["evaluate", *common, "--memory-gb", "1", "--out", str(tmp_path / "ev")]) == 0
     ev = pd.read_parquet(tmp_path / "ev" / "evaluation.parquet")
-    assert list(ev["planner"]) == ["round_robin", "user_plan"] and ev["feasible"].all()
+    assert list(ev["planner"]) == ["round_robin", "user_plan", "user_plan#2"] and ev["feasible"].all()
     assert set(ev["memory_bytes_per_device"]) == {2**30} and set(ev["num_devices"]) == {task.num_devices}
     assert set(ev["batch_size"]) == {32}  # the batch measured, recorded beside the costs
     assert set(ev["task_id"]) == {"team_plan__1_"}
@@ -587,3 +592,18 @@ def test_evaluate_says_why_a_planner_could_not_place_a_task(tiny, tmp_path, caps
     ev = pd.read_parquet(tmp_path / "ev" / "evaluation.parquet").set_index("planner")
     assert ev.loc["dim_greedy", "feasible"] and not ev.loc["torchrec_table_wise", "feasible"]
     assert f"torchrec_table_wise could not place task tight: {ev.loc['torchrec_table_wise', 'error']}" in out
+
+
+def test_the_evaluation_plot_shows_bars_against_the_users_plan_without_a_greedy_baseline():
+    """`evaluate --plan ... --planners learned,torchrec_full` drew an empty main panel: its bars were ratios to a
+    best greedy baseline that was not run (NaN, drawn as 0)."""
+    import pandas as pd
+
+    from embshard.evaluation import bar_reference
+
+    df = pd.DataFrame({"planner": ["torchrec_full", "user_plan"], "task_id": ["t", "t"],
+                       "ratio_to_best_baseline": [np.nan, np.nan], "ratio_to_user_plan": [1.2, np.nan],
+                       "measured_cost_ms": [1.2, 1.0]})
+    assert bar_reference(df)[0] == "ratio_to_user_plan" and "user_plan" in bar_reference(df)[3]
+    assert bar_reference(df.assign(ratio_to_best_baseline=[0.9, 1.0]))[0] == "ratio_to_best_baseline"
+    assert bar_reference(df.drop(columns="ratio_to_user_plan"))[0] == "measured_cost_ms"

@@ -391,6 +391,19 @@ def format_summary(summary: pd.DataFrame, rounds: int = 1) -> str:
                 + summary.to_string())
 
 
+def bar_reference(df: pd.DataFrame) -> tuple[str, str, str, str]:
+    """(value, interval low, interval high columns, axis label) of the evaluation plot's bars: against the best
+    greedy baseline when one was run, else the user's plan (`--plan` beside TorchRec or learned planners alone had
+    drawn no bar at all), else milliseconds."""
+    for value, low, high, label in (
+            ("ratio_to_best_baseline", "ratio_ci_low", "ratio_ci_high", "measured cost / best greedy baseline"),
+            ("ratio_to_user_plan", "ratio_user_plan_ci_low", "ratio_user_plan_ci_high",
+             f"measured cost / {USER_PLAN} (--plan)")):
+        if value in df and np.isfinite(df[value].to_numpy(dtype=float)).any():
+            return value, low, high, label
+    return "measured_cost_ms", "cost_ci_low", "cost_ci_high", "measured cost (ms)"
+
+
 def plot_evaluation(df: pd.DataFrame, path: str) -> None:
     import matplotlib
 
@@ -401,17 +414,18 @@ def plot_evaluation(df: pd.DataFrame, path: str) -> None:
     tasks = list(dict.fromkeys(df["task_id"]))
     fig, ax = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [3, 1]})
     width = 0.8 / max(len(planners), 1)
+    ref = bar_reference(df)
     for k, name in enumerate(planners):
         sub = df[df["planner"] == name].set_index("task_id").reindex(tasks)
-        mid = sub["ratio_to_best_baseline"].to_numpy(dtype=float)
-        err = np.vstack([mid - sub["ratio_ci_low"].to_numpy(dtype=float),
-                         sub["ratio_ci_high"].to_numpy(dtype=float) - mid])
+        mid = sub[ref[0]].to_numpy(dtype=float)
+        err = np.vstack([mid - sub[ref[1]].to_numpy(dtype=float), sub[ref[2]].to_numpy(dtype=float) - mid])
         ax[0].bar(np.arange(len(tasks)) + k * width, np.nan_to_num(mid), width, label=name,
                   yerr=np.nan_to_num(np.clip(err, 0, None)), capsize=2, error_kw={"lw": 0.8})
-    ax[0].axhline(1.0, color="black", lw=0.8, ls="--")
+    if ref[0] != "measured_cost_ms":
+        ax[0].axhline(1.0, color="black", lw=0.8, ls="--")
     ax[0].set_xticks(np.arange(len(tasks)) + 0.4 - width / 2)
     ax[0].set_xticklabels(tasks, rotation=60, fontsize=7)
-    ax[0].set_ylabel("measured cost / best greedy baseline\n(median over rounds, 95% interval)")
+    ax[0].set_ylabel(f"{ref[3]}\n(median over rounds, 95% interval)")
     ax[0].legend(fontsize=7, ncol=3)
     data = [df[df["planner"] == n]["gap_to_estimate"].dropna() * 100 for n in planners]
     ax[1].boxplot(data, tick_labels=planners, vert=True)
