@@ -1376,3 +1376,27 @@ def test_a_torchrec_plan_with_a_uvm_table_is_refused_not_measured_as_held_in_mem
     with pytest.raises(EmbshardError, match=f"table {name} runs compute kernel 'fused_uvm_caching'") as e:
         UserPlan(str(path))._plan(tables, topology, "t")
     assert e.value.field == "compute_kernel" and "compute_kernels=['fused']" in e.value.fix
+
+
+def test_a_torchrec_plan_of_a_model_with_two_ebcs_is_measured_as_its_tables(tmp_path, placement, tables):
+    """A team's model keeps its weighted features in an EBC of their own (TorchRec's is_weighted is per EBC): its
+    plan has two modules, and `evaluate --plan` refused it ("exactly one module")."""
+    from embshard.export.torchrec_plan import plan_to_json, to_torchrec_plan
+    from embshard.export.user_plan import UserPlan
+    from embshard.types import DeviceTopology
+
+    doc = plan_to_json(to_torchrec_plan(placement), world_size=D)
+    topology = DeviceTopology(D, placement.memory_bytes_per_device)
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(doc))
+    names = list(doc["modules"][""])
+    doc["modules"] = {"sparse.ebc": {n: doc["modules"][""][n] for n in names[:2]},
+                      "sparse.weighted_ebc": {n: doc["modules"][""][n] for n in names[2:]}}
+    two = tmp_path / "two.json"
+    two.write_text(json.dumps(doc))
+    placed = UserPlan(str(two))._plan(tables, topology, "t")
+    assert sorted(map(repr, placed.shards)) == sorted(map(repr, UserPlan(str(one))._plan(tables, topology, "t").shards))
+    doc["modules"]["sparse.weighted_ebc"][names[0]] = doc["modules"]["sparse.ebc"][names[0]]
+    two.write_text(json.dumps(doc))
+    with pytest.raises(EmbshardError, match=f"table {names[0]} is in more than one module"):
+        UserPlan(str(two))._plan(tables, topology, "t")

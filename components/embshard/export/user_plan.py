@@ -84,9 +84,13 @@ class UserPlan:
         require_torchrec()
         check_plan_doc(doc, self.path)
         modules = doc["modules"]
-        if len(modules) != 1 or not isinstance(next(iter(modules.values())), dict):
-            raise EmbshardError("a TorchRec plan of one EmbeddingBagCollection has exactly one module",
+        if not modules or not all(isinstance(m, dict) for m in modules.values()):
+            raise EmbshardError("a TorchRec plan names its EmbeddingBagCollections' tables under `modules`",
                                 path=self.path, field="modules", fix=_FIX)
+        if len(modules) > 1:
+            # A model's EBCs (its weighted features in one of their own, as TorchRec's per-EBC is_weighted asks):
+            # measured as one set of tables (check_plan_doc refused a table named in two modules).
+            doc["modules"] = {next(iter(modules)): {n: p for params in modules.values() for n, p in params.items()}}
 
     def is_torchrec(self) -> bool:
         return str(self.document().get("schema", "")).startswith("embshard.torchrec_plan/")
@@ -200,7 +204,7 @@ class UserPlan:
                             path=self.path, field="compute_kernel",
                             fix="plan it with the fused kernel (TorchRec: ParameterConstraints(compute_kernels="
                                 "['fused'])) and the memory it then needs")
-            sharding_plan = plan_from_json(self.path, tables=tables, world_size=topology.count,
+            sharding_plan = plan_from_json(doc, where=self.path, tables=tables, world_size=topology.count,
                                            local_world_size=topology.local_world_size)
             placement = placement_from_sharding_plan(sharding_plan, tables, topology.count, topology.memory_bytes,
                                                      names=task_ids, module_path=next(iter(doc["modules"])))
