@@ -446,7 +446,7 @@ def _bytes_mismatch(planned: Mapping[str, int], held: Mapping[str, int], held_as
 
 
 def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_size: int | None = None,
-                   module=None) -> None:
+                   module=None, world_source: str = "the caller") -> None:
     """Refuse a torchrec_plan.json document that a training job must not load: one EmbshardError naming the file
     and the field. Checks the structure, every table's sharding type, kernel, ranks (against its shards'
     placements and the world size) and column slices (from column 0, each column once, all rows), and, when
@@ -481,7 +481,7 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
             raise bad("world_size", f"world size {doc['world_size']!r} is not an integer >= 1")
         worlds["the file"] = int(doc["world_size"])
     expected, given_world, expected_bytes = _expected_tables(tables)
-    for who, w in (("the caller", world_size), ("the tables' plan", given_world)):
+    for who, w in ((world_source, world_size), ("the tables' plan", given_world)):
         if w is not None:
             worlds[who] = int(w)
     if len(set(worlds.values())) > 1:
@@ -710,11 +710,12 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
         doc = read_json_file(where, field="json", fix=_PLAN_FIX)
     else:
         where, doc = where or "<torchrec plan>", data
+    world_source = "world_size="
     if world_size is None:
-        world_size = _job_world_size()
+        world_size, world_source = _job_world_size(), "this job's process group"
     if module is not None and isinstance(doc, Mapping):
         doc = route_to_model(doc, module)
-    check_plan_doc(doc, where, tables=tables, world_size=world_size, module=module)
+    check_plan_doc(doc, where, tables=tables, world_size=world_size, module=module, world_source=world_source)
     _check_compute_device(doc, where)
     job_local = _check_host_size(doc, where, local_world_size, world_size)
     # GPUs are named again only for ranks per host that are known: given, or set in the job's environment (torchrun,
