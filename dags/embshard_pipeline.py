@@ -180,14 +180,28 @@ with DAG(
 
     elif RUNNER == "kubernetes":
         from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
-        from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
+        from airflow.sdk.exceptions import (
+            AirflowException,
+            AirflowFailException,
+            AirflowSkipException,
+            AirflowTaskTimeout,
+        )
 
         from embshard import k8s
 
         class StagePod(KubernetesPodOperator):
-            """A stage's pod, retried (POD_RETRIES) when it ends without the stage's verdict: evicted, preempted,
-            OOM-killed, its node lost (the stages are safe to run again). A stage that exits 2 said what is wrong
-            (bad input, one line in its log): failed at once, since running it again changes nothing."""
+            """A stage's pod, retried (POD_RETRIES) when it ends without a verdict of its own: evicted, preempted,
+            OOM-killed, its node lost, a crash, a store that did not answer (exit 75); the stages are safe to run
+            again. Failed at once when the stage exits 2 (it named a bad input or setting in its log: the same
+            again) or runs past its time limit (it would again: raise timeout_scale)."""
+
+            def execute(self, context):
+                try:
+                    return super().execute(context)
+                except AirflowTaskTimeout as exc:
+                    self.on_kill()  # the task runner deletes the pod on a timeout it sees; this one it sees failed
+                    raise AirflowFailException(f"the stage ran past its time limit ({self.execution_timeout}); not "
+                                               "retried (a larger run: raise the timeout_scale param)") from exc
 
             def cleanup(self, pod, remote_pod, xcom_result=None, context=None):
                 try:

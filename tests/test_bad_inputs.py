@@ -412,7 +412,7 @@ def snapshot(*folders) -> dict:
 def test_bad_input(case, world, tmp_path, capsys):
     inputs = tmp_path / "in"
     inputs.mkdir()
-    argv, words = CASES[case](world, str(inputs))
+    argv, words, *code = CASES[case](world, str(inputs))  # a third item: the exit code, when not bad input's 2
     out = tmp_path / ("out.csv" if argv[0] == "predict" else "out")  # predict writes a .csv or .parquet file
     argv = argv + ["--out", str(out)]
     before = snapshot(str(inputs), world["root"])
@@ -423,7 +423,7 @@ def test_bad_input(case, world, tmp_path, capsys):
         rc = exc.code
     err = capsys.readouterr().err
     lines = [line for line in err.strip().splitlines() if line.strip() and not LOG_LINE.match(line)]
-    assert rc == 2, f"exit {rc}: {err[-1500:]}"
+    assert rc == (code[0] if code else 2), f"exit {rc}: {err[-1500:]}"
     assert len(lines) == 1, err[-1500:]
     line = lines[0]
     assert line.startswith(f"embshard {argv[0]}: error:"), line
@@ -737,7 +737,7 @@ def _mkdir(d, *parts):
     return path
 
 
-def _run_refused(argv, words, before_dirs, capsys, monkeypatch):
+def _run_refused(argv, words, before_dirs, capsys, monkeypatch, code=2):
     """One CLI call that must be refused by the output check, before the command's main runs."""
     import importlib
 
@@ -755,7 +755,7 @@ def _run_refused(argv, words, before_dirs, capsys, monkeypatch):
         rc = exc.code
     err = capsys.readouterr().err
     lines = [line for line in err.strip().splitlines() if line.strip() and not LOG_LINE.match(line)]
-    assert rc == 2, f"exit {rc}: {err[-1500:]}"
+    assert rc == code, f"exit {rc}: {err[-1500:]}"
     assert len(lines) == 1 and lines[0].startswith(f"embshard {argv[0]}: error:"), err[-1500:]
     for word in words:
         assert word in lines[0], f"{word!r} not in: {lines[0]}"
@@ -797,7 +797,7 @@ def test_unreachable_s3_out_is_one_line(world, tmp_path, capsys, monkeypatch):
     t0 = time.time()
     line = _run_refused(_place(world, "--devices", "2", "--memory-gb", "8", "--out", "s3://embshard-nosuch/x"),
                         ["s3://embshard-nosuch/x", "field 'out'", "cannot reach"], [world["root"]], capsys,
-                        monkeypatch)
+                        monkeypatch, code=75)  # try again (EX_TEMPFAIL): a cluster's stage pod is retried
     assert time.time() - t0 < 30, line
 
 
@@ -809,7 +809,8 @@ def test_unreachable_s3_tables_are_one_line(world, tmp_path, capsys, monkeypatch
         monkeypatch.setenv(key, value)
     cases = {"s3-tables": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "8",
                                                tables="s3://embshard-nosuch/tables.parquet"),
-                                        ["s3://embshard-nosuch/tables.parquet", "cannot reach", "check the bucket"]),
+                                        ["s3://embshard-nosuch/tables.parquet", "cannot reach", "check the bucket"],
+                                        75),  # a store that did not answer: try again (EX_TEMPFAIL), not bad input
              "s3-spec": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "8",
                                              tables="s3://embshard-nosuch/spec.csv"),
                                       ["s3://embshard-nosuch/spec.csv", "local path only"])}

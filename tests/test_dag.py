@@ -451,12 +451,38 @@ def test_a_stage_pod_is_retried_after_an_eviction_but_not_after_saying_what_is_w
     task = dag.get_task("train_policy")
     with pytest.raises(AirflowFailException, match="exit code 2"):
         _cleanup(task, 2)
-    for code in (137, 1, None):  # OOM-killed, a crash, evicted: tried again
+    for code in (137, 1, 75, None):  # OOM-killed, a crash, a store that did not answer, evicted: tried again
         with pytest.raises(AirflowException) as caught:
             _cleanup(task, code)
         assert not isinstance(caught.value, AirflowFailException), code
     with pytest.raises(AirflowSkipException):
         _cleanup(dag.get_task("train_policy_r3"), stages.SKIP_EXIT_CODE)
+
+
+def test_a_stage_pod_past_its_time_limit_is_deleted_and_not_retried(monkeypatch):
+    """A hung or overrun stage was retried like an eviction: a GPU held for three times the limit."""
+    from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
+    from airflow.sdk.exceptions import AirflowFailException, AirflowTaskTimeout
+
+    dag = load_bag(monkeypatch, "kubernetes").dags[DAG_ID]
+    killed = []
+
+    def times_out(self, context):  # what the task runner's timeout raises inside execute (no cluster here)
+        raise AirflowTaskTimeout()
+
+    monkeypatch.setattr(KubernetesPodOperator, "execute", times_out)
+    monkeypatch.setattr(KubernetesPodOperator, "on_kill", lambda self: killed.append(self.task_id))
+    with pytest.raises(AirflowFailException, match="ran past its time limit"):
+        dag.get_task("evaluate_and_promote").execute({})
+    assert killed == ["evaluate_and_promote"]  # its pod deleted, as the runner does for a timeout it sees
+
+
+def test_a_store_that_does_not_answer_exits_75_which_pods_retry_and_bad_input_2():
+    from embshard.errors import EmbshardError, StoreUnreachableError
+    from embshard.registry import RegistryUnreachableError
+
+    assert EmbshardError("x").exit_code == k8s.BAD_INPUT_EXIT_CODE == 2
+    assert StoreUnreachableError("x").exit_code == RegistryUnreachableError("x").exit_code == 75
 
 
 def test_refine_on_a_cluster_needs_a_gpu_in_the_export_pod(monkeypatch, tmp_path):
@@ -476,14 +502,3 @@ def test_refine_on_a_cluster_needs_a_gpu_in_the_export_pod(monkeypatch, tmp_path
     with pytest.raises(EmbshardError, match="refine_k"):
         load_bag(monkeypatch, "kubernetes").dags[DAG_ID].get_task("check_params").python_callable(
             params={"refine_k": 2})
-
-
-def test_training_pods_run_as_many_threads_as_their_cpu_limit_and_measuring_pods_their_own():
-    def env(stage, config=None):
-        return {e.name: e.value for e in k8s.pod_operator_kwargs(stage, ["x"], config)["env_vars"]}
-
-    limit = k8s.load_pod_config()["stages"]["train_policy"]["resources"]["limits"]["cpu"]
-    assert env("train_policy")["OMP_NUM_THREADS"] == env("train_policy")["EMBSHARD_NUM_THREADS"] == str(int(limit))
-    for stage in (*k8s.MEASURING, "export_placements"):  # a measurement's threads are part of its fingerprint
-        assert "OMP_NUM_THREADS" not in env(stage) and "EMBSHARD_NUM_THREADS" not in env(stage), stage
-    assert [k8s._cpu_limit_threads(q) for q in ("500m", "2.5", "16", None, "lots")] == [1, 2, 16, None, None]

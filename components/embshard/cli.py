@@ -2,7 +2,8 @@
 
 Each command lives in its stage's `cli` module, which defines `configure(parser)` and `main(args) -> int`
 and keeps heavy imports (torch, mlflow) inside `main` so that `embshard --help` stays fast.
-Bad input raises EmbshardError: printed as one line on stderr, exit code 2.
+Bad input raises EmbshardError: printed as one line on stderr, exit code 2 (75 for a store that did not answer:
+errors.StoreUnreachableError).
 """
 from __future__ import annotations
 

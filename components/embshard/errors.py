@@ -49,6 +49,13 @@ class EmbshardError(Exception):
         return type(self)(self.message, path=path, field=self.field, fix=self.fix)
 
 
+class StoreUnreachableError(EmbshardError):
+    """A store that did not answer (a bucket, the MLflow server): the same call may work later, so it exits 75
+    (EX_TEMPFAIL), which the cluster's stage pods retry, where bad input's 2 fails at once."""
+
+    exit_code = 75
+
+
 class InfeasiblePlacementError(EmbshardError):
     """No placement satisfies the memory constraint; the message says how much memory is missing."""
 

@@ -37,11 +37,8 @@ MLFLOW_WAIT_ENV, MLFLOW_WAIT_S = "EMBSHARD_MLFLOW_WAIT_S", 300  # registry.WAIT_
 STAGES = ("ingest", "sample_shards", "benchmark", "train_cost_model", "train_policy", "measure_policy_plans",
           "evaluate_and_promote", "export_placements")
 
-# Stages that time kernels (export_placements too with refine_k > 0) and those that never do: a measuring stage's
-# threads are the measurement's own (EMBSHARD_NUM_THREADS is part of a cost's fingerprint), the others' follow the
-# pod's CPU limit.
+# Stages that time kernels (export_placements too, with refine_k > 0).
 MEASURING = ("sample_shards", "benchmark", "measure_policy_plans", "evaluate_and_promote")
-NEVER_MEASURING = ("ingest", "train_cost_model", "train_policy")
 # `embshard stage` exits 2 on an EmbshardError (cli): it said what to fix, and running it again changes nothing.
 BAD_INPUT_EXIT_CODE = 2
 
@@ -340,16 +337,11 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
     if config.get("mlflowTrackingUri"):
         env["MLFLOW_TRACKING_URI"] = config["mlflowTrackingUri"]
         # A stage asks a server that does not answer again for 5 minutes (registry.WAIT_ENV; a command, 10 s):
-        # an MLflow pod restarting must not fail a stage that runs without retries.
+        # an MLflow pod restarting must not fail a stage (a retry would redo the stage's work).
         env[MLFLOW_WAIT_ENV] = str(MLFLOW_WAIT_S)
     if storage["type"] == "bucket" and storage.get("s3Endpoint"):
         # pyarrow's S3 filesystem and boto3 both read AWS_ENDPOINT_URL.
         env["AWS_ENDPOINT_URL"] = storage["s3Endpoint"]
-    threads = _cpu_limit_threads(limits.get("cpu"))
-    if threads and stage in NEVER_MEASURING:
-        # torch counts the node's cores, not the pod's limit: a training pod limited to 8 CPUs on a 96-core node
-        # ran 96 threads and was throttled by the CFS quota
-        env.update({"OMP_NUM_THREADS": str(threads), "EMBSHARD_NUM_THREADS": str(threads)})
     if not spec.get("gpu"):
         # The CUDA image sets NVIDIA_VISIBLE_DEVICES=all: where the NVIDIA runtime is the node's default, a pod
         # that requested no GPU would see (and measure on) every GPU of the node.
@@ -418,17 +410,6 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
         "log_events_on_failure": True,
         "do_xcom_push": False,
     }
-
-
-def _cpu_limit_threads(limit: str | None) -> int | None:
-    """Whole CPUs of a Kubernetes CPU quantity ("8", "2.5", "500m"), at least 1; None when not given or unread."""
-    if not limit:
-        return None
-    try:
-        cpus = float(limit[:-1]) / 1000 if limit.endswith("m") else float(limit)
-    except ValueError:
-        return None
-    return max(int(cpus), 1)
 
 
 def stage_exit_code(remote_pod, container: str) -> int | None:

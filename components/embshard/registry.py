@@ -14,7 +14,7 @@ import os
 import warnings
 from typing import Any
 
-from .errors import EmbshardError, ModelFilesMissingError, ModelNotFoundError, first_line
+from .errors import EmbshardError, ModelFilesMissingError, ModelNotFoundError, StoreUnreachableError, first_line
 
 DEFAULT_EXPERIMENT = "embshard"
 # The registered models and their aliases: defined here only.
@@ -332,7 +332,7 @@ CONNECT_TIMEOUT_S = 10.0
 _answered: set[str] = set()  # stores that answered in this process (a failure is asked again next time)
 
 
-class RegistryUnreachableError(ModelNotFoundError):
+class RegistryUnreachableError(ModelNotFoundError, StoreUnreachableError):
     """The tracking server of an http(s) store does not accept connections."""
 
 

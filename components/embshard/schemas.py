@@ -17,7 +17,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from . import checks, storage
-from .errors import EmbshardError, first_line
+from .errors import EmbshardError, StoreUnreachableError, first_line
 
 NUM_BINS = 17
 BIN_COLUMNS = [f"bin_{k:02d}" for k in range(NUM_BINS)]
@@ -398,7 +398,7 @@ def read(path: str | os.PathLike, kind: str) -> pd.DataFrame:
         fs, p = storage.resolve(where)
         info = fs.get_file_info(p)
     except (OSError, ValueError) as exc:  # a bucket that does not answer, no credentials: not a traceback
-        raise EmbshardError(f"cannot reach it ({first_line(exc, 140)})", path=where,
+        raise StoreUnreachableError(f"cannot reach it ({first_line(exc, 140)})", path=where,
                             fix="check the bucket, the credentials (AWS_*) and the endpoint, or give a local "
                                 "file") from None
     if info.type == pafs.FileType.NotFound:

@@ -181,7 +181,7 @@ def check_output(out: str | os.PathLike, *, kind: str = "folder", writes: tuple[
     is not a folder, a file has one of `suffixes` (when given),
     the nearest existing folder is writable, and a remote store (s3://) answers.
     """
-    from .errors import EmbshardError, first_line
+    from .errors import EmbshardError, StoreUnreachableError, first_line
 
     text = os.fspath(out)
     flag = "--" + field.replace("_", "-")
@@ -193,7 +193,7 @@ def check_output(out: str | os.PathLike, *, kind: str = "folder", writes: tuple[
             fs, path = resolve(text)
             info = fs.get_file_info(path)
         except (OSError, ValueError) as exc:
-            raise EmbshardError(f"cannot reach it ({first_line(exc, 140)})", path=text, field=field,
+            raise StoreUnreachableError(f"cannot reach it ({first_line(exc, 140)})", path=text, field=field,
                                 fix="check the bucket, the credentials (AWS_*) and the endpoint, or write to a "
                                     "local folder") from None
         if kind == "folder" and info.type == pafs.FileType.File:

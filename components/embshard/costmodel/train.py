@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .. import hardware
 from ..errors import EmbshardError
 from ..features import FeatureScaler
 from .data import CostData, assemble_placements
@@ -102,8 +103,9 @@ def fit(data: CostData, params: TrainParams) -> tuple[CostModel, History]:
     torch.manual_seed(params.seed)
     rng = np.random.default_rng(params.seed)
     threads = int(os.environ.get("EMBSHARD_NUM_THREADS", "0") or 0)
-    if threads > 0:
-        torch.set_num_threads(threads)
+    # torch counts the node's cores, not a container's CPU limit: a pod limited to 8 CPUs on a 96-core node ran 96
+    # threads and was throttled by its quota
+    torch.set_num_threads(threads if threads > 0 else min(torch.get_num_threads(), hardware.usable_cpus()))
     tr, va = data.index("train"), data.index("val")
     used = np.unique(np.concatenate([data.shards[s] for s in tr]))
     scaler = FeatureScaler.fit(data.features[used])  # fitted on training tables only

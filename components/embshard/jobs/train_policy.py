@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from .. import schemas
+from .. import hardware, schemas
 from ..bench.runner import MeasureSettings
 from ..checks import CURRICULUM_OFF as OFF
 from ..checks import curriculum_stages as parse_stages
@@ -73,6 +73,8 @@ def train_round(tables: str, tasks: str, out: str, *, cost_model_uri: str = COST
     fit_tasks, val_tasks = split_train_tasks(tables, tasks)
     cost_model = load_cost_model(cost_model_uri)
     torch.manual_seed(seed + round_index)
+    # the container's CPUs, not the node's cores torch counts (a pod throttled by its quota otherwise)
+    torch.set_num_threads(min(torch.get_num_threads(), hardware.usable_cpus()))
     check_training(max(1, int(iterations)), 1, rollouts_per_task)
     cfg = TrainConfig(iterations=max(1, int(iterations)), rollouts_per_task=rollouts_per_task, seed=seed)
     if init_policy:
