@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -392,10 +393,13 @@ def test_a_spec_read_again_takes_the_very_bins_it_sampled_from_the_cache(tmp_pat
     assert not np.array_equal(changed.loc[2, schemas.BIN_COLUMNS].to_numpy(float),
                               fresh.loc[2, schemas.BIN_COLUMNS].to_numpy(float))
 
-    damaged = sorted(cache.rglob("*.bin"), key=lambda p: p.stat().st_mtime)[0]
+    # t0's entry (rows 1000, pooling 1.0, the default alpha), named by its key
+    damaged = Path(bins_cache._entry(str(cache / bins_cache.FOLDER),
+                                     bins_cache.table_key(3, 512, "t0", 1000, 1.0, spec.DEFAULT_ZIPF_ALPHA)))
     damaged.write_bytes(damaged.read_bytes()[:40])
     pd.testing.assert_frame_equal(read(cache), changed)
-    assert len(sampled) == 1 and damaged.stat().st_size == 8 * schemas.NUM_BINS
+    assert sampled == [1000] and damaged.stat().st_size == 8 * schemas.NUM_BINS
+    assert damaged.stat().st_mode & 0o777 == 0o644  # a shared cache's entries are readable by its other users
     assert bins_cache.load(str(cache / bins_cache.FOLDER), "0" * 64) is None  # no entry: sampled
 
 

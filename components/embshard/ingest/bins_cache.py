@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 ENV = "EMBSHARD_CACHE_DIR"
 OFF = ("off", "none", "0", "false")
 FOLDER = "spec-bins"
+# Raised by hand when what a sample depends on changes outside the functions fingerprinted below (their constants,
+# e.g. the bin edges' module constants): old entries then miss.
+FORMAT = 1
 
 
 def cache_dir() -> str | None:
@@ -50,13 +53,13 @@ def _sampler_fingerprint() -> str | None:
     """numpy's version and the source of every function that turns a spec row into bins (see the module doc);
     None where the source is not installed (bytecode only): no key could tell a changed sampler, so no cache."""
     from .. import features
-    from . import synthetic
+    from . import spec, synthetic
 
-    parts = [np.__version__]
+    parts = [np.__version__, str(FORMAT)]
     try:
-        for fn in (synthetic.sample_table_batch, synthetic.bag_lengths, synthetic.zipf_indices,
-                   synthetic.table_bins, synthetic.table_bin_histogram, features.bin_histogram,
-                   features.bins_from_histogram):
+        for fn in (spec.table_rng, spec._name_seed, synthetic.sample_table_batch, synthetic.bag_lengths,
+                   synthetic.zipf_indices, synthetic.table_bins, synthetic.table_bin_histogram,
+                   features.bin_histogram, features.bin_of_count, features.bins_from_histogram):
             parts.append(inspect.getsource(fn))
     except (OSError, TypeError):
         log.debug("the sampler's source is not installed: spec bins are not cached")
@@ -107,6 +110,7 @@ class Writer:
             # written beside, then renamed: a reader never sees half an entry
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
             try:
+                os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide a shared cache's entries from its other users
                 with os.fdopen(fd, "wb") as f:
                     f.write(np.asarray(bins, dtype="<f8").tobytes())
                 os.replace(tmp, path)

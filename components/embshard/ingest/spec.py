@@ -463,7 +463,7 @@ def tables_from_spec(path: str, seed: int = 0, bins_batch_size: int | None = Non
         # A stream per table, seeded by its name: its bins (and content hash) do not depend on the order or
         # number of rows in the file (seeded by the row index, a reordered spec changed every table's bins, so
         # `export` refused a plan of the same tables as "changed" and the learned planner planned them otherwise).
-        rng = np.random.default_rng([seed, *_name_seed(str(spec.loc[i, "name"]))])
+        rng = table_rng(seed, str(spec.loc[i, "name"]))
         rows = int(spec.loc[i, "num_embeddings"])
         idx, _ = sample_table_batch(rows, float(spec.loc[i, "pooling_factor"]), float(alpha[i]), batch, rng)
         bins[i] = table_bins(idx, rows)
@@ -477,6 +477,11 @@ def tables_from_spec(path: str, seed: int = 0, bins_batch_size: int | None = Non
     df["source"] = sources
     df["zipf_alpha"] = alpha
     return schemas.validate(df, "tables", path)
+
+
+def table_rng(seed: int, name: str) -> np.random.Generator:
+    """A spec table's own random stream (its sampled bins; bins_cache keys on this function's source)."""
+    return np.random.default_rng([seed, *_name_seed(name)])
 
 
 def _name_seed(name: str) -> list[int]:
