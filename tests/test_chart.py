@@ -217,6 +217,22 @@ def test_stage_volume_settings_the_dag_would_refuse_fail_at_render(storage, word
     render({"stagePods": {"storage": {"mountPath": "/mnt/embshard", "dataRoot": "file:///mnt/embshard/runs"}}})
 
 
+@pytest.mark.parametrize("extra, words", [
+    ({"extraVolumes": [{"name": "scratch", "emptyDir": {}}]}, "volume name scratch is taken"),
+    ({"extraVolumes": [{"name": "t", "emptyDir": {}}], "extraVolumeMounts": [{"name": "u", "mountPath": "/u"}]},
+     "mount u names no volume"),
+    ({"extraVolumes": [{"name": "t", "emptyDir": {}}], "extraVolumeMounts": [{"name": "t", "mountPath": "/data"}]},
+     "mount path /data is taken"),
+])
+def test_extra_volumes_the_dag_would_refuse_fail_at_render(extra, words):
+    """Rendered and linted, they failed every DAG import (k8s.load_pod_config) instead."""
+    with pytest.raises(helm.HelmError, match=re.escape(words)):
+        render({"stagePods": extra})
+    bucket = {"storage": {"type": "bucket", "dataRoot": "s3://embshard/runs"}}  # nothing mounted at /data then
+    render({"stagePods": {**bucket, "extraVolumes": [{"name": "t", "emptyDir": {}}],
+                          "extraVolumeMounts": [{"name": "t", "mountPath": "/data"}]}})
+
+
 def test_missing_backend_store_is_a_clear_render_error():
     with pytest.raises(helm.HelmError, match="backend store"):
         render({"postgres": {"enabled": False}})

@@ -239,7 +239,9 @@ def test_partial_override_keeps_the_rest(tmp_path):
     ("extraVolumes:\n  - {name: t, emptyDir: {}}\nextraVolumeMounts:\n  - {name: u, mountPath: /traces}\n",
      "mount 'u' names no volume"),
     ("extraVolumes:\n  - {name: t, emptyDir: {}}\nextraVolumeMounts:\n  - {name: t, mountPath: /data}\n",
-     "mount path '/data' is the stage pods' own"),
+     "mount path '/data' is taken"),
+    ("extraVolumes:\n  - {name: t, emptyDir: {}}\nextraVolumeMounts:\n  - {name: t, mountPath: /a}\n"
+     "  - {name: t, mountPath: /a/}\n", "mount path '/a/' is taken"),
 ])
 def test_bad_pod_settings_are_one_line_errors(tmp_path, text, match):
     path = tmp_path / "pods.yaml"

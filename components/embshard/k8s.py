@@ -247,15 +247,20 @@ def _check_extra_volumes(config: dict, source: str) -> None:
     if taken:
         raise EmbshardError(f"volume name {taken[0]!r} is taken", path=source, field="extraVolumes",
                             fix=f"name each extra volume once, and none of {list(OWN_VOLUMES)}")
-    own_paths = {SCRATCH, "/dev/shm", "/" + str(config["storage"].get("mountPath", "")).strip("/")}
+    own_paths = {SCRATCH, "/dev/shm"}
+    if config["storage"].get("type") == "pvc":  # a bucket mounts nothing
+        own_paths.add("/" + str(config["storage"].get("mountPath", "")).strip("/"))
+    seen: set[str] = set()
     for m in mounts:
         path = "/" + str(m.get("mountPath", "")).strip("/")
         if m["name"] not in names:
             raise EmbshardError(f"mount {m['name']!r} names no volume of extraVolumes", path=source,
                                 field="extraVolumeMounts", fix=f"add it to extraVolumes, or use one of {names}")
-        if path == "/" or path in own_paths:
-            raise EmbshardError(f"mount path {m.get('mountPath')!r} is the stage pods' own", path=source,
-                                field="extraVolumeMounts", fix="mount it elsewhere, e.g. /traces")
+        if path == "/" or path in own_paths or path in seen:
+            raise EmbshardError(f"mount path {m.get('mountPath')!r} is taken (the stage pods' own, or another "
+                                "mount's)", path=source, field="extraVolumeMounts",
+                                fix="mount it elsewhere, e.g. /traces")
+        seen.add(path)
 
 
 def _check_image(ref: Any, source: str, field: str) -> None:

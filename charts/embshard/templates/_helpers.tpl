@@ -72,6 +72,32 @@ app.kubernetes.io/component: {{ .component }}
 {{- fail (printf "stagePods.storage.dataRoot %s is not on the volume mounted at %s: put it under the mount, e.g. file://%s/embshard" $cfg.storage.dataRoot $cfg.storage.mountPath $mount) }}
 {{- end }}
 {{- end }}
+{{- /* extraVolumes / extraVolumeMounts, as k8s.py checks them: names apart from the pods' own, every mount of a
+  volume given, no path the pods use or two mounts at one. */}}
+{{- $names := list }}
+{{- range $cfg.extraVolumes }}
+{{- if has .name (list "scratch" "embshard-data" "dshm") }}
+{{- fail (printf "stagePods.extraVolumes: volume name %s is taken (scratch, embshard-data and dshm are the stage pods' own)" .name) }}
+{{- end }}
+{{- if has .name $names }}
+{{- fail (printf "stagePods.extraVolumes: volume name %s is given twice" .name) }}
+{{- end }}
+{{- $names = append $names .name }}
+{{- end }}
+{{- $taken := list "/" "/tmp" "/dev/shm" }}
+{{- if eq $cfg.storage.type "pvc" }}
+{{- $taken = append $taken (printf "/%s" (trimAll "/" (toString $cfg.storage.mountPath))) }}
+{{- end }}
+{{- range $cfg.extraVolumeMounts }}
+{{- $path := printf "/%s" (trimAll "/" (toString .mountPath)) }}
+{{- if not (has .name $names) }}
+{{- fail (printf "stagePods.extraVolumeMounts: mount %s names no volume of stagePods.extraVolumes" .name) }}
+{{- end }}
+{{- if has $path $taken }}
+{{- fail (printf "stagePods.extraVolumeMounts: mount path %s is taken (the stage pods' own, or another mount's)" .mountPath) }}
+{{- end }}
+{{- $taken = append $taken $path }}
+{{- end }}
 {{- /* Bucket storage on the bundled MinIO: its endpoint, as mlflow.s3Endpoint defaults to it. */}}
 {{- if and (eq $cfg.storage.type "bucket") (not $cfg.storage.s3Endpoint) .Values.minio.enabled }}
 {{- $_ := set $cfg.storage "s3Endpoint" (include "embshard.minioEndpoint" .) }}
