@@ -567,6 +567,10 @@ def test_a_plan_exported_for_one_host_loads_with_the_jobs_gpu_names(placement, s
     assert "renamed" not in caplog.text
     cpu = plan_to_json(to_torchrec_plan(placement, compute_device="cpu"), world_size=D)
     assert str(plan_from_json(cpu, local_world_size=2)) == str(plan_from_json(cpu))  # no GPU index to name
+    caplog.clear()
+    with caplog.at_level("WARNING"):  # a reader of ranks only (evaluate --plan): names as written, no warning
+        assert str(plan_from_json(doc, local_world_size=2, rename_gpus=False)) == str(plan_from_json(doc))
+    assert "renamed" not in caplog.text
     twrw = plan_to_json(to_torchrec_plan(split_placement, local_world_size=2), world_size=D)
     with pytest.raises(EmbshardError, match="table-row-wise over hosts of 2"):
         plan_from_json(twrw, local_world_size=4)

@@ -419,6 +419,8 @@ def plot_evaluation(df: pd.DataFrame, path: str) -> None:
         sub = df[df["planner"] == name].set_index("task_id").reindex(tasks)
         mid = sub[ref[0]].to_numpy(dtype=float)
         err = np.vstack([mid - sub[ref[1]].to_numpy(dtype=float), sub[ref[2]].to_numpy(dtype=float) - mid])
+        if name == USER_PLAN and ref[0] == "ratio_to_user_plan":  # the reference itself: 1 where it was measured
+            mid, err = np.where(np.isfinite(sub["measured_cost_ms"].to_numpy(dtype=float)), 1.0, np.nan), 0 * err
         ax[0].bar(np.arange(len(tasks)) + k * width, np.nan_to_num(mid), width, label=name,
                   yerr=np.nan_to_num(np.clip(err, 0, None)), capsize=2, error_kw={"lw": 0.8})
     if ref[0] != "measured_cost_ms":

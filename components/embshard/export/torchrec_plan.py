@@ -682,7 +682,7 @@ def _check_row_blocks(f: str, kind: str, placed, rows: int, bad, world: int | No
 
 
 def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size: int | None = None, module=None,
-                   where: str | None = None, local_world_size: int | None = None):
+                   where: str | None = None, local_world_size: int | None = None, rename_gpus: bool = True):
     """Rebuild the torchrec ShardingPlan from `plan_to_json` output (a dict, or a path to the JSON file).
     `where` names a dict in errors (e.g. the file rank 0 read it from before broadcasting it).
 
@@ -696,7 +696,8 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
     `--compute-device cpu`. A plan that cuts a table table-row-wise (over one host's ranks) is checked against the
     job's ranks per host: `local_world_size` when given, else, in a job, TorchRec's own `get_local_size`; with
     ranks per host given, or set by the job's launcher (LOCAL_WORLD_SIZE, MPI's), each rank's GPU is named as
-    TorchRec names it there (gpus_on_hosts: a plan exported without hosts loads on a job of several).
+    TorchRec names it there (gpus_on_hosts: a plan exported without hosts loads on a job of several);
+    `rename_gpus=False` keeps the names as written (a reader that uses the ranks only, e.g. `evaluate --plan`).
     """
     require_torchrec()
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
@@ -721,7 +722,7 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
     # GPUs are named again only for ranks per host that are known: given, or set in the job's environment (torchrun,
     # MPI). TorchRec's own fallback (8, or the world) is a guess: a plan for hosts of 4 loaded by a job that sets
     # none (srun, mp.spawn) would be renamed to GPUs its hosts lack.
-    if job_local is not None and (local_world_size is not None or _local_size_in_env()):
+    if rename_gpus and job_local is not None and (local_world_size is not None or _local_size_in_env()):
         doc = gpus_on_hosts(doc, job_local, where)
     plan = {}
     for path, params in doc["modules"].items():

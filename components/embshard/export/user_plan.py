@@ -205,7 +205,8 @@ class UserPlan:
                             fix="plan it with the fused kernel (TorchRec: ParameterConstraints(compute_kernels="
                                 "['fused'])) and the memory it then needs")
             sharding_plan = plan_from_json(doc, where=self.path, tables=tables, world_size=topology.count,
-                                           local_world_size=topology.local_world_size)
+                                           local_world_size=topology.local_world_size,
+                                           rename_gpus=False)  # measured by rank: GPU names do not matter here
             placement = placement_from_sharding_plan(sharding_plan, tables, topology.count, topology.memory_bytes,
                                                      names=task_ids, module_path=next(iter(doc["modules"])))
             placement.meta = {"plan_file": self.path}
