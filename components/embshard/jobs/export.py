@@ -81,8 +81,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices-per-host", type=int, default=None, metavar="L",
                         help="devices per host (host h holds devices h*L .. h*L+L-1, TorchRec's rank order); "
                              "written to plan.json as hosts and needed for table_row_wise tables (default: the "
-                             "hosts the placements were planned for, else the tasks file's devices_per_host, else "
-                             "one host)")
+                             "tasks file's devices_per_host, else the hosts the placements were planned for, else "
+                             "one host; two that differ are refused)")
     parser.add_argument("--compute-device", choices=("cuda", "cpu"), default="cuda",
                         help="the device the training job's ranks run on, named in the TorchRec plans' shard "
                              "placements (rank:R/cuda:N, or rank:R/cpu for CPU ranks, e.g. a gloo test job)")
