@@ -444,10 +444,16 @@ def test_a_stage_pod_is_retried_after_an_eviction_but_not_after_saying_what_is_w
     settings: the same again), which fails at once; a skipped round (exit 99) is still skipped."""
     from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
 
+    from airflow.serialization.serialized_objects import DagSerialization
+
     dag = load_bag(monkeypatch, "kubernetes").dags[DAG_ID]  # its own tasks: the API stand-in stays on them
     pods = [t for t in dag.tasks if t.task_id != "check_params"]
     assert {t.task_id: (t.partial_kwargs["retries"] if t.is_mapped else t.retries) for t in pods} == {
         t.task_id: 2 for t in pods}
+    # as the scheduler reads them: the DAG file's operator class survives serialization, retries too
+    seen = DagSerialization.from_dict(DagSerialization.to_dict(dag))
+    assert {seen.get_task(t.task_id).task_type for t in pods} == {"StagePod"}
+    assert seen.get_task("train_policy").retries == 2
     task = dag.get_task("train_policy")
     with pytest.raises(AirflowFailException, match="exit code 2"):
         _cleanup(task, 2)
