@@ -390,3 +390,19 @@ def test_sum_of_singles_takes_compute_from_any_device_count_and_comm_only_from_t
     assert out[0] == pytest.approx([4.0, 6.0, 1.2])           # singles at the shard's own D: every head
     assert out[1, :2] == pytest.approx([4.0, 6.0]) and np.isnan(out[1, 2])  # D=8 shard: compute only
     assert np.isnan(out[2]).all()                               # table c never measured alone
+
+
+def test_no_placements_to_assemble_is_said_once_per_training_data_not_per_member(measured, monkeypatch, caplog):
+    """`pipeline --quick` printed the warning twice per training (once per ensemble member): each member trains on
+    a copy of the data (its own split), which the once-only check took for new data."""
+    import logging
+
+    from embshard.costmodel import train
+    from embshard.costmodel.data import load
+
+    data = load(measured["costs"], measured["tables"], seed=0)
+    monkeypatch.setattr(train, "assemble_placements", lambda *a, **k: [])  # as data without multi-device shards
+    with caplog.at_level(logging.WARNING, logger=train.__name__):
+        train.fit_ensemble(data, train.TrainParams(seed=1, max_epochs=2), members=3)
+    said = [r for r in caplog.records if "no multi-device placements" in r.getMessage()]
+    assert len(said) == 1

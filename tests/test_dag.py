@@ -443,7 +443,6 @@ def test_a_stage_pod_is_retried_after_an_eviction_but_not_after_saying_what_is_w
     whole run and paged someone to clear the task. Now each is retried, unless the stage exited 2 (its input or
     settings: the same again), which fails at once; a skipped round (exit 99) is still skipped."""
     from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowSkipException
-
     from airflow.serialization.serialized_objects import DagSerialization
 
     dag = load_bag(monkeypatch, "kubernetes").dags[DAG_ID]  # its own tasks: the API stand-in stays on them

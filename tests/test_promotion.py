@@ -426,6 +426,22 @@ def test_the_decision_block_says_none_for_a_missing_champion_and_reads_the_verdi
     assert "MEASURABLY SLOWER (no alias)" in decision and "candidate v4" in decision
 
 
+def test_a_median_whose_interval_holds_the_noise_reads_as_no_difference():
+    """`make run` printed '0.929x [95%: 0.857, 1.106] (7.1% faster)': a newcomer read a gain the interval denies."""
+    from embshard.stages import promotion_lines
+
+    def line(ci, floor=(0.96, 1.04)):
+        decision = {"verdict": "promoted", "candidate_median_ratio_best_baseline": 0.929, "tasks": 12,
+                    "candidate_vs_best_baseline": {"median": 0.929, "ci_low": ci[0], "ci_high": ci[1]},
+                    "aa_floor": {"planner": "dim_greedy", "median": 1.0, "ci_low": floor[0], "ci_high": floor[1]}}
+        return next(x for x in promotion_lines(decision, "/r") if "vs the best baseline" in x)
+
+    assert "(no difference: 7.1% faster at the median, its interval does not clear 1 and the A/A floor)" in \
+        line((0.857, 1.106))
+    assert "(no difference:" in line((0.857, 0.95), floor=(0.90, 1.04))  # inside the floor
+    assert line((0.857, 0.95)).endswith("(7.1% faster)")  # clear of both
+
+
 def test_the_report_goes_to_the_log_not_stdout(caplog, capsys):
     """Airflow reads a task's stdout and its log records on two channels: a printed report can arrive after the
     "Post Execute" marker and land in that collapsed group; a log record keeps its order."""

@@ -42,7 +42,8 @@ def promotion_lines(decision: dict, root: str) -> list[str]:
     if ratio is not None:
         lines.append(f"  learned planner vs the best baseline (median measured cost ratio over "
                      f"{decision.get('tasks', '?')} held-out tasks, {decision.get('rounds', '?')} rounds): "
-                     f"{ratio:.3f}x{interval(decision.get('candidate_vs_best_baseline'))}  ({speed_words(ratio)})")
+                     f"{ratio:.3f}x{interval(decision.get('candidate_vs_best_baseline'))}  "
+                     f"({speed_words(ratio, decision.get('candidate_vs_best_baseline'), decision.get('aa_floor'))})")
     tasks = decision.get("tasks")
     if isinstance(tasks, int) and tasks < FEW_TASKS:
         lines.append(f"  note: {tasks} held-out task(s): the interval resamples so few tasks (mostly their rounds) "
@@ -50,7 +51,7 @@ def promotion_lines(decision: dict, root: str) -> list[str]:
     champ = decision.get("candidate_over_champion_median")
     if champ is not None:
         lines.append(f"  candidate vs the champion: {champ:.3f}x{interval(decision.get('candidate_vs_champion'))}  "
-                     f"({speed_words(champ)})")
+                     f"({speed_words(champ, decision.get('candidate_vs_champion'), decision.get('aa_floor'))})")
     health = decision.get("champion_health")
     champ_base = decision.get("champion_vs_best_baseline") or {}
     if health is not None and champ_base.get("median") is not None:
@@ -81,10 +82,25 @@ def promotion_lines(decision: dict, root: str) -> list[str]:
     return lines
 
 
-def speed_words(ratio: float) -> str:
-    """'4.1% faster' for a cost ratio below 1, '2.9% slower' above it."""
+def speed_words(ratio: float, comparison: dict | None = None, floor: dict | None = None) -> str:
+    """'4.1% faster' for a cost ratio below 1, '2.9% slower' above it; with the `comparison`'s interval (and the
+    ruler's A/A `floor`), a median whose interval holds 1 or the floor reads as no difference (a newcomer read
+    '7.1% faster' off 0.929 [0.857, 1.106])."""
     if ratio != ratio:  # NaN
         return "not measured"
     if abs(ratio - 1.0) < 5e-4:
         return "same cost"
-    return f"{100 * (1 - ratio):.1f}% faster" if ratio < 1 else f"{100 * (ratio - 1):.1f}% slower"
+    words = f"{100 * (1 - ratio):.1f}% faster" if ratio < 1 else f"{100 * (ratio - 1):.1f}% slower"
+    lo, hi = ((comparison or {}).get(k) for k in ("ci_low", "ci_high"))
+    if lo is None or hi is None:
+        return words
+    from .stats import floor_verdict
+
+    aa_lo, aa_hi = ((floor or {}).get(k) for k in ("ci_low", "ci_high"))
+    nan = float("nan")
+    verdict = floor_verdict(float(lo), float(hi), nan if aa_lo is None else float(aa_lo),
+                            nan if aa_hi is None else float(aa_hi))
+    if verdict != "no difference":
+        return words
+    noise = "1 and the A/A floor" if aa_lo is not None and aa_lo == aa_lo else "1"
+    return f"no difference: {words} at the median, its interval does not clear {noise}"

@@ -234,9 +234,10 @@ def _fit_overall(model: CostModel, data: CostData, params: TrainParams, hist: Hi
         sets[name] = assemble_placements(data, data.index(split), params.overall_placements if name == "train"
                                          else params.overall_placements // 4, seed)
     if not sets["train"] or not sets["val"]:
-        # once per training data, not once per ensemble member (it was said 2-4 times)
-        say = log.warning if id(data) not in _SAID_NO_PLACEMENTS else log.debug
-        _SAID_NO_PLACEMENTS.add(id(data))
+        # once per training data, not once per ensemble member (it was said 2-4 times): the members' data are
+        # copies (dataclasses.replace, their own split) of one features array
+        say = log.warning if id(data.features) not in _SAID_NO_PLACEMENTS else log.debug
+        _SAID_NO_PLACEMENTS.add(id(data.features))
         say("no multi-device placements to assemble: the overall head stays untrained "
             "(planners use the max of device totals anyway)")
         return
