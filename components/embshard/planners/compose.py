@@ -33,7 +33,7 @@ from ..hardware import mismatch_warning
 from ..placement import Placement, Shard
 from ..policy.core import PolicyNet, TaskContext, rollout
 from ..tableset import TableSet
-from ..types import COLUMN, WHOLE, CostEstimator, DeviceTopology
+from ..types import COLUMN, REPLICATED, WHOLE, CostEstimator, DeviceTopology
 from .base import Planner, no_room_error
 from .baselines import BASELINES, make_baseline
 from .scoring import (
@@ -545,11 +545,15 @@ class Splits:
         pieces_before = Counter(p.table for p in lead.shards if p.kind != WHOLE)
         if not any(p.kind != WHOLE and p.table not in pieces_before for p in carried):
             return None  # no other table cut: the lead itself is the draft of this kind
-        # The label names every table cut after the first cut, the lead's own table too when it was cut finer.
+        # The label names every table cut (or replicated) after the first cut, the lead's own table too when it was
+        # cut finer: "X ..., then Y, Z cut; W replicated" (a replica had read "cut").
         pieces_after = Counter(p.table for p in carried if p.kind != WHOLE)
         changed = [t for t in pieces_after if pieces_after[t] != pieces_before.get(t, 0)]
-        names = ", ".join(str(problem.tables.table_ids[t]) for t in changed)
-        return Draft(lead.name, carried, state, cut=f"{lead.cut}, then {names} cut")
+        replicated = {p.table for p in carried if p.kind == REPLICATED}
+        groups = [", ".join(str(problem.tables.table_ids[t]) for t in changed if (t in replicated) == rep)
+                  + (" replicated" if rep else " cut") for rep in (False, True)
+                  if any((t in replicated) == rep for t in changed)]
+        return Draft(lead.name, carried, state, cut=f"{lead.cut}, then {'; '.join(groups)}")
 
 
 def _joined(problem: Problem, draft: Draft) -> Draft:
@@ -566,17 +570,22 @@ def _joined(problem: Problem, draft: Draft) -> Draft:
 
 
 def _still_cut(tables: TableSet, label: str | None, shards: list[Shard]) -> str | None:
-    """A branch's label ('X ..., then Y, Z cut') naming only the later cuts still in `shards` (a table whose
-    slices were all joined back on one device is whole again), its first cut marked "(whole again)" when that table
-    is whole again too. Table ids hold no commas or spaces (checks.ID_RULE)."""
+    """A branch's label ('X ..., then Y, Z cut; W replicated') naming only the later cuts still in `shards` (a
+    table whose slices were all joined back on one device is whole again), its first cut marked "(whole again)"
+    when that table is whole again too. Table ids hold no commas, semicolons or spaces (checks.ID_RULE)."""
     if not label:
         return label
     first, _, rest = label.partition(", then ")
     cut = {str(tables.table_ids[s.table]) for s in shards if s.kind != WHOLE}
     if first.split(" ", 1)[0] not in cut:
         first += " (whole again)"
-    kept = [name for name in rest.removesuffix(" cut").split(", ") if name in cut] if rest else []
-    return f"{first}, then {', '.join(kept)} cut" if kept else first
+    groups = []
+    for group in rest.split("; ") if rest else []:
+        names, _, verb = group.rpartition(" ")
+        kept = [name for name in names.split(", ") if name in cut]
+        if kept:
+            groups.append(f"{', '.join(kept)} {verb}")
+    return f"{first}, then {'; '.join(groups)}" if groups else first
 
 
 def _kind_leads(cuts: list[Draft]) -> list[Draft]:
