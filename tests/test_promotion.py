@@ -553,3 +553,8 @@ def test_a_champion_set_by_hand_moves_both_aliases_says_why_and_needs_force_for_
     assert f"version {GOOD} -> {BAD}" in out and "set champion by hand" in out and "measurably_slower" in out
     assert main(["champion"]) == 0 and "training jobs load models:/embshard-policy@champion" in \
         capsys.readouterr().out
+    # the champion set again: nothing moves, and its recorded reason stays (a user's "1 -> 1" had replaced it)
+    tag = client.get_model_version(POLICY, BAD).tags[CHAMPION_SET_TAG]
+    assert main(["champion", "--set", BAD, "--reason", "trying it", "--force"]) == 0
+    assert f"version {BAD} already, with its cost model: nothing changed" in capsys.readouterr().out
+    assert client.get_model_version(POLICY, BAD).tags[CHAMPION_SET_TAG] == tag

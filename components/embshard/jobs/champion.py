@@ -48,11 +48,29 @@ def main(args: argparse.Namespace) -> int:
     if not (args.reason or "").strip():
         raise EmbshardError("a champion set by hand needs a reason", field="reason",
                             fix='give --reason "..." (recorded on the version, e.g. the incident it answers)')
+    if _is_champion_already(args.version):
+        # Nothing to move: setting it again would only replace the gate's reason with this one in the listing.
+        print(f"embshard-policy@champion is version {str(args.version).strip()} already, with its cost model: "
+              "nothing changed")
+        print(versions_table())
+        return 0
     before, cost = set_champion(args.version, args.reason, force=args.force)
     print(f"embshard-policy@champion: version {before or '(none)'} -> {args.version}; embshard-cost@champion -> "
           f"{cost or '(unchanged: the version names no cost model)'}")
     print(versions_table())
     return 0
+
+
+def _is_champion_already(version) -> bool:
+    """Whether policy `version` is the champion and the cost model it names holds the cost alias too."""
+    current = registry.version_for_alias(POLICY, registry.CHAMPION)
+    if current is None or str(current.version) != str(version).strip():
+        return False
+    cost = current.tags.get("cost_model_version", "")
+    if not cost:
+        return True
+    held = registry.version_for_alias(registry.COST_MODEL, registry.CHAMPION)
+    return held is not None and str(held.version) == str(cost)
 
 
 def set_champion(version, reason: str, *, force: bool = False) -> tuple[str | None, str | None]:
