@@ -198,8 +198,14 @@ with DAG(
             def execute(self, context):
                 try:
                     return super().execute(context)
-                except AirflowTaskTimeout as exc:
-                    self.on_kill()  # the task runner deletes the pod on a timeout it sees; this one it sees failed
+                except (AirflowFailException, AirflowSkipException):
+                    raise
+                except BaseException as exc:
+                    # The runner's timeout interrupts the wait for the pod; the operator's cleanup (in a finally)
+                    # then reports the unfinished pod as a failure, with the timeout only as its context.
+                    if not _timed_out(exc):
+                        raise
+                    self.on_kill()  # the pod: deleted, as the runner does for a timeout it sees
                     raise AirflowFailException(f"the stage ran past its time limit ({self.execution_timeout}); not "
                                                "retried (a larger run: raise the timeout_scale param)") from exc
 
@@ -212,7 +218,19 @@ with DAG(
                     if k8s.stage_exit_code(remote_pod, self.base_container_name) == k8s.BAD_INPUT_EXIT_CODE:
                         raise AirflowFailException(f"{exc} (exit code {k8s.BAD_INPUT_EXIT_CODE}: the stage's "
                                                    "input or settings, see its log; not retried)") from exc
+                    if k8s.past_deadline(remote_pod):  # activeDeadlineSeconds is the task's own time limit
+                        raise AirflowFailException(f"{exc} (the pod ran past its time limit; not retried)") from exc
                     raise
+
+        def _timed_out(exc: BaseException | None) -> bool:
+            """Whether the runner's timeout is `exc` or in its chain (cause, or the exception it interrupted)."""
+            seen = set()
+            while exc is not None and id(exc) not in seen:
+                if isinstance(exc, AirflowTaskTimeout):
+                    return True
+                seen.add(id(exc))
+                exc = exc.__cause__ or exc.__context__
+            return False
 
         pod_config = k8s.load_pod_config()
         root = stages.RUN_ROOT_TEMPLATE.format(data_root=k8s.data_root(pod_config))

@@ -814,10 +814,19 @@ def test_unreachable_s3_tables_are_one_line(world, tmp_path, capsys, monkeypatch
              "s3-spec": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "8",
                                              tables="s3://embshard-nosuch/spec.csv"),
                                       ["s3://embshard-nosuch/spec.csv", "local path only"])}
+    # a URI no file system takes is a mistake in the path (2), not a store to try again (75)
+    cases["foo-uri-tables"] = lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "8", tables="foo://x/t.parquet"),
+                                            ["foo://x/t.parquet", "not a path or URI embshard reads"])
     for case, make in cases.items():
         monkeypatch.setitem(CASES, case, make)
         (tmp_path / case).mkdir()
         test_bad_input(case, world, tmp_path / case, capsys)
+    from embshard import storage
+    from embshard.errors import EmbshardError
+
+    with pytest.raises(EmbshardError, match="not a path or URI embshard reads") as err:
+        storage.check_output("s3:///x", field="out")
+    assert err.value.exit_code == 2 and err.value.field == "out"
 
 
 def test_place_with_a_cost_model_as_policy_is_one_line(world, tmp_path, capsys, monkeypatch):

@@ -467,19 +467,44 @@ def test_a_stage_pod_is_retried_after_an_eviction_but_not_after_saying_what_is_w
 def test_a_stage_pod_past_its_time_limit_is_deleted_and_not_retried(monkeypatch):
     """A hung or overrun stage was retried like an eviction: a GPU held for three times the limit."""
     from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
-    from airflow.sdk.exceptions import AirflowFailException, AirflowTaskTimeout
+    from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 
     dag = load_bag(monkeypatch, "kubernetes").dags[DAG_ID]
     killed = []
 
-    def times_out(self, context):  # what the task runner's timeout raises inside execute (no cluster here)
+    def times_out(self, context):  # the task runner's timeout, inside execute (no cluster here)
         raise AirflowTaskTimeout()
 
-    monkeypatch.setattr(KubernetesPodOperator, "execute", times_out)
+    def times_out_then_cleans_up(self, context):
+        # as the operator does: its wait is interrupted, and its cleanup (in a finally) reports the unfinished pod
+        # as a failure, the timeout only that failure's context
+        try:
+            raise AirflowTaskTimeout()
+        finally:
+            raise AirflowException("Pod embshard-x returned a failure.")
+
     monkeypatch.setattr(KubernetesPodOperator, "on_kill", lambda self: killed.append(self.task_id))
-    with pytest.raises(AirflowFailException, match="ran past its time limit"):
+    for execute in (times_out, times_out_then_cleans_up):
+        killed.clear()
+        monkeypatch.setattr(KubernetesPodOperator, "execute", execute)
+        with pytest.raises(AirflowFailException, match="ran past its time limit"):
+            dag.get_task("evaluate_and_promote").execute({})
+        assert killed == ["evaluate_and_promote"]  # its pod deleted, as the runner does for a timeout it sees
+    monkeypatch.setattr(KubernetesPodOperator, "execute", lambda self, context: _raise(AirflowException("lost")))
+    with pytest.raises(AirflowException) as caught:  # no timeout in it: retried
         dag.get_task("evaluate_and_promote").execute({})
-    assert killed == ["evaluate_and_promote"]  # its pod deleted, as the runner does for a timeout it sees
+    assert not isinstance(caught.value, AirflowFailException) and killed == ["evaluate_and_promote"]
+    # Kubernetes stopped it at activeDeadlineSeconds (the same limit) first: not retried either
+    pod = _ended_pod(None)
+    pod.status.reason = "DeadlineExceeded"
+    task = dag.get_task("train_policy")
+    task.__dict__["pod_manager"] = task.__dict__["client"] = _OfflineApi(pod)
+    with pytest.raises(AirflowFailException, match="past its time limit"):
+        task.cleanup(pod, pod)
+
+
+def _raise(exc):
+    raise exc
 
 
 def test_a_store_that_does_not_answer_exits_75_which_pods_retry_and_bad_input_2():

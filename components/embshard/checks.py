@@ -132,6 +132,11 @@ def read_json_file(path, *, field: str | None = None, fix: str = "check the path
     except FileNotFoundError:
         raise EmbshardError("file not found", path=text, field=field, fix=fix) from None
     except OSError as exc:
+        if "://" in text and not text.startswith("file://"):  # a store that did not answer: try again (exit 75)
+            from .errors import StoreUnreachableError
+
+            raise StoreUnreachableError(f"cannot reach it ({exc.strerror or exc})", path=text, field=field,
+                                        fix="check the bucket, the credentials (AWS_*) and the endpoint") from None
         raise EmbshardError(f"cannot be read ({exc.strerror or exc})", path=text, field=field, fix=fix) from None
 
 

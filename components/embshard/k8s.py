@@ -425,6 +425,12 @@ def stage_exit_code(remote_pod, container: str) -> int | None:
     return None if terminated is None else terminated.exit_code
 
 
+def past_deadline(remote_pod) -> bool:
+    """Whether Kubernetes stopped the pod at its activeDeadlineSeconds (the task's own time limit)."""
+    status = remote_pod.status if remote_pod is not None else None
+    return status is not None and status.reason == "DeadlineExceeded"
+
+
 def check_run_params(config: dict, params: dict) -> None:
     """The cluster's own rules for a run's params, checked by check_params on the Airflow worker: a measured
     refinement (refine_k) runs in the export_placements pod, which must then measure on the run's device."""

@@ -394,13 +394,13 @@ def write(df: pd.DataFrame, path: str | os.PathLike, kind: str) -> pd.DataFrame:
 def read(path: str | os.PathLike, kind: str) -> pd.DataFrame:
     """Read and validate a contract file; a folder reads all its part-*.parquet files (costs)."""
     where = os.fspath(path)
+    fs, p = storage.resolve_input(where)
     try:
-        fs, p = storage.resolve(where)
         info = fs.get_file_info(p)
-    except (OSError, ValueError) as exc:  # a bucket that does not answer, no credentials: not a traceback
+    except OSError as exc:  # a bucket that does not answer, no credentials: not a traceback (and worth a retry)
         raise StoreUnreachableError(f"cannot reach it ({first_line(exc, 140)})", path=where,
-                            fix="check the bucket, the credentials (AWS_*) and the endpoint, or give a local "
-                                "file") from None
+                                    fix="check the bucket, the credentials (AWS_*) and the endpoint, or give a local "
+                                        "file") from None
     if info.type == pafs.FileType.NotFound:
         raise EmbshardError("file not found", path=where, fix=f"check the path, or run the stage that writes {kind}")
     if info.type == pafs.FileType.Directory and kind != "costs":
@@ -434,6 +434,8 @@ def unreadable(path: str | os.PathLike, kind: str) -> str | None:
     when it reads: a stage resuming its own earlier output checks it before trusting it."""
     try:
         read(path, kind)
+    except StoreUnreachableError:
+        raise  # the store, not the file: a finished chunk is not measured again for a network blip
     except EmbshardError as exc:
         return str(exc)
     return None
@@ -480,5 +482,9 @@ def _read_one(where: str, kind: str = "") -> pd.DataFrame:
             raise EmbshardError("not a Parquet file (no Parquet footer at its end)", path=where,
                                 fix="give the Parquet file (a JSON, CSV or text file is not one); if it is one, it "
                                     "was cut short: re-run the stage that writes it") from None
+        if "://" in str(where) and not str(where).startswith("file://") and not isinstance(exc, pa.ArrowInvalid):
+            # a remote file that stopped answering mid-read: the store, not the file
+            raise StoreUnreachableError(f"cannot read it ({first_line(exc, 140)})", path=where,
+                                        fix="check the bucket, the credentials (AWS_*) and the endpoint") from None
         raise EmbshardError(f"not a readable Parquet file ({first_line(exc, 100)})", path=where,
                             fix="re-run the stage that writes it; the file is corrupt or truncated") from None

@@ -25,6 +25,18 @@ def resolve(uri: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
     return fs, path
 
 
+def resolve_input(uri: str | os.PathLike, field: str | None = None) -> tuple[pafs.FileSystem, str]:
+    """`resolve`, with a URI no file system takes (foo://, s3:/// without a bucket) refused in one line, exit 2: a
+    mistake in the path, not a store that did not answer."""
+    from .errors import EmbshardError, first_line
+
+    try:
+        return resolve(uri)
+    except ValueError as exc:
+        raise EmbshardError(f"not a path or URI embshard reads ({first_line(exc, 120)})", path=os.fspath(uri),
+                            field=field, fix="give a local path, file:// or s3://bucket/key") from None
+
+
 def join(root: str | os.PathLike, *parts: str) -> str:
     """Join path parts onto a root that may be a URI."""
     text = os.fspath(root)
@@ -189,13 +201,13 @@ def check_output(out: str | os.PathLike, *, kind: str = "folder", writes: tuple[
         raise EmbshardError("empty path", field=field, fix=f"give {flag} a path")
     local = _local(text)
     if local is None:  # a remote store: reachable now, not after minutes of work
+        fs, path = resolve_input(text, field)
         try:
-            fs, path = resolve(text)
             info = fs.get_file_info(path)
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
             raise StoreUnreachableError(f"cannot reach it ({first_line(exc, 140)})", path=text, field=field,
-                                fix="check the bucket, the credentials (AWS_*) and the endpoint, or write to a "
-                                    "local folder") from None
+                                        fix="check the bucket, the credentials (AWS_*) and the endpoint, or write to "
+                                            "a local folder") from None
         if kind == "folder" and info.type == pafs.FileType.File:
             raise EmbshardError("is a file, not a folder", path=text, field=field, fix=f"give {flag} a folder")
         return

@@ -67,8 +67,8 @@ def _is_champion_already(version) -> bool:
     if current is None or str(current.version) != str(version).strip():
         return False
     cost = current.tags.get("cost_model_version", "")
-    if not cost:
-        return True
+    if not (cost and current.tags.get("cost_model_uri", "").startswith(f"models:/{registry.COST_MODEL}")):
+        return True  # a cost model the alias does not follow (registry.follow_cost_model)
     held = registry.version_for_alias(registry.COST_MODEL, registry.CHAMPION)
     return held is not None and str(held.version) == str(cost)
 

@@ -86,7 +86,8 @@ def planner_for(name: str, model_uri: str, time_budget_s: float | None, search_e
         raise  # it names the version and the file: "train one" would be the wrong fix
     except ModelNotFoundError as exc:
         first = exc.fix or "train one with `make run` or `embshard train-policy ...`"  # e.g. where the store is
-        raise ModelNotFoundError(
+        # the same type: a registry that did not answer keeps its exit code (75: try again)
+        raise type(exc)(
             f"no registered learned planner ({exc.message})", path=learned_uri(name, model_uri),
             fix=f"{first}; or pick a baseline with --planner size_lookup_greedy") from exc
 
