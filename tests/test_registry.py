@@ -192,3 +192,22 @@ def test_a_retry_and_a_failed_task_end_the_mlflow_runs_killed_tries_left_running
     assert registry.end_stale_runs("manual__1", reason="x") == []
     mlflow.set_tracking_uri("bogus://x")  # a store MLflow cannot even open: nothing ended, nothing raised
     assert registry.end_stale_runs("manual__1", reason="x") == []
+
+
+def test_an_alias_read_that_fails_is_not_read_as_no_alias(mlflow_uri, monkeypatch):
+    """A server that stopped answering after it was checked (MLflow's client gave up, INTERNAL_ERROR) read as 'no
+    champion', and export_placements was skipped as 'no champion yet': now it is the registry not answering (75);
+    a missing model or alias is still None."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    assert registry.version_for_alias("nosuchmodel", registry.CHAMPION) is None  # RESOURCE_DOES_NOT_EXIST
+
+    def gives_up(self, name, alias):
+        raise MlflowException("API request to http://mlflow:5000/api/2.0/mlflow/registered-models/alias failed "
+                              "with exception Max retries exceeded")
+
+    monkeypatch.setattr(mlflow.MlflowClient, "get_model_version_by_alias", gives_up)
+    with pytest.raises(registry.RegistryUnreachableError, match="did not answer for embshard-policy@champion") as e:
+        registry.version_for_alias(registry.POLICY_MODEL, registry.CHAMPION)
+    assert e.value.exit_code == 75

@@ -372,16 +372,21 @@ def _unreachable(store: str) -> str | None:
         return None
 
 
+def _shown(store: str) -> str:
+    """A store URI as errors print it: without a user:password it may carry."""
+    from urllib.parse import urlsplit
+
+    url = urlsplit(store)
+    if not url.netloc:
+        return store
+    return url._replace(netloc=(url.hostname or "") + (f":{url.port}" if url.port else "")).geturl()
+
+
 def check_server(store: str) -> None:
     """Fail in one line when the http(s) tracking server of `store` has not answered for WAIT_ENV seconds."""
     why = _unreachable(store)
     if why is not None:
-        from urllib.parse import urlsplit
-
-        url = urlsplit(store)
-        # the URI without a user:password it may carry
-        shown = url._replace(netloc=(url.hostname or "") + (f":{url.port}" if url.port else "")).geturl()
-        raise RegistryUnreachableError(f"the MLflow tracking server does not answer ({why})", path=shown,
+        raise RegistryUnreachableError(f"the MLflow tracking server does not answer ({why})", path=_shown(store),
                                        fix="start the server, or point MLFLOW_TRACKING_URI (and MLFLOW_REGISTRY_URI, "
                                            "if set) at a running one")
 
@@ -426,8 +431,17 @@ def version_for_alias(name: str, alias: str):
     check_server(mlflow.get_registry_uri())
     try:
         return mlflow.MlflowClient().get_model_version_by_alias(name, alias)
-    except MlflowException:
-        return None
+    except MlflowException as exc:
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):  # no such model, or alias
+            return None
+        # Not "none": a server that stopped answering after check_server (MLflow's client gave up) had read as no
+        # champion, and export_placements was skipped as "no champion yet".
+        store = _shown(mlflow.get_registry_uri())
+        if exc.error_code in ("PERMISSION_DENIED", "UNAUTHENTICATED"):
+            raise EmbshardError(f"the registry refused to read {name}@{alias} ({first_line(exc, 120)})", path=store,
+                                fix="check MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN") from None
+        raise RegistryUnreachableError(f"the registry did not answer for {name}@{alias} ({first_line(exc, 120)})",
+                                       path=store, fix="try again once the MLflow server answers") from None
 
 
 def pinned(uri: str) -> str:
