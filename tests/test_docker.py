@@ -84,7 +84,7 @@ def test_image_runs_the_cli_as_a_non_root_user(flavour):
 
     assert users[-1] == "{runAsUser}:{runAsGroup}".format(**POD_DEFAULTS["podSecurityContext"])
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts["embshard"] == "embshard.cli:main"
+    assert scripts["embshard"] == "embshard.cli:console_main"
 
 
 def test_cuda_image_pairs_torch_and_fbgemm_gpu():

@@ -355,3 +355,21 @@ def test_a_python_plan_gets_the_predicted_costs_place_writes(store, tmp_path, mo
         assert (written["cost"][key] is None) == (placed["cost"][key] is None)
         if placed["cost"][key] is not None:
             assert written["cost"][key] == pytest.approx(placed["cost"][key], rel=1e-5)
+
+
+def test_the_command_ignores_a_signal_while_the_interpreter_exits():
+    """A Ctrl-C just after `place` printed "wrote ..." (in the half second the interpreter takes to exit) ended with
+    exit 130, as if the command had been interrupted; its output was complete. The `embshard` command ignores
+    SIGINT and SIGTERM once its work is done; `main` itself, which tests and other code call in-process, does not."""
+    probe = ("import signal, sys\n"
+             "from embshard.cli import console_main, main\n"
+             "main(['champion'])\n"  # the store is missing: a one-line error, returned, not raised
+             "assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN\n"
+             "rc = console_main()\n"
+             "print(rc, signal.getsignal(signal.SIGINT) is signal.SIG_IGN, "
+             "signal.getsignal(signal.SIGTERM) is signal.SIG_IGN)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "components"), REPO]),
+           "MLFLOW_TRACKING_URI": "sqlite:////nonexistent/embshard/mlflow.db"}
+    proc = subprocess.run([sys.executable, "-c", probe, "champion"], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.stdout.split() == ["2", "True", "True"], proc.stderr[-2000:]

@@ -140,5 +140,17 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
 
+def console_main() -> int:
+    """The `embshard` command: `main`, then a signal in the second the interpreter takes to exit (atexit handlers,
+    threads) is ignored: the command has finished and published its output, and an exit 130 there said it was
+    interrupted (a user's Ctrl-C just after "wrote ..."). In-process callers (tests) keep their handlers."""
+    import signal
+
+    rc = main()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    return rc
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())
