@@ -53,11 +53,11 @@ def _sampler_fingerprint() -> str | None:
     """numpy's version and the source of every function that turns a spec row into bins (see the module doc);
     None where the source is not installed (bytecode only): no key could tell a changed sampler, so no cache."""
     from .. import features
-    from . import spec, synthetic
+    from . import synthetic
 
     parts = [np.__version__, str(FORMAT)]
     try:
-        for fn in (spec.table_rng, spec._name_seed, synthetic.sample_table_batch, synthetic.bag_lengths,
+        for fn in (synthetic.table_rng, synthetic._name_seed, synthetic.sample_table_batch, synthetic.bag_lengths,
                    synthetic.zipf_indices, synthetic.table_bins, synthetic.table_bin_histogram,
                    features.bin_histogram, features.bin_of_count, features.bins_from_histogram):
             parts.append(inspect.getsource(fn))

@@ -13,7 +13,6 @@ which skew a row got (`spec:<file>;skew=bins|zipf-<a>|default-zipf-1.0`).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 
@@ -412,7 +411,7 @@ def tables_from_spec(path: str, seed: int = 0, bins_batch_size: int | None = Non
     that reads the spec as its --tables (place, export, evaluate): a long sampling then says how to skip it."""
     from tqdm.auto import tqdm
 
-    from .synthetic import BINS_BATCH_SIZE, sample_table_batch, table_bins
+    from .synthetic import BINS_BATCH_SIZE, sample_table_batch, table_bins, table_rng
 
     path = os.fspath(path).removeprefix("file://")  # as tables.parquet reads it (its `source` names the path)
     batch = int(bins_batch_size or BINS_BATCH_SIZE)
@@ -477,17 +476,6 @@ def tables_from_spec(path: str, seed: int = 0, bins_batch_size: int | None = Non
     df["source"] = sources
     df["zipf_alpha"] = alpha
     return schemas.validate(df, "tables", path)
-
-
-def table_rng(seed: int, name: str) -> np.random.Generator:
-    """A spec table's own random stream (its sampled bins; bins_cache keys on this function's source)."""
-    return np.random.default_rng([seed, *_name_seed(name)])
-
-
-def _name_seed(name: str) -> list[int]:
-    """Four 32-bit words of the name's SHA-256: a seed that is the same in every process and Python version."""
-    digest = hashlib.sha256(name.encode("utf-8")).digest()
-    return [int.from_bytes(digest[k:k + 4], "little") for k in range(0, 16, 4)]
 
 
 def spec_sizes(path) -> tuple[np.ndarray, list[str], np.ndarray]:

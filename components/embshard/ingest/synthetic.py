@@ -7,6 +7,8 @@ The 17 access bins are computed from a sampled batch, exactly as for a real trac
 """
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pandas as pd
 
@@ -94,6 +96,18 @@ def bag_lengths(pooling_factor: float, batch_size: int, rng: np.random.Generator
     if pooling_factor <= 1.0:
         return (rng.random(batch_size) < pooling_factor).astype(np.int64)
     return 1 + rng.poisson(pooling_factor - 1.0, size=batch_size).astype(np.int64)
+
+
+def table_rng(seed: int, name: str) -> np.random.Generator:
+    """A spec table's own random stream, seeded by its name: its bins do not depend on its row in the file
+    (bins_cache keys on this function's source)."""
+    return np.random.default_rng([seed, *_name_seed(name)])
+
+
+def _name_seed(name: str) -> list[int]:
+    """Four 32-bit words of the name's SHA-256: a seed that is the same in every process and Python version."""
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    return [int.from_bytes(digest[k:k + 4], "little") for k in range(0, 16, 4)]
 
 
 def sample_table_batch(rows: int, pooling_factor: float, alpha: float, batch_size: int,
