@@ -249,13 +249,18 @@ def follow_cost_model(policy_version, alias: str) -> str | None:
     (None: the policy names none in the registry, and the cost model's alias is left as it is)."""
     import mlflow
 
-    mv = mlflow.MlflowClient().get_model_version(POLICY_MODEL, str(policy_version))
-    uri = mv.tags.get("cost_model_uri", "")
-    version = mv.tags.get("cost_model_version", "")
-    if version and uri.startswith(f"models:/{COST_MODEL}"):
+    version = followed_cost_model(mlflow.MlflowClient().get_model_version(POLICY_MODEL, str(policy_version)))
+    if version is not None:
         set_alias(COST_MODEL, alias, version)
-        return str(version)
-    return None
+    return version
+
+
+def followed_cost_model(policy_version) -> str | None:
+    """The registered cost model version a policy ModelVersion names, which follows its aliases (None: it names
+    none in the registry, e.g. a runs:/ cost model)."""
+    uri = policy_version.tags.get("cost_model_uri", "")
+    version = policy_version.tags.get("cost_model_version", "")
+    return str(version) if version and uri.startswith(f"models:/{COST_MODEL}") else None
 
 
 def utc_now() -> str:

@@ -66,11 +66,11 @@ def _is_champion_already(version) -> bool:
     current = registry.version_for_alias(POLICY, registry.CHAMPION)
     if current is None or str(current.version) != str(version).strip():
         return False
-    cost = current.tags.get("cost_model_version", "")
-    if not (cost and current.tags.get("cost_model_uri", "").startswith(f"models:/{registry.COST_MODEL}")):
-        return True  # a cost model the alias does not follow (registry.follow_cost_model)
+    cost = registry.followed_cost_model(current)
+    if cost is None:
+        return True  # a cost model the alias does not follow
     held = registry.version_for_alias(registry.COST_MODEL, registry.CHAMPION)
-    return held is not None and str(held.version) == str(cost)
+    return held is not None and str(held.version) == cost
 
 
 def set_champion(version, reason: str, *, force: bool = False) -> tuple[str | None, str | None]:
