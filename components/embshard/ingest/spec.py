@@ -491,16 +491,16 @@ def spec_sizes(path) -> tuple[np.ndarray, list[str], np.ndarray]:
 def is_spec_path(path) -> bool:
     """Whether `path` is a table spec rather than a tables.parquet: a CSV or YAML file, or a Parquet file with
     TorchRec's column names (schemas.spec_columns; only its footer is read)."""
-    path = os.fspath(path)
+    path = os.fspath(path).removeprefix("file://")  # read as its path
     ext = os.path.splitext(path)[1].lower()
     if ext in schemas.SPEC_SUFFIXES:
         return True
-    if ext not in (".parquet", ".pq") or not os.path.isfile(path.removeprefix("file://")):
+    if ext not in (".parquet", ".pq") or not os.path.isfile(path):
         return False
     import pyarrow.parquet as pq
 
     try:
-        return schemas.spec_columns(pq.read_schema(path.removeprefix("file://")).names)
+        return schemas.spec_columns(pq.read_schema(path).names)
     except Exception:  # not readable as Parquet: the tables reader says why
         return False
 
