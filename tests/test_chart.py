@@ -6,7 +6,9 @@ What needs a real cluster (images pulling, MLflow reaching Postgres/MinIO, RWX s
 """
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -257,6 +259,83 @@ def test_missing_backend_store_is_a_clear_render_error():
 def test_schema_rejects_bad_values(bad, where):
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match=where):
         chart.validate_schema(bad)
+
+
+def _bucket_job_script(values: dict) -> tuple[str, dict[str, str]]:
+    job = by_kind(objects(values), "Job")["embshard-minio-buckets"]
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    return c["args"][0], {e["name"]: e.get("value", "") for e in c["env"]}
+
+
+_BUCKETS = ["alias set", "mb --ignore-existing embshard/mlflow", "mb --ignore-existing embshard/embshard"]
+_USER = ["admin user add", "admin policy create", "admin policy attach"]
+
+
+@pytest.mark.parametrize("stage_key, attach, code, calls", [
+    (None, "", 1, _BUCKETS),  # no stage Secret: a clear failure, no user made
+    ("stagekey", "", 0, _BUCKETS + _USER),
+    ("stagekey", "already", 0, _BUCKETS + _USER),  # a re-run (helm upgrade)
+    ("stagekey", "denied", 1, _BUCKETS + _USER),
+])
+def test_bucket_storage_on_minio_gives_the_stages_a_user_of_their_bucket_alone(tmp_path, stage_key, attach, code,
+                                                                                 calls):
+    """The stage pods had MinIO's root key (envFromSecrets: embshard-credentials): a stage could read MLflow's
+    artifacts and delete every bucket. They now get secrets.stageCredentials, which the bucket job makes a MinIO
+    user whose policy reaches the data bucket alone. MinIO cannot run here: the rendered script runs against a stub
+    `mc` that records its calls (attach fails when `attach` says so: MinIO answers "already in effect" on a re-run)."""
+    script, env = _bucket_job_script(PROFILES["bucket"])
+    assert env["STAGE_BUCKET"] == "embshard" and set(env["BUCKETS"].split()) == {"mlflow", "embshard"}
+    stub = tmp_path / "bin" / "mc"
+    stub.parent.mkdir()
+    log = tmp_path / "calls"
+    stub.write_text(f"""#!/bin/sh
+echo "$*" >> {log}
+case "$*" in "admin policy create"*) cp "$6" {tmp_path}/policy.json;; esac
+case "$*" in "admin policy attach"*) [ -n "{attach}" ] && {{ echo "{attach}" >&2; exit 1; }};; esac
+exit 0
+""")
+    stub.chmod(0o755)
+    run_env = {**env, "PATH": f"{stub.parent}:/usr/bin:/bin", "AWS_ACCESS_KEY_ID": "root",
+               "AWS_SECRET_ACCESS_KEY": "rootsecret", "HOME": str(tmp_path)}
+    if stage_key:
+        run_env.update(STAGE_ACCESS_KEY_ID=stage_key, STAGE_SECRET_ACCESS_KEY="stagesecret")
+    else:
+        run_env.update(STAGE_ACCESS_KEY_ID="", STAGE_SECRET_ACCESS_KEY="")
+    script = script.replace("/tmp/", f"{tmp_path}/")
+    out = subprocess.run(["sh", "-c", script], env=run_env, capture_output=True, text=True)
+    assert out.returncode == code, out.stderr
+    made = log.read_text().splitlines()
+    assert len(made) == len(calls) and all(m.startswith(c) for m, c in zip(made, calls)), made
+    if stage_key is None:
+        assert "embshard-stage-credentials" in out.stderr and "s3://embshard" in out.stderr
+        return
+    text = log.read_text()
+    assert "admin user add embshard stagekey stagesecret" in text and "--user stagekey" in text
+    policy = json.loads((tmp_path / "policy.json").read_text())
+    resources = {r for st in policy["Statement"] for r in st["Resource"]}
+    assert resources == {"arn:aws:s3:::embshard", "arn:aws:s3:::embshard/*"}  # the data bucket alone
+    assert not any(a.startswith("s3:*") or a.startswith("admin") for st in policy["Statement"] for a in st["Action"])
+
+
+def test_stage_pods_never_get_the_root_key_by_default():
+    for profile in ("defaults", "bucket"):
+        config = yaml.safe_load(by_kind(objects(PROFILES[profile]), "ConfigMap")["embshard-stage-pods"]["data"][
+            "stage-pods.yaml"])
+        assert [s["name"] for s in config["envFromSecrets"]] == ["embshard-stage-credentials"], profile
+    # on a shared volume the stages need no key and the bucket job makes no user
+    assert _bucket_job_script({})[1]["STAGE_BUCKET"] == ""
+    # a data bucket of its own is created too, and a stage endpoint elsewhere gets no MinIO user
+    own = {"stagePods": {"storage": {"type": "bucket", "dataRoot": "s3://team-data/embshard"}}}
+    env = _bucket_job_script(own)[1]
+    assert env["STAGE_BUCKET"] == "team-data" and "team-data" in env["BUCKETS"].split()
+    other = {"stagePods": {"storage": {"type": "bucket", "dataRoot": "s3://team-data/x",
+                                       "s3Endpoint": "https://s3.eu-west-1.amazonaws.com"}}}
+    assert _bucket_job_script(other)[1]["STAGE_BUCKET"] == ""
+    notes = render(PROFILES["bucket"])["embshard/templates/NOTES.txt"][0]
+    assert "create secret generic embshard-stage-credentials" in notes and "WARNING" not in notes
+    root = {"stagePods": {"envFromSecrets": [{"name": "embshard-credentials", "optional": True}]}}
+    assert "WARNING: stagePods.envFromSecrets gives every stage pod embshard-credentials" in render(root)[
+        "embshard/templates/NOTES.txt"][0]
 
 
 def test_notes_tell_what_to_do_next():

@@ -76,7 +76,7 @@ def test_stage_pod_is_a_valid_kubernetes_pod(stage):
     env = {e["name"]: e for e in container["env"]}
     assert env["MLFLOW_TRACKING_URI"]["value"] == "http://embshard-mlflow.embshard.svc.cluster.local:5000"
     assert env["EMBSHARD_DATA_ROOT"]["value"] == "file:///data/embshard"
-    assert container["envFrom"] == [{"secretRef": {"name": "embshard-credentials", "optional": True}}]
+    assert container["envFrom"] == [{"secretRef": {"name": "embshard-stage-credentials", "optional": True}}]
     # The shared volume the stages exchange Parquet through, and the scratch folder of a read-only root.
     assert container["volumeMounts"] == [{"name": "scratch", "mountPath": "/tmp"},
                                          {"name": "embshard-data", "mountPath": "/data"}]

@@ -75,8 +75,8 @@ POD_DEFAULTS: dict[str, Any] = {
     # Plain, non-secret settings.
     "env": {"PYTHONUNBUFFERED": "1"},
     # Whole Secrets as environment (S3 keys, MLflow auth); optional so clusters with workload identity
-    # (IRSA, GKE WI) need none.
-    "envFromSecrets": [{"name": "embshard-credentials", "optional": True}],
+    # (IRSA, GKE WI) need none. The stages' own key (the chart's secrets.stageCredentials), not MinIO's root user.
+    "envFromSecrets": [{"name": "embshard-stage-credentials", "optional": True}],
     # Single keys from Secrets: [{"name": ENV_NAME, "secretName": ..., "key": ..., "optional": bool}].
     "secretEnv": [],
     # Volumes every stage pod mounts besides its own (Kubernetes Volume and VolumeMount specs, camelCase): e.g. a
