@@ -211,6 +211,34 @@ def test_a_table_row_wise_plan_is_refused_in_a_job_whose_hosts_are_another_size(
         dist.destroy_process_group()
 
 
+@pytest.mark.skipif(not _has_torchrec(), reason="torchrec extra not installed")
+def test_a_plan_loaded_before_init_process_group_is_checked_against_the_launchers_world(tmp_path, monkeypatch):
+    """A torchrun script that loads its plan before init_process_group, without world_size=: a 2-device plan ran
+    on 4 ranks (2 idle) without a word, an 8-device plan failed with an IndexError inside TorchRec. torchrun's
+    WORLD_SIZE is the world: one line naming it, and world_size= still decides when given."""
+    from embshard import schemas
+    from embshard.errors import EmbshardError
+    from embshard.export.torchrec_plan import plan_from_json
+    from embshard.jobs.export import run as export
+
+    schemas.write(_tables_frame(), tmp_path / "tables.parquet", "tables")
+    schemas.write(_placement().to_frame(), tmp_path / "placements.parquet", "placements")
+    path = export(str(tmp_path / "placements.parquet"), str(tmp_path / "tables.parquet"), str(tmp_path / "out"),
+                  compute_device="cpu")["plans"]["dmp"]["torchrec_plan_json"]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(LOCAL))
+    monkeypatch.setenv("WORLD_SIZE", str(2 * WORLD))
+    with pytest.raises(EmbshardError) as err:
+        plan_from_json(path)
+    line = str(err.value)
+    assert "\n" not in line and "field 'world_size'" in line
+    assert f"a world of {WORLD} ranks, not {2 * WORLD} (the launcher's WORLD_SIZE={2 * WORLD})" in line
+    assert plan_from_json(path, world_size=WORLD)  # given: it decides
+    monkeypatch.setenv("WORLD_SIZE", str(WORLD))
+    assert plan_from_json(path)
+    monkeypatch.delenv("WORLD_SIZE")
+    assert plan_from_json(path)  # no launcher, no group: a laptop reading a job's plan
+
+
 # --- one plan, a model of two EBCs (TorchRec's is_weighted is per EBC) ------------------------------------------
 WEIGHTED = ("t3", "t4")  # looked up with per-id weights, in an EBC of their own
 

@@ -691,7 +691,8 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
     (TABLES_ACCEPTED), `world_size` and `module` (the model DistributedModelParallel shards: each module path of
     the plan must be an EmbeddingBagCollection in it holding the plan's tables) to check the plan against them too.
     With `module`, each table goes to the model's EBC that holds it (route_to_model: a model with a weighted EBC
-    beside an unweighted one loads one plan). Without `world_size`, an initialized process group's is checked.
+    beside an unweighted one loads one plan). Without `world_size`, an initialized process group's is checked,
+    else the launcher's WORLD_SIZE (torchrun sets it before the script builds its group).
     A plan on CUDA devices is refused in a job (a process group) without CUDA: export CPU jobs' plans with
     `--compute-device cpu`. A plan that cuts a table table-row-wise (over one host's ranks) is checked against the
     job's ranks per host: `local_world_size` when given, else, in a job, TorchRec's own `get_local_size`; with
@@ -714,6 +715,8 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
     world_source = "world_size="
     if world_size is None:
         world_size, world_source = _job_world_size(), "this job's process group"
+    if world_size is None:  # before init_process_group: the world its launcher set (torchrun's WORLD_SIZE, MPI's)
+        world_size, world_source = _launcher_world_size()
     if module is not None and isinstance(doc, Mapping):
         doc = route_to_model(doc, module)
     check_plan_doc(doc, where, tables=tables, world_size=world_size, module=module, world_source=world_source)
@@ -830,6 +833,18 @@ def gpus_on_hosts(doc: Mapping, local: int, where: str) -> Mapping:
     return {**doc, "modules": {path: {name: {**p, "shards": [{**s, "placement": named(s)} for s in p["shards"]]}
                                       if p.get("shards") else p for name, p in params.items()}
                                for path, params in doc["modules"].items()}}
+
+
+def _launcher_world_size() -> tuple[int | None, str]:
+    """(the world size a job's launcher set in the environment, where it came from), or (None, "") when none is
+    set: a script that loads its plan before init_process_group (torchrun) had a 2-device plan run on 4 ranks, 2
+    of them idle, without a word, and an 8-device plan on 4 ranks fail with an IndexError inside TorchRec.
+    WORLD_SIZE alone, what init_process_group's env:// reads (torchrun sets it): MPI's and Slurm's task counts
+    are not the world where one task per host spawns the ranks."""
+    value = os.environ.get("WORLD_SIZE", "").strip()
+    if value.isdigit() and int(value) >= 1:
+        return int(value), f"the launcher's WORLD_SIZE={value}"
+    return None, ""
 
 
 def _job_world_size() -> int | None:
