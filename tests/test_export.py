@@ -1236,10 +1236,15 @@ def test_export_takes_a_hand_edited_plan_json(placement, tables_df, tmp_path):
         dev["memory_used_fraction"] = dev["memory_bytes"] / plan["memory_bytes_per_device"]
         dev["tables"] = [n for n in dev["tables"] if n != moved["table_id"]] + ([moved["table_id"]] if sign > 0
                                                                                  else [])
+    plan.update(created_at="2026-01-02T03:04:05+00:00", embshard_version="0.1.0+gplanningcode",
+                meta={**plan["meta"], "time_cap_hit": False, "cut": "t1 in 2 column slices"})
     edited = tmp_path / "edited.json"
     edited.write_text(json.dumps(plan))
     res = export(str(edited), str(tmp_path / "tables.parquet"), str(tmp_path / "out"), compute_device="cpu")
     out = read_plan_json(res["plans"]["task-a"]["plan_json"])
+    # when, by which code and how it was made stay the plan's (meta had been dropped, the others made the export's)
+    assert (out["created_at"], out["embshard_version"]) == ("2026-01-02T03:04:05+00:00", "0.1.0+gplanningcode")
+    assert out["meta"]["time_cap_hit"] is False and out["meta"]["cut"] == "t1 in 2 column slices"
     assert next(t for t in out["tables"] if t["table_id"] == moved["table_id"])["shards"][0]["device"] == \
         (old_device + 1) % D
     rows = schemas.read(tmp_path / "out" / "placements.parquet", "placements")

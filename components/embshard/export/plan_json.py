@@ -71,8 +71,10 @@ def json_schema() -> dict:
     return json.loads(resources.files(__package__).joinpath(SCHEMA_FILE).read_text(encoding="utf-8"))
 
 
-def plan_dict(placement: Placement, device_costs=None, balanced_estimate: float | None = None) -> dict:
-    """The plan.json content of a placement (validated)."""
+def plan_dict(placement: Placement, device_costs=None, balanced_estimate: float | None = None,
+              made: dict | None = None) -> dict:
+    """The plan.json content of a placement (validated). `made`: the `created_at` and `embshard_version` of the
+    plan.json it was read from (an export of a plan keeps when and by which code it was made), else now's."""
     from ..version import code_version
 
     t = placement.tables
@@ -124,8 +126,8 @@ def plan_dict(placement: Placement, device_costs=None, balanced_estimate: float 
         "memory_bytes_per_device": int(placement.memory_bytes_per_device),
         **({"hosts": [int(h) for h in hosts]} if hosts is not None else {}), "planner": str(placement.planner),
         "model_uri": placement.model_uri,
-        "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "embshard_version": code_version(),
+        "created_at": (made or {}).get("created_at") or _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "embshard_version": (made or {}).get("embshard_version") or code_version(),
         "cost": {"unit": "ms", "device_costs_ms": costs, "overall_ms": overall,
                  "balanced_estimate_ms": None if balanced_estimate is None else float(balanced_estimate),
                  "gap": gap},
@@ -136,9 +138,9 @@ def plan_dict(placement: Placement, device_costs=None, balanced_estimate: float 
 
 
 def write_plan_json(placement: Placement, path: str | os.PathLike, device_costs=None,
-                    balanced_estimate: float | None = None) -> dict:
-    """Validate and atomically write plan.json for `placement`; returns the written dict."""
-    plan = plan_dict(placement, device_costs=device_costs, balanced_estimate=balanced_estimate)
+                    balanced_estimate: float | None = None, made: dict | None = None) -> dict:
+    """Validate and atomically write plan.json for `placement` (`made`: as plan_dict's); returns the written dict."""
+    plan = plan_dict(placement, device_costs=device_costs, balanced_estimate=balanced_estimate, made=made)
     storage.write_text(path, json.dumps(plan, indent=2, allow_nan=False) + "\n")
     return plan
 

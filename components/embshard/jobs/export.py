@@ -17,6 +17,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pandas is imported where a run needs it (the CLI starts fast)
+    import pandas as pd
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +130,11 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     check_module_path(module_path)
     where = os.fspath(placements)
     table_set = read_tables(tables)
-    df = _plan_json_rows(where, table_set, os.fspath(tables)) if where.lower().endswith(".json") \
-        else schemas.read(placements, "placements")
+    made = None  # a plan.json's own created_at and embshard_version: when and by which code it was made
+    if where.lower().endswith(".json"):
+        df, made = _plan_json_rows(where, table_set, os.fspath(tables))
+    else:
+        df = schemas.read(placements, "placements")
     # A spec lists the model's tables: without a tasks file, each task's plan must place every one of them (a
     # tables.parquet is a pool that tasks take some tables of).
     model_tables = [str(t) for t in table_set.table_ids] if is_spec_path(tables) and not tasks else None
@@ -200,7 +207,7 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
     with storage.staged_dir(out) as stage:
         for task_id, placement, costs, estimate in checked:
             written = write_plan_json(placement, os.path.join(stage, task_id, "plan.json"), device_costs=costs,
-                                      balanced_estimate=estimate)
+                                      balanced_estimate=estimate, made=made)
             if torchrec:
                 try:
                     _write_torchrec(placement, os.path.join(stage, task_id), module_path, compute_device, written)
@@ -216,11 +223,13 @@ def run(placements: str, tables: str, out: str, tasks: str | None = None, module
             "torchrec": torchrec, "torchrec_note": note}
 
 
-def _plan_json_rows(path: str, tables, tables_source: str = "tables.parquet"):
+def _plan_json_rows(path: str, tables, tables_source: str = "tables.parquet") -> tuple[pd.DataFrame, dict]:
     """The placements rows of one plan.json (ours, edited by hand or written by another tool), checked against
-    its schema and `tables`, so that it exports like a placements.parquet. Its predicted costs are not carried:
-    after a hand edit they no longer hold (`embshard evaluate --plan` measures the plan)."""
+    its schema and `tables`, so that it exports like a placements.parquet, and its `created_at` and
+    `embshard_version` where it records them. Its meta (time_cap_hit, the cut, ...) is carried; its predicted costs
+    are not: after a hand edit they no longer hold (`embshard evaluate --plan` measures the plan)."""
     from ..errors import EmbshardError
+    from ..export.placements import plan_frame
     from ..export.plan_json import changed_pooling, placement_from_plan, read_plan_json
 
     plan = read_plan_json(path)
@@ -233,7 +242,8 @@ def _plan_json_rows(path: str, tables, tables_source: str = "tables.parquet"):
         raise EmbshardError(f"table {name} changed since the plan was made (pooling_factor {was:g} in the plan, "
                             f"{now:g} in the tables given)", path=path, field="pooling_factor",
                             fix="pass the tables the plan was made from, or plan again with these tables")
-    return placement.to_frame()
+    made = {k: plan[k] for k in ("created_at", "embshard_version") if plan.get(k) not in (None, "", "not recorded")}
+    return plan_frame(placement), made
 
 
 PLAN_FILES = ("plan.json", "torchrec_plan.json", "torchrec_plan.pt")  # all an export writes in a task folder
