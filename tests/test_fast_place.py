@@ -196,13 +196,11 @@ def test_fast_load_resolves_the_alias_every_call_and_matches_mlflow(store, monke
         mlflow.set_tracking_uri(None)
 
 
-def test_a_device_filled_above_95_percent_is_warned_about(caplog):
+def test_a_device_filled_above_95_percent_is_warned_about():
     """--memory-gb counts embedding weights only: a plan filling a device to 99.9% of it runs out of memory in
     training, so `place` says so in one line (and says nothing for a plan with room)."""
-    import logging
-
     from embshard.ingest.synthetic import generate_tables
-    from embshard.jobs.place import _warn_if_full
+    from embshard.jobs.place import _full_warning
     from embshard.placement import Placement, Shard
     from embshard.tableset import TableSet
 
@@ -210,35 +208,29 @@ def test_a_device_filled_above_95_percent_is_warned_about(caplog):
     sizes = ts.size_bytes
     shards = [Shard(i, i % 2) for i in range(4)]
     fullest = max(int(sizes[0] + sizes[2]), int(sizes[1] + sizes[3]))
-    with caplog.at_level(logging.WARNING, logger="embshard.jobs.place"):
-        _warn_if_full(Placement(ts, 2, int(fullest / 0.99), shards, task_id="t"))
-        _warn_if_full(Placement(ts, 2, int(fullest / 0.80), shards, task_id="t"))
-    warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 1 and "above 95%" in warned[0] and "--memory-gb" in warned[0]
+    warned = [_full_warning(Placement(ts, 2, int(fullest / m), shards, task_id="t")) for m in (0.99, 0.80)]
+    assert warned[1] is None and "above 95%" in warned[0] and "--memory-gb" in warned[0]
 
 
-def test_tables_of_a_type_the_cost_model_never_measured_are_warned_about(caplog):
+def test_tables_of_a_type_the_cost_model_never_measured_are_warned_about():
     """The cost model's features carry a table's bytes, not its type: a model measured on FP32 tables prices an
     FP16 table as an FP32 one of half the bytes (measured 9-44% above that on this CPU). `place` names such tables
     in one line; nothing for the types it saw, or for a model that did not record them (older)."""
-    import logging
     from dataclasses import replace
     from types import SimpleNamespace
 
     import numpy as np
 
     from embshard.ingest.synthetic import generate_tables
-    from embshard.jobs.place import _warn_unseen_types
+    from embshard.planners.scoring import unseen_types_warning
     from embshard.tableset import TableSet
 
     ts = TableSet.from_frame(generate_tables(5, seed=0, bins_batch_size=256))
     ts = replace(ts, bytes_per_element=np.array([4, 2, 4, 2, 4]))
-    with caplog.at_level(logging.WARNING, logger="embshard.jobs.place"):
-        _warn_unseen_types(SimpleNamespace(config=SimpleNamespace(element_bytes_seen=[4])), ts)
-        _warn_unseen_types(SimpleNamespace(config=SimpleNamespace(element_bytes_seen=[2, 4])), ts)
-        _warn_unseen_types(SimpleNamespace(config=SimpleNamespace(element_bytes_seen=[])), ts)
-    warned = [r.getMessage() for r in caplog.records]
-    assert len(warned) == 1, warned
+    lines = [unseen_types_warning(SimpleNamespace(config=SimpleNamespace(element_bytes_seen=seen)), ts)
+             for seen in ([4], [2, 4], [])]
+    warned = [line for line in lines if line]
+    assert len(warned) == 1 and lines[0] is not None, warned
     assert warned[0].startswith(f"2 table(s) of 2 bytes per element ({ts.table_ids[1]}, {ts.table_ids[3]})")
     assert "saw 4 bytes per element" in warned[0]
     assert "16-34% below" in warned[0] and "benchmarks.model_ab" in warned[0]  # how far off, and what to do
@@ -291,6 +283,9 @@ def test_table_ids_torchrec_cannot_take_are_warned_about_when_ingesting_and_plac
     for job in ("embshard.jobs.place", "embshard.jobs.ingest"):
         assert any(n == job and "user.age" in w and "cannot be exported to TorchRec" in w for n, w in warned), warned
     assert (tmp_path / "o" / "plan.json").exists() and (tmp_path / "t" / "tables.parquet").exists()
+    # recorded in the plan too, for whoever reads only the plan (the export, a training job)
+    plan = json.loads((tmp_path / "o" / "plan.json").read_text())
+    assert any("user.age" in w and "cannot be exported to TorchRec" in w for w in plan["meta"]["warnings"])
 
 
 def _closed_port() -> int:

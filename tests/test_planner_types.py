@@ -62,16 +62,28 @@ def test_a_topology_never_silently_ignores_what_it_names(world, caplog):
         with pytest.raises(EmbshardError, match=f"{field}=25.0 is not used") as err:
             DeviceTopology(8, mem, hosts=(0,) * 4 + (1,) * 4, **{field: 25.0})
         assert err.value.field == field
-    cpu_model = CostModel.create(replace(CostModelConfig(), hardware="cpu:AMD EPYC"), FeatureScaler.fit(ts.features()))
+    cpu_model = CostModel.create(replace(CostModelConfig(), hardware="cpu:AMD EPYC", element_bytes_seen=[4]),
+                                 FeatureScaler.fit(ts.features()))
     planner = ComposedPlanner(Composition([CostGreedy()], [], []), cpu_model, name="greedy")
     with caplog.at_level("WARNING"):
-        planner.plan(ts, DeviceTopology(4, mem, hardware="cuda:NVIDIA H100"), task_id="t")
+        on_gpu = planner.plan(ts, DeviceTopology(4, mem, hardware="cuda:NVIDIA H100"), task_id="t")
     assert "measured on cpu:AMD EPYC but the topology's hardware is cuda:NVIDIA H100" in caplog.text
+    # A training job that reads only the plan learns it too: the model's hardware and the warnings, in its meta
+    # (plan.json's `meta`); it had them only from the log of `embshard place`.
+    assert on_gpu.meta["model_hardware"] == "cpu:AMD EPYC"
+    assert len(on_gpu.meta["warnings"]) == 1 and "cuda:NVIDIA H100" in on_gpu.meta["warnings"][0]
     caplog.clear()
     with caplog.at_level("WARNING"):
-        planner.plan(ts, DeviceTopology(4, mem, hardware="cpu:AMD EPYC"), task_id="t")
+        same = planner.plan(ts, DeviceTopology(4, mem, hardware="cpu:AMD EPYC"), task_id="t")
         planner.plan(ts, DeviceTopology(4, mem), task_id="t")
-    assert "measured on" not in caplog.text
+    assert "measured on" not in caplog.text and "warnings" not in same.meta
+    # FP16 tables: the Python API says what `place` says (it had said nothing), once per plan
+    fp16 = replace(ts, bytes_per_element=np.where(np.arange(len(ts)) == 0, 2, ts.bytes_per_element))
+    with caplog.at_level("WARNING"):
+        half = planner.plan(fp16, DeviceTopology(4, mem), task_id="t")
+    assert caplog.text.count("of a type the cost model was never measured on") == 1
+    assert half.meta["warnings"] == [next(r.getMessage() for r in caplog.records
+                                          if "never measured" in r.getMessage()).removeprefix("t: ")]
 
 
 def test_shard_kinds_and_the_coverage_rules_of_a_placement(world):

@@ -97,13 +97,21 @@ def check_names(table_ids) -> None:
                                 "become its keys), e.g. with a prefix ('t_items')")
 
 
-def warn_if_unnamable(table_ids, log: logging.Logger) -> None:
-    """Table ids TorchRec cannot take (check_names) ingest and plan fine but fail at export: said in one warning
-    line by the commands before it (ingest, place)."""
+def unnamable_warning(table_ids) -> str | None:
+    """Table ids TorchRec cannot take (check_names) ingest and plan fine but fail at export: one warning line for
+    the commands before it (ingest, place), None when every id is fine."""
     try:
         check_names([str(t) for t in table_ids])
     except EmbshardError as exc:
-        log.warning("%s: plans of these tables cannot be exported to TorchRec (fix: %s)", exc.message, exc.fix)
+        return f"{exc.message}: plans of these tables cannot be exported to TorchRec (fix: {exc.fix})"
+    return None
+
+
+def warn_if_unnamable(table_ids, log: logging.Logger) -> None:
+    """unnamable_warning's line, logged."""
+    line = unnamable_warning(table_ids)
+    if line:
+        log.warning(line)
 
 
 # The names nn.ModuleDict refuses as keys: its attributes (dir() of an instance, torch 2.13; a test compares them

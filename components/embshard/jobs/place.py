@@ -17,7 +17,7 @@ from ..planners import composition_of, get_planner, is_planner_name, learned_uri
 from ..planners.base import check_capacity, check_feasible
 from ..registry import COST_CHAMPION_URI, POLICY_CHAMPION_URI
 from ..tableset import TableSet
-from ..torchrec_compat import warn_if_unnamable
+from ..torchrec_compat import unnamable_warning
 from ..types import DeviceTopology, devices_per_host_of
 
 # torch, MLflow, TorchRec and matplotlib are imported where they are used: a heuristic plan and every input error
@@ -108,44 +108,39 @@ def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | N
 FULL_WARNING = 0.95  # of --memory-gb: above it a device has no room for what the weights need beside them
 
 
-def _warn_if_full(placement: Placement) -> None:
+def _full_warning(placement: Placement) -> str | None:
     """One warning line when a device is filled above FULL_WARNING: --memory-gb counts embedding weights only."""
     used = placement.memory_per_device() / max(placement.memory_bytes_per_device, 1)
     full = np.flatnonzero(used > FULL_WARNING)
-    if len(full):
-        k = int(full[np.argmax(used[full])])
-        log.warning("%d device(s) filled above %.0f%% of the memory given (device %d: %.1f%%) with embedding weights "
-                    "alone; optimizer state, buffers and the dense model need room too (fix: give --memory-gb what "
-                    "the embedding weights may use)", len(full), 100 * FULL_WARNING, k, 100 * used[k])
+    if not len(full):
+        return None
+    k = int(full[np.argmax(used[full])])
+    return (f"{len(full)} device(s) filled above {100 * FULL_WARNING:.0f}% of the memory given (device {k}: "
+            f"{100 * used[k]:.1f}%) with embedding weights alone; optimizer state, buffers and the dense model need "
+            "room too (fix: give --memory-gb what the embedding weights may use)")
 
 
-def _warn_unseen_types(model, tables) -> None:
-    """One warning line when tables hold an element type the cost model was never measured on: its features carry a
-    table's bytes, not its type, so it prices an FP16 table as an FP32 table of half the bytes (on this CPU, FP16
-    tables measured 9-44% above such predictions on a user's list; the median shard holding one, 16-34% by model:
-    benchmarks/results/costmodel_types.md, costmodel_seeds_fp16.md)."""
-    seen = list(getattr(getattr(model, "config", None), "element_bytes_seen", None) or [])
-    if not seen:  # a model trained before it was recorded: nothing to compare
-        return
-    odd = [(str(t), int(b)) for t, b in zip(tables.table_ids, tables.bytes_per_element) if int(b) not in seen]
-    if odd:
-        kinds = ", ".join(sorted({f"{b} bytes per element" for _, b in odd}))
-        names = ", ".join(t for t, _ in odd[:3]) + (f" and {len(odd) - 3} more" if len(odd) > 3 else "")
-        log.warning("%d table(s) of %s (%s) are of a type the cost model was never measured on (it saw %s bytes per "
-                    "element): their predicted costs are extrapolated from their bytes (an FP32-only model priced "
-                    "shards holding an FP16 table a median 16-34%% below their measured cost on a CPU) (fix: measure "
-                    "such tables, a table spec with them or fp16_fraction > 0, and compare the two models' plans: "
-                    "python -m benchmarks.model_ab)", len(odd), kinds, names, ", ".join(map(str, seen)))
-
-
-def _warn_hardware(model, hardware: str | None, planning: bool = False) -> None:
+def _hardware_warning(model, hardware: str | None, planning: bool = False) -> str | None:
     """`planning`: the planner chose the plan with this model (else it only predicts the plan's costs)."""
+    if model is None:
+        return None
     from ..bench.backends import check_target
+    from ..planners.scoring import model_hardware
 
-    line = check_target(str(getattr(getattr(model, "config", None), "hardware", "") or ""), hardware, planning) \
-        if model is not None else None
-    if line:
-        log.warning(line)
+    return check_target(model_hardware(model), hardware, planning)
+
+
+def _record_warnings(placement: Placement, logged: list[str | None], lines: list[str | None]) -> None:
+    """Log `lines` that the planner did not already give, and record them, the `logged` ones (said before planning)
+    and the planner's own in the plan's meta.warnings (plan.json, placements.parquet): a training job that reads
+    only the plan learns what `place` said."""
+    said = [line for line in logged if line] + list(placement.meta.get("warnings") or [])
+    for line in lines:
+        if line and line not in said:
+            log.warning(line)
+            said.append(line)
+    if said:
+        placement.meta["warnings"] = list(dict.fromkeys(said))
 
 
 # Long plans (thousands of tables with the learned planner take tens of seconds) say that they are going on:
@@ -217,10 +212,14 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
         topology = DeviceTopology.on_hosts(D, mem, task_per_host if devices_per_host is None else devices_per_host)
     except EmbshardError as exc:  # --devices-per-host's mistake (the file's only when it is the task's own)
         raise (exc.at(where) if devices_per_host is None else exc) from None
-    warn_if_unnamable(table_set.table_ids, log)
+    # Said now (before a long plan), recorded in the plan's meta with the others once it is made.
+    early: list[str | None] = [unnamable_warning(table_set.table_ids)]
     if topology.hosts is None and D > MAX_LOCAL_DEVICES:  # export would refuse it (torchrec_plan.to_torchrec_plan)
-        log.warning("%d devices on one host: the TorchRec export needs the GPUs per host (torch numbers a host's "
-                    "GPUs 0-%d); give --devices-per-host here or to export", D, MAX_LOCAL_DEVICES - 1)
+        early.append(f"{D} devices on one host: the TorchRec export needs the GPUs per host (torch numbers a host's "
+                     f"GPUs 0-{MAX_LOCAL_DEVICES - 1}); give --devices-per-host here or to export")
+    for line in early:
+        if line:
+            log.warning(line)
     if not is_planner_name(planner):
         get_planner(planner)  # the unknown-planner error, with the list of planners
     # A learned planner predicts with its own cost model; a bad --cost-model fails before planning.
@@ -243,14 +242,22 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     except EmbshardError as exc:  # name the user's file, not the internal task name
         raise exc.at(where) from None
     own = getattr(p, "cost_model", None)
-    _warn_hardware(own or cost_model, hardware, planning=own is not None)
-    _warn_unseen_types(own or cost_model, table_set)  # nothing without a model, or one that recorded no types
+    pricing = own or cost_model  # the model that chose or prices the plan (None: no costs, and no torch imported)
     refined = None
     if refine_k:
         placement, refined = _refine(placement, p, cost_model, refine_k, refine_rounds, hardware, where,
                                      calibration_dir)
     costs, lb = predicted(placement, p, cost_model)
-    _warn_if_full(placement)
+    late: list[str | None] = []
+    if pricing is not None:
+        from ..planners.scoring import model_hardware, unseen_types_warning
+
+        if model_hardware(pricing):
+            placement.meta["model_hardware"] = model_hardware(pricing)
+        late += [_hardware_warning(pricing, hardware, planning=own is not None),
+                 unseen_types_warning(pricing, table_set)]
+    # Logged where the planner did not (a learned planner gives the types line itself), all in the plan's meta.
+    _record_warnings(placement, early, [*late, _full_warning(placement)])
     with storage.staged_dir(out) as stage:  # all three files or none
         write_plan_json(placement, os.path.join(stage, "plan.json"), device_costs=costs, balanced_estimate=lb)
         schemas.write(plan_frame(placement, costs, lb), os.path.join(stage, "placements.parquet"), "placements")

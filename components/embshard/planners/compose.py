@@ -39,11 +39,13 @@ from .baselines import BASELINES, make_baseline
 from .scoring import (
     TaskScorer,
     balanced_estimate,
+    model_hardware,
     piece_features,
     placement_costs,
     predicted_costs,
     replica_extra_ms,
     single_threaded,
+    unseen_types_warning,
 )
 from .search import Budget, CutCache, SearchState, cut_kind, local_search, try_splits
 from .splitting import (
@@ -659,17 +661,27 @@ class ComposedPlanner(Planner):
         return float(self.time_budget_s) if self.time_budget_s is not None else 60.0
 
     def _plan(self, tables, topology, task_id):
-        if topology.hardware:  # the costs are the model's measurements whatever the topology names
-            config = getattr(self.cost_model, "config", None)
-            line = mismatch_warning(str(getattr(config, "hardware", "") or ""), topology.hardware, asked=True,
-                                    planning=True, source="the topology's hardware")
-            if line:
-                log.warning("%s: %s", task_id, line)
+        # What a training job that reads only the plan must know of its prices: the hardware the model was measured
+        # on (meta.model_hardware) and the warnings planning gave (meta.warnings), logged here as well, so that
+        # the Python API says what `embshard place` says.
+        hardware = model_hardware(self.cost_model)
+        warnings = [line for line in (
+            # the costs are the model's measurements whatever the topology names
+            mismatch_warning(hardware, topology.hardware, asked=True, planning=True,
+                             source="the topology's hardware") if topology.hardware else None,
+            unseen_types_warning(self.cost_model, tables)) if line]
+        for line in warnings:
+            log.warning("%s: %s", task_id, line)
         # inference_mode, not no_grad: no version counters or view tracking on the thousands of tiny ops of a
         # plan (14% of its time at 10-200 tables, measured); nothing it makes outlives the plan but Python values.
         with single_threaded(), torch.inference_mode():
-            return self._compose(Problem(tables, topology, task_id, self.cost_model, self.seed, self.on_phase,
-                                         explore_cuts=self.explore_cuts, min_slice_bytes=self.slice_floor()))
+            placement = self._compose(Problem(tables, topology, task_id, self.cost_model, self.seed, self.on_phase,
+                                              explore_cuts=self.explore_cuts, min_slice_bytes=self.slice_floor()))
+        if hardware:
+            placement.meta["model_hardware"] = hardware
+        if warnings:
+            placement.meta["warnings"] = warnings
+        return placement
 
     def predicted_costs(self, placement: Placement) -> np.ndarray:
         """Each device's predicted cost (ms) of `placement` by this planner's cost model: what `embshard place`

@@ -19,6 +19,33 @@ from ..placement import Placement
 from ..types import CostEstimator
 from .baselines import BASELINES, make_baseline
 
+
+def unseen_types_warning(model, tables) -> str | None:
+    """One warning line when tables hold an element type the cost model was never measured on (None otherwise, or
+    for a model that recorded no types): its features carry a table's bytes, not its type, so it prices an FP16
+    table as an FP32 table of half the bytes (on this CPU, FP16 tables measured 9-44% above such predictions on a
+    user's list; the median shard holding one, 16-34% by model: benchmarks/results/costmodel_types.md,
+    costmodel_seeds_fp16.md)."""
+    seen = list(getattr(getattr(model, "config", None), "element_bytes_seen", None) or [])
+    if not seen:
+        return None
+    odd = [(str(t), int(b)) for t, b in zip(tables.table_ids, tables.bytes_per_element) if int(b) not in seen]
+    if not odd:
+        return None
+    kinds = ", ".join(sorted({f"{b} bytes per element" for _, b in odd}))
+    names = ", ".join(t for t, _ in odd[:3]) + (f" and {len(odd) - 3} more" if len(odd) > 3 else "")
+    return (f"{len(odd)} table(s) of {kinds} ({names}) are of a type the cost model was never measured on (it saw "
+            f"{', '.join(map(str, seen))} bytes per element): their predicted costs are extrapolated from their bytes "
+            "(an FP32-only model priced shards holding an FP16 table a median 16-34% below their measured cost on a "
+            "CPU) (fix: measure such tables, a table spec with them or fp16_fraction > 0, and compare the two models' "
+            "plans: python -m benchmarks.model_ab)")
+
+
+def model_hardware(model) -> str:
+    """The hardware a cost model was measured on ('' when it does not say, or there is no model)."""
+    return str(getattr(getattr(model, "config", None), "hardware", "") or "")
+
+
 FLOAT_TOL = 1e-5  # relative: predictions are float32 sums (on one device the estimate is the plan's own cost)
 
 
