@@ -242,6 +242,27 @@ def test_validation_without_jsonschema(placement, tmp_path, monkeypatch):
         validate_plan(_bad(plan, lambda p: p["cost"].pop("gap")))
 
 
+def test_plan_from_json_says_what_a_file_is_when_it_is_not_a_torchrec_plan_json(tmp_path):
+    """A missing file and the pickled torchrec_plan.pt had been told to re-export "(this file was edited or made
+    for other tables/devices)"; each now gets its own fix."""
+    pytest.importorskip("torchrec")
+    import torch
+
+    from embshard.export.torchrec_plan import plan_from_json
+
+    with pytest.raises(EmbshardError) as err:
+        plan_from_json(tmp_path / "nope" / "torchrec_plan.json")
+    assert "file not found" in str(err.value) and "edited" not in err.value.fix
+    assert "torchrec_plan.json that `embshard export` wrote" in err.value.fix
+    torch.save({"a": 1}, tmp_path / "torchrec_plan.pt")
+    with pytest.raises(EmbshardError) as err:
+        plan_from_json(tmp_path / "torchrec_plan.pt")
+    assert "a pickled TorchRec plan" in str(err.value) and "torch.load(path, weights_only=False)" in err.value.fix
+    (tmp_path / "bad.json").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(EmbshardError, match="not UTF-8"):  # other binary: as before
+        plan_from_json(tmp_path / "bad.json")
+
+
 def test_read_plan_json_rejects_garbage(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text("{not json")

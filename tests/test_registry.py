@@ -59,6 +59,14 @@ def test_log_register_alias_and_load(mlflow_uri, tiny_artifacts, tmp_path):
 
     loaded = registry.load_python_model("models:/reg-test@champion")
     assert isinstance(loaded, CostModelPyfunc)
+    # An alias that names no version of a model that has versions is set, not trained: the fix says so
+    # ("train and register 'reg-test' first" had been said with the versions there), and the error says its URI once.
+    with pytest.raises(ModelNotFoundError) as err:
+        registry.load_python_model("models:/reg-test@prod")
+    line = str(err.value)
+    assert line.count("models:/reg-test@prod") == 1 and "train and register" not in line
+    assert "'reg-test' has versions 1, 2 but no alias 'prod'" in err.value.fix
+    assert "set_registered_model_alias('reg-test', 'prod', VERSION)" in err.value.fix
     shards = [np.array([0, 1]), np.array([2, 3, 4, 5])]
     assert np.array_equal(loaded.model.predict_shards(feats, shards, 4), model.predict_shards(feats, shards, 4))
 

@@ -533,7 +533,8 @@ def no_store_error(uri: str, store: str) -> ModelNotFoundError | None:
     db = store[len("sqlite:///"):] if store.startswith("sqlite:///") else None
     if db and db != ":memory:" and not os.path.exists(db):
         name = uri.split("/")[1].split("@")[0] if uri.startswith("models:/") else uri
-        return ModelNotFoundError(f"no model at {uri}: there is no MLflow store at {db}", path=uri,
+        # (the error starts with the URI, its path: the message does not say it again)
+        return ModelNotFoundError(f"no model: there is no MLflow store at {db}", path=uri,
                                   fix=f"set MLFLOW_TRACKING_URI to the store where '{name}' is registered, or "
                                       "train and register it first")
     return None
@@ -632,11 +633,32 @@ def load_python_model(uri: str):
         return mlflow.pyfunc.load_model(uri).unwrap_python_model()
     except MlflowException as exc:
         if not uri.startswith(("models:/", "runs:/")) and not os.path.exists(uri):
-            raise ModelNotFoundError(f"no model at {uri} ({first_line(exc)})", path=uri,
+            raise ModelNotFoundError(f"no model there ({first_line(exc)})", path=uri,
                                      fix="give a registered model as models:/NAME@ALIAS or models:/NAME/VERSION "
                                          f"(e.g. {POLICY_CHAMPION_URI}), a run's runs:/RUN_ID/PATH, or a local "
                                          "model folder") from None
         name = uri.split("/")[1].split("@")[0] if uri.startswith("models:/") else uri
-        raise ModelNotFoundError(f"no model at {uri} ({first_line(exc)})", path=uri,
-                                 fix=f"train and register '{name}' first, or check MLFLOW_TRACKING_URI "
-                                     f"({tracking_uri()})") from None
+        raise ModelNotFoundError(f"no model there ({first_line(exc)})", path=uri,
+                                 fix=_no_model_fix(uri, name)) from None
+
+
+def _no_model_fix(uri: str, name: str) -> str:
+    """The fix for a model URI that loads nothing. An alias that names no version, of a model that has versions,
+    is set, not trained ("train and register 'embshard-policy' first" had been said with five versions there)."""
+    where = f"check MLFLOW_TRACKING_URI ({tracking_uri()})"
+    alias = uri.split("@", 1)[1] if uri.startswith("models:/") and "@" in uri else None
+    versions: list[int] = []
+    if alias is not None:
+        try:
+            from mlflow import MlflowClient
+
+            versions = sorted(int(v.version) for v in MlflowClient().search_model_versions(f"name = '{name}'"))
+        except Exception:  # noqa: BLE001 (only the wording of an error depends on it)
+            versions = []
+    if not versions:
+        return f"train and register '{name}' first, or {where}"
+    listed = ", ".join(map(str, versions[-5:])) + (f" (and {len(versions) - 5} older)" if len(versions) > 5 else "")
+    setter = ("embshard champion --set VERSION" if (name, alias) == (POLICY_MODEL, CHAMPION) else
+              f"MlflowClient().set_registered_model_alias('{name}', '{alias}', VERSION)")
+    return (f"'{name}' has versions {listed} but no alias '{alias}': point it at one ({setter}), use "
+            f"models:/{name}/VERSION, or {where}")

@@ -706,10 +706,9 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
 
     doc: Mapping
     if isinstance(data, (str, os.PathLike)):
-        from ..checks import read_json_file
 
         where = data = os.fspath(data)
-        doc = read_json_file(where, field="json", fix=_PLAN_FIX)
+        doc = _read_plan_file(where)
     else:
         where, doc = where or "<torchrec plan>", data
     world_source = "world_size="
@@ -739,6 +738,28 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
                                                   sharding_spec=spec)
         plan[path] = module_plan
     return ShardingPlan(plan)
+
+
+def _read_plan_file(path: str):
+    """The JSON of a torchrec_plan.json, or one line that says what the file is when it is not one: a missing
+    file and the pickled `torchrec_plan.pt` had been told to re-export "(this file was edited or made for other
+    tables/devices)"."""
+    from ..checks import read_json_file
+
+    export_fix = "give the torchrec_plan.json that `embshard export` wrote (OUT/TASK/torchrec_plan.json)"
+    try:
+        return read_json_file(path, field="json", fix=_PLAN_FIX)
+    except EmbshardError as exc:
+        if exc.message == "file not found":
+            raise EmbshardError(exc.message, path=path, field="json", fix=export_fix) from None
+        if "not UTF-8" in exc.message:
+            with open(path, "rb") as f:
+                head = f.read(4)
+            if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":  # torch.save's zip, or a bare pickle
+                raise EmbshardError("a pickled TorchRec plan (torch.save), not its JSON", path=path, field="json",
+                                    fix="pass the torchrec_plan.json beside it, or load this one with "
+                                        "torch.load(path, weights_only=False), only from a source you trust") from None
+        raise
 
 
 def _kernels(sharder, sharding_type: str, shards) -> list[str]:
