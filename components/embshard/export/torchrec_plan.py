@@ -498,8 +498,6 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
         if not all(is_int(b) and b > 0 for b in file_bytes.values()):
             raise bad("tables", "a table's bytes_per_element is not a positive integer")
         in_file = {str(k): (int(v["rows"]), int(v["dim"])) for k, v in in_file.items()}
-        if (m := _bytes_mismatch(file_bytes, expected_bytes, f"the {len(expected or ())} tables given")):
-            raise bad(f"tables.{m[0]}.bytes_per_element", m[1], m[2])
     seen: set[str] = set()
     placed: dict[str, dict[str, tuple[int, int] | None]] = {}  # module path -> table -> (rows, dim) its shards cover
     kernels = {k.value for k in EmbeddingComputeKernel}
@@ -562,6 +560,11 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
                                                        "load the plan exported for these tables, or plan again "
                                                        "with them")):
             raise bad(field(None, m[0]), m[1], m[2])
+    # The data types after the tables themselves: tables given from another list had been told first that one of
+    # them was planned with other bytes ("plan again for the model's data types").
+    if in_file is not None and (m := _bytes_mismatch(file_bytes, expected_bytes,
+                                                     f"the {len(expected or ())} tables given")):
+        raise bad(f"tables.{m[0]}.bytes_per_element", m[1], m[2])
     if module is not None:
         _check_module(module, placed, file_bytes if in_file is not None else {}, bad, field)
 
