@@ -1110,8 +1110,14 @@ def test_rerun_export_leaves_only_its_own_files(world, tmp_path):
     tid = world["task_id"]
     assert cli(["export", "--placements", world["placements"], "--tables", world["tables"], "--out", str(out)]) == 0
     (out / "old-task").mkdir()
-    (out / "old-task" / "plan.json").write_text("{}")
+    (out / "old-task" / "plan.json").write_text('{"schema": "embshard.plan/v3"}')
     (out / "old-task" / "torchrec_plan.json").write_text("{}")
+    # A user's folder of plan-named files that embshard did not write is theirs: it had been deleted whole.
+    for mine, files in (("my-pt", {"torchrec_plan.pt": b"PK\x03\x04 my plan"}),
+                        ("my-json", {"plan.json": b'{"note": "mine"}', "torchrec_plan.pt": b"x"})):
+        (out / mine).mkdir()
+        for name, data in files.items():
+            (out / mine / name).write_bytes(data)
     (out / "notes.txt").write_text("mine")
     (out / "planned.parquet").write_bytes(b"not the export's")
     key = storage._target_key(str(out))
@@ -1121,7 +1127,10 @@ def test_rerun_export_leaves_only_its_own_files(world, tmp_path):
     other = out / f"{storage.STAGE_PREFIX}{storage._target_key(str(tmp_path / 'other'))}-{_dead_pid()}-x"
     other.mkdir()
     assert cli(_export(world, world["placements"]) + ["--out", str(out)]) == 0  # --no-torchrec now
-    assert sorted(os.listdir(out)) == sorted(["placements.parquet", tid, "notes.txt", "planned.parquet", other.name])
+    assert sorted(os.listdir(out)) == sorted(["placements.parquet", tid, "notes.txt", "planned.parquet", other.name,
+                                              "my-pt", "my-json"])
+    assert (out / "my-pt" / "torchrec_plan.pt").read_bytes() == b"PK\x03\x04 my plan"
+    assert sorted(os.listdir(out / "my-json")) == ["plan.json", "torchrec_plan.pt"]
     assert os.listdir(out / tid) == ["plan.json"], "a TorchRec plan of the earlier export was kept"
     assert (out / "notes.txt").read_text() == "mine"
 

@@ -249,6 +249,18 @@ def _plan_json_rows(path: str, tables, tables_source: str = "tables.parquet") ->
 PLAN_FILES = ("plan.json", "torchrec_plan.json", "torchrec_plan.pt")  # all an export writes in a task folder
 
 
+def _is_our_plan(path: str) -> bool:
+    """Whether `path` is a plan.json that embshard wrote (its schema is ours): only such task folders are removed."""
+    import json
+
+    from .. import storage
+
+    try:
+        return str(json.loads(storage.read_text(path)).get("schema", "")).startswith("embshard.plan/")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _remove_stale(out: str, task_ids: set[str], torchrec: bool) -> None:
     """After publishing: the folder holds only this export's plans. Task folders of an earlier export (folders
     holding nothing but plan files) whose task is no longer exported, and TorchRec plans of a task exported now
@@ -264,8 +276,9 @@ def _remove_stale(out: str, task_ids: set[str], torchrec: bool) -> None:
             continue
         inner = fs.get_file_info(pafs.FileSelector(info.path, recursive=True))
         names = {i.base_name for i in inner}
-        if not names or any(i.type != pafs.FileType.File for i in inner) or not names <= set(PLAN_FILES):
-            continue  # not a task folder of ours
+        if not names or any(i.type != pafs.FileType.File for i in inner) or not names <= set(PLAN_FILES) \
+                or "plan.json" not in names or not _is_our_plan(storage.join(out, info.base_name, "plan.json")):
+            continue  # not a task folder of ours (a user's folder of a torchrec_plan.pt alone had been deleted)
         if info.base_name not in task_ids:
             fs.delete_dir(info.path)
             log.info("removed %s: task %s is not in this export", info.path, info.base_name)
