@@ -439,6 +439,24 @@ def test_a_plan_written_by_hand_needs_only_its_tables_and_shards(tiny, tmp_path,
         mine.write_text(json.dumps(bad))
         with pytest.raises(EmbshardError, match=f"field 'tables.0.shards.0.{field}': {words}"):
             read_plan_json(mine)
+    # Slices or ranges past the table are named as such (both had said "a table needs its sharding_type"), a
+    # table without shards names its shards (it had said "'planner' is a required property"), and a num_devices the
+    # schema refuses is refused at once (10**7 had built ten million device entries first: minutes, gigabytes).
+    dim, rows = int(t.dims[0]), int(t.rows[0])
+    for edit, words in (
+            (lambda b: b["tables"][0]["shards"][1].update(col_size=dim), f"shards cover {dim + dim // 2} of {dim} "
+                                                                         "columns"),
+            (lambda b: b["tables"][0].update(shards=[{"device": 0, "row_offset": rows // 2, "row_size": rows},
+                                                     {"device": 1, "row_offset": 0, "row_size": rows // 2}]),
+             f"shards cover {rows + rows // 2} of {rows} rows"),
+            (lambda b: b["tables"][1].pop("shards"), "field 'tables.1.shards': 'shards' is a required property"),
+            (lambda b: b.update(num_devices=10**9), "field 'num_devices': 1000000000 is greater than the maximum")):
+        bad = json.loads(json.dumps(doc))
+        edit(bad)
+        mine.write_text(json.dumps(bad))
+        with pytest.raises(EmbshardError) as err:
+            read_plan_json(mine)
+        assert words in str(err.value) and "sharding_type" not in str(err.value), str(err.value)
 
 
 def test_a_plan_measured_on_other_traffic_says_so(tiny, caplog):

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from .. import storage
-from ..checks import ID_RULE, bad_id
+from ..checks import ID_RULE, MAX_DEVICES, bad_id
 from ..errors import EmbshardError
 from ..placement import Placement, Shard
 from ..tableset import TableSet
@@ -180,7 +180,10 @@ def completed(plan: Any) -> Any:
     if not isinstance(plan, dict) or plan.get("schema") != SCHEMA_VERSION:
         return plan
     tables, d = plan.get("tables"), plan.get("num_devices")
-    if not isinstance(tables, list) or not isinstance(d, int) or isinstance(d, bool) or not all(
+    # A count the schema refuses is left to it: a hand-written num_devices of 10**7 had built ten million device
+    # entries (minutes, gigabytes) before the schema said "at most 65536".
+    if not isinstance(tables, list) or not isinstance(d, int) or isinstance(d, bool) or not 0 < d <= MAX_DEVICES \
+            or not all(
             isinstance(t, dict) and all(whole_number(t.get(k)) for k in ("rows", "dim", "bytes_per_element"))
             and isinstance(t.get("shards"), list) and t["shards"]
             and all(isinstance(s, dict) and whole_number(s.get("device")) for s in t["shards"]) for t in tables):
@@ -196,7 +199,10 @@ def completed(plan: Any) -> Any:
             sh.setdefault("row_size", rows)
             if not all(whole_number(sh[k]) for k in ("col_offset", "col_size", "row_offset", "row_size")):
                 return plan
-            sh.setdefault("kind", "column" if sh["col_size"] < dim else "row" if sh["row_size"] < rows else "whole")
+            # a shard not at (0, dim) is a column slice, one not at (0, rows) a row range, even when it overruns
+            # the table (then the coverage check names its range: "needs its sharding_type" had said nothing of it)
+            sh.setdefault("kind", "column" if (sh["col_offset"], sh["col_size"]) != (0, dim) else
+                          "row" if (sh["row_offset"], sh["row_size"]) != (0, rows) else "whole")
             sh.setdefault("memory_bytes", sh["row_size"] * sh["col_size"] * bpe)
             if not whole_number(sh["memory_bytes"]):
                 return plan
@@ -272,8 +278,9 @@ def _schema_check(plan: Any, schema: dict, where: str) -> None:
         return
     def named(e) -> list[str]:
         parts = [str(p) for p in e.absolute_path]
-        if e.validator == "required":  # name the missing key, not its parent
-            parts += [next(k for k in e.validator_value if k not in e.instance)]
+        if e.validator == "required":  # name the missing key, not its parent: one a person writes first
+            absent = [k for k in e.validator_value if k not in e.instance]
+            parts += [next((k for k in absent if k not in DERIVED_KEYS), absent[0])]
         return parts
 
     # A field a person wrote is named before one derived from it (a hand-written plan whose col_size is a word
@@ -293,7 +300,8 @@ def _schema_check(plan: Any, schema: dict, where: str) -> None:
         field = ".".join(parts) or "<root>"
         if e.validator == "pattern":  # an id (the only patterns of the schema)
             raise EmbshardError(_not_an_id(e.instance), path=where, field=field, fix=ID_FIX)
-        raise EmbshardError(e.message[:200], path=where, field=field,
+        message = f"{parts[-1]!r} is a required property" if e.validator == "required" else e.message[:200]
+        raise EmbshardError(message, path=where, field=field,
                             fix=f"follow the {SCHEMA_VERSION} schema (embshard/export/{SCHEMA_FILE})")
 
 
@@ -412,7 +420,8 @@ def _consistency_check(plan: dict, where: str) -> None:
             fail(field, _not_an_id(value), ID_FIX)
     if v3:  # the schema keeps these optional so that v1/v2 files pass it; v3 writes them always
         for k, t in enumerate(plan["tables"]):
-            if "sharding_type" not in t:
+            # (a table whose shards mix kinds gets no sharding_type from `completed`: the mixing is said below)
+            if "sharding_type" not in t and len({sh.get("kind") for sh in t["shards"]}) < 2:
                 fail(f"tables.{k}.sharding_type", f"table {t['table_id']}: a {SCHEMA_VERSION} table needs its "
                      "sharding_type", "re-export the plan with this embshard version")
             for j, s in enumerate(t["shards"]):
