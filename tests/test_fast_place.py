@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -307,6 +308,30 @@ def test_a_tracking_server_that_does_not_answer_fails_in_one_line_at_once(store,
     err = proc.stderr.strip().splitlines()[-1]
     assert "tracking server does not answer" in err and "start the server" in err, proc.stderr[-2000:]
     assert not out.exists()
+
+
+def test_a_store_mlflow_cannot_use_is_one_line_naming_it_and_an_empty_file_is_left_empty(store, tmp_path):
+    """A damaged or truncated mlflow.db, a folder, a scheme MLflow has no store for and a bare path had each been a
+    100-180-line traceback (SQLAlchemy's or MLflow's), exit 1 (the folder after 100 s of retries); an empty file got
+    MLflow's whole schema written into it by commands that only read."""
+    damaged = tmp_path / "damaged.db"
+    damaged.write_bytes(b"garbage, not sqlite\n" * 50)
+    truncated = tmp_path / "truncated.db"
+    truncated.write_bytes(Path(store["uri"][len("sqlite:///"):]).read_bytes()[:50_000])
+    cases = [(f"sqlite:///{damaged}", "the MLflow store is damaged (file is not a database)"),
+             (f"sqlite:///{truncated}", "the MLflow store is damaged (database disk image is malformed)"),
+             (f"sqlite:///{tmp_path}", "the MLflow store is a folder, not a sqlite file"),  # MLflow retried 100 s
+             ("foo://bar", "not a store URI MLflow takes"),
+             (str(tmp_path / "x.db"), "a bare path is MLflow's retired file store")]
+    for uri, words in cases:
+        got, proc = run_cli(tmp_path, ["champion"], uri)
+        err = proc.stderr.strip().splitlines()
+        assert got["rc"] == 2 and len(err) == 1, (uri, proc.stderr[-1500:])
+        assert words in err[0] and "field 'MLFLOW_TRACKING_URI'" in err[0] and uri in err[0], err
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    got, proc = run_cli(tmp_path, _place(store["tables"], tmp_path / "o", "learned"), f"sqlite:///{empty}")
+    assert got["rc"] == 2 and "is an empty file" in proc.stderr and empty.stat().st_size == 0
 
 
 def test_load_planner_takes_the_planners_settings_and_a_path_is_not_called_a_model_to_register(store, monkeypatch):

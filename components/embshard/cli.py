@@ -138,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         code = signals.exit_code()
         print(f"embshard {args.command}: {'terminated' if code == 143 else 'interrupted'}", file=sys.stderr)
         return code
+    except Exception as exc:  # an MLflow store that cannot be used at all: one line, not SQLAlchemy's traceback
+        from .registry import store_error
+
+        err = store_error(exc)
+        if err is None:
+            raise
+        print(f"embshard {args.command}: error: {err}", file=sys.stderr)
+        return err.exit_code
 
 
 def console_main() -> int:

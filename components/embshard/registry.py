@@ -387,6 +387,39 @@ def _shown(store: str) -> str:
     return url._replace(netloc=(url.hostname or "") + (f":{url.port}" if url.port else "")).geturl()
 
 
+def store_error(exc: BaseException) -> EmbshardError | None:
+    """One line for an MLflow store that cannot be used at all, from the exception a command met (its cause chain),
+    or None when it is something else: a damaged or truncated sqlite file, a path that is a folder, a URI scheme
+    MLflow has no store for, a bare path (MLflow's retired file store). Each had been a 100-180-line traceback
+    (SQLAlchemy's, or MLflow's), exit 1."""
+    texts, seen, e = [], set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        texts.append(f"{type(e).__name__}: {e}")
+        e = e.__cause__ or e.__context__
+    said = " | ".join(texts)
+    store = _shown(_store_uri())
+    working = ("point MLFLOW_TRACKING_URI (and MLFLOW_REGISTRY_URI, if set) at a working store: "
+               "sqlite:////ABSOLUTE/PATH/mlflow.db or http(s)://SERVER")
+
+    def bad(message: str, fix: str = working) -> EmbshardError:
+        return EmbshardError(message, path=store, field="MLFLOW_TRACKING_URI", fix=fix)
+
+    for words in ("file is not a database", "database disk image is malformed"):
+        if words in said:
+            return bad(f"the MLflow store is damaged ({words})", f"restore it from a backup or move it away, or "
+                                                                  f"{working[0].lower()}{working[1:]}")
+    if "unable to open database file" in said:
+        return bad("the MLflow store cannot be opened (unable to open database file: a folder, or a folder that "
+                   "does not exist)")
+    if "UnsupportedModelRegistryStoreURIException" in said or "unsupported URI" in said:
+        return bad("not a store URI MLflow takes")
+    if "filesystem tracking backend" in said and "maintenance mode" in said:
+        return bad("a bare path is MLflow's retired file store", "give a sqlite file as sqlite:////ABSOLUTE/PATH/"
+                                                                  "mlflow.db, or an http(s):// server")
+    return None
+
+
 def check_server(store: str) -> None:
     """Fail in one line when the http(s) tracking server of `store` has not answered for WAIT_ENV seconds."""
     why = _unreachable(store)
@@ -410,9 +443,12 @@ def check_store(uri: str | None = None) -> None:
     if db == ":memory:":
         return
     folder = os.path.dirname(os.path.abspath(db))
+    check_sqlite_path(uri)
     try:
         if not os.path.exists(db):  # MLflow creates it: its folder must take it (and the journal beside it)
-            if os.path.isdir(folder) and not os.access(folder, os.W_OK):
+            if not os.path.isdir(folder):
+                raise sqlite3.OperationalError(f"its folder {folder} does not exist")
+            if not os.access(folder, os.W_OK):
                 raise sqlite3.OperationalError(f"its folder {folder} is not writable")
             return
         # a write that is rolled back: the only test that sees a file made immutable or a read-only mount
@@ -527,14 +563,27 @@ def _store_uri() -> str:
     return os.environ.get("MLFLOW_REGISTRY_URI") or tracking_uri()
 
 
+def check_sqlite_path(store: str) -> None:
+    """A sqlite store URI that names a folder is refused at once: MLflow retried opening it for 100 s, then
+    printed SQLAlchemy's traceback."""
+    db = store[len("sqlite:///"):] if store.startswith("sqlite:///") else None
+    if db and db != ":memory:" and os.path.isdir(db):
+        raise EmbshardError("the MLflow store is a folder, not a sqlite file", path=_shown(store),
+                            field="MLFLOW_TRACKING_URI",
+                            fix=f"name the file: sqlite:///{os.path.join(db, 'mlflow.db')}")
+
+
 def no_store_error(uri: str, store: str) -> ModelNotFoundError | None:
     """A missing local store is "no model", not a reason to create an empty mlflow.db where the command runs:
-    a command writes nothing outside its --out."""
+    a command writes nothing outside its --out. A store that is a folder raises (check_sqlite_path)."""
+    check_sqlite_path(store)
     db = store[len("sqlite:///"):] if store.startswith("sqlite:///") else None
-    if db and db != ":memory:" and not os.path.exists(db):
+    # An empty file is no store either: MLflow had written its whole schema into it (a command that only reads).
+    if db and db != ":memory:" and (not os.path.exists(db) or (os.path.isfile(db) and os.path.getsize(db) == 0)):
         name = uri.split("/")[1].split("@")[0] if uri.startswith("models:/") else uri
+        what = f"the MLflow store {db} is an empty file" if os.path.exists(db) else f"there is no MLflow store at {db}"
         # (the error starts with the URI, its path: the message does not say it again)
-        return ModelNotFoundError(f"no model: there is no MLflow store at {db}", path=uri,
+        return ModelNotFoundError(f"no model: {what}", path=uri,
                                   fix=f"set MLFLOW_TRACKING_URI to the store where '{name}' is registered, or "
                                       "train and register it first")
     return None
@@ -632,6 +681,8 @@ def load_python_model(uri: str):
     try:
         return mlflow.pyfunc.load_model(uri).unwrap_python_model()
     except MlflowException as exc:
+        if (unusable := store_error(exc)) is not None:  # the store, not the model: not "train one first"
+            raise unusable from None
         if not uri.startswith(("models:/", "runs:/")) and not os.path.exists(uri):
             raise ModelNotFoundError(f"no model there ({first_line(exc)})", path=uri,
                                      fix="give a registered model as models:/NAME@ALIAS or models:/NAME/VERSION "
