@@ -392,7 +392,9 @@ def store_error(exc: BaseException) -> EmbshardError | None:
     or None when it is something else: a damaged or truncated sqlite file, a path that is a folder, a URI scheme
     MLflow has no store for, a bare path (MLflow's retired file store). Each had been a 100-180-line traceback
     (SQLAlchemy's, or MLflow's), exit 1."""
-    texts, seen, e = [], set(), exc
+    texts: list[str] = []
+    seen: set[int] = set()
+    e: BaseException | None = exc
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         texts.append(f"{type(e).__name__}: {e}")
