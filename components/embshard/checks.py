@@ -41,6 +41,7 @@ MAX_POOLING_FACTOR = 4096.0
 MAX_TABLE_BYTES = 2**62
 MAX_MEMORY_GB = 2.0**20  # 1 PiB per device
 MAX_DEVICES = 65_536
+MAX_ROUNDS = 100  # measuring rounds of the ruler (evaluate, refine, the pipeline's eval_rounds)
 GiB = 2**30
 
 

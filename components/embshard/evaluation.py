@@ -33,6 +33,7 @@ import pandas as pd
 
 from . import schemas, stats, storage
 from .bench.runner import MeasureSettings, measure_placement
+from .checks import MAX_ROUNDS
 from .errors import EmbshardError
 from .placement import Placement
 from .planners import LEARNED_COMPOSITIONS
@@ -215,8 +216,9 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
 
     if not planners:
         raise EmbshardError("no planners given", field="planners", fix="e.g. --planners learned,size_lookup_greedy")
-    if int(rounds) < 1:
-        raise EmbshardError(f"{rounds} rounds", field="rounds", fix="measure at least 1 round (5 or more to compare)")
+    if not 1 <= int(rounds) <= MAX_ROUNDS:  # 10**9 rounds had failed allocating 44.7 GiB in a traceback
+        raise EmbshardError(f"{rounds:,} rounds", field="rounds",
+                            fix=f"measure 1 to {MAX_ROUNDS} rounds (5 or more to compare)")
     if max_tasks is not None and int(max_tasks) < 1:  # 0 used to mean "all" silently
         raise EmbshardError(f"invalid value {max_tasks}", field="max_tasks",
                             fix="give at least 1, or leave it out to evaluate every task of the split")

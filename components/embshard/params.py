@@ -124,7 +124,8 @@ SPECS: dict[str, ParamSpec] = {
                                    fix="give 'off' or growing LO-HI ranges like 10-50,50-200,200-1000"),
     "eval_tasks": ParamSpec(5, "Held-out tasks measured (1-1,000).", _int(1, 1000)),
     "eval_rounds": ParamSpec(5, "Measuring rounds of the evaluation (each measures every distinct device shard "
-                             "once, in a fresh random order); intervals need 5 or more (1-100).", _int(1, 100)),
+                             "once, in a fresh random order); intervals need 5 or more (1-100).",
+                             _int(1, checks.MAX_ROUNDS)),
     # size_greedy left out: never the best on the default population, it only lengthened the evaluation
     "eval_planners": ParamSpec(["dim_greedy", "lookup_greedy", "size_lookup_greedy"],
                                "Baselines measured beside the candidate and the champion (one or more; the first "

@@ -30,6 +30,7 @@ import pandas as pd
 
 from . import stats
 from .bench.runner import MeasureSettings
+from .checks import MAX_ROUNDS
 from .errors import EmbshardError
 from .placement import Placement
 from .planners.base import Planner
@@ -40,7 +41,6 @@ from .ruler import DEFAULT_ROUNDS, Entry, distinct_shards, measure_rounds
 
 log = logging.getLogger(__name__)
 MAX_K = 16       # candidates measured; each adds its distinct device shards to every round
-MAX_ROUNDS = 100
 SUFFIX = "+refine"  # an evaluation entry "learned+refine4": the learned plan refined by measuring 4 candidates
 
 

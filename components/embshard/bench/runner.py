@@ -145,6 +145,10 @@ def memory_budget(device: str, max_shard_gb: float | None) -> int:
     return int(budget)
 
 
+MAX_BATCH = 1 << 22  # samples per measured batch: the pipeline's bench_batch_size bound
+MAX_ITERATIONS = 100_000  # timed (or warm-up) iterations of one measurement
+
+
 def resolve_settings(settings: MeasureSettings) -> dict:
     """The measurement settings with defaults filled in and checked (what the fingerprint records)."""
     from . import backends
@@ -157,14 +161,17 @@ def resolve_settings(settings: MeasureSettings) -> dict:
     batch_size = DEFAULT_BATCH[kind] if batch_size is None else int(batch_size)
     warmup = DEFAULT_WARMUP if warmup is None else int(warmup)
     iterations = DEFAULT_ITERATIONS[kind] if iterations is None else int(iterations)
-    if batch_size < 1:
-        raise EmbshardError(f"batch size {batch_size}", field="batch_size", fix="use a positive batch size")
-    if iterations < 10:
-        raise EmbshardError(f"{iterations} timed iterations", field="iterations",
-                            fix="time at least 10 iterations (the median needs them)")
-    if warmup < 0 or num_batches < 1:
-        raise EmbshardError("warm-up must be >= 0 and rotated batches >= 1", field="warmup",
-                            fix="use --warmup 0 or more")
+    # Upper bounds as the pipeline's parameters have them: 10**11 samples had failed allocating 745 GiB in a
+    # traceback, and 10**14 iterations ran until killed.
+    if not 1 <= batch_size <= MAX_BATCH:
+        raise EmbshardError(f"batch size {batch_size:,}", field="batch_size",
+                            fix=f"use a batch size from 1 to {MAX_BATCH:,}")
+    if not 10 <= iterations <= MAX_ITERATIONS:
+        raise EmbshardError(f"{iterations:,} timed iterations", field="iterations",
+                            fix=f"time 10 to {MAX_ITERATIONS:,} iterations (the median needs 10)")
+    if not 0 <= warmup <= MAX_ITERATIONS or num_batches < 1:
+        raise EmbshardError(f"{warmup:,} warm-up iterations, {num_batches} rotated batches", field="warmup",
+                            fix=f"use --warmup 0 to {MAX_ITERATIONS:,}, and 1 or more rotated batches")
     if max_shard_gb is not None:
         from .. import checks
 
