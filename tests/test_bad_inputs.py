@@ -361,6 +361,23 @@ CASES = {
         _export(w, placements_with(w, d, lambda df: df.drop(columns=["device"]))), ["placements.parquet", "device"]),
     "export-negative-device": lambda w, d: (
         _export(w, placements_with(w, d, lambda df: df.assign(device=-1))), ["placements.parquet", "device"]),
+    # Rows that disagree on what the plan has once (export had taken the first row's, or a device's largest cost),
+    # and a row's columns that contradict each other (a whole table marked `column` had been exported whole).
+    "export-rows-disagree-on-the-estimate": lambda w, d: (
+        _export(w, placements_with(w, d, lambda df: df.assign(
+            balanced_estimate_ms=[1.0] + [9.6] * (len(df) - 1)))), ["placements.parquet", "balanced_estimate_ms"]),
+    "export-rows-disagree-on-plan-meta": lambda w, d: (
+        _export(w, placements_with(w, d, lambda df: df.assign(
+            plan_meta=['{"other": 1}'] + ["{}"] * (len(df) - 1)))), ["placements.parquet", "plan_meta"]),
+    "export-rows-of-a-device-disagree-on-its-cost": lambda w, d: (
+        _export(w, placements_with(w, d, lambda df: df.assign(device=0, predicted_cost_ms=[99.0] + [1.0] * (
+            len(df) - 1)))), ["placements.parquet", "predicted_cost_ms", "device 0"]),
+    "export-kind-contradicts-the-sizes": lambda w, d: (
+        _export(w, placements_with(w, d, lambda df: df.assign(kind=["column"] + [None] * (len(df) - 1)))),
+        ["placements.parquet", "kind", "whole"]),
+    "export-row-offset-without-row-size": lambda w, d: (
+        _export(w, placements_with(w, d, lambda df: df.assign(row_offset=[5] + [None] * (len(df) - 1)))),
+        ["placements.parquet", "row_size"]),
 }
 
 

@@ -44,9 +44,11 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
             ids.append(t)
     sub = tables.select(ids, where=where, source=tables_source)
     _check_unchanged(df_task, sub, ids, where)
+    _check_alike(df_task, where)
     pos = {t: i for i, t in enumerate(ids)}
     shards = []
     for row in df_task.itertuples(index=False):
+        _check_shard_columns(row, where)
         off = _value(getattr(row, "col_offset", None))
         size = _value(getattr(row, "col_size", None))
         roff = _value(getattr(row, "row_offset", None))
@@ -76,6 +78,44 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
     placement.memory_bytes_per_device = int(memory_bytes_per_device)
     placement.check(where)
     return placement
+
+
+# What the contract says each row of a task (or of a device) carries alike; export writes it into plan.json.
+TASK_ALIKE = ("balanced_estimate_ms", "plan_meta", "model_uri")
+DEVICE_ALIKE = ("predicted_cost_ms",)
+
+
+def _check_alike(df_task: pd.DataFrame, where: str) -> None:
+    """Rows of a task that disagree on a value the plan has once are refused: export had taken the first row's (a
+    balanced estimate of 1.0 beside 9.61, a plan_meta replacing the plan's) or a device's largest cost."""
+    groups = [(column, "the task's rows", df_task[column]) for column in TASK_ALIKE if column in df_task.columns]
+    for column in DEVICE_ALIKE:
+        if column in df_task.columns:
+            groups += [(column, f"the rows of device {int(dev)}", g[column]) for dev, g in df_task.groupby("device")]
+    for column, rows, values in groups:
+        given = values.dropna()
+        if len(given) and (len(given) < len(values) or given.astype(str).nunique() > 1):
+            shown = ", ".join(repr(v)[:40] for v in dict.fromkeys(values.astype(object).tolist()))
+            raise EmbshardError(f"{rows} disagree ({shown}): the plan has one value", path=where, field=column,
+                                fix="give every row the same value (export.placements.plan_frame writes them so)")
+
+
+def _check_shard_columns(row, where: str) -> None:
+    """A row's offsets and sizes come in pairs, and a `kind` it gives is the one they say: a whole table's row
+    marked `column` had been exported whole without a word, a row_offset without its row_size dropped."""
+    table = str(row.table_id)
+    for offset, size in (("col_offset", "col_size"), ("row_offset", "row_size")):
+        if (_value(getattr(row, offset, None)) is None) != (_value(getattr(row, size, None)) is None):
+            raise EmbshardError(f"table {table}: {offset} and {size} come together (one is given without the "
+                                "other)", path=where, field=size if _value(getattr(row, size, None)) is None
+                                else offset, fix="give both (a slice or range), or neither (the whole table)")
+    kind = _value(getattr(row, "kind", None))
+    said = ("column" if _value(getattr(row, "col_size", None)) is not None else
+            "row" if _value(getattr(row, "row_size", None)) is not None else None)
+    if kind is not None and kind != "replicated" and (kind != said if said else kind != "whole"):
+        raise EmbshardError(f"table {table}: kind {kind!r}, but its offsets and sizes make it "
+                            f"{said or 'whole'}", path=where, field="kind",
+                            fix="give the kind its columns say, or leave kind empty (it is derived)")
 
 
 def _check_unchanged(df_task: pd.DataFrame, tables: TableSet, ids: list[str], where: str) -> None:
@@ -109,7 +149,10 @@ def _own_value(df_task: pd.DataFrame, column: str, given: int | None, where: str
         return given
     values = df_task[column].dropna().astype("int64").unique()
     if len(values) != 1 or df_task[column].isna().any():
-        raise EmbshardError(f"the task's rows give {len(values)} different values", path=where, field=column,
+        missing = int(df_task[column].isna().sum())
+        said = (f"{missing} of the task's {len(df_task)} rows give none" if missing else
+                f"the task's rows give {len(values)} different values ({', '.join(map(str, values[:3]))})")
+        raise EmbshardError(said, path=where, field=column,
                             fix="give each task's rows one value (the devices the plan was made for)")
     own = int(values[0])
     if given is not None and int(given) != own:
