@@ -994,6 +994,12 @@ CASES_26_DATA = {
         ["ingest", "--source", "spec", "--input", raw_parquet(pd.DataFrame(
             {"name": ["a"], "num_embeddings": [10], "embedding_dim": [4], "pooling_factor": [1.0], "dtype": ["fp16"]}),
             os.path.join(d, "spec.parquet"))], ["spec.parquet", "'dtype'"]),
+    # a Parquet timestamp column had been read as its milliseconds: pooling factors 1 and 2 planned as 1000, 2000
+    "spec-parquet-timestamp-column": lambda w, d: (
+        ["ingest", "--source", "spec", "--input", raw_parquet(pd.DataFrame(
+            {"name": ["a", "b"], "num_embeddings": [10, 20], "embedding_dim": [4, 4],
+             "pooling_factor": pd.to_datetime([1, 2], unit="s")}), os.path.join(d, "spec.parquet"))],
+        ["spec.parquet", "pooling_factor", "not numbers"]),
     "i26-spec-bins-batch-zero": lambda w, d: (ingest_spec(spec_row("a,10,4,1"))(w, d)[0] + ["--bins-batch-size", "0"],
                                               ["bins_batch_size"]),
     "i26-spec-bins-batch-negative": lambda w, d: (

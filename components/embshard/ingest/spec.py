@@ -238,6 +238,10 @@ def _numbers(df: pd.DataFrame, col: str, path: str, integer: bool, required: boo
     s = df[col]
     if s.dtype == bool:
         raise EmbshardError("is boolean, not a number", path=path, field=col, fix="give numbers")
+    if pd.api.types.is_datetime64_any_dtype(s) or pd.api.types.is_timedelta64_dtype(s):
+        # a Parquet timestamp read as its count of milliseconds: pooling factors 1 and 2 had planned as 1000, 2000
+        raise EmbshardError(f"is a {s.dtype} column (dates or durations), not numbers", path=path, field=col,
+                            fix="write the column as numbers (int or float)")
     num = pd.to_numeric(s, errors="coerce")
     bad = num.isna() & s.notna()
     if bad.any():
