@@ -323,12 +323,13 @@ def test_files_of_different_traces_or_a_pattern_that_matches_nothing_are_one_lin
     assert not out.exists() or os.listdir(out) == []  # nothing half-written
 
 
-def test_pipeline_params_take_a_pattern_of_trace_files(tmp_path, tables):
+def test_pipeline_params_take_a_pattern_of_trace_files(tmp_path):
     from embshard.errors import EmbshardError
     from embshard.params import check as validate
 
+    population = generate_tables(20, seed=3, bins_batch_size=256)  # a run learns from 20 tables at the least
     for k in range(2):
-        write_dlrm_traces(tables, str(tmp_path / f"d_{k}.pt"), batch_size=16, seed=k)
+        write_dlrm_traces(population, str(tmp_path / f"d_{k}.pt"), batch_size=16, seed=k)
     ok = validate({"source": "dlrm", "input": str(tmp_path / "d_*.pt"), "tables_per_task": "2-3"})
     assert ok["input"] == str(tmp_path / "d_*.pt")
     with pytest.raises(EmbshardError, match="no trace file matches") as err:
@@ -338,7 +339,7 @@ def test_pipeline_params_take_a_pattern_of_trace_files(tmp_path, tables):
         validate({"source": "dlrm", "input": f"{tmp_path / 'd_0.pt'},{tmp_path / 'gone.pt'}"})
     # tasks larger than the first file's pools are refused before any work, as for one file
     with pytest.raises(EmbshardError, match="tables_per_task"):
-        validate({"source": "dlrm", "input": str(tmp_path / "d_*.pt"), "tables_per_task": "5-6"})
+        validate({"source": "dlrm", "input": str(tmp_path / "d_*.pt"), "tables_per_task": "11-12"})
     # each file is read in full: the ingest stage's time limit grows with them
     from embshard.params import stage_timeout_s
 

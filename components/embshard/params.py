@@ -28,6 +28,7 @@ EVAL_PLANNER_CHOICES = ("random", "round_robin", "dim_greedy", "size_greedy", "l
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DATA_TYPES = ("fp32", "fp16")  # ingest.dlrm.DATA_TYPES' keys (a test holds them equal; that module imports numpy)
 DLRM_KEYS = ("dim", "data_type", "rows_file")  # what a trace lacks (ingest --dim, --data-type, --rows-file)
+MIN_TABLES = 20  # the smallest population a run learns from (check_params; pools of 10 tables each)
 SYNTHETIC_KEYS = ("num_tables", "hot_large_fraction", "fp16_fraction")  # the generator's: other sources read tables
 # What the trigger form enforces itself (types and choices); the rest of a schema is checked by `check`.
 FORM_KEYS = ("type", "enum", "items", "examples", "uniqueItems")
@@ -54,7 +55,8 @@ SPECS: dict[str, ParamSpec] = {
                        "mounted one only; dlrm: also several files of one trace, as a glob pattern such as "
                        "/data/fbgemm_t856_bs65536_*.pt or a comma-separated list); empty for synthetic.",
                        {"type": ["null", "string"]}),
-    "num_tables": ParamSpec(240, "Synthetic source: how many tables to generate (2-100,000).", _int(2, 100_000)),
+    "num_tables": ParamSpec(240, f"Synthetic source: how many tables to generate ({MIN_TABLES}-100,000).",
+                            _int(MIN_TABLES, 100_000)),
     # 0.04 by default for coverage: they are the tables a plan must cut, and a cost model that never measured
     # one mis-prices their cuts (benchmarks/results/cut_accuracy.md). The split suite's gain is not established:
     # of two training runs with them, one beat the run without them and one did not (quality_splits.md).
@@ -209,6 +211,9 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
             else:
                 if missing:
                     found.append(("input", f"no file {missing[0]!r} here", _FIX_MISSING))
+                elif (what := _trace_format_problem(inp)):
+                    found.append(("input", what, "give a DLRM trace: torch.save((indices, offsets, lengths)) as "
+                                                 ".pt or .pt.gz (a table spec is source spec)"))
         elif inp and check_files and _missing(inp):
             found.append(("input", f"no file {inp!r} here", _FIX_MISSING))
     dlrm = p["source"] == "dlrm"  # another source's dim or rows_file is refused below, whatever its value
@@ -248,6 +253,17 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
             read_rows_file(local_rows, n_trace, n_trace)
         except EmbshardError as e:
             found.append(("rows_file", e.message, e.fix or ""))
+    # The population the run learns from: its cost model needs shards of several train-pool tables (2 tables had
+    # failed in train_cost_model, after the benchmark, with "only 1 training and 2 validation shards").
+    population = (int(p["num_tables"]) if p["source"] == "synthetic" and "num_tables" not in bad else
+                  _spec_table_count(str(p["input"])) if p["source"] == "spec" and check_files and "input" not in bad
+                  else n_trace)
+    if population is not None and population < MIN_TABLES:
+        key = "num_tables" if p["source"] == "synthetic" else "input"
+        found.append((key, f"{population} tables: a run learns from at least {MIN_TABLES} (split into a train and "
+                      "a test pool; its cost model needs shards of several train-pool tables)",
+                      f"give at least {MIN_TABLES} tables" + ("" if p["source"] == "synthetic" else
+                                                              f" in the {p['source']} file")))
     if "tables_per_task" not in bad:
         lo, _, hi = str(p["tables_per_task"]).partition("-")
         lo_n, hi_n = int(lo), int(hi or lo)
@@ -362,6 +378,21 @@ def _trace_table_count(path: str) -> int | None:
     from .ingest.dlrm import trace_table_count
 
     return trace_table_count(local)
+
+
+def _trace_format_problem(path: str) -> str | None:
+    """ingest.dlrm.trace_format_problem of each local file of a trace input (None: none found, or remote)."""
+    from .ingest.dlrm import trace_format_problem
+
+    try:
+        files = _trace_files(path)
+    except EmbshardError:
+        return None  # reported with the input's other problems
+    for f in files:
+        local = _local_file(f)
+        if local is not None and (what := trace_format_problem(local)):
+            return f"{f} {what}"
+    return None
 
 
 def _file_pools_too_small(hi_n: int, n: int, whose: str, too_few: str) -> tuple[str, str, str]:

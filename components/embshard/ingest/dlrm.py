@@ -230,6 +230,31 @@ class TraceFile:
         self.close()
 
 
+def trace_format_problem(path: str) -> str | None:
+    """What makes a local file no DLRM trace, read from its first bytes and (for the zip format torch.save writes)
+    its header, or None when it may be one: a CSV given as a trace, or a truncated .pt, had passed check_params and
+    failed in ingest once the run had started. A gzip or legacy pickle file is left to ingest (read whole there)."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError:
+        return None  # ingest names it
+    if magic[:2] == _GZIP_MAGIC or magic[:1] == b"\x80":
+        return None
+    if magic != _ZIP_MAGIC:
+        return "is not a torch.save file (no zip or pickle header): " + ("an empty file" if not magic else
+                                                                         "a text or other file")
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            if not any(n.endswith("data.pkl") for n in z.namelist()):
+                return "is a zip file but not a torch.save file (no data.pkl)"
+    except (zipfile.BadZipFile, OSError) as exc:
+        return f"is a damaged torch.save file ({exc}): truncated, or still being written"
+    return None
+
+
 def trace_table_count(path: str) -> int | None:
     """The tables T of a local zip-format trace, from the shape of its lengths [T, B] or offsets [T, B+1] (the
     file memory-mapped: nothing is read but the pickled header), for a check before any work. None where that is
