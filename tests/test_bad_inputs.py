@@ -222,6 +222,18 @@ CASES = {
     "place-devices-negative": lambda w, d: (_place(w, "--devices", "-1", "--memory-gb", "8"), ["devices"]),
     "place-memory-negative": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "-1"), ["memory_gb"]),
     "place-memory-nan": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "nan"), ["memory_gb"]),
+    # float() reads 1_6 as 16: a typo for 1.6 gave ten times the memory
+    "place-memory-underscore": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "1_6"), ["memory-gb", "'_'"]),
+    # 2^62 bytes per device had planned, then failed writing plan.json, naming the plan.json being written
+    "place-task-memory-over-a-pib": lambda w, d: (
+        _place(w, "--tasks", tasks_with(w, d, memory_bytes_per_device=2**62), "--task-id", w["task_id"]),
+        ["tasks.parquet", "memory_bytes_per_device", "1 PiB"]),
+    "export-negative-predicted-cost": lambda w, d: (
+        _export(w, placements_with(w, d, lambda df: df.assign(predicted_cost_ms=-5.0))),
+        ["placements.parquet", "predicted_cost_ms"]),
+    "export-infinite-estimate": lambda w, d: (
+        _export(w, placements_with(w, d, lambda df: df.assign(balanced_estimate_ms=float("inf")))),
+        ["placements.parquet", "balanced_estimate_ms"]),
     "place-memory-1e30": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "1e30"), ["memory_gb"]),
     "place-memory-inf": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "inf"), ["memory_gb"]),
     "place-memory-too-small": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "0.000001"),

@@ -72,6 +72,9 @@ def test_tasks_cli(tmp_path, tables_path):
     assert df["table_ids"].map(len).nunique() > 1 and df["num_devices"].nunique() == 2
     again = tasks.run(str(tables_path), str(tmp_path / "again"), 6, "3-8", "2,4", 4, seed=7)
     assert schemas.read(again, "tasks").equals(df)
+    # a list of memories takes the unit as one memory does (place's --memory-gb 16GiB; a list had refused it)
+    units = tasks.run(str(tables_path), str(tmp_path / "units"), 6, "3-8", "2,4", "4GiB, 4", seed=7)
+    assert schemas.read(units, "tasks").equals(df)
 
 
 def test_tasks_on_hosts_carry_devices_per_host_and_draw_the_same_tasks(tmp_path, tables_path):

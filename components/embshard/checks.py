@@ -201,6 +201,8 @@ def gib_text(text: str) -> float:
             raise argparse.ArgumentTypeError(f"{text!r}: the unit is GiB (2^30 bytes), not {unit.group(1)}; give "
                                              "a number of GiB, e.g. 16 or 16GiB")
         t = t[:unit.start()]
+    if "_" in t:  # float() reads "1_6" as 16: a typo for 1.6 would give ten times the memory
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB (no '_' in it; e.g. 16 or 1.6)")
     try:
         return float(t)
     except ValueError:

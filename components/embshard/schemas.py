@@ -65,6 +65,15 @@ def _finite_non_negative(s: pd.Series) -> pd.Series:
     return np.isfinite(s.astype("float64")) & (s >= 0)
 
 
+MEMORY_RULE = f"an integer of bytes > 0 and at most {int(checks.MAX_MEMORY_GB * checks.GiB):,} (1 PiB)"
+
+
+def _memory_bytes(s: pd.Series) -> pd.Series:
+    """Memory per device in bytes: > 0 and at most 1 PiB, as --memory-gb (2^62 had planned, then failed writing
+    plan.json)."""
+    return (s > 0) & (s <= int(checks.MAX_MEMORY_GB * checks.GiB))
+
+
 def _non_empty_str(s: pd.Series) -> pd.Series:
     return s.astype(str).str.len() > 0
 
@@ -121,7 +130,7 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("task_id", _STR, check=_valid_id, rule=f"a unique id of {checks.ID_RULE}"),
         Column("split", _STR, check=lambda s: s.isin(["train", "test"]), rule="'train' or 'test'"),
         Column("num_devices", pa.int32(), check=_device_count, rule=DEVICE_RULE),
-        Column("memory_bytes_per_device", pa.int64(), check=_positive, rule="an integer > 0"),
+        Column("memory_bytes_per_device", pa.int64(), check=_memory_bytes, rule=MEMORY_RULE),
         Column("table_ids", pa.list_(_STR), check=_id_list,
                rule="a non-empty list of valid table ids, each listed once"),
         # Hosts of that many devices in TorchRec's rank order (table-row-wise cuts stay within one); null or
@@ -186,16 +195,22 @@ SCHEMAS: dict[str, list[Column]] = {
         Column("row_size", pa.int64(), required=False, nullable=True),
         Column("planner", _STR),
         Column("model_uri", _STR, required=False, nullable=True),
-        Column("predicted_cost_ms", _F64, required=False, nullable=True),  # cost of this row's device
-        Column("measured_cost_ms", _F64, required=False, nullable=True),   # measured cost of this row's device
+        # cost of this row's device, predicted and measured (a negative or infinite one had reached plan.json's
+        # schema check, which named the plan.json being written, not this file)
+        Column("predicted_cost_ms", _F64, required=False, nullable=True, check=_finite_non_negative,
+               rule="a finite number of ms >= 0"),
+        Column("measured_cost_ms", _F64, required=False, nullable=True, check=_finite_non_negative,
+               rule="a finite number of ms >= 0"),
         # The devices the plan is for (the same on every row of a task), so that `export` keeps them without a
         # tasks file; files written before these columns have none (then --tasks, or they are inferred).
         Column("num_devices", pa.int32(), required=False, nullable=True),
-        Column("memory_bytes_per_device", pa.int64(), required=False, nullable=True),
+        Column("memory_bytes_per_device", pa.int64(), required=False, nullable=True, check=_memory_bytes,
+               rule=MEMORY_RULE),
         Column("devices_per_host", pa.int32(), required=False, nullable=True),
         # What plan.json says of the whole plan, the same on every row of a task (export.placements.plan_frame):
         # the balanced estimate it is quoted against, and the planner's meta as a JSON object.
-        Column("balanced_estimate_ms", _F64, required=False, nullable=True),
+        Column("balanced_estimate_ms", _F64, required=False, nullable=True, check=_finite_non_negative,
+               rule="a finite number of ms >= 0"),
         Column("plan_meta", _STR, required=False, nullable=True),
         # The table as it was planned (TableSet.content_hashes): an export refuses a plan whose table changed since.
         Column("table_sha256", _STR, required=False, nullable=True),

@@ -46,7 +46,7 @@ def parse_list(text, field: str, cast=int) -> list:
     items = text if isinstance(text, (list, tuple)) else str(text).split(",")
     try:
         vals = [cast(v) for v in items if str(v).strip() != ""]
-    except ValueError:
+    except (ValueError, argparse.ArgumentTypeError):
         raise EmbshardError(f"invalid value {text!r}", field=field, fix="give a number or a list like 4,8") from None
     if not vals or any(not np.isfinite(v) or v <= 0 for v in vals):
         raise EmbshardError(f"invalid value {text!r}", field=field, fix="give positive numbers, e.g. 4 or 4,8")
@@ -71,7 +71,10 @@ def sample_tasks(tables_df, num_tasks: int, tables_per_task, devices, memory_gb,
     lo, hi = parse_range(tables_per_task, "tables_per_task")
 
     dev_choices = [checks.devices(d) for d in parse_list(devices, "devices", int)]
-    mem_choices = [checks.memory_gb(m) for m in parse_list(memory_gb, "memory_gb", float)]
+    # GiB as a number or with its unit, as --memory-gb of place takes it ('16GiB,32GiB' had been refused)
+    mem_choices = [checks.memory_gb(m) for m in parse_list(memory_gb, "memory_gb",
+                                                            lambda v: v if isinstance(v, (int, float))
+                                                            else checks.gib_text(v))]
     if devices_per_host is not None:  # every device count must split into whole hosts (DeviceTopology.on_hosts)
         from ..types import DeviceTopology
 
