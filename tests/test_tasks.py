@@ -73,8 +73,10 @@ def test_tasks_cli(tmp_path, tables_path):
     again = tasks.run(str(tables_path), str(tmp_path / "again"), 6, "3-8", "2,4", 4, seed=7)
     assert schemas.read(again, "tasks").equals(df)
     # a list of memories takes the unit as one memory does (place's --memory-gb 16GiB; a list had refused it)
-    units = tasks.run(str(tables_path), str(tmp_path / "units"), 6, "3-8", "2,4", "4GiB, 4", seed=7)
+    units = tasks.run(str(tables_path), str(tmp_path / "units"), 6, "3-8", "2,4", "4GiB", seed=7)
     assert schemas.read(units, "tasks").equals(df)
+    mixed = tasks.run(str(tables_path), str(tmp_path / "mixed"), 6, "3-8", "2,4", "4GiB, 8", seed=7)
+    assert set(schemas.read(mixed, "tasks")["memory_bytes_per_device"]) == {4 * 2**30, 8 * 2**30}
 
 
 def test_tasks_on_hosts_carry_devices_per_host_and_draw_the_same_tasks(tmp_path, tables_path):
