@@ -333,6 +333,10 @@ def test_stage_pods_never_get_the_root_key_by_default():
     assert _bucket_job_script(other)[1]["STAGE_BUCKET"] == ""
     notes = render(PROFILES["bucket"])["embshard/templates/NOTES.txt"][0]
     assert "create secret generic embshard-stage-credentials" in notes and "WARNING" not in notes
+    renamed = {**PROFILES["bucket"], "secrets": {"stageCredentials": "team-stage-key"}}
+    assert "WARNING: stagePods.envFromSecrets does not name team-stage-key" in render(renamed)[
+        "embshard/templates/NOTES.txt"][0]
+    assert _bucket_job_script(renamed)[1]["STAGE_CREDENTIALS"] == "team-stage-key"
     root = {"stagePods": {"envFromSecrets": [{"name": "embshard-credentials", "optional": True}]}}
     assert "WARNING: stagePods.envFromSecrets gives every stage pod embshard-credentials" in render(root)[
         "embshard/templates/NOTES.txt"][0]

@@ -31,15 +31,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("conf, field, words", [
     ({"nosuch": 1}, "nosuch", "unknown parameter"),
-    ({"num_tables": -5}, "num_tables", "minimum of 20"),
+    ({"num_tables": -5}, "num_tables", "minimum of 8"),
     # 2 tables had passed, then failed in train_cost_model after the benchmark ("only 1 training ... shards")
-    ({"num_tables": 2, "tables_per_task": "1"}, "num_tables", "minimum of 20"),
+    ({"num_tables": 2, "tables_per_task": "1"}, "num_tables", "minimum of 8"),
     ({"devices": -3}, "devices", "minimum of 1"),
     ({"devices": 2.5}, "devices", "not of type 'integer'"),
     ({"tables_per_task": "abc"}, "tables_per_task", "does not match"),
     ({"tables_per_task": "60-20"}, "tables_per_task", "runs backwards"),
     ({"tables_per_task": "0-5"}, "tables_per_task", "does not match"),
-    ({"num_tables": 30, "tables_per_task": "20-60"}, "tables_per_task", "the 15 tables of the test pool"),
+    ({"num_tables": 10, "tables_per_task": "20-60"}, "tables_per_task", "the 5 tables of the test pool"),
     ({"num_tables": 240, "tables_per_task": "100-200"}, "tables_per_task", "from the 120 tables of the test pool"),
     ({"eval_planners": ["dim_greedy", "nosuchplanner"]}, "eval_planners", "'nosuchplanner' is not one of"),
     ({"eval_planners": "dim_greedy,nosuchplanner"}, "eval_planners", "'nosuchplanner' is not one of"),
@@ -101,7 +101,7 @@ def test_every_problem_at_once_in_one_line():
 def test_defaults_pass_and_existing_files_and_uris_are_accepted(tmp_path):
     assert params.check({}) == params.DEFAULT_PARAMS
     spec = tmp_path / "t.csv"
-    spec.write_text("name,num_embeddings,embedding_dim,pooling_factor\n" + "".join(f"t{i},10,4,1\n" for i in range(20)))
+    spec.write_text("name,num_embeddings,embedding_dim,pooling_factor\n" + "".join(f"t{i},10,4,1\n" for i in range(8)))
     small = {"source": "spec", "tables_per_task": "1-2"}
     assert params.check({**small, "input": str(spec)})["input"] == str(spec)
     assert params.check({**small, "input": f"file://{spec}"})
@@ -364,21 +364,21 @@ def test_a_dlrm_runs_dims_type_and_hash_sizes_reach_its_tables(tmp_path):
     from embshard.ingest import dlrm
     from embshard.pipeline import _parse_params
 
-    trace = _trace(tmp_path / "t.pt", 20)  # the smallest population a run takes (params.MIN_TABLES)
+    trace = _trace(tmp_path / "t.pt", 8)  # the smallest population a run takes (params.MIN_TABLES)
     rows = tmp_path / "rows.txt"
-    rows.write_text(" ".join(str(100 + t) for t in range(20)))
+    rows.write_text(" ".join(str(100 + t) for t in range(8)))
     conf = {"source": "dlrm", "input": trace, "num_tasks": 1, "tables_per_task": "2", "devices": 2,
             **_parse_params(["dim=64", "data_type=fp16", f"rows_file=file://{rows}"])}  # as `--param` gives them
     assert conf["dim"] == "64" and params.check(conf)["rows_file"] == f"file://{rows}"
     stages.ingest(str(tmp_path / "root"), conf)
     df = schemas.read(str(tmp_path / "root" / "tables.parquet"), "tables")
     assert (df["dim"] == 64).all() and (df["bytes_per_element"] == 2).all()
-    assert df["rows"].tolist() == list(range(100, 120))
+    assert df["rows"].tolist() == list(range(100, 108))
     assert "dim=64;dtype=fp16;rows=file:" in df["source"].iloc[0]
     # the defaults are the ones ingest had: mixed dims, fp32, rows = the largest id + 1
     stages.ingest(str(tmp_path / "plain"), {**conf, "dim": None, "data_type": None, "rows_file": None})
     df = schemas.read(str(tmp_path / "plain" / "tables.parquet"), "tables")
-    assert (df["bytes_per_element"] == 4).all() and df["rows"].tolist() == [t + 3 for t in range(20)]
+    assert (df["bytes_per_element"] == 4).all() and df["rows"].tolist() == [t + 3 for t in range(8)]
     assert "dim=mixed" in df["source"].iloc[0]
     # params refuse what ingest's choose_dims refuses, and take what it takes; the data types are ingest's
     assert tuple(dlrm.DATA_TYPES) == params.DATA_TYPES
@@ -395,7 +395,7 @@ def test_a_dlrm_runs_dims_type_and_hash_sizes_reach_its_tables(tmp_path):
     assert params.problems({"source": "synthetic", "rows_file": "", "dim": " Mixed", "tables_per_task": "2"}) == []
     # a trace is read from a local or mounted path: file:// is taken off, an s3:// URI is one line, not a traceback
     via_uri = dlrm.tables_from_trace(f"file://{trace}", dlrm.TraceOptions(dim=8), progress=False)
-    assert len(via_uri) == 20 and (via_uri["trace_file"] == os.path.abspath(trace)).all()  # what bench replays
+    assert len(via_uri) == 8 and (via_uri["trace_file"] == os.path.abspath(trace)).all()  # what bench replays
     with pytest.raises(EmbshardError, match="is a s3:// URI, but this file is read from a local path only"):
         dlrm.tables_from_trace("s3://bucket/t.pt", dlrm.TraceOptions(dim=8), progress=False)
 

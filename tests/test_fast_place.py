@@ -322,7 +322,7 @@ def test_a_store_mlflow_cannot_use_is_one_line_naming_it_and_an_empty_file_is_le
              (f"sqlite:///{truncated}", "the MLflow store is damaged (database disk image is malformed)"),
              (f"sqlite:///{tmp_path}", "the MLflow store is a folder, not a sqlite file"),  # MLflow retried 100 s
              ("foo://bar", "not a store URI MLflow takes"),
-             (str(tmp_path / "x.db"), "a bare path is MLflow's retired file store")]
+             (str(tmp_path / "x.db"), "a path or file:// URI is MLflow's retired file store")]
     for uri, words in cases:
         got, proc = run_cli(tmp_path, ["champion"], uri)
         err = proc.stderr.strip().splitlines()

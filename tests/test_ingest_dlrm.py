@@ -327,7 +327,7 @@ def test_pipeline_params_take_a_pattern_of_trace_files(tmp_path):
     from embshard.errors import EmbshardError
     from embshard.params import check as validate
 
-    population = generate_tables(20, seed=3, bins_batch_size=256)  # a run learns from 20 tables at the least
+    population = generate_tables(20, seed=3, bins_batch_size=256)  # a run learns from 8 tables at the least
     for k in range(2):
         write_dlrm_traces(population, str(tmp_path / f"d_{k}.pt"), batch_size=16, seed=k)
     ok = validate({"source": "dlrm", "input": str(tmp_path / "d_*.pt"), "tables_per_task": "2-3"})

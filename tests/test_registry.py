@@ -71,6 +71,12 @@ def test_log_register_alias_and_load(mlflow_uri, tiny_artifacts, tmp_path):
     assert np.array_equal(loaded.model.predict_shards(feats, shards, 4), model.predict_shards(feats, shards, 4))
 
 
+def test_a_store_in_folders_yet_to_be_made_can_be_written(tmp_path):
+    """MLflow makes a sqlite store's missing folders: check_store takes the nearest folder that exists."""
+    registry.check_store(f"sqlite:///{tmp_path}/new/deeper/mlflow.db")
+    assert not (tmp_path / "new").exists()  # the check writes nothing
+
+
 def test_missing_model_is_a_clear_error(mlflow_uri):
     registry.use()
     with pytest.raises(ModelNotFoundError, match="embshard-cost"):

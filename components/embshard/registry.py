@@ -400,11 +400,14 @@ def store_error(exc: BaseException) -> EmbshardError | None:
         texts.append(f"{type(e).__name__}: {e}")
         e = e.__cause__ or e.__context__
     said = " | ".join(texts)
-    store = _shown(_store_uri())
     working = ("point MLFLOW_TRACKING_URI (and MLFLOW_REGISTRY_URI, if set) at a working store: "
                "sqlite:////ABSOLUTE/PATH/mlflow.db or http(s)://SERVER")
 
     def bad(message: str, fix: str = working) -> EmbshardError:
+        try:  # (only once the exception is known to be the store's: an unparsable URI must not hide another one)
+            store: str | None = _shown(_store_uri())
+        except Exception:  # noqa: BLE001
+            store = None
         return EmbshardError(message, path=store, field="MLFLOW_TRACKING_URI", fix=fix)
 
     for words in ("file is not a database", "database disk image is malformed"):
@@ -412,13 +415,14 @@ def store_error(exc: BaseException) -> EmbshardError | None:
             return bad(f"the MLflow store is damaged ({words})", f"restore it from a backup or move it away, or "
                                                                   f"{working[0].lower()}{working[1:]}")
     if "unable to open database file" in said:
-        return bad("the MLflow store cannot be opened (unable to open database file: a folder, or a folder that "
-                   "does not exist)")
+        return bad("the MLflow store cannot be opened (unable to open database file: no permission on the file "
+                   "or its folder, or the path is a folder)")
     if "UnsupportedModelRegistryStoreURIException" in said or "unsupported URI" in said:
         return bad("not a store URI MLflow takes")
     if "filesystem tracking backend" in said and "maintenance mode" in said:
-        return bad("a bare path is MLflow's retired file store", "give a sqlite file as sqlite:////ABSOLUTE/PATH/"
-                                                                  "mlflow.db, or an http(s):// server")
+        return bad("a path or file:// URI is MLflow's retired file store",
+                   "give a sqlite file as sqlite:////ABSOLUTE/PATH/mlflow.db, or an http(s):// server (models kept in "
+                   "a file store move over with `mlflow migrate-filestore`; MLFLOW_ALLOW_FILE_STORE=true keeps it)")
     return None
 
 
@@ -447,10 +451,10 @@ def check_store(uri: str | None = None) -> None:
     folder = os.path.dirname(os.path.abspath(db))
     check_sqlite_path(uri)
     try:
-        if not os.path.exists(db):  # MLflow creates it: its folder must take it (and the journal beside it)
-            if not os.path.isdir(folder):
-                raise sqlite3.OperationalError(f"its folder {folder} does not exist")
-            if not os.access(folder, os.W_OK):
+        if not os.path.exists(db):  # MLflow creates it, and its missing folders: the nearest existing one must
+            while not os.path.exists(folder) and os.path.dirname(folder) != folder:  # take them (and the journal)
+                folder = os.path.dirname(folder)
+            if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
                 raise sqlite3.OperationalError(f"its folder {folder} is not writable")
             return
         # a write that is rolled back: the only test that sees a file made immutable or a read-only mount
@@ -705,7 +709,14 @@ def _no_model_fix(uri: str, name: str) -> str:
         try:
             from mlflow import MlflowClient
 
-            versions = sorted(int(v.version) for v in MlflowClient().search_model_versions(f"name = '{name}'"))
+            client = MlflowClient()
+            try:  # an alias that exists (its version's files are what failed) is not "no alias"
+                client.get_model_version_by_alias(name, alias)
+                return f"load models:/{name}/VERSION of another version, or {where}"
+            except Exception as exc:  # noqa: BLE001
+                if getattr(exc, "error_code", "") not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+                    raise
+            versions = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
         except Exception:  # noqa: BLE001 (only the wording of an error depends on it)
             versions = []
     if not versions:

@@ -281,6 +281,11 @@ def write_text(uri: str | os.PathLike, text: str) -> None:
 
 
 def read_text(uri: str | os.PathLike) -> str:
+    return read_head(uri).decode("utf-8")
+
+
+def read_head(uri: str | os.PathLike, size: int | None = None) -> bytes:
+    """The first `size` bytes of a file or URI (all of it when None)."""
     fs, path = resolve(uri)
     with fs.open_input_stream(path) as f:
-        return f.read().decode("utf-8")
+        return f.read() if size is None else f.read(size)

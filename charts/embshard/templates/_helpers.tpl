@@ -105,6 +105,15 @@ app.kubernetes.io/component: {{ .component }}
 {{- toYaml $cfg }}
 {{- end }}
 
+{{/* The stages' data bucket on the bundled MinIO (bucket storage, no other endpoint), "" otherwise: the bucket
+  job makes secrets.stageCredentials a user of it, and the NOTES say so. */}}
+{{- define "embshard.stageBucket" -}}
+{{- $storage := .Values.stagePods.storage }}
+{{- if and .Values.minio.enabled (eq $storage.type "bucket") (or (not $storage.s3Endpoint) (eq $storage.s3Endpoint (include "embshard.minioEndpoint" .))) }}
+{{- regexReplaceAll "^s3://([^/]+).*$" (toString $storage.dataRoot) "${1}" }}
+{{- end }}
+{{- end }}
+
 {{/* Restricted pod security for the bundled services. */}}
 {{- define "embshard.containerSecurity" -}}
 allowPrivilegeEscalation: false

@@ -93,9 +93,10 @@ def _check_alike(df_task: pd.DataFrame, where: str) -> None:
         if column in df_task.columns:
             groups += [(column, f"the rows of device {int(dev)}", g[column]) for dev, g in df_task.groupby("device")]
     for column, rows, values in groups:
-        given = values.dropna()
-        if len(given) and (len(given) < len(values) or given.astype(str).nunique() > 1):
-            shown = ", ".join(repr(v)[:40] for v in dict.fromkeys(values.astype(object).tolist()))
+        given = values.dropna().astype(str)  # a null is a value not given (a row added by hand), not another one
+        if given.nunique() > 1:
+            distinct = list(dict.fromkeys(given.tolist()))
+            shown = ", ".join(v[:40] for v in distinct[:3]) + (", ..." if len(distinct) > 3 else "")
             raise EmbshardError(f"{rows} disagree ({shown}): the plan has one value", path=where, field=column,
                                 fix="give every row the same value (export.placements.plan_frame writes them so)")
 
@@ -110,8 +111,11 @@ def _check_shard_columns(row, where: str) -> None:
                                 "other)", path=where, field=size if _value(getattr(row, size, None)) is None
                                 else offset, fix="give both (a slice or range), or neither (the whole table)")
     kind = _value(getattr(row, "kind", None))
-    said = ("column" if _value(getattr(row, "col_size", None)) is not None else
-            "row" if _value(getattr(row, "row_size", None)) is not None else None)
+    cols, rows = (_value(getattr(row, c, None)) is not None for c in ("col_size", "row_size"))
+    if cols and rows:
+        raise EmbshardError(f"table {table}: a column slice and a row range at once", path=where, field="row_size",
+                            fix="give a column slice (col_offset, col_size) or a row range (row_offset, row_size)")
+    said = "row" if rows else "column" if cols else None
     if kind is not None and kind != "replicated" and (kind != said if said else kind != "whole"):
         raise EmbshardError(f"table {table}: kind {kind!r}, but its offsets and sizes make it "
                             f"{said or 'whole'}", path=where, field="kind",

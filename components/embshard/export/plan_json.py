@@ -14,7 +14,8 @@ Fields (all required unless marked; `null` where unknown):
 - `hosts` (v3, optional): D host indices, the host of each device; absent when all devices share one host.
 - `planner`: the planner that made the placement (e.g. "learned", "size_greedy", "torchrec_full").
 - `model_uri`: MLflow URI of the model behind a learned planner (e.g. "models:/embshard-policy/3"), else null.
-- `created_at`: ISO-8601 UTC time the file was written. `embshard_version`: the package version that wrote it.
+- `created_at`: ISO-8601 UTC time the plan was made. `embshard_version`: the code that made it (an export of a
+  plan.json keeps both, as it keeps its `meta`).
 - `cost`: predicted costs, `unit` "ms" per training iteration:
   - `device_costs_ms`: D numbers, predicted cost of each device (by the cost model), or null.
   - `overall_ms`: the placement's cost = the largest device cost, or null.

@@ -717,7 +717,7 @@ def plan_from_json(data: Mapping | str | os.PathLike, *, tables=None, world_size
     world_source = "world_size="
     if world_size is None:
         world_size, world_source = _job_world_size(), "this job's process group"
-    if world_size is None:  # before init_process_group: the world its launcher set (torchrun's WORLD_SIZE, MPI's)
+    if world_size is None:  # before init_process_group: the world its launcher set (torchrun's WORLD_SIZE)
         world_size, world_source = _launcher_world_size()
     if module is not None and isinstance(doc, Mapping):
         doc = route_to_model(doc, module)
@@ -756,8 +756,12 @@ def _read_plan_file(path: str):
         if exc.message == "file not found":
             raise EmbshardError(exc.message, path=path, field="json", fix=export_fix) from None
         if "not UTF-8" in exc.message:
-            with open(path, "rb") as f:
-                head = f.read(4)
+            try:
+                from .. import storage
+
+                head = storage.read_head(path, 4)
+            except OSError:
+                raise exc from None
             if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":  # torch.save's zip, or a bare pickle
                 raise EmbshardError("a pickled TorchRec plan (torch.save), not its JSON", path=path, field="json",
                                     fix="pass the torchrec_plan.json beside it, or load this one with "

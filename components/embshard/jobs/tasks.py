@@ -46,7 +46,9 @@ def parse_list(text, field: str, cast=int) -> list:
     items = text if isinstance(text, (list, tuple)) else str(text).split(",")
     try:
         vals = [cast(v) for v in items if str(v).strip() != ""]
-    except (ValueError, argparse.ArgumentTypeError):
+    except argparse.ArgumentTypeError as exc:  # gib_text's own words ("the unit is GiB, not GB")
+        raise EmbshardError(str(exc), field=field, fix="give a number or a list like 16,32 (GiB)") from None
+    except ValueError:
         raise EmbshardError(f"invalid value {text!r}", field=field, fix="give a number or a list like 4,8") from None
     if not vals or any(not np.isfinite(v) or v <= 0 for v in vals):
         raise EmbshardError(f"invalid value {text!r}", field=field, fix="give positive numbers, e.g. 4 or 4,8")

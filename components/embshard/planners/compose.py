@@ -645,6 +645,7 @@ class ComposedPlanner(Planner):
         self.on_phase: Callable[[str], None] | None = None
         # Set by a measured refinement (embshard.refine.explore): keep more cut variants as alternatives.
         self.explore_cuts = False
+        self._warned: set[str] = set()  # warning lines already logged (each plan still records its own)
 
     def evaluations_for(self, num_tables: int) -> int:
         """Search work (scored moves and swaps): the given budget, else 40,000 up to 250 tables, growing to
@@ -670,8 +671,10 @@ class ComposedPlanner(Planner):
             mismatch_warning(hardware, topology.hardware, asked=True, planning=True,
                              source="the topology's hardware") if topology.hardware else None,
             unseen_types_warning(self.cost_model, tables)) if line]
-        for line in warnings:
-            log.warning("%s: %s", task_id, line)
+        for line in warnings:  # each line once per planner (an evaluation plans many tasks of the same tables)
+            if line not in self._warned:
+                self._warned.add(line)
+                log.warning("%s: %s", task_id, line)
         # inference_mode, not no_grad: no version counters or view tracking on the thousands of tiny ops of a
         # plan (14% of its time at 10-200 tables, measured); nothing it makes outlives the plan but Python values.
         with single_threaded(), torch.inference_mode():
