@@ -274,6 +274,19 @@ def test_a_clusters_check_params_leaves_the_input_file_to_the_ingest_pod():
     assert stages.check_params("", conf, check_files=False)["source"] == "spec"
 
 
+def test_the_ingest_pod_refuses_a_population_too_small_to_learn_from(tmp_path):
+    """Where check_params cannot read the spec (a cluster's worker), the ingest stage counts its tables: 4 tables
+    would fail in train_cost_model, after the benchmark."""
+    from embshard import stages
+
+    spec = tmp_path / "t.csv"
+    spec.write_text("name,num_embeddings,embedding_dim,pooling_factor\n" + "".join(f"t{i},10,4,1\n" for i in range(4)))
+    conf = {"source": "spec", "input": str(spec), "tables_per_task": "1", "num_tasks": 1}
+    with pytest.raises(EmbshardError, match="4 tables: a run learns from at least 8") as err:
+        stages.ingest(str(tmp_path / "root"), conf)
+    assert err.value.field == "input" and str(spec) in str(err.value)
+
+
 def test_pipeline_params_from_the_command_line_take_their_types_from_the_form():
     """--param devices_per_host=8 (an optional integer) is the integer 8, empty is null; a key that is not a
     param is named as unknown."""

@@ -117,10 +117,29 @@ def ingest(root: str, params: dict) -> dict:
               "rows_file": rows_file.removeprefix("file://") or None}  # read as a local file, like ingest's
     tables = ingest_run(p["source"], root, input=p["input"] or None, seed=int(p["seed"]),
                         num_tables=int(p["num_tables"]) if synthetic else None, **kw)
+    _check_population(tables, p)
     tasks = tasks_run(tables, root, num_tasks=int(p["num_tasks"]), tables_per_task=p["tables_per_task"],
                       devices=p["devices"], memory_gb=p["memory_gb"], seed=int(p["seed"]),
                       devices_per_host=None if p["devices_per_host"] is None else int(p["devices_per_host"]))
     return _state(root, "ingest", {"tables": tables, "tasks": tasks})
+
+
+def _check_population(tables: str, p: dict) -> None:
+    """A run learns from at least params.MIN_TABLES tables: said by check_params where it can read the input, here
+    where it cannot (a cluster's check_params leaves the file to the ingest pod), before the benchmark, not in
+    train_cost_model after it."""
+    import pyarrow.parquet as pq
+
+    from . import storage
+    from .params import MIN_TABLES
+
+    fs, path = storage.resolve(tables)
+    with fs.open_input_file(path) as f:
+        n = pq.ParquetFile(f).metadata.num_rows
+    if n < MIN_TABLES:
+        raise EmbshardError(f"{n} tables: a run learns from at least {MIN_TABLES} (split into a train and a test "
+                            "pool; its cost model needs 4 train-pool tables at the least)", path=p["input"] or None,
+                            field="input", fix=f"give at least {MIN_TABLES} tables in the {p['source']} file")
 
 
 def measuring_device(p: dict) -> str:
