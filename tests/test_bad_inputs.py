@@ -223,6 +223,12 @@ CASES = {
     "place-memory-negative": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "-1"), ["memory_gb"]),
     "place-memory-nan": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "nan"), ["memory_gb"]),
     # float() reads 1_6 as 16: a typo for 1.6 gave ten times the memory
+    # a flag the command would have ignored without a word
+    "place-heuristic-given-a-model": lambda w, d: (
+        _place(w, "--devices", "2", "--memory-gb", "8", "--model", "models:/embshard-policy/1"),
+        ["model", "size_greedy uses none"]),
+    "place-hardware-empty": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "8", "--hardware", " "),
+                                          ["hardware", "empty"]),
     "place-memory-underscore": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "1_6"), ["memory-gb", "'_'"]),
     # 2^62 bytes per device had planned, then failed writing plan.json, naming the plan.json being written
     "place-task-memory-over-a-pib": lambda w, d: (
@@ -863,6 +869,14 @@ def test_unreachable_s3_tables_are_one_line(world, tmp_path, capsys, monkeypatch
     with pytest.raises(EmbshardError, match="not a path or URI embshard reads") as err:
         storage.check_output("s3:///x", field="out")
     assert err.value.exit_code == 2 and err.value.field == "out"
+
+
+def test_champion_flags_without_set_are_refused_not_ignored(capsys):
+    """`champion --reason x` or `--force` without `--set` had listed the versions, the flag ignored."""
+    for flag in (["--reason", "because"], ["--force"]):
+        assert cli(["champion", *flag]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"{flag[0]} goes with --set" in err[0] and "field 'set'" in err[0], err
 
 
 def test_place_with_a_cost_model_as_policy_is_one_line(world, tmp_path, capsys, monkeypatch):

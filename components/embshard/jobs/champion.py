@@ -36,6 +36,10 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.version is None and (args.reason is not None or args.force):  # it had listed, the flag ignored
+        flag = "--reason" if args.reason is not None else "--force"
+        raise EmbshardError(f"{flag} goes with --set (without --set the versions are only listed)", field="set",
+                            fix="give --set VERSION to make that version the champion, or drop " + flag)
     store = registry.tracking_uri()
     missing = registry.no_store_error(registry.POLICY_CHAMPION_URI, store)  # nothing is created where it runs
     if missing is not None:

@@ -330,7 +330,7 @@ def configure(p: argparse.ArgumentParser) -> None:
                    "torchrec_table_wise, torchrec_full; or another composition of the learned planner's model: "
                    "no_splits (no split search: it cuts only what cannot fit; 0.2-1.0x the learned planner's time), "
                    "policy_only (the policy's rollout alone), or an ablation (no_replicas, no_branches, ...)")
-    p.add_argument("--model", default=POLICY_CHAMPION_URI, help="learned planner's model URI")
+    p.add_argument("--model", default=None, help=f"learned planner's model URI (default {POLICY_CHAMPION_URI})")
     p.add_argument("--cost-model", default=None,
                    help="cost model for predicted costs of non-learned planners, e.g. "
                         f"{COST_CHAMPION_URI} (default: none, no predicted costs: a heuristic loads no model)")
@@ -374,6 +374,13 @@ def main(args) -> int:
         raise EmbshardError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required without "
                             "--task-id", field="memory_gb" if args.devices is not None else "devices",
                             fix="give --devices N --memory-gb M (weights' GiB per device)")
+    if args.hardware is not None and not args.hardware.strip():  # an unset variable: not "this machine"
+        raise EmbshardError("--hardware is empty", field="hardware",
+                            fix="name the target, e.g. 'cuda:NVIDIA H100', or leave --hardware out (this machine)")
+    if args.model is not None and composition_of(args.planner) is None:  # it had been ignored without a word
+        raise EmbshardError(f"--model names a learned planner's model; {args.planner} uses none", field="model",
+                            fix="drop --model, or give --planner learned (or another learned composition); "
+                                "--cost-model prices a heuristic's plan")
     # Given values are checked as given: 0 is an error, never "use the task's value".
     devices = None if args.devices is None else checks.devices(args.devices, field="devices")
     memory = None if args.memory_gb is None else checks.memory_bytes(args.memory_gb, field="memory_gb")
@@ -392,7 +399,7 @@ def main(args) -> int:
         raise EmbshardError("has no effect without --refine", field="refine_rounds",
                             fix="add --refine K, or drop --refine-rounds")
     result = place(args.tables, args.out, devices=devices, memory_bytes=memory,
-                   planner=args.planner, model_uri=args.model, cost_model_uri=args.cost_model,
+                   planner=args.planner, model_uri=args.model or POLICY_CHAMPION_URI, cost_model_uri=args.cost_model,
                    tasks=args.tasks, task_id=args.task_id, time_budget_s=args.time_budget_s,
                    search_evaluations=args.search_evaluations, hardware=args.hardware, refine_k=refine_k,
                    refine_rounds=args.refine_rounds, devices_per_host=args.devices_per_host,
