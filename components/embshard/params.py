@@ -256,25 +256,20 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
             read_rows_file(local_rows, n_trace, n_trace)
         except EmbshardError as e:
             found.append(("rows_file", e.message, e.fix or ""))
-    # The population the run learns from (MIN_TABLES): 2 tables had failed in train_cost_model, after the
-    # benchmark, with "only 1 training and 2 validation shards".
-    population = (int(p["num_tables"]) if p["source"] == "synthetic" and "num_tables" not in bad else
-                  _spec_table_count(str(p["input"])) if p["source"] == "spec" and check_files and "input" not in bad
-                  else n_trace)
-    if population is not None and population < MIN_TABLES:
-        key = "num_tables" if p["source"] == "synthetic" else "input"
-        found.append((key, f"{population} tables: a run learns from at least {MIN_TABLES} (split into a train and "
-                      "a test pool; its cost model needs 4 train-pool tables at the least)",
-                      f"give at least {MIN_TABLES} tables" + ("" if p["source"] == "synthetic" else
-                                                              f" in the {p['source']} file")))
+    n_spec = _spec_table_count(str(p["input"])) if p["source"] == "spec" and check_files and "input" not in bad \
+        else None
+    # A file's population (the schema holds num_tables to MIN_TABLES): 2 tables had failed in train_cost_model,
+    # after the benchmark, with "only 1 training and 2 validation shards".
+    for n in (n_spec, n_trace):
+        if n is not None and (small := population_problem(n, p["source"])):
+            found.append(("input", *small))
     if "tables_per_task" not in bad:
         lo, _, hi = str(p["tables_per_task"]).partition("-")
         lo_n, hi_n = int(lo), int(hi or lo)
         if hi_n < lo_n:
             found.append(("tables_per_task", f"the range {p['tables_per_task']} runs backwards",
                           f"write it LOW-HIGH, e.g. {hi_n}-{lo_n}"))
-        elif p["source"] == "spec" and check_files and "input" not in bad and \
-                (n_spec := _spec_table_count(str(p["input"]))) is not None and hi_n > n_spec // 2:
+        elif n_spec is not None and hi_n > n_spec // 2:
             found.append(_file_pools_too_small(hi_n, n_spec, "the spec's", "list at least 2 tables in the spec"))
         elif n_trace is not None and hi_n > n_trace // 2:
             found.append(_file_pools_too_small(hi_n, n_trace, "the trace's", "give a trace of at least 2 tables"))
@@ -381,6 +376,14 @@ def _trace_table_count(path: str) -> int | None:
     from .ingest.dlrm import trace_table_count
 
     return trace_table_count(local)
+
+
+def population_problem(n: int, source: str) -> tuple[str, str] | None:
+    """(message, fix) when `n` tables are too few for a run to learn from (MIN_TABLES), else None."""
+    if n >= MIN_TABLES:
+        return None
+    return (f"{n} tables: a run learns from at least {MIN_TABLES} (split into a train and a test pool; its cost "
+            "model needs 4 train-pool tables at the least)", f"give at least {MIN_TABLES} tables in the {source} file")
 
 
 def _trace_format_problem(path: str) -> str | None:

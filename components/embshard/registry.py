@@ -52,6 +52,12 @@ def tracking_uri(run_dir: str | os.PathLike | None = None) -> str:
     return f"sqlite:///{os.path.join(root, 'mlflow.db')}"
 
 
+def _sqlite_file(store: str) -> str | None:
+    """The database file of a local sqlite store URI; None for another store or an in-memory one."""
+    db = store[len("sqlite:///"):] if store.startswith("sqlite:///") else None
+    return db if db and db != ":memory:" else None
+
+
 def _artifact_root(uri: str) -> str | None:
     """For a local sqlite store: file:// folder beside the database; else None (the server decides)."""
     if uri.startswith("sqlite:///"):
@@ -445,8 +451,8 @@ def check_store(uri: str | None = None) -> None:
     if not uri.startswith("sqlite:///"):
         check_server(uri)
         return
-    db = uri[len("sqlite:///"):]
-    if db == ":memory:":
+    db = _sqlite_file(uri)
+    if db is None:  # in memory
         return
     folder = os.path.dirname(os.path.abspath(db))
     check_sqlite_path(uri)
@@ -572,8 +578,8 @@ def _store_uri() -> str:
 def check_sqlite_path(store: str) -> None:
     """A sqlite store URI that names a folder is refused at once: MLflow retried opening it for 100 s, then
     printed SQLAlchemy's traceback."""
-    db = store[len("sqlite:///"):] if store.startswith("sqlite:///") else None
-    if db and db != ":memory:" and os.path.isdir(db):
+    db = _sqlite_file(store)
+    if db and os.path.isdir(db):
         raise EmbshardError("the MLflow store is a folder, not a sqlite file", path=_shown(store),
                             field="MLFLOW_TRACKING_URI",
                             fix=f"name the file: sqlite:///{os.path.join(db, 'mlflow.db')}")
@@ -583,9 +589,9 @@ def no_store_error(uri: str, store: str) -> ModelNotFoundError | None:
     """A missing local store is "no model", not a reason to create an empty mlflow.db where the command runs:
     a command writes nothing outside its --out. A store that is a folder raises (check_sqlite_path)."""
     check_sqlite_path(store)
-    db = store[len("sqlite:///"):] if store.startswith("sqlite:///") else None
+    db = _sqlite_file(store)
     # An empty file is no store either: MLflow had written its whole schema into it (a command that only reads).
-    if db and db != ":memory:" and (not os.path.exists(db) or (os.path.isfile(db) and os.path.getsize(db) == 0)):
+    if db and (not os.path.exists(db) or (os.path.isfile(db) and os.path.getsize(db) == 0)):
         name = uri.split("/")[1].split("@")[0] if uri.startswith("models:/") else uri
         what = f"the MLflow store {db} is an empty file" if os.path.exists(db) else f"there is no MLflow store at {db}"
         # (the error starts with the URI, its path: the message does not say it again)
@@ -707,16 +713,11 @@ def _no_model_fix(uri: str, name: str) -> str:
     versions: list[int] = []
     if alias is not None:
         try:
+            if version_for_alias(name, alias) is not None:  # the alias is set: its version's files are what failed
+                return f"load models:/{name}/VERSION of another version, or {where}"
             from mlflow import MlflowClient
 
-            client = MlflowClient()
-            try:  # an alias that exists (its version's files are what failed) is not "no alias"
-                client.get_model_version_by_alias(name, alias)
-                return f"load models:/{name}/VERSION of another version, or {where}"
-            except Exception as exc:  # noqa: BLE001
-                if getattr(exc, "error_code", "") not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
-                    raise
-            versions = sorted(int(v.version) for v in client.search_model_versions(f"name = '{name}'"))
+            versions = sorted(int(v.version) for v in MlflowClient().search_model_versions(f"name = '{name}'"))
         except Exception:  # noqa: BLE001 (only the wording of an error depends on it)
             versions = []
     if not versions:

@@ -131,15 +131,12 @@ def _check_population(tables: str, p: dict) -> None:
     import pyarrow.parquet as pq
 
     from . import storage
-    from .params import MIN_TABLES
 
     fs, path = storage.resolve(tables)
     with fs.open_input_file(path) as f:
-        n = pq.ParquetFile(f).metadata.num_rows
-    if n < MIN_TABLES:
-        raise EmbshardError(f"{n} tables: a run learns from at least {MIN_TABLES} (split into a train and a test "
-                            "pool; its cost model needs 4 train-pool tables at the least)", path=p["input"] or None,
-                            field="input", fix=f"give at least {MIN_TABLES} tables in the {p['source']} file")
+        small = params_mod.population_problem(pq.ParquetFile(f).metadata.num_rows, p["source"])
+    if small:
+        raise EmbshardError(small[0], path=p["input"] or None, field="input", fix=small[1])
 
 
 def measuring_device(p: dict) -> str:

@@ -48,12 +48,12 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
     pos = {t: i for i, t in enumerate(ids)}
     shards = []
     for row in df_task.itertuples(index=False):
-        _check_shard_columns(row, where)
         off = _value(getattr(row, "col_offset", None))
         size = _value(getattr(row, "col_size", None))
         roff = _value(getattr(row, "row_offset", None))
         rsize = _value(getattr(row, "row_size", None))
         kind = _value(getattr(row, "kind", None))
+        _check_shard_columns(str(row.table_id), off, size, roff, rsize, kind, where)
         shards.append(Shard(pos[str(row.table_id)], int(row.device), int(off or 0),
                             None if size is None else int(size), int(roff or 0),
                             None if rsize is None else int(rsize), "replicated" if kind == "replicated" else ""))
@@ -101,17 +101,17 @@ def _check_alike(df_task: pd.DataFrame, where: str) -> None:
                                 fix="give every row the same value (export.placements.plan_frame writes them so)")
 
 
-def _check_shard_columns(row, where: str) -> None:
-    """A row's offsets and sizes come in pairs, and a `kind` it gives is the one they say: a whole table's row
-    marked `column` had been exported whole without a word, a row_offset without its row_size dropped."""
-    table = str(row.table_id)
-    for offset, size in (("col_offset", "col_size"), ("row_offset", "row_size")):
-        if (_value(getattr(row, offset, None)) is None) != (_value(getattr(row, size, None)) is None):
+def _check_shard_columns(table: str, col_offset, col_size, row_offset, row_size, kind, where: str) -> None:
+    """A row's offsets and sizes (None: not given) come in pairs, and a `kind` it gives is the one they say: a
+    whole table's row marked `column` had been exported whole without a word, a row_offset without its row_size
+    dropped."""
+    for (offset, off_value), (size, size_value) in ((("col_offset", col_offset), ("col_size", col_size)),
+                                                    (("row_offset", row_offset), ("row_size", row_size))):
+        if (off_value is None) != (size_value is None):
             raise EmbshardError(f"table {table}: {offset} and {size} come together (one is given without the "
-                                "other)", path=where, field=size if _value(getattr(row, size, None)) is None
-                                else offset, fix="give both (a slice or range), or neither (the whole table)")
-    kind = _value(getattr(row, "kind", None))
-    cols, rows = (_value(getattr(row, c, None)) is not None for c in ("col_size", "row_size"))
+                                "other)", path=where, field=size if size_value is None else offset,
+                                fix="give both (a slice or range), or neither (the whole table)")
+    cols, rows = col_size is not None, row_size is not None
     if cols and rows:
         raise EmbshardError(f"table {table}: a column slice and a row range at once", path=where, field="row_size",
                             fix="give a column slice (col_offset, col_size) or a row range (row_offset, row_size)")

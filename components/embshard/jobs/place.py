@@ -252,8 +252,8 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     if pricing is not None:
         from ..planners.scoring import model_hardware, unseen_types_warning
 
-        if model_hardware(pricing):
-            placement.meta["model_hardware"] = model_hardware(pricing)
+        if hardware_of_model := model_hardware(pricing):
+            placement.meta["model_hardware"] = hardware_of_model
         late += [_hardware_warning(pricing, hardware, planning=own is not None),
                  unseen_types_warning(pricing, table_set)]
     # Logged where the planner did not (a learned planner gives the types line itself), all in the plan's meta.
