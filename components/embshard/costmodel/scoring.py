@@ -430,7 +430,7 @@ def placement_costs(cost_model: CostEstimator, placement: Placement) -> np.ndarr
 
 
 def balanced_estimate(cost_model: CostEstimator, tables: TableSet, num_devices: int,
-                      column_splits: bool = False) -> float:
+                      column_splits: bool = False, enc: torch.Tensor | None = None) -> float:
     """The balanced estimate under the model (docs/method.md, "Balanced estimate"): per cost head, the smaller of
     (all tables fused on one device) and (the sum of single-table costs), divided by D: what a device would cost if
     the task's work were spread evenly. An estimate, not a bound: measured plans can fall below it (fused,
@@ -441,11 +441,15 @@ def balanced_estimate(cost_model: CostEstimator, tables: TableSet, num_devices: 
     than linearly, the all-to-all pays its latency once per device), so each head takes the smaller of its two.
     A device holding the most expensive table costs at least that table alone (table-wise plans; column-wise
     splits can go below it, so they get the first term alone).
+
+    `enc`: the tables' encodings by this model when the caller has them (a planner's task context), so that they
+    are not computed twice.
     """
-    scorer = TaskScorer(cost_model, tables.features(), num_devices)
+    if enc is None:
+        enc = TaskScorer(cost_model, tables.features(), num_devices).model_enc
     with torch.no_grad():
-        fused = cost_model.heads_from_sums(scorer.model_enc.sum(0, keepdim=True), num_devices)[0]
-        singles = cost_model.heads_from_sums(scorer.model_enc, num_devices)
+        fused = cost_model.heads_from_sums(enc.sum(0, keepdim=True), num_devices)[0]
+        singles = cost_model.heads_from_sums(enc, num_devices)
     # One device: all tables fused is the only plan there is (the min with the sum of singles would put the
     # estimate below it, and `place` had reported a +73% gap to balance on one device).
     estimate = (float(fused.sum()) if num_devices <= 1
