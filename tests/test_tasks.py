@@ -121,6 +121,8 @@ def test_infeasible_tasks_are_errors_not_dropped(tmp_path, capsys):
     (["--memory-gb", "0"], ["memory_gb"]),
     (["--num-tasks", "0"], ["num_tasks"]),
     (["--devices", "4,6", "--devices-per-host", "4"], ["devices_per_host", "6 devices do not split into hosts of 4"]),
+    (["--devices", "4,,8"], ["devices", "an empty item"]),  # a value left out, not the list 4,8
+    (["--memory-gb", ",16"], ["memory_gb", "an empty item"]),
 ])
 def test_bad_requests(tmp_path, tables_path, capsys, argv, words):
     base = ["tasks", "--tables", str(tables_path), "--out", str(tmp_path / "out"), "--num-tasks", "2"]
@@ -128,6 +130,10 @@ def test_bad_requests(tmp_path, tables_path, capsys, argv, words):
     err = capsys.readouterr().err
     assert all(w in err for w in words), err
     assert not (tmp_path / "out" / "tasks.parquet").exists()
+
+
+def test_a_trailing_comma_is_no_item():
+    assert tasks.parse_list("4,8,", "devices") == [4, 8]
 
 
 def test_missing_tables_file(tmp_path, capsys):

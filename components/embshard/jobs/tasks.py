@@ -44,6 +44,11 @@ def parse_list(text, field: str, cast=int) -> list:
     from ..errors import EmbshardError
 
     items = text if isinstance(text, (list, tuple)) else str(text).split(",")
+    if not isinstance(text, (list, tuple)) and len(items) > 1 and items[-1].strip() == "":
+        items = items[:-1]  # one trailing comma ('4,8,') is common and means nothing
+    if any(str(v).strip() == "" for v in items) and len(items) > 1:  # '4,,8': a value left out, not a list of two
+        raise EmbshardError(f"invalid value {text!r}: an empty item", field=field,
+                            fix="give a number or a list like 4,8, without empty items")
     try:
         vals = [cast(v) for v in items if str(v).strip() != ""]
     except argparse.ArgumentTypeError as exc:  # gib_text's own words ("the unit is GiB, not GB")
