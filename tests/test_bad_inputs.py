@@ -843,6 +843,34 @@ def test_unreachable_s3_out_is_one_line(world, tmp_path, capsys, monkeypatch):
     assert time.time() - t0 < 30, line
 
 
+def test_an_s3_region_that_cannot_be_resolved_is_one_line(world, capsys, monkeypatch):
+    """On AWS (no AWS_ENDPOINT_URL) pyarrow asks the store for the bucket's region while it resolves the URI: a store
+    that did not answer there had been a traceback, exit 1 (the reachability checks came after it). Hermetic: the
+    resolver fails as pyarrow's does without a network."""
+    import types
+
+    import pyarrow.fs as pafs
+
+    from embshard import storage
+
+    def no_region(uri):
+        raise OSError(f"When resolving region for bucket '{uri.split('/')[2]}': AWS Error NETWORK_CONNECTION during "
+                      "HeadBucket operation: curlCode: 6, Couldn't resolve host name")
+
+    fake = types.SimpleNamespace(**{k: getattr(pafs, k) for k in dir(pafs) if not k.startswith("__")})
+    fake.FileSystem = types.SimpleNamespace(from_uri=no_region)
+    monkeypatch.setattr(storage, "pafs", fake)
+    _run_refused(_place(world, "--devices", "2", "--memory-gb", "8", "--out", "s3://embshard-nosuch/x"),
+                 ["s3://embshard-nosuch/x", "field 'out'", "cannot reach", "AWS_REGION"], [world["root"]], capsys,
+                 monkeypatch, code=75)
+    from embshard import schemas
+    from embshard.errors import StoreUnreachableError
+
+    with pytest.raises(StoreUnreachableError, match="cannot reach") as err:  # an input read the same way
+        schemas.read("s3://embshard-nosuch/tables.parquet", "tables")
+    assert err.value.exit_code == 75
+
+
 def test_unreachable_s3_tables_are_one_line(world, tmp_path, capsys, monkeypatch):
     """`--tables s3://...` that does not answer ended in a 33-line traceback, exit 1 (place, evaluate, export,
     predict all read tables this way); an s3:// spec, which is read from a local path only, says so."""

@@ -201,15 +201,15 @@ def test_a_device_filled_above_95_percent_is_warned_about():
     """--memory-gb counts embedding weights only: a plan filling a device to 99.9% of it runs out of memory in
     training, so `place` says so in one line (and says nothing for a plan with room)."""
     from embshard.ingest.synthetic import generate_tables
-    from embshard.jobs.place import _full_warning
     from embshard.placement import Placement, Shard
+    from embshard.planners.base import full_warning
     from embshard.tableset import TableSet
 
     ts = TableSet.from_frame(generate_tables(4, seed=0, bins_batch_size=256))
     sizes = ts.size_bytes
     shards = [Shard(i, i % 2) for i in range(4)]
     fullest = max(int(sizes[0] + sizes[2]), int(sizes[1] + sizes[3]))
-    warned = [_full_warning(Placement(ts, 2, int(fullest / m), shards, task_id="t")) for m in (0.99, 0.80)]
+    warned = [full_warning(Placement(ts, 2, int(fullest / m), shards, task_id="t")) for m in (0.99, 0.80)]
     assert warned[1] is None and "above 95%" in warned[0] and "--memory-gb" in warned[0]
 
 

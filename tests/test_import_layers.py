@@ -32,7 +32,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "types": ("embshard.types", "embshard.schemas", "embshard.errors", "embshard.checks", "embshard.storage",
               "embshard.features", "embshard.tableset", "embshard.placement", "embshard.hardware", "embshard.pools",
               "embshard.registry", "embshard.run_context", "embshard.stats", "embshard.version",
-              "embshard.run_layout", "embshard.collectives", "embshard.signals"),
+              "embshard.run_layout", "embshard.collectives", "embshard.signals", "embshard.imports"),
 }
 ORDER = list(LAYERS)  # index 0 is the top
 

@@ -71,19 +71,21 @@ def test_a_topology_never_silently_ignores_what_it_names(world, caplog):
     # A training job that reads only the plan learns it too: the model's hardware and the warnings, in its meta
     # (plan.json's `meta`); it had them only from the log of `embshard place`.
     assert on_gpu.meta["model_hardware"] == "cpu:AMD EPYC"
-    assert len(on_gpu.meta["warnings"]) == 1 and "cuda:NVIDIA H100" in on_gpu.meta["warnings"][0]
+    hardware_lines = [w for w in on_gpu.meta["warnings"] if "measured on" in w]
+    assert len(hardware_lines) == 1 and "cuda:NVIDIA H100" in hardware_lines[0]
     caplog.clear()
     with caplog.at_level("WARNING"):
         same = planner.plan(ts, DeviceTopology(4, mem, hardware="cpu:AMD EPYC"), task_id="t")
         planner.plan(ts, DeviceTopology(4, mem), task_id="t")
-    assert "measured on" not in caplog.text and "warnings" not in same.meta
+    assert "measured on" not in caplog.text
+    assert not [w for w in same.meta.get("warnings", []) if "measured on" in w]
     # FP16 tables: the Python API says what `place` says (it had said nothing), once per plan
     fp16 = replace(ts, bytes_per_element=np.where(np.arange(len(ts)) == 0, 2, ts.bytes_per_element))
     with caplog.at_level("WARNING"):
         half = planner.plan(fp16, DeviceTopology(4, mem), task_id="t")
     assert caplog.text.count("of a type the cost model was never measured on") == 1
-    assert half.meta["warnings"] == [next(r.getMessage() for r in caplog.records
-                                          if "never measured" in r.getMessage()).removeprefix("t: ")]
+    assert [w for w in half.meta["warnings"] if "never measured" in w] == [
+        next(r.getMessage() for r in caplog.records if "never measured" in r.getMessage()).removeprefix("t: ")]
 
 
 def test_shard_kinds_and_the_coverage_rules_of_a_placement(world):

@@ -290,9 +290,9 @@ def test_train_policy_registers_and_place_uses_the_registry(measured_world, cost
     assert {c.name for c in schemas.SCHEMAS["tables"] if c.required} <= {c.name for c in inputs}
     frame = schemas.read(measured_world["tables"], "tables")
     with pytest.raises(EmbshardError) as err:
-        mlflow.pyfunc.load_model(uri).predict(frame.drop(columns=["source"]),
+        mlflow.pyfunc.load_model(uri).predict(frame.drop(columns=["pooling_factor"]),
                                               params={"num_devices": 2, "memory_bytes_per_device": 2**36})
-    assert "source" in str(err.value) and len(str(err.value).splitlines()) == 1
+    assert "pooling_factor" in str(err.value) and len(str(err.value).splitlines()) == 1
 
 
 def test_place_without_a_registered_model_says_how_to_train(small_tables_path, tmp_path):

@@ -560,7 +560,8 @@ OUTPUT = {"kind": "folder", "option": "root"}
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", choices=list(STAGES), help="the stage to run")
     p.add_argument("--root", required=True, help="run root (folder, file:// or s3:// URI); the MLflow store is "
-                   "MLFLOW_TRACKING_URI, else (a local root) ROOT/mlflow.db, shared by every stage of the root")
+                   "MLFLOW_TRACKING_URI, else the run's own (recorded by its ingest in state/run.json), else (a "
+                   "local root) ROOT/mlflow.db, shared by every stage of the root")
     p.add_argument("--params", default=None,
                    help="pipeline parameters as JSON, over the run's own (state/run.json, recorded by its ingest), "
                         "else over the defaults (embshard.stages.DEFAULT_PARAMS)")

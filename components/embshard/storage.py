@@ -16,12 +16,20 @@ from collections.abc import Iterator
 import pyarrow.fs as pafs
 
 
-def resolve(uri: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
-    """(filesystem, path) for a local path, file:// or s3:// URI."""
+def resolve(uri: str | os.PathLike, field: str | None = None) -> tuple[pafs.FileSystem, str]:
+    """(filesystem, path) for a local path, file:// or s3:// URI (`field`: the option or param that named it, for
+    the error of a store that does not answer)."""
     text = os.fspath(uri)
     if "://" not in text:
         return pafs.LocalFileSystem(), os.path.abspath(text)
-    fs, path = pafs.FileSystem.from_uri(text)
+    try:
+        fs, path = pafs.FileSystem.from_uri(text)
+    except OSError as exc:  # on AWS, resolving the bucket's region asks the store: a store that did not answer
+        from .errors import StoreUnreachableError, first_line
+
+        raise StoreUnreachableError(f"cannot reach it ({first_line(exc, 140)})", path=text, field=field,
+                                    fix="check the bucket, the credentials (AWS_*), the region (AWS_REGION) and the "
+                                        "endpoint, or use a local path") from None
     return fs, path
 
 
@@ -31,7 +39,7 @@ def resolve_input(uri: str | os.PathLike, field: str | None = None) -> tuple[paf
     from .errors import EmbshardError, first_line
 
     try:
-        return resolve(uri)
+        return resolve(uri, field)
     except ValueError as exc:
         raise EmbshardError(f"not a path or URI embshard reads ({first_line(exc, 120)})", path=os.fspath(uri),
                             field=field, fix="give a local path, file:// or s3://bucket/key") from None

@@ -27,7 +27,20 @@ class TableSet:
     trace_pooling: np.ndarray
 
     @classmethod
-    def from_frame(cls, df: pd.DataFrame) -> TableSet:
+    def from_frame(cls, df: pd.DataFrame, where: str = "<tables DataFrame>", *, checked: bool = False) -> TableSet:
+        """Tables from a frame with the columns of tables.parquet (docs/contracts.md). The frame is checked against
+        that contract first (one EmbshardError naming `where`, the field and the fix: a negative size, a NaN, a
+        duplicate id, a dim FBGEMM cannot run had planned silently or failed deep in torch); a missing `source`
+        column reads as "dataframe". `checked`: the frame was read with schemas.read or validated already."""
+        if not checked:
+            if isinstance(df, pd.DataFrame) and "source" not in df.columns:
+                df = df.assign(source="dataframe")
+            if not isinstance(df, pd.DataFrame):
+                raise EmbshardError(f"a {type(df).__name__}, not a pandas DataFrame", path=where, field="tables",
+                                    fix="give a DataFrame with the columns of tables.parquet, or read a file with "
+                                        "TableSet.read(path) (tables.parquet) or embshard.ingest.spec.read_tables"
+                                        "(path) (a table spec)")
+            df = schemas.validate(df, "tables", where)
         n = len(df)
         trace_file = (df["trace_file"].to_numpy(dtype=object) if "trace_file" in df.columns
                       else np.full(n, None, dtype=object))
@@ -49,7 +62,7 @@ class TableSet:
 
     @classmethod
     def read(cls, path) -> TableSet:
-        return cls.from_frame(schemas.read(path, "tables"))
+        return cls.from_frame(schemas.read(path, "tables"), checked=True)
 
     def __len__(self) -> int:
         return len(self.table_ids)

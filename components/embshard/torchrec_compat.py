@@ -64,9 +64,12 @@ def torchrec_row_blocks(rows: int, parts: int) -> list[tuple[int, int]]:
 
 def require_torchrec():
     """Import torchrec or raise a one-line EmbshardError that says how to install it."""
+    from .imports import root_logging_kept
+
     try:
-        import torchrec  # noqa: F401
-        from torchrec.distributed.planner import EmbeddingShardingPlanner  # noqa: F401
+        with root_logging_kept():  # fbgemm_gpu's import-time logging.info configures the root logger
+            import torchrec  # noqa: F401
+            from torchrec.distributed.planner import EmbeddingShardingPlanner  # noqa: F401
     except (ImportError, OSError) as exc:
         raise EmbshardError(f"torchrec is not available ({first_line(exc, 80)})",
                             field="torchrec", fix=INSTALL_FIX) from None

@@ -44,8 +44,15 @@ class DeviceTopology:
     hosts: tuple[int, ...] | None = None
 
     def __post_init__(self):
+        import numbers
+
         from .errors import EmbshardError
 
+        for name, fix in (("count", "give a whole number of devices"),
+                          ("memory_bytes", "give memory in bytes as an int, e.g. 80 * 2**30 for 80 GiB")):
+            value = getattr(self, name)  # a float count failed deep in the planners (range() of 4.5)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise EmbshardError(f"{name}={value!r} is not an integer", field=name, fix=fix)
         if self.hosts is not None and len(self.hosts) != self.count:
             raise EmbshardError(f"{len(self.hosts)} host entries for {self.count} devices", field="hosts",
                                 fix="give the host of every device, or none for one host")

@@ -113,7 +113,10 @@ def gpu_count(device: str) -> int:
 def _load_tbe():
     import importlib
 
-    return importlib.import_module(_TBE_MODULE)
+    from ..imports import root_logging_kept
+
+    with root_logging_kept():  # fbgemm_gpu's import-time logging.info configures the root logger
+        return importlib.import_module(_TBE_MODULE)
 
 
 def fbgemm_status(device: str) -> str | None:

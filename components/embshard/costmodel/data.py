@@ -241,7 +241,7 @@ def _piece_rows(tdf: pd.DataFrame, cdf: pd.DataFrame, shards: list[np.ndarray]
     if not keys:
         return base, np.arange(n_tables), is_split
     pieces = [Shard(t, 0, col_size=c, row_offset=o, row_size=z) for (t, c, o, z, _) in keys]
-    extra = piece_features(TableSet.from_frame(tdf), pieces)
+    extra = piece_features(TableSet.from_frame(tdf, checked=True), pieces)
     for j, key in enumerate(keys):
         if key[4]:  # a replica over D devices: 1/D of the lookups (piece_features)
             extra[j, 2] = extra[j, 2] / key[4]

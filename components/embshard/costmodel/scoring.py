@@ -34,6 +34,20 @@ def single_threaded():
         torch.set_num_threads(before)
 
 
+@contextlib.contextmanager
+def torch_defaults():
+    """float32 tensors on the CPU as torch's defaults while the models are loaded or planning runs, whatever the
+    caller set: a notebook's torch.set_default_dtype(torch.float64), or a model built under `with
+    torch.device("meta")` (as TorchRec's docs build them), had made planning fail deep inside torch."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        torch.set_default_dtype(dtype)
+
+
 class TaskScorer:
     """Predicted per-device costs for one task (a fixed set of table pieces on `num_devices` devices).
 

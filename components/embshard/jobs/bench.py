@@ -60,7 +60,7 @@ def _tableset(tables) -> TableSet:
     if isinstance(tables, TableSet):
         return tables
     if isinstance(tables, pd.DataFrame):
-        return TableSet.from_frame(schemas.validate(tables, "tables", "<tables>"))
+        return TableSet.from_frame(tables, "<tables>")
     return TableSet.read(tables)
 
 

@@ -14,7 +14,7 @@ from ..errors import EmbshardError, ModelFilesMissingError, ModelNotFoundError
 from ..ingest.spec import is_spec_path, read_tables, spec_sizes
 from ..placement import Placement
 from ..planners import composition_of, get_planner, is_planner_name, learned_uri
-from ..planners.base import check_capacity, check_feasible
+from ..planners.base import check_capacity, check_feasible, full_warning
 from ..registry import COST_CHAMPION_URI, POLICY_CHAMPION_URI
 from ..tableset import TableSet
 from ..torchrec_compat import unnamable_warning
@@ -103,21 +103,6 @@ def predicted(placement: Placement, planner, cost_model) -> tuple[np.ndarray | N
         log.info("balanced estimate %.3f ms withheld: the cost model predicts a placement below it on these tables",
                  estimate)
     return costs, checked
-
-
-FULL_WARNING = 0.95  # of --memory-gb: above it a device has no room for what the weights need beside them
-
-
-def _full_warning(placement: Placement) -> str | None:
-    """One warning line when a device is filled above FULL_WARNING: --memory-gb counts embedding weights only."""
-    used = placement.memory_per_device() / max(placement.memory_bytes_per_device, 1)
-    full = np.flatnonzero(used > FULL_WARNING)
-    if not len(full):
-        return None
-    k = int(full[np.argmax(used[full])])
-    return (f"{len(full)} device(s) filled above {100 * FULL_WARNING:.0f}% of the memory given (device {k}: "
-            f"{100 * used[k]:.1f}%) with embedding weights alone; optimizer state, buffers and the dense model need "
-            "room too (fix: give --memory-gb what the embedding weights may use)")
 
 
 def _hardware_warning(model, hardware: str | None, planning: bool = False) -> str | None:
@@ -226,6 +211,8 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
     learned = composition_of(planner) is not None
     cost_model = None if learned else load_cost_model_or_none(cost_model_uri)
     p = planner_for(planner, model_uri, time_budget_s, search_evaluations)
+    if hasattr(p, "warned_lines"):  # said above: the planner does not say them again
+        p.warned_lines().update(line for line in early if line)
     if refine_k:
         from ..refine import explore
 
@@ -257,7 +244,7 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
         late += [_hardware_warning(pricing, hardware, planning=own is not None),
                  unseen_types_warning(pricing, table_set)]
     # Logged where the planner did not (a learned planner gives the types line itself), all in the plan's meta.
-    _record_warnings(placement, early, [*late, _full_warning(placement)])
+    _record_warnings(placement, early, [*late, full_warning(placement)])
     with storage.staged_dir(out) as stage:  # all three files or none
         write_plan_json(placement, os.path.join(stage, "plan.json"), device_costs=costs, balanced_estimate=lb)
         schemas.write(plan_frame(placement, costs, lb), os.path.join(stage, "placements.parquet"), "placements")

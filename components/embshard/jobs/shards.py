@@ -129,7 +129,7 @@ def run(tables: str, tasks: str, out: str, *, num_shards: int, seed: int = 0,
     if int(num_shards) < 3:
         raise EmbshardError(f"{num_shards} shards", field="bench_shards", fix="measure at least 3 shards")
     tdf = schemas.read(tables, "tables")
-    table_set = TableSet.from_frame(tdf)
+    table_set = TableSet.from_frame(tdf, checked=True)
     train_tasks = load_tasks(table_set, tasks, "train")
     target, inputs_file = storage.join(out, SHARDS_FILE), storage.join(out, SHARDS_INPUTS_FILE)
     pool_column = [str(p) for p in tdf["pool"]] if "pool" in tdf.columns else None

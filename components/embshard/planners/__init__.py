@@ -52,15 +52,28 @@ def available_planners() -> list[str]:
     return [LEARNED, *BASELINES, "torchrec_table_wise", "torchrec_full", *others]
 
 
+# The settings get_planner takes; each planner uses its own of them and leaves the others (an evaluation passes
+# one set to every planner). Any other name is a mistake ('sead=3' had planned with seed 0 without a word).
+PLANNER_SETTINGS = ("model_uri", "time_budget_s", "search_evaluations", "num_samples", "seed", "column_splits",
+                    "timeout_s", "batch_size")
+
+
 def get_planner(name: str, **kw) -> Planner:
-    """A planner by name. `learned` takes model_uri=... (default models:/embshard-policy@champion)."""
+    """A planner by name. `learned` takes model_uri=... (default models:/embshard-policy@champion; a name with
+    @ALIAS or /VERSION, e.g. learned/2, names its model itself and model_uri is then only a default); the learned
+    compositions also take time_budget_s, search_evaluations, num_samples and seed, TorchRec's timeout_s and
+    batch_size, the baselines seed (PLANNER_SETTINGS; a setting another kind of planner takes is left unused)."""
     from .baselines import make_baseline
 
+    unknown = sorted(set(kw) - set(PLANNER_SETTINGS))
+    if unknown:
+        raise EmbshardError(f"unknown planner setting {unknown[0]!r}", field=unknown[0],
+                            fix=f"use the settings {', '.join(PLANNER_SETTINGS)}")
     comp = composition_of(name)
     if comp is not None:
         from .registered import load_planner
 
-        uri = learned_uri(name, kw.get("model_uri"))
+        uri = learned_uri(name, kw.get("model_uri"))  # a name's @ALIAS or /VERSION wins over model_uri (a default)
         opts = {k: v for k, v in kw.items() if k in ("time_budget_s", "search_evaluations", "num_samples", "seed")}
         if kw.get("column_splits") is False and comp == LEARNED:  # the former switch: no split refinement
             comp = "no_splits"

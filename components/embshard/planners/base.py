@@ -6,6 +6,12 @@ missing: a table is never silently put on a device that cannot hold it.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import logging
+import math
+import numbers
+import sys
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
@@ -19,7 +25,12 @@ from ..types import DeviceTopology
 if TYPE_CHECKING:
     from ..types import Task
 
-from ..checks import GiB, size_text
+from ..checks import MAX_DEVICES, MAX_MEMORY_GB, GiB, size_text
+
+log = logging.getLogger(__name__)
+# True while a plan is being made in this thread (or task): the plans planners make inside it are proposals, whose
+# warnings the outer plan gives if they still hold.
+_planning: contextvars.ContextVar[bool] = contextvars.ContextVar("embshard_planning", default=False)
 
 
 class Planner(ABC):
@@ -31,29 +42,72 @@ class Planner(ABC):
              task_id: str = "task") -> Placement:
         """Place `tables` on the devices: a DeviceTopology, or a device count with `memory_bytes_per_device`
         (one host). The placement carries the topology (`placement.devices`)."""
+        if not isinstance(tables, TableSet):  # a DataFrame or a path had failed deep inside (AttributeError)
+            raise EmbshardError(f"tables is a {type(tables).__name__}, not a TableSet", path=task_id, field="tables",
+                                fix="give TableSet.from_frame(df), TableSet.read('tables.parquet') or "
+                                    "embshard.ingest.spec.read_tables('spec.yaml')")
         if isinstance(num_devices, DeviceTopology):
+            if memory_bytes_per_device is not None:  # plan(tables, topology, "my-task") had dropped the task id
+                raise EmbshardError(f"memory_bytes_per_device={memory_bytes_per_device!r} beside a DeviceTopology",
+                                    path=task_id, field="memory_bytes_per_device",
+                                    fix="the topology holds the memory: give plan(tables, topology, task_id=...)")
             topology = num_devices
         else:
             if memory_bytes_per_device is None:
                 raise EmbshardError("no memory per device", path=task_id, field="memory_bytes_per_device",
                                     fix="give memory_bytes_per_device or a DeviceTopology")
-            topology = DeviceTopology(int(num_devices), int(memory_bytes_per_device))
+            topology = DeviceTopology(_whole(num_devices, "num_devices", task_id, "give a whole number of devices"),
+                                      _whole(memory_bytes_per_device, "memory_bytes_per_device", task_id,
+                                             "give memory in bytes, e.g. 80 * 2**30 for 80 GiB"))
         if len(tables) == 0:
             raise EmbshardError("no tables to place", path=task_id, field="table_ids",
                                 fix="give a task with at least one table")
-        if topology.count <= 0:
-            raise EmbshardError(f"{topology.count} devices", path=task_id, field="num_devices",
-                                fix="ask for at least one device")
-        if topology.memory_bytes <= 0:
-            raise EmbshardError(f"{topology.memory_bytes} bytes of memory per device", path=task_id,
-                                field="memory_bytes_per_device", fix="give a positive memory per device")
+        if not 0 < topology.count <= MAX_DEVICES:  # 10^6 devices had run for minutes before any error
+            raise EmbshardError(f"{topology.count:,} devices", path=task_id, field="num_devices",
+                                fix=f"ask for 1 to {MAX_DEVICES:,} devices")
+        if not 0 < topology.memory_bytes <= MAX_MEMORY_GB * GiB:
+            raise EmbshardError(f"{topology.memory_bytes:,} bytes of memory per device", path=task_id,
+                                field="memory_bytes_per_device",
+                                fix=f"give a positive memory per device of at most {MAX_MEMORY_GB:,.0f} GiB (1 PiB)")
         check_feasible(tables, topology.count, topology.memory_bytes, task_id)
-        placement = self._plan(tables, topology, task_id)
+        outer = not _planning.get()  # not a proposal inside another planner's plan (the learned planner's heuristics)
+        token = _planning.set(True)
+        try:
+            with _torch_defaults():
+                placement = self._plan(tables, topology, task_id)
+        finally:
+            _planning.reset(token)
         placement.planner = placement.planner or self.name
         placement.task_id = task_id
         placement.topology = topology
+        for alt in placement.alternatives:  # plans of the same task (a table-row-wise one needs its hosts)
+            alt.planner = alt.planner or placement.planner
+            alt.task_id, alt.topology = task_id, topology
         placement.check()
+        if outer:
+            self._record_warnings(placement)
         return placement
+
+    def _record_warnings(self, placement: Placement) -> None:
+        """The warnings every plan owes its user (ids TorchRec cannot take, a device filled above FULL_WARNING),
+        in the plan's meta.warnings with the planner's own, each logged once per planner: a script that calls
+        `plan` learns what `embshard place` says (it had recorded them only in place)."""
+        from ..torchrec_compat import unnamable_warning
+
+        lines = [line for line in (unnamable_warning(placement.tables.table_ids), full_warning(placement)) if line]
+        if not lines:
+            return
+        placement.meta["warnings"] = list(dict.fromkeys([*(placement.meta.get("warnings") or []), *lines]))
+        warned = self.warned_lines()
+        for line in lines:
+            if line not in warned:
+                warned.add(line)
+                log.warning("%s: %s", placement.task_id, line)
+
+    def warned_lines(self) -> set[str]:
+        """Warning lines this planner has logged (each is logged once per planner; a caller that said one itself
+        adds it here)."""
+        return self.__dict__.setdefault("_warned", set())
 
     def plan_task(self, task: Task) -> Placement:
         """`plan` for a Task (embshard.types): its tables and device topology."""
@@ -62,6 +116,41 @@ class Planner(ABC):
     @abstractmethod
     def _plan(self, tables: TableSet, topology: DeviceTopology, task_id: str) -> Placement:
         ...
+
+
+FULL_WARNING = 0.95  # of the memory given: above it a device has no room for what the weights need beside them
+
+
+def full_warning(placement: Placement) -> str | None:
+    """One warning line when a device is filled above FULL_WARNING: the memory given counts embedding weights
+    only."""
+    used = placement.memory_per_device() / max(placement.memory_bytes_per_device, 1)
+    full = np.flatnonzero(used > FULL_WARNING)
+    if not len(full):
+        return None
+    k = int(full[np.argmax(used[full])])
+    return (f"{len(full)} device(s) filled above {100 * FULL_WARNING:.0f}% of the memory given (device {k}: "
+            f"{100 * used[k]:.1f}%) with embedding weights alone; optimizer state, buffers and the dense model need "
+            "room too (fix: give --memory-gb, or memory_bytes_per_device, what the embedding weights may use)")
+
+
+def _torch_defaults():
+    """costmodel.scoring.torch_defaults where torch is imported (only then can a caller have changed its defaults;
+    the heuristics never import it)."""
+    if "torch" not in sys.modules:
+        return contextlib.nullcontext()
+    from ..costmodel.scoring import torch_defaults
+
+    return torch_defaults()
+
+
+def _whole(value, field: str, task_id: str, fix: str) -> int:
+    """`value` as an int when it is a whole number (4, 4.0, numpy's); else one EmbshardError (4.7 devices had
+    planned 4, '4' and True had been taken)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) \
+            and float(value).is_integer():
+        return int(float(value))
+    raise EmbshardError(f"{value!r} is not a whole number", path=task_id, field=field, fix=fix)
 
 
 def check_feasible(tables: TableSet, num_devices: int, memory_bytes_per_device: int, task_id: str = "task"):

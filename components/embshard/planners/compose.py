@@ -18,6 +18,7 @@ improvements.
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from .. import checks
 from ..errors import EmbshardError
 from ..hardware import mismatch_warning
 from ..placement import Placement, Shard
@@ -45,6 +47,7 @@ from .scoring import (
     predicted_costs,
     replica_extra_ms,
     single_threaded,
+    torch_defaults,
     unseen_types_warning,
 )
 from .search import Budget, CutCache, SearchState, cut_kind, local_search, try_splits
@@ -658,9 +661,20 @@ class ComposedPlanner(Planner):
         self.composition = composition
         self.cost_model = cost_model
         self.name = name
+        # checked here, not where first used: a negative budget had turned the search off without a word, a seed
+        # of -1 failed in numpy at the first plan
+        if search_evaluations is not None and (not isinstance(search_evaluations, numbers.Integral)
+                                               or isinstance(search_evaluations, bool) or search_evaluations < 0):
+            raise EmbshardError(f"search_evaluations={search_evaluations!r}", field="search_evaluations",
+                                fix="give a whole number >= 0 of scored moves and swaps (0: no search), or None "
+                                    "for the default")
+        if time_budget_s is not None and (isinstance(time_budget_s, bool) or not isinstance(time_budget_s, numbers.Real)
+                                          or not 0 <= float(time_budget_s) < float("inf")):
+            raise EmbshardError(f"time_budget_s={time_budget_s!r}", field="time_budget_s",
+                                fix="give a safety cap in seconds >= 0, or None for the default (60 s)")
         self.search_evaluations = search_evaluations
         self.time_budget_s = time_budget_s
-        self.seed = seed
+        self.seed = checks.seed(seed)
         self.model_uri = model_uri
         # None: the floor of the cost model's hardware (splitting.speed_slice_bytes), read when a task is planned,
         # since a caller may swap the cost model (benchmarks.gpu_quality plans with a GPU-trained one).
@@ -669,7 +683,6 @@ class ComposedPlanner(Planner):
         self.on_phase: Callable[[str], None] | None = None
         # Set by a measured refinement (embshard.refine.explore): keep more cut variants as alternatives.
         self.explore_cuts = False
-        self._warned: set[str] = set()  # warning lines already logged (each plan still records its own)
 
     def evaluations_for(self, num_tables: int) -> int:
         """Search work (scored moves and swaps): the given budget, else 40,000 up to 250 tables, growing to
@@ -696,8 +709,8 @@ class ComposedPlanner(Planner):
                              source="the topology's hardware") if topology.hardware else None,
             unseen_types_warning(self.cost_model, tables)) if line]
         for line in warnings:  # each line once per planner (an evaluation plans many tasks of the same tables)
-            if line not in self._warned:
-                self._warned.add(line)
+            if line not in self.warned_lines():
+                self.warned_lines().add(line)
                 log.warning("%s: %s", task_id, line)
         # inference_mode, not no_grad: no version counters or view tracking on the thousands of tiny ops of a
         # plan (14% of its time at 10-200 tables, measured); nothing it makes outlives the plan but Python values.
@@ -713,13 +726,15 @@ class ComposedPlanner(Planner):
     def predicted_costs(self, placement: Placement) -> np.ndarray:
         """Each device's predicted cost (ms) of `placement` by this planner's cost model: what `embshard place`
         writes, e.g. `write_plan_json(placement, path, device_costs=planner.predicted_costs(placement))`."""
-        return placement_costs(self.cost_model, placement)
+        with torch_defaults():
+            return placement_costs(self.cost_model, placement)
 
     def balanced_estimate(self, placement: Placement) -> float | None:
         """The balanced estimate (ms) `embshard place` writes beside the costs, e.g. `write_plan_json(placement,
         path, device_costs=..., balanced_estimate=planner.balanced_estimate(placement))`: None where the model's
         own predictions contradict it (scoring.predicted_costs)."""
-        return predicted_costs(self.cost_model, placement)[2]
+        with torch_defaults():
+            return predicted_costs(self.cost_model, placement)[2]
 
     def slice_floor(self) -> int:
         """The split search's slice floor (bytes per row): the one given, else the cost model's hardware's."""

@@ -16,6 +16,9 @@ plan():
 """
 from __future__ import annotations
 
+import numbers
+
+from ..errors import EmbshardError
 from ..policy.core import PolicyNet
 from ..types import CostEstimator
 from .compose import ComposedPlanner, composition, cost_greedy
@@ -32,6 +35,11 @@ class LearnedPlanner(ComposedPlanner):
                  model_uri: str | None = None, min_slice_bytes: int | None = None):
         # None: the composition's own (8 sampled rollouts, the best 3 candidates refined)
         settings = {k: v for k, v in (("num_samples", num_samples), ("refine_top", refine_top)) if v is not None}
+        for k, v in settings.items():
+            least = 0 if k == "num_samples" else 1
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < least:
+                raise EmbshardError(f"{k}={v!r}", field=k, fix=f"give a whole number >= {least}, or None for the "
+                                    "default")
         super().__init__(composition(composition_name, policy, **settings),
                          cost_model, name=composition_name, search_evaluations=search_evaluations,
                          time_budget_s=time_budget_s, seed=seed, model_uri=model_uri,

@@ -41,7 +41,7 @@ def _policy_python_model() -> Any:
             self.policy, self.cost_model, self.config = bundle_from_artifacts(context.artifacts)
 
         def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:  # noqa: ARG002 (MLflow's signature)
-            from .. import checks, schemas
+            from .. import checks
             from ..costmodel.scoring import placement_costs
             from ..errors import EmbshardError
             from ..tableset import TableSet
@@ -71,7 +71,7 @@ def _policy_python_model() -> Any:
                                     fix="give memory in bytes, e.g. 80 * 2**30 for 80 GiB")
             # Versions registered before devices_per_host was a param drop it (MLflow warns): one host.
             per_host = int(params.get("devices_per_host") or 0) or None
-            tables = TableSet.from_frame(schemas.validate(model_input, "tables", "<model input>"))
+            tables = TableSet.from_frame(model_input, "<model input>")
             planner = LearnedPlanner(self.policy, self.cost_model)
             placement = planner.plan(tables, DeviceTopology.on_hosts(devices, memory, per_host),
                                      task_id=str(params.get("task_id") or "task"))
@@ -88,12 +88,19 @@ def _policy_python_model() -> Any:
 
 
 def bundle_from_artifacts(a: dict[str, str]):
-    """(policy, cost_model, config) from the bundle's artifact files (policy.model.policy_artifacts)."""
+    """(policy, cost_model, config) from the bundle's artifact files (policy.model.policy_artifacts). Loaded as
+    float32 on the CPU whatever the caller set, leaving torch's global random state as it was (the networks are
+    built, drawing from it, before their weights are read: a user's seeded model init after load_planner had
+    changed)."""
+    import torch
+
     from ..costmodel.ensemble import CostEnsemble
+    from ..costmodel.scoring import torch_defaults
     from ..policy.model import load_policy_files
 
-    policy, config = load_policy_files(a["policy_weights"], a["policy_config"])
-    cost_model = CostEnsemble.from_files({k[len("cost_"):]: v for k, v in a.items() if k.startswith("cost_")})
+    with torch_defaults(), torch.random.fork_rng(devices=[]):
+        policy, config = load_policy_files(a["policy_weights"], a["policy_config"])
+        cost_model = CostEnsemble.from_files({k[len("cost_"):]: v for k, v in a.items() if k.startswith("cost_")})
     return policy, cost_model, config
 
 

@@ -13,6 +13,7 @@ from ..costmodel.scoring import (  # noqa: F401  (the planners' scoring vocabula
     replica_extra_ms,
     replica_extras,
     single_threaded,
+    torch_defaults,
 )
 from ..errors import EmbshardError
 from ..placement import Placement
