@@ -127,19 +127,57 @@ def test_meta_warnings_hold_what_place_warns_about(frame, learned, caplog, name)
     assert any("above 95%" in w for w in warnings) and any("'items'" in w for w in warnings), warnings
     assert sum("above 95%" in r.getMessage() for r in caplog.records) == 1
     assert sum("'items'" in r.getMessage() for r in caplog.records) == 1
+    # another task, other numbers in the line: the kind of warning was said already (an evaluation plans many)
+    with caplog.at_level("WARNING"):
+        rest = ts.subset(range(1, len(ts)))
+        other = planner.plan(rest, 2, int(np.ceil(rest.size_bytes.sum() / 2 / 0.97)), "u")
+    assert any("above 95%" in w for w in other.meta["warnings"])
+    assert sum("above 95%" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_plans_that_are_not_the_users_give_no_warnings(frame, learned, caplog):
+    """The price check's witnesses (the baselines' plans of the task) and a refinement's candidates had logged
+    their own full-device lines under the user's task id."""
+    from embshard.planners.scoring import predicted_costs
+    from embshard.refine import candidates
+
+    ts = TableSet.from_frame(frame)
+    tight = int(np.ceil(ts.size_bytes.sum() / 2 / 0.97))
+    plan = get_planner("size_greedy").plan(ts, 2, tight, "t")
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        predicted_costs(learned.cost_model, plan)
+        candidates(plan, learned.cost_model, torchrec=False)
+    assert "above 95%" not in caplog.text
 
 
 def test_planning_works_under_a_float64_default_and_a_meta_device(tables, learned):
+    """The pyfunc's predict prices its plan with scoring.placement_costs: that is covered too. Two threads planning
+    at once under a float64 default do not undo each other's float32 (torch's default is the process's)."""
+    import threading
+
+    from embshard.costmodel.scoring import placement_costs
+
     topo = DeviceTopology(4, int(tables.size_bytes.sum()))
     ref = learned.plan(tables, topo)
     torch.set_default_dtype(torch.float64)
     try:
         assert learned.plan(tables, topo).shards == ref.shards
         assert np.isfinite(learned.predicted_costs(ref)).all()
+        assert np.isfinite(placement_costs(learned.cost_model, ref)).all()
+        same: list[bool] = []
+        threads = [threading.Thread(target=lambda: same.append(learned.plan(tables, topo).shards == ref.shards))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert same == [True, True] and torch.get_default_dtype() == torch.float64
     finally:
         torch.set_default_dtype(torch.float32)
     with torch.device("meta"):
         assert learned.plan(tables, topo).shards == ref.shards
+        assert np.isfinite(placement_costs(learned.cost_model, ref)).all()
     assert torch.get_default_dtype() == torch.float32
 
 

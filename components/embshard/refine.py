@@ -33,7 +33,7 @@ from .bench.runner import MeasureSettings
 from .checks import MAX_ROUNDS
 from .errors import EmbshardError
 from .placement import Placement
-from .planners.base import Planner
+from .planners.base import Planner, inner_plans
 from .planners.baselines import GREEDY_BASELINES, make_baseline
 from .planners.compose import shard_sets
 from .planners.search import cut_kind
@@ -124,7 +124,8 @@ def candidates(learned: Placement, cost_model=None, *, torchrec: bool = True, se
         others.append(("torchrec_table_wise", _torchrec))
     for label, make in others:
         try:
-            out.append(Candidate(label, label, make().plan(learned.tables, topo, task_id=tid)))
+            with inner_plans():  # candidates, not the user's plan: no warnings of their own
+                out.append(Candidate(label, label, make().plan(learned.tables, topo, task_id=tid)))
         except (EmbshardError, ImportError) as exc:
             log.info("refine: %s has no plan for %s (%s)", label, tid, exc)
     if cost_model is not None:

@@ -24,12 +24,15 @@ def resolve(uri: str | os.PathLike, field: str | None = None) -> tuple[pafs.File
         return pafs.LocalFileSystem(), os.path.abspath(text)
     try:
         fs, path = pafs.FileSystem.from_uri(text)
-    except OSError as exc:  # on AWS, resolving the bucket's region asks the store: a store that did not answer
-        from .errors import StoreUnreachableError, first_line
+    except OSError as exc:  # on AWS, resolving the bucket's region asks the store
+        from .errors import EmbshardError, StoreUnreachableError, first_line
 
-        raise StoreUnreachableError(f"cannot reach it ({first_line(exc, 140)})", path=text, field=field,
-                                    fix="check the bucket, the credentials (AWS_*), the region (AWS_REGION) and the "
-                                        "endpoint, or use a local path") from None
+        fix = "check the bucket, the credentials (AWS_*), the region (AWS_REGION) and the endpoint, or use a local path"
+        # a store that did not answer is worth another try (exit 75); a refusal (no such bucket, access denied) is not
+        unreachable = any(w in str(exc) for w in ("NETWORK_CONNECTION", "curlCode", "imeout", "Connection"))
+        error = StoreUnreachableError if unreachable else EmbshardError
+        raise error(f"cannot {'reach' if unreachable else 'resolve'} it ({first_line(exc, 140)})", path=text,
+                    field=field, fix=fix) from None
     return fs, path
 
 

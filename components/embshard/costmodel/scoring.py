@@ -13,6 +13,7 @@ would charge for its dim (a replica sends no pooled outputs) plus the ring all-r
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 import torch
@@ -39,17 +40,42 @@ def torch_defaults():
     """float32 tensors on the CPU as torch's defaults while the models are loaded or planning runs, whatever the
     caller set: a notebook's torch.set_default_dtype(torch.float64), or a model built under `with
     torch.device("meta")` (as TorchRec's docs build them), had made planning fail deep inside torch."""
-    dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32)
     # A device context is a mode every torch call goes through (planning took 1.5x as long inside one): entered only
-    # when the caller's default device is another one.
+    # when the caller's default device is another one (a device context is the calling thread's own).
     device = (contextlib.nullcontext() if torch.get_default_device().type == "cpu"
               else torch.device("cpu"))
+    with _float32_default(), device:
+        yield
+
+
+_DTYPE_LOCK = threading.Lock()
+_dtype_users = 0            # blocks inside _float32_default (any thread)
+_dtype_before = None        # the default the first of them found, put back by the last
+
+
+@contextlib.contextmanager
+def _float32_default():
+    """float32 as torch's default dtype, which is the whole process's: nothing changes when it already is (the
+    usual case); else the first block (of any thread) sets it and the last one out puts the caller's back, so that
+    two threads planning at once do not undo each other's."""
+    global _dtype_users, _dtype_before
+    with _DTYPE_LOCK:
+        if _dtype_users == 0 and torch.get_default_dtype() == torch.float32:
+            changed = False
+        else:
+            changed = True
+            if _dtype_users == 0:
+                _dtype_before = torch.get_default_dtype()
+                torch.set_default_dtype(torch.float32)
+            _dtype_users += 1
     try:
-        with device:
-            yield
+        yield
     finally:
-        torch.set_default_dtype(dtype)
+        if changed:
+            with _DTYPE_LOCK:
+                _dtype_users -= 1
+                if _dtype_users == 0:
+                    torch.set_default_dtype(_dtype_before)
 
 
 class TaskScorer:
@@ -440,11 +466,12 @@ def replica_extras(cost_model: CostEstimator, tables: TableSet, tabs: np.ndarray
 
 def placement_costs(cost_model: CostEstimator, placement: Placement) -> np.ndarray:
     """Predicted per-device total cost (ms) of any placement, column slices and replicas included."""
-    feats = piece_features(placement.tables, placement.shards, placement.num_devices)
-    scorer = TaskScorer(cost_model, feats, placement.num_devices,
-                        extra=replica_extra_ms(cost_model, placement.tables, placement.shards,
-                                               placement.num_devices, feats))
-    return scorer.device_costs(placement.device_of_shards())
+    with torch_defaults():
+        feats = piece_features(placement.tables, placement.shards, placement.num_devices)
+        scorer = TaskScorer(cost_model, feats, placement.num_devices,
+                            extra=replica_extra_ms(cost_model, placement.tables, placement.shards,
+                                                   placement.num_devices, feats))
+        return scorer.device_costs(placement.device_of_shards())
 
 
 def balanced_estimate(cost_model: CostEstimator, tables: TableSet, num_devices: int,
@@ -463,6 +490,11 @@ def balanced_estimate(cost_model: CostEstimator, tables: TableSet, num_devices: 
     `enc`: the tables' encodings by this model when the caller has them (a planner's task context), so that they
     are not computed twice.
     """
+    with torch_defaults():
+        return _balanced_estimate(cost_model, tables, num_devices, column_splits, enc)
+
+
+def _balanced_estimate(cost_model, tables, num_devices, column_splits, enc) -> float:
     if enc is None:
         enc = TaskScorer(cost_model, tables.features(), num_devices).model_enc
     with torch.no_grad():

@@ -192,6 +192,7 @@ def plan_shards(tables: TableSet, n: int, *, memory_bytes_per_device: int, seed:
     origin: 'plan:<planner>[+split][+replica][+move]'.
     """
     from ..bench.sampler import device_shard_row, piece_key
+    from ..planners.base import inner_plans
     from ..planners.baselines import GREEDY_BASELINES, PROXIES, make_baseline
     from ..types import REPLICATED
 
@@ -212,7 +213,8 @@ def plan_shards(tables: TableSet, n: int, *, memory_bytes_per_device: int, seed:
         sub = tables.subset(np.sort(rng.choice(len(tables), size=k, replace=False)))
         name = GREEDY_BASELINES[int(rng.integers(len(GREEDY_BASELINES)))]
         try:
-            plan = make_baseline(name, seed=seed).plan(sub, nd, memory_bytes_per_device, f"plan-{attempt}")
+            with inner_plans():  # shapes to measure, not a user's plan: no warnings
+                plan = make_baseline(name, seed=seed).plan(sub, nd, memory_bytes_per_device, f"plan-{attempt}")
         except EmbshardError:
             continue  # these tables do not fit these devices: draw another task
         origin = f"plan:{name}"

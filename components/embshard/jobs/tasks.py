@@ -152,8 +152,9 @@ def _packs_cut(tables_df, task: dict, size: dict) -> bool:
 
     sub = tables_df[tables_df["table_id"].astype(str).isin(task["table_ids"])]
     try:
-        split_to_fit(TableSet.from_frame(sub), DeviceTopology(task["num_devices"], task["memory_bytes_per_device"]),
-                     task["task_id"])
+        # checked: `tables_df` was read against the tables contract (up to 20,000 tasks come here)
+        split_to_fit(TableSet.from_frame(sub, checked=True),
+                     DeviceTopology(task["num_devices"], task["memory_bytes_per_device"]), task["task_id"])
     except InfeasiblePlacementError:
         return False
     return True

@@ -28,9 +28,21 @@ if TYPE_CHECKING:
 from ..checks import MAX_DEVICES, MAX_MEMORY_GB, GiB, size_text
 
 log = logging.getLogger(__name__)
-# True while a plan is being made in this thread (or task): the plans planners make inside it are proposals, whose
-# warnings the outer plan gives if they still hold.
+# True while a plan is being made in this thread (or task), or inside `inner_plans()`: the plans made then are
+# proposals, witnesses or candidates, not the user's plan, and give no warnings of their own.
 _planning: contextvars.ContextVar[bool] = contextvars.ContextVar("embshard_planning", default=False)
+
+
+@contextlib.contextmanager
+def inner_plans():
+    """Plans made in this block are not the user's (a price check's witnesses, a refinement's candidates, the shard
+    sampler's greedy plans): they record and log no warnings (a price check had logged six full-device lines about
+    baseline plans the user never asked for)."""
+    token = _planning.set(True)
+    try:
+        yield
+    finally:
+        _planning.reset(token)
 
 
 class Planner(ABC):
@@ -94,19 +106,23 @@ class Planner(ABC):
         `plan` learns what `embshard place` says (it had recorded them only in place)."""
         from ..torchrec_compat import unnamable_warning
 
-        lines = [line for line in (unnamable_warning(placement.tables.table_ids), full_warning(placement)) if line]
-        if not lines:
+        # (kind, line): a kind is logged once per planner (an evaluation's tasks differ in their numbers and ids);
+        # each plan records its own line
+        found = [(kind, line) for kind, line in (("torchrec_ids", unnamable_warning(placement.tables.table_ids)),
+                                                 ("full_device", full_warning(placement))) if line]
+        if not found:
             return
-        placement.meta["warnings"] = list(dict.fromkeys([*(placement.meta.get("warnings") or []), *lines]))
+        placement.meta["warnings"] = list(dict.fromkeys([*(placement.meta.get("warnings") or []),
+                                                         *(line for _, line in found)]))
         warned = self.warned_lines()
-        for line in lines:
-            if line not in warned:
-                warned.add(line)
+        for kind, line in found:
+            if kind not in warned and line not in warned:
+                warned.update((kind, line))
                 log.warning("%s: %s", placement.task_id, line)
 
     def warned_lines(self) -> set[str]:
-        """Warning lines this planner has logged (each is logged once per planner; a caller that said one itself
-        adds it here)."""
+        """Warning lines (and kinds of warning) this planner has logged: each once per planner; a caller that said
+        one itself adds it here."""
         return self.__dict__.setdefault("_warned", set())
 
     def plan_task(self, task: Task) -> Placement:

@@ -47,7 +47,6 @@ from .scoring import (
     predicted_costs,
     replica_extra_ms,
     single_threaded,
-    torch_defaults,
     unseen_types_warning,
 )
 from .search import Budget, CutCache, SearchState, cut_kind, local_search, try_splits
@@ -669,7 +668,7 @@ class ComposedPlanner(Planner):
                                 fix="give a whole number >= 0 of scored moves and swaps (0: no search), or None "
                                     "for the default")
         if time_budget_s is not None and (isinstance(time_budget_s, bool) or not isinstance(time_budget_s, numbers.Real)
-                                          or not 0 <= float(time_budget_s) < float("inf")):
+                                          or not float(time_budget_s) >= 0):  # inf: no cap
             raise EmbshardError(f"time_budget_s={time_budget_s!r}", field="time_budget_s",
                                 fix="give a safety cap in seconds >= 0, or None for the default (60 s)")
         self.search_evaluations = search_evaluations
@@ -726,15 +725,13 @@ class ComposedPlanner(Planner):
     def predicted_costs(self, placement: Placement) -> np.ndarray:
         """Each device's predicted cost (ms) of `placement` by this planner's cost model: what `embshard place`
         writes, e.g. `write_plan_json(placement, path, device_costs=planner.predicted_costs(placement))`."""
-        with torch_defaults():
-            return placement_costs(self.cost_model, placement)
+        return placement_costs(self.cost_model, placement)
 
     def balanced_estimate(self, placement: Placement) -> float | None:
         """The balanced estimate (ms) `embshard place` writes beside the costs, e.g. `write_plan_json(placement,
         path, device_costs=..., balanced_estimate=planner.balanced_estimate(placement))`: None where the model's
         own predictions contradict it (scoring.predicted_costs)."""
-        with torch_defaults():
-            return predicted_costs(self.cost_model, placement)[2]
+        return predicted_costs(self.cost_model, placement)[2]
 
     def slice_floor(self) -> int:
         """The split search's slice floor (bytes per row): the one given, else the cost model's hardware's."""

@@ -13,11 +13,11 @@ from ..costmodel.scoring import (  # noqa: F401  (the planners' scoring vocabula
     replica_extra_ms,
     replica_extras,
     single_threaded,
-    torch_defaults,
 )
 from ..errors import EmbshardError
 from ..placement import Placement
 from ..types import CostEstimator
+from .base import inner_plans
 from .baselines import BASELINES, make_baseline
 
 
@@ -68,8 +68,9 @@ def checked_balanced_estimate(cost_model: CostEstimator, placement: Placement, e
         return None if min(witnesses) < estimate * (1 - FLOAT_TOL) else estimate
     for name in BASELINES:
         try:
-            other = make_baseline(name).plan(placement.tables, placement.num_devices,
-                                             placement.memory_bytes_per_device, placement.task_id)
+            with inner_plans():  # witnesses, not the user's plans: no warnings of their own
+                other = make_baseline(name).plan(placement.tables, placement.num_devices,
+                                                 placement.memory_bytes_per_device, placement.task_id)
         except EmbshardError:
             continue
         witnesses.append(float(placement_costs(cost_model, other).max()))
