@@ -80,7 +80,8 @@ def run(policy_uri: str, cfg: PlanningConfig) -> pd.DataFrame:
                 rows.append({"tables": t, "devices": d, "planner": "(all)", "skipped":
                              f"{total / GiB:.0f} GiB of tables do not fit {d} x {cfg.memory_gb:g} GiB"})
                 continue
-            for name, planner in planners.items():
+            cell = {}  # name -> [times, error, meta, placement]
+            for name in planners:
                 if name == "torchrec_full" and t > cfg.full_max_tables:
                     continue
                 if (name, d) in too_slow:
@@ -88,16 +89,23 @@ def run(policy_uri: str, cfg: PlanningConfig) -> pd.DataFrame:
                                  "spread_s": np.nan, "timed_out": False,
                                  "error": f"not run: over {cfg.stop_after_s:g} s at T={too_slow[(name, d)]}"})
                     continue
-                times, err, meta, pl = [], None, {}, None
-                while len(times) < cfg.repeats and (not times or sum(times) < cfg.repeat_budget_s):
+                cell[name] = [[], None, {}, None]
+            # The planners take turns, one plan each per repeat, so that a burst of load on a shared machine falls on
+            # every planner of the cell alike (one planner's repeats in a row had put a burst on one side of a ratio).
+            for _ in range(cfg.repeats):
+                for name, (times, err, _, _) in cell.items():
+                    if err is not None or (times and sum(times) >= cfg.repeat_budget_s):
+                        continue
                     t0 = time.perf_counter()
                     try:
-                        pl = planner.plan(tables, d, mem, f"T{t}-D{d}")
+                        pl = planners[name].plan(tables, d, mem, f"T{t}-D{d}")
                     except EmbshardError as exc:
-                        err = str(exc)
-                        break
+                        cell[name][1] = str(exc)
+                        continue
                     times.append(time.perf_counter() - t0)
-                    meta = pl.meta
+                    cell[name][2], cell[name][3] = pl.meta, pl
+            for name, (times, err, meta, pl) in cell.items():
+                planner = planners[name]
                 # the plan's predicted slowest device, once (repeats give the same plan); None: no cost model
                 pred = predicted_device_costs(planner, pl) if pl is not None else None
                 predicted = float(pred.max()) if pred is not None else np.nan
@@ -182,7 +190,9 @@ def ratio_table(df: pd.DataFrame, a: str, b: str, value: str = "median_s") -> pd
 def markdown(df: pd.DataFrame, cfg: PlanningConfig, hw_line: str, policy_uri: str, png: str | None) -> str:
     lines = ["# Planning time scaling", "", f"Hardware: {hw_line}", "",
              f"Wall seconds of `plan()` (median of up to {cfg.repeats} runs while a cell stays under "
-             f"{cfg.repeat_budget_s:g} s). Learned planner `{policy_uri}` with its default time budget; TorchRec "
+             f"{cfg.repeat_budget_s:g} s; the planners of a cell take turns, one plan each per repeat, so that load "
+             f"on a shared machine falls on both sides of a ratio). Learned planner `{policy_uri}` with its default "
+             "time budget; TorchRec "
              f"table-wise and full search with a {cfg.torchrec_timeout_s:g} s timeout (full search only up to "
              f"{cfg.full_max_tables} tables). Synthetic tables, {cfg.memory_gb:g} GiB per device.", ""]
     if png:
