@@ -625,3 +625,71 @@ def test_the_evaluation_plot_shows_bars_against_the_users_plan_without_a_greedy_
     assert bar_reference(df)[0] == "ratio_to_user_plan" and "user_plan" in bar_reference(df)[3]
     assert bar_reference(df.assign(ratio_to_best_baseline=[0.9, 1.0]))[0] == "ratio_to_best_baseline"
     assert bar_reference(df.drop(columns="ratio_to_user_plan"))[0] == "measured_cost_ms"
+
+
+def test_a_team_plans_odd_files_are_read_or_named(tiny, tmp_path, capsys, caplog):
+    """From a team's pass with `evaluate --plan`: a TorchRec JSON written without world_size (plan_to_json allows
+    it) had been a KeyError traceback; a world larger than the plan's ranks was measured without a word; a pickled
+    torchrec_plan.pt read 'not valid JSON'; hosts of unequal size (0, 0, 0, 1) were accepted and measured on other
+    hosts; the A/A repeat's rows in placements.parquet carried the entry's name without its #2."""
+    pytest.importorskip("torchrec")
+    import pandas as pd
+    import torch
+
+    from embshard.cli import main
+    from embshard.export.torchrec_plan import plan_to_json, to_torchrec_plan
+    from embshard.planners.baselines import make_baseline
+
+    task = tiny["task"]
+    t = task.tables
+    shapes = {str(n): (int(r), int(d)) for n, r, d in zip(t.table_ids, t.rows, t.dims)}
+    sharding = to_torchrec_plan(make_baseline("size_greedy").plan_task(task))
+    no_world = tmp_path / "no_world.json"
+    no_world.write_text(json.dumps(plan_to_json(sharding, tables=shapes)))
+    assert UserPlan(str(no_world)).world_size() == 1 + max(
+        r for p in json.loads(no_world.read_text())["modules"][""].values() for r in p["ranks"])
+    common = ["--tables", tiny["tables"], "--planners", "round_robin", "--rounds", "1", "--batch-size", "32",
+              "--memory-gb", "1"]
+    assert main(["evaluate", *common, "--plan", str(no_world), "--out", str(tmp_path / "nw")]) == 0
+    wide = tmp_path / "wide.json"
+    wide.write_text(json.dumps(plan_to_json(sharding, world_size=task.num_devices + 2, tables=shapes)))
+    with caplog.at_level("WARNING"):
+        frame = UserPlan(str(wide)).task_frame(2**30)
+    assert frame["num_devices"].tolist() == [task.num_devices + 2] and "2 of them idle" in caplog.text
+    pickled = tmp_path / "torchrec_plan.pt"
+    torch.save({"plan": 1}, pickled)
+    capsys.readouterr()
+    assert main(["evaluate", *common, "--plan", str(pickled), "--out", str(tmp_path / "pk")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a pickled TorchRec plan" in err[0] and "plan_to_json" in err[0], err
+    # hosts of unequal size: refused as a plan TorchRec numbers no ranks of
+    two = make_baseline("round_robin").plan(t, 4, task.memory_bytes_per_device, task.task_id)
+    odd = tmp_path / "odd_hosts.json"
+    doc = write_plan_json(two, odd)
+    doc["hosts"] = [0, 0, 0, 1]
+    odd.write_text(json.dumps(doc))
+    assert main(["evaluate", "--tables", tiny["tables"], "--plan", str(odd), "--planners", "round_robin",
+                 "--out", str(tmp_path / "oh")]) == 2
+    assert "rank order" in capsys.readouterr().err
+    # the A/A repeat's rows are its own
+    assert main(["evaluate", "--tables", tiny["tables"], "--plan", tiny["plan"], "--planners", "round_robin",
+                 "--rounds", "1", "--batch-size", "32", "--out", str(tmp_path / "aa")]) == 0
+    rows = pd.read_parquet(tmp_path / "aa" / "placements.parquet")
+    assert {"user_plan", "user_plan#2", "round_robin"} <= set(rows["planner"])
+
+
+def test_a_plan_json_torchrec_cannot_run_is_measured_and_said(tiny, tmp_path, caplog):
+    """Uneven row ranges: `embshard export` refuses them; evaluate measures the plan as written and says so."""
+    pytest.importorskip("torchrec")
+    task = tiny["task"]
+    t = task.tables
+    rows = int(t.rows[0])
+    shards = [Shard(0, 0, row_offset=0, row_size=rows // 3), Shard(0, 1, row_offset=rows // 3,
+                                                                  row_size=rows - rows // 3)]
+    shards += [Shard(i, i % 2) for i in range(1, len(t))]
+    p = Placement(t, 2, task.memory_bytes_per_device, shards, task_id=task.task_id)
+    path = tmp_path / "uneven.json"
+    write_plan_json(p, path)
+    with caplog.at_level("WARNING"):
+        UserPlan(str(path)).plan_task(task)
+    assert "TorchRec cannot run this plan" in caplog.text

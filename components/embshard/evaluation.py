@@ -195,6 +195,7 @@ def evaluate_task(task: Task, labels: list[tuple[str, str, str]], planner_objs: 
                                    "median_ratio": m, "ci_low": lo2, "ci_high": hi2, "rounds": int(rounds),
                                    "round_ratios": [float(x) for x in c / costs[k]]})
         frame = e.placement.to_frame(pred)
+        frame["planner"] = e.label  # the entry's own label: an A/A repeat is NAME#2 (its rows had read NAME)
         frame["measured_cost_ms"] = [float(per_dev[d]) for d in frame["device"]]
         res.placements.append(frame)
     return res

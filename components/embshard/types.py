@@ -84,6 +84,8 @@ class DeviceTopology:
         if self.hosts is None:
             return None
         per_host = self.local_world_size
+        if self.count % per_host:  # (0, 0, 0, 1): hosts of unequal size, no layout TorchRec numbers
+            return None
         return per_host if self.hosts == tuple(k // per_host for k in range(self.count)) else None
 
     def same_host(self, a: int, b: int) -> bool:

@@ -755,18 +755,28 @@ def _read_plan_file(path: str):
     except EmbshardError as exc:
         if exc.message == "file not found":
             raise EmbshardError(exc.message, path=path, field="json", fix=export_fix) from None
-        if "not UTF-8" in exc.message:
-            try:
-                from .. import storage
-
-                head = storage.read_head(path, 4)
-            except OSError:
-                raise exc from None
-            if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":  # torch.save's zip, or a bare pickle
-                raise EmbshardError("a pickled TorchRec plan (torch.save), not its JSON", path=path, field="json",
-                                    fix="pass the torchrec_plan.json beside it, or load this one with "
-                                        "torch.load(path, weights_only=False), only from a source you trust") from None
+        if "not UTF-8" in exc.message and is_pickled(path):
+            raise pickled_plan_error(path, "json") from None
         raise
+
+
+def is_pickled(path: str) -> bool:
+    """Whether the file starts as torch.save's zip or a bare pickle does (a torchrec_plan.pt)."""
+    try:
+        from .. import storage
+
+        head = storage.read_head(path, 4)
+    except OSError:
+        return False
+    return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
+
+
+def pickled_plan_error(path: str, field: str) -> EmbshardError:
+    """The one line for a pickled TorchRec plan given where its JSON is read."""
+    return EmbshardError("a pickled TorchRec plan (torch.save), not its JSON", path=path, field=field,
+                         fix="pass the torchrec_plan.json beside it (embshard export writes both; a plan of TorchRec's "
+                             "own planner: embshard.export.plan_to_json(plan, world_size=W)), or load this one with "
+                             "torch.load(path, weights_only=False), only from a source you trust")
 
 
 def _kernels(sharder, sharding_type: str, shards) -> list[str]:

@@ -42,6 +42,23 @@ def _warn_if_other_traffic(doc: dict, tables: TableSet, path: str) -> None:
                     "in the tables given): it is measured on the tables given", path, name, more, was, now)
 
 
+def _warn_if_torchrec_cannot_run(placement: Placement, path: str) -> None:
+    """A plan.json's layout is measured as written, but a team comparing plans should know when TorchRec cannot run
+    it (uneven row ranges, unequal slices on one device): `embshard export` refuses those, evaluate had measured them
+    without a word."""
+    from .torchrec_plan import require_torchrec, to_torchrec_plan
+
+    try:
+        require_torchrec()
+    except EmbshardError:  # no TorchRec here: nothing to say about what it runs
+        return
+    try:
+        to_torchrec_plan(placement, compute_device="cpu")
+    except EmbshardError as exc:
+        log.warning("%s: measured as written, but TorchRec cannot run this plan (embshard export refuses it): %s",
+                    path, exc.message)
+
+
 class UserPlan:
     """The placement in a plan file, as a planner (see the module docstring)."""
 
@@ -62,7 +79,14 @@ class UserPlan:
                 raise EmbshardError("a Parquet file (placements?), not a plan file", path=self.path, field="plan",
                                     fix="give one task's plan.json (`embshard place` writes it; `embshard export "
                                         "--placements FILE` writes one per task) or its torchrec_plan.json")
-            doc = read_json_file(self.path, field="plan", fix=_FIX)
+            try:
+                doc = read_json_file(self.path, field="plan", fix=_FIX)
+            except EmbshardError as exc:
+                from .torchrec_plan import is_pickled, pickled_plan_error
+
+                if "not UTF-8" in exc.message and is_pickled(self.path):
+                    raise pickled_plan_error(self.path, "plan") from None
+                raise
             schema = str(doc.get("schema", "")) if isinstance(doc, dict) else ""
             if schema.startswith("embshard.plan/"):
                 from .plan_json import read_plan_json
@@ -95,6 +119,16 @@ class UserPlan:
     def is_torchrec(self) -> bool:
         return str(self.document().get("schema", "")).startswith("embshard.torchrec_plan/")
 
+    def world_size(self) -> int:
+        """The plan's devices: a plan.json's num_devices, a TorchRec plan's world_size, else (written without it, as
+        plan_to_json allows) one past its highest rank."""
+        doc = self.document()
+        if not self.is_torchrec():
+            return int(doc["num_devices"])
+        if "world_size" in doc:
+            return int(doc["world_size"])
+        return 1 + max(int(r) for params in doc["modules"].values() for p in params.values() for r in p["ranks"])
+
     def table_ids(self) -> list[str]:
         doc = self.document()
         if not self.is_torchrec():
@@ -114,7 +148,7 @@ class UserPlan:
         plan.json records its own, and another count is refused."""
         doc = self.document()
         if devices_per_host is not None:
-            devices = int(doc["world_size"] if self.is_torchrec() else doc["num_devices"])
+            devices = self.world_size()
             # a flag's mistake, not the file's: named by the flag (the file only in the message)
             if int(devices_per_host) < 1 or devices % int(devices_per_host):
                 raise EmbshardError(f"the plan's {devices} devices ({os.path.basename(self.path)}) do not split "
@@ -136,9 +170,15 @@ class UserPlan:
             # the task is named after the file, made an id ('team plan (1).json' -> 'team_plan__1_')
             name = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.splitext(os.path.basename(self.path))[0])
             name = ("_" + name if not name or name[0] in ".-" else name)[:128]
-            row = {"task_id": name, "split": "test", "num_devices": int(doc["world_size"]),
+            world = self.world_size()
+            used = 1 + max(int(r) for params in doc["modules"].values() for p in params.values() for r in p["ranks"])
+            if used < world:  # the planners get the whole world: the plan's idle ranks would read as its choice
+                log.warning("%s: the plan's world is %d ranks, its tables are on ranks 0-%d only: it is measured on "
+                            "%d devices, %d of them idle, and the planners plan %d", self.path, world, used - 1, world,
+                            world - used, world)
+            row = {"task_id": name, "split": "test", "num_devices": world,
                    "memory_bytes_per_device": int(memory_bytes), "table_ids": self.table_ids()}
-            if devices_per_host is not None and int(devices_per_host) < int(doc["world_size"]):
+            if devices_per_host is not None and int(devices_per_host) < world:
                 row["devices_per_host"] = int(devices_per_host)
             return pd.DataFrame([row])
         row = {"task_id": str(doc["task_id"]), "split": "test", "num_devices": int(doc["num_devices"]),
@@ -238,4 +278,7 @@ class UserPlan:
         except InfeasiblePlacementError as exc:
             fix = "give a plan that fits this task's memory per device" if exc.field == "memory" else exc.fix
             raise InfeasiblePlacementError(exc.message, path=where, field=exc.field, fix=fix) from None
+        if not self.is_torchrec() and f"torchrec:{task_id}" not in self._warned:
+            self._warned.add(f"torchrec:{task_id}")
+            _warn_if_torchrec_cannot_run(placement, self.path)
         return placement
