@@ -676,6 +676,14 @@ def test_a_team_plans_odd_files_are_read_or_named(tiny, tmp_path, capsys, caplog
                  "--rounds", "1", "--batch-size", "32", "--out", str(tmp_path / "aa")]) == 0
     rows = pd.read_parquet(tmp_path / "aa" / "placements.parquet")
     assert {"user_plan", "user_plan#2", "round_robin"} <= set(rows["planner"])
+    # the files a team shares say what the numbers are of: this machine's kernels
+    assert set(pd.read_parquet(tmp_path / "aa" / "evaluation.parquet")["measured_on"]) == {"cpu:" + _cpu_name()}
+
+
+def _cpu_name() -> str:
+    from embshard.bench.backends import hardware
+
+    return hardware("cpu").removeprefix("cpu:")
 
 
 def test_a_plan_json_torchrec_cannot_run_is_measured_and_said(tiny, tmp_path, caplog):

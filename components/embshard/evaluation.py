@@ -265,6 +265,10 @@ def run(tables: str, tasks: str, out: str, *, planners: list[str], split: str = 
     bar.close()
     wall = time.perf_counter() - t_start
     df = pd.DataFrame(rows)
+    from .bench import backends
+
+    # what the numbers are of, in the files a team shares: this machine's kernels, not the target's
+    df["measured_on"] = backends.hardware(backends.resolve_device(settings.device))
     for col in ("measured_cost_ms", "ratio_to_best_baseline", "ratio_ci_low", "ratio_ci_high", "ratio_to_torchrec",
                 "best_baseline", "best_baseline_ms", "gap_to_estimate"):
         if col not in df.columns:
@@ -430,13 +434,17 @@ def plot_evaluation(df: pd.DataFrame, path: str) -> None:
         ax[0].axhline(1.0, color="black", lw=0.8, ls="--")
     ax[0].set_xticks(np.arange(len(tasks)) + 0.4 - width / 2)
     ax[0].set_xticklabels(tasks, rotation=60, fontsize=7)
-    ax[0].set_ylabel(f"{ref[3]}\n(median over rounds, 95% interval)")
+    rounds = int(df["rounds"].max()) if "rounds" in df and len(df) else 0
+    # the bars' interval as stats.interval_words says it, short (under 6 rounds it is the rounds' range)
+    bars = "95% interval" if rounds >= 6 else f"range of {rounds} rounds" if rounds > 1 else "one round"
+    ax[0].set_ylabel(f"{ref[3]}\n(median over rounds; bars: {bars})", fontsize=8)
     ax[0].legend(fontsize=7, ncol=3)
     data = [df[df["planner"] == n]["gap_to_estimate"].dropna() * 100 for n in planners]
     ax[1].boxplot(data, tick_labels=planners, vert=True)
     ax[1].tick_params(axis="x", rotation=70, labelsize=7)
     ax[1].set_ylabel("gap to the balanced estimate (%)")
-    fig.suptitle("embshard evaluation: measured with real kernels, side by side, in rounds")
+    where = f" on {df['measured_on'].iloc[0]}" if "measured_on" in df and len(df) else ""
+    fig.suptitle(f"embshard evaluation: measured with real kernels{where}, side by side, in {rounds} rounds")
     fig.tight_layout()
     with storage.atomic_write(path) as f:
         fig.savefig(f, format="png", dpi=110)
