@@ -1430,3 +1430,24 @@ def test_a_torchrec_plan_of_a_model_with_two_ebcs_is_measured_as_its_tables(tmp_
     two.write_text(json.dumps(doc))
     with pytest.raises(EmbshardError, match=f"table {names[0]} is in more than one module"):
         UserPlan(str(two))._plan(tables, topology, "t")
+
+
+def test_a_plan_json_from_inside_out_is_refused_not_rewritten(tmp_path):
+    """`export --placements OUT/<task>/plan.json --out OUT` had replaced the (hand-edited) input in place."""
+    from embshard.jobs.export import _check_not_inside_out
+
+    plan = tmp_path / "out" / "task-a" / "plan.json"
+    plan.parent.mkdir(parents=True)
+    plan.write_text("{}")
+    with pytest.raises(EmbshardError, match="inside --out") as err:
+        _check_not_inside_out(str(plan), str(tmp_path / "out"))
+    assert err.value.field == "placements"
+    _check_not_inside_out(str(plan), str(tmp_path / "elsewhere"))  # another folder: fine
+
+
+def test_an_out_that_is_a_dangling_link_is_refused_before_any_work(tmp_path):
+    from embshard import storage
+
+    (tmp_path / "dang").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(EmbshardError, match="is a link to .*nowhere, which does not exist"):
+        storage.check_output(str(tmp_path / "dang"), field="out")

@@ -334,6 +334,40 @@ def test_a_store_mlflow_cannot_use_is_one_line_naming_it_and_an_empty_file_is_le
     assert got["rc"] == 2 and "is an empty file" in proc.stderr and empty.stat().st_size == 0
 
 
+def test_a_disk_that_fails_a_write_is_one_line_and_publishes_nothing(store, tmp_path, monkeypatch, capsys):
+    """No space left (or a file system gone read-only) mid-write had been a 25-51-line traceback, exit 1."""
+    import errno
+
+    from embshard import placement_report
+    from embshard.cli import main
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "o" / "devices.png"))
+
+    monkeypatch.setattr(placement_report, "plot_device_costs", full)
+    rc = main(_place(store["tables"], tmp_path / "o", "lookup_greedy"))
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if ": error:" in line or "Traceback" in line]
+    assert rc == 74 and len(err) == 1 and "no space left on device" in err[0] and "free space" in err[0], err
+    assert not (tmp_path / "o" / "plan.json").exists()  # the staged outputs were not published
+
+
+def test_a_store_locked_by_another_writer_is_one_line_to_try_again(store, monkeypatch):
+    """Another process holding a write transaction on the sqlite file had ended `place --planner learned` and
+    `champion --set` in a 79-112-line SQLAlchemy traceback, exit 1; it is a store to try again (exit 75)."""
+    import sqlite3
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store["uri"])
+    try:
+        try:
+            raise sqlite3.OperationalError("database is locked")
+        except sqlite3.OperationalError as inner:
+            raise RuntimeError("(sqlite3.OperationalError) database is locked") from inner
+    except RuntimeError as exc:
+        err = registry.store_error(exc)
+    assert err is not None and err.exit_code == 75 and "locked by another process" in str(err)
+    assert store["uri"] in str(err)
+
+
 def test_load_planner_takes_the_planners_settings_and_a_path_is_not_called_a_model_to_register(store, monkeypatch):
     import embshard
     from embshard.errors import ModelNotFoundError

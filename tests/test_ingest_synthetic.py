@@ -123,3 +123,34 @@ def test_bad_synthetic_requests(tmp_path, capsys):
     assert cli(["ingest", "--source", "spec", "--input", "x.csv", "--fp16-fraction", "0.5", "--out", str(out)]) == 2
     assert "--fp16-fraction" in capsys.readouterr().err  # another source's tables have their own types
     assert not out.exists() or os.listdir(out) == []
+
+
+def test_a_killed_re_ingest_never_leaves_tables_over_other_traces_or_old_tasks(tmp_path, monkeypatch):
+    """Traces and the tables that point at them are one pair: a re-ingest killed after its traces took their name
+    had left the old tables over the new traces (bench measured them without a word), and one killed before it
+    removed the old tasks left them beside the new tables. Killed at the rename now: no tables (and no tasks) are
+    left, and no temporary traces; run again, the pair is the new one."""
+    from embshard.jobs import tasks as tasks_job
+
+    out = tmp_path / "out"
+    assert run("synthetic", str(out), seed=0, num_tables=12, write_traces=True, trace_batch_size=64, progress=False)
+    tasks_job.run(str(out / "tables.parquet"), str(out), num_tasks=1, tables_per_task=4, devices=2, memory_gb=1)
+    assert (out / "tasks.parquet").exists()
+
+    real_replace = os.replace
+
+    def killed(src, dst):  # a SIGTERM (embshard.signals) at the moment the new traces take their name
+        if os.path.basename(src).startswith(".traces.pt.tmp-"):
+            raise KeyboardInterrupt
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run("synthetic", str(out), seed=1, num_tables=12, write_traces=True, trace_batch_size=64, progress=False)
+    monkeypatch.undo()
+    assert not (out / "tables.parquet").exists() and not (out / "tasks.parquet").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["traces.pt"]  # the old traces, alone; no temporary file
+    run("synthetic", str(out), seed=1, num_tables=12, write_traces=True, trace_batch_size=64, progress=False)
+    df = schemas.read(out / "tables.parquet", "tables")
+    idx, lengths = dlrm.read_table_trace(str(out / "traces.pt"), 0)
+    assert df["pooling_factor"][0] == pytest.approx(lengths.sum() / 64)

@@ -48,3 +48,23 @@ def test_sigterm_stops_the_pipeline_before_it_promotes(tmp_path):
         # ... and so is the task it stopped, not left `running`; its owner record is gone (embshard.run_owner).
         assert "running" not in [s for (s,) in db.execute("select state from task_instance")]
     assert not list((out / "airflow" / "embshard-owners").glob("*.json"))
+
+
+def test_a_deferred_block_finishes_before_a_sigterm_stops_the_command():
+    """`champion --set` moves two aliases; a SIGTERM between them had left them naming versions of different runs.
+    Inside signals.deferred() the signal waits for the end of the block, then stops the command as usual."""
+    import signal as sig
+
+    from embshard import signals
+
+    signals.stop_on_sigterm(fresh=True)
+    done = []
+    try:
+        with pytest.raises(KeyboardInterrupt), signals.deferred():
+            os.kill(os.getpid(), sig.SIGTERM)
+            done.append("first")
+            done.append("second")
+        assert done == ["first", "second"] and signals.exit_code() == 143
+    finally:
+        sig.signal(sig.SIGTERM, sig.SIG_DFL)
+        sig.signal(sig.SIGINT, sig.default_int_handler)

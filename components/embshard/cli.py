@@ -139,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"embshard {args.command}: {'terminated' if code == 143 else 'interrupted'}", file=sys.stderr)
         return code
     except Exception as exc:  # an MLflow store that cannot be used at all: one line, not SQLAlchemy's traceback
+        from .errors import disk_error
         from .registry import store_error
 
-        err = store_error(exc)
+        err = disk_error(exc) or store_error(exc)  # a full or read-only disk: one line too (it had been a traceback)
         if err is None:
             raise
         print(f"embshard {args.command}: error: {err}", file=sys.stderr)

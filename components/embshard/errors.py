@@ -56,6 +56,33 @@ class StoreUnreachableError(EmbshardError):
     exit_code = 75
 
 
+class DiskError(EmbshardError):
+    """The disk failed a write the command was making: no space left, a quota, a file system gone read-only. Not
+    the input's fault and not a store to wait for: exit 74 (EX_IOERR). What was published before stays whole."""
+
+    exit_code = 74
+
+
+# errno values of DiskError, and the words pyarrow's errors carry where they have no errno
+DISK_ERRNOS = {28: "no space left on device", 122: "disk quota exceeded", 30: "read-only file system",
+               5: "input/output error"}
+
+
+def disk_error(exc: BaseException) -> DiskError | None:
+    """The DiskError an OSError (or an error whose message carries one, as pyarrow's do) is, else None."""
+    if not isinstance(exc, OSError):
+        return None
+    what = DISK_ERRNOS.get(getattr(exc, "errno", None) or -1)
+    if what is None:
+        text = str(exc).lower()
+        what = next((w for w in DISK_ERRNOS.values() if w in text), None)
+    if what is None:
+        return None
+    return DiskError(what, path=getattr(exc, "filename", None) or None,
+                     fix="free space or make the folder writable, then run the command again (outputs already "
+                         "written are whole; a partial one was not published)")
+
+
 class InfeasiblePlacementError(EmbshardError):
     """No placement satisfies the memory constraint; the message says how much memory is missing."""
 

@@ -409,17 +409,21 @@ def store_error(exc: BaseException) -> EmbshardError | None:
     working = ("point MLFLOW_TRACKING_URI (and MLFLOW_REGISTRY_URI, if set) at a working store: "
                "sqlite:////ABSOLUTE/PATH/mlflow.db or http(s)://SERVER")
 
-    def bad(message: str, fix: str = working) -> EmbshardError:
+    def bad(message: str, fix: str = working, kind: type[EmbshardError] = EmbshardError) -> EmbshardError:
         try:  # (only once the exception is known to be the store's: an unparsable URI must not hide another one)
             store: str | None = _shown(_store_uri())
         except Exception:  # noqa: BLE001
             store = None
-        return EmbshardError(message, path=store, field="MLFLOW_TRACKING_URI", fix=fix)
+        return kind(message, path=store, field="MLFLOW_TRACKING_URI", fix=fix)
 
     for words in ("file is not a database", "database disk image is malformed"):
         if words in said:
             return bad(f"the MLflow store is damaged ({words})", f"restore it from a backup or move it away, or "
                                                                   f"{working[0].lower()}{working[1:]}")
+    if "database is locked" in said:  # another process holds a write transaction on the sqlite file: try again (75)
+        return bad("the MLflow store is locked by another process (database is locked, after waiting for it)",
+                   "try again when the other writer is done (a pipeline's stage, `embshard champion --set`, a "
+                   "notebook holding a transaction)", kind=RegistryUnreachableError)
     if "unable to open database file" in said:
         return bad("the MLflow store cannot be opened (unable to open database file: no permission on the file "
                    "or its folder, or the path is a folder)")

@@ -9,6 +9,7 @@ task's KeyboardInterrupt for a failed try and goes on, so the pipeline also stop
 was received (pipeline._stop_between_tasks)."""
 from __future__ import annotations
 
+import contextlib
 import signal
 
 received: int | None = None  # the last signal turned into KeyboardInterrupt here (None: none yet)
@@ -32,6 +33,29 @@ def stop_on_sigterm(fresh: bool = False) -> None:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
         signal.signal(signal.SIGINT, _interrupt)
+
+
+@contextlib.contextmanager
+def deferred():
+    """SIGTERM and SIGINT wait for the end of the block (then stop the command as they do elsewhere): for writes
+    that must not be cut in two, e.g. a champion's two aliases (a kill between them had left `embshard-policy` and
+    `embshard-cost` naming versions of different runs). SIGKILL cannot be deferred. Main thread only (elsewhere
+    no handler can be installed: the block runs as it is)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    before = {s: signal.signal(s, lambda signum, frame: pending.append(signum))  # noqa: ARG005
+              for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        if pending:
+            signal.raise_signal(pending[0])  # handled as it would have been without the block
 
 
 def exit_code() -> int:

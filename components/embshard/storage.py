@@ -186,7 +186,7 @@ def staged_dir(out: str | os.PathLike) -> Iterator[str]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _local(text: str) -> str | None:
+def local_path(text: str) -> str | None:
     """The local path of a local path or file:// URI, else None."""
     if text.startswith("file://"):
         return text[len("file://"):]
@@ -210,7 +210,7 @@ def check_output(out: str | os.PathLike, *, kind: str = "folder", writes: tuple[
     flag = "--" + field.replace("_", "-")
     if not text.strip():
         raise EmbshardError("empty path", field=field, fix=f"give {flag} a path")
-    local = _local(text)
+    local = local_path(text)
     if local is None:  # a remote store: reachable now, not after minutes of work
         fs, path = resolve_input(text, field)
         try:
@@ -222,11 +222,14 @@ def check_output(out: str | os.PathLike, *, kind: str = "folder", writes: tuple[
         if kind == "folder" and info.type == pafs.FileType.File:
             raise EmbshardError("is a file, not a folder", path=text, field=field, fix=f"give {flag} a folder")
         return
+    if os.path.islink(local) and not os.path.exists(local):  # it failed after the work, in a traceback
+        raise EmbshardError(f"is a link to {os.readlink(local)}, which does not exist", path=text, field=field,
+                            fix=f"give {flag} a folder, or create what the link points to")
     path = os.path.realpath(os.path.abspath(local))
     targets = [path] + [os.path.realpath(os.path.join(path, w)) for w in writes]
     for option, given in (inputs or {}).items():
         for inp in given if isinstance(given, (list, tuple)) else [given]:
-            inp_local = None if inp is None else _local(os.fspath(inp))  # type: ignore[arg-type]
+            inp_local = None if inp is None else local_path(os.fspath(inp))  # type: ignore[arg-type]
             if not inp_local:
                 continue
             real = os.path.realpath(os.path.abspath(inp_local))

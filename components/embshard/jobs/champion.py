@@ -107,8 +107,11 @@ def set_champion(version, reason: str, *, force: bool = False) -> tuple[str | No
             raise ModelNotFoundError(f"version {version} is registered but its files are missing ({missing[0]})",
                                      path=uri, field="set", fix="choose a version whose files are there")
     before = registry.version_for_alias(POLICY, registry.CHAMPION)
-    registry.set_alias(POLICY, registry.CHAMPION, version)
-    cost = registry.follow_cost_model(version, registry.CHAMPION)
+    from .. import signals
+
+    with signals.deferred():  # the two aliases move together or not at all (a SIGTERM waits for both)
+        registry.set_alias(POLICY, registry.CHAMPION, version)
+        cost = registry.follow_cost_model(version, registry.CHAMPION)
     challenger = registry.version_for_alias(POLICY, registry.CHALLENGER)
     if challenger is not None and str(challenger.version) == version:
         registry.drop_challenger()

@@ -94,6 +94,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    _check_not_inside_out(args.placements, args.out)
     result = run(args.placements, args.tables, args.out, tasks=args.tasks, module_path=args.module_path,
                  torchrec=not args.no_torchrec, devices_per_host=args.devices_per_host,
                  compute_device=args.compute_device)
@@ -101,6 +102,22 @@ def main(args: argparse.Namespace) -> int:
           f"<task>/plan.json" + (", <task>/torchrec_plan.json, <task>/torchrec_plan.pt"
                                  if result["torchrec"] else f" (TorchRec plans skipped: {result['torchrec_note']})"))
     return 0
+
+
+def _check_not_inside_out(placements: str, out: str) -> None:
+    """A plan.json given from inside --out (OUT/<task>/plan.json, an earlier export's) would be replaced or removed
+    by this export: refused (it had been rewritten in place, the hand-edited file lost). cli.check_output covers
+    the files --out names itself (placements.parquet); a task folder's name is known only from the plans."""
+    from .. import storage
+    from ..errors import EmbshardError
+
+    inp, dst = storage.local_path(placements), storage.local_path(out)
+    if inp is None or dst is None:
+        return
+    inp, dst = os.path.realpath(os.path.abspath(inp)), os.path.realpath(os.path.abspath(dst))
+    if inp.startswith(dst.rstrip(os.sep) + os.sep) and os.path.basename(inp) != "placements.parquet":
+        raise EmbshardError("is inside --out, whose task folders this export replaces", path=placements,
+                            field="placements", fix="copy it out of --out first, or export to another folder")
 
 
 def run(placements: str, tables: str, out: str, tasks: str | None = None, module_path: str = "",

@@ -43,8 +43,10 @@ def run(source: str, out: str, input: str | list[str] | None = None, seed: int =
                             else "give the spec file (.csv/.parquet/.yaml)")
     out_path = storage.join(out, TABLES_FILE)
     local_out = "://" not in os.fspath(out) or os.fspath(out).startswith("file://")
+    traces_written = None  # synthetic --write-traces: (the traces at a temporary name, where they go)
     if source == "synthetic":
-        df = _synthetic(out, seed, 856 if num_tables is None else int(num_tables), progress, local_out, kw)
+        df, traces_written = _synthetic(out, seed, 856 if num_tables is None else int(num_tables), progress,
+                                        local_out, kw)
     elif source == "dlrm":
         from ..ingest.dlrm import TraceOptions, remove_stale_temps, tables_from_trace, temp_tag
 
@@ -74,8 +76,24 @@ def run(source: str, out: str, input: str | list[str] | None = None, seed: int =
     from .. import pools
 
     df = df.assign(pool=pools.assign(df["table_id"], seed))  # decided once, here (see embshard.pools)
-    schemas.write(df, out_path, "tables")
+    # Tasks sampled from the tables this ingest replaces go first: killed after it, the old tables stand alone (their
+    # tasks had been left beside the new tables, and `place --tasks` planned them).
     _drop_stale_tasks(out)
+    if traces_written is not None:
+        # The traces and the tables that point at them are one pair: the old tables go before the new traces take
+        # their name, so that a kill in between leaves no tables rather than old tables over new traces (which
+        # `bench` had measured without a word).
+        tmp, final = traces_written
+        try:
+            if storage.exists(out_path):
+                fs, p = storage.resolve(out_path)
+                fs.delete_file(p)
+            os.replace(tmp, final)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+    schemas.write(df, out_path, "tables")
     # Here, not in main: the pipeline's ingest stage calls run() (ids TorchRec cannot name fail only at export).
     from ..torchrec_compat import warn_if_unnamable
 
@@ -131,30 +149,36 @@ def _synthetic(out: str, seed: int, num_tables: int, progress: bool, local_out: 
                          bins_batch_size=trace_batch if write_traces else bins_batch, hot_large_fraction=hot_large,
                          fp16_fraction=fp16)
     if not write_traces:
-        return df
+        return df, None
     if not local_out:
         raise EmbshardError("traces can only be written to a local folder", field="out",
                             fix="use a local --out, or drop --write-traces")
+    import uuid
+
     from ..ingest.dlrm import tables_from_trace
 
     out_dir = os.fspath(out).removeprefix("file://")
+    os.makedirs(out_dir, exist_ok=True)
     trace_path = os.path.join(out_dir, TRACES_FILE)
-    existed = os.path.exists(trace_path)
-    write_dlrm_traces(df, trace_path, batch_size=trace_batch, seed=seed, layout=layout)
+    # Written beside its final name and moved there with the tables (run): a killed ingest had left new traces
+    # beside the old tables.
+    tmp = os.path.join(out_dir, f".{TRACES_FILE}.tmp-{uuid.uuid4().hex[:8]}")
     try:
+        write_dlrm_traces(df, tmp, batch_size=trace_batch, seed=seed, layout=layout)
         # Features from the very indices the benchmark will replay; shapes stay the generator's.
         traced = tables_from_trace(
-            trace_path, rows=df["rows"].to_numpy(), dims=df["dim"].to_numpy(), table_ids=list(df["table_id"]),
+            tmp, rows=df["rows"].to_numpy(), dims=df["dim"].to_numpy(), table_ids=list(df["table_id"]),
             source=f"synthetic:seed={seed};traces={TRACES_FILE};batch={trace_batch};layout={layout}",
             progress=progress)
     except BaseException:
-        if not existed:
-            os.remove(trace_path)
+        if os.path.exists(tmp):
+            os.remove(tmp)
         raise
+    traced["trace_file"] = os.path.abspath(trace_path)  # where the traces will be (read here at their temp name)
     traced["bytes_per_element"] = df["bytes_per_element"].to_numpy()  # per table (fp16_fraction)
     traced["size_bytes"] = traced["rows"] * traced["dim"] * traced["bytes_per_element"]
     traced["zipf_alpha"] = df["zipf_alpha"].to_numpy()
-    return traced
+    return traced, (tmp, trace_path)
 
 
 # --- `embshard ingest` --------------------------------------------------------------------------
