@@ -269,6 +269,13 @@ def test_the_answer_to_a_users_plan_gives_a_verdict_only_from_enough_rounds():
         _against_user_plan(summary(0.7, 0.9), 2)
     one = _against_user_plan(summary(np.nan, np.nan), 1)
     assert "size_greedy: 0.800 [no interval] no verdict from 1 round (" in one and "not measured" not in one
+    # with the plan measured twice in one round, its A/A floor has no interval: said, not printed as [nan, nan]
+    repeated = pd.concat([summary(np.nan, np.nan), pd.DataFrame({"median_ratio_user_plan": [1.0]},
+                                                                index=["user_plan#2"])])
+    ratios = pd.DataFrame([{"task_id": "t", "planner": "user_plan#2", "versus": "user_plan", "median_ratio": 1.0,
+                            "ci_low": np.nan, "ci_high": np.nan, "rounds": 1, "round_ratios": [1.0]}])
+    one = _against_user_plan(repeated, 1, ratios)
+    assert "no A/A floor from 1 round" in one and "nan" not in one.split(":")[0], one
 
 
 def test_evaluate_refuses_a_plan_of_another_task_before_measuring(tiny, tmp_path, capsys):
@@ -701,3 +708,15 @@ def test_a_plan_json_torchrec_cannot_run_is_measured_and_said(tiny, tmp_path, ca
     with caplog.at_level("WARNING"):
         UserPlan(str(path)).plan_task(task)
     assert "TorchRec cannot run this plan" in caplog.text
+
+
+def test_a_plan_with_no_planners_to_measure_it_beside_is_refused(tiny, tmp_path, capsys):
+    """`--planners ""` with `--plan` had measured the plan alone under an "against your plan" header with nothing
+    under it."""
+    from embshard.cli import main
+
+    assert main(["evaluate", "--tables", tiny["tables"], "--plan", tiny["plan"], "--planners", "",
+                 "--out", str(tmp_path / "ev")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no planners to measure the plan beside" in err[0], err
+    assert not (tmp_path / "ev").exists()

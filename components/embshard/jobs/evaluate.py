@@ -96,6 +96,9 @@ def main(args) -> int:
     from ..ingest.spec import is_spec_path
 
     planners = [p for p in args.planners.split(",") if p]
+    if not planners and getattr(args, "plan", None):  # your plan alone: nothing to say it is faster or slower than
+        raise EmbshardError("no planners to measure the plan beside", field="planners",
+                            fix="give --planners, e.g. learned,lookup_greedy,torchrec_full")
     given = {}
     tasks, task_ids = args.tasks, [args.task_id] if args.task_id else None
     if tasks is None and not getattr(args, "plan", None):
@@ -218,7 +221,9 @@ def _against_user_plan(summary, rounds: int, ratios=None) -> str:
     head = f"against your plan ({USER_PLAN}), paired over {rounds} round(s) (under 1: faster than yours"
     if repeated and ratios is not None:
         _, aa_lo, aa_hi = aa_floor(ratios, repeated[0])
-        head += f"; the ruler's A/A floor, {repeated[0]} against itself: [{aa_lo:.3f}, {aa_hi:.3f}]"
+        head += (f"; the ruler's A/A floor, {repeated[0]} against itself: [{aa_lo:.3f}, {aa_hi:.3f}]"
+                 if np.isfinite(aa_lo) and np.isfinite(aa_hi) else
+                 f"; no A/A floor from {rounds} round{'s' if rounds != 1 else ''}")  # it had printed [nan, nan]
     lines = [head + "):"]
     for name, row in summary.iterrows():
         med, lo, hi = (float(row[k]) for k in ("median_ratio_user_plan", "user_plan_ci_low", "user_plan_ci_high"))
