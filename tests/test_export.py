@@ -1451,3 +1451,18 @@ def test_an_out_that_is_a_dangling_link_is_refused_before_any_work(tmp_path):
     (tmp_path / "dang").symlink_to(tmp_path / "nowhere")
     with pytest.raises(EmbshardError, match="is a link to .*nowhere, which does not exist"):
         storage.check_output(str(tmp_path / "dang"), field="out")
+
+
+def test_a_probe_folder_a_killed_command_left_is_removed_by_the_next_one(tmp_path):
+    import os
+    import time
+
+    from embshard import storage
+
+    old, new = tmp_path / ".embshard-probe-old", tmp_path / ".embshard-probe-new"
+    old.mkdir()
+    new.mkdir()
+    stale = time.time() - 2 * storage.PROBE_STALE_S
+    os.utime(old, (stale, stale))
+    storage.check_output(str(tmp_path / "out"), field="out")
+    assert not old.exists() and new.exists()  # a probe of this moment (another command's) is left alone

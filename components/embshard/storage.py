@@ -268,11 +268,29 @@ def check_output(out: str | os.PathLike, *, kind: str = "folder", writes: tuple[
     if not os.access(existing, os.W_OK | os.X_OK):
         raise EmbshardError(f"folder {existing} is not writable", path=text, field=field,
                             fix=f"write {flag} to a folder you can write to, or change its permissions")
+    _remove_stale_probes(existing)
     try:  # what os.access cannot tell (a read-only or virtual file system such as /proc, root's access)
         os.rmdir(tempfile.mkdtemp(prefix=".embshard-probe-", dir=existing))
     except OSError as exc:
         raise EmbshardError(f"nothing can be created in {existing} ({exc.strerror or exc})", path=text,
                             field=field, fix=f"write {flag} to a folder you can write to") from None
+
+
+PROBE_STALE_S = 60.0  # an empty probe folder older than this was left by a command killed while it probed
+
+
+def _remove_stale_probes(folder: str) -> None:
+    """Empty `.embshard-probe-*` folders a killed command left in `folder` (nothing else removed them). Only old
+    and empty ones: another command's probe lives for a moment, and rmdir leaves anything with content alone."""
+    import glob
+    import time
+
+    for probe in glob.glob(os.path.join(glob.escape(folder), ".embshard-probe-*")):
+        try:
+            if time.time() - os.path.getmtime(probe) > PROBE_STALE_S:
+                os.rmdir(probe)
+        except OSError:
+            pass
 
 
 def remove(uri: str | os.PathLike) -> None:
