@@ -268,9 +268,6 @@ class RefinedPlanner(Planner):
         self.name = name or f"{inner.name}{SUFFIX}{self.k}"
         self.cost_model = getattr(inner, "cost_model", None)
 
-    def warned_lines(self) -> set[str]:
-        return self.inner.warned_lines()  # the inner planner logged its plan's warnings: not logged twice
-
     def _plan(self, tables, topology, task_id):
         first = self.inner.plan(tables, topology, task_id=task_id)
         result = refine(first, self.k, rounds=self.rounds, settings=self.settings, cost_model=self.cost_model,

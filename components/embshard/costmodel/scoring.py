@@ -491,15 +491,11 @@ def balanced_estimate(cost_model: CostEstimator, tables: TableSet, num_devices: 
     are not computed twice.
     """
     with torch_defaults():
-        return _balanced_estimate(cost_model, tables, num_devices, column_splits, enc)
-
-
-def _balanced_estimate(cost_model, tables, num_devices, column_splits, enc) -> float:
-    if enc is None:
-        enc = TaskScorer(cost_model, tables.features(), num_devices).model_enc
-    with torch.no_grad():
-        fused = cost_model.heads_from_sums(enc.sum(0, keepdim=True), num_devices)[0]
-        singles = cost_model.heads_from_sums(enc, num_devices)
+        if enc is None:
+            enc = TaskScorer(cost_model, tables.features(), num_devices).model_enc
+        with torch.no_grad():
+            fused = cost_model.heads_from_sums(enc.sum(0, keepdim=True), num_devices)[0]
+            singles = cost_model.heads_from_sums(enc, num_devices)
     # One device: all tables fused is the only plan there is (the min with the sum of singles would put the
     # estimate below it, and `place` had reported a +73% gap to balance on one device).
     estimate = (float(fused.sum()) if num_devices <= 1

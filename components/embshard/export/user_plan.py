@@ -125,9 +125,12 @@ class UserPlan:
         doc = self.document()
         if not self.is_torchrec():
             return int(doc["num_devices"])
-        if "world_size" in doc:
-            return int(doc["world_size"])
-        return 1 + max(int(r) for params in doc["modules"].values() for p in params.values() for r in p["ranks"])
+        return int(doc["world_size"]) if "world_size" in doc else self._ranks_used()
+
+    def _ranks_used(self) -> int:
+        """A TorchRec plan's ranks that hold a table: one past its highest."""
+        return 1 + max(int(r) for params in self.document()["modules"].values() for p in params.values()
+                       for r in p["ranks"])
 
     def table_ids(self) -> list[str]:
         doc = self.document()
@@ -171,7 +174,7 @@ class UserPlan:
             name = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.splitext(os.path.basename(self.path))[0])
             name = ("_" + name if not name or name[0] in ".-" else name)[:128]
             world = self.world_size()
-            used = 1 + max(int(r) for params in doc["modules"].values() for p in params.values() for r in p["ranks"])
+            used = self._ranks_used()
             if used < world:  # the planners get the whole world: the plan's idle ranks would read as its choice
                 log.warning("%s: the plan's world is %d ranks, its tables are on ranks 0-%d only: it is measured on "
                             "%d devices, %d of them idle, and the planners plan %d", self.path, world, used - 1, world,

@@ -85,9 +85,7 @@ def run(source: str, out: str, input: str | list[str] | None = None, seed: int =
         # `bench` had measured without a word).
         tmp, final = traces_written
         try:
-            if storage.exists(out_path):
-                fs, p = storage.resolve(out_path)
-                fs.delete_file(p)
+            storage.remove(out_path)
             os.replace(tmp, final)
         except BaseException:
             if os.path.exists(tmp):

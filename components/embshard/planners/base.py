@@ -83,12 +83,8 @@ class Planner(ABC):
                                 fix=f"give a positive memory per device of at most {MAX_MEMORY_GB:,.0f} GiB (1 PiB)")
         check_feasible(tables, topology.count, topology.memory_bytes, task_id)
         outer = not _planning.get()  # not a proposal inside another planner's plan (the learned planner's heuristics)
-        token = _planning.set(True)
-        try:
-            with _torch_defaults():
-                placement = self._plan(tables, topology, task_id)
-        finally:
-            _planning.reset(token)
+        with inner_plans(), _torch_defaults():  # the plans _plan makes are its proposals
+            placement = self._plan(tables, topology, task_id)
         placement.planner = placement.planner or self.name
         placement.task_id = task_id
         placement.topology = topology
