@@ -311,6 +311,7 @@ CASES = {
     "bench-max-shard-nan": lambda w, d: (_bench(w, d, "--max-shard-gb", "nan"), ["max_shard_gb"]),
     "bench-max-shard-zero": lambda w, d: (_bench(w, d, "--max-shard-gb", "0"), ["max_shard_gb"]),
     "bench-max-shard-negative": lambda w, d: (_bench(w, d, "--max-shard-gb", "-2"), ["max_shard_gb"]),
+    "bench-max-table-nan": lambda w, d: (_bench(w, d, "--max-table-gb", "nan"), ["max_table_gb"]),
     "bench-batch-zero": lambda w, d: (_bench(w, d, "--batch-size", "0"), ["batch_size"]),
     "bench-iterations-few": lambda w, d: (_bench(w, d, "--iterations", "5"), ["iterations"]),
     "bench-iterations-huge": lambda w, d: (_bench(w, d, "--iterations", "100000000000000"), ["iterations", "100,000"]),

@@ -195,6 +195,35 @@ def test_oversized_shard_is_scaled_and_oversized_batch_refused(ts):
         runner.measure_shard(ts, _heavy(ts, 3), cfg, num_devices=4)
 
 
+def test_a_per_table_cap_keeps_a_tables_rows_whatever_shares_its_shard(ts):
+    """--max-table-gb: a large table keeps the same rows alone and beside other large tables (the shard's shared
+    cap leaves it fewer rows when crowded)."""
+    big = [int(i) for i in np.argsort(-(ts.rows * ts.dims))[:3]]
+    row_bytes = int(ts.dims[big[0]]) * 4
+    cap_gb = min(int(ts.rows[big[0]]) * row_bytes / 2, 2**26) / runner.GiB  # under the largest table's weights
+    cfg = runner.make_config(SETTINGS.replace(backend="fbgemm", max_table_gb=cap_gb))
+    alone = runner.shard_inputs(ts, big[:1], cfg)
+    crowded = runner.shard_inputs(ts, big, cfg)
+    assert alone.rows[0] == crowded.rows[0] == int(cap_gb * runner.GiB) // row_bytes < int(ts.rows[big[0]])
+    assert all(r <= max(int(cap_gb * runner.GiB) // (int(ts.dims[t]) * 4), 1) for r, t in zip(crowded.rows, big))
+    # The shard's own cap still binds beyond that (water-filling), and a GPU-style config has no per-table cap.
+    tight = runner.make_config(SETTINGS.replace(backend="fbgemm", max_table_gb=cap_gb, max_shard_gb=cap_gb / 4))
+    assert sum(r * int(ts.dims[t]) * 4 for r, t in zip(runner.shard_inputs(ts, big, tight).rows, big)) \
+        <= cap_gb / 4 * runner.GiB
+    assert runner.resolve_settings(SETTINGS)["max_table_gb"] is None  # off by default
+    shared = runner.make_config(SETTINGS.replace(backend="fbgemm", max_shard_gb=cap_gb))
+    assert runner.shard_inputs(ts, big, shared).rows[0] < runner.shard_inputs(ts, big[:1], shared).rows[0]
+
+
+def test_costs_measured_with_a_per_table_cap_are_not_resumed_without_it(tables_path, tmp_path):
+    """The per-table cap is in the costs folder's fingerprint: a rerun without it is refused, never mixed."""
+    out = str(tmp_path / "run")
+    run(tables_path, "random:2", out, SETTINGS.replace(max_table_gb=0.001), max_tables=2, progress=False)
+    with pytest.raises(EmbshardError, match="other settings") as err:
+        run(tables_path, "random:2", out, SETTINGS, max_tables=2, progress=False)
+    assert "max_table_gb" in str(err.value)
+
+
 def test_measure_placement_one_row_per_device(ts):
     sub = ts.subset(_heavy(ts, 4))
     pl = Placement.from_assignment(sub, [0, 0, 2, 2], 3, 2**40, task_id="t")

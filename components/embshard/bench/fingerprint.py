@@ -24,6 +24,7 @@ VERSION = 1
 OPTIONS = {"tables_sha256": "tables", "shards_sha256": "shards", "batch_size": "batch_size", "backend": "backend",
            "device": "device", "hardware": "hardware", "timer": "timer", "iterations": "iterations",
            "warmup": "warmup", "num_batches": "num_batches", "seed": "seed", "max_shard_gb": "max_shard_gb",
+           "max_table_gb": "max_table_gb",
            "comm": "comm_bandwidth_gbps", "num_threads": "EMBSHARD_NUM_THREADS"}
 
 

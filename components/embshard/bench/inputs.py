@@ -12,8 +12,10 @@ keep the same ranks in every rotated batch, as hot rows do across real batches; 
 ranks in each batch, so rotating batches really brings cold rows in.
 
 Memory rule (row scaling). Weights need sum(rows x dim x bytes_per_element) bytes (4 for FP32, 2 for FP16).
-When that exceeds the budget left after the batch itself, the largest tables are capped at C rows
-(water-filling: tables under C are untouched, C is the largest cap that fits). Access structure is kept: unique
+Where a per-table budget is set (the CPU's default), each table keeps at most that many bytes of rows, by itself,
+whatever shares its shard (`table_caps`). When the shard's weights still exceed the budget left after the batch
+itself, the largest tables are capped at C rows (water-filling: tables under C are untouched, C is the largest
+cap that fits). Access structure is kept: unique
 ids are remapped to distinct rows of [0, C) whenever a batch touches at most C unique ids (always true for real
 batch sizes and sane budgets), else folded modulo C.
 `row_scale` = scaled weight bytes / original weight bytes of the shard (1.0 = none).
@@ -274,6 +276,15 @@ def batch_bytes(total_lookups_per_batch: list[int], num_bags: int, batch_size: i
     dense = 3 * batch_size * sum_dims * 4                                    # output, its grad, a temporary
     sparse_grad = max(total_lookups_per_batch, default=0) * (max_dim * 4 + 16)  # per-lookup grad rows, sort keys
     return int(idx + dense + sparse_grad)
+
+
+def table_caps(rows: np.ndarray, dims: np.ndarray, budget_bytes: int, bytes_per_element=None) -> np.ndarray:
+    """Each table's rows capped at `budget_bytes` of its own weights (at least one row), whatever else the shard
+    holds (FP32 where `bytes_per_element` is not given)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    row_bytes = np.asarray(dims, dtype=np.int64) * (WEIGHT_BYTES if bytes_per_element is None
+                                                    else np.asarray(bytes_per_element, dtype=np.int64))
+    return np.minimum(rows, np.maximum(int(budget_bytes) // np.maximum(row_bytes, 1), 1))
 
 
 def row_cap(rows: np.ndarray, dims: np.ndarray, budget_bytes: int, bytes_per_element=None) -> int | None:

@@ -41,7 +41,9 @@ DEFAULT_WARMUP = 5
 # Cheap shards are timed for more iterations until this much timed work (ms) has accumulated (max 200).
 DEFAULT_MIN_TIME_MS = {"cpu": 300.0, "cuda": 50.0}
 DEFAULT_ROTATIONS = 4
-# CPU caches are far smaller: 0.25 GiB of weights measures like 2 GiB (checked), 3x faster.
+# CPU caches are far smaller: a measurement's weights are capped at DEFAULT_MAX_SHARD_GB_CPU, shared by the
+# shard's tables (water-filling). A cap of each table by itself (`max_table_gb`, off by default) was measured in the
+# twenty-seventh session and not adopted (benchmarks/results/README.md, "A per-table memory cap").
 DEFAULT_MAX_SHARD_GB_CPU = 0.25
 
 
@@ -59,6 +61,7 @@ class MeasureSettings:
     num_batches: int = DEFAULT_ROTATIONS       # rotated batches
     seed: int = 0                              # inputs (and, in the benchmark, the shard sampling and order)
     max_shard_gb: float | None = None          # memory one measurement may use (memory_budget)
+    max_table_gb: float | None = None          # weights one table may keep, by itself (None: no such cap)
     timer: str = "auto"                        # auto | wall | thread_cpu
     calibration_dir: str | None = None         # where comm_calibration.json is (and is written when calibrated)
     comm_ranks: int | None = None              # >= 2: the all-to-all measured among that many local ranks
@@ -97,6 +100,7 @@ class BenchConfig:
     comm_group: CommGroup | None = None  # when measured
     min_time_ms: float | None = None     # timed work per measurement (None: DEFAULT_MIN_TIME_MS of the device)
     statistic: str = "median"            # of the timed iterations: "median" or "min" (min-of-k)
+    table_budget_bytes: int | None = None  # weights one table may keep, by itself (None: no per-table cap)
 
     @property
     def comm_source(self) -> str:
@@ -126,8 +130,8 @@ def _mem_available() -> int | None:
 
 
 def memory_budget(device: str, max_shard_gb: float | None) -> int:
-    """Bytes one measurement may allocate: --max-shard-gb (CPU default 0.25), never above half the free host
-    memory (CPU) or 80% of the free GPU memory."""
+    """Bytes one measurement may allocate: --max-shard-gb (CPU default DEFAULT_MAX_SHARD_GB_CPU), never above half
+    the free host memory (CPU) or 80% of the free GPU memory."""
     if max_shard_gb is not None:
         from .. import checks
 
@@ -172,13 +176,17 @@ def resolve_settings(settings: MeasureSettings) -> dict:
     if not 0 <= warmup <= MAX_ITERATIONS or num_batches < 1:
         raise EmbshardError(f"{warmup:,} warm-up iterations, {num_batches} rotated batches", field="warmup",
                             fix=f"use --warmup 0 to {MAX_ITERATIONS:,}, and 1 or more rotated batches")
-    if max_shard_gb is not None:
-        from .. import checks
+    from .. import checks
 
+    if max_shard_gb is not None:
         max_shard_gb = checks.positive_finite(max_shard_gb, field="max_shard_gb", upper=checks.MAX_MEMORY_GB)
+    max_table_gb = settings.max_table_gb
+    if max_table_gb is not None:
+        max_table_gb = checks.positive_finite(max_table_gb, field="max_table_gb", upper=checks.MAX_MEMORY_GB)
     threads = backends.num_threads()
     return {"backend": chosen, "device": device, "batch_size": batch_size, "warmup": warmup,
             "iterations": iterations, "num_batches": int(num_batches), "max_shard_gb": max_shard_gb,
+            "max_table_gb": max_table_gb,
             "timer": backends.resolve_timer(settings.timer, device, threads), "num_threads": threads,
             "hardware": backends.hardware(device)}
 
@@ -199,7 +207,8 @@ def make_config(settings: MeasureSettings) -> BenchConfig:
                       budget_bytes=memory_budget(device, st["max_shard_gb"]), timer=st["timer"],
                       threads=st["num_threads"], seed=int(settings.seed), hardware=st["hardware"],
                       min_time_ms=settings.min_time_ms, statistic=statistic,
-                      cache_bytes=device_cache_bytes(device))
+                      cache_bytes=device_cache_bytes(device),
+                      table_budget_bytes=None if st["max_table_gb"] is None else int(st["max_table_gb"] * GiB))
     if statistic not in ("median", "min"):
         raise EmbshardError(f"unknown statistic {statistic!r}", field="statistic", fix="use median or min")
     if settings.comm_ranks is not None and settings.comm_ranks >= 2:
@@ -365,8 +374,10 @@ def shard_inputs(tables: TableSet, members, cfg: BenchConfig, col_sizes=None, wh
             f"measurement may use ({len(specs)} tables, {max(lookups)} lookups per batch)", path=where,
             field="batch_size", fix="lower --batch-size, or raise --max-shard-gb (where the command has it) if the "
                                 "machine has the memory")
-    cap = inp.row_cap(rows, dims, weight_budget, bpe)
-    scaled = rows if cap is None else np.minimum(rows, cap)
+    # Each table by itself first (the per-table cap, where set), then the shard's total (water-filling).
+    alone = rows if cfg.table_budget_bytes is None else inp.table_caps(rows, dims, cfg.table_budget_bytes, bpe)
+    cap = inp.row_cap(alone, dims, weight_budget, bpe)
+    scaled = alone if cap is None else np.minimum(alone, cap)
     for s, r in zip(specs, scaled):
         s.scaled_rows = int(r)
     row_scale = float((scaled * dims * bpe).sum() / (rows * dims * bpe).sum())

@@ -251,6 +251,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="memory one measurement may use; larger shards get their biggest tables' rows capped "
                         f"(default {DEFAULT_MAX_SHARD_GB_CPU:g} on CPU and at most half the free host memory; "
                         "80%% of free memory on GPU)")
+    p.add_argument("--max-table-gb", type=float, default=None,
+                   help="also cap each table's weights by itself, whatever shares its shard (default: no such "
+                        "cap; the shard's cap above is shared by its tables)")
     p.add_argument("--timer", default="auto", choices=["auto", "wall", "thread_cpu"],
                    help="CPU clock (auto: thread CPU time at 1 thread, else wall)")
     p.add_argument("--comm-ranks", type=int, default=None,
@@ -265,7 +268,8 @@ def settings_of(args: argparse.Namespace) -> MeasureSettings:
     """The measuring settings of `embshard bench`'s flags (calibration: the run folder, --out)."""
     return MeasureSettings(backend=args.backend, device=args.device, batch_size=args.batch_size,
                            warmup=args.warmup, iterations=args.iterations, seed=args.seed,
-                           max_shard_gb=args.max_shard_gb, timer=args.timer, calibration_dir=args.out,
+                           max_shard_gb=args.max_shard_gb, max_table_gb=args.max_table_gb, timer=args.timer,
+                           calibration_dir=args.out,
                            comm_ranks=args.comm_ranks, comm_bandwidth_gbps=args.comm_bandwidth_gbps,
                            comm_latency_us=args.comm_latency_us)
 
