@@ -12,12 +12,12 @@ keep the same ranks in every rotated batch, as hot rows do across real batches; 
 ranks in each batch, so rotating batches really brings cold rows in.
 
 Memory rule (row scaling). Weights need sum(rows x dim x bytes_per_element) bytes (4 for FP32, 2 for FP16).
-Where a per-table budget is set (the CPU's default), each table keeps at most that many bytes of rows, by itself,
-whatever shares its shard (`table_caps`). When the shard's weights still exceed the budget left after the batch
-itself, the largest tables are capped at C rows (water-filling: tables under C are untouched, C is the largest
-cap that fits). Access structure is kept: unique
-ids are remapped to distinct rows of [0, C) whenever a batch touches at most C unique ids (always true for real
-batch sizes and sane budgets), else folded modulo C.
+Where a per-table budget is set (`--max-table-gb`, off by default), each table first keeps at most that many
+bytes of rows, by itself, whatever shares its shard (`table_caps`). When the shard's weights exceed the budget
+left after the batch itself, the largest tables are capped at C rows (water-filling: tables under C are untouched,
+C is the largest cap that fits). Access structure is kept: unique ids are remapped to distinct rows of [0, C)
+whenever a batch touches at most C unique ids (always true for real batch sizes and sane budgets), else folded
+modulo C.
 `row_scale` = scaled weight bytes / original weight bytes of the shard (1.0 = none).
 If the batch alone does not fit the budget the shard is refused with a message to lower the batch size.
 
