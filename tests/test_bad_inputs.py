@@ -681,11 +681,19 @@ def test_torchrec_plan_checked_against_the_callers_tables_and_world(world, torch
         plan_from_json(str(path), tables=ts)  # the model has 12 tables, the plan places 3
     with pytest.raises(EmbshardError, match=r"field 'world_size'.*not 4 \(world_size=\)"):
         plan_from_json(str(path), world_size=4)
+    # Another plan's tables (4 devices): only what disagrees with the file is named (not "not 2 (world_size=)").
+    other = {"num_devices": 4, "tables": [{"table_id": str(t), "rows": int(r), "dim": int(d)} for t, r, d in
+                                          zip(task_tables.table_ids, task_tables.rows, task_tables.dims)]}
+    with pytest.raises(EmbshardError) as err:
+        plan_from_json(str(path), tables=other, world_size=2)
+    assert "a world of 2 ranks, not 4 (the tables' plan)" in str(err.value) and "not 2" not in str(err.value)
     # An older file without world_size/tables is still checked against what the caller gives.
     old = {k: v for k, v in torchrec_plan_doc.items() if k not in ("world_size", "tables")}
     path.write_text(json.dumps(_rank99(old)))
     with pytest.raises(EmbshardError, match="rank 99 is beyond a world of 2 ranks"):
         plan_from_json(str(path), world_size=2)
+    with pytest.raises(EmbshardError, match=r"the world sizes disagree: 2 \(world_size=\), 4 \(the tables' plan\)"):
+        plan_from_json(str(path), tables=other, world_size=2)
 
 
 # Outputs: an output that is (or would overwrite) one of the command's inputs, an existing file given as a folder,
@@ -1159,7 +1167,66 @@ CASES_S11 = {
     "s24-evaluate-batch-size-0": lambda w, d: (_evaluate(w, w["tasks"], "--batch-size", "0", "--rounds", "1"),
                                                ["field 'batch_size'", "batch size 0"]),
 }
-CASES_26 = {**CASES_26_EXPORT, **CASES_26_DATA, **CASES_S11}
+
+
+def _trace_of(d, offsets, lengths) -> str:
+    """A 2-table, 4-sample trace of 8 ids with the given offsets and lengths tensors."""
+    import torch
+
+    path = os.path.join(d, "t.pt")
+    torch.save((torch.arange(8, dtype=torch.int64) % 3, offsets, lengths), path)
+    return path
+
+
+def _empty_trace(d) -> str:
+    import torch
+
+    path = os.path.join(d, "t.pt")
+    torch.save((torch.zeros(0, dtype=torch.int64), torch.zeros(9, dtype=torch.int64),
+                torch.zeros(2, 4, dtype=torch.int64)), path)
+    return path
+
+
+# A data engineer's session with their own DLRM traces (twenty-seventh): each had been ingested without an error.
+CASES_S27 = {
+    # flat offsets 5..13 over 8 ids: read as their differences alone (the first ids lost, or another file's offsets)
+    "s27-dlrm-flat-offsets-not-from-0": lambda w, d: (
+        ["ingest", "--source", "dlrm", "--input", _trace_of(d, torch_arange(5, 14), torch_ones(2, 4))],
+        ["t.pt", "field 'offsets'", "start at 5, not 0"]),
+    # per-table offsets: table 1's start at 7, neither 0 nor its position 4
+    "s27-dlrm-table-offsets-odd-start": lambda w, d: (
+        ["ingest", "--source", "dlrm", "--input",
+         _trace_of(d, torch_tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]]), torch_ones(2, 4))],
+        ["t.pt", "field 'offsets'", "table 1's offsets start at 7"]),
+    # every bag empty: 2 tables of 1 row, pooling 0, planned and measured as if real
+    "s27-dlrm-no-lookups-at-all": lambda w, d: (["ingest", "--source", "dlrm", "--input", _empty_trace(d)],
+                                                ["t.pt", "field 'lengths'", "no lookups"]),
+    # an abbreviated option: `--rows 1000` had been taken as --rows-file ("1000: file not found")
+    "s27-ingest-rows-is-no-abbreviation": lambda w, d: (
+        ["ingest", "--source", "dlrm", "--input", trace(d), "--rows", "1000"],
+        ["unrecognized arguments: --rows 1000", "embshard ingest --help"]),
+}
+
+
+def torch_arange(a, b):
+    import torch
+
+    return torch.arange(a, b, dtype=torch.int64)
+
+
+def torch_ones(*shape):
+    import torch
+
+    return torch.ones(*shape, dtype=torch.int64)
+
+
+def torch_tensor(values):
+    import torch
+
+    return torch.tensor(values, dtype=torch.int64)
+
+
+CASES_26 = {**CASES_26_EXPORT, **CASES_26_DATA, **CASES_S11, **CASES_S27}
 
 
 @pytest.mark.parametrize("case", sorted(CASES_26))

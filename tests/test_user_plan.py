@@ -466,6 +466,40 @@ def test_a_plan_written_by_hand_needs_only_its_tables_and_shards(tiny, tmp_path,
         assert words in str(err.value) and "sharding_type" not in str(err.value), str(err.value)
 
 
+def test_a_hand_written_plan_exports_as_hand_written(tiny, tmp_path):
+    """A TorchRec team's session (twenty-seventh): an exported hand-written plan kept no record of being one (the
+    export's time and code were written as when and by what it was made); a v2 file written by hand was told only
+    that 'planner' is required; a shard moved by hand was told to redo devices[]'s bytes, not to leave it out."""
+    from embshard.cli import main
+    from embshard.export.plan_json import read_plan_json
+
+    t = tiny["task"].tables
+    tables = [{"table_id": str(name), "rows": int(t.rows[k]), "dim": int(t.dims[k]),
+               "bytes_per_element": int(t.bytes_per_element[k]), "pooling_factor": float(t.pooling_factor[k]),
+               "shards": [{"device": k % 2}]} for k, name in enumerate(t.table_ids)]
+    doc = {"schema": "embshard.plan/v3", "task_id": "ours", "num_devices": 2,
+           "memory_bytes_per_device": int(tiny["task"].memory_bytes_per_device), "tables": tables}
+    mine = tmp_path / "ours.json"
+    mine.write_text(json.dumps(doc))
+    assert main(["export", "--placements", str(mine), "--tables", tiny["tables"], "--no-torchrec",
+                 "--out", str(tmp_path / "exp")]) == 0
+    out = read_plan_json(tmp_path / "exp" / "ours" / "plan.json")
+    assert (out["created_at"], out["embshard_version"], out["planner"]) == ("not recorded", "", "hand-written")
+    v2 = dict(doc, schema="embshard.plan/v2")
+    mine.write_text(json.dumps(v2))
+    with pytest.raises(EmbshardError, match=r"of embshard.plan/v2 plans \(only embshard.plan/v3 fills in"):
+        read_plan_json(mine)
+    moved = read_plan_json(tmp_path / "exp" / "ours" / "plan.json")
+    moved["tables"][0]["shards"][0]["device"] = 1 - moved["tables"][0]["shards"][0]["device"]
+    mine.write_text(json.dumps(moved))
+    with pytest.raises(EmbshardError, match=r"leave devices\[\] and cost out of the plan"):
+        read_plan_json(mine)
+    for key in ("devices", "cost"):  # as the fix says: derived again
+        moved.pop(key)
+    mine.write_text(json.dumps(moved))
+    assert read_plan_json(mine)["devices"][1 - tables[0]["shards"][0]["device"]]["tables"][0] == tables[0]["table_id"]
+
+
 def test_a_plan_measured_on_other_traffic_says_so(tiny, caplog):
     """evaluate --plan measures a plan on the tables given even when their pooling is not what the plan was made
     for (how does our old layout do on today's traffic?), with one warning naming the table (export refuses)."""

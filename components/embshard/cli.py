@@ -38,8 +38,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
 class _Parser(argparse.ArgumentParser):
     """argparse with the project's error format: one line naming the option and the fix, exit code 2."""
 
+    help_prog: str | None = None  # the command an error is of (the top parser reports a command's unknown options)
+
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (fix: see `{self.prog} --help`)\n")
+        prog = self.help_prog or self.prog
+        self.exit(2, f"{prog}: error: {message} (fix: see `{prog} --help`)\n")
 
 
 def _command_of(argv: list[str]) -> str | None:
@@ -50,20 +53,22 @@ def _command_of(argv: list[str]) -> str | None:
 ALL_COMMANDS = "*"
 
 
-def build_parser(command: str | None = ALL_COMMANDS) -> argparse.ArgumentParser:
+def build_parser(command: str | None = ALL_COMMANDS) -> _Parser:
     """The parser. Only `command`'s module is imported (each pulls in its own stack: pandas, torch, MLflow,
     Airflow), none for None, so `embshard --help` and one command's errors do not pay for all the others;
     ALL_COMMANDS (the default) imports every one (all options known: docs, tests)."""
     from .version import __version__
 
-    parser = _Parser(prog="embshard", description="Learned embedding-table sharding.")
+    # No abbreviated options: `--rows 1000` had been taken as `--rows-file 1000` ("file not found"), and a script's
+    # abbreviation would change meaning when a later version adds an option that shares its prefix.
+    parser = _Parser(prog="embshard", description="Learned embedding-table sharding.", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"embshard {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         if command != ALL_COMMANDS and name != command:
             if importlib.util.find_spec(module) is not None:  # listed in --help: no import
-                sub.add_parser(name, help=help_text, description=help_text)
+                sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
             continue
         try:
             mod = importlib.import_module(module)
@@ -71,7 +76,7 @@ def build_parser(command: str | None = ALL_COMMANDS) -> argparse.ArgumentParser:
             if exc.name and exc.name.startswith("embshard"):
                 continue  # a stage not built in this version
             raise
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         mod.configure(p)
         p.set_defaults(_main=mod.main, _output=getattr(mod, "OUTPUT", None))
     return parser
@@ -114,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         quiet_third_party()
     command = _command_of(argv)
     parser = build_parser(command if command in COMMANDS else None)  # None: only the list of commands
+    if command in COMMANDS:  # an option the command does not have is reported by the top parser
+        parser.help_prog = f"embshard {command}"
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")

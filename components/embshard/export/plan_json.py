@@ -127,8 +127,11 @@ def plan_dict(placement: Placement, device_costs=None, balanced_estimate: float 
         "memory_bytes_per_device": int(placement.memory_bytes_per_device),
         **({"hosts": [int(h) for h in hosts]} if hosts is not None else {}), "planner": str(placement.planner),
         "model_uri": placement.model_uri,
+        # A plan.json's own record is kept as it is, a hand-written plan's "not recorded" too (an export is not
+        # when, or by which code, a plan was made).
         "created_at": (made or {}).get("created_at") or _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "embshard_version": (made or {}).get("embshard_version") or code_version(),
+        "embshard_version": ((made or {})["embshard_version"] if "embshard_version" in (made or {})
+                             else code_version()),
         "cost": {"unit": "ms", "device_costs_ms": costs, "overall_ms": overall,
                  "balanced_estimate_ms": None if balanced_estimate is None else float(balanced_estimate),
                  "gap": gap},
@@ -302,6 +305,13 @@ def _schema_check(plan: Any, schema: dict, where: str) -> None:
         if e.validator == "pattern":  # an id (the only patterns of the schema)
             raise EmbshardError(_not_an_id(e.instance), path=where, field=field, fix=ID_FIX)
         message = f"{parts[-1]!r} is a required property" if e.validator == "required" else e.message[:200]
+        older = plan.get("schema") if isinstance(plan, Mapping) and plan.get("schema") != SCHEMA_VERSION else None
+        if older and e.validator == "required" and parts[-1] in DERIVED_KEYS:
+            # Only a v3 plan has what is derived filled in: a hand-written v2 file had been told only that
+            # 'planner' is required.
+            raise EmbshardError(f"{message} of {older} plans (only {SCHEMA_VERSION} fills in what its shards "
+                                "give)", path=where, field=field,
+                                fix=f'write "schema": "{SCHEMA_VERSION}" in a hand-written plan')
         raise EmbshardError(message, path=where, field=field,
                             fix=f"follow the {SCHEMA_VERSION} schema (embshard/export/{SCHEMA_FILE})")
 
@@ -501,26 +511,27 @@ def _consistency_check(plan: dict, where: str) -> None:
         i = over[0]
         fail(f"devices.{i}.memory_bytes", f"device {i} holds {mem[i]} bytes, {mem[i] - budget} over its "
              f"{budget}", "this placement breaks the memory budget; re-plan it")
+    # After a hand edit the simplest fix is to drop what is derived (a v3 plan has it filled in again: `completed`).
+    derived = ("devices[] is derived from tables[].shards: after moving a shard, leave devices[] and cost out of "
+               "the plan (they are filled in again; the old predicted costs no longer hold)" if v3 else
+               "devices[] is derived from tables[].shards: after moving a shard, set each device's memory_bytes "
+               "and tables to what its shards hold, or write the plan as embshard.plan/v3 and leave devices[] out")
     for dev in plan["devices"]:
         i = dev["device"]
         if dev["memory_bytes"] != mem[i]:
             fail(f"devices.{i}.memory_bytes", f"device {i}: memory_bytes {dev['memory_bytes']} but its shards in "
-                 f"tables[] hold {mem[i]}", "devices[] is derived from tables[].shards: after moving a shard, set "
-                 "each device's memory_bytes and tables to what its shards hold (or write the plan with "
-                 "embshard.export.write_plan_json)")
+                 f"tables[] hold {mem[i]}", derived)
         if mem[i] > budget:
             fail(f"devices.{i}.memory_bytes", f"device {i} holds {mem[i]} bytes, {mem[i] - budget} over its "
                  f"{budget}", "this placement breaks the memory budget; re-plan it")
         used = dev.get("memory_used_fraction")
         if used is not None and not math.isclose(used, mem[i] / budget, rel_tol=1e-9, abs_tol=1e-12):
             fail(f"devices.{i}.memory_used_fraction", f"device {i}: memory_used_fraction {used:g} but its shards "
-                 f"fill {mem[i] / budget:g} of it", "devices[] is derived from tables[].shards: set it to "
-                 "memory_bytes / memory_bytes_per_device, or leave devices[] out")
+                 f"fill {mem[i] / budget:g} of it", derived)
         if set(dev["tables"]) != holders[i]:
             extra, missing = sorted(set(dev["tables"]) - holders[i]), sorted(holders[i] - set(dev["tables"]))
             fail(f"devices.{i}.tables", f"device {i}: lists {extra[:3] or 'no table'} without a shard there and "
-                 f"misses {missing[:3] or 'none'} of its shards' tables", "devices[] is derived from tables[].shards: "
-                 "list exactly the tables with a shard on the device")
+                 f"misses {missing[:3] or 'none'} of its shards' tables", derived)
     costs = plan["cost"]["device_costs_ms"]
     if costs is not None and len(costs) != d:
         fail("cost.device_costs_ms", f"{len(costs)} costs for {d} devices", "one cost per device")

@@ -485,9 +485,12 @@ def check_plan_doc(doc, where: str = "<torchrec plan>", *, tables=None, world_si
         if w is not None:
             worlds[who] = int(w)
     if len(set(worlds.values())) > 1:
-        raise bad("world_size", f"the plan is for a world of {worlds.get('the file')} ranks, not "
-                  f"{', '.join(f'{w} ({who})' for who, w in worlds.items() if who != 'the file')}",
-                  "load the plan exported for this job's number of devices")
+        # Only the sources that disagree with the file's world are named ("a world of 4 ranks, not 4 (the caller),
+        # 2 (the tables' plan)" had read as a contradiction); without one in the file, every source.
+        own = worlds.get("the file")
+        said = ", ".join(f"{w} ({who})" for who, w in worlds.items() if who != "the file" and w != own)
+        raise bad("world_size", f"the plan is for a world of {own} ranks, not {said}" if own is not None
+                  else f"the world sizes disagree: {said}", "load the plan exported for this job's number of devices")
     world = next(iter(worlds.values()), None)
     in_file = doc.get("tables")
     if in_file is not None:

@@ -156,13 +156,26 @@ class TraceFile:
             if off.ndim == 1 and off.size == T * B + 1:
                 self._layout = "flat"
                 starts = off[::B].astype(np.int64)  # T+1 positions
-                # positions are relative to the first offset (0 in every file we know of)
-                bounds = starts - starts[0]
+                # Flat offsets index `indices` itself: a first offset of 5 whose last is len(indices) + 5 had been
+                # read as the differences alone (the first ids lost, or another file's offsets).
+                if starts[0] != 0:
+                    raise EmbshardError(f"flat offsets start at {int(starts[0])}, not 0 (the first ids are missing, or "
+                                        "the offsets belong to another file)", path=where, field="offsets",
+                                        fix=_FIX_FORMAT)
+                bounds = starts
             elif (off.ndim == 1 and off.size == T * (B + 1)) or (off.ndim == 2 and off.shape == (T, B + 1)):
                 self._layout = "per_table"
                 self._offsets = off = off.reshape(T, B + 1)
-                totals = off[:, -1].astype(np.int64) - off[:, 0].astype(np.int64)
+                firsts = off[:, 0].astype(np.int64)
+                totals = off[:, -1].astype(np.int64) - firsts
                 bounds = np.concatenate([[0], np.cumsum(totals)])
+                # Each table's offsets start at 0 or at the table's position in `indices` (docs/contracts.md).
+                odd = np.flatnonzero((firsts != 0) & (firsts != bounds[:-1]))
+                if len(odd):
+                    t = int(odd[0])
+                    raise EmbshardError(f"table {t}'s offsets start at {int(firsts[t])}, neither 0 nor its position "
+                                        f"{int(bounds[t])} in the indices", path=where, field="offsets",
+                                        fix=_FIX_FORMAT)
             else:
                 raise EmbshardError(f"has shape {tuple(off.shape)}; expected {T * B + 1} (flat) or "
                                     f"[{T}, {B + 1}] (per table)", path=where, field="offsets", fix=_FIX_FORMAT)
@@ -700,6 +713,9 @@ def tables_from_trace(path: str | list[str], options: TraceOptions | None = None
     sparse_ids = ((stats.top > RAW_ID_ROWS) & (stats.top > RAW_ID_RATIO * stats.unique)) if rows is None \
         else np.zeros(T, dtype=bool)  # rows from the largest id, far beyond the ids seen: raw ids?
     label = first if len(files) == 1 else f"{first} and {len(files) - 1} more file(s)"
+    if not (stats.lookups > 0).any():  # every bag empty: nothing to learn costs from (one empty table is warned of)
+        raise EmbshardError(f"no lookups in any of its {T} tables (every bag is empty)", path=label, field="lengths",
+                            fix="give a trace whose bags hold ids (check how its lengths or offsets were written)")
     _warn_suspicious(label, ids, out_rows, sparse_ids, stats.lookups == 0)
     if len(files) > 1:
         _warn_replayed(first, ids, stats.first_pooling, stats.lookups / float(sum(batches)))

@@ -259,7 +259,10 @@ def _plan_json_rows(path: str, tables, tables_source: str = "tables.parquet") ->
         raise EmbshardError(f"table {name} changed since the plan was made (pooling_factor {was:g} in the plan, "
                             f"{now:g} in the tables given)", path=path, field="pooling_factor",
                             fix="pass the tables the plan was made from, or plan again with these tables")
-    made = {k: plan[k] for k in ("created_at", "embshard_version") if plan.get(k) not in (None, "", "not recorded")}
+    made = {k: plan[k] for k in ("created_at", "embshard_version") if plan.get(k) is not None}
+    if plan["cost"].get("device_costs_ms") is not None:
+        log.info("export: %s: its predicted costs are not carried (a hand edit would leave them wrong); export the "
+                 "placements.parquet beside it, which `embshard place` writes too, to keep them", path)
     return plan_frame(placement), made
 
 
