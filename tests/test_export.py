@@ -1289,7 +1289,8 @@ def test_export_takes_a_hand_edited_plan_json(placement, tables_df, tmp_path):
 
     plan["memory_bytes_per_device"] = max(dev["memory_bytes"] for dev in plan["devices"]) - 1  # one byte short
     edited.write_text(json.dumps(plan))
-    with pytest.raises(EmbshardError, match="device 0 holds .* bytes, .* over its") as err:
+    with pytest.raises(EmbshardError, match=r"device 0 holds [\d,]+ bytes \([\d.]+ [KMG]i?B\), 1 bytes over its "
+                                            r"[\d.]+ [KMG]iB") as err:
         export(str(edited), str(tmp_path / "tables.parquet"), str(tmp_path / "out2"))
     assert str(edited) in str(err.value) and len(str(err.value).splitlines()) == 1
     assert not (tmp_path / "out2").exists()

@@ -512,9 +512,9 @@ def test_a_branch_label_names_only_the_tables_still_cut():
     # the first cut's own table joined back: the label no longer says it is cut (a user read "item_id in 2 column
     # slices" beside a plan that kept item_id whole)
     none_cut = [Shard(i, i % 2) for i in range(4)]
-    assert _still_cut(ts, label, none_cut) == f"{a} replicated on 2 devices (whole again)"
+    assert _still_cut(ts, label, none_cut) == f"{a} replicated on 2 devices (since joined back whole)"
     assert _still_cut(ts, f"{b} in 2 column slices, then {a} cut", whole) == (
-        f"{b} in 2 column slices (whole again), then {a} cut")
+        f"{b} in 2 column slices (since joined back whole), then {a} cut")
 
 
 def test_the_slice_floor_is_the_cost_models_hardwares(mlperf, monkeypatch):

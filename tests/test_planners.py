@@ -20,6 +20,7 @@ from embshard.planners import get_planner
 from embshard.planners.baselines import BASELINES, make_baseline
 from embshard.planners.learned import LearnedPlanner
 from embshard.planners.scoring import balanced_estimate, placement_costs
+from embshard.planners.splitting import replica_pieces
 from embshard.policy.core import PolicyNet, TaskContext, TrainConfig, rollout
 from embshard.tableset import TableSet
 
@@ -85,6 +86,16 @@ def test_total_memory_shortfall_says_how_much(tables):
     mem = int(tables.size_bytes.max() * 1.01)
     with pytest.raises(InfeasiblePlacementError, match=r"tables need .* GiB, devices hold .* GiB missing"):
         get_planner("size_greedy").plan(tables, 1, mem, "one-device")
+    # The fix says how much (a capacity planner had worked it out): devices of this memory, or memory on these
+    # devices, each a lower bound and the memory rounded up (2.0124 GiB said as 2.013, never 2.012).
+    total = int(tables.size_bytes.sum())
+    mem = total // 3
+    with pytest.raises(InfeasiblePlacementError) as err:
+        get_planner("size_greedy").plan(tables, 2, mem, "two")
+    need = -(-total // 2)
+    said = float(str(err.value).split("to at least ")[1].split(" ")[0])
+    unit = {"GiB": GiB, "MiB": 2**20}[str(err.value).split("to at least ")[1].split(" ")[1]]
+    assert f"at least {-(-total // mem):,} of this memory" in str(err.value) and need <= said * unit < need * 1.01
 
 
 def test_a_memory_in_gib_typed_as_bytes_is_pointed_out():
@@ -177,6 +188,48 @@ def test_learned_planner_respects_memory_and_beats_every_baseline_prediction(tab
         assert ours <= best * (1 + 1e-6)
         # The estimate would bound heads that are sub- or super-additive; a learned model is only nearly so.
         assert ours >= balanced_estimate(cost_model, sub, devices, column_splits=True) * 0.95
+
+
+def test_the_step_cost_is_said_with_what_it_is_made_of(tables, cost_model):
+    """A capacity planner's session (twenty-seventh): the step cost fell from 13.2 ms on 2 devices to 4.7 on one,
+    read as "1 GPU beats 8"; on one device there is no all-to-all. The report now splits the slowest device's cost
+    into compute and communication (they sum to its total, replicas' all-reduce included) and names the batch."""
+    from embshard.costmodel.scoring import placement_split
+    from embshard.placement import Placement
+    from embshard.placement_report import device_table
+
+    sub = tables.subset(range(8))
+    for D in (1, 4):
+        assignment = np.arange(len(sub)) % D
+        placement = Placement.from_assignment(sub, assignment, D, 2**40, task_id="t")
+        if D > 1:  # one table replicated on every device: its all-reduce is communication too
+            placement.shards = [s for s in placement.shards if s.table != 0] + replica_pieces(0, D)
+        costs = placement_costs(cost_model, placement)
+        split = placement_split(cost_model, placement)
+        assert np.allclose(split.sum(1), costs, rtol=1e-4, atol=1e-5) and (split >= 0).all()
+        report = device_table(placement, costs, None, device_split=split, batch_size=2048)
+        slowest = int(np.argmax(costs))
+        if D == 1:
+            assert split[0, 1] == 0 and "one device has no all-to-all" in report
+        else:
+            assert (f"{split[slowest, 0]:.3f} compute + {split[slowest, 1]:.3f} communication" in report
+                    and split[slowest, 1] > 0), report
+        assert "at 2,048 samples a step" in report
+
+
+def test_a_plan_that_was_not_searched_does_not_say_it_was(tables):
+    """policy_only (no search) that fell back to a heuristic had said "(searched and cut from there)" after 0
+    evaluations."""
+    from embshard.placement import Placement
+    from embshard.placement_report import device_table
+
+    placement = Placement.from_assignment(tables.subset(range(4)), [0, 1, 0, 1], 2, 2**40, task_id="t")
+    for meta, words in (({"search_evaluations": 0, "search_budget": 0}, "not searched: this planner does not"),
+                        ({"search_evaluations": 0, "search_budget": 1000, "time_cap_hit": True},
+                         "not searched: the time cap came first"),
+                        ({"search_evaluations": 50, "search_budget": 1000}, "searched and cut from there")):
+        placement.meta = {"proposers_without_plan": ["policy_greedy"], "start_candidate": "size_greedy", **meta}
+        assert words in device_table(placement)
 
 
 def test_learned_planner_fails_clearly_when_infeasible(tables, cost_model):

@@ -67,6 +67,10 @@ def test_log_register_alias_and_load(mlflow_uri, tiny_artifacts, tmp_path):
     assert line.count("models:/reg-test@prod") == 1 and "train and register" not in line
     assert "'reg-test' has versions 1, 2 but no alias 'prod'" in err.value.fix
     assert "set_registered_model_alias('reg-test', 'prod', VERSION)" in err.value.fix
+    with pytest.raises(ModelNotFoundError) as err:  # a version that is not there: the ones that are, not "train"
+        registry.load_python_model("models:/reg-test/99")
+    assert "'reg-test' has versions 1, 2: use one of them" in err.value.fix
+    assert "train and register" not in str(err.value)
     shards = [np.array([0, 1]), np.array([2, 3, 4, 5])]
     assert np.array_equal(loaded.model.predict_shards(feats, shards, 4), model.predict_shards(feats, shards, 4))
 

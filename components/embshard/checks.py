@@ -45,15 +45,15 @@ MAX_ROUNDS = 100  # measuring rounds of the ruler (evaluate, refine, the pipelin
 GiB = 2**30
 
 
-def size_text(n_bytes: float) -> str:
+def size_text(n_bytes: float, round_up: bool = False) -> str:
     """Bytes in the unit that shows them: '19.073 GiB', '2.4 MiB', '591,536 bytes' (a GiB figure of a small
-    overrun read '0.000 GiB over')."""
+    overrun read '0.000 GiB over'). `round_up`: never below the bytes (a memory to give: 2.0124 GiB is '2.013')."""
     n = float(n_bytes)
     if abs(n) >= GiB:
-        return f"{n / GiB:.3f} GiB"
+        return f"{math.ceil(n / GiB * 1000) / 1000 if round_up else n / GiB:.3f} GiB"
     if abs(n) >= 2**20:
-        return f"{n / 2**20:.1f} MiB"
-    return f"{int(n):,} bytes"
+        return f"{math.ceil(n / 2**20 * 10) / 10 if round_up else n / 2**20:.1f} MiB"
+    return f"{math.ceil(n) if round_up else int(n):,} bytes"
 
 
 def bad_id(value) -> bool:

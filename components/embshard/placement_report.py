@@ -29,9 +29,12 @@ def shown_devices(placement: Placement, device_costs: np.ndarray | None, max_row
 
 def device_table(placement: Placement, device_costs: np.ndarray | None = None,
                  balanced_estimate: float | None = None, full_table: str | None = None,
-                 max_rows: int = MAX_ROWS) -> str:
+                 max_rows: int = MAX_ROWS, device_split: np.ndarray | None = None,
+                 batch_size: int | None = None) -> str:
     """The per-device table; beyond `max_rows` devices, a summary (first, last and busiest devices) with a line
-    saying how many were left out and where the full table is (`full_table`)."""
+    saying how many were left out and where the full table is (`full_table`). `device_split`: (D, 2) compute and
+    communication ms of each device (costmodel.scoring.placement_split), `batch_size`: the samples per step the
+    costs were measured at; the slowest device's split and the batch are said with the step cost."""
     mem = placement.memory_per_device()
     shards = placement.device_shards()
     # `place` without --task-id names its one task "task": no "task task:" header then
@@ -70,7 +73,16 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
                      + (f"the `devices` list of {full_table}" if full_table else "placement.to_frame()"))
     if device_costs is not None:
         overall = float(np.max(device_costs))
-        summary = f"predicted step cost {overall:.3f} ms (slowest device), imbalance max/mean {overall / mean:.3f}"
+        # What the step cost is made of: on one device there is no all-to-all, so a plan on fewer devices may
+        # predict less than one on more (a capacity planner had read "1 GPU beats 8" from the totals alone).
+        parts = ""
+        if device_split is not None:
+            compute, comm = (float(x) for x in device_split[int(np.argmax(device_costs))])
+            parts = (f": {compute:.3f} compute + {comm:.3f} communication" if placement.num_devices > 1
+                     else ": compute only, one device has no all-to-all")
+        per = f" at {batch_size:,} samples a step" if batch_size else ""
+        summary = (f"predicted step cost {overall:.3f} ms{per} (slowest device{parts}), imbalance max/mean "
+                   f"{overall / mean:.3f}")
         # An estimate of a perfectly balanced plan, not a bound: a plan can come in below it (docs/method.md).
         if balanced_estimate:
             # A percentage reads badly far above it (one small table on 4,096 devices: "+398734.2%").
@@ -78,17 +90,22 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
             est = f"{balanced_estimate:.3f}" if balanced_estimate >= 5e-4 else f"{balanced_estimate:.2e}"
             summary += (f", balanced estimate {est} ms (not a bound), "
                         + (f"gap {100 * (gap - 1):+.1f}%" if gap < 10 else f"{gap:,.0f}x it"))
-        else:
-            summary += ", balanced estimate n/a (the cost model is not monotone on these tables)"
+        else:  # the planner's or a baseline's plan of these tables is predicted below it (planners.scoring)
+            summary += ", balanced estimate n/a (a plan of these tables is predicted below it: the cost model is " \
+                       "not monotone on them)"
         lines.append(summary)
     if placement.meta.get("time_cap_hit"):
         lines.append(f"note: the search hit its time cap after {placement.meta.get('search_evaluations')} of "
                      f"{placement.meta.get('search_budget')} evaluations: this plan depends on the machine's speed "
                      "(raise --time-budget-s for a reproducible plan)")
     gave_up = placement.meta.get("proposers_without_plan")
-    if gave_up:  # near full memory the policy may place nothing: the plan is then a searched heuristic's
+    if gave_up:  # near full memory the policy may place nothing: the plan is then a (searched) heuristic's
+        searched = placement.meta.get("search_evaluations")
+        how = ("searched and cut from there" if searched else
+               "not searched: this planner does not search" if searched is None or
+               not placement.meta.get("search_budget") else "not searched: the time cap came first")
         lines.append(f"note: {', '.join(map(str, gave_up))} placed nothing within memory; the plan starts from "
-                     f"{placement.meta.get('start_candidate', 'a heuristic')} (searched and cut from there)")
+                     f"{placement.meta.get('start_candidate', 'a heuristic')} ({how})")
     return "\n".join(lines)
 
 

@@ -714,11 +714,13 @@ def _no_model_fix(uri: str, name: str) -> str:
     is set, not trained ("train and register 'embshard-policy' first" had been said with five versions there)."""
     where = f"check MLFLOW_TRACKING_URI ({tracking_uri()})"
     alias = uri.split("@", 1)[1] if uri.startswith("models:/") and "@" in uri else None
+    # A version that is not there (models:/NAME/99) of a model that has others: they are listed too.
+    number = uri.split("/")[2] if uri.startswith("models:/") and alias is None and uri.count("/") >= 2 else None
     versions: list[int] = []
-    if alias is not None:
+    if alias is not None or number is not None:
         try:
-            if version_for_alias(name, alias) is not None:  # the alias is set: its version's files are what failed
-                return f"load models:/{name}/VERSION of another version, or {where}"
+            if alias is not None and version_for_alias(name, alias) is not None:
+                return f"load models:/{name}/VERSION of another version, or {where}"  # the alias's files failed
             from mlflow import MlflowClient
 
             versions = sorted(int(v.version) for v in MlflowClient().search_model_versions(f"name = '{name}'"))
@@ -727,6 +729,10 @@ def _no_model_fix(uri: str, name: str) -> str:
     if not versions:
         return f"train and register '{name}' first, or {where}"
     listed = ", ".join(map(str, versions[-5:])) + (f" (and {len(versions) - 5} older)" if len(versions) > 5 else "")
+    if alias is None:
+        if str(number) in {str(v) for v in versions}:  # the version is there: its files are what failed
+            return f"load models:/{name}/VERSION of another version, or {where}"
+        return f"'{name}' has versions {listed}: use one of them, or {where}"
     setter = ("embshard champion --set VERSION" if (name, alias) == (POLICY_MODEL, CHAMPION) else
               f"MlflowClient().set_registered_model_alias('{name}', '{alias}', VERSION)")
     return (f"'{name}' has versions {listed} but no alias '{alias}': point it at one ({setter}), use "

@@ -474,6 +474,25 @@ def placement_costs(cost_model: CostEstimator, placement: Placement) -> np.ndarr
         return scorer.device_costs(placement.device_of_shards())
 
 
+def placement_split(cost_model: CostEstimator, placement: Placement) -> np.ndarray:
+    """(D, 2) predicted ms of each device: its compute (forward + backward) and its communication (the all-to-all,
+    and each replica's all-reduce less the outputs it does not send); their sum is `placement_costs`. On one device
+    there is no communication: a plan on fewer devices may predict less than one on more (said where it is shown)."""
+    with torch_defaults():
+        feats = piece_features(placement.tables, placement.shards, placement.num_devices)
+        extra = replica_extra_ms(cost_model, placement.tables, placement.shards, placement.num_devices, feats)
+        with torch.no_grad():
+            enc = cost_model.encode(np.asarray(feats, dtype=np.float64)).float()
+        devices = placement.device_of_shards()
+        D = placement.num_devices
+        sums = torch.zeros(D, enc.shape[1]).index_add_(0, torch.as_tensor(devices, dtype=torch.long), enc)
+        heads = cost_model.heads_from_sums(sums, D).double().numpy()  # (D, 3): fwd, bwd, comm
+    comm = heads[:, 2] + (0.0 if extra is None else np.bincount(devices, weights=extra, minlength=D))
+    out = np.stack([heads[:, 0] + heads[:, 1], comm], axis=1)
+    out[np.bincount(devices, minlength=D) == 0] = 0.0  # an empty device costs nothing (as placement_costs)
+    return out
+
+
 def balanced_estimate(cost_model: CostEstimator, tables: TableSet, num_devices: int,
                       column_splits: bool = False, enc: torch.Tensor | None = None) -> float:
     """The balanced estimate under the model (docs/method.md, "Balanced estimate"): per cost head, the smaller of

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from .. import storage
-from ..checks import ID_RULE, MAX_DEVICES, bad_id
+from ..checks import ID_RULE, MAX_DEVICES, bad_id, size_text
 from ..errors import EmbshardError
 from ..placement import Placement, Shard
 from ..tableset import TableSet
@@ -509,8 +509,8 @@ def _consistency_check(plan: dict, where: str) -> None:
     over = [i for i in range(d) if mem[i] > budget]
     if over:
         i = over[0]
-        fail(f"devices.{i}.memory_bytes", f"device {i} holds {mem[i]} bytes, {mem[i] - budget} over its "
-             f"{budget}", "this placement breaks the memory budget; re-plan it")
+        fail(f"devices.{i}.memory_bytes", _over_text(i, mem[i], budget), "this placement breaks the memory budget; "
+             "re-plan it")
     # After a hand edit the simplest fix is to drop what is derived (a v3 plan has it filled in again: `completed`).
     derived = ("devices[] is derived from tables[].shards: after moving a shard, leave devices[] and cost out of "
                "the plan (they are filled in again; the old predicted costs no longer hold)" if v3 else
@@ -522,8 +522,8 @@ def _consistency_check(plan: dict, where: str) -> None:
             fail(f"devices.{i}.memory_bytes", f"device {i}: memory_bytes {dev['memory_bytes']} but its shards in "
                  f"tables[] hold {mem[i]}", derived)
         if mem[i] > budget:
-            fail(f"devices.{i}.memory_bytes", f"device {i} holds {mem[i]} bytes, {mem[i] - budget} over its "
-                 f"{budget}", "this placement breaks the memory budget; re-plan it")
+            fail(f"devices.{i}.memory_bytes", _over_text(i, mem[i], budget), "this placement breaks the memory "
+                 "budget; re-plan it")
         used = dev.get("memory_used_fraction")
         if used is not None and not math.isclose(used, mem[i] / budget, rel_tol=1e-9, abs_tol=1e-12):
             fail(f"devices.{i}.memory_used_fraction", f"device {i}: memory_used_fraction {used:g} but its shards "
@@ -543,6 +543,12 @@ def _consistency_check(plan: dict, where: str) -> None:
     if (costs is None) != (overall is None):
         fail("cost.overall_ms", "overall_ms and device_costs_ms must be given together",
              "give both (the largest device cost is overall_ms), or neither")
+
+
+def _over_text(device: int, held: int, budget: int) -> str:
+    """A device over its memory, in units a person reads (bytes alone had read '2594649344 bytes, 232417332 over')."""
+    return (f"device {device} holds {held:,} bytes ({size_text(held)}), {size_text(held - budget)} over its "
+            f"{size_text(budget)}")
 
 
 def json_safe(value: Any) -> Any:

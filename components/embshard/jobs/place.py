@@ -249,7 +249,14 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
         write_plan_json(placement, os.path.join(stage, "plan.json"), device_costs=costs, balanced_estimate=lb)
         schemas.write(plan_frame(placement, costs, lb), os.path.join(stage, "placements.parquet"), "placements")
         plot_device_costs(placement, costs, os.path.join(stage, "devices.png"), lb)
-    report = device_table(placement, costs, lb, full_table=storage.join(out, "plan.json"))
+    split = batch = None
+    if costs is not None and pricing is not None:  # what the step cost is made of, and its batch
+        from ..costmodel.scoring import placement_split
+
+        split = placement_split(pricing, placement)
+        batch = getattr(getattr(pricing, "config", None), "batch_size", None)
+    report = device_table(placement, costs, lb, full_table=storage.join(out, "plan.json"), device_split=split,
+                          batch_size=batch)
     if costs is None:
         report += "\n" + NO_COST_MODEL_NOTE
     return {"plot": storage.join(out, "devices.png"), "placement": placement, "device_costs": costs,

@@ -194,7 +194,11 @@ def check_capacity(size_bytes, num_devices: int, memory_bytes_per_device: int, t
             + (f" (only {memory_bytes_per_device:,} bytes per device)" if tiny else "")
             + (one if dominant else ""),
             path=task_id, field="memory_bytes_per_device",
-            fix="add devices or raise memory per device" + (
+            # How much more, in numbers (a capacity planner had to work them out): lower bounds, since pieces
+            # must also pack.
+            fix=f"add devices (at least {-(-total // max(memory_bytes_per_device, 1)):,} of this memory) or raise "
+                f"memory per device (to at least {size_text(-(-total // num_devices), round_up=True)} on "
+                f"{num_devices:,})" + (
                 " (memory_bytes_per_device counts bytes: 16 GiB is 17179869184)" if tiny else "")
             + (f", or check table {names[big]}'s rows (a stray large id in a trace sizes its table by that id)"
                if dominant else ""))

@@ -599,14 +599,15 @@ def _joined(problem: Problem, draft: Draft) -> Draft:
 
 def _still_cut(tables: TableSet, label: str | None, shards: list[Shard]) -> str | None:
     """A branch's label ('X ..., then Y, Z cut; W replicated') naming only the later cuts still in `shards` (a
-    table whose slices were all joined back on one device is whole again), its first cut marked "(whole again)"
-    when that table is whole again too. Table ids hold no commas, semicolons or spaces (checks.ID_RULE)."""
+    table whose slices were all joined back on one device is whole again), its first cut marked "(since joined
+    back whole)" when that table is whole again too. Table ids hold no commas, semicolons or spaces
+    (checks.ID_RULE)."""
     if not label:
         return label
     first, _, rest = label.partition(", then ")
     cut = {str(tables.table_ids[s.table]) for s in shards if s.kind != WHOLE}
     if first.split(" ", 1)[0] not in cut:
-        first += " (whole again)"
+        first += " (since joined back whole)"  # "(whole again)" had read as a cut the plan still makes
     groups = []
     for group in rest.split("; ") if rest else []:
         names, _, verb = group.rpartition(" ")
