@@ -60,6 +60,25 @@ class TableSet:
                            if "trace_pooling_factor" in df.columns else np.full(n, np.nan)),
         )
 
+    def to_frame(self) -> pd.DataFrame:
+        """The tables as a frame with tables.parquet's columns (docs/contracts.md), as `schemas.read` gives them: what
+        `from_frame` reads back and the registered planner's pyfunc takes (a table spec read with
+        embshard.ingest.spec.read_tables had no way there but through `embshard ingest`)."""
+        df = pd.DataFrame({
+            "table_id": pd.Series(self.table_ids, dtype=object).astype(str),
+            "rows": self.rows.astype(np.int64), "dim": self.dims.astype(np.int32),
+            "pooling_factor": self.pooling_factor.astype(np.float64),
+            "bytes_per_element": self.bytes_per_element.astype(np.int32),
+            "size_bytes": self.size_bytes.astype(np.int64),
+            **{c: self.bins[:, k].astype(np.float64) for k, c in enumerate(schemas.BIN_COLUMNS)},
+            "source": "tableset"})
+        if any(f is not None for f in self.trace_file):  # only tables ingested from a trace have these
+            df["trace_file"] = list(self.trace_file)
+            df["trace_table_index"] = self.trace_table_index.astype(np.int64)
+            if not np.isnan(self.trace_pooling).all():
+                df["trace_pooling_factor"] = self.trace_pooling.astype(np.float64)
+        return df
+
     @classmethod
     def read(cls, path) -> TableSet:
         return cls.from_frame(schemas.read(path, "tables"), checked=True)
