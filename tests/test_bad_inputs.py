@@ -1178,6 +1178,14 @@ def _trace_of(d, offsets, lengths) -> str:
     return path
 
 
+def _saved(d, obj) -> str:
+    import torch
+
+    path = os.path.join(d, "t.pt")
+    torch.save(obj, path)
+    return path
+
+
 def _empty_trace(d) -> str:
     import torch
 
@@ -1201,6 +1209,9 @@ CASES_S27 = {
     # every bag empty: 2 tables of 1 row, pooling 0, planned and measured as if real
     "s27-dlrm-no-lookups-at-all": lambda w, d: (["ingest", "--source", "dlrm", "--input", _empty_trace(d)],
                                                 ["t.pt", "field 'lengths'", "no lookups"]),
+    # a list of numbers saved, not tensors: it had said "field 'indices': is not an integer tensor (int)"
+    "s27-dlrm-a-list-of-numbers": lambda w, d: (["ingest", "--source", "dlrm", "--input", _saved(d, [1, 2, 3])],
+                                                ["t.pt", "holds a list of 3 int values, not the tensors"]),
     # an abbreviated option: `--rows 1000` had been taken as --rows-file ("1000: file not found")
     "s27-ingest-rows-is-no-abbreviation": lambda w, d: (
         ["ingest", "--source", "dlrm", "--input", trace(d), "--rows", "1000"],

@@ -100,10 +100,11 @@ def device_table(placement: Placement, device_costs: np.ndarray | None = None,
                      "(raise --time-budget-s for a reproducible plan)")
     gave_up = placement.meta.get("proposers_without_plan")
     if gave_up:  # near full memory the policy may place nothing: the plan is then a (searched) heuristic's
-        searched = placement.meta.get("search_evaluations")
-        how = ("searched and cut from there" if searched else
-               "not searched: this planner does not search" if searched is None or
-               not placement.meta.get("search_budget") else "not searched: the time cap came first")
+        meta = placement.meta
+        how = ("searched and cut from there" if meta.get("search_evaluations") else
+               "not searched: the time cap came first" if meta.get("time_cap_hit") else
+               "not searched: this planner does not search" if not meta.get("search_budget") else
+               "the search found nothing to move")
         lines.append(f"note: {', '.join(map(str, gave_up))} placed nothing within memory; the plan starts from "
                      f"{placement.meta.get('start_candidate', 'a heuristic')} ({how})")
     return "\n".join(lines)

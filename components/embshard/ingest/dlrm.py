@@ -111,8 +111,13 @@ class TraceFile:
                 raise EmbshardError(f"the saved dict has no {missing[0]!r} entry", path=self.path,
                                     field=missing[0], fix=_FIX_FORMAT)
             parts = (obj.get("indices"), obj.get("offsets"), obj.get("lengths"))
-        elif isinstance(obj, (tuple, list)) and len(obj) in (2, 3):
+        elif isinstance(obj, (tuple, list)) and len(obj) in (2, 3) and any(isinstance(x, torch.Tensor) for x in obj):
             parts = (*obj, None) if len(obj) == 2 else tuple(obj)
+        elif isinstance(obj, (tuple, list)) and len(obj) in (2, 3):
+            # torch.save([1, 2, 3]) had been told "indices is not an integer tensor (int)"
+            kinds = ", ".join(sorted({type(x).__name__ for x in obj}))
+            raise EmbshardError(f"holds a {type(obj).__name__} of {len(obj)} {kinds} values, not the tensors "
+                                "(indices, offsets, lengths)", path=self.path, fix=_FIX_FORMAT)
         else:
             raise EmbshardError(f"holds a {type(obj).__name__}, not (indices, offsets, lengths)",
                                 path=self.path, fix=_FIX_FORMAT)
