@@ -1178,6 +1178,12 @@ def _trace_of(d, offsets, lengths) -> str:
     return path
 
 
+def _copied(d, name: str, copy: str) -> str:
+    import shutil
+
+    return shutil.copyfile(os.path.join(d, name), os.path.join(d, copy))
+
+
 def _saved(d, obj) -> str:
     import torch
 
@@ -1209,6 +1215,10 @@ CASES_S27 = {
     # every bag empty: 2 tables of 1 row, pooling 0, planned and measured as if real
     "s27-dlrm-no-lookups-at-all": lambda w, d: (["ingest", "--source", "dlrm", "--input", _empty_trace(d)],
                                                 ["t.pt", "field 'lengths'", "no lookups"]),
+    # a byte-identical copy of a trace file under another name: its batches had counted twice
+    "s27-dlrm-a-copy-of-a-file": lambda w, d: (["ingest", "--source", "dlrm", "--input", trace(d, "a.pt"),
+                                                _copied(d, "a.pt", "b.pt")],
+                                               ["b.pt", "field 'input'", "the same bytes as", "a.pt"]),
     # a list of numbers saved, not tensors: it had said "field 'indices': is not an integer tensor (int)"
     "s27-dlrm-a-list-of-numbers": lambda w, d: (["ingest", "--source", "dlrm", "--input", _saved(d, [1, 2, 3])],
                                                 ["t.pt", "holds a list of 3 int values, not the tensors"]),

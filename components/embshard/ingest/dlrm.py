@@ -500,7 +500,31 @@ def _distinct(parts: list[str]) -> list[str]:
             raise EmbshardError(f"names one file twice{same}", path=x, field="input",
                                 fix="list each trace file once (its batches would count twice)")
         seen[key] = x
+    _no_copies(parts)
     return parts
+
+
+def _no_copies(parts: list[str]) -> None:
+    """Refuse two local files with the same bytes (a copy of one batch under another name counted its batches
+    twice): only files of equal size are hashed, so distinct batches cost a stat each."""
+    import hashlib
+
+    by_size: dict[int, list[str]] = {}
+    for x in parts:
+        path = x.removeprefix("file://")
+        if "://" not in path and os.path.isfile(path):
+            by_size.setdefault(os.path.getsize(path), []).append(x)
+    for same_size in (group for group in by_size.values() if len(group) > 1):
+        digests: dict[str, str] = {}
+        for x in same_size:
+            h = hashlib.sha256()
+            with open(x.removeprefix("file://"), "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    h.update(block)
+            if h.hexdigest() in digests:
+                raise EmbshardError(f"holds the same bytes as {digests[h.hexdigest()]} (a copy of one file)", path=x,
+                                    field="input", fix="list each trace file once (its batches would count twice)")
+            digests[h.hexdigest()] = x
 
 
 def check_table_counts(files: list[str]) -> None:
