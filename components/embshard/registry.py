@@ -713,6 +713,7 @@ def _no_model_fix(uri: str, name: str) -> str:
     """The fix for a model URI that loads nothing. An alias that names no version, of a model that has versions,
     is set, not trained ("train and register 'embshard-policy' first" had been said with five versions there)."""
     where = f"check MLFLOW_TRACKING_URI ({tracking_uri()})"
+    another = f"load models:/{name}/VERSION of another version, or {where}"
     alias = uri.split("@", 1)[1] if uri.startswith("models:/") and "@" in uri else None
     # A version that is not there (models:/NAME/99) of a model that has others: they are listed too.
     number = uri.split("/")[2] if uri.startswith("models:/") and alias is None and uri.count("/") >= 2 else None
@@ -720,7 +721,7 @@ def _no_model_fix(uri: str, name: str) -> str:
     if alias is not None or number is not None:
         try:
             if alias is not None and version_for_alias(name, alias) is not None:
-                return f"load models:/{name}/VERSION of another version, or {where}"  # the alias's files failed
+                return another  # the alias is set: its version's files are what failed
             from mlflow import MlflowClient
 
             versions = sorted(int(v.version) for v in MlflowClient().search_model_versions(f"name = '{name}'"))
@@ -731,7 +732,7 @@ def _no_model_fix(uri: str, name: str) -> str:
     listed = ", ".join(map(str, versions[-5:])) + (f" (and {len(versions) - 5} older)" if len(versions) > 5 else "")
     if alias is None:
         if str(number) in {str(v) for v in versions}:  # the version is there: its files are what failed
-            return f"load models:/{name}/VERSION of another version, or {where}"
+            return another
         return f"'{name}' has versions {listed}: use one of them, or {where}"
     setter = ("embshard champion --set VERSION" if (name, alias) == (POLICY_MODEL, CHAMPION) else
               f"MlflowClient().set_registered_model_alias('{name}', '{alias}', VERSION)")

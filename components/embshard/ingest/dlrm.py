@@ -500,25 +500,23 @@ def _distinct(parts: list[str]) -> list[str]:
             raise EmbshardError(f"names one file twice{same}", path=x, field="input",
                                 fix="list each trace file once (its batches would count twice)")
         seen[key] = x
-    _no_copies(parts)
     return parts
 
 
 def _no_copies(parts: list[str]) -> None:
-    """Refuse two local files with the same bytes (a copy of one batch under another name counted its batches
-    twice): only files of equal size are hashed, so distinct batches cost a stat each."""
+    """Refuse two local files (plain paths) with the same bytes (a copy of one batch under another name counted its
+    batches twice): only files of equal size are hashed, so distinct batches cost a stat each."""
     import hashlib
 
     by_size: dict[int, list[str]] = {}
     for x in parts:
-        path = x.removeprefix("file://")
-        if "://" not in path and os.path.isfile(path):
-            by_size.setdefault(os.path.getsize(path), []).append(x)
+        if "://" not in x and os.path.isfile(x):
+            by_size.setdefault(os.path.getsize(x), []).append(x)
     for same_size in (group for group in by_size.values() if len(group) > 1):
         digests: dict[str, str] = {}
         for x in same_size:
             h = hashlib.sha256()
-            with open(x.removeprefix("file://"), "rb") as f:
+            with open(x, "rb") as f:
                 for block in iter(lambda: f.read(1 << 22), b""):
                     h.update(block)
             if h.hexdigest() in digests:
@@ -695,6 +693,9 @@ def tables_from_trace(path: str | list[str], options: TraceOptions | None = None
     opt = options or TraceOptions()
     files = [f.removeprefix("file://") for f in trace_files(path)]
     check_table_counts(files)
+    # Here, where the files are read, not in trace_files: check_params and the CLI's checks resolve the input
+    # several times, and hashing on each would read equal-size files again.
+    _no_copies(files)
     first = files[0]  # the trace_file recorded for the benchmark is a plain path: the first file's
     bpe = bytes_per_element(opt.data_type)
     stats: _TraceStats | None = None
