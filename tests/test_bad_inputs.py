@@ -243,7 +243,7 @@ CASES = {
     "place-memory-1e30": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "1e30"), ["memory_gb"]),
     "place-memory-inf": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "inf"), ["memory_gb"]),
     "place-memory-too-small": lambda w, d: (_place(w, "--devices", "2", "--memory-gb", "0.000001"),
-                                            ["tables.parquet", "memory_bytes_per_device"]),
+                                            ["tables.parquet", "field 'memory_gb'"]),
     "place-no-devices": lambda w, d: (_place(w, "--memory-gb", "8"), ["field 'devices'", "--devices is required"]),
     # the flag left out is named, not the one given
     "place-no-memory": lambda w, d: (_place(w, "--devices", "8"), ["field 'memory_gb'", "--memory-gb is required"]),
@@ -964,6 +964,26 @@ def test_place_writes_nothing_outside_out(planner, world, tmp_path, monkeypatch,
     else:
         assert rc == 0, err[-1500:]
         assert sorted(os.listdir(tmp_path / "out")) == ["devices.png", "placements.parquet", "plan.json"]
+
+
+def test_failed_place_says_the_plan_in_out_is_an_older_one(world, tmp_path, capsys, caplog):
+    """A failed `place` into an --out that holds an earlier plan leaves it as it was (nothing half-written) and
+    says so: a script reading OUT/plan.json after the command could not tell it from this run's."""
+    out = tmp_path / "out"
+    assert cli(_place(world, "--devices", "2", "--memory-gb", "64", "--out", str(out))) == 0
+    before = (out / "plan.json").read_bytes()
+    made = json.loads(before)["created_at"]
+    capsys.readouterr()
+    rc = cli(_place(world, "--devices", "2", "--memory-gb", "0.000001", "--out", str(out)))
+    err = capsys.readouterr().err
+    assert rc == 2 and (out / "plan.json").read_bytes() == before, err[-1500:]
+    assert (f"{out / 'plan.json'} is an older plan (made at {made}), left as it was: this run wrote nothing"
+            in caplog.text), caplog.text
+    assert "embshard place: error:" in err and "field 'memory_gb'" in err, err[-1500:]
+    # into an empty folder: no such note
+    caplog.clear()
+    assert cli(_place(world, "--devices", "2", "--memory-gb", "0.000001", "--out", str(tmp_path / "new"))) == 2
+    assert "older plan" not in caplog.text
 
 
 # Export: the module path, stale files of an earlier export, what a killed export left.

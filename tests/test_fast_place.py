@@ -113,7 +113,7 @@ def test_infeasible_memory_is_reported_before_any_model_load(store, tmp_path):
                                    "--out", str(out)], None)
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert got["rc"] == 2 and len(lines) == 1, proc.stderr[-2000:]
-    assert lines[0].startswith("embshard place: error:") and "memory_bytes_per_device" in lines[0]
+    assert lines[0].startswith("embshard place: error:") and "field 'memory_gb'" in lines[0]
     assert "GiB missing" in lines[0] and "tables.parquet" in lines[0]
     assert got["modules"] == [] and not out.exists()
 

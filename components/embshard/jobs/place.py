@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from typing import Any
@@ -14,7 +15,7 @@ from ..errors import EmbshardError, ModelFilesMissingError, ModelNotFoundError
 from ..ingest.spec import is_spec_path, read_tables, spec_sizes
 from ..placement import Placement
 from ..planners import composition_of, get_planner, is_planner_name, learned_uri
-from ..planners.base import check_capacity, check_feasible, full_warning
+from ..planners.base import BYTES_HINT, MEMORY_FIELD, check_capacity, check_feasible, full_warning
 from ..registry import COST_CHAMPION_URI, POLICY_CHAMPION_URI
 from ..tableset import TableSet
 from ..torchrec_compat import unnamable_warning
@@ -176,23 +177,35 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
           cost_model_uri: str | None = None, tasks: str | None = None, task_id: str | None = None,
           time_budget_s: float | None = None, search_evaluations: int | None = None,
           hardware: str | None = None, refine_k: int = 0, refine_rounds: int = 5,
-          devices_per_host: int | None = None, calibration_dir: str | None = None) -> dict:
-    """`devices_per_host`: the devices share hosts of that many (TorchRec's rank order), which lets a planner
-    cut a table row-wise over one host's devices (table-row-wise); None: the task's, else one host. `hardware`:
-    what the plan is for (default: this machine); a model measured on other hardware is warned
-    about in one line, since its predicted costs are for its own hardware. `refine_k` > 0: the K best distinct
-    candidate plans are measured here side by side (embshard.refine) and the measured best is written, with the
-    all-to-all calibration in `calibration_dir` (default: EMBSHARD_CALIBRATION_DIR, else calibrated now)."""
+          devices_per_host: int | None = None, calibration_dir: str | None = None,
+          memory_field: str = "memory_bytes") -> dict:
+    """`memory_field`: what the caller calls `memory_bytes` (the CLI: memory_gb), named by a memory error when the
+    memory is the caller's, not a tasks file's. `devices_per_host`: the devices share hosts of that many
+    (TorchRec's rank order), which lets a planner cut a table row-wise over one host's devices (table-row-wise);
+    None: the task's, else one host. `hardware`: what the plan is for (default: this machine); a model measured on
+    other hardware is warned about in one line, since its predicted costs are for its own hardware. `refine_k` > 0:
+    the K best distinct candidate plans are measured here side by side (embshard.refine) and the measured best is
+    written, with the all-to-all calibration in `calibration_dir` (default: EMBSHARD_CALIBRATION_DIR, else
+    calibrated now)."""
     from ..export.placements import plan_frame
     from ..export.plan_json import write_plan_json
     from ..placement_report import device_table, plot_device_costs
 
     # Every check that needs no model comes before any model is loaded (or torch imported).
     table_set, D, mem, tid, where, task_per_host = resolve_task(tables, tasks, task_id, devices, memory_bytes)
+
+    def as_given(exc: EmbshardError) -> EmbshardError:
+        """`exc` naming the user's file, and the caller's memory field where the memory is theirs (the library's
+        memory_bytes_per_device is a tasks file's column: a user who typed --memory-gb had been told of it)."""
+        if memory_bytes is None or exc.field != MEMORY_FIELD:
+            return exc.at(where)
+        fix = (exc.fix or "").replace(BYTES_HINT, "")
+        return type(exc)(exc.message, path=where, field=memory_field, fix=fix or None)
+
     try:
         check_feasible(table_set, D, mem, tid)
     except EmbshardError as exc:
-        raise exc.at(where) from None
+        raise as_given(exc) from None
     try:
         topology = DeviceTopology.on_hosts(D, mem, task_per_host if devices_per_host is None else devices_per_host)
     except EmbshardError as exc:  # --devices-per-host's mistake (the file's only when it is the task's own)
@@ -227,7 +240,7 @@ def place(tables: str, out: str, *, devices: int | None = None, memory_bytes: in
                                                "proposals)" if timeout else ""))
             placement = p.plan(table_set, topology, task_id=tid)
     except EmbshardError as exc:  # name the user's file, not the internal task name
-        raise exc.at(where) from None
+        raise as_given(exc) from None
     own = getattr(p, "cost_model", None)
     pricing = own or cost_model  # the model that chose or prices the plan (None: no costs, and no torch imported)
     refined = None
@@ -359,6 +372,19 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output folder")
 
 
+def _say_older_plan(out: str) -> None:
+    """After a failed plan, say that a plan.json already in `out` is an older one, left as it was: a script that
+    reads OUT/plan.json after the command had no way to tell it from this run's, but by the exit code."""
+    path = storage.join(out, "plan.json")
+    try:
+        if not storage.exists(path):
+            return
+        made = json.loads(storage.read_text(path)).get("created_at", "an unrecorded time")
+    except Exception:  # noqa: BLE001 - only a note beside the error being raised: it must not replace it
+        made = "an unrecorded time"
+    log.warning("%s is an older plan (made at %s), left as it was: this run wrote nothing", path, made)
+
+
 def main(args) -> int:
     from .. import checks
     from ..errors import EmbshardError
@@ -392,12 +418,17 @@ def main(args) -> int:
     elif args.refine_rounds != 5:  # its default: a rounds count without --refine measures nothing
         raise EmbshardError("has no effect without --refine", field="refine_rounds",
                             fix="add --refine K, or drop --refine-rounds")
-    result = place(args.tables, args.out, devices=devices, memory_bytes=memory,
-                   planner=args.planner, model_uri=args.model or POLICY_CHAMPION_URI, cost_model_uri=args.cost_model,
-                   tasks=args.tasks, task_id=args.task_id, time_budget_s=args.time_budget_s,
-                   search_evaluations=args.search_evaluations, hardware=args.hardware, refine_k=refine_k,
-                   refine_rounds=args.refine_rounds, devices_per_host=args.devices_per_host,
-                   calibration_dir=args.calibration_dir)
+    try:
+        result = place(args.tables, args.out, devices=devices, memory_bytes=memory,
+                       planner=args.planner, model_uri=args.model or POLICY_CHAMPION_URI,
+                       cost_model_uri=args.cost_model,
+                       tasks=args.tasks, task_id=args.task_id, time_budget_s=args.time_budget_s,
+                       search_evaluations=args.search_evaluations, hardware=args.hardware, refine_k=refine_k,
+                       refine_rounds=args.refine_rounds, devices_per_host=args.devices_per_host,
+                       calibration_dir=args.calibration_dir, memory_field="memory_gb")
+    except EmbshardError:
+        _say_older_plan(args.out)
+        raise
     if result["refinement"] is not None:
         print(result["refinement"].report())
     print(result["report"])

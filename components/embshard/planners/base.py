@@ -165,6 +165,10 @@ def _whole(value, field: str, task_id: str, fix: str) -> int:
     raise EmbshardError(f"{value!r} is not a whole number", path=task_id, field=field, fix=fix)
 
 
+MEMORY_FIELD = "memory_bytes_per_device"  # the field a memory shortfall names (a tasks file's column)
+BYTES_HINT = " (memory_bytes_per_device counts bytes: 16 GiB is 17179869184)"  # where a GiB figure was typed
+
+
 def check_feasible(tables: TableSet, num_devices: int, memory_bytes_per_device: int, task_id: str = "task"):
     """The necessary condition: all tables fit all devices together. A table larger than one device is not an
     error here: planners split it (row- or column-wise) to make it fit."""
@@ -193,13 +197,13 @@ def check_capacity(size_bytes, num_devices: int, memory_bytes_per_device: int, t
             f"({size_text(total - capacity)} missing)"
             + (f" (only {memory_bytes_per_device:,} bytes per device)" if tiny else "")
             + (one if dominant else ""),
-            path=task_id, field="memory_bytes_per_device",
+            path=task_id, field=MEMORY_FIELD,
             # How much more, in numbers (a capacity planner had to work them out): lower bounds, since pieces
             # must also pack.
             fix=f"add devices (at least {-(-total // max(memory_bytes_per_device, 1)):,} of this memory) or raise "
                 f"memory per device (to at least {size_text(-(-total // num_devices), round_up=True)} on "
                 f"{num_devices:,})" + (
-                " (memory_bytes_per_device counts bytes: 16 GiB is 17179869184)" if tiny else "")
+                BYTES_HINT if tiny else "")
             + (f", or check table {names[big]}'s rows (a stray large id in a trace sizes its table by that id)"
                if dominant else ""))
 
@@ -210,4 +214,4 @@ def no_room_error(tables: TableSet, table: int, free: np.ndarray, task_id: str) 
     return InfeasiblePlacementError(
         f"no device has room for table {tables.table_ids[table]} ({need / GiB:.3f} GiB; the emptiest device has "
         f"{free.max() / GiB:.3f} GiB free, {(need - free.max()) / GiB:.3f} GiB missing)",
-        path=task_id, field="memory_bytes_per_device", fix="add devices or raise memory per device")
+        path=task_id, field=MEMORY_FIELD, fix="add devices or raise memory per device")
