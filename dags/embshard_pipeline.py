@@ -258,14 +258,21 @@ with DAG(
         ingest = check_params_task() >> pod("ingest", "ingest", "ingest")
         # (names apart from the local branch's @task functions: different types, the same task ids)
         sample_shards_pod = pod("sample_shards", "sample_shards", "sample_shards", do_xcom_push=True)
+        # One benchmark pod per chunk that sample_shards' XCom lists. Airflow renders no value a mapped task gets
+        # from XCom (these arguments), so the run root and params, which are templates, reach the pods as
+        # environment variables (rendered: env_vars is in partial) that Kubernetes puts into the arguments
+        # (k8s.env_ref); in the arguments themselves they had reached the CLI as Jinja text, failing every chunk.
+        bench_env = {k8s.RUN_ROOT_ENV: root, k8s.RUN_PARAMS_ENV: stages.PARAMS_TEMPLATE}
+        bench_args = ["stage", "benchmark", "--root", k8s.env_ref(k8s.RUN_ROOT_ENV),
+                      "--params", k8s.env_ref(k8s.RUN_PARAMS_ENV)]
         # At most maxBenchmarkPods chunk pods of a run at once (each holds GPUs; 0: no limit).
         benchmark_pods = StagePod.partial(
             task_id="benchmark", retries=POD_RETRIES, retry_delay=timedelta(seconds=30), doc_md=TASK_DOCS["benchmark"],
             max_active_tis_per_dagrun=int(pod_config.get("maxBenchmarkPods") or 0) or None,
             **time_limit("benchmark", startup_s),
-            **{k: v for k, v in k8s.pod_operator_kwargs("benchmark", [], pod_config).items() if k != "arguments"},
-        ).expand(arguments=sample_shards_pod.output.map(
-            lambda chunk: [*stage_args("benchmark"), "--chunk", str(chunk)]))
+            **{k: v for k, v in k8s.pod_operator_kwargs("benchmark", [], pod_config, argument_env=bench_env).items()
+               if k != "arguments"},
+        ).expand(arguments=sample_shards_pod.output.map(lambda chunk: [*bench_args, "--chunk", str(chunk)]))
         last = ingest >> sample_shards_pod >> benchmark_pods \
             >> pod("train_cost_model", "train_cost_model", "train_cost_model", 1)
         last = last >> pod("train_policy", "train_policy", "train_policy", 1)

@@ -269,30 +269,63 @@ def test_params_reject_bad_values(k8s_dag, key, value, by_form):
 
 # --- the kubernetes runner's pods -----------------------------------------------------------------------------
 
-def concrete_operator(dag, task_id: str, chunk: int = 1):
-    """The operator Airflow would run: the benchmark task unmapped with the arguments the DAG's own map()
-    makes of one chunk index (what sample_shards' XCom holds), the others as they are."""
-    task = dag.get_task(task_id)
-    if not task.is_mapped:
-        return copy.deepcopy(task)
-    mapped = task.expand_input.value["arguments"]
-    arguments = chunk
-    for fn in mapped.callables:
-        arguments = fn(arguments)
-    return task.unmap({"arguments": arguments})
+class _MappedTI:
+    """What Airflow's task runner gives a mapped task's rendering: its map index, and sample_shards' XCom (the
+    chunk indices) to resolve the mapped arguments from."""
+
+    def __init__(self, dag, task_id: str, chunk: int):
+        self.dag_id, self.task_id, self.try_number, self.map_index = dag.dag_id, task_id, 1, chunk
+        self._upstream_map_indexes: dict = {}
+
+    def xcom_pull(self, *args, **kwargs):  # noqa: ARG002 (any task ids and keys: sample_shards is the one)
+        return list(range(stages.DEFAULT_PARAMS["bench_chunks"]))
 
 
 def render_pod(dag, task_id: str, params: dict | None = None, run_id: str = RUN_ID, chunk: int = 1) -> dict:
-    """Templates filled in as Airflow does at run time (run_id, validated params), then the pod, offline."""
+    """Templates filled in as Airflow does at run time (run_id, validated params), then the pod, offline. A mapped
+    task (benchmark) is rendered the way Airflow renders it, through MappedOperator.render_template_fields, which
+    resolves its arguments from sample_shards' XCom and, unlike a task's own values, renders none of them (a test
+    that rendered the unmapped operator had passed pods whose arguments were Jinja text)."""
     from kubernetes.client import ApiClient
 
     values = copy.deepcopy(dag.params)
     values.update(params or {})
-    op = concrete_operator(dag, task_id, chunk)
-    ti = types.SimpleNamespace(task_id=task_id, try_number=1)
-    op.render_template_fields({"run_id": run_id, "params": values.validate(), "dag": dag, "ti": ti},
-                              dag.get_template_env())
+    task = dag.get_task(task_id)
+    if task.is_mapped:
+        # a copy: the unmapped operator renders its partial's values in place (env_vars' objects), which a run's
+        # process parses afresh but the module's DAG would keep for the next test
+        task = copy.deepcopy(task)
+        ti = _MappedTI(dag, task_id, chunk)
+        context = {"run_id": run_id, "params": values.validate(), "dag": dag, "ti": ti, "task_instance": ti,
+                   "expanded_ti_count": stages.DEFAULT_PARAMS["bench_chunks"],
+                   # the trigger's conf: a mapped task's rendering takes its params from the run again
+                   "dag_run": types.SimpleNamespace(conf=dict(params or {}), run_id=run_id)}
+        task.render_template_fields(context, dag.get_template_env())
+        op = context["task"]  # the unmapped operator Airflow runs
+    else:
+        op = copy.deepcopy(task)
+        ti = types.SimpleNamespace(task_id=task_id, try_number=1)
+        op.render_template_fields({"run_id": run_id, "params": values.validate(), "dag": dag, "ti": ti},
+                                  dag.get_template_env())
     return ApiClient().sanitize_for_serialization(op.build_pod_request_obj(dry_run=True))
+
+
+def kubelet_args(container: dict) -> list[str]:
+    """The container's arguments as Kubernetes runs them: in each environment variable's value (in order) and then
+    in each argument, $(NAME) of a variable defined before it is replaced by its value and $$ by $ (an unknown
+    name stays as it is)."""
+    import re
+
+    env: dict[str, str] = {}
+
+    def expand(text: str) -> str:
+        return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+                      lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)), text)
+
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = expand(e["value"])
+    return [expand(a) for a in container.get("args", [])]
 
 
 @pytest.mark.parametrize("task_id", CHAIN)
@@ -306,9 +339,9 @@ def test_stage_pods_are_valid_and_run_the_stage_on_the_run_root(k8s_dag, task_id
     root = stages.run_root(k8s.data_root(), RUN_ID)
     assert root == "file:///data/embshard/scheduled__2026-01-05T03-00-00-00-00"
     stage, round_index = STAGE_OF[task_id]
-    assert container["args"][:4] == ["stage", stage, "--root", root]
+    assert kubelet_args(container)[:4] == ["stage", stage, "--root", root]
     # The arguments are a valid `embshard stage` command line whose params the stages accept.
-    args = build_parser().parse_args(container["args"])
+    args = build_parser().parse_args(kubelet_args(container))
     assert (args.command, args.name, args.root, args.round_index) == ("stage", stage, root, round_index)
     assert stages.merged(json.loads(args.params)) == stages.DEFAULT_PARAMS
     assert args.chunk == (1 if task_id == "benchmark" else 0)
@@ -338,7 +371,7 @@ def test_measuring_pods_carry_the_device_param(k8s_dag, device):
     ones with a GPU; the stage reads it from there (tests/test_stages_device.py)."""
     for task_id in CHAIN:
         pod = render_pod(k8s_dag, task_id, params={"device": device})
-        args = pod["spec"]["containers"][0]["args"]
+        args = kubelet_args(pod["spec"]["containers"][0])
         assert json.loads(args[args.index("--params") + 1])["device"] == device
         if STAGE_OF[task_id][0] in MEASURING_STAGES:
             assert pod["spec"]["containers"][0]["resources"]["limits"][GPU] == "1"
@@ -358,7 +391,7 @@ def test_sample_shards_pod_pushes_the_chunks_for_the_benchmark_map(k8s_dag):
     assert [c["name"] for c in pod["spec"]["containers"]] == ["base", "airflow-xcom-sidecar"]
     # One benchmark pod per chunk that sample_shards' XCom lists, each told its own chunk.
     chunks = list(range(stages.DEFAULT_PARAMS["bench_chunks"]))
-    args = [render_pod(k8s_dag, "benchmark", chunk=c)["spec"]["containers"][0]["args"] for c in chunks]
+    args = [kubelet_args(render_pod(k8s_dag, "benchmark", chunk=c)["spec"]["containers"][0]) for c in chunks]
     assert [a[-2:] for a in args] == [["--chunk", str(c)] for c in chunks]
     assert len({tuple(a[:-1]) for a in args}) == 1
     assert k8s_dag.get_task("benchmark").partial_kwargs["retries"] == 2
@@ -369,18 +402,20 @@ def test_sample_shards_pod_pushes_the_chunks_for_the_benchmark_map(k8s_dag):
 def test_pod_run_root_is_the_local_runner_run_root(k8s_dag, run_id):
     """Both runners put a run's data at the same place: the Jinja template == stages.run_root."""
     pod = render_pod(k8s_dag, "train_policy", run_id=run_id)
-    root = pod["spec"]["containers"][0]["args"][3]
+    root = kubelet_args(pod["spec"]["containers"][0])[3]
     assert root == stages.run_root(k8s.data_root(), run_id)
     assert ":" not in root.split("://", 1)[1] and "+" not in root
 
 
-def test_params_from_the_trigger_form_reach_the_pods_intact(k8s_dag):
-    """Quotes, HTML-ish characters and non-ASCII in a string param survive the JSON template."""
-    conf = {"source": "spec", "input": "s3://bucket/it's \"my\" <spec> & ünïcode.csv", "devices": 8,
+@pytest.mark.parametrize("task_id", ["evaluate_and_promote", "benchmark"])
+def test_params_from_the_trigger_form_reach_the_pods_intact(k8s_dag, task_id):
+    """Quotes, HTML-ish characters, non-ASCII and what Kubernetes expands in arguments ($(NAME), $$) in a string
+    param survive the JSON template, in a pod's own arguments and in a mapped pod's (through its environment)."""
+    conf = {"source": "spec", "input": "s3://bucket/it's \"my\" <spec> & ünïcode $(HOME) $$x $.csv", "devices": 8,
             "memory_gb": 80.5, "eval_planners": ["dim_greedy", "size_greedy"]}
-    pod = render_pod(k8s_dag, "evaluate_and_promote", params=conf)
+    pod = render_pod(k8s_dag, task_id, params=conf)
     kubernetes_validate.validate(pod, desired_version=KUBE_VERSION, strict=True)
-    args = pod["spec"]["containers"][0]["args"]
+    args = kubelet_args(pod["spec"]["containers"][0])
     params = json.loads(args[args.index("--params") + 1])
     assert params == {**stages.DEFAULT_PARAMS, **conf}
     assert stages.merged(params) == params

@@ -304,12 +304,26 @@ def data_root(config: dict | None = None) -> str:
     return config["storage"]["dataRoot"]
 
 
-def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = None) -> dict:
+# Environment variables that carry a run's root and params into a mapped stage pod's arguments (`env_ref`).
+RUN_ROOT_ENV = "EMBSHARD_RUN_ROOT"
+RUN_PARAMS_ENV = "EMBSHARD_RUN_PARAMS"
+
+
+def env_ref(name: str) -> str:
+    """An argument that Kubernetes replaces with the container's environment variable `name` (`$(NAME)`).
+    Airflow renders no value a mapped task gets from XCom, so a mapped pod's templated arguments (the run root,
+    the params) go in as environment variables, which are rendered, referred to from its arguments."""
+    return f"$({name})"
+
+
+def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = None,
+                        argument_env: dict[str, str] | None = None) -> dict:
     """Keyword arguments for `KubernetesPodOperator(task_id=..., **kwargs)` running `embshard <arguments>`.
 
     The image's entrypoint is `embshard`, so `arguments` start with the command: ["bench", "--tables", ...].
     GPU stages request and limit `gpu.count` of `gpu.resourceName` and carry the GPU node selector and
-    tolerations; the others carry neither.
+    tolerations; the others carry neither. `argument_env`: environment variables the arguments refer to
+    (`env_ref`), set after the configured ones so that no configured `env` can replace them.
     """
     from kubernetes.client import models as k8s
 
@@ -355,6 +369,7 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
     # Lineage for MLflow tags (embshard.run_context), rendered by Airflow: env_vars is a templated field.
     env.update({"EMBSHARD_AIRFLOW_DAG_ID": "{{ dag.dag_id }}", "EMBSHARD_AIRFLOW_RUN_ID": "{{ run_id }}",
                 "EMBSHARD_AIRFLOW_TASK_ID": "{{ ti.task_id }}", "EMBSHARD_AIRFLOW_TRY_NUMBER": "{{ ti.try_number }}"})
+    env.update(argument_env or {})
     env_vars = [k8s.V1EnvVar(name=k, value=v) for k, v in env.items()]
     env_vars += [k8s.V1EnvVar(name=item["name"], value_from=k8s.V1EnvVarSource(
         secret_key_ref=k8s.V1SecretKeySelector(name=item["secretName"], key=item["key"],

@@ -37,9 +37,13 @@ MEASURED_PLAN_TASKS = 4  # the CLI's --measure-tasks default (outer_loop.run) is
 
 # The run root of a DAG run, in Python (local runner) and as a Jinja template (pod arguments): same result.
 RUN_ROOT_TEMPLATE = "{data_root}/{{{{ run_id | replace(':', '-') | replace('+', '-') }}}}"
-# All of the run's params as one JSON object, rendered by Airflow into a pod's arguments.
-PARAMS_TEMPLATE = ("{ {%- for k, v in params.items() %}{{ k | tojson }}: {{ v | tojson }}"
-                   "{%- if not loop.last %}, {% endif %}{%- endfor %} }")
+# All of the run's params as one JSON object, rendered by Airflow into a pod's arguments (or an environment
+# variable they refer to, k8s.env_ref). Kubernetes replaces $(NAME) in both with an environment variable and $$
+# with $, so every $ is doubled: a param holding "$(HOME)" reaches the stage as it was typed.
+PARAMS_TEMPLATE = ("{% filter replace('$', '$$') %}"
+                   "{ {%- for k, v in params.items() %}{{ k | tojson }}: {{ v | tojson }}"
+                   "{%- if not loop.last %}, {% endif %}{%- endfor %} }"
+                   "{% endfilter %}")
 
 
 def merged(params: dict | None) -> dict:
