@@ -235,6 +235,15 @@ def test_extra_volumes_the_dag_would_refuse_fail_at_render(extra, words):
                           "extraVolumeMounts": [{"name": "t", "mountPath": "/data"}]}})
 
 
+def test_an_mlflow_uri_with_credentials_fails_at_render():
+    """It rendered, linted and put the password in the ConfigMap; then every DAG import failed (k8s._check)."""
+    off = {"mlflow": {"enabled": False}, "postgres": {"enabled": False}, "minio": {"enabled": False}}
+    with pytest.raises(helm.HelmError, match=re.escape("stagePods.mlflowTrackingUri carries credentials")):
+        render({**off, "stagePods": {"mlflowTrackingUri": "https://user:pw@mlflow.example.com"}})
+    # an @ in the path is no credential
+    render({**off, "stagePods": {"mlflowTrackingUri": "https://mlflow.example.com/team@recsys"}})
+
+
 def test_missing_backend_store_is_a_clear_render_error():
     with pytest.raises(helm.HelmError, match="backend store"):
         render({"postgres": {"enabled": False}})

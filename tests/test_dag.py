@@ -347,6 +347,8 @@ def test_stage_pods_are_valid_and_run_the_stage_on_the_run_root(k8s_dag, task_id
     assert args.chunk == (1 if task_id == "benchmark" else 0)
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["EMBSHARD_STAGE"] == stage
+    # a pod given GPUs says how many, so that device=auto refuses to measure the CPU when torch sees none
+    assert env.get(k8s.GPUS_GIVEN_ENV) == ("1" if stage in MEASURING_STAGES else None)
     # Lineage for the MLflow tags of whatever the pod logs.
     assert (env["EMBSHARD_AIRFLOW_DAG_ID"], env["EMBSHARD_AIRFLOW_RUN_ID"], env["EMBSHARD_AIRFLOW_TASK_ID"]) == \
         (DAG_ID, RUN_ID, task_id)

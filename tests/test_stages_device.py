@@ -116,6 +116,28 @@ def test_device_cuda_without_a_gpu_is_one_line_before_any_work(tmp_path, recorde
     assert recorders == {}  # nothing measured, nothing calibrated
 
 
+@pytest.mark.parametrize("stage", MEASURING)
+def test_auto_in_a_pod_given_gpus_it_cannot_see_is_one_line_before_any_work(tmp_path, recorders, stage,
+                                                                             monkeypatch):
+    """A GPU pod whose torch sees no GPU (a node driver older than the image's CUDA build needs) had measured the
+    CPU under device=auto, silently; the kubernetes runner says how many GPUs it gave (k8s.GPUS_GIVEN_ENV)."""
+    from embshard import k8s
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    stages._state(str(tmp_path), "shards", {"shards": "shards.parquet", "chunks": [0]})
+    stages._state(str(tmp_path), "policy", {"policy_dir": "p", "cost_model_uri": "c", "version": "1"})
+    monkeypatch.setenv(k8s.GPUS_GIVEN_ENV, "2")
+    with pytest.raises(EmbshardError, match="this pod was given 2 GPU\\(s\\) but torch sees none") as exc:
+        stages.run(stage, str(tmp_path), {"device": "auto", "policy_rounds": 2},
+                   round_index=2 if stage == "measure_policy_plans" else None)
+    assert exc.value.field == "device" and "CUDA_TAG=cu128" in exc.value.fix and "\n" not in str(exc.value)
+    assert recorders == {}  # nothing measured, nothing calibrated
+    # device=cpu is a choice: measured on the CPU as asked
+    _run_measuring_stages(str(tmp_path / "cpu"), {"device": "cpu"})
+    assert all(recorders[s]["device"] == "cpu" for s in MEASURING)
+
+
 def test_stage_command_with_cuda_and_no_gpu_exits_2_with_one_line(tmp_path):
     """What a pod scheduled without a GPU prints: one line, exit 2 (never a CPU measurement in disguise)."""
     if torch.cuda.is_available():

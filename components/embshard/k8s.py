@@ -304,6 +304,8 @@ def data_root(config: dict | None = None) -> str:
     return config["storage"]["dataRoot"]
 
 
+# How many GPUs the pod was given (GPU stages only; stages.measuring_device reads it).
+GPUS_GIVEN_ENV = "EMBSHARD_GPUS_GIVEN"
 # Environment variables that carry a run's root and params into a mapped stage pod's arguments (`env_ref`).
 RUN_ROOT_ENV = "EMBSHARD_RUN_ROOT"
 RUN_PARAMS_ENV = "EMBSHARD_RUN_PARAMS"
@@ -361,7 +363,11 @@ def pod_operator_kwargs(stage: str, arguments: list[str], config: dict | None = 
     if storage["type"] == "bucket" and storage.get("s3Endpoint"):
         # pyarrow's S3 filesystem and boto3 both read AWS_ENDPOINT_URL.
         env["AWS_ENDPOINT_URL"] = storage["s3Endpoint"]
-    if not spec.get("gpu"):
+    if spec.get("gpu"):
+        # A pod given GPUs that torch cannot see (a node driver older than the image's CUDA needs) would measure
+        # the CPU under device=auto: stages.measuring_device refuses that when it knows GPUs were given.
+        env[GPUS_GIVEN_ENV] = str(int(gpu["count"]))
+    else:
         # The CUDA image sets NVIDIA_VISIBLE_DEVICES=all: where the NVIDIA runtime is the node's default, a pod
         # that requested no GPU would see (and measure on) every GPU of the node.
         env["NVIDIA_VISIBLE_DEVICES"] = "void"

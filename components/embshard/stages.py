@@ -145,10 +145,20 @@ def _check_population(tables: str, p: dict) -> None:
 
 def measuring_device(p: dict) -> str:
     """The device this stage measures on (the `device` param; auto: this process's GPU, else the CPU), checked
-    before any work: device=cuda where no GPU is visible is a one-line error, never a CPU measurement."""
-    from .bench.backends import resolve_device
+    before any work: device=cuda where no GPU is visible is a one-line error, never a CPU measurement; so is
+    device=auto in a pod that was given GPUs torch cannot see (a node driver too old for the image's CUDA build),
+    which would otherwise measure the CPU on a GPU node."""
+    from .bench.backends import cuda_absence, resolve_device
+    from .k8s import GPUS_GIVEN_ENV
 
     device = resolve_device(str(p["device"]))
+    given = os.environ.get(GPUS_GIVEN_ENV, "").strip()
+    if device == "cpu" and str(p["device"]) == "auto" and given.isdigit() and int(given) > 0:
+        raise EmbshardError(f"this pod was given {given} GPU(s) but torch sees none ({cuda_absence()}); "
+                            "device=auto would measure the CPU", field="device",
+                            fix="run an image whose CUDA build the node's NVIDIA driver supports (the default cu130 "
+                                "needs driver R580 or newer; docker build --build-arg CUDA_TAG=cu128 for older), "
+                                "or set the run's device param to cpu to measure the CPU on purpose")
     log.info("measuring on %s (device param %r)", device, p["device"])
     return device
 

@@ -51,6 +51,11 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "embshard.stagePodConfig" -}}
 {{- $cfg := deepCopy .Values.stagePods }}
 {{- $_ := set $cfg "namespace" .Release.Namespace }}
+{{- /* as k8s.py refuses it, here at `helm upgrade` (a DAG import error stopped every run, and the password sat in
+  the ConfigMap) */}}
+{{- if regexMatch "^[A-Za-z][A-Za-z0-9+.-]*://[^/?#]*@" (toString $cfg.mlflowTrackingUri) }}
+{{- fail "stagePods.mlflowTrackingUri carries credentials (user:password@host): give the URI without them; MLflow reads MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN from a Secret (stagePods.secretEnv)" }}
+{{- end }}
 {{- if not $cfg.mlflowTrackingUri }}
 {{- if not .Values.mlflow.enabled }}
 {{- fail "mlflow.enabled=false needs stagePods.mlflowTrackingUri (the external MLflow server the stages use)" }}

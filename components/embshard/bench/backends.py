@@ -62,7 +62,7 @@ def check_device(device: str) -> str:
     if device == "cuda" or device.startswith("cuda:"):
         if not torch.cuda.is_available():
             raise BackendUnavailableError(f"device {device!r} was asked for but CUDA is not available on this "
-                                          f"machine ({_cuda_absence()})", field="device",
+                                          f"machine ({cuda_absence()})", field="device",
                                           fix="use device cpu (or auto), or run on a GPU host with a CUDA build "
                                               "of torch")
         index = device.split(":", 1)[1] if ":" in device else "0"
@@ -73,7 +73,8 @@ def check_device(device: str) -> str:
     raise EmbshardError(f"unknown device {device!r}", field="device", fix="use auto, cpu, cuda or cuda:N")
 
 
-def _cuda_absence() -> str:
+def cuda_absence() -> str:
+    """Why torch sees no CUDA device, in words."""
     import torch
 
     if torch.version.cuda is None:
