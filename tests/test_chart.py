@@ -46,6 +46,16 @@ PROFILES = {
                  "postgres": {"image": f"postgres:17.6-bookworm@{DIGEST}"},
                  "minio": {"image": f"quay.io/minio/minio@{DIGEST}", "mcImage": f"quay.io/minio/mc@{DIGEST}"}},
     # No MLflow in the chart at all: stages use an existing tracking server.
+    # A private registry (mirrored images) and dedicated, tainted nodes for the chart's services; cost labels.
+    "private": {"imagePullSecrets": ["corp-registry"], "commonLabels": {"team": "recsys"},
+                "stagePods": {"imagePullSecrets": ["corp-registry"]},
+                **{c: {"nodeSelector": {"pool": "services"},
+                       "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "services",
+                                        "effect": "NoSchedule"}],
+                       "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                           "nodeSelectorTerms": [{"matchExpressions": [
+                               {"key": "zone", "operator": "In", "values": ["a"]}]}]}}}}
+                   for c in ("mlflow", "postgres", "minio")}},
     "no-mlflow": {"mlflow": {"enabled": False}, "postgres": {"enabled": False}, "minio": {"enabled": False},
                   "stagePods": {"mlflowTrackingUri": "https://mlflow.example.com",
                                 "gpu": {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"}}}},
@@ -108,6 +118,30 @@ def test_images_by_digest_reach_every_workload():
     for obj in objects(PROFILES["hardened"]):
         for c in _containers(obj):
             assert c["image"].endswith(f"@{DIGEST}"), (obj["metadata"]["name"], c["name"])
+
+
+def test_chart_pods_pull_from_a_private_registry_and_run_where_they_are_sent():
+    """MLflow, Postgres, MinIO and its bucket job had no imagePullSecrets, nodeSelector, tolerations or affinity,
+    and the schema refused them: with mirrored images they sat in ImagePullBackOff. commonLabels had reached the
+    objects but not the pods, which use the resources that cost labels count."""
+    values = PROFILES["private"]
+    pods = {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in objects(values)
+            if o["kind"] in ("Deployment", "StatefulSet", "Job")}
+    labels = {o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"] for o in objects(values)
+              if o["kind"] in ("Deployment", "StatefulSet", "Job")}
+    assert set(pods) == {"embshard-mlflow", "embshard-postgres", "embshard-minio", "embshard-minio-buckets"}
+    for name, spec in pods.items():
+        assert spec["imagePullSecrets"] == [{"name": "corp-registry"}], name
+        assert spec["nodeSelector"] == {"pool": "services"}, name
+        assert spec["tolerations"] == values["mlflow"]["tolerations"], name
+        assert spec["affinity"] == values["mlflow"]["affinity"], name
+        assert labels[name]["team"] == "recsys", name
+    # and none of it by default: the cluster's scheduling
+    for o in objects():
+        if o["kind"] in ("Deployment", "StatefulSet", "Job"):
+            spec = o["spec"]["template"]["spec"]
+            assert not ({"imagePullSecrets", "nodeSelector", "tolerations", "affinity"} & set(spec)), \
+                o["metadata"]["name"]
 
 
 def test_default_install_has_every_piece():

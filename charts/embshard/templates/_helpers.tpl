@@ -35,6 +35,39 @@ app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
+{{/* A chart pod's template labels: its selector labels and commonLabels (cost-allocation labels must reach the
+  pods, which use the resources). Include with (dict "ctx" $ "component" "mlflow"). */}}
+{{- define "embshard.podLabels" -}}
+{{ include "embshard.selectorLabels" . }}
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Where a chart pod may run and how it pulls its image: the release's imagePullSecrets and the component's
+  nodeSelector, tolerations and affinity (a private registry or mirror, tainted or dedicated nodes). Include in a
+  pod spec with (dict "ctx" $ "values" .Values.mlflow). */}}
+{{- define "embshard.podScheduling" -}}
+{{- with .ctx.Values.imagePullSecrets }}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+{{- with .values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
 {{- define "embshard.mlflowName" -}}{{ include "embshard.fullname" . }}-mlflow{{- end }}
 {{- define "embshard.postgresName" -}}{{ include "embshard.fullname" . }}-postgres{{- end }}
 {{- define "embshard.minioName" -}}{{ include "embshard.fullname" . }}-minio{{- end }}
