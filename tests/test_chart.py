@@ -278,6 +278,20 @@ def test_an_mlflow_uri_with_credentials_fails_at_render():
     render({**off, "stagePods": {"mlflowTrackingUri": "https://mlflow.example.com/team@recsys"}})
 
 
+def test_a_release_name_too_long_for_its_object_names_fails_at_render():
+    """A 62-character release rendered and linted a 69-character Service name, which the API server refuses."""
+    name = "embshard-" + "x" * 53  # 62 characters: the full name is the release's (it holds the chart's name)
+    with pytest.raises(helm.HelmError, match=re.escape(f"the object name {name}-minio-buckets is 76 characters")):
+        render(name=name)
+    longest_ok = "embshard-" + "x" * 40  # 49 + "-minio-buckets" = 63
+    names = [o["metadata"]["name"] for o in [obj for objs in render(name=longest_ok).values() for obj in objs]
+             if isinstance(o, dict)]
+    assert max(len(n) for n in names) == 63
+    # without MinIO the longest name is shorter, and so is what it needs
+    off = {"minio": {"enabled": False}, "mlflow": {"artifactsDestination": "s3://bucket/mlflow"}}
+    render(off, name="embshard-" + "x" * 41)
+
+
 def test_missing_backend_store_is_a_clear_render_error():
     with pytest.raises(helm.HelmError, match="backend store"):
         render({"postgres": {"enabled": False}})
@@ -358,6 +372,22 @@ exit 0
     resources = {r for st in policy["Statement"] for r in st["Resource"]}
     assert resources == {"arn:aws:s3:::embshard", "arn:aws:s3:::embshard/*"}  # the data bucket alone
     assert not any(a.startswith("s3:*") or a.startswith("admin") for st in policy["Statement"] for a in st["Action"])
+
+
+def test_notes_ask_only_for_the_secrets_this_release_reads():
+    """With MLflow, Postgres and MinIO all outside, NOTES still asked for MLflow's artifact key; with the stages'
+    bucket on an outside S3 it gave MinIO's recipe (a key id of our choosing, which no S3 knows)."""
+    outside = {"mlflow": {"enabled": False}, "postgres": {"enabled": False}, "minio": {"enabled": False},
+               "stagePods": {"mlflowTrackingUri": "https://mlflow.example.com",
+                             "storage": {"type": "bucket", "dataRoot": "s3://team-data/embshard",
+                                         "s3Endpoint": "https://s3.eu-west-1.amazonaws.com"}}}
+    notes = render(outside)["embshard/templates/NOTES.txt"][0]
+    assert "embshard-credentials " not in notes and "AWS_ACCESS_KEY_ID=embshard-stage" not in notes
+    assert "create secret generic embshard-stage-credentials" in notes and "<your S3 key id>" in notes
+    assert "s3://team-data/embshard, made in your S3" in notes
+    bundled = render(PROFILES["bucket"])["embshard/templates/NOTES.txt"][0]
+    assert "create secret generic embshard-credentials " in bundled
+    assert "AWS_ACCESS_KEY_ID=embshard-stage" in bundled and "MinIO user of s3://embshard alone" in bundled
 
 
 def test_stage_pods_never_get_the_root_key_by_default():

@@ -68,6 +68,23 @@ affinity:
 {{- end }}
 {{- end }}
 
+{{/* The longest object name the release renders fits Kubernetes' 63 characters, else a render error (a 62-character
+  release had rendered and linted a 69-character Service name, which the API server refuses). Included by the
+  templates that are always rendered. */}}
+{{- define "embshard.checkNames" -}}
+{{- $suffixes := list "-stage-pods" }}
+{{- if .Values.rbac.create }}{{- $suffixes = append $suffixes "-pod-launcher" }}{{- end }}
+{{- if .Values.mlflow.enabled }}{{- $suffixes = append $suffixes "-mlflow" }}{{- end }}
+{{- if .Values.postgres.enabled }}{{- $suffixes = append $suffixes "-postgres" }}{{- end }}
+{{- if .Values.minio.enabled }}{{- $suffixes = append $suffixes "-minio-buckets" }}{{- end }}
+{{- $full := include "embshard.fullname" . }}
+{{- $longest := "" }}
+{{- range $suffixes }}{{- if gt (len .) (len $longest) }}{{- $longest = . }}{{- end }}{{- end }}
+{{- if gt (len (printf "%s%s" $full $longest)) 63 }}
+{{- fail (printf "the object name %s%s is %d characters, more than Kubernetes' 63: give a shorter release name or fullnameOverride (at most %d characters with these values)" $full $longest (len (printf "%s%s" $full $longest)) (sub 63 (len $longest))) }}
+{{- end }}
+{{- end }}
+
 {{- define "embshard.mlflowName" -}}{{ include "embshard.fullname" . }}-mlflow{{- end }}
 {{- define "embshard.postgresName" -}}{{ include "embshard.fullname" . }}-postgres{{- end }}
 {{- define "embshard.minioName" -}}{{ include "embshard.fullname" . }}-minio{{- end }}
