@@ -292,6 +292,15 @@ def test_a_release_name_too_long_for_its_object_names_fails_at_render():
     render(off, name="embshard-" + "x" * 41)
 
 
+def test_in_cluster_urls_use_the_clusters_dns_domain():
+    """svc.cluster.local was hard-coded: a cluster with its own DNS domain could not reach MLflow or MinIO."""
+    objs = objects({"clusterDomain": "corp.internal",
+                    "stagePods": {"storage": {"type": "bucket", "dataRoot": "s3://embshard/runs"}}})
+    config = yaml.safe_load(by_kind(objs, "ConfigMap")["embshard-stage-pods"]["data"]["stage-pods.yaml"])
+    assert config["mlflowTrackingUri"] == "http://embshard-mlflow.embshard.svc.corp.internal:5000"
+    assert "svc.cluster.local" not in yaml.safe_dump(objs)
+
+
 def test_missing_backend_store_is_a_clear_render_error():
     with pytest.raises(helm.HelmError, match="backend store"):
         render({"postgres": {"enabled": False}})

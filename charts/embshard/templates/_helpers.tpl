@@ -91,10 +91,10 @@ affinity:
 
 {{/* In-cluster URLs. */}}
 {{- define "embshard.mlflowUri" -}}
-{{- printf "http://%s.%s.svc.cluster.local:%d" (include "embshard.mlflowName" .) .Release.Namespace (int .Values.mlflow.port) }}
+{{- printf "http://%s.%s.svc.%s:%d" (include "embshard.mlflowName" .) .Release.Namespace .Values.clusterDomain (int .Values.mlflow.port) }}
 {{- end }}
 {{- define "embshard.minioEndpoint" -}}
-{{- printf "http://%s.%s.svc.cluster.local:9000" (include "embshard.minioName" .) .Release.Namespace }}
+{{- printf "http://%s.%s.svc.%s:9000" (include "embshard.minioName" .) .Release.Namespace .Values.clusterDomain }}
 {{- end }}
 
 {{/* The stage-pod settings the DAG reads: stagePods plus the release namespace and the MLflow URI. */}}
