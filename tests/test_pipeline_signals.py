@@ -68,3 +68,50 @@ def test_a_deferred_block_finishes_before_a_sigterm_stops_the_command():
     finally:
         sig.signal(sig.SIGTERM, sig.SIG_DFL)
         sig.signal(sig.SIGINT, sig.default_int_handler)
+
+
+def test_a_sigterm_while_airflows_handler_is_installed_stops_the_pipeline():
+    """Airflow's task runner installs, as each task starts, a SIGTERM handler that only calls the task's on_kill()
+    and goes on, and leaves it installed: a SIGTERM in the task runner's own work or between tasks (most of a run
+    of many short tasks) was ignored, and the run finished and promoted. Under _stop_between_tasks on_kill stops
+    the command, and embshard's handler is put back after each task. (The task below stands in for
+    `airflow.sdk.execution_time.task_runner.run`, whose handler calls `ti.task.on_kill()` and nothing else; the
+    end-to-end stop of a real run is the test above.)"""
+    import signal as sig
+
+    from airflow.sdk.bases.operator import BaseOperator
+    from airflow.sdk.definitions import dag as dag_module
+
+    from embshard import pipeline, signals
+
+    signals.stop_on_sigterm(fresh=True)
+    seen = []
+
+    class Task:  # an operator as the task runner's handler uses it: its on_kill is BaseOperator's
+        def on_kill(self):
+            return BaseOperator.on_kill(self)
+
+    def fake_run_task(**kwargs):
+        """What the task runner does as a task starts: its own handler, calling the task's on_kill() only."""
+        task = Task()
+        sig.signal(sig.SIGTERM, lambda signum, frame: task.on_kill())
+        seen.append("started")
+        os.kill(os.getpid(), sig.SIGTERM)  # arrives while Airflow's handler is the one installed
+        seen.append("went on")  # what happened before: the task, and the run, went on
+        return "done"
+
+    original, own_kill = dag_module._run_task, BaseOperator.__dict__["on_kill"]
+    dag_module._run_task = fake_run_task
+    try:
+        with pipeline._stop_between_tasks():
+            with pytest.raises(KeyboardInterrupt):
+                dag_module._run_task(ti=None, task=None)
+            assert seen == ["started"] and signals.exit_code() == 143
+            # after a task, embshard's handler is back: a SIGTERM between tasks stops the command too
+            assert sig.getsignal(sig.SIGTERM) is signals._interrupt
+        # the patches live only inside the block
+        assert BaseOperator.__dict__["on_kill"] is own_kill and dag_module._run_task is fake_run_task
+    finally:
+        dag_module._run_task = original
+        sig.signal(sig.SIGTERM, sig.SIG_DFL)
+        sig.signal(sig.SIGINT, sig.default_int_handler)

@@ -86,6 +86,42 @@ def test_the_pipeline_refuses_beside_a_live_ui_with_one_line_and_exit_2(tmp_path
     assert not (out / "airflow" / run_owner.UI).exists()
 
 
+def test_a_second_pipeline_on_the_folder_refuses_with_one_line_and_exit_2(tmp_path):
+    """dag.test() ignores max_active_runs: two pipelines on one folder ran at once, both gates read "champion
+    before none" and both promoted, the second candidate never measured against the first. The second now
+    refuses before it writes anything (the folder's lock: a live pipeline holds it, a killed one does not)."""
+    out = tmp_path / "x"
+    home = out / "airflow"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO / "components")!r})
+        from embshard import pipeline, run_owner
+        with pipeline._one_pipeline({str(home)!r}, {str(out)!r}):
+            run_owner.record_owner({str(home)!r}, "manual__2026-01-01T00:00:00+00:00")
+            print("holding", flush=True)
+            time.sleep(120)
+        """)], stdout=subprocess.PIPE, text=True, env=_clean_env())
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        proc = subprocess.run([sys.executable, "-m", "embshard", "pipeline", "--quick", "--out", str(out)],
+                              capture_output=True, text=True, env=_clean_env(), timeout=300)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        err = proc.stderr.strip().splitlines()
+        assert len(err) == 1, proc.stderr
+        assert (f"another `embshard pipeline` is running on this folder (pid {holder.pid}, run "
+                "manual__2026-01-01T00:00:00+00:00); runs go one at a time") in err[0]
+        assert "wait for it to end, or give another --out" in err[0]
+        assert not (out / "data").exists() and not (out / "logs").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    # a killed holder leaves the lock free (the kernel releases it): the next pipeline may start
+    with (pipeline._one_pipeline(str(home), str(out)),
+          pytest.raises(EmbshardError, match="another `embshard pipeline` is running"),
+          pipeline._one_pipeline(str(home), str(out))):
+        pass
+
+
 def test_the_ui_refuses_beside_a_live_pipeline_and_a_live_ui(tmp_path, own_folders):
     af = LocalAirflow(str(tmp_path / "x"), 18099)
     path = run_owner.record_owner(af.home, "manual__2026-01-01T00:00:00+00:00")  # this process plays the pipeline

@@ -12,6 +12,7 @@ import datetime
 import importlib.util
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -104,8 +105,6 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
     """Run the DAG once with `params`; returns the run's root, state and stage outputs. Bad params are one
     EmbshardError naming each field before Airflow starts (the DAG's check_params task checks them again)."""
     from . import params as params_mod
-    from . import run_context
-    from .errors import EmbshardError
 
     # The DAG's first task, at once: every param, and CUDA where asked (the stages run on this machine).
     from .stages import check_params
@@ -115,13 +114,22 @@ def run(out: str = "runs/local", params: dict | None = None) -> dict:
         params = {**params, "eval_planners": params_mod.planners_of(params["eval_planners"])}
     env = setup_environment(out)
     from airflow import settings
-    from airflow.utils.db import initdb
-
-    from . import stages
 
     # Airflow reads its DAGs folder once, at import; when it was imported before this call (a test session, a
     # notebook), dag.test() would serialize the DAG from the stale folder and find nothing to run.
     settings.DAGS_FOLDER = env["AIRFLOW__CORE__DAGS_FOLDER"]
+    with _one_pipeline(env["AIRFLOW_HOME"], out):  # before anything is written: a refused start leaves nothing
+        _refuse_beside_a_scheduler(env["AIRFLOW_HOME"], out)
+        return _run_dag(out, params, env)
+
+
+def _run_dag(out: str, params: dict | None, env: dict[str, str]) -> dict:
+    """`run` once this process holds the folder (_one_pipeline)."""
+    from airflow.utils.db import initdb
+
+    from . import run_context, stages
+    from .errors import EmbshardError
+
     log_path = os.path.join(os.path.abspath(out), "logs", f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     print(f"embshard pipeline: Airflow's, MLflow's and the stages' own logs go to {log_path}", flush=True)
@@ -204,6 +212,36 @@ def _owned(owned: dict, home: str, run_id: str) -> None:
         owned.update(run_id=run_id, path=new)
 
 
+PIPELINE_LOCK = "embshard-pipeline.lock"  # under AIRFLOW_HOME: held (flock) by the `embshard pipeline` running there
+
+
+@contextlib.contextmanager
+def _one_pipeline(home: str, out: str):
+    """Hold the folder's pipeline lock while this pipeline runs, else refuse: dag.test() ignores max_active_runs,
+    so two pipelines on one folder ran at once, both gates read "champion before none" and both promoted (the
+    second candidate never measured against the first). An exclusive flock: taken atomically, and released by
+    the kernel when the process ends, however it ends."""
+    import fcntl
+
+    from . import run_owner
+    from .errors import EmbshardError
+
+    os.makedirs(home, exist_ok=True)
+    fd = os.open(os.path.join(home, PIPELINE_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            others = [o for o in run_owner.live_pipelines(home) if o.get("pid") != os.getpid()]
+            who = (f" (pid {others[0]['pid']}, run {others[0]['run_id']})" if others else "")
+            raise EmbshardError(f"another `embshard pipeline` is running on this folder{who}; runs go one at a "
+                                "time", path=os.path.abspath(out),
+                                fix="wait for it to end, or give another --out") from None
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def _refuse_beside_a_scheduler(home: str, out: str, db: bool = False) -> None:
     """A scheduler on this folder's database (an `embshard ui`'s, or what a killed one left) also runs the
     dag.test() run's tasks: the run failed with its first failure unnamed, and max_active_runs=1 was bypassed.
@@ -267,7 +305,13 @@ def _stop_between_tasks(on_task=None):
     """dag.test() runs each task through `_run_task` and goes on after a failed one, and Airflow's task runner
     takes whatever a task raises, KeyboardInterrupt included, for a failed try (a retried one for benchmark): after
     SIGTERM or Ctrl-C (embshard.signals, which stopped the running stage) the next call raises KeyboardInterrupt
-    outside any task, which ends dag.test() and the command. `on_task(ti)` is called before each task."""
+    outside any task, which ends dag.test() and the command. `on_task(ti)` is called before each task.
+
+    Airflow's task runner installs its own SIGTERM handler as each task starts, which only calls the task's
+    on_kill() and goes on, and leaves it installed: a SIGTERM outside the stage code (the task runner's own work,
+    between tasks; most of a run of many short tasks) was ignored and the run went on to promote. So on_kill stops
+    the command here (embshard.signals.interrupt), and embshard's handler is put back after each task."""
+    from airflow.sdk.bases.operator import BaseOperator
     from airflow.sdk.definitions import dag as dag_module
 
     from . import signals
@@ -282,16 +326,25 @@ def _stop_between_tasks(on_task=None):
             raise KeyboardInterrupt
         if on_task is not None and kwargs.get("ti") is not None:
             on_task(kwargs["ti"])
-        out = original(*args, **kwargs)
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            signals.stop_on_sigterm()  # the task runner's handler, left installed, only calls on_kill()
         if signals.received is not None:
             raise KeyboardInterrupt
         return out
 
+    def on_kill(self):  # noqa: ARG001 (an operator method); what Airflow's handler calls on SIGTERM
+        signals.interrupt(signal.SIGTERM)
+
+    before_kill = BaseOperator.__dict__["on_kill"]
     dag_module._run_task = run_task
+    BaseOperator.on_kill = on_kill  # the local runner's tasks are Python tasks: none has an on_kill of its own
     try:
         yield
     finally:
         dag_module._run_task = original
+        BaseOperator.on_kill = before_kill
 
 
 def param_error(exc: BaseException):

@@ -16,6 +16,12 @@ received: int | None = None  # the last signal turned into KeyboardInterrupt her
 
 
 def _interrupt(signum, frame):  # noqa: ARG001 (a signal handler's signature)
+    interrupt(signum)
+
+
+def interrupt(signum: int = signal.SIGTERM) -> None:
+    """Stop the command as the handler does: record `signum`, raise KeyboardInterrupt. For a handler of another
+    library that only calls back (Airflow's task runner answers SIGTERM with the task's on_kill())."""
     global received
     received = signum
     raise KeyboardInterrupt
