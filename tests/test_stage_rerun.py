@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -305,3 +306,31 @@ def test_state_written_under_a_relative_root_before_is_read_as_it_was(tmp_path, 
     assert in_root(root, "shards.parquet") == "runs/x/run1/shards.parquet"
     assert in_root("s3://b/run1", "policy/round-1") == "s3://b/run1/policy/round-1"
     assert in_root(root, "/abs/shards.parquet") == "/abs/shards.parquet"
+
+
+def test_a_run_whose_id_maps_to_another_runs_folder_is_refused(tmp_path, monkeypatch):
+    """Airflow takes 'collide-1' and 'collide:1' as two run ids; their folders are one (':' and '+' become '-').
+    The second run had silently reused the first's measurements and overwritten its state, models and exports;
+    its stages now refuse the folder, before ingest writes anything. The run's own stages (a cleared task run
+    again) and stages run by hand still run there."""
+    from embshard import run_layout
+
+    root = run_layout.run_root(str(tmp_path), "collide-1")
+    assert root == run_layout.run_root(str(tmp_path), "collide:1")
+    params = {"num_tables": 40, "num_tasks": 2, "tables_per_task": "10-20", "devices": 2, "memory_gb": 64}
+    monkeypatch.setenv(stages.AIRFLOW_RUN_ENV, "collide-1")
+    stages.run("ingest", root, params)
+    tables = os.path.join(root, "tables.parquet")
+    run_json = Path(root, "state", "run.json")
+    before = (os.path.getmtime(tables), run_json.read_text())
+    monkeypatch.setenv(stages.AIRFLOW_RUN_ENV, "collide:1")
+    for name in ("ingest", "sample_shards", "evaluate_and_promote"):
+        with pytest.raises(EmbshardError, match="this run folder belongs to Airflow run 'collide-1', not to "
+                                                "'collide:1'") as err:
+            stages.run(name, root, params)
+        assert err.value.field == "run_id" and "run id of its own" in err.value.fix
+    assert (os.path.getmtime(tables), run_json.read_text()) == before
+    monkeypatch.setenv(stages.AIRFLOW_RUN_ENV, "collide-1")
+    stages.run("ingest", root, params)  # the run's own ingest, cleared and run again
+    monkeypatch.delenv(stages.AIRFLOW_RUN_ENV)
+    stages.run("ingest", root, params)  # by hand (`embshard stage ingest --root`)

@@ -376,11 +376,33 @@ STAGES: dict[str, Callable[..., dict]] = {
 ROUND_STAGES = ("train_cost_model", "train_policy", "measure_policy_plans")
 
 
+AIRFLOW_RUN_ENV = "EMBSHARD_AIRFLOW_RUN_ID"  # the Airflow run a stage belongs to (run_context.lineage_env, pods)
+
+
 def _note_run(root: str, params: dict) -> None:
     """What a stage run again by hand needs of its run (`embshard stage NAME --root ROOT`): the params the run was
     started with and its MLflow store, recorded by ingest (state/run.json). Without them a by-hand stage ran on
-    the default params and registered into a new, empty store inside the root."""
-    _state(root, "run", {"params": merged(params), "mlflow_tracking_uri": os.environ.get("MLFLOW_TRACKING_URI")})
+    the default params and registered into a new, empty store inside the root. Also the Airflow run it belongs
+    to, which `_check_own_root` compares."""
+    _state(root, "run", {"params": merged(params), "mlflow_tracking_uri": os.environ.get("MLFLOW_TRACKING_URI"),
+                         "airflow_run_id": os.environ.get(AIRFLOW_RUN_ENV) or None})
+
+
+def _check_own_root(root: str) -> None:
+    """A stage of an Airflow run refuses a root that another Airflow run's ingest wrote: run ids that differ only
+    in ':' or '+' against '-' ('retrain:1', 'retrain-1') share a root (run_layout.run_root), and the second run
+    had silently reused the first's measurements and overwritten its state, models and exports. A stage run by
+    hand (no Airflow run) or a root written before the run was recorded is not checked."""
+    from . import storage
+
+    mine = os.environ.get(AIRFLOW_RUN_ENV)
+    if not mine or not storage.exists(_join(path(root, "state"), "run.json")):
+        return
+    owner = _state(root, "run").get("airflow_run_id")
+    if owner and owner != mine:
+        raise EmbshardError(f"this run folder belongs to Airflow run {owner!r}, not to {mine!r}: run ids that "
+                            "differ only in ':' or '+' against '-' share a folder", path=root, field="run_id",
+                            fix="trigger the run again with a run id of its own (or Airflow's default one)")
 
 
 def recorded_run(root: str) -> dict | None:
@@ -444,6 +466,7 @@ def run(name: str, root: str, params: dict, chunk: int | None = None, round_inde
         if int(round_index) > MAX_POLICY_ROUNDS:  # the DAG's tasks stop there; a round beyond is a typo
             raise EmbshardError(f"round {round_index}: a run has at most {MAX_POLICY_ROUNDS} rounds", field="round",
                                 fix=f"give --round {first}..{MAX_POLICY_ROUNDS} (up to the run's policy_rounds)")
+    _check_own_root(root)
     if name == "ingest":
         return _ingest_or_nothing(root, params)
     if name != "check_params":
