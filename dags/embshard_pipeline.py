@@ -40,11 +40,27 @@ PARAMS = {key: Param(spec.default, description=spec.description, **params.form_s
           for key, spec in params.SPECS.items()}
 
 
+TIME_LIMIT_FIX = "if the stage was not hung, trigger the run again with a larger timeout_scale param"
+
+
+def time_limit_text(task) -> str:
+    """What a task that ran past its execution_timeout is told (Airflow's own text is "Timeout, PID: N")."""
+    limit = getattr(task, "execution_timeout", None)
+    seconds = f" of {limit.total_seconds():,.0f} s" if limit is not None else ""
+    return (f"the stage ran past its time limit{seconds} (sized from the run's params x timeout_scale); not "
+            f"retried ({TIME_LIMIT_FIX})")
+
+
 def end_mlflow_runs(context) -> None:
     """A failed local task's MLflow runs that its stage could not end are marked KILLED (best effort: Airflow's
     supervisor fails a SIGKILLed task without running callbacks, seen with 3.3.2; then the next stage that logs,
-    a retry or the next run's, ends them: registry.start_run)."""
+    a retry or the next run's, ends them: registry.start_run). A task that ran past its time limit before its
+    stage began (the limit is checked from the task's start) is told so here, in its log."""
     run = context["dag_run"]
+    if type(context.get("exception")).__name__ == "AirflowTaskTimeout":
+        import logging
+
+        logging.getLogger("embshard").error("%s: %s", context["ti"].task_id, time_limit_text(context["ti"].task))
     stages.end_failed_task_runs(MLFLOW_URI, DATA_ROOT, run.dag_id, run.run_id, context["ti"].task_id)
 
 
@@ -139,7 +155,7 @@ with DAG(
     doc_md=__doc__,
 ) as dag:
     if RUNNER == "local":
-        from airflow.sdk.exceptions import AirflowSkipException
+        from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException, AirflowTaskTimeout
 
         def run_stage(name: str, params, run_id, ti, chunk: int | None = None, round_index: int | None = None):
             try:
@@ -148,6 +164,8 @@ with DAG(
                                           chunk=chunk, round_index=round_index)
             except stages.StageSkipped as exc:
                 raise AirflowSkipException(str(exc)) from None
+            except AirflowTaskTimeout as exc:  # as the kubernetes runner says it; a retry would time out again
+                raise AirflowFailException(time_limit_text(ti.task)) from exc
 
         def stage_task(task_id: str, stage: str, doc: str, round_index: int | None = None, **task_kw):
             @task(task_id=task_id, doc_md=TASK_DOCS[doc], **time_limit(stage, round_index=round_index), **task_kw)
@@ -206,8 +224,7 @@ with DAG(
                     if not _timed_out(exc):
                         raise
                     self.on_kill()  # the pod: deleted, as the runner does for a timeout it sees
-                    raise AirflowFailException(f"the stage ran past its time limit ({self.execution_timeout}); not "
-                                               "retried (a larger run: raise the timeout_scale param)") from exc
+                    raise AirflowFailException(time_limit_text(self)) from exc
 
             def cleanup(self, pod, remote_pod, xcom_result=None, context=None):
                 try:
