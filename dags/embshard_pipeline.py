@@ -18,6 +18,7 @@ the next Monday 03:00 UTC. Runs queue one at a time (max_active_runs=1).
 """
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -25,6 +26,8 @@ from pathlib import Path
 from airflow.sdk import DAG, Asset, AssetOrTimeSchedule, CronTriggerTimetable, Param, task
 
 from embshard import params, stages
+
+log = logging.getLogger("embshard.dag")
 
 RUNNER = os.environ.get("EMBSHARD_RUNNER", "local")
 # Local runner: one data root and one MLflow store for every stage, wherever Airflow was started from.
@@ -36,7 +39,10 @@ TABLES_ASSET = Asset(name="embshard_tables", uri=os.environ.get("EMBSHARD_TABLES
                                                                 "file:///embshard/tables"))
 # The trigger form: one field per embshard.params spec, with its types and choices; ranges, patterns and the rules
 # between fields are checked by the first task, check_params, which names every bad field and its fix.
-PARAMS = {key: Param(spec.default, description=spec.description, **params.form_schema(key))
+# The defaults are a team's own where EMBSHARD_PARAMS_FILE names their file (params.run_defaults): scheduled and
+# asset-triggered runs have no conf, so these are what they ingest and train on.
+RUN_DEFAULTS = params.run_defaults()
+PARAMS = {key: Param(RUN_DEFAULTS[key], description=spec.description, **params.form_schema(key))
           for key, spec in params.SPECS.items()}
 
 
@@ -58,9 +64,7 @@ def end_mlflow_runs(context) -> None:
     stage began (the limit is checked from the task's start) is told so here, in its log."""
     run = context["dag_run"]
     if type(context.get("exception")).__name__ == "AirflowTaskTimeout":
-        import logging
-
-        logging.getLogger("embshard").error("%s: %s", context["ti"].task_id, time_limit_text(context["ti"].task))
+        log.error("%s: %s", context["ti"].task_id, time_limit_text(context["ti"].task))
     stages.end_failed_task_runs(MLFLOW_URI, DATA_ROOT, run.dag_id, run.run_id, context["ti"].task_id)
 
 
@@ -184,9 +188,14 @@ with DAG(
         def benchmark(chunk: int, params=None, run_id=None, ti=None) -> dict:
             return run_stage("benchmark", params, run_id, ti, chunk=chunk)
 
+        @task(task_id="check_params", doc_md=TASK_DOCS["check_params"], **time_limit("check_params"))
+        def check_params(params=None, run_id=None, ti=None, triggering_asset_events=None) -> dict:
+            for line in stages.trigger_note(triggering_asset_events, dict(params)):
+                log.warning(line)
+            return run_stage("check_params", params, run_id, ti)
+
         chunks = sample_shards()
-        stage_task("check_params", "check_params", "check_params") >> stage_task("ingest", "ingest", "ingest") \
-            >> chunks
+        check_params() >> stage_task("ingest", "ingest", "ingest") >> chunks
         last = benchmark.expand(chunk=chunks) >> stage_task("train_cost_model", "train_cost_model",
                                                             "train_cost_model", 1)
         last = last >> stage_task("train_policy", "train_policy", "train_policy", 1)
@@ -267,7 +276,9 @@ with DAG(
         # Checked on the Airflow worker (no pod: seconds, and embshard.params imports nothing heavy). The worker
         # does not mount the data volume the pods read: the input file is checked by the ingest pod.
         @task(task_id="check_params", doc_md=TASK_DOCS["check_params"], **time_limit("check_params"))
-        def check_params_task(params=None) -> dict:
+        def check_params_task(params=None, triggering_asset_events=None) -> dict:
+            for line in stages.trigger_note(triggering_asset_events, dict(params)):
+                log.warning(line)
             checked = stages.check_params("", dict(params), check_files=False)
             k8s.check_run_params(pod_config, stages.merged(dict(params)))
             return checked

@@ -443,12 +443,28 @@ def test_airflow_values_wire_the_kubernetes_runner_to_this_chart():
     assert env["PYTHONPATH"] == "/opt/airflow/dags/repo/components"
 
     config_map = by_kind(objects(), "ConfigMap")["embshard-stage-pods"]
-    (key,) = config_map["data"]
+    assert sorted(config_map["data"]) == ["run-params.yaml", "stage-pods.yaml"]
     volume = next(v for v in values["volumes"] if v.get("configMap", {}).get("name") == "embshard-stage-pods")
     mount = next(m for m in values["volumeMounts"] if m["name"] == volume["name"])
-    assert env["EMBSHARD_K8S_CONFIG"] == f"{mount['mountPath']}/{key}"
+    assert env["EMBSHARD_K8S_CONFIG"] == f"{mount['mountPath']}/stage-pods.yaml"
+    assert env["EMBSHARD_PARAMS_FILE"] == f"{mount['mountPath']}/run-params.yaml"
     # Data root and MLflow URI come from the mounted stage-pods file only, never from a second setting.
     assert "EMBSHARD_DATA_ROOT" not in env and "MLFLOW_TRACKING_URI" not in env
+
+
+def test_run_params_are_the_defaults_of_scheduled_runs(tmp_path, monkeypatch):
+    """Scheduled and asset-triggered runs have no conf: runParams reach the DAG's defaults (EMBSHARD_PARAMS_FILE)
+    through the ConfigMap Airflow mounts; none by default (the params' own defaults)."""
+    from embshard import params
+
+    team = {"source": "spec", "input": "s3://team/tables.csv", "devices": 8, "memory_gb": 80}
+    for values, want in (({}, {}), ({"runParams": team}, team)):
+        text = by_kind(objects(values), "ConfigMap")["embshard-stage-pods"]["data"]["run-params.yaml"]
+        assert yaml.safe_load(text) == want
+        path = tmp_path / "run-params.yaml"
+        path.write_text(text)
+        monkeypatch.setenv(params.PARAMS_FILE_ENV, str(path))
+        assert params.run_defaults() == {**params.DEFAULT_PARAMS, **want}
 
 
 def _containers(obj: dict) -> list[dict]:

@@ -458,3 +458,55 @@ def test_a_trace_too_small_for_the_tasks_is_refused_before_any_work(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tables_per_task: tasks of up to 20 tables from the 12 tables" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_scheduled_runs_take_their_defaults_from_the_teams_params_file(tmp_path, monkeypatch):
+    """A scheduled or asset-triggered run has no conf: it had retrained on the synthetic default whatever a team's
+    tables were. EMBSHARD_PARAMS_FILE (JSON or YAML) makes the DAG's defaults the team's; a bad file is one error
+    naming it (the DAG does not import), as a bad run's params are."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    spec = tmp_path / "tables.csv"  # not read here: the process that parses the DAG may not see the data
+    good = tmp_path / "params.yaml"
+    good.write_text(f"source: spec\ninput: {spec}\ndevices: 8\nmemory_gb: 80\neval_planners: [dim_greedy]\n")
+    monkeypatch.setenv(params.PARAMS_FILE_ENV, str(good))
+    defaults = params.run_defaults()
+    assert (defaults["source"], defaults["input"], defaults["devices"], defaults["memory_gb"]) == \
+        ("spec", str(spec), 8, 80)
+    assert defaults["num_tasks"] == params.DEFAULT_PARAMS["num_tasks"]  # the rest as they were
+    bag = DagBag(dag_folder=str(REPO / "dags" / "embshard_pipeline.py"), safe_mode=False)
+    assert bag.import_errors == {}
+    dag_params = bag.dags["embshard_pipeline"].params
+    assert (dag_params["source"], dag_params["input"], dag_params["devices"]) == ("spec", str(spec), 8)
+    for text, words in (("devices: 0\n", ["devices", "minimum of 1"]), ("- a\n- b\n", ["holds a list"]),
+                        ("source: [unclosed\n", ["not JSON or YAML"]), ("nosuch: 1\n", ["nosuch"])):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(text)
+        monkeypatch.setenv(params.PARAMS_FILE_ENV, str(bad))
+        with pytest.raises(EmbshardError) as err:
+            params.run_defaults()
+        assert str(bad) in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
+    monkeypatch.setenv(params.PARAMS_FILE_ENV, str(tmp_path / "missing.yaml"))
+    with pytest.raises(EmbshardError, match="missing.yaml: field 'EMBSHARD_PARAMS_FILE': cannot be read"):
+        params.run_defaults()
+    bag = DagBag(dag_folder=str(REPO / "dags" / "embshard_pipeline.py"), safe_mode=False)
+    assert "missing.yaml" in str(bag.import_errors)
+
+
+def test_an_asset_triggered_run_says_what_it_ingests_and_that_an_events_extra_is_not_read():
+    from types import SimpleNamespace
+
+    from embshard import stages
+
+    p = params.check({"source": "spec", "input": "/data/tables.csv"}, check_files=False)
+    from airflow.sdk import Asset
+
+    asset = Asset(name="embshard_tables", uri="file:///embshard/tables")
+    event = SimpleNamespace(asset=asset, source_dag_id="land_tables", source_run_id="r1",
+                            extra={"input": "/data/tables-2026-12-08.csv", "rows": 5})
+    lines = stages.trigger_note({asset: [event]}, p)
+    assert lines[0] == ("this run was started by an update of asset file:///embshard/tables by land_tables (run "
+                        "r1); it ingests the tables its params name: source=spec, input=/data/tables.csv")
+    assert "names params (input) that a run does not read" in lines[1] and params.PARAMS_FILE_ENV in lines[1]
+    assert stages.trigger_note(None, p) == [] and stages.trigger_note({}, p) == []
+    assert len(stages.trigger_note({asset: [SimpleNamespace(asset=asset, extra={})]}, p)) == 1

@@ -513,6 +513,41 @@ def stage_timeout_s(stage: str, params: dict | None) -> float:
     return float(p["timeout_scale"]) * max(FLOOR_S.get(stage, 900), SAFETY * work)
 
 
+PARAMS_FILE_ENV = "EMBSHARD_PARAMS_FILE"
+
+
+def run_defaults() -> dict:
+    """The DAG's param defaults: DEFAULT_PARAMS with the values of the JSON or YAML mapping that
+    EMBSHARD_PARAMS_FILE names, read when the DAG is parsed. They are what every scheduled or asset-triggered run
+    uses (such a run has no conf of its own: it had retrained on the synthetic default whatever a team's tables
+    were) and what the trigger form starts from. Checked as a run's params are (the data files are not: the
+    process that parses the DAG may not see them; ingest does), so that a bad file is one error naming it."""
+    path = os.environ.get(PARAMS_FILE_ENV, "").strip()
+    if not path:
+        return dict(DEFAULT_PARAMS)
+    import yaml  # light, and in every Airflow image
+
+    fix = f"make {PARAMS_FILE_ENV} name a JSON or YAML mapping of pipeline params, e.g. {{source: spec, input: ...}}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = yaml.safe_load(f)
+    except OSError as exc:
+        raise EmbshardError(f"cannot be read ({exc.strerror or exc})", path=path, field=PARAMS_FILE_ENV,
+                            fix=fix) from None
+    except yaml.YAMLError as exc:
+        raise EmbshardError(f"not JSON or YAML ({str(exc).splitlines()[0]})", path=path, field=PARAMS_FILE_ENV,
+                            fix=fix) from None
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise EmbshardError(f"holds a {type(values).__name__}, not a mapping of params", path=path,
+                            field=PARAMS_FILE_ENV, fix=fix)
+    try:
+        return check(values, check_files=False)
+    except EmbshardError as exc:
+        raise exc.at(path) from None
+
+
 def run_timeout_h() -> float:
     """The whole run's limit in hours: EMBSHARD_RUN_TIMEOUT_H (read when the DAG is parsed), else RUN_TIMEOUT_H."""
     raw = os.environ.get("EMBSHARD_RUN_TIMEOUT_H", "")

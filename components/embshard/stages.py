@@ -106,6 +106,29 @@ def check_params(root: str, params: dict, check_files: bool = True) -> dict:  # 
     return {"checked": len(p), "device": p["device"], "source": p["source"]}
 
 
+def trigger_note(events, params: dict) -> list[str]:
+    """What check_params says of a run an asset update started (Airflow's `triggering_asset_events`; empty or None
+    for a manual or scheduled run): which update, and that the run ingests its params' tables (the DAG's defaults,
+    a team's own through EMBSHARD_PARAMS_FILE), not anything an event's extra names. An extra that names params
+    is said to be unread, with where to give them instead: such a run had quietly retrained on the defaults."""
+    lines: list[str] = []
+    for asset in events or {}:
+        for event in events[asset] or []:
+            where = getattr(getattr(event, "asset", None), "uri", None) or getattr(asset, "uri", asset)
+            source = getattr(event, "source_dag_id", None)
+            by = f" by {source} (run {getattr(event, 'source_run_id', None)})" if source else ""
+            lines.append(f"this run was started by an update of asset {where}{by}; it ingests the tables its params "
+                         f"name: source={params.get('source')}"
+                         + (f", input={params.get('input')}" if params.get("input") else ""))
+            extra = getattr(event, "extra", None) or {}
+            named = [k for k in extra if k in params_mod.SPECS] if isinstance(extra, dict) else []
+            if named:
+                lines.append(f"the asset event's extra names params ({', '.join(named)}) that a run does not read "
+                             f"(fix: put them in the file {params_mod.PARAMS_FILE_ENV} names, the defaults of "
+                             "scheduled and asset-triggered runs, or trigger the DAG with them as its conf)")
+    return lines
+
+
 def ingest(root: str, params: dict) -> dict:
     from .jobs.ingest import run as ingest_run
     from .jobs.tasks import run as tasks_run
