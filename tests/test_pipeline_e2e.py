@@ -31,7 +31,7 @@ TINY = {"num_tables": 40, "hot_large_fraction": 0.0, "num_tasks": 2, "tables_per
         "eval_tasks": 1, "eval_planners": ["size_greedy"]}
 POLICY, COST = "embshard-policy", "embshard-cost"
 ENV_KEYS = ("AIRFLOW_HOME", "AIRFLOW__CORE__LOAD_EXAMPLES", "AIRFLOW__CORE__DAGS_FOLDER", "EMBSHARD_DATA_ROOT",
-            "MLFLOW_TRACKING_URI", "EMBSHARD_RUNNER")
+            "MLFLOW_TRACKING_URI", "EMBSHARD_RUNNER", "AIRFLOW__CORE__PARALLELISM")
 
 
 def aliases() -> dict[str, dict[str, str]]:

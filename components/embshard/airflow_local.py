@@ -423,7 +423,10 @@ def main(args) -> int:
             f"Airflow UI:   {af.url}    login: {USER} / {af.password()}",
             f"DAG:          {af.url}/dags/{DAG_ID}   (paused until unpaused; Trigger runs it now)",
             f"run data:     {af.env['EMBSHARD_DATA_ROOT']}/<run id>",
-            f"MLflow store: {af.env['MLFLOW_TRACKING_URI']}   (make mlflow-ui opens it)",
+            # a command that opens this store from any folder (`make mlflow-ui` opens runs/local's alone)
+            f"MLflow store: {af.env['MLFLOW_TRACKING_URI']}   (open it: "
+            f"{os.path.join(os.path.dirname(sys.executable), 'mlflow')} ui --backend-store-uri "
+            f"'{af.env['MLFLOW_TRACKING_URI']}')",
             f"logs:         {af.log_dir}",
             "Unpausing schedules the weekly run (next Monday 03:00 UTC); it does not start one now.",
             "The Trigger form's 'Unpause on trigger' box (ticked by default) unpauses the DAG as it triggers:",

@@ -68,6 +68,9 @@ def local_environment(out: str) -> dict[str, str]:
     own = out_folders(out)
     return {**{var: os.environ.get(var) or path for var, path in own.items()},
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False", "AIRFLOW__CORE__DAGS_FOLDER": dags_folder(),
+            # The LocalExecutor starts this many worker processes: Airflow's 32 sat idle beside a DAG that runs one
+            # run, and one task of it, at a time (max_active_runs=1; benchmark chunks one by one).
+            "AIRFLOW__CORE__PARALLELISM": os.environ.get("AIRFLOW__CORE__PARALLELISM") or "4",
             "EMBSHARD_RUNNER": "local"}
 
 
