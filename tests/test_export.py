@@ -258,6 +258,12 @@ def test_plan_from_json_says_what_a_file_is_when_it_is_not_a_torchrec_plan_json(
     with pytest.raises(EmbshardError) as err:
         plan_from_json(tmp_path / "torchrec_plan.pt")
     assert "a pickled TorchRec plan" in str(err.value) and "torch.load(path, weights_only=False)" in err.value.fix
+    # the function the fix names exists there (it had named embshard.export.plan_to_json, an ImportError)
+    import importlib
+    import re
+
+    module, name = re.search(r"(embshard[\w.]*)\.(\w+)\(plan, world_size", err.value.fix).groups()
+    assert callable(getattr(importlib.import_module(module), name))
     (tmp_path / "bad.json").write_bytes(b"\xff\xfe\x00garbage")
     with pytest.raises(EmbshardError, match="not UTF-8"):  # other binary: as before
         plan_from_json(tmp_path / "bad.json")

@@ -778,8 +778,8 @@ def pickled_plan_error(path: str, field: str) -> EmbshardError:
     """The one line for a pickled TorchRec plan given where its JSON is read."""
     return EmbshardError("a pickled TorchRec plan (torch.save), not its JSON", path=path, field=field,
                          fix="pass the torchrec_plan.json beside it (embshard export writes both; a plan of TorchRec's "
-                             "own planner: embshard.export.plan_to_json(plan, world_size=W)), or load this one with "
-                             "torch.load(path, weights_only=False), only from a source you trust")
+                             "own planner: embshard.export.torchrec_plan.plan_to_json(plan, world_size=W)), or load "
+                             "this one with torch.load(path, weights_only=False), only from a source you trust")
 
 
 def _kernels(sharder, sharding_type: str, shards) -> list[str]:
