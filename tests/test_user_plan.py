@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -211,6 +212,26 @@ def tiny(tmp_path_factory):
     plan = str(root / "plan.json")
     write_plan_json(make_baseline("round_robin").plan_task(task), plan)
     return {"tables": tables, "tasks": tasks_path, "plan": plan, "task": task, "root": root}
+
+
+def test_a_plan_json_whose_num_devices_exceeds_its_devices_is_said(tiny, tmp_path, caplog):
+    """num_devices typed larger than the devices a plan.json uses was measured without a word (its all-to-all
+    priced for the larger world, the planners planning it), where a TorchRec plan's idle ranks are said."""
+    doc = json.loads(Path(tiny["plan"]).read_text())
+    used = 1 + max(s["device"] for t in doc["tables"] for s in t["shards"])
+    with caplog.at_level("WARNING"):
+        UserPlan(tiny["plan"]).task_frame()
+    assert "idle" not in caplog.text  # its own world: nothing said
+    doc["num_devices"] = used + 3
+    doc.pop("devices", None)  # derived again from the shards (a hand-written plan leaves them out)
+    wide = tmp_path / "wide.json"
+    wide.write_text(json.dumps(doc))
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        frame = UserPlan(str(wide)).task_frame()
+    assert frame["num_devices"].tolist() == [used + 3]
+    assert (f"the plan's num_devices is {used + 3}, its tables are on devices 0-{used - 1} only: it is measured on "
+            f"{used + 3} devices, 3 of them idle") in caplog.text
 
 
 def test_evaluate_measures_the_plan_beside_the_planners(tiny, tmp_path, capsys):

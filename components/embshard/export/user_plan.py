@@ -184,7 +184,14 @@ class UserPlan:
             if devices_per_host is not None and int(devices_per_host) < world:
                 row["devices_per_host"] = int(devices_per_host)
             return pd.DataFrame([row])
-        row = {"task_id": str(doc["task_id"]), "split": "test", "num_devices": int(doc["num_devices"]),
+        world = int(doc["num_devices"])
+        used = 1 + max((int(s["device"]) for t in doc["tables"] for s in t.get("shards") or []
+                        if isinstance(s, dict) and isinstance(s.get("device"), int)), default=world - 1)
+        if used < world:  # as for a TorchRec plan: a num_devices typed larger than the plan's devices is said
+            log.warning("%s: the plan's num_devices is %d, its tables are on devices 0-%d only: it is measured on "
+                        "%d devices, %d of them idle (their all-to-all too), and the planners plan %d", self.path,
+                        world, used - 1, world, world - used, world)
+        row = {"task_id": str(doc["task_id"]), "split": "test", "num_devices": world,
                "memory_bytes_per_device": int(doc["memory_bytes_per_device"] if memory_bytes is None
                                               else memory_bytes), "table_ids": self.table_ids()}
         own = self._own_devices_per_host()
