@@ -261,6 +261,8 @@ def test_evaluate_measures_the_plan_beside_the_planners(tiny, tmp_path, capsys):
     assert "against your plan (user_plan), paired over 2 round(s)" in captured.out
     assert "the ruler's A/A floor, user_plan against itself: [" in captured.out and "user_plan#2:" not in captured.out
     assert "no verdict from 2 rounds (--rounds 5 or more)" in captured.out  # a 2-round range misses half the time
+    # what the answer holds for: this hardware, this batch (a CPU answer had carried no label)
+    assert f"measured on {row['measured_on']}, batch 32: it holds for this hardware" in captured.out
     # A planner named twice: its A/A floor is said and judged against (the repeat itself is no answer).
     assert main(["evaluate", "--tables", tiny["tables"], "--tasks", tiny["tasks"], "--planners",
                  "size_greedy,size_greedy", "--plan", tiny["plan"], "--rounds", "2", "--batch-size", "32",
@@ -297,6 +299,30 @@ def test_the_answer_to_a_users_plan_gives_a_verdict_only_from_enough_rounds():
                             "ci_low": np.nan, "ci_high": np.nan, "rounds": 1, "round_ratios": [1.0]}])
     one = _against_user_plan(repeated, 1, ratios)
     assert "no A/A floor from 1 round" in one and "nan" not in one.split(":")[0], one
+
+
+def test_no_difference_says_what_it_did_not_clear_and_a_wide_floor_is_said():
+    """'no difference' had read the same for [0.85, 1.15] and for [1.108, 1.902] (clear of 1, inside a wide floor),
+    and a floor of [0.668, 1.597] was printed without a word on what it hides."""
+    import pandas as pd
+
+    from embshard.jobs.evaluate import _against_user_plan
+
+    summary = pd.DataFrame({"median_ratio_user_plan": [1.37, 0.95, 1.0, 1.0],
+                            "user_plan_ci_low": [1.108, 0.85, np.nan, np.nan],
+                            "user_plan_ci_high": [1.902, 1.15, np.nan, np.nan]},
+                           index=["size_lookup_greedy", "learned", "user_plan", "user_plan#2"])
+    def floor(rounds):  # the plan against itself, per round (the floor: [0.65, 2.0] and [0.98, 1.02] here)
+        return pd.DataFrame([{"task_id": "t", "planner": "user_plan#2", "versus": "user_plan", "median_ratio": 1.0,
+                              "rounds": len(rounds), "round_ratios": rounds}])
+
+    text = _against_user_plan(summary, 7, floor([0.6, 0.7, 1.0, 1.5, 2.0, 2.1, 0.65]))
+    assert "size_lookup_greedy: 1.370 [1.108, 1.902] no difference: its interval clears 1 but not the A/A floor" \
+        in text
+    assert "learned: 0.950 [0.850, 1.150] no difference: its interval holds 1" in text
+    assert "the A/A floor is wide (1.35): this machine's noise hides differences smaller than that" in text
+    narrow = _against_user_plan(summary, 5, floor([0.99, 1.0, 1.01, 0.98, 1.02]))
+    assert "is wide" not in narrow and "size_lookup_greedy: 1.370 [1.108, 1.902] slower" in narrow
 
 
 def test_evaluate_refuses_a_plan_of_another_task_before_measuring(tiny, tmp_path, capsys):

@@ -190,7 +190,7 @@ def _evaluate(args, planners: list[str], given: dict, tables: str, tasks: str, t
     for r in frame[~frame["feasible"].astype(bool)].itertuples():  # `failed` counts them; here is why
         print(f"{r.planner} could not place task {r.task_id}: {r.error}")
     if given:
-        print(_against_user_plan(res["summary"], int(args.rounds), res["ratio_frame"]))
+        print(_against_user_plan(res["summary"], int(args.rounds), res["ratio_frame"], _measured_on(frame)))
     rk = res["ranking"]
     if rk["pairs"]:
         print(f"cost model ranking: it orders {rk['correct']} of the {rk['pairs']} placement pairs the ruler tells "
@@ -204,11 +204,24 @@ def _evaluate(args, planners: list[str], given: dict, tables: str, tasks: str, t
     return 0
 
 
-def _against_user_plan(summary, rounds: int, ratios=None) -> str:
+WIDE_FLOOR = 0.2  # an A/A floor wider than this (about +-10%) hides differences a team cares about: said so
+
+
+def _measured_on(frame) -> str | None:
+    """'cpu:AMD EPYC ..., batch 2048' from the evaluation's rows: what the verdict holds for (None: not recorded)."""
+    if frame is None or "measured_on" not in getattr(frame, "columns", ()):
+        return None
+    where = ", ".join(sorted({str(v) for v in frame["measured_on"].dropna()}))
+    batch = sorted({int(b) for b in frame["batch_size"].dropna()}) if "batch_size" in frame.columns else []
+    return (where or "?") + (f", batch {', '.join(map(str, batch))}" if batch else "")
+
+
+def _against_user_plan(summary, rounds: int, ratios=None, measured_on: str | None = None) -> str:
     """What `--plan` asks: each planner's measured cost over the user's plan, paired per round, with its
     interval and what it says: a difference only where the interval clears 1, and the ruler's A/A floor too where a
     planner was named twice (`ratios`: the evaluation's ratio frame); no verdict from fewer than
-    stats.VERDICT_ROUNDS rounds (a user read "faster" off 2)."""
+    stats.VERDICT_ROUNDS rounds (a user read "faster" off 2). `measured_on`: the hardware and batch measured,
+    said first (a user asking "is it better on our GPUs?" had a CPU answer with no label on it)."""
     import numpy as np
 
     from ..stats import VERDICT_ROUNDS, aa_floor, floor_verdict
@@ -225,12 +238,22 @@ def _against_user_plan(summary, rounds: int, ratios=None) -> str:
                  if np.isfinite(aa_lo) and np.isfinite(aa_hi) else
                  f"; no A/A floor from {rounds} round{'s' if rounds != 1 else ''}")  # it had printed [nan, nan]
     lines = [head + "):"]
+    if measured_on:
+        lines.append(f"  measured on {measured_on}: it holds for this hardware (on other hardware, a GPU, measure "
+                     "there: costs and even the order of plans may differ)")
     for name, row in summary.iterrows():
         med, lo, hi = (float(row[k]) for k in ("median_ratio_user_plan", "user_plan_ci_low", "user_plan_ci_high"))
         if name == USER_PLAN or str(name).endswith("#2") or not np.isfinite(med):
             continue
         verdict = floor_verdict(lo, hi, aa_lo, aa_hi) if rounds >= VERDICT_ROUNDS else \
             f"no verdict from {rounds} round{'s' if rounds != 1 else ''} (--rounds {VERDICT_ROUNDS} or more)"
+        if verdict == "no difference":  # which of the two it did not clear (an interval above 1 had read bare)
+            verdict += (": its interval clears 1 but not the A/A floor" if (hi < 1 or lo > 1) else
+                        ": its interval holds 1")
         interval = f"[{lo:.3f}, {hi:.3f}]" if np.isfinite(lo) and np.isfinite(hi) else "[no interval]"
         lines.append(f"  {name}: {med:.3f} {interval} {verdict}")
+    if np.isfinite(aa_lo) and np.isfinite(aa_hi) and aa_hi - aa_lo > WIDE_FLOOR:
+        lines.append(f"  the A/A floor is wide ({aa_hi - aa_lo:.2f}): this machine's noise hides differences smaller "
+                     "than that; measure on a quiet machine, with more --rounds or --round-processes, or on the "
+                     "target hardware")
     return "\n".join(lines)
