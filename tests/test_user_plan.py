@@ -561,6 +561,7 @@ def test_a_plan_measured_on_other_traffic_says_so(tiny, caplog):
         plan.plan_task(busier)
     lines = [r.getMessage() for r in caplog.records if "other traffic" in r.getMessage()]
     assert len(lines) == 1 and f"table {task.tables.table_ids[0]} and 2 more" in lines[0], lines
+    assert "`embshard export` refuses it with these tables" in lines[0]  # it had exited 0, then export refused
     caplog.clear()
     UserPlan(tiny["plan"]).plan_task(task)
     assert not [r for r in caplog.records if "other traffic" in r.getMessage()]

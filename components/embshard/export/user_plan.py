@@ -39,7 +39,8 @@ def _warn_if_other_traffic(doc: dict, tables: TableSet, path: str) -> None:
         name, was, now = changed[0]
         more = f" and {len(changed) - 1} more" if len(changed) > 1 else ""
         log.warning("%s: table %s%s has other traffic than the plan was made for (pooling_factor %g in the plan, %g "
-                    "in the tables given): it is measured on the tables given", path, name, more, was, now)
+                    "in the tables given): it is measured on the tables given, and `embshard export` refuses it "
+                    "with these tables (plan again for this traffic to export one)", path, name, more, was, now)
 
 
 def _warn_if_torchrec_cannot_run(placement: Placement, path: str) -> None:
