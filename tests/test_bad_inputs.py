@@ -641,6 +641,8 @@ PLAN_CASES = {
     "plan-not-an-object": (lambda doc: [doc], ["schema"]),
     "plan-invalid-json": ("{\"schema\": ", ["json", "not valid JSON"]),
     "plan-empty-file": ("", ["json"]),
+    # a plan written in YAML, as table specs may be: said as such, with how to write it as JSON
+    "plan-yaml": ("schema: embshard.torchrec_plan/v1\nworld_size: 2\n", ["a YAML mapping, not JSON", "json.dump"]),
 }
 
 

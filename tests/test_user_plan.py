@@ -157,7 +157,7 @@ def _recount(doc):
 
 
 @pytest.mark.parametrize("name, edit, match", [
-    ("not4.json", lambda d: _slices(d, [14, 18]), r"field 'table_id': table \S+: a column slice of 14 columns"),
+    ("not4.json", lambda d: _slices(d, [14, 18]), r"field 'col_size': table \S+: a column slice of 14 columns"),
     ("rows.json", lambda d: _other_table(d, rows=7), r"field 'tables.0.rows': .*plan's rows is 7"),
     ("bpe.json", lambda d: _other_table(d, bytes_per_element=2), "field 'tables.0.bytes_per_element'"),
     ("nan.json", lambda d: d["tables"][2].update(pooling_factor=float("nan")),

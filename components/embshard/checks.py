@@ -111,6 +111,16 @@ def input_file(path: str, *, field: str | None = None, fix: str = "check the pat
     return text
 
 
+def _yaml_mapping(text: str) -> bool:
+    """Whether `text`, which is not JSON, reads as a YAML mapping (PyYAML: light, there with Airflow and MLflow)."""
+    try:
+        import yaml
+
+        return isinstance(yaml.safe_load(text), dict)
+    except Exception:  # noqa: BLE001 - not YAML either, or no PyYAML: the JSON error stands
+        return False
+
+
 def read_json_file(path, *, field: str | None = None, fix: str = "check the path"):
     """The JSON value in a file (a plan a user hands in): `input_file`'s checks first (a FIFO would block the read
     forever), then one line for a file that is no JSON, no UTF-8, or nested too deeply for the parser (a
@@ -121,8 +131,13 @@ def read_json_file(path, *, field: str | None = None, fix: str = "check the path
 
     text = input_file(path, field=field, fix=fix)
     try:
-        return json.loads(storage.read_text(text))
+        content = storage.read_text(text)
+        return json.loads(content)
     except json.JSONDecodeError as exc:
+        if _yaml_mapping(content):  # a plan written in YAML (tables specs may be YAML): said as such
+            raise EmbshardError("a YAML mapping, not JSON: plans are JSON", path=text, field=field,
+                                fix="write it as JSON, e.g. python -c \"import json, sys, yaml; json.dump(yaml.safe_"
+                                    "load(open(sys.argv[1])), sys.stdout, indent=1)\" FILE.yaml > plan.json") from None
         raise EmbshardError(f"not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})", path=text,
                             field=field, fix=fix) from None
     except UnicodeDecodeError:

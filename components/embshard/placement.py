@@ -87,10 +87,11 @@ class Placement:
                                                field="table_id")
             by_table[s.table].append(s)
         for i, pieces in enumerate(by_table):
-            problem = self._coverage_problem(i, pieces)
-            if problem:
+            found = self._coverage_problem(i, pieces)
+            if found:
+                problem, field = found
                 raise InfeasiblePlacementError(f"table {self.tables.table_ids[i]}: {problem}", path=where,
-                                               field="table_id", fix="place every column (in slices of multiples of "
+                                               field=field, fix="place every column (in slices of multiples of "
                                                f"{DIM_MULTIPLE}) or every row of every table exactly once, or one "
                                                "replica on every device")
         mem = self.memory_per_device()
@@ -102,37 +103,40 @@ class Placement:
                 f"{size_text(self.memory_bytes_per_device)}", path=where, field="memory",
                 fix="add devices, raise memory per device, or use a planner that respects memory")
 
-    def _coverage_problem(self, i: int, pieces: list[Shard]) -> str | None:
-        """Why table i's pieces do not place it exactly once (None when they do)."""
+    def _coverage_problem(self, i: int, pieces: list[Shard]) -> tuple[str, str] | None:
+        """Why table i's pieces do not place it exactly once, with the shard field that says it (a slice of 62
+        columns had named table_id); None when they do."""
         rows, dim = int(self.tables.rows[i]), int(self.tables.dims[i])
         if not pieces:
-            return "not placed"
+            return "not placed", "shards"
         kinds = {s.kind for s in pieces}
         if len(kinds) > 1:
-            return f"mixes {' and '.join(sorted(kinds))} pieces"
+            return f"mixes {' and '.join(sorted(kinds))} pieces", "kind"
         kind = kinds.pop()
         if kind == WHOLE:
-            return None if len(pieces) == 1 else f"placed whole {len(pieces)} times"
+            return None if len(pieces) == 1 else (f"placed whole {len(pieces)} times", "shards")
         if kind == REPLICATED:
             devs = sorted(s.device for s in pieces)
             return None if devs == list(range(self.num_devices)) else \
-                f"replicated on devices {devs[:8]}, not once on each of the {self.num_devices} devices"
+                (f"replicated on devices {devs[:8]}, not once on each of the {self.num_devices} devices", "device")
         if kind == COLUMN:
-            spans, total, unit = [(s.col_offset, s.col_size or 0) for s in pieces], dim, "columns"
+            spans, total, unit, at = [(s.col_offset, s.col_size or 0) for s in pieces], dim, "columns", "col"
         else:
             if any(s.col_size is not None for s in pieces):
-                return "a row piece is also column-sliced (row pieces have the table's full width)"
-            spans, total, unit = [(s.row_offset, s.row_size or 0) for s in pieces], rows, "rows"
+                return "a row piece is also column-sliced (row pieces have the table's full width)", "col_size"
+            spans, total, unit, at = [(s.row_offset, s.row_size or 0) for s in pieces], rows, "rows", "row"
         nxt = 0
         for off, size in sorted(spans):
             if size <= 0:
-                return f"a {kind} piece of {size} {unit}"
+                return f"a {kind} piece of {size} {unit}", f"{at}_size"
             if kind == COLUMN and size % DIM_MULTIPLE:  # FBGEMM's kernels and TorchRec take such widths only
-                return f"a column slice of {size} columns (slices must be multiples of {DIM_MULTIPLE} columns)"
+                return (f"a column slice of {size} columns (slices must be multiples of {DIM_MULTIPLE} columns)",
+                        "col_size")
             if off != nxt:
-                return f"{unit} {min(off, nxt)}..{max(off, nxt)} are {'missing' if off > nxt else 'placed twice'}"
+                return (f"{unit} {min(off, nxt)}..{max(off, nxt)} are {'missing' if off > nxt else 'placed twice'}",
+                        f"{at}_offset")
             nxt = off + size
-        return None if nxt == total else f"{nxt} of {total} {unit} placed"
+        return None if nxt == total else (f"{nxt} of {total} {unit} placed", f"{at}_size")
 
     def to_frame(self, device_costs: np.ndarray | None = None) -> pd.DataFrame:
         """Rows of the placements contract (predicted_cost_ms = predicted cost of the row's device; every row carries
