@@ -413,6 +413,19 @@ def test_the_registry_records_each_verdict_and_challenger_only_follows_undecided
     client.set_model_version_tag(POLICY, BAD, "embshard.run_root", "/runs/r1")
     assert record_verdict(GOOD, "promoted", "faster") == []
     assert verdict_tag(BAD) == "superseded"
+    # An Airflow run's candidate its gate left undecided (the challenger), then a stage of that run cleared and
+    # run again, registering another candidate: the run's first one is superseded, and no longer the challenger,
+    # whatever the new one's verdict (two undecided versions of one run had read as two open questions).
+    monkeypatch.delenv("EMBSHARD_RUN_ROOT")
+    monkeypatch.setenv("EMBSHARD_AIRFLOW_RUN_ID", "manual__cleared")
+    for v in (BAD, GOOD_TOO):
+        client.set_model_version_tag(POLICY, v, "airflow.run_id", "manual__cleared")
+    record_verdict(BAD, "undecided", "straddles")
+    assert aliases(POLICY)["challenger"] == BAD
+    record_verdict(GOOD_TOO, "not_better", "re-run's candidate, decided")
+    assert verdict_tag(BAD) == "superseded" and "challenger" not in aliases(POLICY)
+    assert "manual__cleared was run again" in client.get_model_version(POLICY, BAD).tags[registry.VERDICT_REASON_TAG]
+    assert verdict_tag(GOOD_TOO) == "not_better"  # a decided verdict is never superseded
 
 
 def test_the_decision_block_says_none_for_a_missing_champion_and_reads_the_verdict():

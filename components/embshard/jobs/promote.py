@@ -262,6 +262,18 @@ def record_verdict(candidate_version: str, verdict: str, reason: str, judged: bo
             registry.set_verdict(POLICY, mv.version, registry.SUPERSEDED,
                                  f"its stage was run again on {root}: version {candidate_version} is the candidate "
                                  "the gate judged")
+    if run_id:
+        # An earlier candidate of this same Airflow run that its gate left undecided, before a stage of the run was
+        # cleared and registered this one: no longer the run's candidate (two undecided versions of one run had
+        # read as two open questions). A decided verdict stays: it is a measurement of that version.
+        for mv in registry.versions_with_verdict(POLICY, registry.UNDECIDED):
+            if str(mv.version) != candidate_version and mv.tags.get("airflow.run_id") == run_id:
+                registry.set_verdict(POLICY, mv.version, registry.SUPERSEDED,
+                                     f"a stage of its Airflow run {run_id} was run again: version "
+                                     f"{candidate_version} is the run's candidate the gate judged")
+                challenger = registry.version_for_alias(POLICY, registry.CHALLENGER)
+                if challenger is not None and str(challenger.version) == str(mv.version):
+                    registry.drop_challenger()  # `challenger` names undecided candidates only
     return failed
 
 
