@@ -190,7 +190,9 @@ def _bad_conf_run() -> tuple[dict, str]:
 
 @background.job("stuck_run", order=2)
 def _stuck_run() -> tuple[dict, str]:
-    return _dag_test({"timeout_scale": 0.002}, "stuck")
+    # 0.01: ingest's limit 9 s (its 900 s floor), check_params' 1.2 s (its 120 s floor; at 0.002 its 0.24 s had
+    # timed out the check itself on a busy machine)
+    return _dag_test({"timeout_scale": 0.01}, "stuck")
 
 
 @pytest.fixture()
@@ -217,7 +219,7 @@ def test_bad_conf_fails_in_check_params_before_any_work(bad_conf_run):
 
 @pytest.mark.slow
 def test_a_stuck_stage_is_timed_out(stuck_run):
-    """ingest hangs; with timeout_scale 0.002 its limit is 1.8 s (900 s floor): Airflow's task runner ends it."""
+    """ingest hangs; with timeout_scale 0.01 its limit is 9 s (900 s floor): Airflow's task runner ends it."""
     result, out = stuck_run
     assert result["tasks"]["check_params"] == "success"
     assert result["tasks"]["ingest"] == "failed" and result["state"] == "failed"
