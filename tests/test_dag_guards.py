@@ -57,6 +57,7 @@ REPO = Path(__file__).resolve().parents[1]
     ({"seed": -1}, "seed", "minimum of 0"),
     ({"policy_rounds": 4}, "policy_rounds", "maximum of 3"),
     ({"timeout_scale": 0}, "timeout_scale", "minimum of 0.001"),
+    ({"bench_shards": 10, "bench_chunks": 1024}, "bench_chunks", "1024 chunks for 10 shards"),
     ({"recalibrate_comm": "yes"}, "recalibrate_comm", "not of type 'boolean'"),
     # TorchRec names a rank's GPU by its index on its host, and torch's indices stop at 127.
     ({"devices": 256}, "devices_per_host", "256 devices on one host"),

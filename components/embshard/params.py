@@ -301,6 +301,12 @@ def problems(params: dict | None, *, check_files: bool = True) -> list[tuple[str
         elif per_host is not None and devices % int(per_host):
             found.append(("devices_per_host", f"{devices} devices do not split into hosts of {per_host}",
                           "give a number of GPUs per host that divides devices"))
+    if not {"bench_chunks", "bench_shards"} & bad and int(p["bench_chunks"]) > int(p["bench_shards"]):
+        # each chunk measures a share of the shards: more chunks than shards are tasks (pods) that measure nothing
+        # (1,024 chunks of 73 shards had mapped 951 empty benchmark tasks)
+        found.append(("bench_chunks", f"{p['bench_chunks']} chunks for {p['bench_shards']} shards: chunks beyond "
+                      "the shards would measure nothing", f"give bench_chunks of at most {p['bench_shards']} "
+                      "(bench_shards)"))
     if "eval_planners" not in bad and len(set(p["eval_planners"])) != len(p["eval_planners"]):
         found.append(("eval_planners", "a planner is listed twice", "list each planner once"))
     return found
