@@ -142,6 +142,8 @@ class LocalAirflow:
         self.home.mkdir(parents=True, exist_ok=True)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._refuse_beside_another_owner()
+        # said once nothing refused (it had been printed before a refusal)
+        self.notify(f"starting Airflow ({', '.join(self.components)}); logs in {self.log_dir}")
         run_owner.write_ui(self.home, self.url, {})  # before anything starts: a pipeline starting now sees it
         try:
             env = self._component_env()
@@ -414,7 +416,6 @@ def main(args) -> int:
     for line in outside_out(args.out):
         print(line, flush=True)
     af = LocalAirflow(args.out, args.port, notify=lambda line: print(line, flush=True))
-    print(f"starting Airflow (api-server, scheduler, dag-processor, triggerer); logs in {af.log_dir}", flush=True)
     af.start()
     try:
         af.wait_for_dag()
