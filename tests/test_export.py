@@ -305,6 +305,28 @@ def test_placement_from_frame_inverts_to_frame(placement, tables):
         placement_from_frame(pd.concat([df, df.assign(planner="other")]), tables)
 
 
+def test_placement_from_frame_keeps_the_hosts_its_rows_were_planned_for(tables):
+    """placement_from_frame had dropped the rows' devices_per_host: a table-row-wise cut (rows on one host's
+    devices) then read as rows over part of one host of all, and its TorchRec plan was refused, where `embshard
+    export` of the same rows (which rebuilt the hosts itself) exported it."""
+    from embshard.torchrec_compat import TABLE_ROW_WISE
+    from embshard.types import DeviceTopology, row_blocks
+
+    pytest.importorskip("torchrec")
+    from embshard.export.torchrec_plan import to_torchrec_plan
+
+    mem = int(tables.size_bytes.sum())
+    rows = [Shard(0, d, row_offset=o, row_size=n) for d, (o, n) in enumerate(row_blocks(int(tables.rows[0]), 2))]
+    placement = Placement(tables, D, mem, rows + [Shard(i, i % D) for i in range(1, len(tables))],
+                          planner="learned", task_id="trw", topology=DeviceTopology.on_hosts(D, mem, 2))
+    back = placement_from_frame(placement.to_frame(), tables)
+    assert back.devices.hosts == placement.devices.hosts and back.devices.devices_per_host() == 2
+    plan = to_torchrec_plan(back, compute_device="cpu")  # refused before: "not a layout TorchRec can run"
+    assert next(iter(plan.plan.values()))[str(tables.table_ids[0])].sharding_type == TABLE_ROW_WISE
+    one_host = placement_from_frame(placement.to_frame().assign(devices_per_host=D), tables)
+    assert one_host.devices.hosts is None or len(set(one_host.devices.hosts)) == 1
+
+
 def _write_inputs(tmp_path, tables_df, placement):
     schemas.write(tables_df, tmp_path / "tables.parquet", "tables")
     other = Placement(placement.tables, D, placement.memory_bytes_per_device,

@@ -114,8 +114,14 @@ def test_plan_takes_whole_floats_and_refuses_what_is_not_a_tableset(tables, fram
 
 
 def test_planner_settings_with_a_typo_or_out_of_range_are_refused():
+    import embshard
+
     with pytest.raises(EmbshardError, match="unknown planner setting 'sead'"):
         get_planner("size_greedy", sead=3)
+    # load_planner too, before any store is asked (it had raised a bare TypeError after loading the model)
+    with pytest.raises(EmbshardError, match="unknown planner setting 'sead'.*time_budget_s, seed") as err:
+        embshard.load_planner("models:/no-such-model@champion", sead=3)
+    assert err.value.field == "sead"
     model = CostEnsemble([CostModel.create(CostModelConfig(), FeatureScaler.fit(np.ones((2, 21))))])
     for kw, field in (({"search_evaluations": -5}, "search_evaluations"), ({"seed": -1}, "seed"),
                       ({"time_budget_s": -1}, "time_budget_s"), ({"time_budget_s": "10"}, "time_budget_s"),

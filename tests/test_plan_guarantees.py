@@ -54,6 +54,8 @@ def test_same_inputs_same_plan_also_under_cpu_load(setup):
 def test_hitting_the_time_cap_is_reported(setup):
     p, _ = _plan(setup, time_budget_s=1e-6)
     assert p.meta["time_cap_hit"] is True
+    # in the plan's warnings too (a job that reads only the plan had no way to tell), the cap as it was given
+    assert any("planning hit its 1e-06 s safety cap" in w for w in p.meta["warnings"]), p.meta.get("warnings")
     from embshard.placement_report import device_table
 
     assert "time cap" in device_table(p)

@@ -7,6 +7,7 @@ import pandas as pd
 from ..errors import EmbshardError
 from ..placement import Placement, Shard
 from ..tableset import TableSet
+from ..types import DeviceTopology
 
 
 def _value(v):
@@ -76,6 +77,14 @@ def placement_from_frame(df_task: pd.DataFrame, tables: TableSet, num_devices: i
         memory_bytes_per_device = max(int(placement.memory_per_device().max()), 1)
         meta["memory_bytes_per_device_inferred"] = True
     placement.memory_bytes_per_device = int(memory_bytes_per_device)
+    per_host = own_devices_per_host(df_task, where)
+    if per_host is not None and per_host < int(num_devices):
+        # the hosts the rows were planned for (to_frame writes them): without them a table-row-wise cut read as
+        # rows over devices of one host of all, and its TorchRec plan was refused
+        try:
+            placement.topology = DeviceTopology.on_hosts(int(num_devices), int(memory_bytes_per_device), per_host)
+        except EmbshardError as exc:
+            raise exc.at(where) from None
     placement.check(where)
     return placement
 

@@ -719,8 +719,8 @@ class ComposedPlanner(Planner):
                                               explore_cuts=self.explore_cuts, min_slice_bytes=self.slice_floor()))
         if hardware:
             placement.meta["model_hardware"] = hardware
-        if warnings:
-            placement.meta["warnings"] = warnings
+        if warnings:  # before the planning's own (a time cap hit)
+            placement.meta["warnings"] = [*warnings, *placement.meta.get("warnings", [])]
         return placement
 
     def predicted_costs(self, placement: Placement) -> np.ndarray:
@@ -838,9 +838,13 @@ class ComposedPlanner(Planner):
         if budget.cap_hit:
             skipped = (f" (proposals skipped: {', '.join(budget.skipped_proposers)})" if budget.skipped_proposers
                        else "")
-            log.warning("%s: planning hit its %.1f s safety cap after %.1f s, %d of %d search evaluations%s; this "
-                        "plan depends on the machine's speed (raise --time-budget-s for a reproducible plan)",
-                        problem.task_id, cap, time.perf_counter() - start, budget.used, budget.evaluations, skipped)
+            line = (f"planning hit its {cap:g} s safety cap after {time.perf_counter() - start:.1f} s, "
+                    f"{budget.used:,} of {budget.evaluations:,} search evaluations{skipped}; this plan depends on "
+                    "the machine's speed (raise the time budget, --time-budget-s or time_budget_s, for a "
+                    "reproducible plan)")
+            log.warning("%s: %s", problem.task_id, line)
+            # in the plan too: a training job that reads only the plan had no way to tell (meta.warnings)
+            placement.meta.setdefault("warnings", []).append(line)
         return placement
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pandas as pd  # module level: MLflow resolves the predict signature's type hints in this module
 
+from ..errors import EmbshardError
 from ..registry import POLICY_CHAMPION_URI
 from .learned import LearnedPlanner
 
@@ -142,8 +143,17 @@ def load_planner(model_uri: str = POLICY_CHAMPION_URI, **kw) -> LearnedPlanner:
     plan). The search stops on a work budget (`search_evaluations`, scored moves and swaps), not on a clock;
     `time_budget_s` is only a safety cap, and a plan that hit it says so in `placement.meta["time_cap_hit"]`.
     """
+    import inspect
+
     from .. import registry
 
+    # before any load: a misspelt setting ('sead=3') had raised a bare TypeError after the model was loaded
+    takes = [n for n in inspect.signature(LearnedPlanner.__init__).parameters
+             if n not in ("self", "policy", "cost_model", "model_uri")]
+    unknown = sorted(set(kw) - set(takes))
+    if unknown:
+        raise EmbshardError(f"unknown planner setting {unknown[0]!r}", field=unknown[0],
+                            fix=f"use the settings {', '.join(takes)}")
     model_uri = registry.pinned(model_uri)  # the version the alias names now: loaded, and recorded in the plans
     policy, cost_model, _ = load_policy_bundle(model_uri)
     if registry.version_tag(model_uri, registry.HEALTH_TAG) == registry.HEALTH_REGRESSED:
