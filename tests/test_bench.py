@@ -123,11 +123,14 @@ def test_fused_costs_positive_and_two_tables_cost_more(ts):
     cfg = runner.make_config(SETTINGS.replace(backend="fbgemm"))
     assert cfg.backend == "fbgemm" and cfg.timer == "thread_cpu" and cfg.threads == 1
     a, b = _heavy(ts)
-    total = {}
-    for key, members in {"a": [a], "b": [b], "ab": [a, b]}.items():
-        m = runner.measure_shard(ts, members, cfg, num_devices=4)
-        assert m["fwd_compute_ms"] > 0 and m["bwd_compute_ms"] > 0 and m["fwd_comm_ms"] > 0
-        total[key] = m["fwd_compute_ms"] + m["bwd_compute_ms"]
+    total: dict[str, float] = {}
+    # The best of 3 interleaved measurements each: on a busy machine one measurement of b alone had read above
+    # a and b fused (1.21 against 1.11 ms; thread CPU time still moves with the caches other processes share).
+    for _ in range(3):
+        for key, members in {"a": [a], "b": [b], "ab": [a, b]}.items():
+            m = runner.measure_shard(ts, members, cfg, num_devices=4)
+            assert m["fwd_compute_ms"] > 0 and m["bwd_compute_ms"] > 0 and m["fwd_comm_ms"] > 0
+            total[key] = min(total.get(key, float("inf")), m["fwd_compute_ms"] + m["bwd_compute_ms"])
     assert total["ab"] > max(total["a"], total["b"]), total
 
 

@@ -1495,3 +1495,26 @@ def test_a_probe_folder_a_killed_command_left_is_removed_by_the_next_one(tmp_pat
     os.utime(old, (stale, stale))
     storage.check_output(str(tmp_path / "out"), field="out")
     assert not old.exists() and new.exists()  # a probe of this moment (another command's) is left alone
+
+
+def test_unnamable_ids_are_listed_with_the_attributes_among_them_and_user_log_levels_kept():
+    """With ids items, a.b, keys, ok1, type the list stopped at 3 and the attributes named 'type' outside it; and
+    quieting TorchRec's loggers had overwritten a level the user set (INFO became ERROR)."""
+    import logging
+
+    from embshard.torchrec_compat import check_names, quiet_torchrec
+
+    ids = ["items", "a.b", "keys", "ok1", "type"] + [f"x.{i}" for i in range(4)]
+    with pytest.raises(EmbshardError) as err:
+        check_names(ids)
+    text = str(err.value)
+    assert "table ids ['items', 'a.b', 'keys', 'type', 'x.0', 'x.1'] and 2 more cannot name TorchRec tables" in text
+    assert "('items', 'keys', 'type' are nn.ModuleDict attributes)" in text
+    mine = logging.getLogger("torchrec.distributed.planner")
+    before = mine.level
+    try:
+        mine.setLevel(logging.INFO)
+        quiet_torchrec()
+        assert mine.level == logging.INFO
+    finally:
+        mine.setLevel(before)

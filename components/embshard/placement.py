@@ -107,14 +107,14 @@ class Placement:
         """Why table i's pieces do not place it exactly once, with the shard field that says it (a slice of 62
         columns had named table_id); None when they do."""
         rows, dim = int(self.tables.rows[i]), int(self.tables.dims[i])
-        if not pieces:
-            return "not placed", "shards"
+        if not pieces:  # the table's own rows (a placements file) or entry (a plan.json) say it
+            return "not placed", "table_id"
         kinds = {s.kind for s in pieces}
         if len(kinds) > 1:
             return f"mixes {' and '.join(sorted(kinds))} pieces", "kind"
         kind = kinds.pop()
         if kind == WHOLE:
-            return None if len(pieces) == 1 else (f"placed whole {len(pieces)} times", "shards")
+            return None if len(pieces) == 1 else (f"placed whole {len(pieces)} times", "table_id")
         if kind == REPLICATED:
             devs = sorted(s.device for s in pieces)
             return None if devs == list(range(self.num_devices)) else \

@@ -82,7 +82,9 @@ def quiet_torchrec() -> None:
     factory); keep our output readable."""
     for name in ("torchrec", "torchrec.distributed", "torchrec.distributed.planner",
                  "torchrec.distributed.planner.types"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:  # a level the caller set is theirs (a notebook's INFO had become ERROR)
+            logger.setLevel(logging.ERROR)
 
 
 def check_names(table_ids) -> None:
@@ -91,11 +93,13 @@ def check_names(table_ids) -> None:
     reserved = MODULE_DICT_ATTRIBUTES
     bad = [t for t in table_ids if not t or "." in t or t in reserved]
     if bad:
-        taken = [t for t in bad if t in reserved]
-        names = ", ".join(repr(t) for t in taken[:3])
+        shown = bad[:6]  # the list and the attributes named among them agree (a 'type' had been named only after)
+        taken = [t for t in shown if t in reserved]
+        names = ", ".join(repr(t) for t in taken)
         why = "" if not taken else (f" ({names} is an nn.ModuleDict attribute)" if len(taken) == 1
                                     else f" ({names} are nn.ModuleDict attributes)")
-        raise EmbshardError(f"table ids {bad[:3]} cannot name TorchRec tables{why}", field="table_id",
+        more = f" and {len(bad) - len(shown)} more" if len(bad) > len(shown) else ""
+        raise EmbshardError(f"table ids {shown}{more} cannot name TorchRec tables{why}", field="table_id",
                             fix="rename those tables: ids without '.' that are not nn.ModuleDict attributes (they "
                                 "become its keys), e.g. with a prefix ('t_items')")
 
