@@ -102,8 +102,9 @@ def speed_words(ratio: float, comparison: dict | None = None, floor: dict | None
                             nan if aa_hi is None else float(aa_hi))
     if verdict != "no difference":
         return words
-    floor_given = aa_lo is not None and aa_hi is not None and aa_lo == aa_lo
-    if floor_given and aa_hi is not None and (float(hi) < 1 or float(lo) > 1):  # clears 1; overlaps the floor
+    floor_given = aa_lo is not None and aa_lo == aa_lo
+    if aa_lo is not None and aa_hi is not None and floor_given and (float(hi) < 1 or float(lo) > 1):
+        # it clears 1: the floor is what it overlaps
         return (f"no difference: {words} at the median, its interval clears 1 but overlaps the A/A floor "
                 f"[{float(aa_lo):.3f}, {float(aa_hi):.3f}]")
     noise = "1 and the A/A floor" if floor_given else "1"
